@@ -1,0 +1,539 @@
+"""One typed config for a whole run: file (TOML or YAML) + command-line overrides, validated early.
+
+Every field has exactly one name here (``section.field``); the command line accepts
+``--section.field VALUE``, the short ``--field VALUE`` when the field name is unique, and the
+Megatron-LM flag names listed in ``MEGATRON_ALIASES``. Validation happens before any tensor is
+allocated, and every error says what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message says what to change."""
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a decoder. ``preset`` fills defaults; explicit fields win."""
+
+    preset: str = ""
+    num_layers: int = 4
+    hidden_size: int = 128
+    ffn_hidden_size: int = 0  # 0: 4*hidden (gelu) or Llama's 8/3 rule (swiglu)
+    num_attention_heads: int = 4
+    num_query_groups: int = 0  # kv heads; 0: same as attention heads (no GQA)
+    kv_channels: int = 0  # head dim; 0: hidden / heads
+    vocab_size: int = 0  # 0: taken from the tokenizer (padded, see below)
+    make_vocab_size_divisible_by: int = 128
+    max_position_embeddings: int = 0  # 0: seq_length
+    normalization: str = "LayerNorm"  # LayerNorm | RMSNorm
+    norm_epsilon: float = 1e-5
+    activation: str = "gelu"  # gelu | swiglu
+    position_embedding_type: str = "learned_absolute"  # learned_absolute | rope
+    rotary_base: float = 10000.0
+    rope_scaling: str = ""  # "" | llama3
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
+    add_bias_linear: bool = True
+    tie_embeddings: bool = True
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    init_method_std: float = 0.02
+    attention_backend: str = "auto"  # auto | sdpa | math
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from. Empty ``data_path`` and ``mock`` off means the embedded corpus."""
+
+    data_path: list[str] = field(default_factory=list)  # ["prefix"] or ["0.3", "a", "0.7", "b"]
+    split: str = "969,30,1"
+    mock: bool = False
+    seq_length: int = 128
+    tokenizer_type: str = ""  # HuggingFaceTokenizer | GPT2BPETokenizer | SentencePieceTokenizer | TikTokenizer | ByteTokenizer
+    tokenizer_model: str = ""
+    vocab_file: str = ""
+    merge_file: str = ""
+    data_cache_path: str = ""
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+    num_workers: int = 0
+
+
+@dataclass
+class TrainConfig:
+    """Batches, optimizer, schedule and precision."""
+
+    micro_batch_size: int = 8
+    global_batch_size: int = 16
+    train_iters: int = 300
+    exit_duration_in_mins: float = 0.0
+    seed: int = 1234
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    lr_decay_style: str = "cosine"  # constant | linear | cosine | wsd
+    lr_warmup_iters: int = 30
+    lr_decay_iters: int = 0  # 0: train_iters
+    lr_wsd_decay_iters: int = 0  # wsd: length of the final decay phase; 0: 10% of decay iters
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    precision: str = "auto"  # auto | fp32 | bf16 | fp16
+    initial_loss_scale: float = 2.0**16
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    device: str = "auto"  # auto | cpu | cuda
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel sizes; data parallel is what remains of the world size."""
+
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    context_parallel: int = 1
+    expert_parallel: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+
+
+@dataclass
+class CheckpointConfig:
+    save: str = ""
+    load: str = ""
+    save_interval: int = 0  # 0: only at the end
+    no_save_optim: bool = False
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 10
+    eval_interval: int = 100
+    eval_iters: int = 10
+    tensorboard_dir: str = ""
+    generate_prompt: str = ""  # after training, print a sample from this prompt ("" skips)
+    generate_tokens: int = 48
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "Config":
+        cfg = cls()
+        for section_name, values in raw.items():
+            if section_name not in _SECTIONS:
+                raise ConfigError(_unknown("section", section_name, list(_SECTIONS)))
+            if not isinstance(values, dict):
+                raise ConfigError(f"config section [{section_name}] must be a table of fields")
+            section = getattr(cfg, section_name)
+            for key, value in values.items():
+                key = key.replace("-", "_")
+                if key not in _field_types(type(section)):
+                    raise ConfigError(_unknown(f"field of [{section_name}]", key, list(_field_types(type(section)))))
+                setattr(section, key, _coerce(value, _field_types(type(section))[key], f"{section_name}.{key}"))
+        return cfg
+
+
+_SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+
+
+def _field_types(section_cls) -> dict[str, Any]:
+    hints = typing.get_type_hints(section_cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
+
+
+def _unknown(what: str, name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+    hint = f"; did you mean '{close[0]}'?" if close else f"; known: {', '.join(sorted(known))}"
+    return f"unknown {what} '{name}'{hint}"
+
+
+def _coerce(value: Any, typ: Any, name: str) -> Any:
+    """Turn a file or command-line value into the field's type, or say why not."""
+    origin = typing.get_origin(typ)
+    try:
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if origin is list:
+            if isinstance(value, str):
+                return value.split()
+            return [str(v) for v in value]
+        if typ is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return int(float(value)) if isinstance(value, str) and "e" in value.lower() else int(value)
+        if typ is float:
+            return float(value)
+        if typ is str:
+            return str(value)
+    except (TypeError, ValueError):
+        pass
+    type_name = getattr(typ, "__name__", str(typ))
+    raise ConfigError(f"{name} must be {type_name}, got {value!r}")
+
+
+# Megatron-LM's flag names (and a few of their environment-script spellings) -> our field.
+# A value of ``(field, constant)`` means the flag takes no argument and sets that constant.
+MEGATRON_ALIASES: dict[str, Any] = {
+    "num-layers": "model.num_layers",
+    "hidden-size": "model.hidden_size",
+    "ffn-hidden-size": "model.ffn_hidden_size",
+    "num-attention-heads": "model.num_attention_heads",
+    "num-query-groups": "model.num_query_groups",
+    "group-query-attention": ("model.num_query_groups", None),  # Megatron's switch; groups come from --num-query-groups
+    "kv-channels": "model.kv_channels",
+    "max-position-embeddings": "model.max_position_embeddings",
+    "vocab-size": "model.vocab_size",
+    "make-vocab-size-divisible-by": "model.make_vocab_size_divisible_by",
+    "normalization": "model.normalization",
+    "norm-epsilon": "model.norm_epsilon",
+    "layernorm-epsilon": "model.norm_epsilon",
+    "swiglu": ("model.activation", "swiglu"),
+    "position-embedding-type": "model.position_embedding_type",
+    "rotary-base": "model.rotary_base",
+    "use-rope-scaling": ("model.rope_scaling", "llama3"),
+    "rope-scaling-factor": "model.rope_scaling_factor",
+    "untie-embeddings-and-output-weights": ("model.tie_embeddings", False),
+    "disable-bias-linear": ("model.add_bias_linear", False),
+    "attention-dropout": "model.attention_dropout",
+    "hidden-dropout": "model.hidden_dropout",
+    "init-method-std": "model.init_method_std",
+    "seq-length": "data.seq_length",
+    "data-path": "data.data_path",
+    "split": "data.split",
+    "mock-data": ("data.mock", True),
+    "tokenizer-type": "data.tokenizer_type",
+    "tokenizer-model": "data.tokenizer_model",
+    "vocab-file": "data.vocab_file",
+    "merge-file": "data.merge_file",
+    "data-cache-path": "data.data_cache_path",
+    "reset-position-ids": ("data.reset_position_ids", True),
+    "reset-attention-mask": ("data.reset_attention_mask", True),
+    "eod-mask-loss": ("data.eod_mask_loss", True),
+    "num-workers": "data.num_workers",
+    "micro-batch-size": "train.micro_batch_size",
+    "global-batch-size": "train.global_batch_size",
+    "train-iters": "train.train_iters",
+    "exit-duration-in-mins": "train.exit_duration_in_mins",
+    "seed": "train.seed",
+    "lr": "train.lr",
+    "min-lr": "train.min_lr",
+    "lr-decay-style": "train.lr_decay_style",
+    "lr-warmup-iters": "train.lr_warmup_iters",
+    "lr-decay-iters": "train.lr_decay_iters",
+    "lr-wsd-decay-iters": "train.lr_wsd_decay_iters",
+    "weight-decay": "train.weight_decay",
+    "adam-beta1": "train.adam_beta1",
+    "adam-beta2": "train.adam_beta2",
+    "adam-eps": "train.adam_eps",
+    "clip-grad": "train.clip_grad",
+    "bf16": ("train.precision", "bf16"),
+    "fp16": ("train.precision", "fp16"),
+    "fp32": ("train.precision", "fp32"),
+    "initial-loss-scale": "train.initial_loss_scale",
+    "min-loss-scale": "train.min_loss_scale",
+    "loss-scale-window": "train.loss_scale_window",
+    "hysteresis": "train.hysteresis",
+    "tensor-model-parallel-size": "parallel.tensor_parallel",
+    "tp": "parallel.tensor_parallel",
+    "pipeline-model-parallel-size": "parallel.pipeline_parallel",
+    "pp": "parallel.pipeline_parallel",
+    "context-parallel-size": "parallel.context_parallel",
+    "cp": "parallel.context_parallel",
+    "expert-model-parallel-size": "parallel.expert_parallel",
+    "ep": "parallel.expert_parallel",
+    "sequence-parallel": ("parallel.sequence_parallel", True),
+    "use-distributed-optimizer": ("parallel.use_distributed_optimizer", True),
+    "save": "checkpoint.save",
+    "load": "checkpoint.load",
+    "save-interval": "checkpoint.save_interval",
+    "no-save-optim": ("checkpoint.no_save_optim", True),
+    "no-load-optim": ("checkpoint.no_load_optim", True),
+    "no-load-rng": ("checkpoint.no_load_rng", True),
+    "log-interval": "logging.log_interval",
+    "eval-interval": "logging.eval_interval",
+    "eval-iters": "logging.eval_iters",
+    "tensorboard-dir": "logging.tensorboard_dir",
+}
+
+# Megatron flags that take several values until the next flag.
+_MULTI_VALUE = {"data.data_path"}
+
+
+def _all_flags() -> dict[str, Any]:
+    """Every accepted spelling -> target (dotted field name, or (field, constant))."""
+    flags: dict[str, Any] = {}
+    short_owner: dict[str, list[str]] = {}
+    for section_name, section_cls in _SECTIONS.items():
+        for name, typ in _field_types(section_cls).items():
+            dotted = f"{section_name}.{name}"
+            flags[f"{section_name}.{name}"] = dotted
+            flags[f"{section_name}.{name}".replace("_", "-")] = dotted
+            short_owner.setdefault(name, []).append(dotted)
+    for name, owners in short_owner.items():
+        if len(owners) == 1:
+            flags.setdefault(name, owners[0])
+            flags.setdefault(name.replace("_", "-"), owners[0])
+    flags.update(MEGATRON_ALIASES)
+    return flags
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """Parse ``--flag value`` / ``--flag=value`` / ``--switch`` into {dotted_field: raw value}."""
+    flags = _all_flags()
+    types = {f"{s}.{n}": t for s, cls in _SECTIONS.items() for n, t in _field_types(cls).items()}
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"unexpected argument '{arg}': options look like --name value")
+        name, eq, inline = arg[2:].partition("=")
+        if name.startswith("no-") and name[3:] in flags and types.get(_target(flags[name[3:]])) is bool:
+            if eq:
+                raise ConfigError(f"--{name} takes no value")
+            out[_target(flags[name[3:]])] = False
+            i += 1
+            continue
+        if name not in flags:
+            raise ConfigError(_unknown("flag", "--" + name, ["--" + f for f in flags]))
+        target = flags[name]
+        if isinstance(target, tuple):
+            dotted, constant = target
+            if constant is not None:
+                out[dotted] = constant
+            i += 1
+            continue
+        typ = types[target]
+        if eq:
+            out[target] = inline
+            i += 1
+        elif typ is bool and (i + 1 == len(args) or args[i + 1].startswith("--")):
+            out[target] = True
+            i += 1
+        elif target in _MULTI_VALUE:
+            j = i + 1
+            while j < len(args) and not args[j].startswith("--"):
+                j += 1
+            if j == i + 1:
+                raise ConfigError(f"--{name} needs a value")
+            out[target] = args[i + 1 : j]
+            i = j
+        else:
+            if i + 1 == len(args):
+                raise ConfigError(f"--{name} needs a value")
+            out[target] = args[i + 1]
+            i += 2
+    return out
+
+
+def _target(t: Any) -> str:
+    return t[0] if isinstance(t, tuple) else t
+
+
+def load_file(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a TOML or YAML config file into nested dicts."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file '{path}' does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            import tomllib
+
+            return tomllib.loads(text)
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            return yaml.safe_load(text) or {}
+    except Exception as exc:  # the parser's own message names the line
+        raise ConfigError(f"cannot parse config file '{path}': {exc}") from exc
+    raise ConfigError(f"config file '{path}' must end in .toml, .yaml or .yml")
+
+
+def build_config(config_file: str | None = None, overrides: list[str] | None = None, validate_now: bool = True) -> Config:
+    """File, then preset defaults, then command-line overrides; validated before returning."""
+    raw = load_file(config_file) if config_file else {}
+    parsed = parse_overrides(overrides or [])
+    preset = parsed.get("model.preset", raw.get("model", {}).get("preset", ""))
+    merged: dict[str, dict[str, Any]] = {}
+    if preset:
+        from meshtron.models.presets import preset_fields
+
+        for dotted, value in preset_fields(preset).items():
+            section, name = dotted.split(".")
+            merged.setdefault(section, {})[name] = value
+    for section, values in raw.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"config section [{section}] must be a table of fields")
+        merged.setdefault(section, {}).update(values)
+    for dotted, value in parsed.items():
+        section, name = dotted.split(".")
+        merged.setdefault(section, {})[name] = value
+    cfg = Config.from_dict(merged)
+    if validate_now:
+        validate(cfg)
+    return cfg
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def data_parallel_size(cfg: Config, world_size: int) -> int:
+    p = cfg.parallel
+    model_parallel = p.tensor_parallel * p.pipeline_parallel * p.context_parallel
+    return world_size // model_parallel
+
+
+def validate(cfg: Config, world_size: int | None = None) -> None:
+    """Every check that needs no tensor. Raises ConfigError naming the fix."""
+    world_size = world_size_from_env() if world_size is None else world_size
+    m, d, t, p, c = cfg.model, cfg.data, cfg.train, cfg.parallel, cfg.checkpoint
+    errors: list[str] = []
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            errors.append(msg)
+
+    for name in ("num_layers", "hidden_size", "num_attention_heads"):
+        need(getattr(m, name) > 0, f"model.{name} must be positive, got {getattr(m, name)}")
+    if m.hidden_size > 0 and m.num_attention_heads > 0 and not m.kv_channels:
+        need(
+            m.hidden_size % m.num_attention_heads == 0,
+            f"--num-attention-heads {m.num_attention_heads} does not divide --hidden-size {m.hidden_size}; "
+            f"pick heads that divide it (e.g. {_divisor_near(m.hidden_size, m.num_attention_heads)}) or set --kv-channels",
+        )
+    groups = m.num_query_groups or m.num_attention_heads
+    need(
+        m.num_attention_heads % groups == 0 if groups > 0 else False,
+        f"--num-query-groups {groups} must divide --num-attention-heads {m.num_attention_heads}",
+    )
+    need(m.normalization in ("LayerNorm", "RMSNorm"), f"--normalization must be LayerNorm or RMSNorm, got '{m.normalization}'")
+    need(m.activation in ("gelu", "swiglu"), f"model.activation must be gelu or swiglu, got '{m.activation}'")
+    need(
+        m.position_embedding_type in ("learned_absolute", "rope"),
+        f"--position-embedding-type must be learned_absolute or rope, got '{m.position_embedding_type}'",
+    )
+    need(m.rope_scaling in ("", "llama3"), f"model.rope_scaling must be '' or 'llama3', got '{m.rope_scaling}'")
+    need(m.attention_backend in ("auto", "sdpa", "math"), f"model.attention_backend must be auto, sdpa or math, got '{m.attention_backend}'")
+    max_pos = m.max_position_embeddings or d.seq_length
+    need(d.seq_length > 0, f"--seq-length must be positive, got {d.seq_length}")
+    if m.position_embedding_type == "learned_absolute":
+        need(
+            d.seq_length <= max_pos,
+            f"--seq-length {d.seq_length} exceeds --max-position-embeddings {max_pos}; raise it or shorten the sequence",
+        )
+
+    need(t.micro_batch_size > 0, f"--micro-batch-size must be positive, got {t.micro_batch_size}")
+    model_parallel = p.tensor_parallel * p.pipeline_parallel * p.context_parallel
+    for name in ("tensor_parallel", "pipeline_parallel", "context_parallel", "expert_parallel"):
+        need(getattr(p, name) >= 1, f"parallel.{name} must be at least 1")
+    if model_parallel >= 1:
+        need(
+            world_size % model_parallel == 0,
+            f"world size {world_size} is not a multiple of tp {p.tensor_parallel} x pp {p.pipeline_parallel} x "
+            f"cp {p.context_parallel} = {model_parallel}; change the parallel sizes or the number of processes",
+        )
+    dp = max(1, world_size // max(1, model_parallel))
+    if t.micro_batch_size > 0:
+        need(
+            t.global_batch_size % (t.micro_batch_size * dp) == 0 and t.global_batch_size > 0,
+            f"--global-batch-size {t.global_batch_size} is not a multiple of --micro-batch-size {t.micro_batch_size} "
+            f"x data-parallel size {dp} = {t.micro_batch_size * dp}; use e.g. "
+            f"{max(1, round(t.global_batch_size / (t.micro_batch_size * dp))) * t.micro_batch_size * dp}",
+        )
+    need(t.train_iters > 0, f"--train-iters must be positive, got {t.train_iters}")
+    need(t.lr >= 0 and t.min_lr >= 0, "--lr and --min-lr must not be negative")
+    need(t.min_lr <= t.lr, f"--min-lr {t.min_lr} is above --lr {t.lr}")
+    need(t.lr_decay_style in ("constant", "linear", "cosine", "wsd"), f"--lr-decay-style must be constant, linear, cosine or wsd, got '{t.lr_decay_style}'")
+    need(t.precision in ("auto", "fp32", "bf16", "fp16"), f"train.precision must be auto, fp32, bf16 or fp16, got '{t.precision}'")
+    need(t.device in ("auto", "cpu", "cuda"), f"train.device must be auto, cpu or cuda, got '{t.device}'")
+    need(t.clip_grad >= 0, f"--clip-grad must not be negative, got {t.clip_grad}")
+
+    if d.mock and d.data_path:
+        errors.append("--mock-data and --data-path are both set; keep one")
+    if d.data_path:
+        errors.extend(_check_data_path(d.data_path))
+        if not d.tokenizer_type:
+            errors.append("--data-path is set but --tokenizer-type is not; name the tokenizer the data was made with")
+    try:
+        parts = [float(x) for x in d.split.replace("/", ",").split(",")]
+        need(len(parts) <= 3 and sum(parts) > 0 and min(parts) >= 0, f"--split '{d.split}' must be up to 3 non-negative weights like 969,30,1")
+    except ValueError:
+        errors.append(f"--split '{d.split}' must be comma-separated numbers like 969,30,1")
+    if c.load and not Path(c.load).exists():
+        errors.append(f"--load {c.load} does not exist; point it at a checkpoint directory written by --save")
+    if errors:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
+
+
+def _divisor_near(n: int, k: int) -> int:
+    divisors = [x for x in range(1, n + 1) if n % x == 0]
+    return min(divisors, key=lambda x: abs(x - k))
+
+
+def _check_data_path(tokens: list[str]) -> list[str]:
+    """``prefix`` or ``w1 prefix1 w2 prefix2 ...``: each prefix must have .bin and .idx."""
+    errors = []
+    prefixes = tokens
+    if len(tokens) > 1:
+        if len(tokens) % 2:
+            return [f"--data-path with several entries must be weight/prefix pairs, got {tokens}"]
+        try:
+            [float(w) for w in tokens[0::2]]
+        except ValueError:
+            return [f"--data-path with several entries must be weight/prefix pairs, got {tokens}"]
+        prefixes = tokens[1::2]
+    for prefix in prefixes:
+        for ext in (".bin", ".idx"):
+            if not Path(prefix + ext).is_file():
+                errors.append(f"--data-path: '{prefix}{ext}' not found (give the prefix without extension, as written by `meshtron preprocess`)")
+    return errors
+
+
+def format_config(cfg: Config) -> str:
+    lines = []
+    for section, values in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        lines.extend(f"  {k} = {v!r}" for k, v in values.items())
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # pragma: no cover - a quick way to see the merged config
+    print(format_config(build_config(None, sys.argv[1:])))
