@@ -80,6 +80,7 @@ class TrainConfig:
     micro_batch_size: int = 8
     global_batch_size: int = 16
     train_iters: int = 300
+    exit_interval: int = 0  # stop (after saving) once the iteration is a multiple of this
     exit_duration_in_mins: float = 0.0
     seed: int = 1234
     lr: float = 3e-3
@@ -162,7 +163,7 @@ class Config:
         return cfg
 
 
-_SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+_SECTIONS = typing.get_type_hints(Config)
 
 
 def _field_types(section_cls) -> dict[str, Any]:
@@ -249,6 +250,7 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "micro-batch-size": "train.micro_batch_size",
     "global-batch-size": "train.global_batch_size",
     "train-iters": "train.train_iters",
+    "exit-interval": "train.exit_interval",
     "exit-duration-in-mins": "train.exit_duration_in_mins",
     "seed": "train.seed",
     "lr": "train.lr",

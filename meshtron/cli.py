@@ -1,0 +1,92 @@
+"""The one entry point: ``meshtron train | preprocess | generate``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from meshtron.config import ConfigError
+
+# ``meshtron train`` with no arguments: the embedded corpus, a small GPT, a checkpoint and a sample.
+EMBEDDED_DEFAULT_ARGS = ["--save", "checkpoints/default", "--generate-prompt", "The "]
+
+USAGE = """usage: meshtron <command> [options]
+
+commands:
+  train        train a model: meshtron train [--config FILE] [--flag value ...]
+               (no arguments: a small GPT on the embedded corpus, then a sample)
+  preprocess   jsonl -> Megatron-compatible .bin/.idx (preprocess_data.py's flags)
+  generate     sample from a checkpoint: meshtron generate --load DIR --prompt TEXT
+"""
+
+
+def train_main(argv: list[str]) -> int:
+    from meshtron.config import build_config, format_config
+    from meshtron.training.trainer import Trainer
+
+    parser = argparse.ArgumentParser(prog="meshtron train", add_help=False)
+    parser.add_argument("--config", default=None)
+    parser.add_argument("--print-config", action="store_true")
+    parser.add_argument("-h", "--help", action="store_true")
+    known, overrides = parser.parse_known_args(argv)
+    if known.help:
+        print("usage: meshtron train [--config FILE.toml|.yaml] [--section.field VALUE | --field VALUE | Megatron flag ...]")
+        print("\nfields and their defaults:\n" + format_config(build_config(None, [], validate_now=False)))
+        return 0
+    if not argv:
+        overrides = list(EMBEDDED_DEFAULT_ARGS)
+    cfg = build_config(known.config, overrides)
+    if known.print_config:
+        print(format_config(cfg))
+        return 0
+    Trainer(cfg).run()
+    return 0
+
+
+def generate_main(argv: list[str]) -> int:
+    from meshtron.inference.generate import generate_from_checkpoint
+
+    parser = argparse.ArgumentParser(prog="meshtron generate", description="sample text from a checkpoint")
+    parser.add_argument("--load", required=True, help="checkpoint directory written by --save")
+    parser.add_argument("--prompt", required=True)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--greedy", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    args = parser.parse_args(argv)
+    text = generate_from_checkpoint(
+        args.load, args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, greedy=args.greedy, seed=args.seed, device=args.device,
+    )
+    print(text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    try:
+        if command == "train":
+            return train_main(rest)
+        if command == "preprocess":
+            from meshtron.data.preprocess import main as preprocess_main
+
+            preprocess_main(rest)
+            return 0
+        if command == "generate":
+            return generate_main(rest)
+    except ConfigError as exc:
+        print(f"meshtron {command}: {exc}", file=sys.stderr)
+        return 2
+    print(f"meshtron: unknown command '{command}'\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Throughput accounting (one FLOP-count function for everything) and the per-interval log line."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+# Measured bf16 GEMM ceilings (8192^3, random data), TFLOP/s; see ../shared/BENCHMARKS.md.
+# MFU is reported against these, never against a datasheet number.
+MEASURED_BF16_CEILING_TFLOPS = {"H100": 762.0, "H200": 788.0}
+
+
+def flops_per_token(num_params: int, num_layers: int, seq_length: int, hidden_size: int) -> float:
+    """Training FLOPs per token of a causal decoder: ``6 P + 6 L S h``.
+
+    ``6 P``: forward (2) and backward (4) through every parameter, the tied embedding counted once
+    as the output projection. ``6 L S h``: the attention score and value products, halved for
+    causality (12 L S h / 2). The one place the project counts FLOPs.
+    """
+    return 6.0 * num_params + 6.0 * num_layers * seq_length * hidden_size
+
+
+def device_ceiling_tflops(device: torch.device) -> tuple[float | None, str]:
+    """The bf16 GEMM ceiling used for MFU, and where it came from."""
+    override = os.environ.get("MESHTRON_PEAK_TFLOPS")
+    if override:
+        return float(override), "MESHTRON_PEAK_TFLOPS"
+    if device.type != "cuda":
+        return None, "none (CPU)"
+    name = torch.cuda.get_device_name(device)
+    for key, value in MEASURED_BF16_CEILING_TFLOPS.items():
+        if key in name:
+            return value, f"measured bf16 GEMM ceiling of {key}"
+    return None, f"unknown for {name} (set MESHTRON_PEAK_TFLOPS)"
+
+
+@dataclass
+class IntervalMeter:
+    """Accumulates steps between two log lines; times whole steps with a host clock after a sync."""
+
+    flops_per_token: float
+    ceiling_tflops: float | None
+    device: torch.device
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    skipped: int = 0
+    _start: float = field(default=0.0, repr=False)
+
+    def start_step(self) -> None:
+        self._start = time.perf_counter()
+
+    def end_step(self, tokens: int, skipped: bool) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.seconds += time.perf_counter() - self._start
+        self.steps += 1
+        self.tokens += tokens
+        self.skipped += int(skipped)
+
+    def summary(self) -> dict[str, float]:
+        seconds = max(self.seconds, 1e-9)
+        tokens_per_s = self.tokens / seconds
+        tflops = tokens_per_s * self.flops_per_token / 1e12
+        out = {
+            "ms_per_iter": 1000.0 * seconds / max(self.steps, 1),
+            "tokens_per_s": tokens_per_s,
+            "tflops_per_device": tflops,
+            "skipped": self.skipped,
+        }
+        if self.ceiling_tflops:
+            out["mfu"] = tflops / self.ceiling_tflops
+        if self.device.type == "cuda":
+            out["mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        self.steps = self.tokens = self.skipped = 0
+        self.seconds = 0.0
+        return out
+
+
+def format_log_line(iteration: int, train_iters: int, consumed: int, lr: float, loss: float, grad_norm: float, loss_scale: float, stats: dict[str, float]) -> str:
+    """Megatron's log line, plus tokens/s, TFLOP/s per device, MFU and memory."""
+    parts = [
+        f"iteration {iteration:>7d}/{train_iters}",
+        f"consumed samples {consumed:>10d}",
+        f"ms/iter {stats['ms_per_iter']:8.1f}",
+        f"lr {lr:.3e}",
+        f"loss {loss:.4f}",
+        f"grad norm {grad_norm:.3f}" if math.isfinite(grad_norm) else f"grad norm {grad_norm}",
+        f"loss scale {loss_scale:g}",
+        f"tokens/s {stats['tokens_per_s']:,.0f}",
+        f"TFLOP/s/device {stats['tflops_per_device']:.2f}",
+    ]
+    if "mfu" in stats:
+        parts.append(f"MFU {100 * stats['mfu']:.1f}%")
+    if "mem_gib" in stats:
+        parts.append(f"mem {stats['mem_gib']:.2f} GiB")
+    if stats.get("skipped"):
+        parts.append(f"skipped {int(stats['skipped'])}")
+    return " | ".join(parts)
+
+
+class TensorBoardWriter:
+    """Scalars to TensorBoard when a directory is given; a no-op otherwise."""
+
+    def __init__(self, log_dir: str):
+        self._writer = None
+        if log_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=log_dir)
+
+    def scalars(self, step: int, values: dict[str, float]) -> None:
+        if self._writer is None:
+            return
+        for name, value in values.items():
+            self._writer.add_scalar(name, value, step)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()

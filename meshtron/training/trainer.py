@@ -1,0 +1,289 @@
+"""The training loop: global batches of micro batches, schedule, logging, evaluation, checkpoints.
+
+It knows nothing of how the model is parallelized: it asks the model for per-token losses,
+the optimizer for a step, and the checkpoint module to save and load.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from meshtron.checkpoint.checkpoint import load_checkpoint, save_checkpoint
+from meshtron.config import Config, validate
+from meshtron.data.builder import MicroBatchIterator, build_datasets
+from meshtron.data.tokenizers import build_tokenizer
+from meshtron.models import build_model, padded_vocab_size
+from meshtron.optim.lr_schedule import LRSchedule
+from meshtron.optim.optimizer import build_optimizer
+from meshtron.training.metrics import IntervalMeter, TensorBoardWriter, device_ceiling_tflops, flops_per_token, format_log_line
+
+PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_device(choice: str) -> torch.device:
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("train.device is 'cuda' but no GPU is visible; use --device cpu or auto")
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(choice)
+
+
+def resolve_precision(choice: str, device: torch.device) -> str:
+    """``auto`` is bf16 on a GPU that has it and fp32 on the CPU."""
+    if choice != "auto":
+        return choice
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return "bf16"
+    return "fp32"
+
+
+def setup_data_source(cfg: Config, log: Callable[[str], None]) -> list[str] | None:
+    """Fill in the embedded corpus when no data is named; returns its prefixes (None otherwise)."""
+    data = cfg.data
+    if data.mock or data.data_path:
+        return None
+    from meshtron.data.corpus import prepare_default_data
+
+    cache = Path(data.data_cache_path or Path.home() / ".cache" / "meshtron" / "embedded")
+    start = time.perf_counter()
+    prefix, tokenizer_path = prepare_default_data(str(cache))
+    log(f"embedded corpus ready in {time.perf_counter() - start:.1f}s: {prefix} (tokenizer {tokenizer_path})")
+    data.tokenizer_type = "HuggingFaceTokenizer"
+    data.tokenizer_model = str(tokenizer_path)
+    return [prefix]
+
+
+@dataclass
+class TrainResult:
+    iteration: int
+    losses: list[float] = field(default_factory=list)
+    valid_losses: list[tuple[int, float]] = field(default_factory=list)
+    sample: str = ""
+
+
+class Trainer:
+    """Builds every part from one config, then ``run()`` trains until an exit condition."""
+
+    def __init__(self, cfg: Config, log: Callable[[str], None] = print):
+        validate(cfg)
+        self.cfg, self.log = cfg, log
+        t = cfg.train
+        self.device = resolve_device(t.device)
+        self.precision = resolve_precision(t.precision, self.device)
+        if self.precision == "bf16" and self.device.type == "cpu":
+            log("note: bf16 on the CPU is slow; fp32 is the CPU default")
+
+        data_prefixes = setup_data_source(cfg, log)
+        self.tokenizer = None
+        if not cfg.data.mock:
+            d = cfg.data
+            self.tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file)
+        base_vocab = self.tokenizer.vocab_size if self.tokenizer else (cfg.model.vocab_size or 32000)
+        if cfg.model.vocab_size and self.tokenizer and cfg.model.vocab_size < base_vocab:
+            raise ValueError(f"--vocab-size {cfg.model.vocab_size} is smaller than the tokenizer's {base_vocab}")
+        self.vocab_size = padded_vocab_size(
+            max(cfg.model.vocab_size, base_vocab), cfg.model.make_vocab_size_divisible_by, cfg.parallel.tensor_parallel
+        )
+
+        torch.manual_seed(t.seed)
+        self.model = build_model(cfg.model, self.vocab_size, cfg.data.seq_length)
+        self.model.to(device=self.device, dtype=PRECISION_DTYPES[self.precision])
+        self.optimizer = build_optimizer(self.model, t, PRECISION_DTYPES[self.precision])
+        self.schedule = LRSchedule.from_config(t)
+        self.num_micro_batches = t.global_batch_size // t.micro_batch_size
+
+        self.iteration, self.consumed_samples = 0, 0
+        if cfg.checkpoint.load:
+            meta = load_checkpoint(
+                cfg.checkpoint.load,
+                self.model,
+                None if cfg.checkpoint.no_load_optim else self.optimizer,
+                load_rng=not cfg.checkpoint.no_load_rng,
+            )
+            if meta is None:
+                log(f"no checkpoint in {cfg.checkpoint.load} yet: starting from scratch")
+            else:
+                self.iteration, self.consumed_samples = meta["iteration"], meta["consumed_samples"]
+                log(f"resumed from {cfg.checkpoint.load} at iteration {self.iteration}")
+
+        eval_samples = 0
+        if cfg.logging.eval_interval > 0 and cfg.logging.eval_iters > 0:
+            eval_samples = cfg.logging.eval_iters * t.global_batch_size
+        self.train_data, self.valid_data, _ = build_datasets(
+            cfg.data,
+            self.tokenizer,
+            num_samples=(t.train_iters * t.global_batch_size, eval_samples, 0),
+            seed=t.seed,
+            data_prefixes=data_prefixes,
+            vocab_size=self.vocab_size,
+        )
+        self.train_batches = MicroBatchIterator(self.train_data, t.micro_batch_size, self.consumed_samples)
+
+        num_params = sum(p.numel() for p in self.model.parameters())
+        self.flops_per_token = flops_per_token(num_params, cfg.model.num_layers, cfg.data.seq_length, cfg.model.hidden_size)
+        ceiling, ceiling_source = device_ceiling_tflops(self.device)
+        self.meter = IntervalMeter(self.flops_per_token, ceiling, self.device)
+        self.tensorboard = TensorBoardWriter(cfg.logging.tensorboard_dir)
+        log(
+            f"model: {num_params / 1e6:.2f} M parameters, vocab {self.vocab_size}, {self.precision} on {self.device}; "
+            f"{self.num_micro_batches} micro batches of {t.micro_batch_size} x {cfg.data.seq_length} tokens per step; "
+            f"MFU ceiling: {ceiling_source}"
+        )
+        self._stop_requested = False
+
+    # ------------------------------------------------------------------ steps
+
+    def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def _micro_batch_loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Sum of masked per-token losses of one micro batch (fp32)."""
+        per_token = self.model(
+            batch["tokens"],
+            position_ids=batch.get("position_ids"),
+            document_ids=batch.get("document_ids"),
+            labels=batch["labels"],
+        )
+        return (per_token * batch["loss_mask"]).sum()
+
+    def train_step(self) -> tuple[float, object]:
+        """One optimizer step over a global batch; the loss is the token-weighted mean of the batch."""
+        batches = [self._to_device(next(self.train_batches)) for _ in range(self.num_micro_batches)]
+        num_tokens = sum(b["loss_mask"].sum() for b in batches).clamp(min=1)
+        self.optimizer.zero_grad()
+        total = torch.zeros((), device=self.device)
+        for batch in batches:
+            loss = self._micro_batch_loss_sum(batch) / num_tokens
+            self.optimizer.scale_loss(loss).backward()
+            total += loss.detach()
+        result = self.optimizer.step(self.schedule.lr_at(self.iteration))
+        return total.item(), result
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over ``eval_iters`` global batches of the validation split (same batches each time)."""
+        self.model.eval()
+        batches = MicroBatchIterator(self.valid_data, self.cfg.train.micro_batch_size, 0)
+        loss_sum = torch.zeros((), device=self.device)
+        tokens = torch.zeros((), device=self.device)
+        for _ in range(self.cfg.logging.eval_iters * self.num_micro_batches):
+            batch = self._to_device(next(batches))
+            loss_sum += self._micro_batch_loss_sum(batch)
+            tokens += batch["loss_mask"].sum()
+        self.model.train()
+        return (loss_sum / tokens.clamp(min=1)).item()
+
+    # ------------------------------------------------------------------ loop
+
+    def save(self) -> None:
+        ckpt = self.cfg.checkpoint
+        if not ckpt.save:
+            return
+        save_dir = Path(ckpt.save)
+        meta = {
+            "iteration": self.iteration,
+            "consumed_samples": self.consumed_samples,
+            "config": self.cfg.to_dict(),
+            "vocab_size": self.vocab_size,
+            "tokenizer": self._copy_tokenizer_files(save_dir),
+            "lr_schedule": self.schedule.state_dict(),
+        }
+        start = time.perf_counter()
+        save_checkpoint(str(save_dir), self.iteration, self.model, self.optimizer, meta, save_optim=not ckpt.no_save_optim)
+        self.log(f"saved checkpoint at iteration {self.iteration} to {save_dir} in {time.perf_counter() - start:.2f}s")
+
+    def _copy_tokenizer_files(self, save_dir: Path) -> dict[str, str]:
+        """Put the tokenizer beside the weights so ``generate`` needs nothing else."""
+        d = self.cfg.data
+        info = {"tokenizer_type": d.tokenizer_type}
+        target = save_dir / "tokenizer"
+        for key in ("tokenizer_model", "vocab_file", "merge_file"):
+            source = getattr(d, key)
+            if not source:
+                continue
+            target.mkdir(parents=True, exist_ok=True)
+            source_path = Path(source)
+            if source_path.is_dir():
+                shutil.copytree(source_path, target / source_path.name, dirs_exist_ok=True)
+            else:
+                shutil.copy2(source_path, target / source_path.name)
+            info[key] = f"tokenizer/{source_path.name}"
+        return info
+
+    def _request_stop(self, signum, frame) -> None:
+        self.log(f"signal {signum}: saving and stopping after this step")
+        self._stop_requested = True
+
+    def run(self) -> TrainResult:
+        cfg, t, logc = self.cfg, self.cfg.train, self.cfg.logging
+        result = TrainResult(iteration=self.iteration)
+        deadline = time.monotonic() + 60 * t.exit_duration_in_mins if t.exit_duration_in_mins > 0 else math.inf
+        previous_handler = signal.signal(signal.SIGTERM, self._request_stop) if _main_thread() else None
+        tokens_per_step = t.global_batch_size * cfg.data.seq_length
+        interval_loss, interval_steps = 0.0, 0
+        try:
+            while self.iteration < t.train_iters:
+                self.meter.start_step()
+                loss, step = self.train_step()
+                self.meter.end_step(tokens_per_step, step.skipped)
+                self.iteration += 1
+                self.consumed_samples += t.global_batch_size
+                result.losses.append(loss)
+                interval_loss += loss
+                interval_steps += 1
+                if self.iteration % logc.log_interval == 0 or self.iteration == t.train_iters:
+                    stats = self.meter.summary()
+                    lr = self.schedule.lr_at(self.iteration - 1)
+                    mean_loss = interval_loss / interval_steps
+                    self.log(format_log_line(self.iteration, t.train_iters, self.consumed_samples, lr, mean_loss, step.grad_norm, step.loss_scale, stats))
+                    self.tensorboard.scalars(
+                        self.iteration,
+                        {"train/loss": mean_loss, "train/lr": lr, "train/grad_norm": step.grad_norm, "train/loss_scale": step.loss_scale, "perf/tokens_per_s": stats["tokens_per_s"], "perf/tflops_per_device": stats["tflops_per_device"]},
+                    )
+                    interval_loss, interval_steps = 0.0, 0
+                if self.valid_data is not None and logc.eval_interval > 0 and (self.iteration % logc.eval_interval == 0 or self.iteration == t.train_iters):
+                    valid = self.evaluate()
+                    result.valid_losses.append((self.iteration, valid))
+                    self.log(f"validation at iteration {self.iteration} | loss {valid:.4f} | ppl {math.exp(min(valid, 50)):.2f}")
+                    self.tensorboard.scalars(self.iteration, {"valid/loss": valid})
+                interval_due = cfg.checkpoint.save_interval and self.iteration % cfg.checkpoint.save_interval == 0
+                exit_due = t.exit_interval and self.iteration % t.exit_interval == 0
+                stopping = self._stop_requested or exit_due or time.monotonic() > deadline
+                if interval_due and self.iteration < t.train_iters and not stopping:
+                    self.save()
+                if stopping:
+                    self.log(f"stopping at iteration {self.iteration} ({'signal' if self._stop_requested else 'exit interval' if exit_due else 'wall-clock limit'})")
+                    break
+            self.save()
+        finally:
+            if previous_handler is not None:
+                signal.signal(signal.SIGTERM, previous_handler)
+            self.tensorboard.close()
+        result.iteration = self.iteration
+        if logc.generate_prompt and self.tokenizer is not None:
+            result.sample = self.sample(logc.generate_prompt, logc.generate_tokens)
+            self.log(f"sample: {result.sample!r}")
+        return result
+
+    def sample(self, prompt: str, max_new_tokens: int) -> str:
+        from meshtron.inference.generate import generate
+
+        self.model.eval()
+        ids = self.tokenizer.encode(prompt)
+        out = generate(self.model, ids, max_new_tokens, temperature=0.8, top_k=40, eod=self.tokenizer.eod, generator=torch.Generator(device=self.device).manual_seed(self.cfg.train.seed))
+        self.model.train()
+        return prompt + self.tokenizer.decode(out)
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()

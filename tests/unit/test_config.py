@@ -1,0 +1,84 @@
+"""Config: file + overrides, Megatron aliases, and early errors that say what to change."""
+
+import pytest
+
+from meshtron.config import ConfigError, build_config, parse_overrides, validate
+
+
+def test_megatron_aliases_map_to_fields():
+    cfg = build_config(None, [
+        "--micro-batch-size", "2", "--global-batch-size", "8", "--seq-length", "64", "--num-layers", "3",
+        "--hidden-size", "96", "--num-attention-heads", "6", "--lr", "1e-4", "--min-lr", "1e-5",
+        "--lr-warmup-iters", "5", "--train-iters", "50", "--split", "90,9,1", "--bf16", "--clip-grad", "0.5",
+        "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--mock-data",
+        "--tensor-model-parallel-size", "1",
+    ], validate_now=True)
+    assert (cfg.train.micro_batch_size, cfg.train.global_batch_size, cfg.data.seq_length) == (2, 8, 64)
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads) == (3, 96, 6)
+    assert cfg.train.lr == 1e-4 and cfg.train.min_lr == 1e-5 and cfg.train.lr_warmup_iters == 5
+    assert cfg.train.precision == "bf16" and cfg.train.clip_grad == 0.5 and cfg.data.split == "90,9,1"
+    assert cfg.model.activation == "swiglu" and not cfg.model.add_bias_linear and not cfg.model.tie_embeddings
+    assert cfg.data.mock
+
+
+def test_dotted_short_and_equals_forms():
+    parsed = parse_overrides(["--model.hidden_size", "64", "--num-layers=2", "--mock", "--no-tie-embeddings"])
+    assert parsed == {"model.hidden_size": "64", "model.num_layers": "2", "data.mock": True, "model.tie_embeddings": False}
+
+
+def test_blended_data_path_takes_several_values():
+    parsed = parse_overrides(["--data-path", "0.3", "a", "0.7", "b", "--lr", "1"])
+    assert parsed["data.data_path"] == ["0.3", "a", "0.7", "b"] and parsed["train.lr"] == "1"
+
+
+def test_unknown_flag_suggests_the_closest():
+    with pytest.raises(ConfigError, match="did you mean '--micro-batch-size'"):
+        build_config(None, ["--micro-bach-size", "4"])
+
+
+def test_heads_must_divide_hidden():
+    with pytest.raises(ConfigError, match="does not divide --hidden-size 100"):
+        build_config(None, ["--hidden-size", "100", "--num-attention-heads", "3", "--mock-data"])
+
+
+def test_global_batch_must_be_multiple_of_micro_times_dp():
+    cfg = build_config(None, ["--micro-batch-size", "4", "--global-batch-size", "8", "--mock-data"])
+    with pytest.raises(ConfigError, match=r"--global-batch-size 8 is not a multiple of --micro-batch-size 4 x data-parallel size 4"):
+        validate(cfg, world_size=4)
+
+
+def test_world_size_must_divide_by_model_parallel():
+    cfg = build_config(None, ["--tp", "2", "--pp", "2", "--mock-data"], validate_now=False)
+    with pytest.raises(ConfigError, match="world size 6 is not a multiple of tp 2 x pp 2"):
+        validate(cfg, world_size=6)
+
+
+def test_missing_data_path_names_the_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"missing_text_document\.bin' not found"):
+        build_config(None, ["--data-path", str(tmp_path / "missing_text_document"), "--tokenizer-type", "ByteTokenizer"])
+
+
+def test_bad_value_type_is_named():
+    with pytest.raises(ConfigError, match="model.num_layers must be int"):
+        build_config(None, ["--num-layers", "four"])
+
+
+def test_toml_and_yaml_files_with_overrides(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text('[model]\nnum_layers = 3\nhidden_size = 96\nnum_attention_heads = 3\n[train]\nlr = 0.01\n[data]\nmock = true\n')
+    cfg = build_config(str(toml), ["--lr", "0.02"])
+    assert cfg.model.num_layers == 3 and cfg.train.lr == 0.02
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text("model:\n  num_layers: 5\ndata:\n  mock: true\n")
+    assert build_config(str(yaml), []).model.num_layers == 5
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model]\nnum_layer = 3\n")
+    with pytest.raises(ConfigError, match="did you mean 'num_layers'"):
+        build_config(str(bad), [])
+
+
+def test_preset_fills_defaults_and_explicit_flags_win():
+    cfg = build_config(None, ["--preset", "llama3-8b", "--num-layers", "2", "--mock-data"], validate_now=False)
+    assert cfg.model.hidden_size == 4096 and cfg.model.num_query_groups == 8 and cfg.model.num_layers == 2
+    with pytest.raises(ConfigError, match="llama3-8b"):
+        build_config(None, ["--preset", "llama3-8"])
