@@ -94,8 +94,9 @@ class Trainer:
         )
 
         torch.manual_seed(t.seed)
-        self.model = build_model(cfg.model, self.vocab_size, cfg.data.seq_length)
-        self.model.to(device=self.device, dtype=PRECISION_DTYPES[self.precision])
+        with torch.device(self.device):  # initialize where it will train: fast on a GPU
+            self.model = build_model(cfg.model, self.vocab_size, cfg.data.seq_length)
+        self.model.to(dtype=PRECISION_DTYPES[self.precision])
         self.optimizer = build_optimizer(self.model, t, PRECISION_DTYPES[self.precision])
         self.schedule = LRSchedule.from_config(t)
         self.num_micro_batches = t.global_batch_size // t.micro_batch_size

@@ -1,0 +1,133 @@
+"""Text generation with a KV cache: greedy, or sampled with temperature, top-k and top-p.
+
+Meant for sanity checks after training and for evaluation, one prompt at a time: the prompt is
+run through the model once (prefill), then each new token costs one single-position forward.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from meshtron.checkpoint.checkpoint import META, CheckpointError, _read_meta, checkpoint_dir, latest_iteration, load_checkpoint
+from meshtron.config import Config
+from meshtron.data.tokenizers import build_tokenizer
+from meshtron.layers.attention import head_dim, num_kv_heads
+from meshtron.layers.kv_cache import KVCache
+from meshtron.models import build_model
+
+
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep the ``k`` largest logits of the last dim (others -inf); k <= 0 keeps all."""
+    if k <= 0 or k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probabilities sum to at least ``p``."""
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    # A token is dropped when the tokens ranked above it already reach p; the top one never is.
+    drop_sorted = (probs.cumsum(dim=-1) - probs) >= p
+    drop = drop_sorted.scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    greedy: bool = False,
+    generator: torch.Generator | None = None,
+) -> int:
+    """One token id from logits [V]; greedy (or temperature 0) takes the argmax."""
+    if greedy or temperature <= 0:
+        return int(logits.argmax())
+    logits = top_p_filter(top_k_filter(logits.float() / temperature, top_k), top_p)
+    return int(torch.multinomial(logits.softmax(dim=-1), 1, generator=generator))
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    greedy: bool = False,
+    eod: int | None = None,
+    generator: torch.Generator | None = None,
+) -> list[int]:
+    """Continue ``prompt_ids`` with ``model`` (a ``Decoder``); returns only the new tokens.
+
+    Stops after ``max_new_tokens``, at ``eod`` (which is not returned), or when the model's
+    position tables are full. The model runs in eval mode (no dropout) and is put back after.
+    ``generator`` (on the model's device) makes sampling reproducible.
+    """
+    if not prompt_ids:
+        raise ValueError("generate needs a non-empty prompt")
+    if len(prompt_ids) > model.max_positions:
+        raise ValueError(f"prompt of {len(prompt_ids)} tokens exceeds the model's {model.max_positions} positions")
+    param = next(model.parameters())
+    max_length = min(len(prompt_ids) + max_new_tokens, model.max_positions)
+    cache = KVCache(
+        model.cfg.num_layers, 1, max_length, num_kv_heads(model.cfg), head_dim(model.cfg), param.dtype, param.device
+    )
+    was_training = model.training
+    model.eval()
+    try:
+        tokens = torch.tensor([prompt_ids], device=param.device)
+        out: list[int] = []
+        while len(out) < max_new_tokens and cache.length < max_length:
+            logits = model(tokens, kv_cache=cache)[0, -1]
+            token = sample_next(logits, temperature, top_k, top_p, greedy, generator)
+            if token == eod:
+                break
+            out.append(token)
+            tokens = torch.tensor([[token]], device=param.device)
+    finally:
+        model.train(was_training)
+    return out
+
+
+def generate_from_checkpoint(
+    load_dir: str,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    greedy: bool = False,
+    seed: int = 0,
+    device: str = "auto",
+) -> str:
+    """``meshtron generate``: rebuild the model and tokenizer a ``--save`` directory describes, and
+    return ``prompt`` followed by its continuation.
+
+    Everything needed is in the newest checkpoint's meta: the run's config, the padded vocabulary
+    size and the tokenizer files copied beside the weights. Weights load in fp32.
+    """
+    root = Path(load_dir)
+    iteration = latest_iteration(root)
+    if iteration is None:
+        raise CheckpointError(f"no checkpoint in {root}: point --load at a directory written by --save")
+    meta = _read_meta(checkpoint_dir(root, iteration) / META)["meta"]
+    cfg = Config.from_dict(meta["config"])
+    files = {key: str(root / path) for key, path in meta["tokenizer"].items() if key != "tokenizer_type"}
+    tokenizer = build_tokenizer(meta["tokenizer"]["tokenizer_type"], **files)
+    model = build_model(cfg.model, meta["vocab_size"], cfg.data.seq_length)
+    load_checkpoint(root, model, load_rng=False)
+    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    model.to(dev)
+    ids = generate(
+        model, tokenizer.encode(prompt), max_new_tokens, temperature, top_k, top_p, greedy,
+        eod=tokenizer.eod, generator=torch.Generator(device=dev).manual_seed(seed),
+    )  # fmt: skip
+    return prompt + tokenizer.decode(ids)

@@ -1,0 +1,52 @@
+"""The feed-forward block: GELU (GPT) or SwiGLU (Llama).
+
+Parameter names follow Megatron-Core (``linear_fc1``, ``linear_fc2``) so that checkpoint
+conversion and tensor-parallel layer swaps can find them by name.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshtron.config import ModelConfig
+
+
+def ffn_hidden_size(cfg: ModelConfig) -> int:
+    """``cfg.ffn_hidden_size``, or the conventional default when it is 0.
+
+    SwiGLU has three matrices instead of two, so Llama shrinks the width to 2/3 of 4h to keep the
+    parameter count of a GELU MLP, then rounds up to a multiple of 256 for GEMM-friendly shapes.
+    """
+    if cfg.ffn_hidden_size:
+        return cfg.ffn_hidden_size
+    if cfg.activation == "swiglu":
+        width = int(2 * 4 * cfg.hidden_size / 3)
+        return 256 * ((width + 255) // 256)
+    return 4 * cfg.hidden_size
+
+
+class MLP(nn.Module):
+    """gelu: fc2(gelu(fc1(x))); swiglu: fc2(silu(gate) * up) with [gate; up] = fc1(x).
+
+    SwiGLU's gate and up projections are one fused ``linear_fc1`` (output 2*ffn, gate first) so
+    a single GEMM reads the input once, as in Megatron-Core.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        ffn = ffn_hidden_size(cfg)
+        self.swiglu = cfg.activation == "swiglu"
+        fc1_out = 2 * ffn if self.swiglu else ffn
+        self.linear_fc1 = nn.Linear(cfg.hidden_size, fc1_out, bias=cfg.add_bias_linear)
+        self.linear_fc2 = nn.Linear(ffn, cfg.hidden_size, bias=cfg.add_bias_linear)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear_fc1(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h)
+        return self.linear_fc2(h)
