@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from meshtron.checkpoint.checkpoint import META, CheckpointError, _read_meta, checkpoint_dir, latest_iteration, load_checkpoint
+from meshtron.checkpoint.checkpoint import load_checkpoint, read_meta
 from meshtron.config import Config
 from meshtron.data.tokenizers import build_tokenizer
 from meshtron.layers.attention import head_dim, num_kv_heads
@@ -115,15 +115,12 @@ def generate_from_checkpoint(
     size and the tokenizer files copied beside the weights. Weights load in fp32.
     """
     root = Path(load_dir)
-    iteration = latest_iteration(root)
-    if iteration is None:
-        raise CheckpointError(f"no checkpoint in {root}: point --load at a directory written by --save")
-    meta = _read_meta(checkpoint_dir(root, iteration) / META)["meta"]
+    meta = read_meta(root)
     cfg = Config.from_dict(meta["config"])
     files = {key: str(root / path) for key, path in meta["tokenizer"].items() if key != "tokenizer_type"}
     tokenizer = build_tokenizer(meta["tokenizer"]["tokenizer_type"], **files)
     model = build_model(cfg.model, meta["vocab_size"], cfg.data.seq_length)
-    load_checkpoint(root, model, load_rng=False)
+    load_checkpoint(root, model, iteration=meta["iteration"], load_rng=False)
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
     model.to(dev)
     ids = generate(

@@ -106,8 +106,9 @@ class Trainer:
             meta = load_checkpoint(
                 cfg.checkpoint.load,
                 self.model,
-                None if cfg.checkpoint.no_load_optim else self.optimizer,
+                self.optimizer,
                 load_rng=not cfg.checkpoint.no_load_rng,
+                load_optim=not cfg.checkpoint.no_load_optim,
             )
             if meta is None:
                 log(f"no checkpoint in {cfg.checkpoint.load} yet: starting from scratch")

@@ -1,0 +1,99 @@
+"""Learning-rate schedule: linear warmup, then constant / linear / cosine / WSD decay (Megatron's).
+
+The schedule is a pure function of the iteration, so resuming needs no schedule state beyond the
+iteration count the checkpoint already holds; ``state_dict`` exists only so a resumed run can check
+that it was given the same schedule.
+
+Step numbering: ``lr_at(i)`` is the rate for the optimizer step taken when ``i`` steps are already
+done (``i`` is 0-based; the first step is ``lr_at(0)``). Megatron evaluates its formulas at the
+number of steps *after* the current one, ``n = i + 1``, except that its first step runs at
+``n = 0`` (lr 0 during warmup), which wastes a step. We evaluate every formula at ``n = i + 1``:
+the first step uses ``max_lr / warmup_iters``, step ``warmup_iters - 1`` reaches ``max_lr``, and
+step ``decay_iters - 1`` (the last of a run whose ``decay_iters == train_iters``) reaches
+``min_lr`` exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+STYLES = ("constant", "linear", "cosine", "wsd")
+
+
+class LRSchedule:
+    """lr(i) for i = completed steps; see the module docstring for the exact numbering."""
+
+    def __init__(
+        self,
+        max_lr: float,
+        min_lr: float,
+        warmup_iters: int,
+        decay_iters: int,
+        style: str,
+        wsd_decay_iters: int = 0,
+    ) -> None:
+        if style not in STYLES:
+            raise ValueError(f"lr decay style must be one of {', '.join(STYLES)}, got '{style}'")
+        if not 0 <= min_lr <= max_lr:
+            raise ValueError(f"need 0 <= min_lr <= max_lr, got min_lr {min_lr}, max_lr {max_lr}")
+        if warmup_iters < 0 or decay_iters <= 0:
+            raise ValueError(f"need warmup_iters >= 0 and decay_iters > 0, got {warmup_iters} and {decay_iters}")
+        if wsd_decay_iters < 0:
+            raise ValueError(f"wsd_decay_iters must not be negative, got {wsd_decay_iters}")
+        self.max_lr = float(max_lr)
+        self.min_lr = float(min_lr)
+        self.warmup_iters = int(warmup_iters)
+        self.decay_iters = int(decay_iters)
+        self.style = style
+        self.wsd_decay_iters = int(wsd_decay_iters)
+        # Megatron has no default for the WSD anneal length; 10% of the decay span is the common choice.
+        self._wsd_anneal = self.wsd_decay_iters or max(1, self.decay_iters // 10)
+
+    @classmethod
+    def from_config(cls, train_cfg: Any) -> "LRSchedule":
+        """Build from a ``TrainConfig``; ``lr_decay_iters == 0`` means decay over the whole run."""
+        return cls(
+            max_lr=train_cfg.lr,
+            min_lr=train_cfg.min_lr,
+            warmup_iters=train_cfg.lr_warmup_iters,
+            decay_iters=train_cfg.lr_decay_iters or train_cfg.train_iters,
+            style=train_cfg.lr_decay_style,
+            wsd_decay_iters=train_cfg.lr_wsd_decay_iters,
+        )
+
+    def lr_at(self, iteration: int) -> float:
+        """Rate for the step taken after ``iteration`` completed steps.
+
+        A warmup longer than the decay span (a short test run with the default warmup) is allowed,
+        as Megatron's formulas allow it: the rate rises until warmup ends or the run stops, and
+        after ``decay_iters`` it is ``min_lr`` (``max_lr`` for the constant style, as in Megatron).
+        """
+        n = iteration + 1
+        if self.warmup_iters > 0 and n <= self.warmup_iters:
+            return self.max_lr * n / self.warmup_iters
+        if self.style == "constant":
+            return self.max_lr
+        if n > self.decay_iters:
+            return self.min_lr
+        if self.style == "wsd":
+            anneal_start = self.decay_iters - self._wsd_anneal
+            if n <= anneal_start:
+                coeff = 1.0
+            else:
+                coeff = 1.0 - (n - anneal_start) / self._wsd_anneal
+        else:
+            ratio = (n - self.warmup_iters) / (self.decay_iters - self.warmup_iters)
+            coeff = 1.0 - ratio if self.style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
+        return self.min_lr + coeff * (self.max_lr - self.min_lr)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The parameters (JSON-ready), for a resumed run to compare with its own."""
+        return {
+            "max_lr": self.max_lr,
+            "min_lr": self.min_lr,
+            "warmup_iters": self.warmup_iters,
+            "decay_iters": self.decay_iters,
+            "style": self.style,
+            "wsd_decay_iters": self.wsd_decay_iters,
+        }

@@ -1,0 +1,266 @@
+"""AdamW over fp32 master weights, with fp32 gradient accumulation, loss scaling and clipping.
+
+Why masters: a bf16/fp16 weight cannot absorb an update much smaller than itself (bf16 keeps 8
+bits of mantissa), so the model's low-precision weights are only a rounded view of fp32 masters
+that the optimizer owns and updates. Why fp32 accumulation: summing the gradients of many micro
+batches in bf16 loses the small ones; a post-accumulate-grad hook moves each micro batch's
+gradient into the master's fp32 ``.grad`` as soon as autograd produces it, and frees the bf16 one.
+In fp32 mode the master *is* the parameter: no copies, no hooks, and the step is exactly
+``clip_grad_norm_`` + ``torch.optim.AdamW``.
+
+Where gradients and masters live is behind ``_master_params`` / ``_master_grads`` /
+``_copy_masters_to_model`` so that the distributed optimizer (masters sharded over data-parallel
+ranks) can override placement and keep ``step``'s logic.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshtron.optim.loss_scaler import ConstantLossScaler, DynamicLossScaler
+
+# Added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does (keeps fp32 runs identical to it).
+_CLIP_EPS = 1e-6
+
+
+@dataclass
+class StepResult:
+    """What one ``step`` did: the pre-clip global gradient norm (inf/nan when skipped), whether the
+    update was skipped for an overflow, and the loss scale after the scaler's update (what Megatron logs)."""
+
+    grad_norm: float
+    skipped: bool
+    loss_scale: float
+
+
+def build_param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Megatron's split: weight decay on every matrix (embeddings included), none on 1-D params.
+
+    Biases and norm gains are 1-D; decaying them toward zero only fights the normalization.
+    Params are given as ``(name, tensor)`` pairs so torch keeps their names (``param_names``) in
+    each group for logging. Frozen params are left out.
+    """
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append((name, param))
+    return [
+        {"params": params, "weight_decay": wd}
+        for params, wd in ((decay, weight_decay), (no_decay, 0.0))
+        if params
+    ]
+
+
+class MixedPrecisionOptimizer:
+    """AdamW on fp32 masters of a model whose params are fp32, bf16 or fp16.
+
+    Per iteration the caller does: ``zero_grad()``; for each micro batch
+    ``optimizer.scale_loss(loss / num_micro_batches).backward()``; then ``step(lr)``.
+    """
+
+    def __init__(
+        self,
+        param_groups: list[dict[str, Any]],
+        *,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        clip_grad: float,
+        loss_scaler: ConstantLossScaler | DynamicLossScaler,
+    ) -> None:
+        named = [pair for group in param_groups for pair in group["params"]]
+        if not named:
+            raise ValueError("the model has no trainable parameters")
+        dtypes = {p.dtype for _, p in named}
+        if len(dtypes) != 1:
+            raise ValueError(f"all trainable parameters must share one dtype, got {sorted(map(str, dtypes))}")
+        self.mixed_precision = dtypes != {torch.float32}
+        self.clip_grad = float(clip_grad)
+        self.loss_scaler = loss_scaler
+
+        # (name, model param, fp32 master) in group order; in fp32 mode master is the param.
+        self._params: list[tuple[str, nn.Parameter, torch.Tensor]] = []
+        master_groups = []
+        for group in param_groups:
+            pairs = []
+            for name, param in group["params"]:
+                master = param.detach().to(torch.float32, copy=True) if self.mixed_precision else param
+                self._params.append((name, param, master))
+                pairs.append((name, master))
+            master_groups.append({**group, "params": pairs})
+        if self.mixed_precision:
+            for _, param, master in self._params:
+                param.register_post_accumulate_grad_hook(_accumulate_into(master))
+
+        fused = True if all(m.is_cuda for _, _, m in self._params) else None
+        self.adamw = torch.optim.AdamW(master_groups, lr=lr, betas=betas, eps=eps, fused=fused)
+        self._init_adam_state()
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """AdamW's groups (``lr``, ``weight_decay``, ``param_names``), for logging."""
+        return self.adamw.param_groups
+
+    def zero_grad(self) -> None:
+        for _, param, master in self._params:
+            param.grad = None
+            master.grad = None
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        scale = self.loss_scaler.scale
+        return loss if scale == 1.0 else loss * scale
+
+    @torch.no_grad()
+    def step(self, lr: float) -> StepResult:
+        """Unscale, measure, maybe skip, clip, update the masters at ``lr``, refresh the model.
+
+        One reduction serves both the norm and the overflow check: the norm is inf/nan exactly
+        when some gradient is. It is taken on the still-scaled gradients and divided by the scale,
+        so unscaling and clipping become a single multiply of every gradient.
+        """
+        grads = self._master_grads()
+        scale = self.loss_scaler.scale
+        norm = self._total_grad_norm(grads)
+        if scale != 1.0:
+            norm = norm / scale
+        grad_norm = norm.item()
+        found_inf = not math.isfinite(grad_norm)
+        self.loss_scaler.update(found_inf)
+        if found_inf:
+            return StepResult(grad_norm, True, self.loss_scaler.scale)
+
+        if self.clip_grad > 0:
+            coef = torch.clamp(self.clip_grad / (norm + _CLIP_EPS), max=1.0)
+            torch._foreach_mul_(grads, coef if scale == 1.0 else coef / scale)
+        elif scale != 1.0:
+            torch._foreach_mul_(grads, 1.0 / scale)
+        for group in self.adamw.param_groups:
+            group["lr"] = lr
+        self.adamw.step()
+        self._copy_masters_to_model()
+        return StepResult(grad_norm, False, self.loss_scaler.scale)
+
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """Refresh the masters from the model, after the model's weights were loaded without
+        the optimizer's state (``--no-load-optim``); otherwise the next step would write the
+        stale masters back over the loaded weights."""
+        if self.mixed_precision:
+            for _, param, master in self._params:
+                master.copy_(param)
+
+    # -- checkpointing -----------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Tensors only, keyed by parameter name so a checkpoint survives reordering and resharding.
+
+        ``{"master": {name: fp32}, "state": {name: {"step", "exp_avg", "exp_avg_sq"}},
+        "loss_scaler": {key: 0-d float64}}``. Masters are saved in fp32 mode too (they are the
+        params then), so a run may resume in another precision. The tensors are the live ones:
+        DCP reads them to save and writes into them to load; deep-copy to keep a snapshot.
+        """
+        return {
+            "master": {name: master for name, _, master in self._params},
+            "state": {name: dict(self.adamw.state[master]) for name, _, master in self._params},
+            "loss_scaler": {
+                k: torch.tensor(float(v), dtype=torch.float64) for k, v in self.loss_scaler.state_dict().items()
+            },
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Copy a ``state_dict()`` into this optimizer in place (sources may alias its own tensors)."""
+        names = [name for name, _, _ in self._params]
+        for section in ("master", "state"):
+            given = state_dict[section].keys()
+            missing, extra = [n for n in names if n not in given], sorted(set(given) - set(names))
+            if missing or extra:
+                raise ValueError(
+                    f"optimizer state '{section}' does not match the model: missing {missing[:5]}, "
+                    f"unexpected {extra[:5]} (was it saved from another model?)"
+                )
+        for name, _, master in self._params:
+            master.copy_(state_dict["master"][name])
+            current, saved = self.adamw.state[master], state_dict["state"][name]
+            if current.keys() != saved.keys():
+                raise ValueError(f"optimizer state of '{name}' has keys {sorted(saved)}, expected {sorted(current)}")
+            for key, value in saved.items():
+                current[key].copy_(value)
+        self.loss_scaler.load_state_dict({k: v.item() for k, v in state_dict["loss_scaler"].items()})
+        self._copy_masters_to_model()
+
+    # -- placement (the distributed optimizer overrides these) --------------------------------
+
+    def _master_params(self) -> list[torch.Tensor]:
+        return [master for _, _, master in self._params]
+
+    def _master_grads(self) -> list[torch.Tensor]:
+        """fp32 gradients, already accumulated over micro batches; params that got none are left out."""
+        return [m.grad for m in self._master_params() if m.grad is not None]
+
+    def _total_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Global L2 norm, as a 0-d fp32 tensor (no host sync here)."""
+        return torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+
+    @torch.no_grad()
+    def _copy_masters_to_model(self) -> None:
+        if self.mixed_precision:
+            torch._foreach_copy_([p for _, p, _ in self._params], self._master_params())
+
+    def _init_adam_state(self) -> None:
+        """Allocate AdamW's state now, exactly as its lazy first-step init would (zero moments,
+        ``step`` a 0-d fp32 tensor, on the device only for fused/capturable), so a checkpoint
+        can be loaded in place before the first step and every param has state to save."""
+        for group in self.adamw.param_groups:
+            step_on_device = group["fused"] or group["capturable"]
+            for master in group["params"]:
+                self.adamw.state[master] = {
+                    "step": torch.zeros((), dtype=torch.float32, device=master.device if step_on_device else "cpu"),
+                    "exp_avg": torch.zeros_like(master, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(master, memory_format=torch.preserve_format),
+                }
+
+
+def _accumulate_into(master: torch.Tensor):
+    """Hook for a low-precision param: add its fresh gradient into the fp32 master's grad, free it."""
+
+    def hook(param: torch.Tensor) -> None:
+        if master.grad is None:
+            master.grad = param.grad.float()
+        else:
+            master.grad.add_(param.grad)
+        param.grad = None
+
+    return hook
+
+
+def build_optimizer(model: nn.Module, train_cfg: Any, param_dtype: torch.dtype) -> MixedPrecisionOptimizer:
+    """The optimizer for a model already cast to ``param_dtype`` (fp16 gets a dynamic loss scaler)."""
+    dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+    if dtypes != {param_dtype}:
+        raise ValueError(
+            f"the model's trainable parameters are {sorted(map(str, dtypes))} but param_dtype is {param_dtype}; "
+            "cast the model before building the optimizer"
+        )
+    if param_dtype == torch.float16:
+        scaler: ConstantLossScaler | DynamicLossScaler = DynamicLossScaler(
+            initial_scale=train_cfg.initial_loss_scale,
+            min_scale=train_cfg.min_loss_scale,
+            growth_interval=train_cfg.loss_scale_window,
+            hysteresis=train_cfg.hysteresis,
+        )
+    else:
+        scaler = ConstantLossScaler(1.0)
+    return MixedPrecisionOptimizer(
+        build_param_groups(model, train_cfg.weight_decay),
+        lr=train_cfg.lr,
+        betas=(train_cfg.adam_beta1, train_cfg.adam_beta2),
+        eps=train_cfg.adam_eps,
+        clip_grad=train_cfg.clip_grad,
+        loss_scaler=scaler,
+    )
