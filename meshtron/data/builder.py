@@ -1,0 +1,120 @@
+"""Train/valid/test datasets from a ``DataConfig``, and the resumable micro-batch iterator."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from meshtron.config import DataConfig
+from meshtron.data.blended import BlendedDataset, build_blending_indices, parse_data_path
+from meshtron.data.gpt_dataset import GPTDataset, MockGPTDataset, split_document_ranges
+from meshtron.data.indexed import IndexedDataset
+
+SPLIT_NAMES = ("train", "valid", "test")
+_BLEND_MARGIN = 1.005  # Megatron asks each blended dataset for this much more than its share
+
+
+def build_datasets(
+    data_cfg: DataConfig,
+    tokenizer,
+    num_samples: tuple[int, int, int],
+    seed: int,
+    data_prefixes: list[str] | None = None,
+    vocab_size: int | None = None,
+):
+    """(train, valid, test); a split with 0 samples or no documents is None.
+
+    Mock data draws ids below ``vocab_size`` (default: the tokenizer's), so it needs no tokenizer.
+    """
+    if data_cfg.mock:
+        vocab = vocab_size or (tokenizer.vocab_size if tokenizer is not None else 0)
+        if vocab <= 0:
+            raise ValueError("--mock-data needs a vocabulary size: pass vocab_size or a tokenizer")
+        return tuple(
+            MockGPTDataset(n, data_cfg.seq_length, vocab, seed + k, data_cfg.reset_attention_mask) if n > 0 else None
+            for k, n in enumerate(num_samples)
+        )
+    if tokenizer is None:
+        raise ValueError("--data-path needs a tokenizer for its end-of-document id; set --tokenizer-type")
+    if data_prefixes:
+        prefixes, weights = list(data_prefixes), [1.0 / len(data_prefixes)] * len(data_prefixes)
+    else:
+        prefixes, weights = parse_data_path(data_cfg.data_path)
+    indexed = [IndexedDataset(p) for p in prefixes]
+    ranges = [split_document_ranges(data_cfg.split, len(ds)) for ds in indexed]
+
+    def one(k: int, ds_i: int, n: int) -> GPTDataset:
+        return GPTDataset(
+            indexed[ds_i], ranges[ds_i][k], n, data_cfg.seq_length, seed, data_cfg.data_cache_path or None, tokenizer.eod,
+            data_cfg.reset_position_ids, data_cfg.reset_attention_mask, data_cfg.eod_mask_loss, name=SPLIT_NAMES[k],
+        )
+
+    out = []
+    for k, n in enumerate(num_samples):
+        members = [i for i in range(len(prefixes)) if ranges[i][k][1] > ranges[i][k][0] and weights[i] > 0]
+        if n <= 0 or not members:
+            out.append(None)
+        elif len(prefixes) == 1:
+            out.append(one(k, 0, n))
+        else:
+            w = [weights[i] for i in members]
+            w = [x / sum(w) for x in w]
+            dataset_index, _ = build_blending_indices(w, n)
+            needed = np.bincount(dataset_index, minlength=len(members))
+            sizes = [max(math.ceil(x * n * _BLEND_MARGIN), int(c)) for x, c in zip(w, needed)]
+            parts = [one(k, i, m) for i, m in zip(members, sizes)]
+            out.append(BlendedDataset(parts, w, n, seed))
+    return tuple(out)
+
+
+def collate(samples: list[dict]) -> dict:
+    return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
+
+
+class MicroBatchIterator:
+    """Megatron's pretraining sampler as an endless iterator of collated micro-batches.
+
+    Global step g covers samples ``consumed + g*B*dp ... + (g+1)*B*dp`` (modulo the dataset
+    length, so training never runs dry); rank r takes its ``B`` slice. ``consumed_samples``
+    counts global samples handed out, so a new iterator built from it continues exactly.
+    """
+
+    def __init__(self, dataset, micro_batch_size: int, consumed_samples: int, dp_rank: int = 0, dp_size: int = 1, num_workers: int = 0):
+        if len(dataset) == 0:
+            raise ValueError("MicroBatchIterator needs a non-empty dataset")
+        if not 0 <= dp_rank < dp_size or micro_batch_size < 1 or consumed_samples < 0:
+            raise ValueError(f"bad sampler setup: micro_batch_size={micro_batch_size}, consumed_samples={consumed_samples}, dp_rank={dp_rank}, dp_size={dp_size}")
+        self.dataset, self.micro_batch_size = dataset, micro_batch_size
+        self.consumed_samples, self.dp_rank, self.dp_size = consumed_samples, dp_rank, dp_size
+        self.num_workers = num_workers
+        self._it = None
+
+    def _index_batches(self):
+        step = self.micro_batch_size * self.dp_size
+        start = self.consumed_samples + self.dp_rank * self.micro_batch_size
+        n = len(self.dataset)
+        while True:
+            yield [(start + j) % n for j in range(self.micro_batch_size)]
+            start += step
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        if self._it is None:
+            if self.num_workers > 0:
+                loader = torch.utils.data.DataLoader(
+                    self.dataset, batch_sampler=self._index_batches(), num_workers=self.num_workers, collate_fn=collate, persistent_workers=True
+                )
+                self._it = iter(loader)
+            else:
+                self._it = (collate([self.dataset[i] for i in idx]) for idx in self._index_batches())
+        batch = next(self._it)
+        self.consumed_samples += self.micro_batch_size * self.dp_size
+        return batch
+
+    def close(self) -> None:
+        """Stop worker processes now (otherwise interpreter exit waits seconds for them)."""
+        self._it = None  # dropping the loader's iterator shuts its workers down

@@ -1,0 +1,191 @@
+"""``meshtron preprocess``: jsonl text -> tokenized ``{prefix}_{key}_document.bin/.idx``.
+
+Takes the flags of Megatron-LM's ``tools/preprocess_data.py`` and writes the same files. Workers
+receive chunks of raw lines and send back packed numpy arrays, so the parent only writes bytes;
+tokenizers with a batch encoder (Hugging Face, sentencepiece) use it on each chunk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import time
+
+import numpy as np
+
+from meshtron.data.indexed import IndexedDatasetBuilder, best_dtype
+from meshtron.data.tokenizers import TOKENIZER_TYPES, Tokenizer, build_tokenizer
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="meshtron preprocess", description="Tokenize a jsonl file into indexed .bin/.idx datasets.")
+    g = p.add_argument_group("input")
+    g.add_argument("--input", required=True, help="jsonl file, one JSON object per line")
+    g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract; one output dataset each")
+    g.add_argument("--split-sentences", action="store_true", help="not supported")
+    g = p.add_argument_group("tokenizer")
+    g.add_argument("--tokenizer-type", required=True, help=" | ".join(TOKENIZER_TYPES))
+    g.add_argument("--tokenizer-model", default="")
+    g.add_argument("--vocab-file", default="")
+    g.add_argument("--merge-file", default="")
+    g.add_argument("--append-eod", action="store_true", help="append the end-of-document id to every document")
+    g = p.add_argument_group("output")
+    g.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
+    g = p.add_argument_group("runtime")
+    g.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    g.add_argument("--chunk-size", type=int, default=64, help="lines sent to a worker at a time")
+    g.add_argument("--log-interval", type=int, default=1000, help="documents between progress updates")
+    g.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    return p
+
+
+class _Encoder:
+    """Per-process state: the tokenizer is built once in each worker (or once in-process)."""
+
+    tokenizer: Tokenizer | None = None
+    args: argparse.Namespace | None = None
+
+    @classmethod
+    def init(cls, args: argparse.Namespace) -> None:
+        cls.args = args
+        cls.tokenizer = _make_tokenizer(args)
+
+    @classmethod
+    def encode_chunk(cls, chunk: list[tuple[int, bytes]]):
+        """Lines -> per key (flat token array, per-document sequence lengths), and bytes read."""
+        args, tok = cls.args, cls.tokenizer
+        texts: dict[str, list[str]] = {k: [] for k in args.json_keys}
+        seqs_per_doc: dict[str, list[int]] = {k: [] for k in args.json_keys}  # sentences per document
+        nbytes = 0
+        for lineno, line in chunk:
+            nbytes += len(line)
+            try:
+                obj = json.loads(line)
+            except ValueError as exc:
+                raise ValueError(f"{args.input} line {lineno}: not valid JSON ({exc})") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{args.input} line {lineno}: expected a JSON object, got {type(obj).__name__}")
+            for key in args.json_keys:
+                if key not in obj:
+                    raise ValueError(f"{args.input} line {lineno}: no key '{key}' (it has {sorted(obj)}); pick one with --json-keys")
+                value = obj[key]
+                parts = value if isinstance(value, list) else [value]  # a list is pre-split sentences, as in Megatron
+                if not all(isinstance(v, str) for v in parts):
+                    raise ValueError(f"{args.input} line {lineno}: '{key}' must be a string or a list of strings")
+                texts[key].extend(parts)
+                seqs_per_doc[key].append(len(parts))
+        out = {}
+        for key in args.json_keys:
+            encoded = tok.encode_batch(texts[key]) if texts[key] else []
+            out[key] = _pack(encoded, seqs_per_doc[key], tok.eod if args.append_eod else None)
+        return out, nbytes
+
+
+def _pack(encoded: list[list[int]], seqs_per_doc: list[int], eod: int | None):
+    """Flatten one chunk. Empty sentences are dropped and eod ends each non-empty document (Megatron's rule)."""
+    flat: list[int] = []
+    lengths: list[int] = []
+    docs: list[int] = []  # sequences in each document
+    pos = 0
+    for n in seqs_per_doc:
+        kept = 0
+        for ids in encoded[pos : pos + n]:
+            if ids:
+                flat.extend(ids)
+                lengths.append(len(ids))
+                kept += 1
+        pos += n
+        if kept and eod is not None:
+            flat.append(eod)
+            lengths[-1] += 1
+        docs.append(kept)
+    return np.asarray(flat, dtype=np.int64), lengths, docs
+
+
+def _make_tokenizer(args: argparse.Namespace) -> Tokenizer:
+    return build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file)
+
+
+def _chunks(path: str, size: int):
+    with open(path, "rb") as f:
+        chunk = []
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            chunk.append((lineno, line))
+            if len(chunk) == size:
+                yield chunk
+                chunk = []
+        if chunk:
+            yield chunk
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+    """Run preprocessing; returns the written prefixes (without .bin/.idx)."""
+    args = _parser().parse_args(argv)
+    if args.split_sentences:
+        raise SystemExit("--split-sentences is not supported by meshtron preprocess; give each document as one string, "
+                         "or as a JSON list of sentence strings (each becomes one sequence)")
+    if not os.path.isfile(args.input):
+        raise FileNotFoundError(f"--input {args.input} does not exist")
+    if args.workers < 1 or args.chunk_size < 1:
+        raise ValueError("--workers and --chunk-size must be at least 1")
+    tokenizer = _make_tokenizer(args)  # fail fast on a bad tokenizer, before any worker starts
+    out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
+    os.makedirs(out_dir, exist_ok=True)
+    prefixes = [f"{args.output_prefix}_{key}_document" for key in args.json_keys]
+    dtype = best_dtype(tokenizer.vocab_size)
+    builders = {k: IndexedDatasetBuilder(p + ".bin", dtype) for k, p in zip(args.json_keys, prefixes)}
+
+    from tqdm import tqdm
+
+    total = os.path.getsize(args.input)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="preprocess", disable=True if args.quiet else None)
+    start = time.perf_counter()
+    docs = tokens = 0
+    last_log = 0
+    pool = None
+    try:
+        if args.workers == 1:
+            _Encoder.init(args)
+            results = map(_Encoder.encode_chunk, _chunks(args.input, args.chunk_size))
+        else:
+            ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+            env_before = os.environ.get("TOKENIZERS_PARALLELISM")
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"  # each worker is one process of parallelism
+            try:
+                pool = ctx.Pool(args.workers, initializer=_Encoder.init, initargs=(args,))
+            finally:
+                if env_before is None:
+                    os.environ.pop("TOKENIZERS_PARALLELISM")
+                else:
+                    os.environ["TOKENIZERS_PARALLELISM"] = env_before
+            results = pool.imap(_Encoder.encode_chunk, _chunks(args.input, args.chunk_size))
+        for out, nbytes in results:
+            for key, (flat, lengths, per_doc) in out.items():
+                builders[key].add_documents(flat, lengths, per_doc)
+            first = out[args.json_keys[0]]
+            docs += len(first[2])
+            tokens += sum(len(v[0]) for v in out.values())
+            bar.update(nbytes)
+            if docs - last_log >= args.log_interval:
+                last_log = docs
+                bar.set_postfix(docs=docs, tok_s=f"{tokens / max(time.perf_counter() - start, 1e-9):,.0f}")
+    finally:
+        if pool is not None:
+            pool.terminate()
+        bar.close()
+    for key, p in zip(args.json_keys, prefixes):
+        builders[key].finalize(p + ".idx")
+    seconds = time.perf_counter() - start
+    if not args.quiet:
+        print(f"preprocess: {docs} documents, {tokens} tokens in {seconds:.2f} s ({tokens / max(seconds, 1e-9):,.0f} tokens/s) "
+              f"-> {', '.join(p + '.bin/.idx' for p in prefixes)}")
+    return prefixes
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,275 @@
+"""Tokenizers behind one small interface, selected by Megatron-LM's ``--tokenizer-type`` names.
+
+Every tokenizer has ``encode``, ``encode_batch`` (the preprocessing fast path), ``decode``,
+``vocab_size`` (every id is below it), ``eod`` (the end-of-document id appended between
+documents) and ``name``.
+"""
+
+from __future__ import annotations
+
+import base64
+import difflib
+import os
+import re
+from typing import Iterable
+
+EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+LLAMA3_NUM_RESERVED_SPECIAL = 256
+
+
+class Tokenizer:
+    """The interface the data layer and inference rely on."""
+
+    name: str = ""
+    vocab_size: int = 0
+    eod: int = -1
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, vocab_size={self.vocab_size}, eod={self.eod})"
+
+
+def _need_file(path: str, flag: str, tokenizer_type: str, what: str) -> str:
+    if not path:
+        raise ValueError(f"--tokenizer-type {tokenizer_type} needs {flag} (the {what})")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{flag} {path} does not exist (the {what} for --tokenizer-type {tokenizer_type})")
+    return path
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as ids 0..255 and 256 as end of document; needs no file."""
+
+    name = "ByteTokenizer"
+    vocab_size = 257
+    eod = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+class HuggingFaceTokenizer(Tokenizer):
+    """A ``tokenizer.json`` through the ``tokenizers`` library; its post-processor (e.g. a BOS) applies."""
+
+    def __init__(self, tokenizer, name: str, eod: int | None = None, source: str = ""):
+        self._tok = tokenizer
+        self.name = name
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        if eod is None:
+            vocab = tokenizer.get_vocab(with_added_tokens=True)
+            found = [vocab[t] for t in EOD_CANDIDATES if t in vocab]
+            if not found:
+                raise ValueError(f"{source}: no end-of-document token among {list(EOD_CANDIDATES)}; add one to the tokenizer")
+            eod = found[0]
+        self.eod = eod
+
+    @classmethod
+    def from_file(cls, tokenizer_model: str) -> "HuggingFaceTokenizer":
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = _need_file(tokenizer_model, "--tokenizer-model", "HuggingFaceTokenizer", "tokenizer.json file or a folder holding one")
+        if os.path.isdir(path):
+            path = os.path.join(path, "tokenizer.json")
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"--tokenizer-model {tokenizer_model}: folder has no tokenizer.json")
+        try:
+            tok = HFTokenizer.from_file(path)
+        except Exception as exc:
+            raise ValueError(f"--tokenizer-model {path}: cannot load as a tokenizer.json: {exc}") from exc
+        return cls(tok, name=f"HuggingFaceTokenizer({path})", source=path)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+def _gpt2_bpe(vocab_file: str, merge_file: str) -> HuggingFaceTokenizer:
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    _need_file(vocab_file, "--vocab-file", "GPT2BPETokenizer", "GPT-2 vocab.json")
+    _need_file(merge_file, "--merge-file", "GPT2BPETokenizer", "GPT-2 merges.txt")
+    try:
+        tok = HFTokenizer(models.BPE.from_file(vocab_file, merge_file))
+    except Exception as exc:
+        raise ValueError(f"--vocab-file {vocab_file} / --merge-file {merge_file}: cannot load as GPT-2 BPE: {exc}") from exc
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    eod = tok.token_to_id("<|endoftext|>")
+    if eod is None:
+        raise ValueError(f"--vocab-file {vocab_file} has no '<|endoftext|>' token, which GPT2BPETokenizer uses as end of document")
+    return HuggingFaceTokenizer(tok, name=f"GPT2BPETokenizer({vocab_file})", eod=eod)
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A sentencepiece ``.model``; end of document is its EOS. ``add_bos`` mirrors Megatron's Llama2Tokenizer."""
+
+    def __init__(self, model_file: str, tokenizer_type: str = "SentencePieceTokenizer", add_bos: bool = False):
+        import sentencepiece as spm
+
+        _need_file(model_file, "--tokenizer-model", tokenizer_type, "sentencepiece .model file")
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=model_file)
+        except Exception as exc:
+            raise ValueError(f"--tokenizer-model {model_file}: cannot load as a sentencepiece model: {exc}") from exc
+        self.name = f"{tokenizer_type}({model_file})"
+        self.vocab_size = self._sp.vocab_size()
+        self.eod = self._sp.eos_id()
+        if self.eod < 0:
+            raise ValueError(f"--tokenizer-model {model_file} has no EOS piece, which {tokenizer_type} uses as end of document")
+        self._bos = [self._sp.bos_id()] if add_bos and self._sp.bos_id() >= 0 else []
+
+    def encode(self, text: str) -> list[int]:
+        return self._bos + self._sp.encode(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self._bos + ids for ids in self._sp.encode(texts)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._sp.decode(list(ids))
+
+
+def load_tiktoken_ranks(path: str) -> dict[bytes, int]:
+    """Read a tiktoken rank file: one ``base64(token_bytes) rank`` per line."""
+    ranks: dict[bytes, int] = {}
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                token, rank = line.split()
+                ranks[base64.b64decode(token, validate=True)] = int(rank)
+            except ValueError as exc:
+                raise ValueError(f"--tokenizer-model {path} line {lineno}: expected 'base64_token rank' ({exc})") from None
+    return ranks
+
+
+def llama3_special_tokens(num_reserved: int = LLAMA3_NUM_RESERVED_SPECIAL) -> list[str]:
+    """Llama 3's special tokens in id order; they follow the ranked tokens."""
+    named = [
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        "<|reserved_special_token_0|>",
+        "<|reserved_special_token_1|>",
+        "<|reserved_special_token_2|>",
+        "<|reserved_special_token_3|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+        "<|reserved_special_token_4|>",
+        "<|eot_id|>",
+    ]
+    return named + [f"<|reserved_special_token_{i}|>" for i in range(5, num_reserved - 5)]
+
+
+class TikTokenizer(Tokenizer):
+    """A tiktoken rank file with Llama 3's split pattern and 256 special tokens after the ranks."""
+
+    _MAX_CHARS = 400_000  # tiktoken slows badly on huge inputs; Llama 3 encodes in pieces this long
+    _MAX_RUN = 25_000  # and cuts runs of only (non-)whitespace every this many characters
+    _LONG_RUN = re.compile(r"\s{%d,}|\S{%d,}" % (_MAX_RUN + 1, _MAX_RUN + 1))
+
+    def __init__(self, model_file: str):
+        import tiktoken
+
+        _need_file(model_file, "--tokenizer-model", "TikTokenizer", "tiktoken rank file")
+        ranks = load_tiktoken_ranks(model_file)
+        base = len(ranks)
+        specials = {t: base + i for i, t in enumerate(llama3_special_tokens())}
+        self._enc = tiktoken.Encoding(name=os.path.basename(model_file), pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=specials)
+        self.name = f"TikTokenizer({model_file})"
+        self.vocab_size = base + len(specials)
+        self.eod = specials["<|end_of_text|>"]
+
+    def _pieces(self, text: str) -> list[str]:
+        """Llama 3's cut points: every 400k characters, and inside overlong (non-)whitespace runs."""
+        if len(text) <= self._MAX_RUN:
+            return [text]
+        out = []
+        for i in range(0, len(text), self._MAX_CHARS):
+            chunk = text[i : i + self._MAX_CHARS]
+            cuts = [0]
+            for m in self._LONG_RUN.finditer(chunk):
+                cuts.extend(range(m.start() + self._MAX_RUN, m.end(), self._MAX_RUN))
+            cuts.append(len(chunk))
+            out.extend(chunk[a:b] for a, b in zip(cuts, cuts[1:]))
+        return out
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for piece in self._pieces(text):
+            ids.extend(self._enc.encode_ordinary(piece))
+        return ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._enc.decode(list(ids))
+
+
+TOKENIZER_TYPES = (
+    "HuggingFaceTokenizer",
+    "GPT2BPETokenizer",
+    "SentencePieceTokenizer",
+    "Llama2Tokenizer",
+    "TikTokenizer",
+    "ByteTokenizer",
+)
+
+
+def build_tokenizer(tokenizer_type: str, tokenizer_model: str = "", vocab_file: str = "", merge_file: str = "") -> Tokenizer:
+    """Build the tokenizer a ``--tokenizer-type`` names from the files its flags point at."""
+    if tokenizer_type == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer.from_file(tokenizer_model)
+    if tokenizer_type == "GPT2BPETokenizer":
+        return _gpt2_bpe(vocab_file, merge_file)
+    if tokenizer_type == "SentencePieceTokenizer":
+        return SentencePieceTokenizer(tokenizer_model)
+    if tokenizer_type == "Llama2Tokenizer":
+        return SentencePieceTokenizer(tokenizer_model, "Llama2Tokenizer", add_bos=True)
+    if tokenizer_type == "TikTokenizer":
+        return TikTokenizer(tokenizer_model)
+    if tokenizer_type == "ByteTokenizer":
+        return ByteTokenizer()
+    close = difflib.get_close_matches(tokenizer_type or "", TOKENIZER_TYPES, n=1, cutoff=0.4)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    raise ValueError(f"unknown --tokenizer-type '{tokenizer_type}'; valid types: {', '.join(TOKENIZER_TYPES)}.{hint}")
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, path: str) -> str:
+    """Train a byte-level BPE (special token ``<|endoftext|>``) and save it as tokenizer.json at ``path``."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    if os.path.isdir(path):
+        path = os.path.join(path, "tokenizer.json")
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    tmp = f"{path}.tmp{os.getpid()}"
+    tok.save(tmp)
+    os.replace(tmp, path)
+    return path

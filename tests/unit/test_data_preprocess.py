@@ -1,0 +1,99 @@
+"""`meshtron preprocess` and the embedded corpus: exact outputs, worker invariance, clear errors."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from meshtron.data import preprocess
+from meshtron.data.corpus import MIN_DOC_CHARS, embedded_corpus_documents, prepare_default_data
+from meshtron.data.indexed import IndexedDataset
+
+DOCS = [
+    {"text": "hello", "title": "A"},
+    {"text": "", "title": "B"},  # empty text: a document with no sequence, no eod
+    {"text": ["one", "", "two"], "title": "C"},  # pre-split sentences: one sequence each
+    {"text": "naïve", "title": "D"},
+]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def run(tmp_path, rows, *extra, name="out"):
+    src = write_jsonl(tmp_path / "in.jsonl", rows)
+    return preprocess.main(["--input", src, "--output-prefix", str(tmp_path / name), "--tokenizer-type", "ByteTokenizer", "--quiet", *extra])
+
+
+def test_byte_tokenizer_output_exact(tmp_path):
+    prefixes = run(tmp_path, DOCS, "--append-eod", "--json-keys", "text", "title", "--chunk-size", "3")
+    assert prefixes == [str(tmp_path / "out_text_document"), str(tmp_path / "out_title_document")]
+    text = IndexedDataset(prefixes[0])
+    assert text.dtype == np.uint16
+    assert [text[i].tolist() for i in range(len(text))] == [
+        list(b"hello") + [256],
+        list(b"one"),
+        list(b"two") + [256],
+        list("naïve".encode()) + [256],
+    ]
+    assert text.document_indices.tolist() == [0, 1, 1, 3, 4]
+    title = IndexedDataset(prefixes[1])
+    assert [title[i].tolist() for i in range(len(title))] == [[ord(c), 256] for c in "ABCD"]
+
+
+def test_without_eod_and_workers_agree(tmp_path):
+    rows = [{"text": f"document {i} " * (i % 7)} for i in range(200)]
+    one = run(tmp_path, rows, "--chunk-size", "7", name="w1")[0]
+    two = run(tmp_path, rows, "--workers", "2", "--chunk-size", "5", name="w2")[0]
+    for ext in (".bin", ".idx"):
+        assert open(one + ext, "rb").read() == open(two + ext, "rb").read()
+    ds = IndexedDataset(one)
+    assert ds[0].tolist() == list(b"document 1 ")  # no eod without --append-eod
+    assert ds.document_indices[:3].tolist() == [0, 0, 1]  # document 0 is empty
+
+
+def test_errors_name_file_line_and_flag(tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"text": "a"}\n\n{"text": oops}\n')
+    with pytest.raises(ValueError, match=r"in.jsonl line 3: not valid JSON"):
+        preprocess.main(["--input", str(src), "--output-prefix", str(tmp_path / "o"), "--tokenizer-type", "ByteTokenizer", "--quiet"])
+    with pytest.raises(ValueError, match=r"line 1: no key 'body'.*--json-keys"):
+        run(tmp_path, DOCS, "--json-keys", "body")
+    with pytest.raises(FileNotFoundError, match="--input"):
+        preprocess.main(["--input", str(tmp_path / "missing.jsonl"), "--output-prefix", "x", "--tokenizer-type", "ByteTokenizer"])
+    with pytest.raises(SystemExit, match="--split-sentences is not supported"):
+        run(tmp_path, DOCS, "--split-sentences")
+    with pytest.raises(ValueError, match="unknown --tokenizer-type"):
+        preprocess.main(["--input", str(src), "--output-prefix", "x", "--tokenizer-type", "Bytes"])
+
+
+def test_prints_summary(tmp_path, capsys):
+    src = write_jsonl(tmp_path / "in.jsonl", DOCS)
+    preprocess.main(["--input", src, "--output-prefix", str(tmp_path / "o"), "--tokenizer-type", "ByteTokenizer"])
+    out = capsys.readouterr().out
+    assert "4 documents, 17 tokens" in out and "tokens/s" in out
+
+
+def test_embedded_corpus_is_deterministic():
+    a = embedded_corpus_documents(max_bytes=60_000)
+    assert a == embedded_corpus_documents(max_bytes=60_000)
+    assert sum(len(d.encode()) for d in a) >= 60_000 and min(map(len, a)) >= MIN_DOC_CHARS
+
+
+def test_prepare_default_data_builds_then_reuses(tmp_path):
+    prefix, tok_path = prepare_default_data(str(tmp_path), vocab_size=512)
+    ds = IndexedDataset(prefix)
+    assert len(ds) > 100 and ds.dtype == np.uint16
+    from meshtron.data.tokenizers import build_tokenizer
+
+    tok = build_tokenizer("HuggingFaceTokenizer", tok_path)
+    assert tok.vocab_size == 512 and int(ds[0][-1]) == tok.eod
+    mtime = os.path.getmtime(prefix + ".bin")
+    assert prepare_default_data(str(tmp_path), vocab_size=512) == (prefix, tok_path)
+    assert os.path.getmtime(prefix + ".bin") == mtime
+    os.remove(prefix + ".idx")
+    prepare_default_data(str(tmp_path), vocab_size=512)
+    assert IndexedDataset(prefix).sequence_lengths.tolist() == ds.sequence_lengths.tolist()
