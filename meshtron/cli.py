@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from meshtron.checkpoint.checkpoint import CheckpointError
 from meshtron.config import ConfigError
 
 # ``meshtron train`` with no arguments: the embedded corpus, a small GPT, a checkpoint and a sample.
@@ -81,8 +82,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if command == "generate":
             return generate_main(rest)
-    except ConfigError as exc:
-        print(f"meshtron {command}: {exc}", file=sys.stderr)
+    except (ConfigError, CheckpointError, ValueError, FileNotFoundError) as exc:
+        # Bad input: one clear line, no traceback. Bugs (other exceptions) keep their traceback.
+        print(f"meshtron {command}: error: {exc}", file=sys.stderr)
         return 2
     print(f"meshtron: unknown command '{command}'\n\n{USAGE}", file=sys.stderr)
     return 2

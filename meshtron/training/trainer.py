@@ -127,7 +127,7 @@ class Trainer:
             data_prefixes=data_prefixes,
             vocab_size=self.vocab_size,
         )
-        self.train_batches = MicroBatchIterator(self.train_data, t.micro_batch_size, self.consumed_samples)
+        self.train_batches = MicroBatchIterator(self.train_data, t.micro_batch_size, self.consumed_samples, num_workers=cfg.data.num_workers)
 
         num_params = sum(p.numel() for p in self.model.parameters())
         self.flops_per_token = flops_per_token(num_params, cfg.model.num_layers, cfg.data.seq_length, cfg.model.hidden_size)
@@ -269,6 +269,7 @@ class Trainer:
             if previous_handler is not None:
                 signal.signal(signal.SIGTERM, previous_handler)
             self.tensorboard.close()
+            self.train_batches.close()
         result.iteration = self.iteration
         if logc.generate_prompt and self.tokenizer is not None:
             result.sample = self.sample(logc.generate_prompt, logc.generate_tokens)

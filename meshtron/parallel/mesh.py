@@ -1,0 +1,239 @@
+"""The device mesh: which global ranks share each parallel dimension, built once and passed down.
+
+Ranks are laid out on a grid whose coordinates vary, fastest to slowest, as tp, cp, dp, pp::
+
+    rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
+
+so a tensor-parallel group (the chattiest, one collective per layer) is made of neighbouring ranks,
+which launchers place on one node. Gradients of dense parameters are reduced over dp and cp
+together (``dp_cp``): each context-parallel rank saw a different part of the sequences.
+
+Expert parallelism is folded inside the ``dp_cp`` ranks of a (tp, pp) position, as in
+Megatron-Core: number those ranks ``k = cp_rank + cp * dp_rank``; an ``ep`` group is a run of
+``ep`` consecutive ``k`` (each rank holds a different slice of the experts), and an ``edp``
+(expert data parallel) group is the ranks with the same position in their ep group (they hold
+the same experts and reduce those experts' gradients together).
+
+The grid itself is pure Python (``group_ranks``, ``coords``) so that it can be printed and tested
+without processes; ``init_process_groups`` turns it into ``torch.distributed`` groups. A mesh of
+one process never touches ``torch.distributed``: every group is None, every size 1, every rank 0.
+In a run of several processes every dimension has a real group, even one of size 1, so a group
+accessor never returns None there (None given to a collective would mean the whole world).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from meshtron.config import ConfigError, ParallelConfig
+
+# Every group the mesh builds, in the order every rank creates them (new_group is collective).
+GROUP_DIMS = ("tp", "cp", "dp", "pp", "dp_cp", "ep", "edp")
+# The grid's own axes, fastest-varying first.
+GRID_DIMS = ("tp", "cp", "dp", "pp")
+
+
+def _accessors(dim: str):
+    """(size, rank, group) properties of one mesh dimension, so each reads ``mesh.tp_size`` etc."""
+    return (
+        property(lambda self: self.size(dim), doc=f"number of ranks in this rank's {dim} group"),
+        property(lambda self: self.coords()[dim], doc=f"this rank's index inside its {dim} group"),
+        property(lambda self: self.group(dim), doc=f"torch.distributed group over {dim} (None in a one-process run)"),
+    )
+
+
+@dataclass
+class Mesh:
+    """Parallel sizes and this process's place among them. ``world_size = tp * cp * dp * pp``."""
+
+    tp: int = 1
+    cp: int = 1
+    dp: int = 1
+    pp: int = 1
+    ep: int = 1
+    rank: int = 0
+    local_rank: int = 0
+    _groups: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for dim in ("tp", "cp", "dp", "pp", "ep"):
+            if getattr(self, dim) < 1:
+                raise ConfigError(f"parallel size {dim} must be at least 1, got {getattr(self, dim)}")
+        if (self.dp * self.cp) % self.ep:
+            raise ConfigError(
+                f"expert parallel size {self.ep} must divide data parallel {self.dp} x context parallel {self.cp} "
+                f"= {self.dp * self.cp}; change --expert-model-parallel-size or the number of processes"
+            )
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(f"rank {self.rank} is outside a world of {self.world_size} processes")
+
+    @classmethod
+    def from_config(
+        cls, parallel_cfg: ParallelConfig, world_size: int | None = None, rank: int | None = None, local_rank: int | None = None
+    ) -> "Mesh":
+        """The mesh of this process; unset world size and ranks come from the launcher's environment."""
+        env_world, env_rank, env_local = launch_env()
+        world_size = env_world if world_size is None else world_size
+        rank = env_rank if rank is None else rank
+        local_rank = env_local if local_rank is None else local_rank
+        p = parallel_cfg
+        model_parallel = p.tensor_parallel * p.context_parallel * p.pipeline_parallel
+        if model_parallel < 1 or world_size % model_parallel:
+            raise ConfigError(
+                f"world size {world_size} is not a multiple of tp {p.tensor_parallel} x cp {p.context_parallel} x "
+                f"pp {p.pipeline_parallel} = {model_parallel}; change the parallel sizes or the number of processes"
+            )
+        return cls(
+            tp=p.tensor_parallel,
+            cp=p.context_parallel,
+            dp=world_size // model_parallel,
+            pp=p.pipeline_parallel,
+            ep=p.expert_parallel,
+            rank=rank,
+            local_rank=local_rank,
+        )
+
+    # ------------------------------------------------------------------ the grid (pure Python)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    def coords(self, rank: int | None = None) -> dict[str, int]:
+        """Coordinates of ``rank`` (default: this process) on every dimension of ``GROUP_DIMS``."""
+        rank = self.rank if rank is None else rank
+        out = {}
+        rest = rank
+        for dim in GRID_DIMS:
+            out[dim] = rest % getattr(self, dim)
+            rest //= getattr(self, dim)
+        k = out["cp"] + self.cp * out["dp"]
+        out["dp_cp"] = k
+        out["ep"] = k % self.ep
+        out["edp"] = k // self.ep
+        return out
+
+    def group_ranks(self, dim: str) -> list[list[int]]:
+        """Every ``dim`` group as a list of global ranks (ordered by rank inside the group)."""
+        if dim not in GROUP_DIMS:
+            raise ValueError(f"unknown mesh dimension '{dim}': use one of {GROUP_DIMS}")
+        groups: dict[tuple, list[tuple[int, int]]] = {}
+        for r in range(self.world_size):
+            c = self.coords(r)
+            if dim in GRID_DIMS:
+                key = tuple(c[d] for d in GRID_DIMS if d != dim)
+            elif dim == "dp_cp":
+                key = (c["tp"], c["pp"])
+            elif dim == "ep":
+                key = (c["tp"], c["pp"], c["edp"])
+            else:  # edp
+                key = (c["tp"], c["pp"], c["ep"])
+            groups.setdefault(key, []).append((c[dim], r))
+        return sorted([r for _, r in sorted(members)] for members in groups.values())
+
+    def size(self, dim: str) -> int:
+        if dim in ("tp", "cp", "dp", "pp", "ep"):
+            return getattr(self, dim)
+        if dim == "dp_cp":
+            return self.dp * self.cp
+        if dim == "edp":
+            return self.dp * self.cp // self.ep
+        raise ValueError(f"unknown mesh dimension '{dim}': use one of {GROUP_DIMS}")
+
+    def describe(self) -> str:
+        """The layout in words: sizes, then which global ranks form each group, then this rank."""
+        lines = [
+            f"mesh: world {self.world_size} = tp {self.tp} x cp {self.cp} x dp {self.dp} x pp {self.pp}"
+            f" (ep {self.ep} inside dp x cp); rank order fastest to slowest: tp, cp, dp, pp"
+        ]
+        for dim in GROUP_DIMS:
+            lines.append(f"  {dim:>5} groups: " + " ".join(str(g) for g in self.group_ranks(dim)))
+        c = self.coords()
+        lines.append(f"  rank {self.rank} (local {self.local_rank}): " + ", ".join(f"{d} {c[d]}" for d in GROUP_DIMS))
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------ process groups
+
+    def init_process_groups(self, backend: str | None = None) -> None:
+        """Create a ``torch.distributed`` group for every dimension (a no-op in a one-process run).
+
+        Every rank creates every group of every dimension in the same order, as ``new_group``
+        requires, and keeps the one it belongs to. Dimensions with identical partitions (dp and
+        dp_cp when cp is 1, say) share one group object.
+        """
+        if self.world_size == 1:
+            return
+        if not dist.is_initialized():
+            raise RuntimeError("init_process_groups needs torch.distributed initialized first (see init_distributed)")
+        if dist.get_world_size() != self.world_size:
+            raise ConfigError(
+                f"the mesh describes {self.world_size} processes but torch.distributed has {dist.get_world_size()}"
+            )
+        created: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for dim in GROUP_DIMS:
+            for ranks in self.group_ranks(dim):
+                key = tuple(ranks)
+                if key not in created:
+                    created[key] = dist.new_group(ranks, backend=backend)
+                if self.rank in ranks:
+                    self._groups[dim] = created[key]
+
+    def group(self, dim: str) -> dist.ProcessGroup | None:
+        if self.world_size == 1:
+            return None
+        if dim not in self._groups:
+            raise RuntimeError(f"the {dim} process group does not exist yet: call mesh.init_process_groups() first")
+        return self._groups[dim]
+
+    tp_size, tp_rank, tp_group = _accessors("tp")
+    cp_size, cp_rank, cp_group = _accessors("cp")
+    dp_size, dp_rank, dp_group = _accessors("dp")
+    pp_size, pp_rank, pp_group = _accessors("pp")
+    ep_size, ep_rank, ep_group = _accessors("ep")
+    edp_size, edp_rank, edp_group = _accessors("edp")
+    dp_cp_size, dp_cp_rank, dp_cp_group = _accessors("dp_cp")
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+
+def launch_env() -> tuple[int, int, int]:
+    """(world size, rank, local rank) from torchrun's variables, else SLURM's, else one process."""
+    env = os.environ
+    if "WORLD_SIZE" in env and "RANK" in env:
+        return int(env["WORLD_SIZE"]), int(env["RANK"]), int(env.get("LOCAL_RANK", "0"))
+    if "SLURM_NTASKS" in env and "SLURM_PROCID" in env:
+        return int(env["SLURM_NTASKS"]), int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", "0"))
+    return 1, 0, 0
+
+
+def init_distributed(parallel_cfg: ParallelConfig, device_type: str) -> Mesh:
+    """Start ``torch.distributed`` for this launch (nccl/rccl on GPUs, gloo on the CPU) and build the mesh.
+
+    On a GPU the process's device is set from its local rank first, so that NCCL communicators
+    and every later ``.cuda()`` land on the GPU this process owns. One process: no
+    ``torch.distributed`` at all.
+    """
+    world_size, rank, local_rank = launch_env()
+    mesh = Mesh.from_config(parallel_cfg, world_size, rank, local_rank)
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+    if world_size > 1 and not dist.is_initialized():
+        if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+            raise ConfigError(
+                "MASTER_ADDR and MASTER_PORT must be set for a multi-process run (torchrun sets them; under srun "
+                "export MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1) and a free MASTER_PORT)"
+            )
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=world_size)
+    mesh.init_process_groups()
+    return mesh
+

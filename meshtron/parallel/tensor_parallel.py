@@ -1,0 +1,354 @@
+"""Tensor and sequence parallelism (Megatron-LM's): the collectives as autograd functions, and the
+layers built on them.
+
+A tensor-parallel pair of linears splits the first one's output features (column parallel) and
+the second one's input features (row parallel), so the activation between them never needs
+communicating; one all-reduce after the pair restores the full output. Its gradient mirror is an
+all-reduce of the input's gradient before the pair. Each collective below therefore comes with
+the one its backward needs: ``copy_to_tp_region`` (identity, then all-reduce of the gradient) is
+the dual of ``reduce_from_tp_region`` (all-reduce, then identity).
+
+Sequence parallelism splits the activations *outside* those pairs (norms, dropout, residuals)
+along the sequence, since there every rank would otherwise repeat the same work on the same
+tokens: the all-reduce after a pair becomes a reduce-scatter into sequence shards, and the pair's
+input an all-gather of them. Same bytes on the wire, 1/tp of the activation memory.
+
+Activations are ``[batch, seq, hidden]`` (the decoder's layout), so the sequence dimension is 1.
+Every function takes the tensor-parallel group; with a group of one rank (or None, a one-process
+run) each is the identity and each layer is exactly the plain op, with no collective at all.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+SEQ_DIM = 1
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+# ---------------------------------------------------------------------- raw collectives
+
+
+def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    x = x.clone(memory_format=torch.contiguous_format)  # the input may still be needed by autograd
+    dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(group_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    n = group_size(group)
+    if x.shape[dim] % n:
+        raise ValueError(f"cannot split size {x.shape[dim]} of dim {dim} evenly over {n} tensor-parallel ranks")
+    return x.chunk(n, dim=dim)[group_rank(group)].contiguous()
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Sum over the group, keep this rank's 1/n slice of ``dim``.
+
+    gloo lacks reduce-scatter in older torch releases; on the CPU (where gloo runs) speed is not
+    the point, so it is an all-reduce followed by a slice there.
+    """
+    n = group_size(group)
+    if x.shape[dim] % n:
+        raise ValueError(f"cannot reduce-scatter size {x.shape[dim]} of dim {dim} over {n} tensor-parallel ranks")
+    if dist.get_backend(group) == "gloo":
+        return _split(_all_reduce(x, group), dim, group)
+    chunks = [c.contiguous() for c in x.chunk(n, dim=dim)]
+    out = torch.empty_like(chunks[0])
+    dist.reduce_scatter(out, chunks, group=group)
+    return out
+
+
+# ---------------------------------------------------------------------- autograd functions
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GatherLastDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, -1, ctx.group), None
+
+
+class _ScatterLastDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, -1, ctx.group), None
+
+
+class _AllGatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _ScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _split(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _all_gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, ctx.dim, ctx.group), None, None
+
+
+def copy_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Forward identity, backward all-reduce: the input of a column-parallel layer."""
+    return x if group_size(group) == 1 else _CopyToRegion.apply(x, group)
+
+
+def reduce_from_tp_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Forward all-reduce, backward identity: the output of a row-parallel layer."""
+    return x if group_size(group) == 1 else _ReduceFromRegion.apply(x, group)
+
+
+def gather_from_tp_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Concatenate the ranks' last-dim shards; backward keeps this rank's slice of the gradient."""
+    return x if group_size(group) == 1 else _GatherLastDim.apply(x, group)
+
+
+def scatter_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Keep this rank's last-dim slice; backward gathers the gradient slices."""
+    return x if group_size(group) == 1 else _ScatterLastDim.apply(x, group)
+
+
+def all_gather_sequence(x: torch.Tensor, group, dim: int = SEQ_DIM) -> torch.Tensor:
+    """Sequence shards -> full sequence, before tensor-parallel compute; backward reduce-scatters,
+    since each rank's gradient of the full sequence is only its partial sum."""
+    return x if group_size(group) == 1 else _AllGatherSeq.apply(x, group, dim)
+
+
+def reduce_scatter_sequence(x: torch.Tensor, group, dim: int = SEQ_DIM) -> torch.Tensor:
+    """Partial sums of the full sequence -> this rank's summed shard; backward all-gathers."""
+    return x if group_size(group) == 1 else _ReduceScatterSeq.apply(x, group, dim)
+
+
+def scatter_to_sequence_parallel(x: torch.Tensor, group, dim: int = SEQ_DIM) -> torch.Tensor:
+    """A replicated full sequence -> this rank's shard; backward all-gathers the shard gradients."""
+    return x if group_size(group) == 1 else _ScatterSeq.apply(x, group, dim)
+
+
+def gather_from_sequence_parallel(x: torch.Tensor, group, dim: int = SEQ_DIM) -> torch.Tensor:
+    """Shards -> a replicated full sequence for replicated compute; backward keeps this rank's slice."""
+    return x if group_size(group) == 1 else _GatherSeq.apply(x, group, dim)
+
+
+# ---------------------------------------------------------------------- layers
+
+
+def column_parallel_linear(x, weight, bias, group, sequence_parallel: bool) -> torch.Tensor:
+    """y_shard = x @ W_shard^T (+ b_shard), x replicated (or sequence-sharded with SP).
+
+    A function as well as a layer so the tied output head can run it on the embedding's weight.
+    """
+    x = all_gather_sequence(x, group) if sequence_parallel else copy_to_tp_region(x, group)
+    return F.linear(x, weight, bias)
+
+
+class ColumnParallelLinear(nn.Module):
+    """A linear whose output features are split over the tensor-parallel ranks.
+
+    ``out_features`` is this rank's share. ``gather_output`` concatenates the shards (for a
+    consumer that needs all features); usually a row-parallel layer consumes the shard instead.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group, sequence_parallel: bool = False,
+                 gather_output: bool = False, device=None, dtype=None):  # fmt: skip
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.group, self.sequence_parallel, self.gather_output = group, sequence_parallel, gather_output
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = column_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel)
+        return gather_from_tp_region(y, self.group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out_shard={self.out_features}, bias={self.bias is not None}, "
+                f"tp={group_size(self.group)}, sequence_parallel={self.sequence_parallel}")  # fmt: skip
+
+
+class RowParallelLinear(nn.Module):
+    """A linear whose input features are split over the tensor-parallel ranks.
+
+    ``in_features`` is this rank's share. The partial products are summed (all-reduce, or
+    reduce-scatter into sequence shards with SP) and only then is the bias added, once.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group, sequence_parallel: bool = False,
+                 input_is_parallel: bool = True, device=None, dtype=None):  # fmt: skip
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.group, self.sequence_parallel, self.input_is_parallel = group, sequence_parallel, input_is_parallel
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tp_region(x, self.group)
+        y = F.linear(x, self.weight)
+        y = reduce_scatter_sequence(y, self.group) if self.sequence_parallel else reduce_from_tp_region(y, self.group)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_shard={self.in_features}, out={self.out_features}, bias={self.bias is not None}, "
+                f"tp={group_size(self.group)}, sequence_parallel={self.sequence_parallel}")  # fmt: skip
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding whose rows (the vocabulary) are split in contiguous slices over the ranks.
+
+    Each rank looks up the ids in its slice and writes zeros for the rest; summing over the ranks
+    (all-reduce, or reduce-scatter into sequence shards with SP) gives every token its row.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group, sequence_parallel: bool = False,
+                 device=None, dtype=None):  # fmt: skip
+        super().__init__()
+        n = group_size(group)
+        if num_embeddings % n:
+            raise ValueError(f"vocabulary {num_embeddings} does not split evenly over {n} tensor-parallel ranks")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.group, self.sequence_parallel = group, sequence_parallel
+        rows = num_embeddings // n
+        self.vocab_start = group_rank(group) * rows
+        self.weight = nn.Parameter(torch.empty(rows, embedding_dim, device=device, dtype=dtype))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if group_size(self.group) == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_start + self.weight.shape[0])
+        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_sequence(out, self.group)
+        return reduce_from_tp_region(out, self.group)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, rows {self.vocab_start}.."
+                f"{self.vocab_start + self.weight.shape[0] - 1}, sequence_parallel={self.sequence_parallel}")  # fmt: skip
+
+
+# ---------------------------------------------------------------------- loss
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """CE over logits split along the vocabulary, from three all-reduces of [b, s] tensors.
+
+    The full [b, s, V] logits are never gathered: the max (for stability), the sum of
+    exponentials and the target's logit are each reduced over the ranks. Backward is
+    softmax - onehot restricted to this rank's slice, needing no communication.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, labels, group, ignore_index):
+        dtype = logits.dtype
+        logits = logits.float()
+        shard = logits.shape[-1]
+        start = group_rank(group) * shard
+        logits_max = _all_reduce(logits.max(dim=-1).values, group, dist.ReduceOp.MAX)
+        shifted = logits - logits_max.unsqueeze(-1)
+        in_slice = (labels >= start) & (labels < start + shard)
+        local_label = (labels - start).masked_fill(~in_slice, 0)
+        target = shifted.gather(-1, local_label.unsqueeze(-1)).squeeze(-1).masked_fill(~in_slice, 0.0)
+        target = _all_reduce(target, group)
+        exp = shifted.exp()
+        sum_exp = _all_reduce(exp.sum(dim=-1), group)
+        ignored = labels == ignore_index
+        loss = (sum_exp.log() - target).masked_fill(ignored, 0.0)
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_label, in_slice, ignored)
+        ctx.dtype = dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_label, in_slice, ignored = ctx.saved_tensors
+        minus_onehot = -in_slice.unsqueeze(-1).to(softmax.dtype)
+        grad = softmax.scatter_add(-1, local_label.unsqueeze(-1), minus_onehot)
+        grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
+        return grad.to(ctx.dtype), None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits_shard: torch.Tensor, labels: torch.Tensor, group, ignore_index: int = -100
+) -> torch.Tensor:
+    """Per-token cross-entropy (fp32, shaped like ``labels``; ``ignore_index`` gives 0) from this
+    rank's contiguous vocabulary slice of the logits, ``[..., V / tp]``."""
+    if group_size(group) == 1:
+        flat = logits_shard.float().reshape(-1, logits_shard.shape[-1])
+        return F.cross_entropy(flat, labels.reshape(-1), reduction="none", ignore_index=ignore_index).view(labels.shape)
+    return _VocabParallelCrossEntropy.apply(logits_shard, labels, group, ignore_index)

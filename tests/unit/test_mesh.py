@@ -1,0 +1,131 @@
+"""The rank grid (no processes), model-fit validation, and the one-process degenerate mesh."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from meshtron.config import ConfigError, ModelConfig, ParallelConfig
+from meshtron.models import build_model
+from meshtron.parallel.apply import apply_tensor_parallel, check_model_fits, full_state_dict
+from meshtron.parallel.mesh import Mesh, launch_env
+from meshtron.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
+
+
+def test_world8_tp2_dp2_pp2_groups_written_out():
+    mesh = Mesh.from_config(ParallelConfig(tensor_parallel=2, pipeline_parallel=2), world_size=8, rank=5)
+    assert (mesh.tp, mesh.cp, mesh.dp, mesh.pp) == (2, 1, 2, 2)
+    assert mesh.group_ranks("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert mesh.group_ranks("cp") == [[0], [1], [2], [3], [4], [5], [6], [7]]
+    assert mesh.group_ranks("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert mesh.group_ranks("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert mesh.group_ranks("dp_cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert mesh.group_ranks("ep") == [[r] for r in range(8)]
+    # rank 5 = tp 1 + 2 * (dp 0) + 4 * (pp 1)
+    assert (mesh.tp_rank, mesh.cp_rank, mesh.dp_rank, mesh.pp_rank) == (1, 0, 0, 1)
+    assert mesh.is_last_stage and not mesh.is_first_stage
+    text = mesh.describe()
+    assert "tp groups: [0, 1] [2, 3] [4, 5] [6, 7]" in text and "pp groups: [0, 4] [1, 5] [2, 6] [3, 7]" in text
+
+
+def test_cp_and_ep_fold_inside_dp():
+    # world 8 = tp 1 x cp 2 x dp 4; ep 4 takes runs of 4 consecutive dp x cp ranks.
+    mesh = Mesh.from_config(ParallelConfig(context_parallel=2, expert_parallel=4), world_size=8, rank=6)
+    assert mesh.group_ranks("cp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert mesh.group_ranks("dp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert mesh.group_ranks("dp_cp") == [[0, 1, 2, 3, 4, 5, 6, 7]]
+    assert mesh.group_ranks("ep") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert mesh.group_ranks("edp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert (mesh.ep_rank, mesh.edp_rank, mesh.ep_size, mesh.edp_size) == (2, 1, 4, 2)
+    # With tp 2 the same blocks are formed among ranks of equal tp rank.
+    mesh = Mesh.from_config(ParallelConfig(tensor_parallel=2, expert_parallel=2), world_size=8)
+    assert mesh.group_ranks("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert mesh.group_ranks("edp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_every_dimension_partitions_the_world():
+    mesh = Mesh(tp=2, cp=2, dp=3, pp=2, ep=3)
+    for dim in ("tp", "cp", "dp", "pp", "dp_cp", "ep", "edp"):
+        groups = mesh.group_ranks(dim)
+        assert sorted(r for g in groups for r in g) == list(range(24)), dim
+        assert {len(g) for g in groups} == {mesh.size(dim)}, dim
+        for g in groups:
+            assert [mesh.coords(r)[dim] for r in g] == list(range(len(g))), dim
+
+
+def test_layout_errors_say_what_to_change():
+    with pytest.raises(ConfigError, match="world size 6 is not a multiple of tp 4"):
+        Mesh.from_config(ParallelConfig(tensor_parallel=4), world_size=6, rank=0)
+    with pytest.raises(ConfigError, match="expert parallel size 3 must divide"):
+        Mesh.from_config(ParallelConfig(expert_parallel=3), world_size=4, rank=0)
+
+
+def test_launch_env_torchrun_then_slurm(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
+        monkeypatch.delenv(var, raising=False)
+    assert launch_env() == (1, 0, 0)
+    monkeypatch.setenv("SLURM_NTASKS", "16")
+    monkeypatch.setenv("SLURM_PROCID", "9")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    assert launch_env() == (16, 9, 1)
+    mesh = Mesh.from_config(ParallelConfig(tensor_parallel=8))
+    assert (mesh.world_size, mesh.rank, mesh.local_rank, mesh.tp_rank, mesh.dp_rank) == (16, 9, 1, 1, 1)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert launch_env() == (4, 3, 3)
+
+
+def _cfg(**kw) -> ModelConfig:
+    return ModelConfig(**{"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, **kw})
+
+
+def test_check_model_fits():
+    tp2, tp4, tp8 = (Mesh(tp=t, rank=0) for t in (2, 4, 8))
+    check_model_fits(_cfg(num_query_groups=2), tp2)
+    check_model_fits(_cfg(num_query_groups=1), tp2)  # kv heads replicated on both ranks
+    check_model_fits(_cfg(num_query_groups=2), tp4)  # each kv head on two ranks
+    with pytest.raises(ConfigError, match="--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 8"):
+        check_model_fits(_cfg(), tp8)
+    with pytest.raises(ConfigError, match="--num-query-groups 3 .* must divide"):
+        check_model_fits(_cfg(hidden_size=96, num_attention_heads=6, num_query_groups=3), Mesh(tp=2, rank=0))
+    with pytest.raises(ConfigError, match="ffn-hidden-size"):
+        check_model_fits(_cfg(ffn_hidden_size=90), tp4)
+    with pytest.raises(ConfigError, match="vocabulary 1001"):
+        check_model_fits(_cfg(), tp2, vocab_size=1001)
+    with pytest.raises(ConfigError, match="--seq-length 30"):
+        check_model_fits(_cfg(), tp4, seq_length=30, sequence_parallel=True)
+
+
+def test_one_process_mesh_is_free():
+    mesh = Mesh.from_config(ParallelConfig(), world_size=1, rank=0)
+    mesh.init_process_groups()  # no torch.distributed needed
+    assert (mesh.tp_size, mesh.tp_rank, mesh.tp_group, mesh.dp_cp_group) == (1, 0, None, None)
+    assert mesh.is_first_stage and mesh.is_last_stage
+
+    torch.manual_seed(0)
+    model = build_model(_cfg(vocab_size=128), 128, 8)
+    assert apply_tensor_parallel(model, mesh, sequence_parallel=True) is model
+    assert full_state_dict(model, mesh).keys() == model.state_dict().keys()
+
+    x = torch.randn(2, 8, 16)
+    col = ColumnParallelLinear(16, 12, True, None)
+    row = RowParallelLinear(12, 16, True, None, sequence_parallel=True)
+    emb = VocabParallelEmbedding(50, 16, None)
+    for layer in (col, row, emb):
+        torch.nn.init.normal_(layer.weight)
+    assert torch.equal(col(x), F.linear(x, col.weight, col.bias))
+    h = torch.randn(2, 8, 12)
+    assert torch.equal(row(h), F.linear(h, row.weight, row.bias))
+    ids = torch.randint(0, 50, (2, 8))
+    assert torch.equal(emb(ids), F.embedding(ids, emb.weight))
+    logits, labels = torch.randn(2, 8, 50), torch.randint(0, 50, (2, 8))
+    labels[0, 0] = -100
+    want = F.cross_entropy(logits.view(-1, 50), labels.view(-1), reduction="none").view(2, 8)
+    assert torch.equal(vocab_parallel_cross_entropy(logits, labels, None), want)
