@@ -75,11 +75,13 @@ class Attention(nn.Module):
         With ``kv_cache``, x is the next chunk of a sequence whose earlier keys/values are cached:
         its k/v are stored and its queries attend to the whole prefix.
         """
-        b, s, _ = x.shape
         group_size = self.num_heads // self.num_kv_heads
-        # Head counts are read off the projection's output, not the config, so that a
-        # column-parallel ``linear_qkv`` holding only some groups runs this same code.
-        qkv = self.linear_qkv(x).view(b, s, -1, group_size + 2, self.head_dim)
+        # Head counts and the sequence length are read off the projection's output, not the
+        # config or x, so that a column-parallel ``linear_qkv`` holding only some groups (and,
+        # with sequence parallelism, gathering the whole sequence from shards) runs this code.
+        qkv = self.linear_qkv(x)
+        b, s = qkv.shape[:2]
+        qkv = qkv.view(b, s, -1, group_size + 2, self.head_dim)
         q = qkv[:, :, :, :group_size].flatten(2, 3)
         k, v = qkv[:, :, :, group_size], qkv[:, :, :, group_size + 1]
         if self.use_rope:

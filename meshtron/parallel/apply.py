@@ -30,7 +30,6 @@ from meshtron.parallel.tensor_parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
     column_parallel_linear,
-    gather_from_sequence_parallel,
     gather_from_tp_region,
     scatter_to_sequence_parallel,
     vocab_parallel_cross_entropy,
@@ -177,15 +176,6 @@ def _vocab_embedding(embedding: nn.Embedding, mesh: Mesh, sequence_parallel: boo
     return out
 
 
-def _gather_attention_input(mesh: Mesh):
-    """Forward pre-hook giving attention the whole sequence from SP shards (see its use)."""
-
-    def hook(module, args):
-        return (gather_from_sequence_parallel(args[0], mesh.tp_group), *args[1:])
-
-    return hook
-
-
 class TensorParallelDecoder(Decoder):
     """The class ``apply_tensor_parallel`` gives a sharded decoder (as FSDP2 swaps classes): the
     output projection keeps the vocabulary sharded and the loss is computed on the shards, so the
@@ -238,14 +228,7 @@ def apply_tensor_parallel(model: Decoder, mesh: Mesh, sequence_parallel: bool) -
         attn, mlp = layer.self_attention, layer.mlp
         if not isinstance(attn, Attention) or not isinstance(mlp, MLP):
             raise NotImplementedError(f"tensor parallelism of {type(attn).__name__}/{type(mlp).__name__} is not implemented")
-        # The attention module takes its sequence length from its input, so with SP it is given
-        # the whole sequence (gathered here; backward keeps this rank's slice) and its qkv
-        # projection runs as a non-SP column-parallel layer whose backward all-reduce completes
-        # the reduction. Together: all-gather forward, reduce-scatter (as all-reduce + slice)
-        # backward, the same values as an SP qkv layer.
-        if sp:
-            attn.register_forward_pre_hook(_gather_attention_input(mesh))
-        attn.linear_qkv = _column(attn.linear_qkv, qkv_rows, mesh, sequence_parallel=False)
+        attn.linear_qkv = _column(attn.linear_qkv, qkv_rows, mesh, sp)
         if kv_slots is not None:
             local_kv = _span(len(qkv_rows) - 2 * hd, 2 * hd)
             for param in attn.linear_qkv.parameters():
