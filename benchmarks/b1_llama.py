@@ -1,0 +1,149 @@
+"""B1: the 1.24 B Llama shape, one GPU, meshtron against Hugging Face transformers in one command.
+
+    python benchmarks/b1_llama.py [--steps 10] [--warmup 3] [--micro-batch-size 4] [--seq-length 4096]
+
+Each side runs in its own process (clean peak-memory numbers), on random tokens, with warm-up
+steps left out of the timing; the table printed last is the result. FLOPs per token come from
+meshtron's one FLOP-count function for both sides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+SHAPE = dict(hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, vocab=128256, rope_base=500000.0)
+
+
+def time_steps(step, warmup: int, steps: int) -> list[float]:
+    """Seconds per step, measured with CUDA events after warm-up."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1000.0)
+    return times
+
+
+def run_meshtron(args) -> dict:
+    from meshtron.config import build_config
+    from meshtron.training.trainer import Trainer
+
+    overrides = [
+        "--preset", "llama-1.24b-bench", "--mock-data", "--seq-length", str(args.seq_length),
+        "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size", str(args.micro_batch_size),
+        "--train-iters", "1000", "--bf16", "--log-interval", "1000000", "--eval-interval", "0",
+        "--lr", "1e-4", "--min-lr", "1e-5", "--lr-warmup-iters", "10",
+    ] + args.meshtron_args
+    trainer = Trainer(build_config(None, overrides), log=lambda s: print("[meshtron]", s, file=sys.stderr))
+    losses = []
+
+    def step():
+        loss, _ = trainer.train_step()
+        trainer.iteration += 1
+        losses.append(loss)
+
+    times = time_steps(step, args.warmup, args.steps)
+    params = sum(p.numel() for p in trainer.model.parameters())
+    return dict(times=times, params=params, first_loss=losses[0], last_loss=losses[-1])
+
+
+def run_hf(args) -> dict:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=SHAPE["vocab"], hidden_size=SHAPE["hidden"], intermediate_size=SHAPE["ffn"],
+        num_hidden_layers=SHAPE["layers"], num_attention_heads=SHAPE["heads"], num_key_value_heads=SHAPE["kv_heads"],
+        max_position_embeddings=args.seq_length, rope_theta=SHAPE["rope_base"], tie_word_embeddings=True,
+    )
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    losses = []
+
+    def step():
+        tokens = torch.randint(0, SHAPE["vocab"], (args.micro_batch_size, args.seq_length), device="cuda", generator=gen)
+        out = model(input_ids=tokens, labels=tokens)  # the model shifts labels itself
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(out.loss.item())
+
+    times = time_steps(step, args.warmup, args.steps)
+    params = sum(p.numel() for p in model.parameters())
+    return dict(times=times, params=params, first_loss=losses[0], last_loss=losses[-1])
+
+
+def child(args) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = True
+    result = run_meshtron(args) if args.child == "meshtron" else run_hf(args)
+    result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    result["device"] = torch.cuda.get_device_name()
+    print("RESULT " + json.dumps(result))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--seq-length", type=int, default=4096)
+    parser.add_argument("--sides", default="meshtron,hf")
+    parser.add_argument("--child", default="", help=argparse.SUPPRESS)
+    parser.add_argument("meshtron_args", nargs="*", help="extra meshtron flags after --")
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return
+
+    from meshtron.training.metrics import device_ceiling_tflops, flops_per_token
+
+    rows = {}
+    for side in args.sides.split(","):
+        cmd = [sys.executable, __file__, "--child", side, "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--micro-batch-size", str(args.micro_batch_size), "--seq-length", str(args.seq_length), "--", *args.meshtron_args]
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        sys.stderr.write(proc.stderr[-4000:])
+        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            rows[side] = None
+            print(f"{side}: failed (exit {proc.returncode}) after {time.perf_counter() - start:.0f}s")
+            continue
+        rows[side] = json.loads(lines[-1][7:])
+
+    ceiling, source = device_ceiling_tflops(torch.device("cuda"))
+    tokens_per_step = args.micro_batch_size * args.seq_length
+    print(f"\nB1: Llama 1.24B shape, seq {args.seq_length}, micro-batch {args.micro_batch_size}, bf16, median of {args.steps} steps; MFU vs {source}")
+    print(f"{'side':<10} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} {'loss first->last':>18} {'vs HF':>6}")
+    hf_rate = None
+    if rows.get("hf"):
+        hf_rate = tokens_per_step / statistics.median(rows["hf"]["times"])
+    for side, r in rows.items():
+        if r is None:
+            print(f"{side:<10} failed")
+            continue
+        rate = tokens_per_step / statistics.median(r["times"])
+        tflops = rate * flops_per_token(r["params"], SHAPE["layers"], args.seq_length, SHAPE["hidden"]) / 1e12
+        mfu = f"{100 * tflops / ceiling:.1f}%" if ceiling else "-"
+        ratio = f"{rate / hf_rate:.2f}x" if hf_rate else "-"
+        print(f"{side:<10} {rate:>10,.0f} {tflops:>8.1f} {mfu:>6} {r['peak_gib']:>9.1f} {r['first_loss']:>8.3f}->{r['last_loss']:<8.3f} {ratio:>6}")
+
+
+if __name__ == "__main__":
+    main()
