@@ -51,7 +51,11 @@ class ModelConfig:
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
     init_method_std: float = 0.02
-    attention_backend: str = "auto"  # auto | sdpa | math
+    attention_backend: str = "auto"  # auto | sdpa | cudnn | flash | efficient | math
+    fused_kernels: str = "auto"  # auto (Triton on a GPU where installed) | on | off (PyTorch references, unfused loss)
+    recompute_granularity: str = ""  # "" | selective (core attention) | full (whole layers)
+    recompute_method: str = "uniform"  # full: uniform (groups of N layers) | block (first N layers)
+    recompute_num_layers: int = 1
 
 
 @dataclass
@@ -234,6 +238,11 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "attention-dropout": "model.attention_dropout",
     "hidden-dropout": "model.hidden_dropout",
     "init-method-std": "model.init_method_std",
+    "attention-backend": "model.attention_backend",
+    "no-fused-kernels": ("model.fused_kernels", "off"),
+    "recompute-granularity": "model.recompute_granularity",
+    "recompute-method": "model.recompute_method",
+    "recompute-num-layers": "model.recompute_num_layers",
     "seq-length": "data.seq_length",
     "data-path": "data.data_path",
     "split": "data.split",
@@ -414,7 +423,8 @@ def build_config(config_file: str | None = None, overrides: list[str] | None = N
 
 
 def world_size_from_env() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    """torchrun's WORLD_SIZE, else SLURM's task count, else one process."""
+    return int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1")))
 
 
 def data_parallel_size(cfg: Config, world_size: int) -> int:
@@ -453,7 +463,13 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         f"--position-embedding-type must be learned_absolute or rope, got '{m.position_embedding_type}'",
     )
     need(m.rope_scaling in ("", "llama3"), f"model.rope_scaling must be '' or 'llama3', got '{m.rope_scaling}'")
-    need(m.attention_backend in ("auto", "sdpa", "math"), f"model.attention_backend must be auto, sdpa or math, got '{m.attention_backend}'")
+    need(m.attention_backend in ("auto", "sdpa", "cudnn", "flash", "efficient", "math"),
+         f"--attention-backend must be auto, sdpa, cudnn, flash, efficient or math, got '{m.attention_backend}'")  # fmt: skip
+    need(m.fused_kernels in ("auto", "on", "off"), f"model.fused_kernels must be auto, on or off, got '{m.fused_kernels}'")
+    need(m.recompute_granularity in ("", "selective", "full"),
+         f"--recompute-granularity must be selective or full (or empty for none), got '{m.recompute_granularity}'")  # fmt: skip
+    need(m.recompute_method in ("uniform", "block"), f"--recompute-method must be uniform or block, got '{m.recompute_method}'")
+    need(m.recompute_num_layers >= 1, f"--recompute-num-layers must be at least 1, got {m.recompute_num_layers}")
     max_pos = m.max_position_embeddings or d.seq_length
     need(d.seq_length > 0, f"--seq-length must be positive, got {d.seq_length}")
     if m.position_embedding_type == "learned_absolute":

@@ -1,0 +1,38 @@
+"""Fused ops: each a plain-PyTorch reference (the CPU path, and the numbers tests hold kernels to)
+and, where it pays, a Triton kernel for NVIDIA and AMD GPUs.
+
+Triton is optional: it is imported only when a kernel is about to run, so this package imports
+and runs on a machine without it. ``model.fused_kernels`` picks the path per op:
+
+- ``auto``: the Triton kernel for a GPU tensor when Triton is installed, the reference otherwise;
+- ``on``: the Triton kernel always (an error when Triton is missing; on a CPU only under
+  ``TRITON_INTERPRET=1``, which is how kernels are tested without a GPU);
+- ``off``: the reference everywhere, and the unfused output layer + loss.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+FUSED_KERNEL_MODES = ("auto", "on", "off")
+
+
+@functools.cache
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def use_triton(mode: str, x: torch.Tensor) -> bool:
+    """Whether the op on ``x`` should run its Triton kernel under ``model.fused_kernels = mode``."""
+    if mode == "off":
+        return False
+    if mode == "on":
+        if not triton_available():
+            raise RuntimeError("model.fused_kernels is 'on' but Triton is not installed; pip install triton or use auto")
+        return True
+    if mode != "auto":
+        raise ValueError(f"model.fused_kernels must be one of {FUSED_KERNEL_MODES}, got '{mode}'")
+    return x.is_cuda and triton_available()

@@ -9,15 +9,40 @@ onto it without reshuffling.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import checkpoint
 
 from meshtron.config import ModelConfig
 from meshtron.layers.kv_cache import KVCache
 from meshtron.layers.rope import apply_rotary
+
+
+_SDPA_HAS_GQA = torch.torch_version.TorchVersion(torch.__version__) >= "2.5"
+_SDPA_KERNELS = {
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+}
+# ``auto`` on a GPU: cuDNN first (on an H100, causal d128 fwd+bwd: cuDNN 419 TFLOP/s, flash 239,
+# mem-efficient 121; see BENCHMARKS.md), then whatever takes the inputs. ROCm has no cuDNN and
+# starts at flash.
+_AUTO_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def sdpa_backends(backend: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """The SDPA kernels ``model.attention_backend`` allows: one named kernel (an error if it cannot
+    take the inputs), the ``auto`` priority order on a GPU, or torch's own choice (``sdpa``, CPU)."""
+    if backend in _SDPA_KERNELS:
+        return sdpa_kernel([_SDPA_KERNELS[backend]])
+    if backend == "auto" and device.type == "cuda":
+        return sdpa_kernel(_AUTO_ORDER, set_priority=True)
+    return contextlib.nullcontext()
 
 
 def head_dim(cfg: ModelConfig) -> int:
@@ -56,6 +81,8 @@ class Attention(nn.Module):
         self.head_dim = head_dim(cfg)
         self.use_rope = cfg.position_embedding_type == "rope"
         self.backend = cfg.attention_backend
+        self.fused_kernels = cfg.fused_kernels
+        self.recompute_core = cfg.recompute_granularity == "selective"
         self.dropout = cfg.attention_dropout
         qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         self.linear_qkv = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.add_bias_linear)
@@ -85,30 +112,45 @@ class Attention(nn.Module):
         q = qkv[:, :, :, :group_size].flatten(2, 3)
         k, v = qkv[:, :, :, group_size], qkv[:, :, :, group_size + 1]
         if self.use_rope:
-            q = apply_rotary(q, cos, sin, position_ids)
-            k = apply_rotary(k, cos, sin, position_ids)
+            q = apply_rotary(q, cos, sin, position_ids, self.fused_kernels)
+            k = apply_rotary(k, cos, sin, position_ids, self.fused_kernels)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_number, k, v)
         # Plain causal attention over the chunk itself needs no mask tensor: SDPA's is_causal
-        # lets the fused (flash) kernels run.
+        # lets the fused (flash, cuDNN) kernels run.
         mask = None
         if document_ids is not None or k.shape[1] != s or self.backend == "math":
             mask = attention_mask(s, k.shape[1], document_ids, x.device)
-        # [b, s, heads, d] -> [b, heads, s, d]; kv heads repeated to one per query head (query
-        # head i reads group i // group_size), which every SDPA backend accepts.
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if group_size > 1:
-            k, v = k.repeat_interleave(group_size, dim=1), v.repeat_interleave(group_size, dim=1)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, s, d]
         dropout = self.dropout if self.training else 0.0
-        if self.backend == "math":
-            out = math_attention(q, k, v, mask, dropout)
+        if self.recompute_core and torch.is_grad_enabled():
+            out = checkpoint(self.core_attention, q, k, v, mask, dropout, use_reentrant=False)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None)
+            out = self.core_attention(q, k, v, mask, dropout)
         return self.linear_proj(out.transpose(1, 2).flatten(2))
+
+    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout: float) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d)) v on [b, heads, s, d] (k, v with fewer heads under GQA: query
+        head i reads kv head i // group_size), by ``model.attention_backend``.
+
+        Grouped heads go to SDPA as they are (``enable_gqa``) when there is no mask, as the flash
+        and cuDNN kernels read each kv head for its whole group; with a mask they are repeated,
+        since the kernels that take a mask do not all take groups.
+        """
+        if self.backend == "math":
+            return math_attention(q, k, v, mask, dropout)
+        group_size = q.shape[1] // k.shape[1]
+        if group_size > 1 and (mask is not None or not _SDPA_HAS_GQA):
+            k, v = k.repeat_interleave(group_size, dim=1), v.repeat_interleave(group_size, dim=1)
+        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+        with sdpa_backends(self.backend, q.device):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, **gqa)
 
 
 def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, dropout: float = 0.0) -> torch.Tensor:
     """softmax(q k^T / sqrt(d), masked) v in fp32: the reference every faster backend must match."""
+    group_size = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group_size, dim=1), v.repeat_interleave(group_size, dim=1)
     scores = q.float() @ k.float().transpose(-2, -1) / math.sqrt(q.shape[-1])
     probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
     probs = F.dropout(probs, dropout)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtron.config import ModelConfig
+from meshtron.kernels.swiglu import swiglu
 
 
 def ffn_hidden_size(cfg: ModelConfig) -> int:
@@ -38,6 +39,7 @@ class MLP(nn.Module):
         super().__init__()
         ffn = ffn_hidden_size(cfg)
         self.swiglu = cfg.activation == "swiglu"
+        self.fused_kernels = cfg.fused_kernels
         fc1_out = 2 * ffn if self.swiglu else ffn
         self.linear_fc1 = nn.Linear(cfg.hidden_size, fc1_out, bias=cfg.add_bias_linear)
         self.linear_fc2 = nn.Linear(ffn, cfg.hidden_size, bias=cfg.add_bias_linear)
@@ -45,8 +47,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.linear_fc1(x)
         if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            h = swiglu(h, self.fused_kernels)
         else:
             h = F.gelu(h)
         return self.linear_fc2(h)

@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from meshtron.kernels.rope import apply_rotary  # noqa: F401  (re-exported: applying the tables is a kernel)
+
 
 def rope_frequencies(
     head_dim: int,
@@ -54,23 +56,3 @@ def _llama3_scaling(inv_freq: torch.Tensor, factor: float, low: float, high: flo
     scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, blended)
     return torch.where(wavelen < high_freq_wavelen, inv_freq, scaled)
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
-def apply_rotary(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Rotate ``x`` [b, s, heads, head_dim] by its positions.
-
-    ``position_ids`` [b, s] picks rows of the tables (packed documents restart at 0, a KV-cache
-    chunk starts at the cache length); without it, token ``t`` sits at position ``t``.
-    """
-    if position_ids is None:
-        cos, sin = cos[: x.shape[1]].unsqueeze(1), sin[: x.shape[1]].unsqueeze(1)  # [s, 1, d]
-    else:
-        cos, sin = cos[position_ids].unsqueeze(2), sin[position_ids].unsqueeze(2)  # [b, s, 1, d]
-    x32 = x.float()
-    return (x32 * cos + _rotate_half(x32) * sin).to(x.dtype)

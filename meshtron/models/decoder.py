@@ -14,8 +14,10 @@ import zlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from meshtron.config import ModelConfig
+from meshtron.kernels.cross_entropy import linear_cross_entropy
 from meshtron.layers.attention import Attention, head_dim, num_kv_heads
 from meshtron.layers.kv_cache import KVCache
 from meshtron.layers.mlp import MLP, ffn_hidden_size
@@ -32,9 +34,9 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_number: int):
         super().__init__()
-        self.input_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon)
+        self.input_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, cfg.fused_kernels)
         self.self_attention = Attention(cfg, layer_number)
-        self.pre_mlp_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon)
+        self.pre_mlp_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, cfg.fused_kernels)
         self.mlp = MLP(cfg)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
@@ -68,7 +70,7 @@ class Decoder(nn.Module):
         self.position_embedding = None if self.use_rope else nn.Embedding(self.max_positions, cfg.hidden_size)
         self.embedding_dropout = nn.Dropout(cfg.hidden_dropout)
         self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.num_layers))
-        self.final_norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon)
+        self.final_norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, cfg.fused_kernels)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, vocab_size, bias=False)
         # RoPE tables stay fp32 and out of the state dict: a buffer would be cast to bf16 along
         # with the weights by ``model.to(torch.bfloat16)``. Built per device on first use.
@@ -124,14 +126,39 @@ class Decoder(nn.Module):
             hidden = hidden + self.position_embedding(positions)
         hidden = self.embedding_dropout(hidden)
         cos, sin = self.rope_tables(tokens.device) if self.use_rope else (None, None)
-        for layer in self.layers:
-            hidden = layer(hidden, cos, sin, position_ids, document_ids, kv_cache)
+        hidden = self.run_layers(hidden, cos, sin, position_ids, document_ids, kv_cache)
         if kv_cache is not None:
             kv_cache.advance(s)
         hidden = self.final_norm(hidden)
         if labels is None:
             return self.logits(hidden)
         return self.output_loss(hidden, labels)
+
+    def run_layers(self, hidden: torch.Tensor, *args) -> torch.Tensor:
+        """The blocks in order (``args``: what each block takes after ``hidden``).
+
+        With ``--recompute-granularity full`` and gradients on, blocks run inside activation
+        checkpoints, which keep only their input and rerun the forward during backward (same
+        random state, so the gradients are those of a plain run). ``uniform``: every run of
+        ``recompute_num_layers`` blocks is one checkpoint. ``block``: the first
+        ``recompute_num_layers`` blocks are checkpointed one by one, the rest keep their activations.
+        """
+        c = self.cfg
+        if c.recompute_granularity != "full" or not torch.is_grad_enabled():
+            return self._run_span(0, len(self.layers), hidden, *args)
+        n = c.recompute_num_layers
+        if c.recompute_method == "uniform":
+            for start in range(0, len(self.layers), n):
+                hidden = checkpoint(self._run_span, start, start + n, hidden, *args, use_reentrant=False)
+            return hidden
+        for i in range(min(n, len(self.layers))):
+            hidden = checkpoint(self._run_span, i, i + 1, hidden, *args, use_reentrant=False)
+        return self._run_span(n, len(self.layers), hidden, *args)
+
+    def _run_span(self, start: int, end: int, hidden: torch.Tensor, *args) -> torch.Tensor:
+        for layer in self.layers[start:end]:
+            hidden = layer(hidden, *args)
+        return hidden
 
     def rope_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 (cos, sin) [max_positions, head_dim] on ``device``, computed once per device."""
@@ -143,19 +170,20 @@ class Decoder(nn.Module):
             )  # fmt: skip
         return self._rope_tables
 
+    def output_weight(self) -> torch.Tensor:
+        """The output projection [V, h]: the embedding matrix when tied."""
+        return self.embedding.weight if self.output is None else self.output.weight
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embedding.weight if self.output is None else self.output.weight
-        return F.linear(hidden, weight)
+        return F.linear(hidden, self.output_weight())
 
     def output_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Per-token cross-entropy [b, s] in fp32 (label -100 gives 0).
 
-        Kept to this one method so that a fused linear + cross-entropy kernel, which never
-        materializes the [b, s, V] logits, can replace it.
+        Unless ``fused_kernels`` is off, the [b, s, V] logits are never held at once (see
+        ``meshtron.kernels.cross_entropy``); subclasses that shard the vocabulary override this.
         """
-        logits = self.logits(hidden).float()
-        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
-        return loss.view(labels.shape)
+        return linear_cross_entropy(hidden, self.output_weight(), labels, self.cfg.fused_kernels)
 
 
 def num_parameters(model: Decoder, exclude_embeddings: bool = False) -> int:

@@ -3,26 +3,33 @@
 Why masters: a bf16/fp16 weight cannot absorb an update much smaller than itself (bf16 keeps 8
 bits of mantissa), so the model's low-precision weights are only a rounded view of fp32 masters
 that the optimizer owns and updates. Why fp32 accumulation: summing the gradients of many micro
-batches in bf16 loses the small ones; a post-accumulate-grad hook moves each micro batch's
-gradient into the master's fp32 ``.grad`` as soon as autograd produces it, and frees the bf16 one.
-In fp32 mode the master *is* the parameter: no copies, no hooks, and the step is exactly
-``clip_grad_norm_`` + ``torch.optim.AdamW``.
+batches in bf16 loses the small ones.
 
-Where gradients and masters live is behind ``_master_params`` / ``_master_grads`` /
-``_copy_masters_to_model`` so that the distributed optimizer (masters sharded over data-parallel
-ranks) can override placement and keep ``step``'s logic.
+Gradients live in a grad storage object: by default a ``GradBuffer`` (one flat fp32 tensor, each
+param's ``main_grad`` a view of it) that never communicates; data parallelism passes one that
+reduces over the data-parallel group, FSDP passes its own. The optimizer's masters read their
+``.grad`` from it with no copy. In fp32 mode the master *is* the parameter and its ``.grad`` the
+buffer view, so the step is exactly ``clip_grad_norm_`` + ``torch.optim.AdamW``.
+
+Where masters live is behind ``_build_masters`` / ``_master_params`` / ``_copy_masters_to_model``
+so that the distributed optimizer (masters sharded over data-parallel ranks) can override
+placement and keep ``step``'s logic.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from meshtron.optim.loss_scaler import ConstantLossScaler, DynamicLossScaler
+from meshtron.parallel.data_parallel import DEFAULT_BUCKET_SIZE, GradBuffer
+from meshtron.parallel.mesh import Mesh
 
 # Added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does (keeps fp32 runs identical to it).
 _CLIP_EPS = 1e-6
@@ -36,6 +43,16 @@ class StepResult:
     grad_norm: float
     skipped: bool
     loss_scale: float
+
+
+class GradStorage(Protocol):
+    """Where the gradients of a step accumulate and how they are synchronized (``GradBuffer``, or
+    FSDP's own sharded ``.grad``)."""
+
+    def grad_of(self, param: nn.Parameter) -> torch.Tensor | None: ...
+    def zero_(self) -> None: ...
+    def no_sync(self) -> contextlib.AbstractContextManager: ...
+    def finish_grad_sync(self) -> Any: ...
 
 
 def build_param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -60,7 +77,13 @@ class MixedPrecisionOptimizer:
     """AdamW on fp32 masters of a model whose params are fp32, bf16 or fp16.
 
     Per iteration the caller does: ``zero_grad()``; for each micro batch
-    ``optimizer.scale_loss(loss / num_micro_batches).backward()``; then ``step(lr)``.
+    ``optimizer.scale_loss(loss).backward()``, every micro batch but the last inside
+    ``optimizer.no_sync()``; then ``step(lr)``.
+
+    ``grads``: the grad storage (default: a one-process ``GradBuffer`` of the params).
+    ``tp_group``: with tensor parallelism, the group over which the grad norm is completed:
+    params marked ``tp_shard`` (split over tp) count on every tp rank, the rest (replicated)
+    only on tp rank 0.
     """
 
     def __init__(
@@ -72,6 +95,8 @@ class MixedPrecisionOptimizer:
         eps: float,
         clip_grad: float,
         loss_scaler: ConstantLossScaler | DynamicLossScaler,
+        grads: GradStorage | None = None,
+        tp_group: dist.ProcessGroup | None = None,
     ) -> None:
         named = [pair for group in param_groups for pair in group["params"]]
         if not named:
@@ -82,24 +107,15 @@ class MixedPrecisionOptimizer:
         self.mixed_precision = dtypes != {torch.float32}
         self.clip_grad = float(clip_grad)
         self.loss_scaler = loss_scaler
+        self.grads = GradBuffer(named) if grads is None else grads
 
-        # (name, model param, fp32 master) in group order; in fp32 mode master is the param.
-        self._params: list[tuple[str, nn.Parameter, torch.Tensor]] = []
-        master_groups = []
-        for group in param_groups:
-            pairs = []
-            for name, param in group["params"]:
-                master = param.detach().to(torch.float32, copy=True) if self.mixed_precision else param
-                self._params.append((name, param, master))
-                pairs.append((name, master))
-            master_groups.append({**group, "params": pairs})
-        if self.mixed_precision:
-            for _, param, master in self._params:
-                param.register_post_accumulate_grad_hook(_accumulate_into(master))
-
-        fused = True if all(m.is_cuda for _, _, m in self._params) else None
+        master_groups = self._build_masters(param_groups)
+        fused = True if all(m.is_cuda for m in self._master_params()) else None
         self.adamw = torch.optim.AdamW(master_groups, lr=lr, betas=betas, eps=eps, fused=fused)
         self._init_adam_state()
+        self._norm_groups = [tp_group] if tp_group is not None else []
+        tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+        self._in_norm = [tp_rank == 0 or getattr(p, "tp_shard", None) is not None for p in self._master_owners()]
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -107,9 +123,16 @@ class MixedPrecisionOptimizer:
         return self.adamw.param_groups
 
     def zero_grad(self) -> None:
-        for _, param, master in self._params:
-            param.grad = None
-            master.grad = None
+        self.grads.zero_()
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Backward passes inside accumulate without communicating (all micro batches but the last)."""
+        return self.grads.no_sync()
+
+    def finish_grad_sync(self) -> Any:
+        """Wait for the gradient collectives (``step`` does it too); call it first when something
+        must read the reduced gradients before the step (tensor-parallel fix-ups)."""
+        return self.grads.finish_grad_sync()
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         scale = self.loss_scaler.scale
@@ -123,6 +146,7 @@ class MixedPrecisionOptimizer:
         when some gradient is. It is taken on the still-scaled gradients and divided by the scale,
         so unscaling and clipping become a single multiply of every gradient.
         """
+        self.finish_grad_sync()
         grads = self._master_grads()
         scale = self.loss_scaler.scale
         norm = self._total_grad_norm(grads)
@@ -154,6 +178,12 @@ class MixedPrecisionOptimizer:
             for _, param, master in self._params:
                 master.copy_(param)
 
+    def memory_bytes(self) -> int:
+        """Bytes of fp32 masters and Adam moments this rank holds (masters counted even where they
+        are the model's own fp32 params; the 4-byte step counters left out)."""
+        moments = [s[k] for s in self.adamw.state.values() for k in ("exp_avg", "exp_avg_sq")]
+        return sum(t.numel() * t.element_size() for t in self._master_params() + moments)
+
     # -- checkpointing -----------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
@@ -167,15 +197,14 @@ class MixedPrecisionOptimizer:
         return {
             "master": {name: master for name, _, master in self._params},
             "state": {name: dict(self.adamw.state[master]) for name, _, master in self._params},
-            "loss_scaler": {
-                k: torch.tensor(float(v), dtype=torch.float64) for k, v in self.loss_scaler.state_dict().items()
-            },
+            "loss_scaler": self._scaler_state(),
         }
 
-    @torch.no_grad()
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Copy a ``state_dict()`` into this optimizer in place (sources may alias its own tensors)."""
-        names = [name for name, _, _ in self._params]
+    def _scaler_state(self) -> dict[str, torch.Tensor]:
+        return {k: torch.tensor(float(v), dtype=torch.float64) for k, v in self.loss_scaler.state_dict().items()}
+
+    @staticmethod
+    def _check_names(state_dict: dict[str, Any], names: list[str]) -> None:
         for section in ("master", "state"):
             given = state_dict[section].keys()
             missing, extra = [n for n in names if n not in given], sorted(set(given) - set(names))
@@ -184,6 +213,11 @@ class MixedPrecisionOptimizer:
                     f"optimizer state '{section}' does not match the model: missing {missing[:5]}, "
                     f"unexpected {extra[:5]} (was it saved from another model?)"
                 )
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Copy a ``state_dict()`` into this optimizer in place (sources may alias its own tensors)."""
+        self._check_names(state_dict, [name for name, _, _ in self._params])
         for name, _, master in self._params:
             master.copy_(state_dict["master"][name])
             current, saved = self.adamw.state[master], state_dict["state"][name]
@@ -196,16 +230,49 @@ class MixedPrecisionOptimizer:
 
     # -- placement (the distributed optimizer overrides these) --------------------------------
 
+    def _build_masters(self, param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Make ``self._params`` [(name, model param, fp32 master)] and return AdamW's groups of
+        masters. In fp32 mode the master is the param; either way its ``.grad`` is the storage's."""
+        self._params: list[tuple[str, nn.Parameter, torch.Tensor]] = []
+        master_groups = []
+        for group in param_groups:
+            pairs = []
+            for name, param in group["params"]:
+                master = param.detach().to(torch.float32, copy=True) if self.mixed_precision else param
+                master.grad = self.grads.grad_of(param)
+                self._params.append((name, param, master))
+                pairs.append((name, master))
+            master_groups.append({**group, "params": pairs})
+        return master_groups
+
     def _master_params(self) -> list[torch.Tensor]:
         return [master for _, _, master in self._params]
 
+    def _master_owners(self) -> list[nn.Parameter]:
+        """The model param each of ``_master_params()`` belongs to."""
+        return [param for _, param, _ in self._params]
+
     def _master_grads(self) -> list[torch.Tensor]:
-        """fp32 gradients, already accumulated over micro batches; params that got none are left out."""
+        """fp32 gradients, already accumulated over micro batches (and reduced over data parallel)."""
         return [m.grad for m in self._master_params() if m.grad is not None]
 
     def _total_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """Global L2 norm, as a 0-d fp32 tensor (no host sync here)."""
-        return torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        """Global L2 norm, as a 0-d fp32 tensor (no host sync here).
+
+        With reduction groups (tensor parallel; the data-parallel shards of the distributed
+        optimizer) each rank sums the squares of the gradients it counts and the sums are
+        all-reduced; a param replicated over tp counts on tp rank 0 only.
+        """
+        if not self._norm_groups:
+            return torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        masters = self._master_params()
+        counted = [m.grad for m, keep in zip(masters, self._in_norm) if keep and m.grad is not None]
+        squares = torch.zeros((), dtype=torch.float32, device=masters[0].device)
+        if counted:
+            squares += torch.stack(torch._foreach_norm(counted)).square().sum()
+        for group in self._norm_groups:
+            dist.all_reduce(squares, group=group)
+        return squares.sqrt()
 
     @torch.no_grad()
     def _copy_masters_to_model(self) -> None:
@@ -219,48 +286,68 @@ class MixedPrecisionOptimizer:
         for group in self.adamw.param_groups:
             step_on_device = group["fused"] or group["capturable"]
             for master in group["params"]:
+                exp_avg, exp_avg_sq = self._new_moments(master)
                 self.adamw.state[master] = {
                     "step": torch.zeros((), dtype=torch.float32, device=master.device if step_on_device else "cpu"),
-                    "exp_avg": torch.zeros_like(master, memory_format=torch.preserve_format),
-                    "exp_avg_sq": torch.zeros_like(master, memory_format=torch.preserve_format),
+                    "exp_avg": exp_avg,
+                    "exp_avg_sq": exp_avg_sq,
                 }
 
-
-def _accumulate_into(master: torch.Tensor):
-    """Hook for a low-precision param: add its fresh gradient into the fp32 master's grad, free it."""
-
-    def hook(param: torch.Tensor) -> None:
-        if master.grad is None:
-            master.grad = param.grad.float()
-        else:
-            master.grad.add_(param.grad)
-        param.grad = None
-
-    return hook
+    def _new_moments(self, master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zero first and second moments for ``master`` (AdamW updates them in place)."""
+        return tuple(torch.zeros_like(master, memory_format=torch.preserve_format) for _ in range(2))
 
 
-def build_optimizer(model: nn.Module, train_cfg: Any, param_dtype: torch.dtype) -> MixedPrecisionOptimizer:
-    """The optimizer for a model already cast to ``param_dtype`` (fp16 gets a dynamic loss scaler)."""
+def build_loss_scaler(train_cfg: Any, param_dtype: torch.dtype) -> ConstantLossScaler | DynamicLossScaler:
+    """fp16 needs a dynamic scaler (its gradients underflow); bf16 and fp32 need none."""
+    if param_dtype != torch.float16:
+        return ConstantLossScaler(1.0)
+    return DynamicLossScaler(
+        initial_scale=train_cfg.initial_loss_scale,
+        min_scale=train_cfg.min_loss_scale,
+        growth_interval=train_cfg.loss_scale_window,
+        hysteresis=train_cfg.hysteresis,
+    )
+
+
+def build_optimizer(
+    model: nn.Module,
+    train_cfg: Any,
+    param_dtype: torch.dtype,
+    *,
+    mesh: Mesh | None = None,
+    distributed: bool = False,
+    bucket_size: int = DEFAULT_BUCKET_SIZE,
+) -> MixedPrecisionOptimizer:
+    """The optimizer for a model already cast to ``param_dtype``.
+
+    With a ``mesh`` of several data-parallel (x context-parallel) ranks, gradients are summed over
+    ``mesh.dp_cp_group`` in buckets of ``bucket_size`` elements during backward; ``distributed``
+    (``--use-distributed-optimizer``) shards masters and Adam state over those ranks instead of
+    replicating them. The grad norm is completed over ``mesh.tp_group`` when tp > 1.
+    """
     dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
     if dtypes != {param_dtype}:
         raise ValueError(
             f"the model's trainable parameters are {sorted(map(str, dtypes))} but param_dtype is {param_dtype}; "
             "cast the model before building the optimizer"
         )
-    if param_dtype == torch.float16:
-        scaler: ConstantLossScaler | DynamicLossScaler = DynamicLossScaler(
-            initial_scale=train_cfg.initial_loss_scale,
-            min_scale=train_cfg.min_loss_scale,
-            growth_interval=train_cfg.loss_scale_window,
-            hysteresis=train_cfg.hysteresis,
-        )
+    dp_group = mesh.dp_cp_group if mesh is not None and mesh.dp_cp_size > 1 else None
+    tp_group = mesh.tp_group if mesh is not None and mesh.tp_size > 1 else None
+    # Layout in registration order (GradBuffer reverses it to follow backward), not group order.
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    grads = GradBuffer(trainable, group=dp_group, bucket_size=bucket_size, shard=distributed)
+    if distributed:
+        from meshtron.optim.distributed_optimizer import DistributedOptimizer as optimizer_cls  # it subclasses this module's class
     else:
-        scaler = ConstantLossScaler(1.0)
-    return MixedPrecisionOptimizer(
+        optimizer_cls = MixedPrecisionOptimizer
+    return optimizer_cls(
         build_param_groups(model, train_cfg.weight_decay),
         lr=train_cfg.lr,
         betas=(train_cfg.adam_beta1, train_cfg.adam_beta2),
         eps=train_cfg.adam_eps,
         clip_grad=train_cfg.clip_grad,
-        loss_scaler=scaler,
+        loss_scaler=build_loss_scaler(train_cfg, param_dtype),
+        grads=grads,
+        tp_group=tp_group,
     )

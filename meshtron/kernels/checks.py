@@ -1,0 +1,106 @@
+"""Every fused kernel held to its reference on random inputs, forward and backward.
+
+One list of cases serves the CPU tests (fp32, Triton's interpreter), the GPU tests (bf16) and
+the GPU benchmark session, which prints the errors beside the speed numbers it reports:
+
+    python -m meshtron.kernels.checks [--dtype bf16] [--large]
+
+Errors are norm-wise relative, ``|fast - ref| / |ref|``, with the reference run in the same dtype
+(the fp32 internals of both are what is compared, not bf16 rounding of the inputs).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from meshtron.kernels.cross_entropy import linear_cross_entropy
+from meshtron.kernels.norms import layer_norm, rms_norm
+from meshtron.kernels.rope import apply_rotary
+from meshtron.kernels.swiglu import swiglu
+
+
+@dataclass
+class CaseResult:
+    name: str
+    forward: float  # relative error of the output
+    backward: float  # largest relative error over the input gradients
+
+
+def relative_error(fast: torch.Tensor, ref: torch.Tensor) -> float:
+    ref = ref.float()
+    return ((fast.float() - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+
+
+def _compare(name: str, op: Callable[[str, tuple], torch.Tensor], inputs: tuple[torch.Tensor, ...]) -> CaseResult:
+    """Run ``op(mode, inputs)`` with the kernels on and off; same random upstream gradient for both."""
+    outs, grads = [], []
+    for mode in ("on", "off"):
+        leaves = tuple(t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs)
+        out = op(mode, leaves)
+        if not outs:
+            upstream = torch.randn_like(out, dtype=torch.float32).to(out.dtype)
+        targets = [t for t in leaves if t.requires_grad]
+        grads.append(torch.autograd.grad(out, targets, upstream))
+        outs.append(out.detach())
+    backward = max(relative_error(a, b) for a, b in zip(*grads))
+    return CaseResult(name, relative_error(*outs), backward)
+
+
+def run_checks(device: torch.device | str, dtype: torch.dtype, large: bool = False, seed: int = 0) -> list[CaseResult]:
+    """All cases at small shapes, or (``large``) at the 1.24 B Llama's shapes (a GPU's worth of memory)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
+
+    if large:
+        b, s, hidden, heads, kv, hd, ffn, vocab = 2, 4096, 2048, 32, 8, 64, 8192, 128256
+    else:
+        b, s, hidden, heads, kv, hd, ffn, vocab = 2, 33, 96, 4, 2, 16, 80, 1000
+    rows = b * s
+    inv_freq = 500000.0 ** (-torch.arange(0, hd, 2, dtype=torch.float32) / hd)
+    angles = torch.outer(torch.arange(s + 7, dtype=torch.float32), inv_freq).repeat(1, 2).to(device)
+    cos, sin = angles.cos(), angles.sin()  # fp32 tables, as the model keeps them
+    positions = torch.randint(0, s + 7, (b, s), generator=gen).to(device)
+    labels = torch.randint(0, vocab, (b, s), generator=gen).to(device)
+    labels[0, :3] = -100
+    group = heads // kv
+
+    def rotary(mode, t, pos):
+        (qkv,) = t
+        qkv5 = qkv.view(b, s, kv, group + 2, hd)  # a strided q slice and k slice, as in Attention
+        q, k = qkv5[:, :, :, :group].flatten(2, 3), qkv5[:, :, :, group]
+        return torch.cat([apply_rotary(q, cos, sin, pos, mode), apply_rotary(k, cos, sin, pos, mode)], dim=2)
+
+    chunk = 0 if large else 256  # several vocabulary chunks at small shapes too
+    return [
+        _compare("rmsnorm", lambda m, t: rms_norm(t[0], t[1], 1e-5, m), (rand(rows, hidden), 1 + rand(hidden, scale=0.1))),
+        _compare("layernorm", lambda m, t: layer_norm(t[0], t[1], t[2], 1e-5, m),
+                 (rand(rows, hidden, scale=2) + 0.5, 1 + rand(hidden, scale=0.1), rand(hidden, scale=0.1))),
+        _compare("swiglu", lambda m, t: swiglu(t[0], m), (rand(b, s, 2 * ffn),)),
+        _compare("rope", lambda m, t: rotary(m, t, None), (rand(b, s, kv * (group + 2) * hd),)),
+        _compare("rope+positions", lambda m, t: rotary(m, t, positions), (rand(b, s, kv * (group + 2) * hd),)),
+        _compare("linear+cross-entropy", lambda m, t: linear_cross_entropy(t[0], t[1], labels, m, chunk),
+                 (rand(b, s, hidden), rand(vocab, hidden, scale=0.02))),
+    ]  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    parser.add_argument("--large", action="store_true", help="the 1.24 B Llama's shapes")
+    args = parser.parse_args()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    print(f"kernel vs reference, {args.dtype} on {device}, relative error |fast - ref| / |ref|")
+    print(f"{'op':<22} {'forward':>10} {'backward':>10}")
+    for r in run_checks(device, dtype, args.large):
+        print(f"{r.name:<22} {r.forward:>10.2e} {r.backward:>10.2e}")
+
+
+if __name__ == "__main__":
+    main()

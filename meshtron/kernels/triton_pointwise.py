@@ -1,0 +1,170 @@
+"""Triton kernels for the row-wise and elementwise ops: cross-entropy chunk steps, SwiGLU, RoPE.
+
+Imported only when a kernel runs (``meshtron.kernels.use_triton``), so Triton stays optional.
+Each kernel reads its input once and writes its output once, computing in fp32 whatever the
+storage dtype; the plain-PyTorch references (in the sibling modules) define the numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# ---------------------------------------------------------------------- cross-entropy chunks
+
+
+@triton.jit
+def _ce_forward_kernel(logits_ptr, labels_ptr, lse_ptr, target_ptr, stride, n_cols, start, BLOCK: tl.constexpr):
+    """One row: online log-sum-exp over the chunk, and the label's logit if it lies in the chunk."""
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride
+    m = float("-inf")
+    d = 0.0
+    for off in range(0, n_cols, BLOCK):
+        cols = off + tl.arange(0, BLOCK)
+        x = tl.load(base + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, 0))
+        d = d * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
+        m = m_new
+    local = tl.load(labels_ptr + row) - start
+    inside = (local >= 0) & (local < n_cols)
+    target = tl.load(base + local, mask=inside, other=0.0).to(tl.float32)
+    tl.store(lse_ptr + row, m + tl.log(d))
+    tl.store(target_ptr + row, target)
+
+
+@triton.jit
+def _ce_backward_kernel(logits_ptr, labels_ptr, lse_ptr, grad_ptr, stride, n_cols, start, BLOCK: tl.constexpr):
+    """One row, in place: logits -> (softmax - onehot(label)) * grad."""
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride
+    lse = tl.load(lse_ptr + row)
+    grad = tl.load(grad_ptr + row)
+    local = tl.load(labels_ptr + row) - start
+    for off in range(0, n_cols, BLOCK):
+        cols = off + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+        p = tl.exp(x - lse)
+        p = tl.where(cols == local, p - 1.0, p)
+        tl.store(base + cols, (p * grad).to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+_CE_BLOCK = 2048
+
+
+def ce_chunk_forward(logits: torch.Tensor, labels: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``cross_entropy.chunk_forward_reference``."""
+    n, cols = logits.shape
+    lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+    target = torch.empty_like(lse)
+    _ce_forward_kernel[(n,)](logits, labels, lse, target, logits.stride(0), cols, start, BLOCK=_CE_BLOCK, num_warps=8)
+    return lse, target
+
+
+def ce_chunk_backward(
+    logits: torch.Tensor, labels: torch.Tensor, start: int, lse: torch.Tensor, grad: torch.Tensor
+) -> torch.Tensor:
+    """Same contract as ``cross_entropy.chunk_backward_reference``."""
+    n, cols = logits.shape
+    _ce_backward_kernel[(n,)](logits, labels, lse, grad, logits.stride(0), cols, start, BLOCK=_CE_BLOCK, num_warps=8)
+    return logits
+
+
+# ---------------------------------------------------------------------- SwiGLU
+
+
+@triton.jit
+def _swiglu_forward_kernel(h_ptr, out_ptr, n_cols, BLOCK: tl.constexpr):
+    """out[r, c] = silu(h[r, c]) * h[r, n_cols + c]; h is [rows, 2 * n_cols] (gate first)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(h_ptr + row * 2 * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(h_ptr + row * 2 * n_cols + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    out = gate * tl.sigmoid(gate) * up
+    tl.store(out_ptr + row * n_cols + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_backward_kernel(h_ptr, grad_out_ptr, grad_h_ptr, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(h_ptr + row * 2 * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(h_ptr + row * 2 * n_cols + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(grad_out_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(gate)
+    d_gate = g * up * sig * (1.0 + gate * (1.0 - sig))
+    d_up = g * gate * sig
+    tl.store(grad_h_ptr + row * 2 * n_cols + cols, d_gate.to(grad_h_ptr.dtype.element_ty), mask=mask)
+    tl.store(grad_h_ptr + row * 2 * n_cols + n_cols + cols, d_up.to(grad_h_ptr.dtype.element_ty), mask=mask)
+
+
+_SWIGLU_BLOCK = 1024
+
+
+def swiglu_forward(h: torch.Tensor) -> torch.Tensor:
+    """h [rows, 2F] contiguous -> [rows, F]."""
+    rows, width = h.shape[0], h.shape[1] // 2
+    out = torch.empty((rows, width), dtype=h.dtype, device=h.device)
+    _swiglu_forward_kernel[(rows, triton.cdiv(width, _SWIGLU_BLOCK))](h, out, width, BLOCK=_SWIGLU_BLOCK)
+    return out
+
+
+def swiglu_backward(h: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
+    rows, width = h.shape[0], h.shape[1] // 2
+    grad_h = torch.empty_like(h)
+    grid = (rows, triton.cdiv(width, _SWIGLU_BLOCK))
+    _swiglu_backward_kernel[grid](h, grad_out, grad_h, width, BLOCK=_SWIGLU_BLOCK)
+    return grad_h
+
+
+# ---------------------------------------------------------------------- RoPE
+
+
+@triton.jit
+def _rope_kernel(
+    x_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr,
+    seq_len, num_heads, sxb, sxs, sxh, sob, sos, soh, table_stride,
+    SIGN: tl.constexpr, HAS_POS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """All heads of one token: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), sin negated by SIGN=-1
+    (the inverse rotation, which is the backward pass)."""
+    pid = tl.program_id(0).to(tl.int64)
+    b, s = pid // seq_len, pid % seq_len
+    if HAS_POS:
+        pos = tl.load(pos_ptr + pid).to(tl.int64)
+    else:
+        pos = s
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    dims = tl.arange(0, BLOCK_D)[None, :]
+    mask = (heads < num_heads) & (dims < HALF)
+    cos = tl.load(cos_ptr + pos * table_stride + dims, mask=dims < HALF, other=0.0)
+    sin = tl.load(sin_ptr + pos * table_stride + dims, mask=dims < HALF, other=0.0) * SIGN
+    src = x_ptr + b * sxb + s * sxs + heads * sxh + dims
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    dst = out_ptr + b * sob + s * sos + heads * soh + dims
+    dtype = out_ptr.dtype.element_ty
+    tl.store(dst, (x1 * cos - x2 * sin).to(dtype), mask=mask)
+    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_ids: torch.Tensor | None, sign: int) -> torch.Tensor:
+    """Rotate x [b, s, heads, d] (any strides, last dim contiguous) into a new contiguous tensor.
+
+    ``cos``/``sin`` are the fp32 [positions, d] tables (halves equal); ``sign=-1`` rotates back.
+    """
+    b, s, heads, d = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty((b, s, heads, d), dtype=x.dtype, device=x.device)
+    pos = position_ids.expand(b, s).contiguous() if position_ids is not None else x  # x: an unused placeholder
+    _rope_kernel[(b * s,)](
+        x, out, cos, sin, pos, s, heads, x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1),
+        out.stride(2), cos.stride(0), SIGN=sign, HAS_POS=position_ids is not None, HALF=d // 2,
+        BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(d // 2),
+    )  # fmt: skip
+    return out

@@ -1,0 +1,177 @@
+"""The distributed optimizer (``--use-distributed-optimizer``, Megatron's ZeRO-1): fp32 masters
+and Adam moments only for this rank's 1/dp of the parameters.
+
+Why: masters and moments are 12 bytes per parameter, replicated on every data-parallel rank
+they dominate memory; split over dp they shrink dp-fold, for the price of turning the gradient
+all-reduce into a reduce-scatter plus a parameter all-gather (the same bytes on the wire).
+
+Layout: the ``GradBuffer`` (built with ``shard=True``) cuts each bucket into dp equal slices;
+rank r owns slice r of every bucket. Slice boundaries fall anywhere, through parameters too, so
+each parameter this rank touches has one *piece*: the elements ``[start, end)`` of the flat
+buffer that lie in its slice. AdamW runs on the pieces, which are views into per-bucket flat
+tensors (masters, moments, and the reduced gradients in the buffer), so a step moves no data.
+The model's params become views of one flat tensor in the buffer's layout, so after the step one
+in-place all-gather per bucket writes every rank's updated slice into every rank's model.
+
+The grad norm is the true global one: each rank sums the squares of its slices' gradients and the
+sums are all-reduced over dp (then tp); an inf or nan anywhere makes it non-finite everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshtron.optim.optimizer import MixedPrecisionOptimizer
+from meshtron.parallel.data_parallel import GradBuffer, all_gather_single
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class _Piece:
+    """The part of ``param`` this rank owns: buffer elements ``[start, end)``; ``offset`` is
+    where ``param`` starts in the buffer, ``bucket`` the index of its bucket."""
+
+    name: str
+    param: nn.Parameter
+    offset: int
+    start: int
+    end: int
+    bucket: int
+    master: torch.Tensor
+
+
+class DistributedOptimizer(MixedPrecisionOptimizer):
+    """``MixedPrecisionOptimizer`` whose masters and AdamW state are sharded over ``grads.group``.
+
+    Build it after the model is cast and placed: its params are re-pointed into a flat tensor.
+    """
+
+    def __init__(self, param_groups: list[dict[str, Any]], *, grads: GradBuffer, **kwargs: Any) -> None:
+        if not isinstance(grads, GradBuffer) or not grads.shard:
+            raise ValueError("the distributed optimizer needs a GradBuffer built with shard=True (reduce-scatter)")
+        super().__init__(param_groups, grads=grads, **kwargs)
+        if grads.group is not None:
+            self._norm_groups.insert(0, grads.group)
+
+    # -- placement -----------------------------------------------------------------------------
+
+    def _build_masters(self, param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        buf = self.grads
+        first = next(iter(buf.ranges))
+        self._param_flat = torch.zeros(buf.numel, dtype=first.dtype, device=first.device)
+        for param, (a, b) in buf.ranges.items():
+            self._param_flat[a:b].copy_(param.detach().reshape(-1))
+            param.data = self._param_flat[a:b].view_as(param)
+
+        # Per bucket, this rank's slice [lo, hi) and its fp32 masters: in fp32 mode the model's own
+        # slice (updated in place, then gathered), else an fp32 copy of it.
+        self._slices = []
+        for bucket in buf.buckets:
+            lo, hi = buf.shard_range(bucket)
+            own = self._param_flat[lo:hi]
+            self._slices.append((lo, hi, own.float().clone() if self.mixed_precision else own))
+        self._flat_moments = [{k: torch.zeros_like(m) for k in _MOMENTS} for _, _, m in self._slices]
+
+        group_of = {id(param): i for i, group in enumerate(param_groups) for _, param in group["params"]}
+        self._pieces: list[_Piece] = []
+        for index, bucket in enumerate(buf.buckets):
+            lo, hi, masters = self._slices[index]
+            for param in bucket.params:
+                a, b = buf.ranges[param]
+                start, end = max(a, lo), min(b, hi)
+                if start < end:
+                    master = masters[start - lo : end - lo]
+                    master.grad = buf.data[start:end]
+                    self._pieces.append(_Piece(buf.names[param], param, a, start, end, index, master))
+        self._piece_of = {id(p.master): p for p in self._pieces}
+        master_groups = []
+        for i, group in enumerate(param_groups):
+            pairs = [(p.name, p.master) for p in self._pieces if group_of[id(p.param)] == i]
+            if pairs:
+                master_groups.append({**group, "params": pairs})
+        return master_groups
+
+    def _master_params(self) -> list[torch.Tensor]:
+        return [p.master for p in self._pieces]
+
+    def _master_owners(self) -> list[nn.Parameter]:
+        return [p.param for p in self._pieces]
+
+    def _new_moments(self, master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views into per-bucket flat moments, so a checkpoint gathers each with one collective."""
+        piece = self._piece_of[id(master)]
+        lo = self._slices[piece.bucket][0]
+        flat = self._flat_moments[piece.bucket]
+        return tuple(flat[k][piece.start - lo : piece.end - lo] for k in _MOMENTS)
+
+    @torch.no_grad()
+    def _copy_masters_to_model(self) -> None:
+        """Write this rank's updated slices into the model, then all-gather every bucket in place."""
+        handles = []
+        for bucket, (lo, hi, masters) in zip(self.grads.buckets, self._slices):
+            if self.mixed_precision:
+                self._param_flat[lo:hi].copy_(masters)
+            if self.grads.group is not None:
+                out = self._param_flat[bucket.start : bucket.end]
+                handles.append(all_gather_single(out, self._param_flat[lo:hi], group=self.grads.group, async_op=True))
+        for handle in handles:
+            handle.wait()
+
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        if self.mixed_precision:
+            for lo, hi, masters in self._slices:
+                masters.copy_(self._param_flat[lo:hi])
+
+    # -- checkpointing ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _gather(self, slices: list[torch.Tensor]) -> torch.Tensor:
+        """The full flat fp32 tensor (buffer layout) from every rank's per-bucket ``slices``."""
+        full = torch.zeros(self.grads.numel, dtype=torch.float32, device=self._param_flat.device)
+        for bucket, (lo, hi, _), own in zip(self.grads.buckets, self._slices, slices):
+            full[lo:hi].copy_(own)
+            if self.grads.group is not None:
+                all_gather_single(full[bucket.start : bucket.end], full[lo:hi], group=self.grads.group)
+        return full
+
+    def state_dict(self) -> dict[str, Any]:
+        """The same form as ``MixedPrecisionOptimizer.state_dict`` (full fp32 tensors keyed by
+        parameter name), so checkpoints move freely between dp sizes and the plain optimizer.
+
+        Cost: collective over dp, and every rank briefly holds the full masters and moments
+        (3 x 4 bytes per parameter). The tensors are fresh copies, not live views: load through
+        ``load_state_dict``, which keeps only this rank's slices.
+        """
+        full = {"master": self._gather([m for _, _, m in self._slices])}
+        for key in _MOMENTS:
+            full[key] = self._gather([flat[key] for flat in self._flat_moments])
+        step = self.adamw.state[self._pieces[0].master]["step"]
+        out: dict[str, Any] = {"master": {}, "state": {}, "loss_scaler": self._scaler_state()}
+        for param, (a, b) in self.grads.ranges.items():
+            name = self.grads.names[param]
+            out["master"][name] = full["master"][a:b].view(param.shape)
+            out["state"][name] = {"step": step.clone(), **{k: full[k][a:b].view(param.shape) for k in _MOMENTS}}
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Keep this rank's slice of each full tensor of ``state_dict``, then refresh the model.
+        Collective over dp (the parameter all-gather)."""
+        self._check_names(state_dict, list(self.grads.names.values()))
+        for piece in self._pieces:
+            lo, hi = piece.start - piece.offset, piece.end - piece.offset
+            saved = state_dict["state"][piece.name]
+            piece.master.copy_(state_dict["master"][piece.name].reshape(-1)[lo:hi])
+            current = self.adamw.state[piece.master]
+            current["step"].copy_(saved["step"])
+            for key in _MOMENTS:
+                current[key].copy_(saved[key].reshape(-1)[lo:hi])
+        self.loss_scaler.load_state_dict({k: v.item() for k, v in state_dict["loss_scaler"].items()})
+        self._copy_masters_to_model()

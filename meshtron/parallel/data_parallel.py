@@ -1,0 +1,219 @@
+"""Data parallelism, Megatron style: one contiguous fp32 gradient buffer, reduced bucket by bucket
+while backward still runs.
+
+Why a flat buffer: every parameter's gradient is a view (``param.main_grad``) into one fp32
+tensor, so micro batches accumulate in fp32 whatever the model's dtype, the optimizer reads the
+views with no copy, and a bucket of many small gradients goes over the wire as one collective.
+
+Why buckets in reverse order of registration: backward produces the last layers' gradients
+first, so buckets fill in layout order and each bucket's collective is launched
+(``async_op=True``) as soon as its last gradient lands, overlapping the rest of backward.
+
+Why SUM, not average: the trainer divides every micro batch's masked loss sum by the token count
+of the whole global batch (all data-parallel ranks together), so each rank's gradient is already
+its share of the global mean; the global gradient is the plain sum over ranks. (Context-parallel
+ranks hold different tokens of the same sequences, so they are summed too: pass the mesh's
+``dp_cp_group``.)
+
+With the distributed optimizer each bucket is reduce-scattered instead: rank ``r`` of the group
+keeps the sum only in its ``1/dp`` slice of every bucket (``shard_range``), which is all its
+optimizer shard needs.
+
+Only the last micro batch of a step communicates: earlier ones run inside ``no_sync()`` and just
+accumulate. With one process (``group=None``) the buffer never communicates; it is then only the
+fp32 accumulator of ``MixedPrecisionOptimizer``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+# torch 2.13 renamed these two (the old names now warn); older releases have only the old names.
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+# Megatron's default: large enough that per-collective latency is amortized, small enough that
+# the first bucket is ready early in backward.
+DEFAULT_BUCKET_SIZE = 40_000_000
+# Sharded buckets are padded to a multiple of dp x this many elements, so that every rank's
+# shard starts 256-byte aligned (fp32), which NCCL's and the kernels' fast paths want.
+_SHARD_ALIGN = 64
+
+
+@dataclass
+class Bucket:
+    """Buffer elements ``[start, end)`` (``end`` includes padding) and the params laid out in them."""
+
+    start: int
+    end: int
+    params: list[nn.Parameter]
+    pending: int = 0  # params whose gradient has not landed yet in this step's synced backward
+    handle: object = None  # the in-flight collective
+    launched_in_backward: bool = False
+
+
+@dataclass
+class SyncStats:
+    """How the last step's gradient communication went.
+
+    ``overlapped_fraction``: share of the buffer's elements whose collective was launched from a
+    backward hook (so it could overlap the rest of backward) rather than from
+    ``finish_grad_sync``. ``wait_s``: host time ``finish_grad_sync`` spent waiting for the
+    collectives, the communication backward did not hide. On a GPU ``wait()`` only orders
+    streams, so there the exposed time shows in the step time rather than in ``wait_s``.
+    """
+
+    buckets: int = 0
+    overlapped_fraction: float = 0.0
+    wait_s: float = 0.0
+
+
+class GradBuffer:
+    """fp32 gradients of ``named_params`` in one flat tensor, reduced over ``group``.
+
+    Every param gets ``param.main_grad``, its view of the buffer. fp32 params also keep
+    ``param.grad`` pointing at that view, so autograd accumulates into it in place; a
+    low-precision param's gradient is added into it by a post-accumulate-grad hook and freed.
+    """
+
+    def __init__(
+        self,
+        named_params: list[tuple[str, nn.Parameter]],
+        *,
+        group: dist.ProcessGroup | None = None,
+        bucket_size: int = DEFAULT_BUCKET_SIZE,
+        shard: bool = False,
+    ) -> None:
+        if not named_params:
+            raise ValueError("the model has no trainable parameters")
+        if bucket_size < 1:
+            raise ValueError(f"bucket_size must be positive, got {bucket_size}")
+        owned = [name for name, param in named_params if hasattr(param, "main_grad")]
+        if owned:
+            # A second buffer's hooks would fight the first's over every .grad.
+            raise ValueError(f"parameters {owned[:3]} already have a gradient buffer: build one optimizer per model")
+        self.group = group
+        self.dp_size = dist.get_world_size(group) if group is not None else 1
+        self.dp_rank = dist.get_rank(group) if group is not None else 0
+        self.shard = shard
+        self.names = {param: name for name, param in named_params}
+        self.buckets = self._layout([p for _, p in reversed(named_params)], bucket_size)
+        device = named_params[0][1].device
+        self.numel = self.buckets[-1].end
+        self.data = torch.zeros(self.numel, dtype=torch.float32, device=device)
+        self.ranges: dict[nn.Parameter, tuple[int, int]] = {}  # each param's elements [start, end)
+        self._bucket_of: dict[nn.Parameter, Bucket] = {}
+        for bucket in self.buckets:
+            offset = bucket.start
+            for param in bucket.params:
+                self.ranges[param] = (offset, offset + param.numel())
+                self._bucket_of[param] = bucket
+                param.main_grad = self.data[offset : offset + param.numel()].view_as(param)
+                param.grad = param.main_grad if param.dtype == torch.float32 else None
+                param.register_post_accumulate_grad_hook(self._on_grad)
+                offset += param.numel()
+        self._sync = True
+        self._next_launch = 0
+        self.stats = SyncStats()
+        self.zero_()
+
+    def _layout(self, params: list[nn.Parameter], bucket_size: int) -> list[Bucket]:
+        """Consecutive params into buckets of at least ``bucket_size`` elements (never splitting
+        a param), each padded so it shards evenly when ``shard``."""
+        buckets, current, start, size = [], [], 0, 0
+        multiple = self.dp_size * _SHARD_ALIGN if self.shard else 1
+        for i, param in enumerate(params):
+            current.append(param)
+            size += param.numel()
+            if size >= bucket_size or i == len(params) - 1:
+                end = start + -(-size // multiple) * multiple
+                buckets.append(Bucket(start, end, current))
+                current, start, size = [], end, 0
+        return buckets
+
+    # ------------------------------------------------------------------ what the optimizer reads
+
+    def grad_of(self, param: nn.Parameter) -> torch.Tensor:
+        return param.main_grad
+
+    def shard_range(self, bucket: Bucket) -> tuple[int, int]:
+        """Buffer elements ``[lo, hi)`` of ``bucket`` that this rank reduces and owns when sharded."""
+        size = (bucket.end - bucket.start) // self.dp_size
+        lo = bucket.start + self.dp_rank * size
+        return lo, lo + size
+
+    # ------------------------------------------------------------------ a step
+
+    def zero_(self) -> None:
+        """Start a step: zero every gradient and re-arm the buckets. Call after the last step's
+        ``finish_grad_sync`` (the optimizer's ``step`` calls it), never while collectives run."""
+        self.data.zero_()
+        for bucket in self.buckets:
+            bucket.pending, bucket.handle, bucket.launched_in_backward = len(bucket.params), None, False
+        self._next_launch = 0
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside only accumulate: wrap every micro batch but a step's last."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def finish_grad_sync(self) -> SyncStats:
+        """Launch what backward did not (unused params), wait for every collective; idempotent."""
+        if self.group is None:
+            return self.stats
+        self._launch_ready(force=True)
+        start = time.perf_counter()
+        waited = [b for b in self.buckets if b.handle is not None]
+        for bucket in waited:
+            bucket.handle.wait()
+            bucket.handle = None
+        if waited:
+            overlapped = sum(b.end - b.start for b in self.buckets if b.launched_in_backward)
+            self.stats = SyncStats(len(self.buckets), overlapped / self.numel, time.perf_counter() - start)
+        return self.stats
+
+    # ------------------------------------------------------------------ hooks and collectives
+
+    @torch.no_grad()
+    def _on_grad(self, param: nn.Parameter) -> None:
+        if param.grad is not param.main_grad:  # low precision, or an fp32 .grad someone set to None
+            param.main_grad.add_(param.grad)
+            param.grad = param.main_grad if param.dtype == torch.float32 else None
+        if not self._sync or self.group is None:
+            return
+        bucket = self._bucket_of[param]
+        if bucket.pending == 0:
+            raise RuntimeError(
+                f"gradient of '{self.names[param]}' arrived after its bucket was reduced this step: run every "
+                "micro batch but the last inside optimizer.no_sync(), and zero_grad() before the next step"
+            )
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch_ready(force=False)
+
+    def _launch_ready(self, force: bool) -> None:
+        """Launch buckets strictly in layout order, so every rank issues the same collectives in
+        the same order even if its hooks fire in another; ``force`` launches the rest too."""
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if bucket.pending and not force:
+                return
+            bucket.launched_in_backward = not force
+            region = self.data[bucket.start : bucket.end]
+            if self.shard:
+                lo, hi = self.shard_range(bucket)
+                bucket.handle = reduce_scatter_single(self.data[lo:hi], region, group=self.group, async_op=True)
+            else:
+                bucket.handle = dist.all_reduce(region, group=self.group, async_op=True)
+            bucket.pending = 0
+            self._next_launch += 1

@@ -1,0 +1,118 @@
+"""``--fsdp``: fully sharded data parallelism through PyTorch's FSDP2 (``fully_shard``).
+
+Why offer it beside the distributed optimizer: FSDP shards the parameters and gradients too,
+not only the optimizer state, at the price of gathering each block's weights in forward and
+backward. Each transformer block is its own FSDP unit (its all-gather overlaps the previous
+block's compute), then the root takes what is left (embedding, final norm, output layer).
+
+Precision: the sharded params stay fp32 and *are* the optimizer's masters (DTensors); FSDP
+casts the gathered copy to ``param_dtype`` for compute and reduce-scatters gradients in
+``reduce_dtype`` (fp32). So with ``--fsdp`` the model is not cast to bf16 by the caller.
+
+Gradients are summed over the data-parallel ranks, not averaged (the divide factor is set to
+1): the trainer already divides each micro batch's loss by the token count of the whole global
+batch, as for ``GradBuffer``.
+
+Runs on gloo too (checked with torch 2.13 on the CPU: all-gather, reduce-scatter and bf16
+mixed precision), so the same equivalence tests as the other data-parallel paths hold it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshtron.config import ConfigError
+from meshtron.optim.optimizer import MixedPrecisionOptimizer, build_loss_scaler, build_param_groups
+from meshtron.parallel.mesh import Mesh
+
+try:  # torch >= 2.6
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+except ImportError:  # torch 2.4 / 2.5
+    from torch.distributed._composable.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+
+def apply_fsdp(
+    model: nn.Module, mesh: Mesh, param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype = torch.float32
+) -> nn.Module:
+    """Shard ``model`` (fp32, on its device) over ``mesh.dp_cp_group``, block by block, in place.
+
+    With one data-parallel rank the model is returned as it is (nothing to shard).
+    """
+    if mesh.tp_size > 1:
+        raise ConfigError(
+            f"--fsdp shards whole parameters over data parallel and does not combine with tensor parallelism "
+            f"(tp {mesh.tp_size}); use --use-distributed-optimizer with tensor parallelism, or set tp to 1"
+        )
+    dtypes = {p.dtype for p in model.parameters()}
+    if dtypes != {torch.float32}:
+        raise ValueError(f"apply_fsdp wants an fp32 model (its shards are the fp32 masters), got {sorted(map(str, dtypes))}")
+    if mesh.dp_cp_size == 1:
+        return model
+    from torch.distributed.device_mesh import DeviceMesh
+
+    device_type = next(model.parameters()).device.type
+    device_mesh = DeviceMesh.from_group(mesh.dp_cp_group, device_type)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in model.layers:
+        fully_shard(block, mesh=device_mesh, mp_policy=policy)
+    fully_shard(model, mesh=device_mesh, mp_policy=policy)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            # A factor other than dp would become NCCL's PREMUL_SUM, which gloo lacks; plain SUM
+            # (the factor 1 then needs no scaling at all) runs on both. Newer torch only.
+            if hasattr(module, "set_force_sum_reduction_for_comms"):
+                module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+class FSDPGrads:
+    """The optimizer's grad storage for an FSDP model: FSDP itself reduce-scatters every block's
+    gradients during backward into the sharded params' fp32 ``.grad`` (and waits for them before
+    backward returns), so this only zeroes them."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def grad_of(self, param: nn.Parameter) -> torch.Tensor | None:
+        return param.grad
+
+    def zero_(self) -> None:
+        for param in self.model.parameters():
+            param.grad = None
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        """Does not skip the reduction: FSDP would then keep every unsharded gradient, in bf16, until
+        the last micro batch, losing both its memory saving and fp32 accumulation. Each micro
+        batch is reduce-scattered in fp32 and accumulated into the fp32 shards (as torchtitan does)."""
+        return contextlib.nullcontext()
+
+    def finish_grad_sync(self) -> None:
+        return None
+
+
+class FSDPOptimizer(MixedPrecisionOptimizer):
+    """AdamW over the FSDP-sharded fp32 params (DTensors): masters, moments and grads are 1/dp."""
+
+    def _total_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The norm of DTensor shards is a DTensor; ``full_tensor`` completes it over dp."""
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def build_fsdp_optimizer(model: nn.Module, train_cfg: Any, compute_dtype: torch.dtype = torch.float32) -> FSDPOptimizer:
+    """The optimizer for a model that went through ``apply_fsdp`` (same weight-decay groups as
+    ``build_optimizer``; ``compute_dtype``, FSDP's ``param_dtype``, picks the loss scaler)."""
+    return FSDPOptimizer(
+        build_param_groups(model, train_cfg.weight_decay),
+        lr=train_cfg.lr,
+        betas=(train_cfg.adam_beta1, train_cfg.adam_beta2),
+        eps=train_cfg.adam_eps,
+        clip_grad=train_cfg.clip_grad,
+        loss_scaler=build_loss_scaler(train_cfg, compute_dtype),
+        grads=FSDPGrads(model),
+    )

@@ -1,0 +1,200 @@
+"""Pipeline schedules as pure data: which layers each stage holds, in which order a rank runs its
+forward and backward passes, and which messages it exchanges around each of them.
+
+Nothing here touches tensors or processes, so every schedule can be printed, reasoned about and
+tested for ordering and deadlock-freedom in one process; ``pipeline.py`` only walks the lists.
+
+Vocabulary: ``pp`` pipeline ranks each hold ``virtual`` model chunks (interleaving); local chunk
+``v`` of rank ``r`` is model chunk ``v * pp + r``, so model chunks go round the ranks as a ring and
+an activation always travels to the next rank (pp - 1 wraps to 0), a gradient to the previous one.
+An op is ``(kind, micro_batch, v)`` with kind ``"F"`` or ``"B"`` and ``v`` the local chunk.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+KINDS = ("afab", "1f1b", "interleaved")
+
+Op = tuple[str, int, int]
+
+
+class Message(NamedTuple):
+    """One point-to-point transfer. ``chunk`` is the model chunk that produced the tensor: an
+    activation of micro batch ``mb`` leaving chunk ``c`` is ``("act", mb, c)`` on both ends."""
+
+    send: bool
+    kind: str  # "act" (forward activation) | "grad" (gradient of that activation)
+    peer: int  # pipeline rank of the other end
+    mb: int
+    chunk: int
+
+
+class Step(NamedTuple):
+    """Post ``batch`` as one ``batch_isend_irecv`` and wait for it, then run ``ops`` (none in the
+    trailing step that only sends the last outputs)."""
+
+    batch: list[Message]
+    ops: list[Op]
+
+
+# ---------------------------------------------------------------------- stage split
+
+
+def split_layers(num_layers: int, pp: int, virtual: int = 1, first_stage_layers: int | None = None,
+                 last_stage_layers: int | None = None) -> list[range]:  # fmt: skip
+    """Layers of each model chunk, in model order (``pp * virtual`` contiguous ranges).
+
+    Even by default. ``first_stage_layers`` / ``last_stage_layers`` give pipeline rank 0 / pp - 1
+    fewer (or more) layers than the rest, to balance the embedding and the output layer with its
+    loss (Megatron's ``--decoder-first/last-pipeline-num-layers``); the other ranks share what is
+    left evenly. A rank's layers are split evenly over its ``virtual`` chunks, so every count must
+    divide as described by the error it raises otherwise.
+    """
+    if pp < 1 or virtual < 1:
+        raise ValueError(f"pipeline size {pp} and virtual stages {virtual} must be at least 1")
+    if pp == 1 and (first_stage_layers is not None or last_stage_layers is not None):
+        raise ValueError("first/last stage layer counts need a pipeline of at least 2 stages")
+    per_rank: list[int | None] = [None] * pp
+    if first_stage_layers is not None:
+        per_rank[0] = first_stage_layers
+    if last_stage_layers is not None:
+        per_rank[-1] = last_stage_layers
+    fixed = sum(n for n in per_rank if n is not None)
+    free = per_rank.count(None)
+    rest = num_layers - fixed
+    if rest < 0 or (free and rest % free) or (not free and rest):
+        raise ValueError(f"cannot split {num_layers} layers over {pp} pipeline stages with first {first_stage_layers} "
+                         f"and last {last_stage_layers}: the other {free} stages must share {rest} evenly")  # fmt: skip
+    per_rank = [rest // free if n is None else n for n in per_rank]
+    for rank, n in enumerate(per_rank):
+        if n % virtual or (n == 0 and 0 < rank < pp - 1):
+            raise ValueError(f"pipeline stage {rank} would hold {n} layers, which do not split into {virtual} virtual "
+                             f"stages{' (a middle stage needs layers)' if n == 0 else ''}; change --num-layers, the "
+                             f"pipeline size or the layers per virtual stage")  # fmt: skip
+    ranges, start = [], 0
+    for chunk in range(pp * virtual):
+        n = per_rank[chunk % pp] // virtual
+        ranges.append(range(start, start + n))
+        start += n
+    return ranges
+
+
+# ---------------------------------------------------------------------- op order
+
+
+def _check(kind: str, pp: int, pp_rank: int, num_micro_batches: int, virtual: int) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"unknown pipeline schedule '{kind}': use one of {KINDS}")
+    if not 0 <= pp_rank < pp or num_micro_batches < 1:
+        raise ValueError(f"pipeline rank {pp_rank} of {pp} with {num_micro_batches} micro batches is not a schedule")
+    if kind != "interleaved" and virtual != 1:
+        raise ValueError(f"schedule '{kind}' runs one model chunk per rank; virtual stages need 'interleaved'")
+    if kind == "interleaved":
+        if pp == 1 and virtual > 1:
+            raise ValueError("virtual pipeline stages need a pipeline of at least 2 stages")
+        if num_micro_batches % pp:
+            raise ValueError(f"the interleaved schedule needs the number of micro batches ({num_micro_batches}) to be "
+                             f"a multiple of the pipeline size ({pp}), as in Megatron; change --global-batch-size "
+                             f"or --micro-batch-size")  # fmt: skip
+
+
+def schedule_order(kind: str, pp: int, pp_rank: int, num_micro_batches: int, virtual: int = 1) -> list[Op]:
+    """The ops rank ``pp_rank`` runs, in order.
+
+    ``afab``: every forward, then every backward (GPipe): simplest, activations of all micro batches
+    alive at once. ``1f1b``: ``pp - rank - 1`` warm-up forwards, then one forward and one backward
+    alternately, then the remaining backwards: at most ``pp - rank`` micro batches in flight.
+    ``interleaved``: Megatron's 1F1B over ``virtual`` chunks per rank, micro batches taken in
+    groups of ``pp`` per chunk; the bubble shrinks by ``virtual``.
+    """
+    return [op for unit in _units(kind, pp, pp_rank, num_micro_batches, virtual) for op in unit]
+
+
+def forward_only_order(kind: str, pp: int, pp_rank: int, num_micro_batches: int, virtual: int = 1) -> list[Op]:
+    """The forwards of ``kind``'s order alone (evaluation: no backward, nothing kept for one)."""
+    return [op for op in schedule_order(kind, pp, pp_rank, num_micro_batches, virtual) if op[0] == "F"]
+
+
+def _units(kind: str, pp: int, rank: int, m: int, v: int) -> list[list[Op]]:
+    """The order cut where communication happens: warm-up forwards and cool-down backwards one by
+    one, the steady state's forward-backward pairs together (see ``communication_plan``)."""
+    _check(kind, pp, rank, m, v)
+    if kind == "afab":
+        return [[("F", i, 0)] for i in range(m)] + [[("B", i, 0)] for i in range(m)]
+    if kind == "1f1b":
+        warmup = min(pp - rank - 1, m)
+        fwd = [("F", i, 0) for i in range(m)]
+        bwd = [("B", i, 0) for i in range(m)]
+    else:
+        # Megatron-Core's forward_backward_pipelining_with_interleaving: virtual micro batch k
+        # (0 .. m*v - 1) is micro batch (k // (pp*v)) * pp + k % pp, on chunk (k // pp) % v going
+        # forward and v - 1 - (k // pp) % v going backward; all forwards first when m == pp.
+        def mb(k: int) -> int:
+            return (k // (pp * v)) * pp + k % pp
+
+        fwd = [("F", mb(k), (k // pp) % v) for k in range(m * v)]
+        bwd = [("B", mb(k), v - 1 - (k // pp) % v) for k in range(m * v)]
+        warmup = m * v if m == pp else min((pp - rank - 1) * 2 + (v - 1) * pp, m * v)
+    steady = len(fwd) - warmup
+    return ([[op] for op in fwd[:warmup]] + [[fwd[warmup + k], bwd[k]] for k in range(steady)]
+            + [[op] for op in bwd[steady:]])  # fmt: skip
+
+
+def bubble_fraction(kind: str, pp: int, num_micro_batches: int, virtual: int = 1) -> float:
+    """Idle time over useful time in theory, equal forward/backward costs and free communication:
+    ``(pp - 1) / m``, and ``(pp - 1) / (virtual * m)`` interleaved (Narayanan et al., 2021)."""
+    _check(kind, pp, 0, num_micro_batches, virtual)
+    return (pp - 1) / (virtual * num_micro_batches)
+
+
+# ---------------------------------------------------------------------- messages
+
+
+def _input_message(op: Op, pp: int, rank: int, virtual: int) -> Message | None:
+    """What ``op`` must receive first: a forward its input activation (unless it is the model's
+    first chunk), a backward its output's gradient (unless the loss is computed right there)."""
+    kind, mb, v = op
+    chunk = v * pp + rank
+    if kind == "F":
+        return Message(False, "act", (rank - 1) % pp, mb, chunk - 1) if chunk > 0 else None
+    return Message(False, "grad", (rank + 1) % pp, mb, chunk + 1) if chunk < pp * virtual - 1 else None
+
+
+def _output_message(op: Op, pp: int, rank: int, virtual: int) -> Message | None:
+    """What ``op`` hands on: a forward its output to the next chunk, a backward its input's gradient
+    to the previous one (none past either end of the model)."""
+    kind, mb, v = op
+    chunk = v * pp + rank
+    if kind == "F":
+        return Message(True, "act", (rank + 1) % pp, mb, chunk) if chunk < pp * virtual - 1 else None
+    return Message(True, "grad", (rank - 1) % pp, mb, chunk) if chunk > 0 else None
+
+
+def communication_plan(kind: str, pp: int, pp_rank: int, num_micro_batches: int, virtual: int = 1,
+                       forward_only: bool = False) -> list[Step]:  # fmt: skip
+    """The steps rank ``pp_rank`` runs for ``schedule_order`` (or ``forward_only_order``).
+
+    Before each unit of the order (one op; in the steady state one forward and one backward, as
+    Megatron groups them) one batch carries the previous unit's outputs and this unit's inputs.
+    Waiting on a batch whole is what NCCL's grouped calls amount to (one rank's later transfers
+    queue behind its earlier ones); sending a steady-state forward's output only after the paired
+    backward, and fetching the backward's input before the forward, is what keeps the interleaved
+    schedule free of deadlock under that rule.
+
+    Messages between two ranks (both neighbours are one rank when pp is 2) match in the order
+    each side posts them: NCCL has no tags and gloo is given none, so both match the same way.
+    ``tests/unit/test_pipeline_schedule.py`` runs every rank's plan together and checks that all
+    complete and that every receive gets the message it expects.
+    """
+    units = _units(kind, pp, pp_rank, num_micro_batches, virtual)
+    if forward_only:
+        units = [[op] for unit in units for op in unit if op[0] == "F"]
+    steps, sends = [], []
+    for unit in units + [[]]:
+        recvs = [_input_message(op, pp, pp_rank, virtual) for op in unit]
+        batch = sends + [msg for msg in recvs if msg is not None]
+        if unit or batch:
+            steps.append(Step(batch, unit))
+        sends = [msg for msg in (_output_message(op, pp, pp_rank, virtual) for op in unit) if msg is not None]
+    return steps

@@ -1,0 +1,241 @@
+"""Context parallelism equals the one-process run: attention outputs and gradients, per-token
+losses and every parameter gradient.
+
+One spawn of 4 gloo processes holds three layouts at once: cp 4, cp 2 x dp 2 and cp 2 x tp 2.
+The reference is computed in this (pytest's) process from the same seed and data, unsharded.
+
+- Attention alone: q/k/v of the whole sequence are sharded the load-balanced way, attended with
+  ``ring_attention`` and ``allgather_kv_attention`` (causal, with and without packed documents;
+  the ring also non-causal), and compared with ``math_attention`` over the whole sequence: the
+  output and the q/k/v gradients of the rank's tokens.
+- The model: a tiny Llama (rope, GQA) and a GPT (learned positions, packed documents, biases)
+  trained one step the trainer's way: masked loss sum over the global token count (all-reduced
+  over dp x cp), gradients summed over dp x cp. Unsharded per-token losses, the global loss and
+  every gradient must match the plain model on the whole batch.
+
+Tolerance: fp32 on the CPU, 1e-5 relative (as a norm over the whole tensor).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from launcher import run_distributed
+from meshtron.config import ModelConfig
+from meshtron.layers.attention import Attention, attention_mask, math_attention
+from meshtron.models import build_model
+from meshtron.parallel.apply import apply_tensor_parallel, finalize_tensor_parallel_grads, gather_full
+from meshtron.parallel.context_parallel import (
+    allgather_kv_attention,
+    apply_context_parallel,
+    cp_token_index,
+    ring_attention,
+    shard_batch_for_cp,
+    unshard_sequence,
+)
+from meshtron.parallel.mesh import Mesh
+
+SEED, VOCAB, SEQ, BATCH = 1234, 128, 32, 2
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
+RTOL = 1e-5
+WORLD = 4
+LAYOUTS = {"cp4": dict(cp=4), "cp2xdp2": dict(cp=2, dp=2), "cp2xtp2": dict(tp=2, cp=2)}
+
+LLAMA = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=HEADS, num_query_groups=KV_HEADS,
+                    ffn_hidden_size=96, normalization="RMSNorm", activation="swiglu", position_embedding_type="rope",
+                    add_bias_linear=False, tie_embeddings=False)  # fmt: skip
+GPT = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=HEADS, normalization="LayerNorm", activation="gelu",
+                  position_embedding_type="learned_absolute", add_bias_linear=True, tie_embeddings=True)  # fmt: skip
+# (model, layout, algorithm): every layout with the ring; the all-gather variant and packed documents once each.
+MODEL_CASES = [("llama", "cp4", "p2p"), ("llama", "cp2xdp2", "p2p"), ("llama", "cp2xtp2", "p2p"),
+               ("llama", "cp4", "all_gather"), ("gpt", "cp2xtp2", "p2p")]  # fmt: skip
+ATTENTION_CASES = [("p2p", True, False), ("p2p", True, True), ("p2p", False, False),
+                   ("all_gather", True, False), ("all_gather", True, True)]  # (algorithm, causal, documents)  # fmt: skip
+ATTENTION_FNS = {"p2p": ring_attention, "all_gather": allgather_kv_attention}
+
+
+# ---------------------------------------------------------------------- document ids for the core (stopgap)
+
+
+class _PassDocuments(Attention):
+    """Hands ``document_ids`` to the context-parallel core, which today's ``Attention.forward``
+    does not pass to ``core_attention`` (the change asked of layers/attention.py). Remove once it
+    does: ``_pass_documents`` is then a no-op."""
+
+    def forward(self, x, cos, sin, position_ids=None, document_ids=None, kv_cache=None):
+        self._document_ids = document_ids
+        return super().forward(x, cos, sin, position_ids, document_ids, kv_cache)
+
+
+def _pass_documents(model):
+    if "document_ids" in inspect.signature(Attention.core_attention).parameters:
+        return model
+    for layer in model.layers:
+        attn, core = layer.self_attention, layer.self_attention.core_attention
+        attn.__class__ = _PassDocuments
+        attn.core_attention = functools.partial(lambda a, c, *args: c(*args, a._document_ids), attn, core)
+    return model
+
+
+# ---------------------------------------------------------------------- data
+
+
+def _attention_inputs() -> dict[str, torch.Tensor]:
+    """Whole-sequence q, k, v, an upstream gradient and three packed documents per sequence."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(BATCH, SEQ, HEADS, HEAD_DIM, generator=g)
+    k, v = (torch.randn(BATCH, SEQ, KV_HEADS, HEAD_DIM, generator=g) for _ in range(2))
+    dout = torch.randn(BATCH, SEQ, HEADS, HEAD_DIM, generator=g)
+    docs = torch.tensor([[0] * 5 + [1] * 14 + [2] * 13, [0] * 20 + [1] * 3 + [2] * 9])
+    return {"q": q, "k": k, "v": v, "dout": dout, "docs": docs}
+
+
+def _batch(name: str) -> dict[str, torch.Tensor]:
+    """Random tokens and labels (a few ignored), a random loss mask; the GPT packs documents
+    (positions restart, attention stays inside each)."""
+    g = torch.Generator().manual_seed(7)
+    batch = {
+        "tokens": torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+        "labels": torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+        "loss_mask": (torch.rand(BATCH, SEQ, generator=g) < 0.8).float(),
+    }
+    batch["labels"][0, :3] = -100
+    if name == "gpt":
+        docs = torch.tensor([[0] * 11 + [1] * 21, [0] * 26 + [1] * 6])
+        starts = torch.tensor([[0] * 11 + [11] * 21, [0] * 26 + [26] * 6])
+        batch["document_ids"] = docs
+        batch["position_ids"] = torch.arange(SEQ) - starts
+    return batch
+
+
+def _model(name: str):
+    torch.manual_seed(SEED)
+    return build_model(LLAMA if name == "llama" else GPT, VOCAB, SEQ)
+
+
+def _loss(model, batch, num_tokens):
+    per_token = model(batch["tokens"], batch.get("position_ids"), batch.get("document_ids"), batch["labels"])
+    return per_token, (per_token * batch["loss_mask"]).sum() / num_tokens
+
+
+# ---------------------------------------------------------------------- the distributed side
+
+
+def _attention_case(mesh: Mesh, algorithm: str, causal: bool, documents: bool) -> dict[str, torch.Tensor]:
+    data = _attention_inputs()
+    index = cp_token_index(SEQ, mesh.cp_size, mesh.cp_rank)
+    q, k, v = (data[n].index_select(1, index).requires_grad_() for n in ("q", "k", "v"))
+    docs = data["docs"].index_select(1, index) if documents else None
+    out = ATTENTION_FNS[algorithm](q, k, v, mesh, causal=causal, document_ids=docs)
+    (out * data["dout"].index_select(1, index)).sum().backward()
+    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def _model_case(mesh: Mesh, name: str, algorithm: str) -> dict[str, object]:
+    model = apply_tensor_parallel(_model(name), mesh, sequence_parallel=False)
+    _pass_documents(apply_context_parallel(model, mesh, algorithm))
+    batch = {k: t.chunk(mesh.dp_size)[mesh.dp_rank] for k, t in _batch(name).items()}
+    local = shard_batch_for_cp(batch, mesh)
+    num_tokens = local["loss_mask"].sum()
+    dist.all_reduce(num_tokens, group=mesh.dp_cp_group)
+    per_token, loss = _loss(model, local, num_tokens)
+    loss.backward()
+    finalize_tensor_parallel_grads(model, mesh)
+    global_loss = loss.detach().clone()
+    dist.all_reduce(global_loss, group=mesh.dp_cp_group)
+    grads = {}
+    for n, p in model.named_parameters():
+        dist.all_reduce(p.grad, group=mesh.dp_cp_group)  # the data-parallel buffer's job
+        shard = getattr(p, "tp_shard", None)
+        grads[n] = p.grad if shard is None or mesh.tp_size == 1 else gather_full(p.grad, shard, mesh)
+    return {"losses": unshard_sequence(per_token.detach(), mesh), "loss": global_loss, "grads": grads}
+
+
+def _worker(rank: int, world_size: int) -> dict:
+    meshes = {name: Mesh(rank=rank, **sizes) for name, sizes in LAYOUTS.items()}
+    for mesh in meshes.values():
+        mesh.init_process_groups()
+    out = {}
+    for layout in ("cp4", "cp2xdp2"):
+        for case in ATTENTION_CASES:
+            out[("attention", layout, *case)] = _attention_case(meshes[layout], *case)
+    for name, layout, algorithm in MODEL_CASES:
+        out[("model", name, layout, algorithm)] = _model_case(meshes[layout], name, algorithm)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_distributed(_worker, WORLD)
+
+
+# ---------------------------------------------------------------------- the checks
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).norm() / want.norm().clamp(min=1e-30)).item()
+
+
+def _reference_attention(causal: bool, documents: bool) -> dict[str, torch.Tensor]:
+    data = _attention_inputs()
+    q, k, v = (data[n].clone().requires_grad_() for n in ("q", "k", "v"))
+    if causal:
+        mask = attention_mask(SEQ, SEQ, data["docs"] if documents else None)
+    else:
+        mask = torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool)
+    group = HEADS // KV_HEADS
+    out = math_attention(q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(group, 1),
+                         v.transpose(1, 2).repeat_interleave(group, 1), mask).transpose(1, 2)  # fmt: skip
+    (out * data["dout"]).sum().backward()
+    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+@pytest.mark.parametrize("layout", ["cp4", "cp2xdp2"])
+@pytest.mark.parametrize("algorithm,causal,documents", ATTENTION_CASES)
+def test_attention_matches_full_attention(results, layout, algorithm, causal, documents):
+    want = _reference_attention(causal, documents)
+    for rank, result in enumerate(results):
+        got = result[("attention", layout, algorithm, causal, documents)]
+        mesh = Mesh(rank=rank, **LAYOUTS[layout])
+        index = cp_token_index(SEQ, mesh.cp_size, mesh.cp_rank)
+        for name in ("out", "dq", "dk", "dv"):
+            err = _rel_err(got[name], want[name].index_select(1, index))
+            assert err < RTOL, f"rank {rank}: {name} differs by {err:.2e} (relative)"
+
+
+@pytest.mark.parametrize("layout", ["cp4", "cp2xdp2"])
+@pytest.mark.parametrize("documents", [False, True])
+def test_allgather_equals_ring(results, layout, documents):
+    for rank, result in enumerate(results):
+        ring, gathered = (result[("attention", layout, alg, True, documents)] for alg in ("p2p", "all_gather"))
+        for name in ("out", "dq", "dk", "dv"):
+            assert _rel_err(gathered[name], ring[name]) < RTOL, f"rank {rank}: {name}"
+
+
+def _reference_model(name: str) -> dict[str, object]:
+    model, batch = _model(name), _batch(name)
+    per_token, loss = _loss(model, batch, batch["loss_mask"].sum())
+    loss.backward()
+    return {"losses": per_token.detach(), "loss": loss.detach(), "grads": {n: p.grad for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("name,layout,algorithm", MODEL_CASES)
+def test_model_matches_one_process(results, name, layout, algorithm):
+    want = _reference_model(name)
+    for rank, result in enumerate(results):
+        got = result[("model", name, layout, algorithm)]
+        mesh = Mesh(rank=rank, **LAYOUTS[layout])
+        rows = torch.arange(BATCH).chunk(mesh.dp_size)[mesh.dp_rank]
+        err = _rel_err(got["losses"], want["losses"][rows])
+        assert err < RTOL, f"rank {rank}: per-token losses differ by {err:.2e}"
+        assert _rel_err(got["loss"], want["loss"]) < RTOL, f"rank {rank}: loss {got['loss']} != {want['loss']}"
+        assert got["grads"].keys() == want["grads"].keys()
+        for n, ref in want["grads"].items():
+            assert ref.norm() > 0, f"{n}: reference gradient is zero, the comparison would prove nothing"
+            err = _rel_err(got["grads"][n], ref)
+            assert err < RTOL, f"rank {rank}: gradient of {n} differs by {err:.2e} (relative)"

@@ -1,0 +1,106 @@
+"""The distributed optimizer (masters and Adam state sharded over dp=2) equals the one-process run.
+
+Same harness as ``test_data_parallel`` (the global batch split over 2 gloo processes, 2 micro
+batches each, clipping active), here with reduce-scattered gradients, a sharded step and the
+parameter all-gather. One spawn runs every case:
+
+- fp32: losses, global grad norms, every gradient element (each rank checks the slices it
+  owns; together they cover every parameter) and the params after 5 steps, to 1e-5 relative;
+- bf16 params: against the one-process bf16 run, to a bf16 tolerance;
+- memory: masters + moments per rank are half of the one-process optimizer's;
+- checkpoint: a DCP save after 3 steps, loaded into a fresh model and optimizer, resumes with
+  bit-identical next steps; loaded into the one-process optimizer it continues like the
+  one-process run (the state dict is keyed by parameter name, whatever the dp size).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from launcher import run_distributed
+from meshtron.optim.optimizer import build_optimizer
+from test_data_parallel import (
+    BUCKET,
+    DP,
+    MICRO_BATCHES,
+    STEPS,
+    TRAIN,
+    assert_matches_reference,
+    assert_rel_close,
+    dp_mesh,
+    make_model,
+    reference,
+    train,
+)
+
+BF16_RTOL = 2e-2
+RESUME_AT = 3
+
+
+def _dist_opt(model, mesh, dtype=torch.float32):
+    return build_optimizer(model, TRAIN, dtype, mesh=mesh, distributed=True, bucket_size=BUCKET)
+
+
+def _worker(rank: int, world_size: int, ckpt_dir: str) -> dict:
+    mesh = dp_mesh(rank)
+    run = lambda model, opt, steps: train(model, opt, steps, rank, DP, MICRO_BATCHES, mesh.dp_group)  # noqa: E731
+    out = {}
+
+    model = make_model()
+    opt = _dist_opt(model, mesh)
+    out["fp32"] = run(model, opt, range(STEPS))
+    out["memory"] = opt.memory_bytes()
+
+    model = make_model(torch.bfloat16)
+    out["bf16"] = run(model, _dist_opt(model, mesh, torch.bfloat16), range(STEPS))
+
+    model = make_model()
+    opt = _dist_opt(model, mesh)
+    run(model, opt, range(RESUME_AT))
+    dcp.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, checkpoint_id=ckpt_dir)
+    out["continued"] = run(model, opt, range(RESUME_AT, STEPS))
+
+    fresh = make_model(seed=7)
+    fresh_opt = _dist_opt(fresh, mesh)
+    state = {"model": fresh.state_dict(), "optimizer": fresh_opt.state_dict()}
+    dcp.load(state, checkpoint_id=ckpt_dir)
+    fresh.load_state_dict(state["model"])
+    fresh_opt.load_state_dict(state["optimizer"])
+    out["resumed"] = run(fresh, fresh_opt, range(RESUME_AT, STEPS))
+    return out
+
+
+def test_distributed_optimizer_matches_one_process(tmp_path):
+    runs = run_distributed(_worker, DP, str(tmp_path))
+    ref = reference()
+
+    assert_matches_reference([r["fp32"] for r in runs], ref)
+    assert_matches_reference([r["bf16"] for r in runs], reference(torch.bfloat16), rtol=BF16_RTOL)
+
+    total = build_optimizer(make_model(), TRAIN, torch.float32).memory_bytes()
+    assert sum(r["memory"] for r in runs) == total  # every element owned exactly once
+    for r in runs:
+        assert abs(r["memory"] - total / DP) <= 0.02 * total / DP
+
+    for r in runs:
+        assert r["continued"]["losses"] == r["resumed"]["losses"]
+        assert r["continued"]["norms"] == r["resumed"]["norms"]
+        for name, value in r["continued"]["params"].items():
+            assert torch.equal(value, r["resumed"]["params"][name]), name
+
+    # dp 2 -> 1: the checkpoint resumes in one process as the one-process run would continue.
+    model = make_model(seed=7)
+    opt = build_optimizer(model, TRAIN, torch.float32)
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(tmp_path))
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    one_process = train(model, opt, range(RESUME_AT, STEPS))
+    assert_rel_close(torch.tensor(one_process["losses"]), torch.tensor(ref["losses"][RESUME_AT:]), 1e-5, "losses")
+    for name, value in one_process["params"].items():
+        assert_rel_close(value, ref["params"][name], 1e-5, f"param {name} after resuming in one process")

@@ -1,0 +1,185 @@
+"""Pipeline schedules as pure data: op orders written out by hand, every op once and in a valid
+order, and every rank's communication plan run together to prove it neither deadlocks nor hands a
+receive the wrong message.
+
+The simulation is the strict model of NCCL's grouped point-to-point calls: a rank posts a step's
+batch, may not run the step's op (nor post later batches) until every message of the batch has
+matched, and messages between two ranks match first-posted with first-posted (no tags). Anything
+that completes here also completes on gloo, whose sends are no stricter.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+
+from meshtron.parallel.pipeline_schedules import (
+    bubble_fraction,
+    communication_plan,
+    forward_only_order,
+    schedule_order,
+    split_layers,
+)
+
+
+def simulate(plans: list[list]) -> list[list]:
+    """Run every rank's plan together; return the ops each rank ran, in the order it ran them.
+    Fails on a deadlock or on a receive matched with a message other than the one it expects."""
+    pp = len(plans)
+    position = [0] * pp  # the step whose batch each rank has posted and waits on
+    open_msgs: list[set[int]] = [set() for _ in range(pp)]
+    sends: dict[tuple[int, int], deque] = {}
+    recvs: dict[tuple[int, int], deque] = {}
+    ran: list[list] = [[] for _ in range(pp)]
+
+    def post(rank: int) -> None:
+        if position[rank] < len(plans[rank]):
+            for i, msg in enumerate(plans[rank][position[rank]].batch):
+                channel = (rank, msg.peer) if msg.send else (msg.peer, rank)
+                (sends if msg.send else recvs).setdefault(channel, deque()).append((rank, i, msg))
+                open_msgs[rank].add(i)
+
+    for rank in range(pp):
+        post(rank)
+    while any(position[r] < len(plans[r]) for r in range(pp)):
+        progress = False
+        for channel, queue in sends.items():
+            waiting = recvs.get(channel, deque())
+            while queue and waiting:
+                (s_rank, s_i, sent), (r_rank, r_i, wanted) = queue.popleft(), waiting.popleft()
+                assert (sent.kind, sent.mb, sent.chunk) == (wanted.kind, wanted.mb, wanted.chunk), (
+                    f"channel {channel}: rank {r_rank} expected {wanted} but got {sent}")  # fmt: skip
+                open_msgs[s_rank].discard(s_i)
+                open_msgs[r_rank].discard(r_i)
+                progress = True
+        for rank in range(pp):
+            while position[rank] < len(plans[rank]) and not open_msgs[rank]:
+                op = plans[rank][position[rank]].op
+                if op is not None:
+                    ran[rank].append(op)
+                position[rank] += 1
+                post(rank)
+                progress = True
+        assert progress, f"deadlock: ranks stuck at steps {position} of {[len(p) for p in plans]}"
+    assert not any(sends.values()) and not any(recvs.values()), "unmatched messages left over"
+    return ran
+
+
+def plans_for(kind: str, pp: int, m: int, v: int, forward_only: bool = False) -> list[list]:
+    order = forward_only_order if forward_only else schedule_order
+    return [communication_plan(order(kind, pp, r, m, v), pp, r, v) for r in range(pp)]
+
+
+def test_1f1b_pp4_m8_by_hand():
+    """Warm-up of pp - rank - 1 forwards, then F/B pairs, then the remaining backwards."""
+    expected_warmup = {0: 3, 1: 2, 2: 1, 3: 0}
+    for rank, warmup in expected_warmup.items():
+        order = schedule_order("1f1b", 4, rank, 8)
+        expected = [("F", i, 0) for i in range(warmup)]
+        expected += [op for i in range(8 - warmup) for op in (("F", warmup + i, 0), ("B", i, 0))]
+        expected += [("B", i, 0) for i in range(8 - warmup, 8)]
+        assert order == expected
+    assert schedule_order("1f1b", 4, 0, 8)[:6] == [("F", 0, 0), ("F", 1, 0), ("F", 2, 0), ("F", 3, 0), ("B", 0, 0),
+                                                   ("F", 4, 0)]  # fmt: skip
+    assert schedule_order("1f1b", 4, 3, 8)[:4] == [("F", 0, 0), ("B", 0, 0), ("F", 1, 0), ("B", 1, 0)]
+
+
+def test_interleaved_pp2_v2_m4_matches_megatron_by_hand():
+    """Megatron-Core's interleaved order, worked by hand for pp 2, 2 chunks, 4 micro batches.
+
+    Forward virtual micro batches k = 0..7 run (mb, chunk) = (0,0) (1,0) (0,1) (1,1) (2,0) (3,0)
+    (2,1) (3,1); backward ones (0,1) (1,1) (0,0) (1,0) (2,1) (3,1) (2,0) (3,0). Warm-up is
+    (pp - rank - 1) * 2 + (v - 1) * pp: 4 forwards on rank 0, 2 on rank 1; then forward k+warmup
+    and backward k alternate; then the rest of the backwards.
+    """
+    F, B = "F", "B"
+    rank0 = [(F, 0, 0), (F, 1, 0), (F, 0, 1), (F, 1, 1),
+             (F, 2, 0), (B, 0, 1), (F, 3, 0), (B, 1, 1), (F, 2, 1), (B, 0, 0), (F, 3, 1), (B, 1, 0),
+             (B, 2, 1), (B, 3, 1), (B, 2, 0), (B, 3, 0)]  # fmt: skip
+    rank1 = [(F, 0, 0), (F, 1, 0),
+             (F, 0, 1), (B, 0, 1), (F, 1, 1), (B, 1, 1), (F, 2, 0), (B, 0, 0), (F, 3, 0), (B, 1, 0),
+             (F, 2, 1), (B, 2, 1), (F, 3, 1), (B, 3, 1),
+             (B, 2, 0), (B, 3, 0)]  # fmt: skip
+    assert schedule_order("interleaved", 2, 0, 4, 2) == rank0
+    assert schedule_order("interleaved", 2, 1, 4, 2) == rank1
+
+
+def test_interleaved_with_as_many_micro_batches_as_stages_is_all_forward_first():
+    order = schedule_order("interleaved", 4, 2, 4, 2)
+    assert [k for k, _, _ in order] == ["F"] * 8 + ["B"] * 8
+
+
+CASES = [("afab", pp, m, 1) for pp in (1, 2, 4) for m in (1, 3, 8)]
+CASES += [("1f1b", pp, m, 1) for pp in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 7, 8, 16)]
+CASES += [("interleaved", pp, m, v) for pp in (2, 3, 4) for v in (1, 2, 3) for m in (pp, 2 * pp, 4 * pp)]
+
+
+@pytest.mark.parametrize("kind,pp,m,v", CASES)
+def test_every_op_once_backward_after_forward_and_no_deadlock(kind, pp, m, v):
+    for rank in range(pp):
+        order = schedule_order(kind, pp, rank, m, v)
+        expected = {(k, mb, c) for k in "FB" for mb in range(m) for c in range(v)}
+        assert len(order) == len(expected) and set(order) == expected
+        for op in order:
+            if op[0] == "B":
+                assert order.index(("F", op[1], op[2])) < order.index(op)
+    ran = simulate(plans_for(kind, pp, m, v))
+    assert ran == [schedule_order(kind, pp, r, m, v) for r in range(pp)]
+    ran = simulate(plans_for(kind, pp, m, v, forward_only=True))
+    assert all(len(ops) == m * v for ops in ran)
+
+
+def test_1f1b_keeps_at_most_pp_minus_rank_micro_batches_in_flight():
+    for rank in range(4):
+        in_flight, peak = 0, 0
+        for kind, _, _ in schedule_order("1f1b", 4, rank, 8):
+            in_flight += 1 if kind == "F" else -1
+            peak = max(peak, in_flight)
+        assert peak == 4 - rank
+
+
+def test_simulator_catches_deadlock_and_mismatch():
+    """The checker can fail: backward-first on the last rank waits forever; swapped micro batches
+    arrive as the wrong message."""
+    plans = plans_for("1f1b", 2, 2, 1)
+    plans[0] = communication_plan([("F", 0, 0), ("B", 0, 0), ("F", 1, 0), ("B", 1, 0)], 2, 0)
+    plans[1] = communication_plan([("F", 1, 0), ("B", 1, 0), ("F", 0, 0), ("B", 0, 0)], 2, 1)
+    with pytest.raises(AssertionError, match="expected"):
+        simulate(plans)
+    plans = plans_for("afab", 2, 2, 1)
+    plans[0] = communication_plan([("F", 0, 0), ("B", 0, 0), ("F", 1, 0), ("B", 1, 0)], 2, 0)
+    with pytest.raises(AssertionError, match="deadlock"):
+        simulate(plans)
+
+
+def test_errors_say_what_to_change():
+    with pytest.raises(ValueError, match="multiple of the pipeline size"):
+        schedule_order("interleaved", 4, 0, 6, 2)
+    with pytest.raises(ValueError, match="interleaved"):
+        schedule_order("1f1b", 2, 0, 4, 2)
+    with pytest.raises(ValueError, match="unknown pipeline schedule"):
+        schedule_order("zb", 2, 0, 4)
+
+
+def test_split_layers():
+    assert split_layers(4, 2) == [range(0, 2), range(2, 4)]
+    # interleaved: model chunk k = v * pp + rank, contiguous in model order
+    assert split_layers(4, 2, 2) == [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]
+    assert split_layers(8, 4, 1, first_stage_layers=1, last_stage_layers=1) == [
+        range(0, 1), range(1, 4), range(4, 7), range(7, 8)]  # fmt: skip
+    assert split_layers(8, 2, 2, first_stage_layers=2) == [range(0, 1), range(1, 4), range(4, 5), range(5, 8)]
+    assert split_layers(6, 3, 1, first_stage_layers=0, last_stage_layers=0) == [range(0, 0), range(0, 6), range(6, 6)]
+    with pytest.raises(ValueError, match="share"):
+        split_layers(5, 2)
+    with pytest.raises(ValueError, match="virtual"):
+        split_layers(6, 2, 2)
+    with pytest.raises(ValueError, match="middle stage"):
+        split_layers(4, 3, 1, first_stage_layers=2, last_stage_layers=2)
+
+
+def test_bubble_fraction():
+    assert bubble_fraction("1f1b", 4, 8) == pytest.approx(3 / 8)
+    assert bubble_fraction("afab", 4, 8) == pytest.approx(3 / 8)
+    assert bubble_fraction("interleaved", 4, 8, 2) == pytest.approx(3 / 16)
+    assert bubble_fraction("1f1b", 1, 8) == 0.0
