@@ -116,6 +116,8 @@ class ParallelConfig:
     expert_parallel: int = 1
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
+    fsdp: bool = False  # PyTorch FSDP2 (fully_shard) instead of the distributed optimizer; needs tp = 1
+    ddp_bucket_size: int = 40_000_000  # gradient elements per data-parallel reduction bucket
 
 
 @dataclass
@@ -290,6 +292,8 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "ep": "parallel.expert_parallel",
     "sequence-parallel": ("parallel.sequence_parallel", True),
     "use-distributed-optimizer": ("parallel.use_distributed_optimizer", True),
+    "use-torch-fsdp2": ("parallel.fsdp", True),
+    "ddp-bucket-size": "parallel.ddp_bucket_size",
     "save": "checkpoint.save",
     "load": "checkpoint.load",
     "save-interval": "checkpoint.save_interval",
@@ -479,6 +483,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         )
 
     need(t.micro_batch_size > 0, f"--micro-batch-size must be positive, got {t.micro_batch_size}")
+    if p.fsdp:
+        need(p.tensor_parallel == 1, f"--fsdp needs --tensor-model-parallel-size 1 (got {p.tensor_parallel}); use the distributed optimizer with tp")
+        need(not p.use_distributed_optimizer, "--fsdp and --use-distributed-optimizer both shard optimizer state; pick one")
     model_parallel = p.tensor_parallel * p.pipeline_parallel * p.context_parallel
     for name in ("tensor_parallel", "pipeline_parallel", "context_parallel", "expert_parallel"):
         need(getattr(p, name) >= 1, f"parallel.{name} must be at least 1")

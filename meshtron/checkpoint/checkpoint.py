@@ -7,6 +7,9 @@ Layout::
     {save}/iter_0000100/meta.json               iteration, consumed samples, schedule, config, ...
     {save}/iter_0000100/rng_rank0.pt            RNG states of each rank
 
+The tensors are full and keyed by parameter name, whatever parallel layout wrote them
+(``layout.py``), so a checkpoint loads under any other layout.
+
 Tensors go through DCP even in one process so that sharded, reshardable checkpoints (a later
 distributed optimizer) change what is *in* the state dict, not how callers save or load.
 
@@ -33,6 +36,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+
+from meshtron.checkpoint.layout import empty_full_state, full_state, load_full_state
+from meshtron.parallel.mesh import Mesh
 
 TRACKER = "latest_checkpointed_iteration.txt"
 META = "meta.json"
@@ -96,38 +102,55 @@ def save_checkpoint(
     model: nn.Module,
     optimizer: Any,
     meta: dict[str, Any],
-    rank: int = 0,
+    mesh: Mesh | None = None,
     save_optim: bool = True,
 ) -> Path:
     """Write ``{save_dir}/iter_{iteration:07d}`` atomically, then point the tracker at it.
 
-    ``meta`` must be JSON-serializable (iteration, consumed samples, lr schedule, config dict...).
-    ``optimizer`` is a ``MixedPrecisionOptimizer`` (or anything with ``state_dict()`` of tensors);
-    it is ignored when ``save_optim`` is False. Returns the final directory.
+    Collective: every rank calls it. The tensors are saved layout-free (full, keyed by name; see
+    ``layout.py``) by global rank 0; every rank adds its RNG state; rank 0 then renames the
+    directory into place and writes the tracker. ``meta`` must be JSON-serializable. Returns the
+    final directory.
     """
+    mesh = mesh or Mesh()
+    if mesh.pp > 1:
+        raise NotImplementedError("checkpoints under pipeline parallelism need a writer per stage")
     root = Path(save_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = checkpoint_dir(root, iteration)
-    for stale in root.glob(f"{final.name}.tmp-*"):  # left by a run killed mid-save
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = root / f"{final.name}.tmp-{os.getpid()}"
-    tmp.mkdir()
+    tmp = root / f"{final.name}.tmp"
+    writer = mesh.rank == 0
+    state = full_state(model, optimizer, mesh, with_optimizer=save_optim)
+    if writer:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(f"{final.name}.tmp*"):  # left by a run killed mid-save
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    _barrier(mesh)
     try:
-        state: dict[str, Any] = {"model": model.state_dict()}
-        if save_optim:
-            state["optimizer"] = optimizer.state_dict()
-        with _quiet_single_process():
-            dcp.save(state, checkpoint_id=str(tmp))
-        record = {"format_version": FORMAT_VERSION, "iteration": iteration, "has_optimizer": save_optim, "meta": meta}
-        _write_durably(tmp / META, json.dumps(record, indent=1).encode())
-        torch.save(get_rng_state(), tmp / f"rng_rank{rank}.pt")
-        _fsync_tree(tmp)
-        _move_into_place(tmp, final)
+        if writer:
+            with _quiet_single_process():
+                dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
+            record = {"format_version": FORMAT_VERSION, "iteration": iteration, "has_optimizer": save_optim,
+                      "world_size": mesh.world_size, "meta": meta}
+            _write_durably(tmp / META, json.dumps(record, indent=1).encode())
+        torch.save(get_rng_state(), tmp / f"rng_rank{mesh.rank}.pt")
+        _barrier(mesh)
+        if writer:
+            _fsync_tree(tmp)
+            _move_into_place(tmp, final)
     except BaseException:  # DCP raises CheckpointException, a BaseException
-        shutil.rmtree(tmp, ignore_errors=True)
+        if writer:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _write_durably(root / TRACKER, f"{iteration}\n".encode())
+    if writer:
+        _write_durably(root / TRACKER, f"{iteration}\n".encode())
+    _barrier(mesh)
     return final
+
+
+def _barrier(mesh: Mesh) -> None:
+    if mesh.world_size > 1:
+        torch.distributed.barrier()
 
 
 @contextlib.contextmanager
@@ -188,7 +211,7 @@ def load_checkpoint(
     optimizer: Any = None,
     iteration: int | None = None,
     load_rng: bool = True,
-    rank: int = 0,
+    mesh: Mesh | None = None,
     load_optim: bool = True,
 ) -> dict[str, Any] | None:
     """Load the tracker's checkpoint (or ``iteration``'s) into ``model`` and ``optimizer`` in place.
@@ -215,26 +238,29 @@ def load_checkpoint(
         if not directory.is_dir():
             raise CheckpointError(f"no checkpoint for iteration {iteration}: {directory} does not exist")
 
+    mesh = mesh or Mesh()
     record = _read_meta(directory / META)
     metadata = _read_dcp_metadata(directory)
-
-    model_state = model.state_dict()
-    _dcp_load({"model": model_state}, directory, metadata)
-    model.load_state_dict(model_state)
-
-    if optimizer is not None and load_optim:
-        if not record.get("has_optimizer", False):
-            raise CheckpointError(
-                f"{directory} was saved without optimizer state (--no-save-optim); resume with --no-load-optim"
-            )
-        optim_state = optimizer.state_dict()
-        _dcp_load({"optimizer": optim_state}, directory, metadata)
-        optimizer.load_state_dict(optim_state)
-    elif optimizer is not None:
+    with_optim = optimizer is not None and load_optim
+    if with_optim and not record.get("has_optimizer", False):
+        raise CheckpointError(f"{directory} was saved without optimizer state (--no-save-optim); resume with --no-load-optim")
+    # Every rank reads the full tensors (no collectives) and keeps its own part of them.
+    full = empty_full_state(model, optimizer, with_optimizer=with_optim)
+    _dcp_load({"model": full["model"]}, directory, metadata)
+    if with_optim:
+        _dcp_load({"optimizer": full["optimizer"]}, directory, metadata)
+    load_full_state(full, model, optimizer, with_optimizer=with_optim)
+    if optimizer is not None and not with_optim:
         optimizer.reload_model_params()
 
     if load_rng:
-        set_rng_state(_read_rng(directory / f"rng_rank{rank}.pt"))
+        rng = directory / f"rng_rank{mesh.rank}.pt"
+        if record.get("world_size", 1) != mesh.world_size:
+            raise CheckpointError(
+                f"{directory} was saved by {record.get('world_size', 1)} processes and this run has {mesh.world_size}: "
+                "their RNG streams do not map; resume with --no-load-rng"
+            )
+        set_rng_state(_read_rng(rng))
     return {**record["meta"], "iteration": record["iteration"]}
 
 
@@ -304,7 +330,7 @@ def _dcp_load(state: dict[str, Any], directory: Path, metadata: Any) -> None:
         )
     try:
         with _quiet_single_process():
-            dcp.load(state, checkpoint_id=str(directory))
+            dcp.load(state, checkpoint_id=str(directory), no_dist=True)
     except CheckpointException as exc:
         causes = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in exc.failures.items())
         raise CheckpointError(f"cannot load tensors from {directory}: {causes}") from None

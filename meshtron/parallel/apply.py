@@ -250,6 +250,13 @@ def apply_tensor_parallel(model: Decoder, mesh: Mesh, sequence_parallel: bool) -
 # ---------------------------------------------------------------------- gradients
 
 
+def _grad(param: nn.Parameter) -> torch.Tensor | None:
+    """Where the optimizer keeps this parameter's gradient: its fp32 ``main_grad`` when a gradient
+    buffer owns it (bf16/fp16 params have ``.grad`` freed after accumulation), else ``.grad``."""
+    grad = getattr(param, "main_grad", None)
+    return grad if grad is not None else param.grad
+
+
 def _sum_over(tensors: list[torch.Tensor], group) -> None:
     """All-reduce several tensors in place as one flat buffer (one collective, not one each)."""
     if not tensors:
@@ -266,7 +273,7 @@ def allreduce_sequence_parallel_grads(model: nn.Module, mesh: Mesh) -> None:
     the tokens). Call after backward, before data-parallel reduction and clipping."""
     if mesh.tp_size == 1:
         return
-    grads = [p.grad for p in model.parameters() if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    grads = [_grad(p) for p in model.parameters() if getattr(p, "sequence_parallel", False) and _grad(p) is not None]
     _sum_over(grads, mesh.tp_group)
 
 
@@ -279,17 +286,17 @@ def allreduce_replicated_kv_grads(model: nn.Module, mesh: Mesh) -> None:
     """
     if mesh.tp_size == 1:
         return
-    params = [p for p in model.parameters() if getattr(p, "tp_replicas", None) is not None and p.grad is not None]
+    params = [p for p in model.parameters() if getattr(p, "tp_replicas", None) is not None and _grad(p) is not None]
     tables = []
     for p in params:
-        rep = p.tp_replicas
-        table = p.grad.new_zeros((rep.num_slots, *p.grad.shape[1:]))
-        table[rep.slot.to(table.device)] = p.grad[rep.local.to(table.device)]
+        rep, grad = p.tp_replicas, _grad(p)
+        table = grad.new_zeros((rep.num_slots, *grad.shape[1:]))
+        table[rep.slot.to(table.device)] = grad[rep.local.to(table.device)]
         tables.append(table)
     _sum_over(tables, mesh.tp_group)
     for p, table in zip(params, tables):
         rep = p.tp_replicas
-        p.grad[rep.local.to(table.device)] = table[rep.slot.to(table.device)]
+        _grad(p)[rep.local.to(table.device)] = table[rep.slot.to(table.device)]
 
 
 def finalize_tensor_parallel_grads(model: nn.Module, mesh: Mesh) -> None:

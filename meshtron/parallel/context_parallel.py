@@ -88,7 +88,7 @@ def shard_batch_for_cp(batch: dict[str, torch.Tensor], mesh: Mesh, seq_dim: int 
             raise ValueError(f"batch['{name}'] has {t.shape[seq_dim]} positions along dim {seq_dim}, tokens have {seq_len}")
         out[name] = t.index_select(seq_dim, index.to(t.device))
     if out.get("position_ids") is None:
-        out["position_ids"] = torch.arange(len(index)).expand(tokens.shape[:seq_dim] + index.shape)
+        out["position_ids"] = index.expand(tokens.shape[:seq_dim] + index.shape)
     return out
 
 
@@ -215,6 +215,17 @@ def _ring_step(step: int, mesh: Mesh, seq_local: int, causal: bool) -> tuple[int
     return src, slice(half, None), everything, False
 
 
+def _ring_block(kv: torch.Tensor, docs: torch.Tensor | None, step: int, mesh: Mesh, causal: bool):
+    """The block in hand at ring step ``step`` (``kv`` [2, b, s_local, kv_heads, d]): the local
+    query rows it serves, its key rows, its k and v in the math layout, and the mask."""
+    seq = kv.shape[2]
+    src, rows, cols, diagonal = _ring_step(step, mesh, seq, causal)
+    k5, v5 = _grouped_kv(kv[:, :, cols])
+    q_docs, k_docs = (None, None) if docs is None else (docs[mesh.cp_rank][:, rows], docs[src][:, cols])
+    mask = _block_mask(q_docs, k_docs, diagonal, len(range(seq)[rows]), k5.shape[-2], kv.device)
+    return rows, cols, k5, v5, mask
+
+
 def _gather_documents(document_ids: torch.Tensor | None, mesh: Mesh) -> torch.Tensor | None:
     """Every cp rank's local document ids, [cp, b, s_local] (None without documents)."""
     if document_ids is None:
@@ -231,7 +242,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mesh: Mesh, causal: bool, document_ids):
-        n, seq, kv_heads = mesh.cp_size, q.shape[1], k.shape[2]
+        n, kv_heads = mesh.cp_size, k.shape[2]
         scale = q.shape[-1] ** -0.5
         docs = _gather_documents(document_ids, mesh)
         q5 = _grouped_q(q, kv_heads)
@@ -239,10 +250,7 @@ class _RingAttention(torch.autograd.Function):
         out = lse = None
         for step in range(n):
             pending = _RingExchange(kv, mesh) if step < n - 1 else None
-            src, rows, cols, diagonal = _ring_step(step, mesh, seq, causal)
-            k5, v5 = _grouped_kv(kv[:, :, cols])
-            q_docs, k_docs = (None, None) if docs is None else (docs[mesh.cp_rank][:, rows], docs[src][:, cols])
-            mask = _block_mask(q_docs, k_docs, diagonal, q5[..., rows, :].shape[-2], k5.shape[-2], q.device)
+            rows, _, k5, v5, mask = _ring_block(kv, docs, step, mesh, causal)
             block_out, block_lse = _block_forward(q5[..., rows, :], k5, v5, mask, scale)
             if out is None:  # step 0 covers every query, each seeing at least itself
                 out, lse = block_out, block_lse
@@ -269,10 +277,7 @@ class _RingAttention(torch.autograd.Function):
         dkv_in_flight = None
         for step in range(n):
             pending_kv = _RingExchange(kv, mesh) if step < n - 1 else None
-            src, rows, cols, diagonal = _ring_step(step, mesh, seq, causal=ctx.causal)
-            k5, v5 = _grouped_kv(kv[:, :, cols])
-            q_docs, k_docs = (None, None) if docs is None else (docs[mesh.cp_rank][:, rows], docs[src][:, cols])
-            mask = _block_mask(q_docs, k_docs, diagonal, q5[..., rows, :].shape[-2], k5.shape[-2], q.device)
+            rows, cols, k5, v5, mask = _ring_block(kv, docs, step, mesh, ctx.causal)
             dq_block, dk_block, dv_block = _block_backward(
                 q5[..., rows, :], k5, v5, mask, scale, dout5[..., rows, :], lse[..., rows], delta[..., rows]
             )

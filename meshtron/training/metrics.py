@@ -40,7 +40,8 @@ def device_ceiling_tflops(device: torch.device) -> tuple[float | None, str]:
 
 @dataclass
 class IntervalMeter:
-    """Accumulates steps between two log lines; times whole steps with a host clock after a sync."""
+    """Accumulates steps between two log lines; times whole steps with a host clock after a sync.
+    Tokens are counted per device (the global batch's tokens over the world size)."""
 
     flops_per_token: float
     ceiling_tflops: float | None
@@ -91,7 +92,7 @@ def format_log_line(iteration: int, train_iters: int, consumed: int, lr: float, 
         f"loss {loss:.4f}",
         f"grad norm {grad_norm:.3f}" if math.isfinite(grad_norm) else f"grad norm {grad_norm}",
         f"loss scale {loss_scale:g}",
-        f"tokens/s {stats['tokens_per_s']:,.0f}",
+        f"tokens/s/device {stats['tokens_per_s']:,.0f}",
         f"TFLOP/s/device {stats['tflops_per_device']:.2f}",
     ]
     if "mfu" in stats:

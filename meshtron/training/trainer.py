@@ -6,6 +6,7 @@ the optimizer for a step, and the checkpoint module to save and load.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import shutil
 import signal
@@ -15,14 +16,19 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from meshtron.checkpoint.checkpoint import load_checkpoint, save_checkpoint
 from meshtron.config import Config, validate
 from meshtron.data.builder import MicroBatchIterator, build_datasets
 from meshtron.data.tokenizers import build_tokenizer
-from meshtron.models import build_model, padded_vocab_size
+from meshtron.models import padded_vocab_size
+from meshtron.models.decoder import parameter_count
 from meshtron.optim.lr_schedule import LRSchedule
-from meshtron.optim.optimizer import build_optimizer
+from meshtron.parallel.apply import finalize_tensor_parallel_grads
+from meshtron.parallel.context_parallel import shard_batch_for_cp
+from meshtron.parallel.mesh import init_distributed
+from meshtron.parallel.setup import build_parallel_model_and_optimizer
 from meshtron.training.metrics import IntervalMeter, TensorBoardWriter, device_ceiling_tflops, flops_per_token, format_log_line
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -65,6 +71,7 @@ def setup_data_source(cfg: Config, log: Callable[[str], None]) -> list[str] | No
 class TrainResult:
     iteration: int
     losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
     valid_losses: list[tuple[int, float]] = field(default_factory=list)
     sample: str = ""
 
@@ -81,7 +88,12 @@ class Trainer:
         if self.precision == "bf16" and self.device.type == "cpu":
             log("note: bf16 on the CPU is slow; fp32 is the CPU default")
 
-        data_prefixes = setup_data_source(cfg, log)
+        self.mesh = init_distributed(cfg.parallel, self.device.type)
+        if self.mesh.rank != 0:
+            self.log = log = _silent  # one voice: global rank 0 logs
+        log(f"mesh: {self.mesh.describe()}" if self.mesh.world_size > 1 else "mesh: one process")
+
+        data_prefixes = self._setup_data_source_once()
         self.tokenizer = None
         if not cfg.data.mock:
             d = cfg.data
@@ -92,14 +104,9 @@ class Trainer:
         self.vocab_size = padded_vocab_size(
             max(cfg.model.vocab_size, base_vocab), cfg.model.make_vocab_size_divisible_by, cfg.parallel.tensor_parallel
         )
-
-        torch.manual_seed(t.seed)
-        with torch.device(self.device):  # initialize where it will train: fast on a GPU
-            self.model = build_model(cfg.model, self.vocab_size, cfg.data.seq_length)
-        self.model.to(dtype=PRECISION_DTYPES[self.precision])
-        self.optimizer = build_optimizer(self.model, t, PRECISION_DTYPES[self.precision])
+        self.model, self.optimizer = build_parallel_model_and_optimizer(cfg, self.mesh, self.vocab_size, self.device, PRECISION_DTYPES[self.precision])
         self.schedule = LRSchedule.from_config(t)
-        self.num_micro_batches = t.global_batch_size // t.micro_batch_size
+        self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * self.mesh.dp)
 
         self.iteration, self.consumed_samples = 0, 0
         if cfg.checkpoint.load:
@@ -108,6 +115,7 @@ class Trainer:
                 self.model,
                 self.optimizer,
                 load_rng=not cfg.checkpoint.no_load_rng,
+                mesh=self.mesh,
                 load_optim=not cfg.checkpoint.no_load_optim,
             )
             if meta is None:
@@ -127,9 +135,9 @@ class Trainer:
             data_prefixes=data_prefixes,
             vocab_size=self.vocab_size,
         )
-        self.train_batches = MicroBatchIterator(self.train_data, t.micro_batch_size, self.consumed_samples, num_workers=cfg.data.num_workers)
+        self.train_batches = self._batches(self.train_data, self.consumed_samples, cfg.data.num_workers)
 
-        num_params = sum(p.numel() for p in self.model.parameters())
+        num_params = parameter_count(cfg.model, self.vocab_size, cfg.data.seq_length)
         self.flops_per_token = flops_per_token(num_params, cfg.model.num_layers, cfg.data.seq_length, cfg.model.hidden_size)
         ceiling, ceiling_source = device_ceiling_tflops(self.device)
         self.meter = IntervalMeter(self.flops_per_token, ceiling, self.device)
@@ -139,12 +147,15 @@ class Trainer:
             f"{self.num_micro_batches} micro batches of {t.micro_batch_size} x {cfg.data.seq_length} tokens per step; "
             f"MFU ceiling: {ceiling_source}"
         )
+        log(f"optimizer state on this rank: {self.optimizer.memory_bytes() / 2**20:.1f} MiB" if hasattr(self.optimizer, "memory_bytes") else "optimizer state: sharded by FSDP2")
         self._stop_requested = False
 
     # ------------------------------------------------------------------ steps
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        """Move a micro batch to the device; with context parallelism keep this rank's chunks."""
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        return shard_batch_for_cp(batch, self.mesh) if self.mesh.cp > 1 else batch
 
     def _micro_batch_loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Sum of masked per-token losses of one micro batch (fp32)."""
@@ -156,24 +167,42 @@ class Trainer:
         )
         return (per_token * batch["loss_mask"]).sum()
 
+    def _batches(self, dataset, consumed_samples: int, num_workers: int = 0) -> MicroBatchIterator:
+        """This data-parallel rank's micro batches (tp/cp ranks of one dp rank read the same ones)."""
+        return MicroBatchIterator(dataset, self.cfg.train.micro_batch_size, consumed_samples, self.mesh.dp_rank, self.mesh.dp, num_workers=num_workers)
+
+    def _sum_over_data_parallel(self, value: torch.Tensor) -> torch.Tensor:
+        if self.mesh.dp_cp_size > 1:
+            dist.all_reduce(value, group=self.mesh.dp_cp_group)
+        return value
+
     def train_step(self) -> tuple[float, object]:
-        """One optimizer step over a global batch; the loss is the token-weighted mean of the batch."""
+        """One optimizer step over a global batch; the loss is the token-weighted mean of the batch.
+
+        Each micro batch's masked loss sum is divided by the token count of the whole global batch
+        (all data-parallel ranks), so gradients summed over ranks equal the one-process gradient.
+        Gradients are reduced during the last micro batch's backward only.
+        """
         batches = [self._to_device(next(self.train_batches)) for _ in range(self.num_micro_batches)]
-        num_tokens = sum(b["loss_mask"].sum() for b in batches).clamp(min=1)
+        num_tokens = self._sum_over_data_parallel(sum(b["loss_mask"].sum() for b in batches)).clamp(min=1)
         self.optimizer.zero_grad()
         total = torch.zeros((), device=self.device)
-        for batch in batches:
-            loss = self._micro_batch_loss_sum(batch) / num_tokens
-            self.optimizer.scale_loss(loss).backward()
+        for i, batch in enumerate(batches):
+            last = i == len(batches) - 1
+            with contextlib.nullcontext() if last else self.optimizer.no_sync():
+                loss = self._micro_batch_loss_sum(batch) / num_tokens
+                self.optimizer.scale_loss(loss).backward()
             total += loss.detach()
+        self.optimizer.finish_grad_sync()
+        finalize_tensor_parallel_grads(self.model, self.mesh)
         result = self.optimizer.step(self.schedule.lr_at(self.iteration))
-        return total.item(), result
+        return self._sum_over_data_parallel(total).item(), result
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over ``eval_iters`` global batches of the validation split (same batches each time)."""
         self.model.eval()
-        batches = MicroBatchIterator(self.valid_data, self.cfg.train.micro_batch_size, 0)
+        batches = self._batches(self.valid_data, 0)
         loss_sum = torch.zeros((), device=self.device)
         tokens = torch.zeros((), device=self.device)
         for _ in range(self.cfg.logging.eval_iters * self.num_micro_batches):
@@ -181,7 +210,17 @@ class Trainer:
             loss_sum += self._micro_batch_loss_sum(batch)
             tokens += batch["loss_mask"].sum()
         self.model.train()
-        return (loss_sum / tokens.clamp(min=1)).item()
+        return (self._sum_over_data_parallel(loss_sum) / self._sum_over_data_parallel(tokens).clamp(min=1)).item()
+
+    def _setup_data_source_once(self) -> list[str] | None:
+        """The embedded corpus is built by rank 0 first; the others then find it ready."""
+        if self.mesh.rank == 0:
+            prefixes = setup_data_source(self.cfg, self.log)
+        if self.mesh.world_size > 1:
+            dist.barrier()
+        if self.mesh.rank != 0:
+            prefixes = setup_data_source(self.cfg, self.log)
+        return prefixes
 
     # ------------------------------------------------------------------ loop
 
@@ -199,7 +238,7 @@ class Trainer:
             "lr_schedule": self.schedule.state_dict(),
         }
         start = time.perf_counter()
-        save_checkpoint(str(save_dir), self.iteration, self.model, self.optimizer, meta, save_optim=not ckpt.no_save_optim)
+        save_checkpoint(str(save_dir), self.iteration, self.model, self.optimizer, meta, mesh=self.mesh, save_optim=not ckpt.no_save_optim)
         self.log(f"saved checkpoint at iteration {self.iteration} to {save_dir} in {time.perf_counter() - start:.2f}s")
 
     def _copy_tokenizer_files(self, save_dir: Path) -> dict[str, str]:
@@ -207,6 +246,8 @@ class Trainer:
         d = self.cfg.data
         info = {"tokenizer_type": d.tokenizer_type}
         target = save_dir / "tokenizer"
+        if self.mesh.rank != 0:
+            return info
         for key in ("tokenizer_model", "vocab_file", "merge_file"):
             source = getattr(d, key)
             if not source:
@@ -229,7 +270,7 @@ class Trainer:
         result = TrainResult(iteration=self.iteration)
         deadline = time.monotonic() + 60 * t.exit_duration_in_mins if t.exit_duration_in_mins > 0 else math.inf
         previous_handler = signal.signal(signal.SIGTERM, self._request_stop) if _main_thread() else None
-        tokens_per_step = t.global_batch_size * cfg.data.seq_length
+        tokens_per_step = t.global_batch_size * cfg.data.seq_length // self.mesh.world_size  # per device
         interval_loss, interval_steps = 0.0, 0
         try:
             while self.iteration < t.train_iters:
@@ -239,6 +280,7 @@ class Trainer:
                 self.iteration += 1
                 self.consumed_samples += t.global_batch_size
                 result.losses.append(loss)
+                result.grad_norms.append(step.grad_norm)
                 interval_loss += loss
                 interval_steps += 1
                 if self.iteration % logc.log_interval == 0 or self.iteration == t.train_iters:
@@ -248,7 +290,7 @@ class Trainer:
                     self.log(format_log_line(self.iteration, t.train_iters, self.consumed_samples, lr, mean_loss, step.grad_norm, step.loss_scale, stats))
                     self.tensorboard.scalars(
                         self.iteration,
-                        {"train/loss": mean_loss, "train/lr": lr, "train/grad_norm": step.grad_norm, "train/loss_scale": step.loss_scale, "perf/tokens_per_s": stats["tokens_per_s"], "perf/tflops_per_device": stats["tflops_per_device"]},
+                        {"train/loss": mean_loss, "train/lr": lr, "train/grad_norm": step.grad_norm, "train/loss_scale": step.loss_scale, "perf/tokens_per_s_per_device": stats["tokens_per_s"], "perf/tflops_per_device": stats["tflops_per_device"]},
                     )
                     interval_loss, interval_steps = 0.0, 0
                 if self.valid_data is not None and logc.eval_interval > 0 and (self.iteration % logc.eval_interval == 0 or self.iteration == t.train_iters):
@@ -284,6 +326,10 @@ class Trainer:
         out = generate(self.model, ids, max_new_tokens, temperature=0.8, top_k=40, eod=self.tokenizer.eod, generator=torch.Generator(device=self.device).manual_seed(self.cfg.train.seed))
         self.model.train()
         return prompt + self.tokenizer.decode(out)
+
+
+def _silent(_: str) -> None:
+    pass
 
 
 def _main_thread() -> bool:

@@ -8,7 +8,8 @@ The reference is computed in this (pytest's) process from the same seed and data
   ``ring_attention`` and ``allgather_kv_attention`` (causal, with and without packed documents;
   the ring also non-causal), and compared with ``math_attention`` over the whole sequence: the
   output and the q/k/v gradients of the rank's tokens.
-- The model: a tiny Llama (rope, GQA) and a GPT (learned positions, packed documents, biases)
+- The model: a tiny Llama (rope, GQA; also with sequence parallelism under tp, and with the core
+  attention recomputed in backward) and a GPT (learned positions, packed documents, biases)
   trained one step the trainer's way: masked loss sum over the global token count (all-reduced
   over dp x cp), gradients summed over dp x cp. Unsharded per-token losses, the global loss and
   every gradient must match the plain model on the whole batch.
@@ -18,6 +19,7 @@ Tolerance: fp32 on the CPU, 1e-5 relative (as a norm over the whole tensor).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 
@@ -51,11 +53,15 @@ LLAMA = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=HEADS, num
                     add_bias_linear=False, tie_embeddings=False)  # fmt: skip
 GPT = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=HEADS, normalization="LayerNorm", activation="gelu",
                   position_embedding_type="learned_absolute", add_bias_linear=True, tie_embeddings=True)  # fmt: skip
-# (model, layout, algorithm): every layout with the ring; the all-gather variant and packed documents once each.
-MODEL_CASES = [("llama", "cp4", "p2p"), ("llama", "cp2xdp2", "p2p"), ("llama", "cp2xtp2", "p2p"),
-               ("llama", "cp4", "all_gather"), ("gpt", "cp2xtp2", "p2p")]  # fmt: skip
+# Core attention recomputed in backward (``--recompute-granularity selective``): the ring runs again there.
+MODELS = {"llama": LLAMA, "gpt": GPT, "llama_recompute": dataclasses.replace(LLAMA, recompute_granularity="selective")}
+# (model, layout, algorithm, sequence parallel): every layout with the ring; the all-gather variant,
+# packed documents, sequence parallelism and recomputation once each.
+MODEL_CASES = [("llama", "cp4", "p2p", False), ("llama", "cp2xdp2", "p2p", False), ("llama", "cp2xtp2", "p2p", False),
+               ("llama", "cp4", "all_gather", False), ("gpt", "cp2xtp2", "p2p", False),
+               ("llama", "cp2xtp2", "p2p", True), ("llama_recompute", "cp2xdp2", "p2p", False)]  # fmt: skip
 ATTENTION_CASES = [("p2p", True, False), ("p2p", True, True), ("p2p", False, False),
-                   ("all_gather", True, False), ("all_gather", True, True)]  # (algorithm, causal, documents)  # fmt: skip
+                   ("all_gather", True, False), ("all_gather", True, True)]  # (algorithm, causal, documents); fmt: skip
 ATTENTION_FNS = {"p2p": ring_attention, "all_gather": allgather_kv_attention}
 
 
@@ -115,7 +121,7 @@ def _batch(name: str) -> dict[str, torch.Tensor]:
 
 def _model(name: str):
     torch.manual_seed(SEED)
-    return build_model(LLAMA if name == "llama" else GPT, VOCAB, SEQ)
+    return build_model(MODELS[name], VOCAB, SEQ)
 
 
 def _loss(model, batch, num_tokens):
@@ -136,8 +142,8 @@ def _attention_case(mesh: Mesh, algorithm: str, causal: bool, documents: bool) -
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
 
-def _model_case(mesh: Mesh, name: str, algorithm: str) -> dict[str, object]:
-    model = apply_tensor_parallel(_model(name), mesh, sequence_parallel=False)
+def _model_case(mesh: Mesh, name: str, algorithm: str, sequence_parallel: bool) -> dict[str, object]:
+    model = apply_tensor_parallel(_model(name), mesh, sequence_parallel)
     _pass_documents(apply_context_parallel(model, mesh, algorithm))
     batch = {k: t.chunk(mesh.dp_size)[mesh.dp_rank] for k, t in _batch(name).items()}
     local = shard_batch_for_cp(batch, mesh)
@@ -164,8 +170,8 @@ def _worker(rank: int, world_size: int) -> dict:
     for layout in ("cp4", "cp2xdp2"):
         for case in ATTENTION_CASES:
             out[("attention", layout, *case)] = _attention_case(meshes[layout], *case)
-    for name, layout, algorithm in MODEL_CASES:
-        out[("model", name, layout, algorithm)] = _model_case(meshes[layout], name, algorithm)
+    for name, layout, algorithm, sp in MODEL_CASES:
+        out[("model", name, layout, algorithm, sp)] = _model_case(meshes[layout], name, algorithm, sp)
     return out
 
 
@@ -224,11 +230,11 @@ def _reference_model(name: str) -> dict[str, object]:
     return {"losses": per_token.detach(), "loss": loss.detach(), "grads": {n: p.grad for n, p in model.named_parameters()}}
 
 
-@pytest.mark.parametrize("name,layout,algorithm", MODEL_CASES)
-def test_model_matches_one_process(results, name, layout, algorithm):
+@pytest.mark.parametrize("name,layout,algorithm,sp", MODEL_CASES)
+def test_model_matches_one_process(results, name, layout, algorithm, sp):
     want = _reference_model(name)
     for rank, result in enumerate(results):
-        got = result[("model", name, layout, algorithm)]
+        got = result[("model", name, layout, algorithm, sp)]
         mesh = Mesh(rank=rank, **LAYOUTS[layout])
         rows = torch.arange(BATCH).chunk(mesh.dp_size)[mesh.dp_rank]
         err = _rel_err(got["losses"], want["losses"][rows])

@@ -119,7 +119,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(tmp_path, monkeypatch, new_ite
     train(model, opt, 1, start=2)
 
     def crash():  # runs after DCP has written the tensors of the new checkpoint
-        assert any(p.name.endswith(".distcp") for p in tmp_path.glob("iter_*.tmp-*/*"))
+        assert any(p.name.endswith(".distcp") for p in tmp_path.glob("iter_*.tmp/*"))
         raise RuntimeError("disk full")
 
     monkeypatch.setattr(ckpt, "get_rng_state", crash)

@@ -1,0 +1,111 @@
+"""Layout-free checkpoint state: the tensors one process of the same model would hold.
+
+A checkpoint stores full tensors keyed by parameter name whatever tp / dp / FSDP layout wrote it,
+so any layout loads it: resharding is slicing. The cost is a gather of the full state on each
+save (collective over tp; the distributed optimizer gathers over dp itself). A sharded format can
+replace these functions later without changing the callers in ``checkpoint.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshtron.parallel.apply import gather_full
+from meshtron.parallel.mesh import Mesh
+
+try:  # FSDP2 parameters are DTensors
+    from torch.distributed.tensor import DTensor, distribute_tensor
+except ImportError:  # pragma: no cover - torch < 2.5
+    from torch.distributed._tensor import DTensor, distribute_tensor
+
+
+def _tp_shards(model: nn.Module) -> dict[str, Any]:
+    """Parameter name -> its tensor-parallel shard description (None when whole)."""
+    return {name: getattr(t, "tp_shard", None) for name, t in model.state_dict(keep_vars=True).items()}
+
+
+def _full(tensor: torch.Tensor, shard, mesh: Mesh) -> torch.Tensor:
+    if isinstance(tensor, DTensor):
+        return tensor.full_tensor()
+    tensor = tensor.detach()
+    if shard is None or mesh.tp_size == 1 or tensor.dim() == 0:
+        return tensor
+    return gather_full(tensor, shard, mesh)
+
+
+def _by_name(tree: Any, fn, name: str | None = None) -> Any:
+    """Apply ``fn(tensor, parameter_name)`` to every tensor of a model or optimizer state dict,
+    where the parameter name is the key under ``model`` / ``master`` / ``state``."""
+    if isinstance(tree, dict):
+        return {k: _by_name(v, fn, k if name is None else name) for k, v in tree.items()}
+    return fn(tree, name) if isinstance(tree, torch.Tensor) else tree
+
+
+@torch.no_grad()
+def full_state(model: nn.Module, optimizer: Any, mesh: Mesh, with_optimizer: bool) -> dict[str, Any]:
+    """``{"model": ..., "optimizer": ...}`` with full tensors. Collective: every rank calls it."""
+    shards = _tp_shards(model)
+    state = {"model": {k: _full(v, shards[k], mesh) for k, v in model.state_dict().items()}}
+    if with_optimizer:
+        opt = optimizer.state_dict()
+        state["optimizer"] = {
+            "master": _by_name(opt["master"], lambda t, n: _full(t, shards.get(n), mesh)),
+            "state": _by_name(opt["state"], lambda t, n: _full(t, shards.get(n), mesh)),
+            "loss_scaler": opt["loss_scaler"],
+        }
+    return state
+
+
+def _full_shape(tensor: torch.Tensor, shard) -> list[int]:
+    shape = list(tensor.shape)
+    if shard is not None and tensor.dim() > 0:
+        shape[shard.dim] = shard.full_size
+    return shape
+
+
+@torch.no_grad()
+def empty_full_state(model: nn.Module, optimizer: Any, with_optimizer: bool) -> dict[str, Any]:
+    """CPU tensors of the full shapes (and this run's dtypes) for DCP to load into."""
+    shards = _tp_shards(model)
+
+    def empty(t: torch.Tensor, name: str) -> torch.Tensor:
+        shape = list(t.shape) if isinstance(t, DTensor) else _full_shape(t, shards.get(name))
+        return torch.empty(shape, dtype=t.dtype, device="cpu")
+
+    state = {"model": {k: empty(v, k) for k, v in model.state_dict().items()}}
+    if with_optimizer:
+        opt = optimizer.state_dict()
+        state["optimizer"] = {key: _by_name(opt[key], empty) for key in ("master", "state", "loss_scaler")}
+    return state
+
+
+def _local(full: torch.Tensor, like: torch.Tensor, shard) -> torch.Tensor:
+    """This rank's part of ``full`` in the layout of ``like`` (a plain tensor, tp shard or DTensor)."""
+    if isinstance(like, DTensor):
+        return distribute_tensor(full.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+    if shard is not None and full.dim() > 0:
+        full = full.index_select(shard.dim, shard.index.to(full.device))
+    return full.to(like.device)
+
+
+@torch.no_grad()
+def load_full_state(full: dict[str, Any], model: nn.Module, optimizer: Any, with_optimizer: bool) -> None:
+    """Slice a loaded full state into this rank's model (and optimizer) in place."""
+    shards = _tp_shards(model)
+    live = model.state_dict()
+    model.load_state_dict({k: _local(full["model"][k], live[k], shards[k]) for k in live})
+    if with_optimizer:
+        live_opt = optimizer.state_dict()
+        local = {"loss_scaler": full["optimizer"]["loss_scaler"]}
+        for key in ("master", "state"):
+            saved = full["optimizer"][key]
+            local[key] = {}
+            for name, live_value in live_opt[key].items():
+                if isinstance(live_value, dict):
+                    local[key][name] = {k: _local(saved[name][k], v, shards.get(name)) for k, v in live_value.items()}
+                else:
+                    local[key][name] = _local(saved[name], live_value, shards.get(name))
+        optimizer.load_state_dict(local)
