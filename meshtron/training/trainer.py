@@ -89,6 +89,8 @@ class Trainer:
             log("note: bf16 on the CPU is slow; fp32 is the CPU default")
 
         self.mesh = init_distributed(cfg.parallel, self.device.type)
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", torch.cuda.current_device())  # this rank's GPU
         if self.mesh.rank != 0:
             self.log = log = _silent  # one voice: global rank 0 logs
         log(f"mesh: {self.mesh.describe()}" if self.mesh.world_size > 1 else "mesh: one process")

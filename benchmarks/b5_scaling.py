@@ -1,0 +1,134 @@
+"""B5: data- and tensor-parallel throughput on the GPUs of one host, through the real training loop.
+
+    python benchmarks/b5_scaling.py --layouts dp1,dp2,tp2 [--layers 8] [--seq-length 8192] [--steps 8]
+
+Each layout is one ``torchrun`` launch of ``meshtron.training.Trainer`` on mock tokens with the
+Llama-3-8B layer shapes (h4096, 32 heads, 8 KV heads, ffn 14336, 128 K vocabulary; ``--layers``
+of them), bf16 with fp32 master weights, the same global batch for every layout (so the losses of
+every step are comparable: the bf16 equivalence check), distributed optimizer on for dp > 1.
+Per-GPU tokens/s and TFLOP/s come from CUDA-event timing of whole steps after warm-up. The
+data-parallel communication hidden behind backward is estimated as
+``1 - (t_step(dpN) - t_step(dp1) * m_N / m_1) / t_comm`` where ``t_comm`` is the time of the same
+reduce-scatter + all-gather run alone, and ``m`` the micro batches per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+LAYOUT_FLAGS = {
+    "dp1": (1, []),
+    "dp2": (2, ["--use-distributed-optimizer"]),
+    "dp4": (4, ["--use-distributed-optimizer"]),
+    "dp8": (8, ["--use-distributed-optimizer"]),
+    "tp2": (2, ["--tp", "2", "--sequence-parallel"]),
+    "tp4": (4, ["--tp", "4", "--sequence-parallel"]),
+    "tp8": (8, ["--tp", "8", "--sequence-parallel"]),
+}
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from meshtron.config import build_config
+    from meshtron.training.trainer import Trainer
+
+    flags = [
+        "--preset", "llama3-8b", "--num-layers", str(args.layers), "--mock-data", "--seq-length", str(args.seq_length),
+        "--micro-batch-size", "1", "--global-batch-size", str(args.global_batch), "--train-iters", "1000", "--bf16",
+        "--log-interval", "1000000", "--eval-interval", "0", "--lr", "1e-4", "--min-lr", "1e-5", "--lr-warmup-iters", "2",
+    ] + LAYOUT_FLAGS[args.layout][1]
+    trainer = Trainer(build_config(None, flags), log=lambda s: print("[meshtron]", s, file=sys.stderr) if int(os.environ.get("RANK", 0)) == 0 else None)
+    losses, times = [], []
+    for step in range(args.warmup + args.steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        loss, _ = trainer.train_step()
+        end.record()
+        torch.cuda.synchronize()
+        trainer.iteration += 1
+        losses.append(loss)
+        if step >= args.warmup:
+            times.append(start.elapsed_time(end) / 1000)
+    comm = None
+    mesh = trainer.mesh
+    if mesh.dp > 1:  # the same bytes the distributed optimizer moves, alone: reduce-scatter fp32 grads + all-gather bf16 params
+        numel = sum(p.numel() for p in trainer.model.parameters())
+        numel -= numel % mesh.dp
+        grads = torch.randn(numel, device="cuda")
+        params = torch.randn(numel, device="cuda", dtype=torch.bfloat16)
+        shard_g = torch.empty(numel // mesh.dp, device="cuda")
+        shard_p = torch.empty(numel // mesh.dp, device="cuda", dtype=torch.bfloat16)
+        samples = []
+        for i in range(4):
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dist.reduce_scatter_tensor(shard_g, grads, group=mesh.dp_group)
+            dist.all_gather_into_tensor(params, shard_p, group=mesh.dp_group)
+            end.record()
+            torch.cuda.synchronize()
+            if i:
+                samples.append(start.elapsed_time(end) / 1000)
+        comm = statistics.median(samples)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    if mesh.rank == 0:
+        print("RESULT " + json.dumps(dict(layout=args.layout, world=mesh.world_size, dp=mesh.dp, micro_per_rank=trainer.num_micro_batches,
+                                          step_s=statistics.median(times), losses=losses, peak_gib=peak, comm_s=comm,
+                                          flops_per_token=trainer.flops_per_token, device=torch.cuda.get_device_name())))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layouts", default="dp1,dp2,tp2")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--seq-length", type=int, default=8192)
+    parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        args.layout = args.worker
+        worker(args)
+        return
+    rows = []
+    for layout in args.layouts.split(","):
+        nproc = LAYOUT_FLAGS[layout][0]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__,
+               "--worker", layout, "--layers", str(args.layers), "--seq-length", str(args.seq_length),
+               "--global-batch", str(args.global_batch), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        sys.stderr.write(proc.stderr[-3000:])
+        found = [json.loads(l[7:]) for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+        if proc.returncode or not found:
+            print(f"{layout}: failed (exit {proc.returncode})")
+            continue
+        rows.append(found[0])
+    if not rows:
+        return
+    tokens_per_step = args.global_batch * args.seq_length
+    base = next((r for r in rows if r["layout"] == "dp1"), None)
+    print(f"\nB5: Llama-3-8B layer shapes x {args.layers} layers + 128K vocab, seq {args.seq_length}, global batch {args.global_batch}, bf16, {rows[0]['device']}")
+    print(f"{'layout':<7} {'GPUs':>4} {'tok/s/GPU':>10} {'TFLOP/s/GPU':>11} {'vs dp1':>7} {'peak GiB':>9} {'comm s':>7} {'hidden':>7}  losses")
+    for r in rows:
+        per_gpu = tokens_per_step / r["step_s"] / r["world"]
+        tflops = per_gpu * r["flops_per_token"] / 1e12
+        ratio = f"{per_gpu / (tokens_per_step / base['step_s']):.3f}" if base else "-"
+        hidden = "-"
+        if base and r["comm_s"]:
+            exposed = r["step_s"] - base["step_s"] * r["micro_per_rank"] / base["micro_per_rank"]
+            hidden = f"{100 * (1 - max(0.0, exposed) / r['comm_s']):.0f}%"
+        comm = f"{r['comm_s']:.3f}" if r["comm_s"] else "-"
+        losses = " ".join(f"{x:.4f}" for x in r["losses"][:4])
+        print(f"{r['layout']:<7} {r['world']:>4} {per_gpu:>10,.0f} {tflops:>11.1f} {ratio:>7} {r['peak_gib']:>9.1f} {comm:>7} {hidden:>7}  {losses}")
+
+
+if __name__ == "__main__":
+    main()
