@@ -1,6 +1,12 @@
 """B1: the 1.24 B Llama shape, one GPU, meshtron against Hugging Face transformers in one command.
 
     python benchmarks/b1_llama.py [--steps 10] [--warmup 3] [--micro-batch-size 4] [--seq-length 4096]
+        [--sides meshtron,meshtron-ref,hf] [--profile-dir DIR] [-- extra meshtron flags]
+
+Sides: ``meshtron`` (default settings: fused kernels, chunked loss, SDPA backend ``auto``),
+``meshtron-ref`` (the same with ``--no-fused-kernels --attention-backend sdpa``: the reference
+path), ``hf``. With ``--profile-dir``, each meshtron side also profiles two steps after the
+timed ones and writes the GPU kernels that took the time to ``DIR/profile_<side>.txt``.
 
 Each side runs in its own process (clean peak-memory numbers), on random tokens, with warm-up
 steps left out of the timing; the table printed last is the result. FLOPs per token come from
@@ -37,6 +43,21 @@ def time_steps(step, warmup: int, steps: int) -> list[float]:
     return times
 
 
+REFERENCE_FLAGS = ["--no-fused-kernels", "--attention-backend", "sdpa"]
+
+
+def profile_steps(step, path: str) -> None:
+    """Two steps under the profiler; the table of GPU time by kernel goes to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        step()
+        torch.cuda.synchronize()
+    with open(path, "w") as f:
+        f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90))
+
+
 def run_meshtron(args) -> dict:
     from meshtron.config import build_config
     from meshtron.training.trainer import Trainer
@@ -46,7 +67,7 @@ def run_meshtron(args) -> dict:
         "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size", str(args.micro_batch_size),
         "--train-iters", "1000", "--bf16", "--log-interval", "1000000", "--eval-interval", "0",
         "--lr", "1e-4", "--min-lr", "1e-5", "--lr-warmup-iters", "10",
-    ] + args.meshtron_args
+    ] + args.meshtron_args + (REFERENCE_FLAGS if args.child == "meshtron-ref" else [])
     trainer = Trainer(build_config(None, overrides), log=lambda s: print("[meshtron]", s, file=sys.stderr))
     losses = []
 
@@ -56,8 +77,11 @@ def run_meshtron(args) -> dict:
         losses.append(loss)
 
     times = time_steps(step, args.warmup, args.steps)
+    peak = torch.cuda.max_memory_allocated() / 2**30  # before profiling, whose buffers are not training's
+    if args.profile_dir:
+        profile_steps(step, f"{args.profile_dir}/profile_{args.child}.txt")
     params = sum(p.numel() for p in trainer.model.parameters())
-    return dict(times=times, params=params, first_loss=losses[0], last_loss=losses[-1])
+    return dict(times=times, params=params, first_loss=losses[0], last_loss=losses[-1], peak_gib=peak)
 
 
 def run_hf(args) -> dict:
@@ -91,8 +115,8 @@ def run_hf(args) -> dict:
 
 def child(args) -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
-    result = run_meshtron(args) if args.child == "meshtron" else run_hf(args)
-    result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    result = run_hf(args) if args.child == "hf" else run_meshtron(args)
+    result.setdefault("peak_gib", torch.cuda.max_memory_allocated() / 2**30)
     result["device"] = torch.cuda.get_device_name()
     print("RESULT " + json.dumps(result))
 
@@ -103,7 +127,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--seq-length", type=int, default=4096)
-    parser.add_argument("--sides", default="meshtron,hf")
+    parser.add_argument("--sides", default="meshtron,hf", help="comma-separated: meshtron, meshtron-ref, hf")
+    parser.add_argument("--profile-dir", default="", help="profile the meshtron sides into this directory")
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
     parser.add_argument("meshtron_args", nargs="*", help="extra meshtron flags after --")
     args = parser.parse_args()
@@ -116,7 +141,8 @@ def main() -> None:
     rows = {}
     for side in args.sides.split(","):
         cmd = [sys.executable, __file__, "--child", side, "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--micro-batch-size", str(args.micro_batch_size), "--seq-length", str(args.seq_length), "--", *args.meshtron_args]
+               "--micro-batch-size", str(args.micro_batch_size), "--seq-length", str(args.seq_length),
+               "--profile-dir", args.profile_dir, "--", *args.meshtron_args]
         start = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True)
         sys.stderr.write(proc.stderr[-4000:])
@@ -130,19 +156,19 @@ def main() -> None:
     ceiling, source = device_ceiling_tflops(torch.device("cuda"))
     tokens_per_step = args.micro_batch_size * args.seq_length
     print(f"\nB1: Llama 1.24B shape, seq {args.seq_length}, micro-batch {args.micro_batch_size}, bf16, median of {args.steps} steps; MFU vs {source}")
-    print(f"{'side':<10} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} {'loss first->last':>18} {'vs HF':>6}")
+    print(f"{'side':<13} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} {'loss first->last':>18} {'vs HF':>6}")
     hf_rate = None
     if rows.get("hf"):
         hf_rate = tokens_per_step / statistics.median(rows["hf"]["times"])
     for side, r in rows.items():
         if r is None:
-            print(f"{side:<10} failed")
+            print(f"{side:<13} failed")
             continue
         rate = tokens_per_step / statistics.median(r["times"])
         tflops = rate * flops_per_token(r["params"], SHAPE["layers"], args.seq_length, SHAPE["hidden"]) / 1e12
         mfu = f"{100 * tflops / ceiling:.1f}%" if ceiling else "-"
         ratio = f"{rate / hf_rate:.2f}x" if hf_rate else "-"
-        print(f"{side:<10} {rate:>10,.0f} {tflops:>8.1f} {mfu:>6} {r['peak_gib']:>9.1f} {r['first_loss']:>8.3f}->{r['last_loss']:<8.3f} {ratio:>6}")
+        print(f"{side:<13} {rate:>10,.0f} {tflops:>8.1f} {mfu:>6} {r['peak_gib']:>9.1f} {r['first_loss']:>8.3f}->{r['last_loss']:<8.3f} {ratio:>6}")
 
 
 if __name__ == "__main__":

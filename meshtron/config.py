@@ -116,6 +116,11 @@ class ParallelConfig:
     expert_parallel: int = 1
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
+    virtual_pipeline_parallel: int = 1  # model chunks per pipeline rank (interleaved 1F1B when > 1)
+    num_layers_per_virtual_pipeline_stage: int = 0  # Megatron's way to set the above: layers / pp / this
+    pipeline_schedule: str = "auto"  # auto (1f1b, interleaved with virtual stages) | 1f1b | afab | interleaved
+    first_pipeline_stage_layers: int = 0  # 0: even split; fewer balance the embedding
+    last_pipeline_stage_layers: int = 0  # 0: even split; fewer balance the output layer and loss
     fsdp: bool = False  # PyTorch FSDP2 (fully_shard) instead of the distributed optimizer; needs tp = 1
     ddp_bucket_size: int = 40_000_000  # gradient elements per data-parallel reduction bucket
 
@@ -293,6 +298,10 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "sequence-parallel": ("parallel.sequence_parallel", True),
     "use-distributed-optimizer": ("parallel.use_distributed_optimizer", True),
     "use-torch-fsdp2": ("parallel.fsdp", True),
+    "virtual-pipeline-model-parallel-size": "parallel.virtual_pipeline_parallel",
+    "num-layers-per-virtual-pipeline-stage": "parallel.num_layers_per_virtual_pipeline_stage",
+    "decoder-first-pipeline-num-layers": "parallel.first_pipeline_stage_layers",
+    "decoder-last-pipeline-num-layers": "parallel.last_pipeline_stage_layers",
     "ddp-bucket-size": "parallel.ddp_bucket_size",
     "save": "checkpoint.save",
     "load": "checkpoint.load",
@@ -484,6 +493,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
 
     need(t.micro_batch_size > 0, f"--micro-batch-size must be positive, got {t.micro_batch_size}")
     if p.fsdp:
+        need(p.pipeline_parallel == 1, "--fsdp does not combine with pipeline parallelism; use the distributed optimizer")
         need(p.tensor_parallel == 1, f"--fsdp needs --tensor-model-parallel-size 1 (got {p.tensor_parallel}); use the distributed optimizer with tp")
         need(not p.use_distributed_optimizer, "--fsdp and --use-distributed-optimizer both shard optimizer state; pick one")
     model_parallel = p.tensor_parallel * p.pipeline_parallel * p.context_parallel
@@ -496,6 +506,23 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             f"cp {p.context_parallel} = {model_parallel}; change the parallel sizes or the number of processes",
         )
     dp = max(1, world_size // max(1, model_parallel))
+    need(p.pipeline_schedule in ("auto", "1f1b", "afab", "interleaved"), f"parallel.pipeline_schedule must be auto, 1f1b, afab or interleaved, got '{p.pipeline_schedule}'")
+    if p.num_layers_per_virtual_pipeline_stage and p.pipeline_parallel > 0:
+        per_rank = m.num_layers // max(1, p.pipeline_parallel)
+        need(
+            m.num_layers % p.pipeline_parallel == 0 and per_rank % p.num_layers_per_virtual_pipeline_stage == 0,
+            f"--num-layers-per-virtual-pipeline-stage {p.num_layers_per_virtual_pipeline_stage} must divide the "
+            f"{m.num_layers} layers / pp {p.pipeline_parallel} of each pipeline rank",
+        )
+    virtual = pipeline_virtual_size(cfg)
+    need(virtual == 1 or p.pipeline_parallel > 1, "virtual pipeline stages need --pipeline-model-parallel-size > 1")
+    if p.pipeline_parallel > 1 and (virtual > 1 or p.pipeline_schedule == "interleaved") and t.micro_batch_size > 0:
+        micro = t.global_batch_size // max(1, t.micro_batch_size * dp)
+        need(
+            micro % p.pipeline_parallel == 0,
+            f"the interleaved schedule needs the {micro} micro batches per step to be a multiple of pp "
+            f"{p.pipeline_parallel}; change --global-batch-size or --micro-batch-size",
+        )
     if t.micro_batch_size > 0:
         need(
             t.global_batch_size % (t.micro_batch_size * dp) == 0 and t.global_batch_size > 0,
@@ -526,6 +553,14 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         errors.append(f"--load {c.load} does not exist; point it at a checkpoint directory written by --save")
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
+
+
+def pipeline_virtual_size(cfg: Config) -> int:
+    """Model chunks per pipeline rank, from either of Megatron's two ways to ask for them."""
+    p = cfg.parallel
+    if p.num_layers_per_virtual_pipeline_stage:
+        return max(1, cfg.model.num_layers // max(1, p.pipeline_parallel) // p.num_layers_per_virtual_pipeline_stage)
+    return p.virtual_pipeline_parallel
 
 
 def _divisor_near(n: int, k: int) -> int:

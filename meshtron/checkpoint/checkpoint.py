@@ -113,8 +113,6 @@ def save_checkpoint(
     final directory.
     """
     mesh = mesh or Mesh()
-    if mesh.pp > 1:
-        raise NotImplementedError("checkpoints under pipeline parallelism need a writer per stage")
     root = Path(save_dir)
     final = checkpoint_dir(root, iteration)
     tmp = root / f"{final.name}.tmp"

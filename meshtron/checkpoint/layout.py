@@ -56,7 +56,28 @@ def full_state(model: nn.Module, optimizer: Any, mesh: Mesh, with_optimizer: boo
             "state": _by_name(opt["state"], lambda t, n: _full(t, shards.get(n), mesh)),
             "loss_scaler": opt["loss_scaler"],
         }
-    return state
+    return _merge_pipeline_stages(state, mesh)
+
+
+def _merge_pipeline_stages(state: dict[str, Any], mesh: Mesh) -> dict[str, Any]:
+    """Give global rank 0 (the writer) every pipeline stage's tensors. Names are the one-process
+    names on every stage, so merging is a dict update (a tied embedding's copies coincide)."""
+    coords = mesh.coords()
+    if mesh.pp == 1 or coords["tp"] or coords["cp"] or coords["dp"]:
+        return state  # only the pipeline group of global rank 0 takes part
+    cpu = _by_name(state, lambda t, _: t.cpu())
+    parts = [None] * mesh.pp if mesh.rank == 0 else None
+    torch.distributed.gather_object(cpu, parts, dst=0, group=mesh.pp_group)
+    if mesh.rank != 0:
+        return state
+    merged = {"model": {}}
+    for part in parts:
+        merged["model"].update(part["model"])
+        if "optimizer" in part:
+            opt = merged.setdefault("optimizer", {"master": {}, "state": {}, "loss_scaler": part["optimizer"]["loss_scaler"]})
+            opt["master"].update(part["optimizer"]["master"])
+            opt["state"].update(part["optimizer"]["state"])
+    return merged
 
 
 def _full_shape(tensor: torch.Tensor, shard) -> list[int]:

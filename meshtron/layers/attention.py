@@ -124,14 +124,18 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, s, d]
         dropout = self.dropout if self.training else 0.0
         if self.recompute_core and torch.is_grad_enabled():
-            out = checkpoint(self.core_attention, q, k, v, mask, dropout, use_reentrant=False)
+            out = checkpoint(self.core_attention, q, k, v, mask, dropout, document_ids, use_reentrant=False)
         else:
-            out = self.core_attention(q, k, v, mask, dropout)
+            out = self.core_attention(q, k, v, mask, dropout, document_ids)
         return self.linear_proj(out.transpose(1, 2).flatten(2))
 
-    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout: float) -> torch.Tensor:
+    def core_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout: float, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """softmax(q k^T / sqrt(d)) v on [b, heads, s, d] (k, v with fewer heads under GQA: query
-        head i reads kv head i // group_size), by ``model.attention_backend``.
+        head i reads kv head i // group_size), by ``model.attention_backend``. ``mask`` already
+        holds ``document_ids``; they are passed for a replacement core (context parallelism) whose
+        keys span other ranks' tokens.
 
         Grouped heads go to SDPA as they are (``enable_gqa``) when there is no mask, as the flash
         and cuDNN kernels read each kv head for its whole group; with a mask they are repeated,

@@ -97,6 +97,7 @@ class MixedPrecisionOptimizer:
         loss_scaler: ConstantLossScaler | DynamicLossScaler,
         grads: GradStorage | None = None,
         tp_group: dist.ProcessGroup | None = None,
+        pp_group: dist.ProcessGroup | None = None,
     ) -> None:
         named = [pair for group in param_groups for pair in group["params"]]
         if not named:
@@ -113,9 +114,15 @@ class MixedPrecisionOptimizer:
         fused = True if all(m.is_cuda for m in self._master_params()) else None
         self.adamw = torch.optim.AdamW(master_groups, lr=lr, betas=betas, eps=eps, fused=fused)
         self._init_adam_state()
-        self._norm_groups = [tp_group] if tp_group is not None else []
+        self._norm_groups = [g for g in (tp_group, pp_group) if g is not None]
         tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
-        self._in_norm = [tp_rank == 0 or getattr(p, "tp_shard", None) is not None for p in self._master_owners()]
+        first_stage = pp_group is None or dist.get_rank(pp_group) == 0
+        # Count each gradient once: tp shards on every tp rank, tp-replicated params on tp rank 0,
+        # a tied embedding's pipeline copy on the first stage only.
+        self._in_norm = [
+            (tp_rank == 0 or getattr(p, "tp_shard", None) is not None) and (first_stage or not getattr(p, "shared_embedding", False))
+            for p in self._master_owners()
+        ]
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -334,6 +341,7 @@ def build_optimizer(
         )
     dp_group = mesh.dp_cp_group if mesh is not None and mesh.dp_cp_size > 1 else None
     tp_group = mesh.tp_group if mesh is not None and mesh.tp_size > 1 else None
+    pp_group = mesh.pp_group if mesh is not None and mesh.pp_size > 1 else None
     # Layout in registration order (GradBuffer reverses it to follow backward), not group order.
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     grads = GradBuffer(trainable, group=dp_group, bucket_size=bucket_size, shard=distributed)
@@ -350,4 +358,5 @@ def build_optimizer(
         loss_scaler=build_loss_scaler(train_cfg, param_dtype),
         grads=grads,
         tp_group=tp_group,
+        pp_group=pp_group,
     )

@@ -187,11 +187,17 @@ class TensorParallelDecoder(Decoder):
         emb = self.embedding  # tied: the embedding's vocabulary slice is the output's
         return column_parallel_linear(hidden, emb.weight, None, emb.group, emb.sequence_parallel)
 
+    @property
+    def _vocab_group(self):
+        """The tp group the vocabulary is split over (the output layer's; a pipeline's last stage
+        may hold no input embedding)."""
+        return (self.output if self.output is not None else self.embedding).group
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return gather_from_tp_region(self._logits_shard(hidden), self.embedding.group)
+        return gather_from_tp_region(self._logits_shard(hidden), self._vocab_group)
 
     def output_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(self._logits_shard(hidden).float(), labels, self.embedding.group)
+        return vocab_parallel_cross_entropy(self._logits_shard(hidden).float(), labels, self._vocab_group)
 
 
 def apply_tensor_parallel(model: Decoder, mesh: Mesh, sequence_parallel: bool) -> Decoder:

@@ -129,9 +129,16 @@ class GradBuffer:
         buckets, current, start, size = [], [], 0, 0
         multiple = self.dp_size * _SHARD_ALIGN if self.shard else 1
         for i, param in enumerate(params):
+            # A tied embedding copy held by the first and last pipeline stage gets a bucket of its
+            # own, so its shard ranges are the same on both stages and their gradients can be summed.
+            alone = getattr(param, "shared_embedding", False)
+            if alone and current:
+                end = start + -(-size // multiple) * multiple
+                buckets.append(Bucket(start, end, current))
+                current, start, size = [], end, 0
             current.append(param)
             size += param.numel()
-            if size >= bucket_size or i == len(params) - 1:
+            if alone or size >= bucket_size or i == len(params) - 1:
                 end = start + -(-size // multiple) * multiple
                 buckets.append(Bucket(start, end, current))
                 current, start, size = [], end, 0

@@ -117,25 +117,26 @@ def forward_only_order(kind: str, pp: int, pp_rank: int, num_micro_batches: int,
 
 
 def _units(kind: str, pp: int, rank: int, m: int, v: int) -> list[list[Op]]:
-    """The order cut where communication happens: warm-up forwards and cool-down backwards one by
-    one, the steady state's forward-backward pairs together (see ``communication_plan``)."""
+    """The order cut where communication happens (see ``communication_plan``): after every op,
+    except in the interleaved steady state, whose forward-backward pairs communicate together."""
     _check(kind, pp, rank, m, v)
     if kind == "afab":
         return [[("F", i, 0)] for i in range(m)] + [[("B", i, 0)] for i in range(m)]
     if kind == "1f1b":
         warmup = min(pp - rank - 1, m)
-        fwd = [("F", i, 0) for i in range(m)]
-        bwd = [("B", i, 0) for i in range(m)]
-    else:
-        # Megatron-Core's forward_backward_pipelining_with_interleaving: virtual micro batch k
-        # (0 .. m*v - 1) is micro batch (k // (pp*v)) * pp + k % pp, on chunk (k // pp) % v going
-        # forward and v - 1 - (k // pp) % v going backward; all forwards first when m == pp.
-        def mb(k: int) -> int:
-            return (k // (pp * v)) * pp + k % pp
+        order = [("F", i, 0) for i in range(warmup)]
+        for i in range(m - warmup):
+            order += [("F", warmup + i, 0), ("B", i, 0)]
+        return [[op] for op in order + [("B", i, 0) for i in range(m - warmup, m)]]
+    # Megatron-Core's forward_backward_pipelining_with_interleaving: virtual micro batch k
+    # (0 .. m*v - 1) is micro batch (k // (pp*v)) * pp + k % pp, on chunk (k // pp) % v going
+    # forward and v - 1 - (k // pp) % v going backward; all forwards first when m == pp.
+    def mb(k: int) -> int:
+        return (k // (pp * v)) * pp + k % pp
 
-        fwd = [("F", mb(k), (k // pp) % v) for k in range(m * v)]
-        bwd = [("B", mb(k), v - 1 - (k // pp) % v) for k in range(m * v)]
-        warmup = m * v if m == pp else min((pp - rank - 1) * 2 + (v - 1) * pp, m * v)
+    fwd = [("F", mb(k), (k // pp) % v) for k in range(m * v)]
+    bwd = [("B", mb(k), v - 1 - (k // pp) % v) for k in range(m * v)]
+    warmup = m * v if m == pp else min((pp - rank - 1) * 2 + (v - 1) * pp, m * v)
     steady = len(fwd) - warmup
     return ([[op] for op in fwd[:warmup]] + [[fwd[warmup + k], bwd[k]] for k in range(steady)]
             + [[op] for op in bwd[steady:]])  # fmt: skip
@@ -175,12 +176,12 @@ def communication_plan(kind: str, pp: int, pp_rank: int, num_micro_batches: int,
                        forward_only: bool = False) -> list[Step]:  # fmt: skip
     """The steps rank ``pp_rank`` runs for ``schedule_order`` (or ``forward_only_order``).
 
-    Before each unit of the order (one op; in the steady state one forward and one backward, as
-    Megatron groups them) one batch carries the previous unit's outputs and this unit's inputs.
-    Waiting on a batch whole is what NCCL's grouped calls amount to (one rank's later transfers
-    queue behind its earlier ones); sending a steady-state forward's output only after the paired
-    backward, and fetching the backward's input before the forward, is what keeps the interleaved
-    schedule free of deadlock under that rule.
+    Before each op one batch carries the previous op's output and this op's input, so an
+    activation leaves as soon as it exists (Megatron's 1F1B). Waiting on a batch whole is what
+    NCCL's grouped calls amount to (a rank's later transfers queue behind its earlier ones), and
+    under that rule per-op batches deadlock the interleaved schedule: there, as in Megatron, a
+    steady-state forward and backward communicate together, the forward's output leaving after
+    the backward and the backward's input fetched before the forward.
 
     Messages between two ranks (both neighbours are one rank when pp is 2) match in the order
     each side posts them: NCCL has no tags and gloo is given none, so both match the same way.

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from meshtron.checkpoint.checkpoint import load_checkpoint, save_checkpoint
-from meshtron.config import Config, validate
+from meshtron.config import Config, pipeline_virtual_size, validate
 from meshtron.data.builder import MicroBatchIterator, build_datasets
 from meshtron.data.tokenizers import build_tokenizer
 from meshtron.models import padded_vocab_size
@@ -28,7 +28,9 @@ from meshtron.optim.lr_schedule import LRSchedule
 from meshtron.parallel.apply import finalize_tensor_parallel_grads
 from meshtron.parallel.context_parallel import shard_batch_for_cp
 from meshtron.parallel.mesh import init_distributed
-from meshtron.parallel.setup import build_parallel_model_and_optimizer
+from meshtron.parallel.pipeline import allreduce_tied_embedding_grads, forward_backward, pipeline_loss
+from meshtron.parallel.pipeline_schedules import bubble_fraction
+from meshtron.parallel.setup import build_parallel_model_and_optimizer, pipeline_schedule_kind
 from meshtron.training.metrics import IntervalMeter, TensorBoardWriter, device_ceiling_tflops, flops_per_token, format_log_line
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -106,7 +108,8 @@ class Trainer:
         self.vocab_size = padded_vocab_size(
             max(cfg.model.vocab_size, base_vocab), cfg.model.make_vocab_size_divisible_by, cfg.parallel.tensor_parallel
         )
-        self.model, self.optimizer = build_parallel_model_and_optimizer(cfg, self.mesh, self.vocab_size, self.device, PRECISION_DTYPES[self.precision])
+        self.dtype = PRECISION_DTYPES[self.precision]
+        self.model, self.optimizer, self.stages = build_parallel_model_and_optimizer(cfg, self.mesh, self.vocab_size, self.device, self.dtype)
         self.schedule = LRSchedule.from_config(t)
         self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * self.mesh.dp)
 
@@ -149,6 +152,10 @@ class Trainer:
             f"{self.num_micro_batches} micro batches of {t.micro_batch_size} x {cfg.data.seq_length} tokens per step; "
             f"MFU ceiling: {ceiling_source}"
         )
+        if self.stages is not None:
+            kind, virtual = pipeline_schedule_kind(cfg), pipeline_virtual_size(cfg)
+            bubble = bubble_fraction(kind, self.mesh.pp, self.num_micro_batches, virtual)
+            log(f"pipeline: {kind} schedule, pp {self.mesh.pp} x {virtual} virtual stages, {self.num_micro_batches} micro batches: theoretical bubble {100 * bubble:.1f}%")
         log(f"optimizer state on this rank: {self.optimizer.memory_bytes() / 2**20:.1f} MiB" if hasattr(self.optimizer, "memory_bytes") else "optimizer state: sharded by FSDP2")
         self._stop_requested = False
 
@@ -188,15 +195,25 @@ class Trainer:
         batches = [self._to_device(next(self.train_batches)) for _ in range(self.num_micro_batches)]
         num_tokens = self._sum_over_data_parallel(sum(b["loss_mask"].sum() for b in batches)).clamp(min=1)
         self.optimizer.zero_grad()
-        total = torch.zeros((), device=self.device)
-        for i, batch in enumerate(batches):
-            last = i == len(batches) - 1
-            with contextlib.nullcontext() if last else self.optimizer.no_sync():
-                loss = self._micro_batch_loss_sum(batch) / num_tokens
-                self.optimizer.scale_loss(loss).backward()
-            total += loss.detach()
+        if self.stages is None:
+            total = torch.zeros((), device=self.device)
+            for i, batch in enumerate(batches):
+                last = i == len(batches) - 1
+                with contextlib.nullcontext() if last else self.optimizer.no_sync():
+                    loss = self._micro_batch_loss_sum(batch) / num_tokens
+                    self.optimizer.scale_loss(loss).backward()
+                total += loss.detach()
+        else:
+            losses = forward_backward(
+                pipeline_schedule_kind(self.cfg), self.stages, batches, self.mesh,
+                lambda per_token, batch: (per_token * batch["loss_mask"]).sum() / num_tokens, self.dtype,
+                scale_loss=self.optimizer.scale_loss, no_sync=self.optimizer.no_sync,
+            )  # fmt: skip
+            total = pipeline_loss(losses, self.mesh, self.device)
         self.optimizer.finish_grad_sync()
         finalize_tensor_parallel_grads(self.model, self.mesh)
+        if self.stages is not None:
+            allreduce_tied_embedding_grads(self.stages, self.mesh)
         result = self.optimizer.step(self.schedule.lr_at(self.iteration))
         return self._sum_over_data_parallel(total).item(), result
 
@@ -207,10 +224,17 @@ class Trainer:
         batches = self._batches(self.valid_data, 0)
         loss_sum = torch.zeros((), device=self.device)
         tokens = torch.zeros((), device=self.device)
-        for _ in range(self.cfg.logging.eval_iters * self.num_micro_batches):
-            batch = self._to_device(next(batches))
-            loss_sum += self._micro_batch_loss_sum(batch)
-            tokens += batch["loss_mask"].sum()
+        for _ in range(self.cfg.logging.eval_iters):
+            micro = [self._to_device(next(batches)) for _ in range(self.num_micro_batches)]
+            tokens += sum(b["loss_mask"].sum() for b in micro)
+            if self.stages is None:
+                loss_sum += sum(self._micro_batch_loss_sum(b) for b in micro)
+            else:
+                losses = forward_backward(
+                    pipeline_schedule_kind(self.cfg), self.stages, micro, self.mesh,
+                    lambda per_token, batch: (per_token * batch["loss_mask"]).sum(), self.dtype, forward_only=True,
+                )  # fmt: skip
+                loss_sum += pipeline_loss(losses, self.mesh, self.device)
         self.model.train()
         return (self._sum_over_data_parallel(loss_sum) / self._sum_over_data_parallel(tokens).clamp(min=1)).item()
 
@@ -315,7 +339,7 @@ class Trainer:
             self.tensorboard.close()
             self.train_batches.close()
         result.iteration = self.iteration
-        if logc.generate_prompt and self.tokenizer is not None:
+        if logc.generate_prompt and self.tokenizer is not None and self.stages is None:
             result.sample = self.sample(logc.generate_prompt, logc.generate_tokens)
             self.log(f"sample: {result.sample!r}")
         return result

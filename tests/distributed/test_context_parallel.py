@@ -20,8 +20,6 @@ Tolerance: fp32 on the CPU, 1e-5 relative (as a norm over the whole tensor).
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 
 import pytest
 import torch
@@ -63,29 +61,6 @@ MODEL_CASES = [("llama", "cp4", "p2p", False), ("llama", "cp2xdp2", "p2p", False
 ATTENTION_CASES = [("p2p", True, False), ("p2p", True, True), ("p2p", False, False),
                    ("all_gather", True, False), ("all_gather", True, True)]  # (algorithm, causal, documents); fmt: skip
 ATTENTION_FNS = {"p2p": ring_attention, "all_gather": allgather_kv_attention}
-
-
-# ---------------------------------------------------------------------- document ids for the core (stopgap)
-
-
-class _PassDocuments(Attention):
-    """Hands ``document_ids`` to the context-parallel core, which today's ``Attention.forward``
-    does not pass to ``core_attention`` (the change asked of layers/attention.py). Remove once it
-    does: ``_pass_documents`` is then a no-op."""
-
-    def forward(self, x, cos, sin, position_ids=None, document_ids=None, kv_cache=None):
-        self._document_ids = document_ids
-        return super().forward(x, cos, sin, position_ids, document_ids, kv_cache)
-
-
-def _pass_documents(model):
-    if "document_ids" in inspect.signature(Attention.core_attention).parameters:
-        return model
-    for layer in model.layers:
-        attn, core = layer.self_attention, layer.self_attention.core_attention
-        attn.__class__ = _PassDocuments
-        attn.core_attention = functools.partial(lambda a, c, *args: c(*args, a._document_ids), attn, core)
-    return model
 
 
 # ---------------------------------------------------------------------- data
@@ -144,7 +119,7 @@ def _attention_case(mesh: Mesh, algorithm: str, causal: bool, documents: bool) -
 
 def _model_case(mesh: Mesh, name: str, algorithm: str, sequence_parallel: bool) -> dict[str, object]:
     model = apply_tensor_parallel(_model(name), mesh, sequence_parallel)
-    _pass_documents(apply_context_parallel(model, mesh, algorithm))
+    apply_context_parallel(model, mesh, algorithm)
     batch = {k: t.chunk(mesh.dp_size)[mesh.dp_rank] for k, t in _batch(name).items()}
     local = shard_batch_for_cp(batch, mesh)
     num_tokens = local["loss_mask"].sum()

@@ -1,11 +1,13 @@
 """The whole training loop under each layout of the mesh against the one-process loop.
 
 Same seed, same data (mock tokens), fp32 on the CPU, clipping active: the losses of every step and
-the logged (global) grad norms agree with one process to 1e-5 relative; the final weights after 5
-AdamW steps to 1e-5 relative or 2e-5 absolute (AdamW divides by sqrt(v), so fp32 rounding of a
-near-zero gradient moves a weight by up to ~1e-3 of an lr-1e-2 step).
-Then a checkpoint saved under tp2 x dp2 (distributed optimizer, sequence parallel) resumes
-exactly under the same layout, and loads into one process (resharding by slicing).
+the logged (global) grad norms agree with one process to 1e-5 and 1e-4 relative (a norm sums
+squares over 50 k gradients, each 5 AdamW steps from rounding-order differences); the final weights
+to 1e-5 relative or 2e-5 absolute. AdamW's eps is 1e-4 here: with 1e-8 its first steps are
+sign-like, so a gradient that is 0 in one run and 1e-12 (rounding) in another moves a weight by a
+whole lr in one and not at all in the other.
+Then checkpoints saved under tp2 x dp2 and pp2 x tp2 x dp2 (distributed optimizer, sequence
+parallel) resume exactly under the same layout, and load into one process (resharding by slicing).
 """
 
 import math
@@ -20,11 +22,11 @@ from tests.distributed.launcher import run_distributed
 
 STEPS = 5
 BASE = [
-    "--mock-data", "--vocab-size", "128", "--make-vocab-size-divisible-by", "1", "--num-layers", "2", "--hidden-size", "64",
+    "--mock-data", "--vocab-size", "128", "--make-vocab-size-divisible-by", "1", "--num-layers", "4", "--hidden-size", "64",
     "--num-attention-heads", "4", "--num-query-groups", "2", "--swiglu", "--normalization", "RMSNorm",
     "--position-embedding-type", "rope", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
     "--seq-length", "16", "--global-batch-size", "8", "--train-iters", str(STEPS), "--lr", "1e-2", "--min-lr", "1e-3",
-    "--lr-warmup-iters", "2", "--clip-grad", "0.05", "--fp32", "--eval-interval", "0", "--log-interval", "100",
+    "--lr-warmup-iters", "2", "--clip-grad", "0.05", "--adam-eps", "1e-4", "--fp32", "--eval-interval", "0", "--log-interval", "100",
     "--device", "cpu",
 ]
 LAYOUTS = {  # name: (world size, extra flags)
@@ -35,7 +37,12 @@ LAYOUTS = {  # name: (world size, extra flags)
     "fsdp_dp2": (2, ["--micro-batch-size", "2", "--fsdp"]),
     "tp2_dp2_distopt_sp": (4, ["--tp", "2", "--sequence-parallel", "--micro-batch-size", "2", "--use-distributed-optimizer"]),
     "cp2_dp2": (4, ["--cp", "2", "--micro-batch-size", "2"]),
+    "pp2_1f1b": (2, ["--pp", "2", "--micro-batch-size", "2"]),
+    "pp2_interleaved": (2, ["--pp", "2", "--virtual-pipeline-model-parallel-size", "2", "--micro-batch-size", "2"]),
+    "pp4_1f1b": (4, ["--pp", "4", "--micro-batch-size", "1"]),
+    "pp2_tp2_dp2_distopt_sp": (8, ["--pp", "2", "--tp", "2", "--sequence-parallel", "--micro-batch-size", "1", "--use-distributed-optimizer"]),
 }
+RESUMED = {4: "tp2_dp2_distopt_sp", 8: "pp2_tp2_dp2_distopt_sp"}  # layouts whose checkpoints must resume exactly
 
 
 def _run(flags, tmp=None):
@@ -47,13 +54,14 @@ def _run(flags, tmp=None):
 
 def _layouts(rank, world_size, names, tmp):
     out = {name: _run(LAYOUTS[name][1]) for name in names}
-    if world_size == 4:
-        flags = LAYOUTS["tp2_dp2_distopt_sp"][1] + ["--save", f"{tmp}/ckpt"]
+    if world_size in RESUMED:
+        layout, ckpt = RESUMED[world_size], f"{tmp}/ckpt{world_size}"
+        flags = LAYOUTS[layout][1] + ["--save", ckpt]
         first = Trainer(build_config(None, BASE + flags + ["--exit-interval", "2"]), log=lambda _: None).run()
-        second = Trainer(build_config(None, BASE + flags + ["--load", f"{tmp}/ckpt"]), log=lambda _: None).run()
+        second = Trainer(build_config(None, BASE + flags + ["--load", ckpt]), log=lambda _: None).run()
         out["resumed_losses"] = first.losses + second.losses
-        more = ["--train-iters", str(STEPS + 2), "--load", f"{tmp}/ckpt", "--no-load-rng"]
-        out["continued_losses"] = Trainer(build_config(None, BASE + LAYOUTS["tp2_dp2_distopt_sp"][1] + more), log=lambda _: None).run().losses
+        more = ["--train-iters", str(STEPS + 2), "--load", ckpt, "--no-load-rng"]
+        out["continued_losses"] = Trainer(build_config(None, BASE + LAYOUTS[layout][1] + more), log=lambda _: None).run().losses
     return out if rank == 0 else None
 
 
@@ -68,11 +76,13 @@ def one_process():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("layouts")
-    two = [n for n, (w, _) in LAYOUTS.items() if w == 2]
-    four = [n for n, (w, _) in LAYOUTS.items() if w == 4]
-    results = run_distributed(_layouts, 2, two, str(tmp), timeout=300)[0]
-    results.update(run_distributed(_layouts, 4, four, str(tmp), timeout=300)[0])
-    results["tmp"] = tmp
+    results = {"tmp": tmp}
+    for world in (2, 4, 8):
+        names = [n for n, (w, _) in LAYOUTS.items() if w == world]
+        out = run_distributed(_layouts, world, names, str(tmp), timeout=600)[0]
+        if world in RESUMED:
+            out[f"resumed_{world}"], out[f"continued_{world}"] = out.pop("resumed_losses"), out.pop("continued_losses")
+        results.update(out)
     return results
 
 
@@ -82,7 +92,7 @@ def _close(a, b, rel=1e-5):
 
 def test_gradient_accumulation_matches_one_big_batch(one_process):
     ref, acc = one_process["mbs8"], one_process["mbs2"]
-    assert _close(acc["losses"], ref["losses"]) and _close(acc["grad_norms"], ref["grad_norms"])
+    assert _close(acc["losses"], ref["losses"]) and _close(acc["grad_norms"], ref["grad_norms"], rel=1e-4)
     assert len(set(ref["losses"])) == STEPS and min(ref["grad_norms"]) > 0.05  # moving, and clipped
 
 
@@ -90,16 +100,16 @@ def test_gradient_accumulation_matches_one_big_batch(one_process):
 def test_layout_matches_one_process(runs, one_process, layout):
     ref, got = one_process["mbs8"], runs[layout]
     assert _close(got["losses"], ref["losses"]), (got["losses"], ref["losses"])
-    assert _close(got["grad_norms"], ref["grad_norms"]), (got["grad_norms"], ref["grad_norms"])
+    assert _close(got["grad_norms"], ref["grad_norms"], rel=1e-4), (got["grad_norms"], ref["grad_norms"])
     for name, weight in ref["weights"].items():
         torch.testing.assert_close(got["weights"][name], weight, rtol=1e-5, atol=2e-5, msg=lambda m, name=name: f"{layout}: {name}: {m}")
 
 
-def test_checkpoint_resumes_exactly_under_tp2_dp2_and_reshards_to_one_process(runs):
-    straight = runs["tp2_dp2_distopt_sp"]["losses"]
-    assert runs["resumed_losses"] == straight  # bit for bit, same layout
-    # The checkpoint of iteration 5 continues in one process as it does under tp2 x dp2.
-    flags = ["--micro-batch-size", "8", "--train-iters", str(STEPS + 2), "--load", str(runs["tmp"] / "ckpt"), "--no-load-rng"]
+@pytest.mark.parametrize("world", sorted(RESUMED))
+def test_checkpoint_resumes_exactly_and_reshards_to_one_process(runs, world):
+    assert runs[f"resumed_{world}"] == runs[RESUMED[world]]["losses"]  # bit for bit, same layout
+    # The checkpoint of iteration 5 continues in one process as it does under its own layout.
+    flags = ["--micro-batch-size", "8", "--train-iters", str(STEPS + 2), "--load", str(runs["tmp"] / f"ckpt{world}"), "--no-load-rng"]
     result = Trainer(build_config(None, BASE + flags), log=lambda _: None).run()
     assert result.iteration == STEPS + 2
-    assert _close(result.losses, runs["continued_losses"]), (result.losses, runs["continued_losses"])
+    assert _close(result.losses, runs[f"continued_{world}"]), (result.losses, runs[f"continued_{world}"])

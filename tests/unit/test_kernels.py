@@ -35,9 +35,9 @@ def test_fused_kernel_and_recompute_flags():
 
 
 def test_chunk_size_bounds():
-    assert default_chunk_size(16384, 128256) == 8192
+    assert default_chunk_size(16384, 128256) == 16384
     assert default_chunk_size(10, 1000) == 1000
-    assert default_chunk_size(2**30, 128256) == 256
+    assert default_chunk_size(2**31, 128256) == 256
 
 
 @pytest.mark.parametrize("chunk", [0, 7, 64, 300])

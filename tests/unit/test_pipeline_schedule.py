@@ -15,6 +15,10 @@ from collections import deque
 import pytest
 
 from meshtron.parallel.pipeline_schedules import (
+    Message,
+    Step,
+    _input_message,
+    _output_message,
     bubble_fraction,
     communication_plan,
     forward_only_order,
@@ -55,9 +59,7 @@ def simulate(plans: list[list]) -> list[list]:
                 progress = True
         for rank in range(pp):
             while position[rank] < len(plans[rank]) and not open_msgs[rank]:
-                op = plans[rank][position[rank]].op
-                if op is not None:
-                    ran[rank].append(op)
+                ran[rank] += plans[rank][position[rank]].ops
                 position[rank] += 1
                 post(rank)
                 progress = True
@@ -67,8 +69,7 @@ def simulate(plans: list[list]) -> list[list]:
 
 
 def plans_for(kind: str, pp: int, m: int, v: int, forward_only: bool = False) -> list[list]:
-    order = forward_only_order if forward_only else schedule_order
-    return [communication_plan(order(kind, pp, r, m, v), pp, r, v) for r in range(pp)]
+    return [communication_plan(kind, pp, r, m, v, forward_only) for r in range(pp)]
 
 
 def test_1f1b_pp4_m8_by_hand():
@@ -83,6 +84,8 @@ def test_1f1b_pp4_m8_by_hand():
     assert schedule_order("1f1b", 4, 0, 8)[:6] == [("F", 0, 0), ("F", 1, 0), ("F", 2, 0), ("F", 3, 0), ("B", 0, 0),
                                                    ("F", 4, 0)]  # fmt: skip
     assert schedule_order("1f1b", 4, 3, 8)[:4] == [("F", 0, 0), ("B", 0, 0), ("F", 1, 0), ("B", 1, 0)]
+    # Each activation leaves right after its forward, not after the next backward.
+    assert all(len(step.ops) <= 1 for rank in range(4) for step in communication_plan("1f1b", 4, rank, 8))
 
 
 def test_interleaved_pp2_v2_m4_matches_megatron_by_hand():
@@ -127,7 +130,7 @@ def test_every_op_once_backward_after_forward_and_no_deadlock(kind, pp, m, v):
     ran = simulate(plans_for(kind, pp, m, v))
     assert ran == [schedule_order(kind, pp, r, m, v) for r in range(pp)]
     ran = simulate(plans_for(kind, pp, m, v, forward_only=True))
-    assert all(len(ops) == m * v for ops in ran)
+    assert ran == [forward_only_order(kind, pp, r, m, v) for r in range(pp)]
 
 
 def test_1f1b_keeps_at_most_pp_minus_rank_micro_batches_in_flight():
@@ -140,16 +143,25 @@ def test_1f1b_keeps_at_most_pp_minus_rank_micro_batches_in_flight():
 
 
 def test_simulator_catches_deadlock_and_mismatch():
-    """The checker can fail: backward-first on the last rank waits forever; swapped micro batches
+    """The checker can fail: per-op batches (the previous op's output with the next op's input)
+    deadlock the interleaved schedule, and micro batches taken in another order on one rank
     arrive as the wrong message."""
-    plans = plans_for("1f1b", 2, 2, 1)
-    plans[0] = communication_plan([("F", 0, 0), ("B", 0, 0), ("F", 1, 0), ("B", 1, 0)], 2, 0)
-    plans[1] = communication_plan([("F", 1, 0), ("B", 1, 0), ("F", 0, 0), ("B", 0, 0)], 2, 1)
-    with pytest.raises(AssertionError, match="expected"):
-        simulate(plans)
-    plans = plans_for("afab", 2, 2, 1)
-    plans[0] = communication_plan([("F", 0, 0), ("B", 0, 0), ("F", 1, 0), ("B", 1, 0)], 2, 0)
+    per_op = []
+    for rank in range(2):
+        plan, sends = [], []
+        for op in schedule_order("interleaved", 2, rank, 4, 2) + [None]:
+            recv = None if op is None else _input_message(op, 2, rank, 2)
+            plan.append(Step(sends + [recv] * (recv is not None), [op] if op else []))
+            out = None if op is None else _output_message(op, 2, rank, 2)
+            sends = [out] * (out is not None)
+        per_op.append(plan)
     with pytest.raises(AssertionError, match="deadlock"):
+        simulate(per_op)
+    plans = plans_for("1f1b", 2, 2, 1)
+    plans[1] = [Step([Message(False, "act", 0, 1, 0)], [("F", 1, 0), ("B", 1, 0)]),
+                Step([Message(True, "grad", 0, 1, 1), Message(False, "act", 0, 0, 0)], [("F", 0, 0), ("B", 0, 0)]),
+                Step([Message(True, "grad", 0, 0, 1)], [])]  # fmt: skip
+    with pytest.raises(AssertionError, match="expected"):
         simulate(plans)
 
 

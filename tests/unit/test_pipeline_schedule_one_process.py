@@ -1,0 +1,55 @@
+"""A pipeline of one stage is the plain model: the stage's embedding (learned positions too),
+blocks, final norm and tied output give the decoder's losses and gradients, whichever schedule
+walks them. Proves ``PipelineStage.forward`` against ``Decoder.forward`` without processes; the
+multi-stage runs are in ``tests/distributed/test_pipeline.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshtron.config import ModelConfig
+from meshtron.models import build_model
+from meshtron.parallel.mesh import Mesh
+from meshtron.parallel.pipeline import build_stage_modules, forward_backward, pipeline_loss
+
+GPT = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, normalization="LayerNorm", activation="gelu",
+                  position_embedding_type="learned_absolute", add_bias_linear=True, tie_embeddings=True)  # fmt: skip
+VOCAB, SEQ = 64, 8
+
+
+def _model():
+    torch.manual_seed(3)
+    return build_model(GPT, VOCAB, SEQ)
+
+
+def _batches() -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    return [{"tokens": torch.randint(0, VOCAB, (2, SEQ), generator=g),
+             "labels": torch.randint(0, VOCAB, (2, SEQ), generator=g),
+             "loss_mask": (torch.rand(2, SEQ, generator=g) < 0.8).float()} for _ in range(3)]  # fmt: skip
+
+
+def _loss_fn(per_token, batch):
+    return (per_token * batch["loss_mask"]).sum() / 40.0
+
+
+@pytest.mark.parametrize("kind", ["afab", "1f1b", "interleaved"])
+def test_one_stage_pipeline_is_the_model(kind):
+    ref, batches = _model(), _batches()
+    ref_losses = []
+    for b in batches:
+        loss = _loss_fn(ref(b["tokens"], labels=b["labels"]), b)
+        (loss * 2.0).backward()
+        ref_losses.append(loss.detach())
+    model = _model()
+    mesh = Mesh()
+    stages = build_stage_modules(model, mesh)
+    losses = forward_backward(kind, stages, batches, mesh, _loss_fn, torch.float32, scale_loss=lambda x: x * 2.0)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-6, atol=0)
+    torch.testing.assert_close(pipeline_loss(losses, mesh, torch.device("cpu")), sum(ref_losses), rtol=1e-6, atol=0)
+    grads = {n: p.grad for n, p in ref.named_parameters()}
+    assert sorted(n for n, _ in stages[0].named_parameters()) == sorted(grads)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, grads[name], rtol=1e-5, atol=1e-7, msg=name)
