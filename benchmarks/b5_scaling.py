@@ -9,7 +9,9 @@ every step are comparable: the bf16 equivalence check), distributed optimizer on
 Per-GPU tokens/s and TFLOP/s come from CUDA-event timing of whole steps after warm-up. The
 data-parallel communication hidden behind backward is estimated as
 ``1 - (t_step(dpN) - t_step(dp1) * m_N / m_1) / t_comm`` where ``t_comm`` is the time of the same
-reduce-scatter + all-gather run alone, and ``m`` the micro batches per rank.
+reduce-scatter + all-gather run alone, and ``m`` the micro batches per rank. For pipeline
+layouts the bubble column is ``measured/theory``: step time over dp1's step time / pp, minus one,
+against the schedule's ``(pp - 1) / (virtual * m)``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ LAYOUT_FLAGS = {
     "tp2": (2, ["--tp", "2", "--sequence-parallel"]),
     "tp4": (4, ["--tp", "4", "--sequence-parallel"]),
     "tp8": (8, ["--tp", "8", "--sequence-parallel"]),
+    # pipeline: the last stage also carries the 128K-vocabulary output layer (~2.4 layers of work),
+    # so the plain split gives it fewer layers
+    "pp2": (2, ["--pp", "2", "--decoder-first-pipeline-num-layers", "5", "--decoder-last-pipeline-num-layers", "3"]),
+    "pp2v2": (2, ["--pp", "2", "--virtual-pipeline-model-parallel-size", "2"]),
 }
 
 
@@ -79,7 +85,10 @@ def worker(args) -> None:
         comm = statistics.median(samples)
     peak = torch.cuda.max_memory_allocated() / 2**30
     if mesh.rank == 0:
-        print("RESULT " + json.dumps(dict(layout=args.layout, world=mesh.world_size, dp=mesh.dp, micro_per_rank=trainer.num_micro_batches,
+        from meshtron.config import pipeline_virtual_size
+
+        print("RESULT " + json.dumps(dict(layout=args.layout, world=mesh.world_size, dp=mesh.dp, pp=mesh.pp, virtual=pipeline_virtual_size(trainer.cfg),
+                                          micro_per_rank=trainer.num_micro_batches,
                                           step_s=statistics.median(times), losses=losses, peak_gib=peak, comm_s=comm,
                                           flops_per_token=trainer.flops_per_token, device=torch.cuda.get_device_name())))
 
@@ -116,7 +125,7 @@ def main() -> None:
     tokens_per_step = args.global_batch * args.seq_length
     base = next((r for r in rows if r["layout"] == "dp1"), None)
     print(f"\nB5: Llama-3-8B layer shapes x {args.layers} layers + 128K vocab, seq {args.seq_length}, global batch {args.global_batch}, bf16, {rows[0]['device']}")
-    print(f"{'layout':<7} {'GPUs':>4} {'tok/s/GPU':>10} {'TFLOP/s/GPU':>11} {'vs dp1':>7} {'peak GiB':>9} {'comm s':>7} {'hidden':>7}  losses")
+    print(f"{'layout':<7} {'GPUs':>4} {'tok/s/GPU':>10} {'TFLOP/s/GPU':>11} {'vs dp1':>7} {'peak GiB':>9} {'comm s':>7} {'hidden':>7} {'bubble':>13}  losses")
     for r in rows:
         per_gpu = tokens_per_step / r["step_s"] / r["world"]
         tflops = per_gpu * r["flops_per_token"] / 1e12
@@ -126,8 +135,13 @@ def main() -> None:
             exposed = r["step_s"] - base["step_s"] * r["micro_per_rank"] / base["micro_per_rank"]
             hidden = f"{100 * (1 - max(0.0, exposed) / r['comm_s']):.0f}%"
         comm = f"{r['comm_s']:.3f}" if r["comm_s"] else "-"
+        bubble = "-"
+        if base and r["pp"] > 1:  # step time over the ideal split of dp1's work, against (pp-1)/(v m)
+            measured = r["step_s"] / (base["step_s"] / r["pp"]) - 1
+            theory = (r["pp"] - 1) / (r["virtual"] * r["micro_per_rank"])
+            bubble = f"{100 * measured:.1f}/{100 * theory:.1f}%"
         losses = " ".join(f"{x:.4f}" for x in r["losses"][:4])
-        print(f"{r['layout']:<7} {r['world']:>4} {per_gpu:>10,.0f} {tflops:>11.1f} {ratio:>7} {r['peak_gib']:>9.1f} {comm:>7} {hidden:>7}  {losses}")
+        print(f"{r['layout']:<7} {r['world']:>4} {per_gpu:>10,.0f} {tflops:>11.1f} {ratio:>7} {r['peak_gib']:>9.1f} {comm:>7} {hidden:>7} {bubble:>13}  {losses}")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from launcher import run_distributed
 from meshtron.config import ModelConfig
-from meshtron.layers.attention import Attention, attention_mask, math_attention
+from meshtron.layers.attention import attention_mask, math_attention
 from meshtron.models import build_model
 from meshtron.parallel.apply import apply_tensor_parallel, finalize_tensor_parallel_grads, gather_full
 from meshtron.parallel.context_parallel import (
