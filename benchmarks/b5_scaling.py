@@ -26,6 +26,7 @@ import sys
 LAYOUT_FLAGS = {
     "dp1": (1, []),
     "dp2": (2, ["--use-distributed-optimizer"]),
+    "dp2ar": (2, []),  # plain all-reduce data parallelism (optimizer state replicated)
     "dp4": (4, ["--use-distributed-optimizer"]),
     "dp8": (8, ["--use-distributed-optimizer"]),
     "tp2": (2, ["--tp", "2", "--sequence-parallel"]),
@@ -64,7 +65,7 @@ def worker(args) -> None:
             times.append(start.elapsed_time(end) / 1000)
     comm = None
     mesh = trainer.mesh
-    if mesh.dp > 1:  # the same bytes the distributed optimizer moves, alone: reduce-scatter fp32 grads + all-gather bf16 params
+    if mesh.dp > 1:  # the same bytes the step moves, alone: fp32 grads reduce-scattered + bf16 params all-gathered, or all-reduced
         numel = sum(p.numel() for p in trainer.model.parameters())
         numel -= numel % mesh.dp
         grads = torch.randn(numel, device="cuda")
@@ -76,8 +77,11 @@ def worker(args) -> None:
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            dist.reduce_scatter_tensor(shard_g, grads, group=mesh.dp_group)
-            dist.all_gather_into_tensor(params, shard_p, group=mesh.dp_group)
+            if trainer.cfg.parallel.use_distributed_optimizer:
+                dist.reduce_scatter_tensor(shard_g, grads, group=mesh.dp_group)
+                dist.all_gather_into_tensor(params, shard_p, group=mesh.dp_group)
+            else:
+                dist.all_reduce(grads, group=mesh.dp_group)
             end.record()
             torch.cuda.synchronize()
             if i:

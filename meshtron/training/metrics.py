@@ -24,6 +24,21 @@ def flops_per_token(num_params: int, num_layers: int, seq_length: int, hidden_si
     return 6.0 * num_params + 6.0 * num_layers * seq_length * hidden_size
 
 
+def model_flops_per_token(model_cfg, vocab_size: int, seq_length: int) -> float:
+    """``flops_per_token`` of a decoder config, with ``P`` the parameters that multiply activations:
+    all of them except the input embedding table when it is untied and learned position tables
+    (lookups, no FLOPs). A tied table counts once, as the output projection. This is the
+    convention the peers' figures in ../shared/BENCHMARKS.md use."""
+    from meshtron.models.decoder import parameter_count
+
+    params = parameter_count(model_cfg, vocab_size, seq_length)
+    if not model_cfg.tie_embeddings:
+        params -= vocab_size * model_cfg.hidden_size
+    if model_cfg.position_embedding_type == "learned_absolute":
+        params -= (model_cfg.max_position_embeddings or seq_length) * model_cfg.hidden_size
+    return flops_per_token(params, model_cfg.num_layers, seq_length, model_cfg.hidden_size)
+
+
 def device_ceiling_tflops(device: torch.device) -> tuple[float | None, str]:
     """The bf16 GEMM ceiling used for MFU, and where it came from."""
     override = os.environ.get("MESHTRON_PEAK_TFLOPS")

@@ -31,7 +31,7 @@ from meshtron.parallel.mesh import init_distributed
 from meshtron.parallel.pipeline import allreduce_tied_embedding_grads, forward_backward, pipeline_loss
 from meshtron.parallel.pipeline_schedules import bubble_fraction
 from meshtron.parallel.setup import build_parallel_model_and_optimizer, pipeline_schedule_kind
-from meshtron.training.metrics import IntervalMeter, TensorBoardWriter, device_ceiling_tflops, flops_per_token, format_log_line
+from meshtron.training.metrics import IntervalMeter, TensorBoardWriter, device_ceiling_tflops, format_log_line, model_flops_per_token
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -143,7 +143,7 @@ class Trainer:
         self.train_batches = self._batches(self.train_data, self.consumed_samples, cfg.data.num_workers)
 
         num_params = parameter_count(cfg.model, self.vocab_size, cfg.data.seq_length)
-        self.flops_per_token = flops_per_token(num_params, cfg.model.num_layers, cfg.data.seq_length, cfg.model.hidden_size)
+        self.flops_per_token = model_flops_per_token(cfg.model, self.vocab_size, cfg.data.seq_length)
         ceiling, ceiling_source = device_ceiling_tflops(self.device)
         self.meter = IntervalMeter(self.flops_per_token, ceiling, self.device)
         self.tensorboard = TensorBoardWriter(cfg.logging.tensorboard_dir)
