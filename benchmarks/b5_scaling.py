@@ -7,9 +7,9 @@ Llama-3-8B layer shapes (h4096, 32 heads, 8 KV heads, ffn 14336, 128 K vocabular
 of them), bf16 with fp32 master weights, the same global batch for every layout (so the losses of
 every step are comparable: the bf16 equivalence check), distributed optimizer on for dp > 1.
 Per-GPU tokens/s and TFLOP/s come from CUDA-event timing of whole steps after warm-up. The
-data-parallel communication hidden behind backward is estimated as
-``1 - (t_step(dpN) - t_step(dp1) * m_N / m_1) / t_comm`` where ``t_comm`` is the time of the same
-reduce-scatter + all-gather run alone, and ``m`` the micro batches per rank. For pipeline
+data-parallel communication hidden behind computation comes from a profile of one more step:
+the share of the NCCL kernels' time during which a compute kernel ran too (``hidden``); ``comm s``
+is the same collectives' time run alone. For pipeline
 layouts the bubble column is ``measured/theory``: step time over dp1's step time / pp, minus one,
 against the schedule's ``(pp - 1) / (virtual * m)``.
 """
@@ -63,8 +63,12 @@ def worker(args) -> None:
         losses.append(loss)
         if step >= args.warmup:
             times.append(start.elapsed_time(end) / 1000)
-    comm = None
+    peak = torch.cuda.max_memory_allocated() / 2**30  # before the benchmark's own buffers below
     mesh = trainer.mesh
+    hidden = _profile_comm_overlap(trainer) if mesh.dp > 1 and mesh.rank == 0 else None
+    if mesh.dp > 1 and mesh.rank != 0:
+        trainer.train_step()  # rank 0 profiles one more step; the others take part in it
+    comm = None
     if mesh.dp > 1:  # the same bytes the step moves, alone: fp32 grads reduce-scattered + bf16 params all-gathered, or all-reduced
         numel = sum(p.numel() for p in trainer.model.parameters())
         numel -= numel % mesh.dp
@@ -87,14 +91,39 @@ def worker(args) -> None:
             if i:
                 samples.append(start.elapsed_time(end) / 1000)
         comm = statistics.median(samples)
-    peak = torch.cuda.max_memory_allocated() / 2**30
     if mesh.rank == 0:
         from meshtron.config import pipeline_virtual_size
 
         print("RESULT " + json.dumps(dict(layout=args.layout, world=mesh.world_size, dp=mesh.dp, pp=mesh.pp, virtual=pipeline_virtual_size(trainer.cfg),
                                           micro_per_rank=trainer.num_micro_batches,
-                                          step_s=statistics.median(times), losses=losses, peak_gib=peak, comm_s=comm,
+                                          step_s=statistics.median(times), losses=losses, peak_gib=peak, comm_s=comm, hidden=hidden,
                                           flops_per_token=trainer.flops_per_token, device=torch.cuda.get_device_name())))
+
+
+def _profile_comm_overlap(trainer) -> dict:
+    """Profile one training step and measure how much of the NCCL kernels' time ran while a
+    compute kernel ran on another stream: the communication hidden behind computation."""
+    import tempfile
+
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        trainer.train_step()
+        torch.cuda.synchronize()
+    path = tempfile.mktemp(suffix=".json")
+    prof.export_chrome_trace(path)
+    kernels = [e for e in json.load(open(path))["traceEvents"] if e.get("cat") == "kernel"]
+    comm = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" in e["name"].lower()]
+    compute = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" not in e["name"].lower())
+    merged = []
+    for a, b in compute:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    total = sum(b - a for a, b in comm)
+    overlapped = sum(max(0.0, min(b, d) - max(a, c)) for a, b in comm for c, d in merged)
+    return {"nccl_ms": total / 1000, "overlapped_ms": overlapped / 1000, "fraction": overlapped / total if total else 0.0}
 
 
 def main() -> None:
@@ -129,15 +158,12 @@ def main() -> None:
     tokens_per_step = args.global_batch * args.seq_length
     base = next((r for r in rows if r["layout"] == "dp1"), None)
     print(f"\nB5: Llama-3-8B layer shapes x {args.layers} layers + 128K vocab, seq {args.seq_length}, global batch {args.global_batch}, bf16, {rows[0]['device']}")
-    print(f"{'layout':<7} {'GPUs':>4} {'tok/s/GPU':>10} {'TFLOP/s/GPU':>11} {'vs dp1':>7} {'peak GiB':>9} {'comm s':>7} {'hidden':>7} {'bubble':>13}  losses")
+    print(f"{'layout':<7} {'GPUs':>4} {'tok/s/GPU':>10} {'TFLOP/s/GPU':>11} {'vs dp1':>7} {'peak GiB':>9} {'comm s':>7} {'hidden':>15} {'bubble':>13}  losses")
     for r in rows:
         per_gpu = tokens_per_step / r["step_s"] / r["world"]
         tflops = per_gpu * r["flops_per_token"] / 1e12
         ratio = f"{per_gpu / (tokens_per_step / base['step_s']):.3f}" if base else "-"
-        hidden = "-"
-        if base and r["comm_s"]:
-            exposed = r["step_s"] - base["step_s"] * r["micro_per_rank"] / base["micro_per_rank"]
-            hidden = f"{100 * (1 - max(0.0, exposed) / r['comm_s']):.0f}%"
+        hidden = f"{100 * r['hidden']['fraction']:.0f}% of {r['hidden']['nccl_ms']:.0f}ms" if r.get("hidden") else "-"
         comm = f"{r['comm_s']:.3f}" if r["comm_s"] else "-"
         bubble = "-"
         if base and r["pp"] > 1:  # step time over the ideal split of dp1's work, against (pp-1)/(v m)
@@ -145,7 +171,7 @@ def main() -> None:
             theory = (r["pp"] - 1) / (r["virtual"] * r["micro_per_rank"])
             bubble = f"{100 * measured:.1f}/{100 * theory:.1f}%"
         losses = " ".join(f"{x:.4f}" for x in r["losses"][:4])
-        print(f"{r['layout']:<7} {r['world']:>4} {per_gpu:>10,.0f} {tflops:>11.1f} {ratio:>7} {r['peak_gib']:>9.1f} {comm:>7} {hidden:>7} {bubble:>13}  {losses}")
+        print(f"{r['layout']:<7} {r['world']:>4} {per_gpu:>10,.0f} {tflops:>11.1f} {ratio:>7} {r['peak_gib']:>9.1f} {comm:>7} {hidden:>15} {bubble:>13}  {losses}")
 
 
 if __name__ == "__main__":
