@@ -6,7 +6,7 @@ squares over 50 k gradients, each 5 AdamW steps from rounding-order differences)
 to 1e-5 relative or 2e-5 absolute. AdamW's eps is 1e-4 here: with 1e-8 its first steps are
 sign-like, so a gradient that is 0 in one run and 1e-12 (rounding) in another moves a weight by a
 whole lr in one and not at all in the other.
-Then checkpoints saved under tp2 x dp2 and pp2 x tp2 x dp2 (distributed optimizer, sequence
+Then checkpoints saved under FSDP2 dp2, pp4 and pp2 x tp2 x dp2 (distributed optimizer, sequence
 parallel) resume exactly under the same layout, and load into one process (resharding by slicing).
 """
 
@@ -42,7 +42,7 @@ LAYOUTS = {  # name: (world size, extra flags)
     "pp4_1f1b": (4, ["--pp", "4", "--micro-batch-size", "1"]),
     "pp2_tp2_dp2_distopt_sp": (8, ["--pp", "2", "--tp", "2", "--sequence-parallel", "--micro-batch-size", "1", "--use-distributed-optimizer"]),
 }
-RESUMED = {4: "tp2_dp2_distopt_sp", 8: "pp2_tp2_dp2_distopt_sp"}  # layouts whose checkpoints must resume exactly
+RESUMED = {2: "fsdp_dp2", 4: "pp4_1f1b", 8: "pp2_tp2_dp2_distopt_sp"}  # layouts whose checkpoints must resume exactly
 
 
 def _run(flags, tmp=None):
