@@ -351,12 +351,19 @@ def build_optimizer(
         optimizer_cls = MixedPrecisionOptimizer
     return optimizer_cls(
         build_param_groups(model, train_cfg.weight_decay),
+        **optimizer_settings(train_cfg, param_dtype),
+        grads=grads,
+        tp_group=tp_group,
+        pp_group=pp_group,
+    )
+
+
+def optimizer_settings(train_cfg: Any, compute_dtype: torch.dtype) -> dict[str, Any]:
+    """AdamW's hyper-parameters, clipping and the loss scaler, from the train config."""
+    return dict(
         lr=train_cfg.lr,
         betas=(train_cfg.adam_beta1, train_cfg.adam_beta2),
         eps=train_cfg.adam_eps,
         clip_grad=train_cfg.clip_grad,
-        loss_scaler=build_loss_scaler(train_cfg, param_dtype),
-        grads=grads,
-        tp_group=tp_group,
-        pp_group=pp_group,
+        loss_scaler=build_loss_scaler(train_cfg, compute_dtype),
     )

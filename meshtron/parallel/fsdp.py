@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from meshtron.config import ConfigError
-from meshtron.optim.optimizer import MixedPrecisionOptimizer, build_loss_scaler, build_param_groups
+from meshtron.optim.optimizer import MixedPrecisionOptimizer, build_param_groups, optimizer_settings
 from meshtron.parallel.mesh import Mesh
 
 try:  # torch >= 2.6
@@ -107,12 +107,4 @@ class FSDPOptimizer(MixedPrecisionOptimizer):
 def build_fsdp_optimizer(model: nn.Module, train_cfg: Any, compute_dtype: torch.dtype = torch.float32) -> FSDPOptimizer:
     """The optimizer for a model that went through ``apply_fsdp`` (same weight-decay groups as
     ``build_optimizer``; ``compute_dtype``, FSDP's ``param_dtype``, picks the loss scaler)."""
-    return FSDPOptimizer(
-        build_param_groups(model, train_cfg.weight_decay),
-        lr=train_cfg.lr,
-        betas=(train_cfg.adam_beta1, train_cfg.adam_beta2),
-        eps=train_cfg.adam_eps,
-        clip_grad=train_cfg.clip_grad,
-        loss_scaler=build_loss_scaler(train_cfg, compute_dtype),
-        grads=FSDPGrads(model),
-    )
+    return FSDPOptimizer(build_param_groups(model, train_cfg.weight_decay), **optimizer_settings(train_cfg, compute_dtype), grads=FSDPGrads(model))

@@ -25,6 +25,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from meshtron.kernels import fp8
+
 SEQ_DIM = 1
 
 
@@ -78,144 +80,84 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 # ---------------------------------------------------------------------- autograd functions
 
 
-class _CopyToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
+def _identity(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    return x.view_as(x)
+
+
+def _sum(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    return _all_reduce(x, group)
+
+
+class _Paired(torch.autograd.Function):
+    """A collective in forward and its adjoint in backward: Megatron's region functions, each
+    defined below by its pair (identity/all-reduce, all-gather/split, reduce-scatter/all-gather...)."""
 
     @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, ctx.group), None
-
-
-class _ReduceFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class _GatherLastDim(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather(x, -1, group)
+    def forward(ctx, x, forward_op, backward_op, group, dim):
+        ctx.backward_op, ctx.group, ctx.dim = backward_op, group, dim
+        return forward_op(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _split(grad, -1, ctx.group), None
+        return ctx.backward_op(grad, ctx.dim, ctx.group), None, None, None, None
 
 
-class _ScatterLastDim(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _split(x, -1, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, -1, ctx.group), None
-
-
-class _AllGatherSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
-
-
-class _ReduceScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _reduce_scatter(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
-
-
-class _ScatterSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _split(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather(grad, ctx.dim, ctx.group), None, None
-
-
-class _GatherSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split(grad, ctx.dim, ctx.group), None, None
+def _paired(x: torch.Tensor, forward_op, backward_op, group, dim: int) -> torch.Tensor:
+    return x if group_size(group) == 1 else _Paired.apply(x, forward_op, backward_op, group, dim)
 
 
 def copy_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:
     """Forward identity, backward all-reduce: the input of a column-parallel layer."""
-    return x if group_size(group) == 1 else _CopyToRegion.apply(x, group)
+    return _paired(x, _identity, _sum, group, -1)
 
 
 def reduce_from_tp_region(x: torch.Tensor, group) -> torch.Tensor:
     """Forward all-reduce, backward identity: the output of a row-parallel layer."""
-    return x if group_size(group) == 1 else _ReduceFromRegion.apply(x, group)
+    return _paired(x, _sum, _identity, group, -1)
 
 
 def gather_from_tp_region(x: torch.Tensor, group) -> torch.Tensor:
     """Concatenate the ranks' last-dim shards; backward keeps this rank's slice of the gradient."""
-    return x if group_size(group) == 1 else _GatherLastDim.apply(x, group)
+    return _paired(x, _all_gather, _split, group, -1)
 
 
 def scatter_to_tp_region(x: torch.Tensor, group) -> torch.Tensor:
     """Keep this rank's last-dim slice; backward gathers the gradient slices."""
-    return x if group_size(group) == 1 else _ScatterLastDim.apply(x, group)
+    return _paired(x, _split, _all_gather, group, -1)
 
 
 def all_gather_sequence(x: torch.Tensor, group, dim: int = SEQ_DIM) -> torch.Tensor:
     """Sequence shards -> full sequence, before tensor-parallel compute; backward reduce-scatters,
     since each rank's gradient of the full sequence is only its partial sum."""
-    return x if group_size(group) == 1 else _AllGatherSeq.apply(x, group, dim)
+    return _paired(x, _all_gather, _reduce_scatter, group, dim)
 
 
 def reduce_scatter_sequence(x: torch.Tensor, group, dim: int = SEQ_DIM) -> torch.Tensor:
     """Partial sums of the full sequence -> this rank's summed shard; backward all-gathers."""
-    return x if group_size(group) == 1 else _ReduceScatterSeq.apply(x, group, dim)
+    return _paired(x, _reduce_scatter, _all_gather, group, dim)
 
 
 def scatter_to_sequence_parallel(x: torch.Tensor, group, dim: int = SEQ_DIM) -> torch.Tensor:
     """A replicated full sequence -> this rank's shard; backward all-gathers the shard gradients."""
-    return x if group_size(group) == 1 else _ScatterSeq.apply(x, group, dim)
+    return _paired(x, _split, _all_gather, group, dim)
 
 
 def gather_from_sequence_parallel(x: torch.Tensor, group, dim: int = SEQ_DIM) -> torch.Tensor:
     """Shards -> a replicated full sequence for replicated compute; backward keeps this rank's slice."""
-    return x if group_size(group) == 1 else _GatherSeq.apply(x, group, dim)
+    return _paired(x, _all_gather, _split, group, dim)
 
 
 # ---------------------------------------------------------------------- layers
 
 
-def column_parallel_linear(x, weight, bias, group, sequence_parallel: bool) -> torch.Tensor:
-    """y_shard = x @ W_shard^T (+ b_shard), x replicated (or sequence-sharded with SP).
+def column_parallel_linear(x, weight, bias, group, sequence_parallel: bool, fp8_format: str = "") -> torch.Tensor:
+    """y_shard = x @ W_shard^T (+ b_shard), x replicated (or sequence-sharded with SP); in FP8 when
+    ``fp8_format`` is set (``meshtron.kernels.fp8.apply_fp8`` sets it on the layers).
 
     A function as well as a layer so the tied output head can run it on the embedding's weight.
     """
     x = all_gather_sequence(x, group) if sequence_parallel else copy_to_tp_region(x, group)
-    return F.linear(x, weight, bias)
+    return fp8.linear(x, weight, bias, fp8_format)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -232,9 +174,10 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.sequence_parallel, self.gather_output = group, sequence_parallel, gather_output
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        self.fp8_format = ""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = column_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel)
+        y = column_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel, self.fp8_format)
         return gather_from_tp_region(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -256,11 +199,12 @@ class RowParallelLinear(nn.Module):
         self.group, self.sequence_parallel, self.input_is_parallel = group, sequence_parallel, input_is_parallel
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        self.fp8_format = ""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.group)
-        y = F.linear(x, self.weight)
+        y = fp8.linear(x, self.weight, None, self.fp8_format)
         y = reduce_scatter_sequence(y, self.group) if self.sequence_parallel else reduce_from_tp_region(y, self.group)
         return y if self.bias is None else y + self.bias
 
