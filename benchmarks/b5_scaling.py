@@ -46,11 +46,17 @@ def worker(args) -> None:
     from meshtron.config import build_config
     from meshtron.training.trainer import Trainer
 
+    from meshtron.config import data_parallel_size
+
     flags = [
         "--preset", "llama3-8b", "--num-layers", str(args.layers), "--mock-data", "--seq-length", str(args.seq_length),
-        "--micro-batch-size", "1", "--global-batch-size", str(args.global_batch), "--train-iters", "1000", "--bf16",
+        "--micro-batch-size", "1", "--train-iters", "1000", "--bf16",
         "--log-interval", "1000000", "--eval-interval", "0", "--lr", "1e-4", "--min-lr", "1e-5", "--lr-warmup-iters", "2",
     ] + LAYOUT_FLAGS[args.layout][1]
+    global_batch = args.global_batch
+    if args.weak:  # the same micro batches per data-parallel rank whatever the layout
+        global_batch *= data_parallel_size(build_config(None, flags, validate_now=False), int(os.environ["WORLD_SIZE"]))
+    flags += ["--global-batch-size", str(global_batch)]
     trainer = Trainer(build_config(None, flags), log=lambda s: print("[meshtron]", s, file=sys.stderr) if int(os.environ.get("RANK", 0)) == 0 else None)
     losses, times = [], []
     for step in range(args.warmup + args.steps):
@@ -94,7 +100,7 @@ def worker(args) -> None:
     if mesh.rank == 0:
         from meshtron.config import pipeline_virtual_size
 
-        print("RESULT " + json.dumps(dict(layout=args.layout, world=mesh.world_size, dp=mesh.dp, pp=mesh.pp, virtual=pipeline_virtual_size(trainer.cfg),
+        print("RESULT " + json.dumps(dict(layout=args.layout, world=mesh.world_size, global_batch=global_batch, dp=mesh.dp, pp=mesh.pp, virtual=pipeline_virtual_size(trainer.cfg),
                                           micro_per_rank=trainer.num_micro_batches,
                                           step_s=statistics.median(times), losses=losses, peak_gib=peak, comm_s=comm, hidden=hidden,
                                           flops_per_token=trainer.flops_per_token, device=torch.cuda.get_device_name())))
@@ -132,6 +138,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--seq-length", type=int, default=8192)
     parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--weak", action="store_true", help="global batch x data-parallel size (weak scaling)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
@@ -145,7 +152,7 @@ def main() -> None:
         nproc = LAYOUT_FLAGS[layout][0]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__,
                "--worker", layout, "--layers", str(args.layers), "--seq-length", str(args.seq_length),
-               "--global-batch", str(args.global_batch), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+               "--global-batch", str(args.global_batch), "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--weak"] if args.weak else [])
         proc = subprocess.run(cmd, capture_output=True, text=True)
         sys.stderr.write(proc.stderr[-3000:])
         found = [json.loads(l[7:]) for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
@@ -155,19 +162,18 @@ def main() -> None:
         rows.append(found[0])
     if not rows:
         return
-    tokens_per_step = args.global_batch * args.seq_length
     base = next((r for r in rows if r["layout"] == "dp1"), None)
-    print(f"\nB5: Llama-3-8B layer shapes x {args.layers} layers + 128K vocab, seq {args.seq_length}, global batch {args.global_batch}, bf16, {rows[0]['device']}")
+    print(f"\nB5: Llama-3-8B layer shapes x {args.layers} layers + 128K vocab, seq {args.seq_length}, global batch {args.global_batch}{' x dp (weak scaling)' if args.weak else ''}, bf16, {rows[0]['device']}")
     print(f"{'layout':<7} {'GPUs':>4} {'tok/s/GPU':>10} {'TFLOP/s/GPU':>11} {'vs dp1':>7} {'peak GiB':>9} {'comm s':>7} {'hidden':>15} {'bubble':>13}  losses")
     for r in rows:
-        per_gpu = tokens_per_step / r["step_s"] / r["world"]
+        per_gpu = r["global_batch"] * args.seq_length / r["step_s"] / r["world"]
         tflops = per_gpu * r["flops_per_token"] / 1e12
-        ratio = f"{per_gpu / (tokens_per_step / base['step_s']):.3f}" if base else "-"
+        ratio = f"{per_gpu / (base['global_batch'] * args.seq_length / base['step_s']):.3f}" if base else "-"
         hidden = f"{100 * r['hidden']['fraction']:.0f}% of {r['hidden']['nccl_ms']:.0f}ms" if r.get("hidden") else "-"
         comm = f"{r['comm_s']:.3f}" if r["comm_s"] else "-"
         bubble = "-"
         if base and r["pp"] > 1:  # step time over the ideal split of dp1's work, against (pp-1)/(v m)
-            measured = r["step_s"] / (base["step_s"] / r["pp"]) - 1
+            measured = r["step_s"] / (base["step_s"] * r["global_batch"] / base["global_batch"] / r["pp"]) - 1
             theory = (r["pp"] - 1) / (r["virtual"] * r["micro_per_rank"])
             bubble = f"{100 * measured:.1f}/{100 * theory:.1f}%"
         losses = " ".join(f"{x:.4f}" for x in r["losses"][:4])
