@@ -4,8 +4,12 @@
         [--sides meshtron,meshtron-ref,hf] [--profile-dir DIR] [-- extra meshtron flags]
 
 Sides: ``meshtron`` (default settings: fused kernels, chunked loss, SDPA backend ``auto``),
-``meshtron-ref`` (the same with ``--no-fused-kernels --attention-backend sdpa``: the reference
-path), ``hf``. With ``--profile-dir``, each meshtron side also profiles two steps after the
+``hf``, and meshtron variants (``SIDE_FLAGS``): ``meshtron-ref`` (the reference path),
+``meshtron-fp8`` / ``meshtron-fp8-torchao`` (B2: FP8 linears, hybrid format, our
+``_scaled_mm`` path or torchao's), ``-compile`` forms of them (torch.compile per block), and
+``meshtron-recompute`` (B7: full activation recompute). Meshtron sides also report the memory
+held between steps (parameters, gradients, optimizer), the peak minus it (activations and
+workspaces), and ``meshtron estimate``'s prediction for the same config. With ``--profile-dir``, each meshtron side also profiles two steps after the
 timed ones and writes the GPU kernels that took the time to ``DIR/profile_<side>.txt``.
 
 Each side runs in its own process (clean peak-memory numbers), on random tokens, with warm-up
@@ -43,7 +47,18 @@ def time_steps(step, warmup: int, steps: int) -> list[float]:
     return times
 
 
-REFERENCE_FLAGS = ["--no-fused-kernels", "--attention-backend", "sdpa"]
+_FP8 = ["--fp8-format", "hybrid", "--fp8-backend", "meshtron"]
+_FP8_TORCHAO = ["--fp8-format", "hybrid", "--fp8-backend", "torchao"]
+SIDE_FLAGS = {
+    "meshtron": [],
+    "meshtron-ref": ["--no-fused-kernels", "--attention-backend", "sdpa"],
+    "meshtron-compile": ["--compile"],
+    "meshtron-fp8": _FP8,
+    "meshtron-fp8-compile": _FP8 + ["--compile"],
+    "meshtron-fp8-torchao": _FP8_TORCHAO,
+    "meshtron-fp8-torchao-compile": _FP8_TORCHAO + ["--compile"],
+    "meshtron-recompute": ["--recompute-granularity", "full"],
+}
 
 
 def profile_steps(step, path: str) -> None:
@@ -67,7 +82,10 @@ def run_meshtron(args) -> dict:
         "--micro-batch-size", str(args.micro_batch_size), "--global-batch-size", str(args.micro_batch_size),
         "--train-iters", "1000", "--bf16", "--log-interval", "1000000", "--eval-interval", "0",
         "--lr", "1e-4", "--min-lr", "1e-5", "--lr-warmup-iters", "10",
-    ] + args.meshtron_args + (REFERENCE_FLAGS if args.child == "meshtron-ref" else [])
+    ] + args.meshtron_args + SIDE_FLAGS[args.child]
+    from meshtron.estimate import estimate
+
+    predicted = estimate(build_config(None, overrides)).total_bytes / 2**30
     trainer = Trainer(build_config(None, overrides), log=lambda s: print("[meshtron]", s, file=sys.stderr))
     losses = []
 
@@ -78,10 +96,11 @@ def run_meshtron(args) -> dict:
 
     times = time_steps(step, args.warmup, args.steps)
     peak = torch.cuda.max_memory_allocated() / 2**30  # before profiling, whose buffers are not training's
+    held = torch.cuda.memory_allocated() / 2**30  # between steps: parameters, gradients, optimizer state
     if args.profile_dir:
         profile_steps(step, f"{args.profile_dir}/profile_{args.child}.txt")
     params = sum(p.numel() for p in trainer.model.parameters())
-    return dict(times=times, params=params, first_loss=losses[0], last_loss=losses[-1], peak_gib=peak)
+    return dict(times=times, params=params, first_loss=losses[0], last_loss=losses[-1], peak_gib=peak, held_gib=held, estimate_gib=predicted)
 
 
 def run_hf(args) -> dict:
@@ -127,7 +146,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--micro-batch-size", type=int, default=4)
     parser.add_argument("--seq-length", type=int, default=4096)
-    parser.add_argument("--sides", default="meshtron,hf", help="comma-separated: meshtron, meshtron-ref, hf")
+    parser.add_argument("--sides", default="meshtron,hf", help=f"comma-separated: hf, {', '.join(SIDE_FLAGS)}")
     parser.add_argument("--profile-dir", default="", help="profile the meshtron sides into this directory")
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
     parser.add_argument("meshtron_args", nargs="*", help="extra meshtron flags after --")
@@ -156,19 +175,21 @@ def main() -> None:
     ceiling, source = device_ceiling_tflops(torch.device("cuda"))
     tokens_per_step = args.micro_batch_size * args.seq_length
     print(f"\nB1: Llama 1.24B shape, seq {args.seq_length}, micro-batch {args.micro_batch_size}, bf16, median of {args.steps} steps; MFU vs {source}")
-    print(f"{'side':<13} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} {'loss first->last':>18} {'vs HF':>6}")
-    hf_rate = None
-    if rows.get("hf"):
-        hf_rate = tokens_per_step / statistics.median(rows["hf"]["times"])
+    base = "hf" if rows.get("hf") else next((s for s, r in rows.items() if r), None)
+    print(f"{'side':<28} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} {'held':>6} {'peak-held':>9} "
+          f"{'estimate':>8} {'loss first->last':>18} {'vs ' + str(base):>12}")  # fmt: skip
+    base_rate = tokens_per_step / statistics.median(rows[base]["times"]) if base else None
     for side, r in rows.items():
         if r is None:
-            print(f"{side:<13} failed")
+            print(f"{side:<28} failed")
             continue
         rate = tokens_per_step / statistics.median(r["times"])
         tflops = rate * flops_per_token(r["params"], SHAPE["layers"], args.seq_length, SHAPE["hidden"]) / 1e12
         mfu = f"{100 * tflops / ceiling:.1f}%" if ceiling else "-"
-        ratio = f"{rate / hf_rate:.2f}x" if hf_rate else "-"
-        print(f"{side:<13} {rate:>10,.0f} {tflops:>8.1f} {mfu:>6} {r['peak_gib']:>9.1f} {r['first_loss']:>8.3f}->{r['last_loss']:<8.3f} {ratio:>6}")
+        held, est = r.get("held_gib"), r.get("estimate_gib")
+        memory = f"{held:>6.1f} {r['peak_gib'] - held:>9.1f} {est:>8.1f}" if held is not None else f"{'-':>6} {'-':>9} {'-':>8}"
+        print(f"{side:<28} {rate:>10,.0f} {tflops:>8.1f} {mfu:>6} {r['peak_gib']:>9.1f} {memory} "
+              f"{r['first_loss']:>8.3f}->{r['last_loss']:<8.3f} {rate / base_rate:>11.2f}x")  # fmt: skip
 
 
 if __name__ == "__main__":

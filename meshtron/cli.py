@@ -1,4 +1,4 @@
-"""The one entry point: ``meshtron train | preprocess | generate``."""
+"""The one entry point: ``meshtron train | preprocess | generate | estimate``."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ commands:
                (no arguments: a small GPT on the embedded corpus, then a sample)
   preprocess   jsonl -> Megatron-compatible .bin/.idx (preprocess_data.py's flags)
   generate     sample from a checkpoint: meshtron generate --load DIR --prompt TEXT
+  estimate     per-GPU memory of a config and layout: meshtron estimate [--config FILE] [--world-size N]
+               [--print-mesh] [--flag value ...]
 """
 
 
@@ -82,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if command == "generate":
             return generate_main(rest)
+        if command == "estimate":
+            from meshtron.estimate import main as estimate_main
+
+            return estimate_main(rest)
     except (ConfigError, CheckpointError, ValueError, FileNotFoundError) as exc:
         # Bad input: one clear line, no traceback. Bugs (other exceptions) keep their traceback.
         print(f"meshtron {command}: error: {exc}", file=sys.stderr)

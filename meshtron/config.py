@@ -56,6 +56,8 @@ class ModelConfig:
     recompute_granularity: str = ""  # "" | selective (core attention) | full (whole layers)
     recompute_method: str = "uniform"  # full: uniform (groups of N layers) | block (first N layers)
     recompute_num_layers: int = 1
+    fp8_format: str = ""  # "" (off) | hybrid (e4m3 forward, e5m2 gradients) | e4m3: the blocks' linears in FP8
+    fp8_backend: str = "auto"  # auto (torchao when installed and usable) | torchao | meshtron
 
 
 @dataclass
@@ -104,6 +106,8 @@ class TrainConfig:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     device: str = "auto"  # auto | cpu | cuda
+    compile: bool = False  # torch.compile each transformer block
+    gemm_tuning: bool = False  # PyTorch TunableOp GEMM tuning (GPU); results kept in the save or cache dir
 
 
 @dataclass
@@ -250,6 +254,9 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "recompute-granularity": "model.recompute_granularity",
     "recompute-method": "model.recompute_method",
     "recompute-num-layers": "model.recompute_num_layers",
+    "fp8-format": "model.fp8_format",
+    "compile": "train.compile",
+    "gemm-tuning": "train.gemm_tuning",
     "seq-length": "data.seq_length",
     "data-path": "data.data_path",
     "split": "data.split",
@@ -482,6 +489,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     need(m.recompute_granularity in ("", "selective", "full"),
          f"--recompute-granularity must be selective or full (or empty for none), got '{m.recompute_granularity}'")  # fmt: skip
     need(m.recompute_method in ("uniform", "block"), f"--recompute-method must be uniform or block, got '{m.recompute_method}'")
+    need(m.fp8_format in ("", "hybrid", "e4m3"), f"--fp8-format must be hybrid or e4m3 (or empty for off), got '{m.fp8_format}'")
+    need(m.fp8_backend in ("auto", "torchao", "meshtron"), f"--fp8-backend must be auto, torchao or meshtron, got '{m.fp8_backend}'")
+    need(not (t.device == "cpu" and (m.fp8_format or t.gemm_tuning)), "--fp8-format and --gemm-tuning need a GPU; drop them for --device cpu")
     need(m.recompute_num_layers >= 1, f"--recompute-num-layers must be at least 1, got {m.recompute_num_layers}")
     max_pos = m.max_position_embeddings or d.seq_length
     need(d.seq_length > 0, f"--seq-length must be positive, got {d.seq_length}")

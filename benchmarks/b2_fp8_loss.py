@@ -1,0 +1,70 @@
+"""B2's accuracy half: the same training run in bf16 and with FP8 linears, on real text.
+
+    python benchmarks/b2_fp8_loss.py [--steps 200] [--fp8-backend meshtron] [-- extra meshtron flags]
+
+Both runs share the seed, data order and config (the embedded corpus with its byte-level BPE
+tokenizer, a Llama-style model of 8 blocks at h2048); the table gives the training loss
+(mean of 10 steps) at a few points and the validation loss at the end, FP8 against bf16.
+Each run is its own process so neither sees the other's compiled or cached state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+MODEL = [
+    "--num-layers", "8", "--hidden-size", "2048", "--num-attention-heads", "16", "--num-query-groups", "4",
+    "--ffn-hidden-size", "5632", "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+    "--disable-bias-linear", "--seq-length", "1024", "--micro-batch-size", "8", "--global-batch-size", "8",
+    "--lr", "6e-4", "--min-lr", "6e-5", "--lr-warmup-iters", "20", "--bf16", "--eval-iters", "10",
+]  # fmt: skip
+
+
+def child(args) -> None:
+    from meshtron.config import build_config
+    from meshtron.training.trainer import Trainer
+
+    flags = MODEL + ["--train-iters", str(args.steps), "--eval-interval", str(args.steps), "--log-interval", "50"]
+    if args.child == "fp8":
+        flags += ["--fp8-format", args.fp8_format, "--fp8-backend", args.fp8_backend]
+    result = Trainer(build_config(None, flags + args.extra), log=lambda s: print(s, file=sys.stderr)).run()
+    print("RESULT " + json.dumps({"losses": result.losses, "valid": result.valid_losses[-1][1]}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--fp8-format", default="hybrid")
+    parser.add_argument("--fp8-backend", default="meshtron")
+    parser.add_argument("--child", default="", help=argparse.SUPPRESS)
+    parser.add_argument("extra", nargs="*", help="extra meshtron flags after --")
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return
+    runs = {}
+    for side in ("bf16", "fp8"):
+        cmd = [sys.executable, __file__, "--child", side, "--steps", str(args.steps), "--fp8-format", args.fp8_format,
+               "--fp8-backend", args.fp8_backend, "--", *args.extra]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        sys.stderr.write(proc.stderr[-3000:])
+        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+        runs[side] = json.loads(lines[-1][7:]) if proc.returncode == 0 and lines else None
+    if not all(runs.values()):
+        print("a run failed:", {k: v is not None for k, v in runs.items()})
+        return
+    points = sorted({min(args.steps, p) for p in (10, 50, 100, 150, args.steps)})
+    print(f"\nB2 loss: embedded corpus, {args.steps} steps of 8 x 1024 tokens, fp8 {args.fp8_format} ({args.fp8_backend}) vs bf16")
+    print(f"{'step':>6} {'bf16':>8} {'fp8':>8} {'fp8/bf16':>9}")
+    for p in points:
+        b, f = (sum(runs[s]["losses"][p - 10 : p]) / 10 for s in ("bf16", "fp8"))
+        print(f"{p:>6} {b:>8.4f} {f:>8.4f} {f / b:>9.4f}")
+    b, f = runs["bf16"]["valid"], runs["fp8"]["valid"]
+    print(f"{'valid':>6} {b:>8.4f} {f:>8.4f} {f / b:>9.4f}")
+
+
+if __name__ == "__main__":
+    main()
