@@ -9,7 +9,7 @@ from meshtron.checkpoint.checkpoint import CheckpointError
 from meshtron.config import ConfigError
 
 # ``meshtron train`` with no arguments: the embedded corpus, a small GPT, a checkpoint and a sample.
-EMBEDDED_DEFAULT_ARGS = ["--save", "checkpoints/default", "--generate-prompt", "The "]
+EMBEDDED_DEFAULT_ARGS = ["--save", "checkpoints/default", "--generate-prompt", "The"]
 
 USAGE = """usage: meshtron <command> [options]
 
