@@ -12,8 +12,9 @@ every earlier token, wherever it lives. Two ways of getting them there are offer
 - ``all_gather`` (``allgather_kv_attention``): all-gather the keys and values, one masked
   attention. Simpler and fewer, larger messages, but the whole sequence's k/v on every rank.
 
-Which is faster depends on the sequence length and the interconnect; that is for a GPU benchmark
-to decide (pending), not this file.
+Measured on 2 H200 with the cuDNN blocks (benchmarks/RESULTS.md, "Context parallelism"): the ring
+is faster, 1-13 % per attention layer at 128K-32K tokens and 2-4 % per training step, so ``p2p``
+stays the default; the all-gather peaked lower in memory at 128K (46.7 vs 57.8 GiB).
 
 Load balance: with causal attention the last tokens do the most work. Each sequence is cut into
 ``2 * cp`` chunks and rank ``r`` keeps chunks ``r`` and ``2cp-1-r``, so every rank holds one early
@@ -29,9 +30,13 @@ ring step ``i`` rank ``r`` holds the block of rank ``src = r - i``:
 Packed documents (``document_ids``) add a same-document mask to each block; the ids of every rank
 are all-gathered once (a few integers per token).
 
-The math per block is plain PyTorch in fp32 (it runs, and is tested, on the CPU); a fused GPU
-kernel returning its log-sum-exp (flash-attention's forward/backward) would replace
-``_block_forward`` / ``_block_backward`` and nothing else.
+Per block, two implementations of the same contract (output and log-sum-exp forward; dq/dk/dv
+given the merged output and log-sum-exp backward): plain PyTorch in fp32 (``_MathBlocks``: any
+device and dtype, packed documents; the reference, tested on the CPU), and PyTorch's fused GPU
+kernels (``_FusedBlocks`` over ``FlashKernel`` or ``CudnnKernel``: bf16/fp16 on CUDA). The fused
+path is taken on CUDA with bf16/fp16 inputs and no ``document_ids``; packed documents stay on the
+math path (the fused kernels take no per-block mask without a materialized bias). The fp32 math
+path materializes a block's scores, so it is for short sequences and tests only.
 
 How training uses it: ``shard_batch_for_cp`` gives each rank its tokens (with their global
 positions, so RoPE and learned positions stay right); ``apply_context_parallel`` routes each
@@ -42,13 +47,18 @@ local tokens only, so the trainer divides the masked loss sum by the token count
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from meshtron.config import ConfigError
 from meshtron.parallel.mesh import Mesh
-from meshtron.parallel.tensor_parallel import all_gather_sequence
+from meshtron.parallel.tensor_parallel import (
+    all_gather_sequence,
+    reduce_scatter_sequence,
+)
 
 ALGORITHMS = ("p2p", "all_gather")
 
@@ -107,7 +117,19 @@ def unshard_sequence(x: torch.Tensor, mesh: Mesh, dim: int = 1) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- attention of one block
-# Layout of the math: q [b, kv_heads, group, s_q, d] against k/v [b, kv_heads, 1, s_k, d], so a
+
+
+class _Block(NamedTuple):
+    """One block of work: local query ``rows`` against key ``cols`` of the k/v block in hand,
+    either the causal diagonal (square: the same tokens) or unmasked (packed documents aside)."""
+
+    rows: slice
+    cols: slice
+    diagonal: bool
+    src: int = 0  # the cp rank whose k/v block it is (its document ids, on the math path)
+
+
+# The math path. Layout: q [b, kv_heads, group, s_q, d] against k/v [b, kv_heads, 1, s_k, d], so a
 # key/value head serves its group of query heads by broadcasting (no repeated copies), and its
 # gradient is a sum over the group.
 
@@ -180,6 +202,147 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
     lse.copy_(total)
 
 
+class _MathBlocks:
+    """Blocks in plain PyTorch, fp32, in the grouped layout above; with packed documents (ids of
+    every cp rank, [cp, b, s_local]) each block gets its same-document mask."""
+
+    def __init__(self, kv_heads: int, scale: float, docs: torch.Tensor | None, rank: int):
+        self.kv_heads, self.scale, self.docs, self.rank = kv_heads, scale, docs, rank
+
+    def layout(self, x: torch.Tensor) -> torch.Tensor:
+        return _grouped_q(x, self.kv_heads)
+
+    def unlayout(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return _ungroup(x, dtype)
+
+    def _kv_mask(self, kv: torch.Tensor, block: _Block, s_q: int):
+        k, v = _grouped_kv(kv[:, :, block.cols])
+        q_docs = k_docs = None
+        if self.docs is not None:
+            q_docs, k_docs = self.docs[self.rank][:, block.rows], self.docs[block.src][:, block.cols]
+        return k, v, _block_mask(q_docs, k_docs, block.diagonal, s_q, k.shape[-2], kv.device)
+
+    def forward(self, q: torch.Tensor, kv: torch.Tensor, block: _Block) -> tuple[torch.Tensor, torch.Tensor]:
+        q = q[..., block.rows, :]
+        k, v, mask = self._kv_mask(kv, block, q.shape[-2])
+        return _block_forward(q, k, v, mask, self.scale)
+
+    def backward_inputs(self, q, out, dout, lse) -> tuple:
+        q, dout = self.layout(q), self.layout(dout)
+        return q, dout, lse, (dout * self.layout(out)).sum(dim=-1)
+
+    def backward(self, state: tuple, kv: torch.Tensor, block: _Block):
+        """(dq of the block's rows, dk, dv of its cols [b, kv_heads, s_k, d]), fp32."""
+        q, dout, lse, delta = state
+        r = block.rows
+        k, v, mask = self._kv_mask(kv, block, q[..., r, :].shape[-2])
+        dq, dk, dv = _block_backward(q[..., r, :], k, v, mask, self.scale, dout[..., r, :], lse[..., r], delta[..., r])
+        return dq, dk.squeeze(2), dv.squeeze(2)
+
+
+# The fused path: PyTorch's attention kernels that return the log-sum-exp, on SDPA's
+# [b, heads, s, d] views. Dropout is 0 (context parallelism refuses attention dropout), so the
+# random-number state the kernels return is a placeholder, handed back to their backward as is.
+
+
+class FlashKernel:
+    """PyTorch's flash-attention 2 (``aten._scaled_dot_product_flash_attention`` and its backward).
+    Grouped heads are native: the kernel reads each kv head for its group and sums its gradient."""
+
+    @staticmethod
+    def forward(q, k, v, causal: bool, scale: float):
+        out, lse, cum_q, cum_k, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale
+        )
+        return out, lse, (cum_q, cum_k, seed, offset)
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, aux, causal: bool, scale: float):
+        cum_q, cum_k, seed, offset = aux
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse, cum_q, cum_k, q.shape[2], k.shape[2], 0.0, causal, seed, offset, scale=scale
+        )
+
+
+class CudnnKernel:
+    """cuDNN's fused attention (``aten._scaled_dot_product_cudnn_attention``). The raw op is not
+    documented to take grouped heads, so k/v are repeated to the query heads and their gradients
+    summed over each group; its log-sum-exp comes as [b, heads, s, 1] in some releases."""
+
+    @staticmethod
+    def forward(q, k, v, causal: bool, scale: float):
+        group = q.shape[1] // k.shape[1]
+        k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
+        out, lse, cum_q, cum_k, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scale
+        )
+        return out, lse.flatten(2), (cum_q, cum_k, seed, offset, lse.dim())
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, aux, causal: bool, scale: float):
+        cum_q, cum_k, seed, offset, lse_dims = aux
+        kv_heads, group = k.shape[1], q.shape[1] // k.shape[1]
+        k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
+        lse = lse if lse_dims == 3 else lse.unsqueeze(-1)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout.contiguous(), q, k, v, out.contiguous(), lse, seed, offset, None, cum_q, cum_k, q.shape[2], k.shape[2],
+            0.0, causal, scale=scale,
+        )  # fmt: skip
+        return dq, dk.unflatten(1, (kv_heads, group)).sum(2), dv.unflatten(1, (kv_heads, group)).sum(2)
+
+
+BLOCK_KERNELS = {"flash": FlashKernel, "cudnn": CudnnKernel}
+KERNEL_CHOICES = ("auto", "math", *BLOCK_KERNELS)
+# cuDNN: 1.56-1.91x flash per block on an H200 (bf16, 32 heads, 8 kv heads, d 128, 4K and 16K blocks; RESULTS.md).
+AUTO_KERNEL = "cudnn"
+
+
+def _block_kernel(choice, q: torch.Tensor, document_ids: torch.Tensor | None):
+    """The fused kernel for these inputs, or None for the fp32 math path: a kernel runs on CUDA
+    in bf16/fp16 without packed documents. ``choice`` is a name of ``KERNEL_CHOICES`` or a kernel
+    object (tests pass a CPU stand-in with the kernels' conventions)."""
+    if choice == "math" or document_ids is not None:
+        return None
+    if not isinstance(choice, str):
+        return choice
+    if choice not in KERNEL_CHOICES:
+        raise ConfigError(f"unknown context-parallel block kernel '{choice}': use one of {KERNEL_CHOICES}")
+    if q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16):
+        return None
+    return BLOCK_KERNELS[AUTO_KERNEL if choice == "auto" else choice]
+
+
+class _FusedBlocks:
+    """Blocks through a fused kernel on [b, heads, s, d] views of the [b, s, heads, d] tensors.
+    Each block's output comes in q's dtype and is merged in fp32; its gradients come in q's dtype
+    and are added into fp32 sums in place (no fp32 copies of them)."""
+
+    def __init__(self, kernel, scale: float):
+        self.kernel, self.scale, self.aux = kernel, scale, None
+
+    def layout(self, x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(1, 2)
+
+    def unlayout(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return x.to(dtype).transpose(1, 2).contiguous()
+
+    def forward(self, q: torch.Tensor, kv: torch.Tensor, block: _Block) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = (t[:, block.cols].transpose(1, 2) for t in kv)
+        out, lse, self.aux = self.kernel.forward(q[:, :, block.rows], k, v, block.diagonal, self.scale)
+        return out.float(), lse
+
+    def backward_inputs(self, q, out, dout, lse) -> tuple:
+        return self.layout(q), self.layout(out), self.layout(dout), lse
+
+    def backward(self, state: tuple, kv: torch.Tensor, block: _Block):
+        q, out, dout, lse = state
+        r = block.rows
+        k, v = (t[:, block.cols].transpose(1, 2) for t in kv)
+        return self.kernel.backward(
+            dout[:, :, r], q[:, :, r], k, v, out[:, :, r], lse[..., r].contiguous(), self.aux, block.diagonal, self.scale
+        )
+
+
 # ---------------------------------------------------------------------- ring attention
 
 
@@ -201,29 +364,18 @@ class _RingExchange:
         return self.recv
 
 
-def _ring_step(step: int, mesh: Mesh, seq_local: int, causal: bool) -> tuple[int, slice, slice, bool]:
-    """At ring step ``step``: (rank whose block is held, local query rows, block key rows,
-    whether the block is the causal diagonal). See the module docstring for why."""
+def _ring_step(step: int, mesh: Mesh, seq_local: int, causal: bool) -> _Block:
+    """The block of ring step ``step``: the k/v block held then is rank ``src``'s. See the module
+    docstring for why these rows and columns."""
     rank = mesh.cp_rank
     src, everything, half = (rank - step) % mesh.cp_size, slice(None), seq_local // 2
     if not causal:
-        return src, everything, everything, False
+        return _Block(everything, everything, False, src)
     if step == 0:
-        return src, everything, everything, True
+        return _Block(everything, everything, True, src)
     if src < rank:
-        return src, everything, slice(0, half), False
-    return src, slice(half, None), everything, False
-
-
-def _ring_block(kv: torch.Tensor, docs: torch.Tensor | None, step: int, mesh: Mesh, causal: bool):
-    """The block in hand at ring step ``step`` (``kv`` [2, b, s_local, kv_heads, d]): the local
-    query rows it serves, its key rows, its k and v in the math layout, and the mask."""
-    seq = kv.shape[2]
-    src, rows, cols, diagonal = _ring_step(step, mesh, seq, causal)
-    k5, v5 = _grouped_kv(kv[:, :, cols])
-    q_docs, k_docs = (None, None) if docs is None else (docs[mesh.cp_rank][:, rows], docs[src][:, cols])
-    mask = _block_mask(q_docs, k_docs, diagonal, len(range(seq)[rows]), k5.shape[-2], kv.device)
-    return rows, cols, k5, v5, mask
+        return _Block(everything, slice(0, half), False, src)
+    return _Block(slice(half, None), everything, False, src)
 
 
 def _gather_documents(document_ids: torch.Tensor | None, mesh: Mesh) -> torch.Tensor | None:
@@ -241,53 +393,53 @@ class _RingAttention(torch.autograd.Function):
     """Ring attention with its own ring backward; see ``ring_attention``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mesh: Mesh, causal: bool, document_ids):
-        n, kv_heads = mesh.cp_size, k.shape[2]
-        scale = q.shape[-1] ** -0.5
-        docs = _gather_documents(document_ids, mesh)
-        q5 = _grouped_q(q, kv_heads)
+    def forward(ctx, q, k, v, mesh: Mesh, causal: bool, document_ids, kernel):
+        n, scale = mesh.cp_size, q.shape[-1] ** -0.5
+        fused = _block_kernel(kernel, q, document_ids)
+        if fused is None:
+            blocks = _MathBlocks(k.shape[2], scale, _gather_documents(document_ids, mesh), mesh.cp_rank)
+        else:
+            blocks = _FusedBlocks(fused, scale)
+        q_blocks = blocks.layout(q)
         kv = torch.stack([k, v])  # one message per hop
         out = lse = None
         for step in range(n):
             pending = _RingExchange(kv, mesh) if step < n - 1 else None
-            rows, _, k5, v5, mask = _ring_block(kv, docs, step, mesh, causal)
-            block_out, block_lse = _block_forward(q5[..., rows, :], k5, v5, mask, scale)
+            block = _ring_step(step, mesh, q.shape[1], causal)
+            block_out, block_lse = blocks.forward(q_blocks, kv, block)
             if out is None:  # step 0 covers every query, each seeing at least itself
                 out, lse = block_out, block_lse
             else:
-                _merge(out[..., rows, :], lse[..., rows], block_out, block_lse)
+                _merge(out[..., block.rows, :], lse[..., block.rows], block_out, block_lse)
             if pending is not None:
                 kv = pending.wait()
-        result = _ungroup(out, q.dtype)
+        result = blocks.unlayout(out, q.dtype)
         ctx.save_for_backward(q, k, v, result, lse)
-        ctx.mesh, ctx.causal, ctx.docs, ctx.scale = mesh, causal, docs, scale
+        ctx.mesh, ctx.causal, ctx.blocks = mesh, causal, blocks
         return result
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        mesh, docs, scale = ctx.mesh, ctx.docs, ctx.scale
-        n, seq, kv_heads = mesh.cp_size, q.shape[1], k.shape[2]
-        q5, dout5 = _grouped_q(q, kv_heads), _grouped_q(dout, kv_heads)
-        delta = (dout5 * _grouped_q(out, kv_heads)).sum(dim=-1)
-        dq = torch.zeros_like(q5)
+        mesh, blocks = ctx.mesh, ctx.blocks
+        n, seq = mesh.cp_size, q.shape[1]
+        state = blocks.backward_inputs(q, out, dout, lse)
+        dq = torch.zeros(state[0].shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         # dk and dv of the block in hand ([2, b, kv_heads, s, d], fp32) follow it around the ring;
         # each rank adds its queries' share, and after n hops they are back with their owner.
         dkv_in_flight = None
         for step in range(n):
             pending_kv = _RingExchange(kv, mesh) if step < n - 1 else None
-            rows, cols, k5, v5, mask = _ring_block(kv, docs, step, mesh, ctx.causal)
-            dq_block, dk_block, dv_block = _block_backward(
-                q5[..., rows, :], k5, v5, mask, scale, dout5[..., rows, :], lse[..., rows], delta[..., rows]
-            )
-            dq[..., rows, :] += dq_block
+            block = _ring_step(step, mesh, seq, ctx.causal)
+            dq_block, dk_block, dv_block = blocks.backward(state, kv, block)
+            dq[..., block.rows, :] += dq_block
             if dkv_in_flight is None:
-                dkv = q5.new_zeros((2, *k5.shape[:2], seq, k5.shape[-1]))
+                dkv = dq.new_zeros((2, *dk_block.shape[:2], seq, dk_block.shape[-1]))
             else:
                 dkv = dkv_in_flight.wait()
-            dkv[0, ..., cols, :] += dk_block.squeeze(2)
-            dkv[1, ..., cols, :] += dv_block.squeeze(2)
+            dkv[0, ..., block.cols, :] += dk_block
+            dkv[1, ..., block.cols, :] += dv_block
             if n > 1:
                 dkv_in_flight = _RingExchange(dkv, mesh)
             if pending_kv is not None:
@@ -295,37 +447,104 @@ class _RingAttention(torch.autograd.Function):
         if dkv_in_flight is not None:
             dkv = dkv_in_flight.wait()
         dk, dv = dkv.transpose(-3, -2).to(k.dtype)
-        return _ungroup(dq, q.dtype), dk, dv, None, None, None
+        return blocks.unlayout(dq, q.dtype), dk, dv, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Mesh, causal: bool = True,
-                   document_ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                   document_ids: torch.Tensor | None = None, kernel="auto") -> torch.Tensor:  # fmt: skip
     """Attention of this cp rank's queries over the whole sequence, the k/v blocks passed around
     the cp ring.
 
     q [b, s_local, heads, d], k/v [b, s_local, kv_heads, d] (heads a multiple of kv_heads;
     under tensor parallelism, this rank's heads), each the load-balanced shard that
     ``shard_batch_for_cp`` cuts, after RoPE. ``document_ids`` [b, s_local] (sharded alike) keeps
-    attention inside documents. Returns [b, s_local, heads, d] in q's dtype; fp32 inside.
+    attention inside documents. ``kernel`` picks the per-block implementation (``_block_kernel``).
+    Returns [b, s_local, heads, d] in q's dtype; merged in fp32.
     """
-    return _RingAttention.apply(q, k, v, mesh, causal, document_ids)
+    return _RingAttention.apply(q, k, v, mesh, causal, document_ids, kernel)
+
+
+# ---------------------------------------------------------------------- all-gather attention
+
+
+def _gathered_blocks(mesh: Mesh, seq_local: int, causal: bool) -> list[_Block]:
+    """The blocks of the local queries against the gathered k/v in sequence order: each local
+    chunk against the keys before it (unmasked) and against itself (the causal diagonal)."""
+    if not causal:
+        return [_Block(slice(None), slice(None), False)]
+    half, blocks = seq_local // 2, []
+    for rows, chunk in ((slice(0, half), mesh.cp_rank), (slice(half, None), 2 * mesh.cp_size - 1 - mesh.cp_rank)):
+        start = chunk * half
+        if start:
+            blocks.append(_Block(rows, slice(0, start), False))
+        blocks.append(_Block(rows, slice(start, start + half), True))
+    return blocks
+
+
+def _rank_order(mesh: Mesh, seq_local: int, device) -> torch.Tensor:
+    """Global positions of the all-gathered tokens (rank 0's, then rank 1's, ...)."""
+    n = mesh.cp_size
+    return torch.cat([cp_token_index(seq_local * n, n, r, device) for r in range(n)])
+
+
+class _AllGatherAttention(torch.autograd.Function):
+    """``allgather_kv_attention`` through a fused kernel: k/v all-gathered once and put in sequence
+    order, then ``_gathered_blocks`` merged; backward reduce-scatters the k/v gradients (each rank
+    holds its queries' share of every token's)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mesh: Mesh, causal: bool, kernel):
+        seq = q.shape[1]
+        order = _rank_order(mesh, seq, q.device)
+        kv = all_gather_sequence(torch.stack([k, v]), mesh.cp_group, dim=2)
+        kv = kv.index_select(2, order.argsort())  # [2, b, s, kv_heads, d] in sequence order
+        blocks = _FusedBlocks(kernel, q.shape[-1] ** -0.5)
+        q_blocks, specs = blocks.layout(q), _gathered_blocks(mesh, seq, causal)
+        out = q_blocks.new_zeros(q_blocks.shape, dtype=torch.float32)
+        lse = out.new_full(out.shape[:-1], float("-inf"))
+        for block in specs:
+            _merge(out[..., block.rows, :], lse[..., block.rows], *blocks.forward(q_blocks, kv, block))
+        result = blocks.unlayout(out, q.dtype)
+        ctx.save_for_backward(q, result, lse, kv, order)
+        ctx.mesh, ctx.blocks, ctx.specs = mesh, blocks, specs
+        return result
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, out, lse, kv, order = ctx.saved_tensors
+        blocks = ctx.blocks
+        state = blocks.backward_inputs(q, out, dout, lse)
+        dq = torch.zeros(state[0].shape, dtype=torch.float32, device=q.device)
+        b, s, kv_heads, d = kv.shape[1:]
+        dkv = dq.new_zeros((2, b, kv_heads, s, d))
+        for block in ctx.specs:
+            dq_block, dk_block, dv_block = blocks.backward(state, kv, block)
+            dq[..., block.rows, :] += dq_block
+            dkv[0, ..., block.cols, :] += dk_block
+            dkv[1, ..., block.cols, :] += dv_block
+        dkv = reduce_scatter_sequence(dkv.index_select(3, order), ctx.mesh.cp_group, dim=3)
+        dk, dv = dkv.transpose(-3, -2).to(kv.dtype)
+        return blocks.unlayout(dq, q.dtype), dk, dv, None, None, None
 
 
 def allgather_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Mesh, causal: bool = True,
-                           document_ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-    """``ring_attention``'s result by all-gathering k/v over cp and one masked attention.
+                           document_ids: torch.Tensor | None = None, kernel="auto") -> torch.Tensor:  # fmt: skip
+    """``ring_attention``'s result by all-gathering k/v over cp and attending to all of them.
 
-    Backward is autograd's; the all-gather's backward reduce-scatters the k/v gradients, each
-    rank having contributed its queries' share to every block.
+    With a fused kernel (``_block_kernel``): ``_AllGatherAttention``. On the math path one masked
+    attention over the gathered sequence, backward by autograd: the all-gather's backward
+    reduce-scatters the k/v gradients, each rank having contributed its queries' share.
     """
+    fused = _block_kernel(kernel, q, document_ids)
+    if fused is not None:
+        return _AllGatherAttention.apply(q, k, v, mesh, causal, fused)
     n, seq, kv_heads = mesh.cp_size, q.shape[1], k.shape[2]
     k_all = all_gather_sequence(k, mesh.cp_group, dim=1)
     v_all = all_gather_sequence(v, mesh.cp_group, dim=1)
     mask = None
     if causal:
         q_pos = cp_token_index(seq * n, n, mesh.cp_rank, q.device)
-        k_pos = torch.cat([cp_token_index(seq * n, n, r, q.device) for r in range(n)])
-        mask = k_pos[None, :] <= q_pos[:, None]
+        mask = _rank_order(mesh, seq, q.device)[None, :] <= q_pos[:, None]
     if document_ids is not None:
         docs_all = all_gather_sequence(document_ids, mesh.cp_group, dim=1)
         same_doc = (document_ids[:, :, None] == docs_all[:, None, :])[:, None, None]
@@ -349,13 +568,16 @@ class ContextParallelAttention:
     A plain callable rather than an ``nn.Module``, so that it lands in the instance's
     ``__dict__`` and takes the place of the class's method (a submodule would be shadowed by it).
     The mask the module builds describes one process's sequence; this builds its own from the
-    chunk layout and ``document_ids``.
+    chunk layout and ``document_ids``. ``block_kernel`` is one of ``KERNEL_CHOICES`` (``auto``:
+    the fused kernel where the inputs allow, else the fp32 math).
     """
 
-    def __init__(self, mesh: Mesh, algorithm: str = "p2p"):
+    def __init__(self, mesh: Mesh, algorithm: str = "p2p", block_kernel: str = "auto"):
         if algorithm not in ALGORITHMS:
             raise ConfigError(f"unknown context-parallel algorithm '{algorithm}': use one of {ALGORITHMS}")
-        self.mesh, self.algorithm = mesh, algorithm
+        if block_kernel not in KERNEL_CHOICES:
+            raise ConfigError(f"unknown context-parallel block kernel '{block_kernel}': use one of {KERNEL_CHOICES}")
+        self.mesh, self.algorithm, self.block_kernel = mesh, algorithm, block_kernel
         self._attention = ring_attention if algorithm == "p2p" else allgather_kv_attention
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout: float,
@@ -369,14 +591,14 @@ class ContextParallelAttention:
                 "packed documents under context parallelism need the document ids: Attention.forward must pass "
                 "document_ids to core_attention"
             )
-        out = self._attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.mesh, True, document_ids)
-        return out.transpose(1, 2)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return self._attention(q, k, v, self.mesh, True, document_ids, self.block_kernel).transpose(1, 2)
 
     def __repr__(self) -> str:
-        return f"ContextParallelAttention(cp={self.mesh.cp_size}, algorithm={self.algorithm})"
+        return f"ContextParallelAttention(cp={self.mesh.cp_size}, algorithm={self.algorithm}, block_kernel={self.block_kernel})"
 
 
-def apply_context_parallel(model: nn.Module, mesh: Mesh, algorithm: str = "p2p") -> nn.Module:
+def apply_context_parallel(model: nn.Module, mesh: Mesh, algorithm: str = "p2p", block_kernel: str = "auto") -> nn.Module:
     """Route the core attention of every layer of ``model`` (a ``Decoder``, tensor-parallel or not)
     through cp-wide attention, in place. At cp 1 the model is returned as it is.
 
@@ -387,7 +609,7 @@ def apply_context_parallel(model: nn.Module, mesh: Mesh, algorithm: str = "p2p")
         return model
     if model.cfg.attention_dropout > 0:
         raise ConfigError("attention dropout is not supported with context parallelism; set --attention-dropout 0")
-    core = ContextParallelAttention(mesh, algorithm)
+    core = ContextParallelAttention(mesh, algorithm, block_kernel)
     for layer in model.layers:
         attn = layer.self_attention
         if not callable(getattr(attn, "core_attention", None)):

@@ -7,7 +7,11 @@ The reference is computed in this (pytest's) process from the same seed and data
 - Attention alone: q/k/v of the whole sequence are sharded the load-balanced way, attended with
   ``ring_attention`` and ``allgather_kv_attention`` (causal, with and without packed documents;
   the ring also non-causal), and compared with ``math_attention`` over the whole sequence: the
-  output and the q/k/v gradients of the rank's tokens.
+  output and the q/k/v gradients of the rank's tokens. Once on the fp32 math path, and once on
+  the fused path with ``ReferenceKernel`` standing in for the GPU kernels (their conventions, in
+  plain PyTorch), which proves the fused path's block slicing, merges and the all-gather's
+  reordering here; the kernels themselves are checked on the GPU
+  (tests/gpu/test_context_parallel_gpu.py, benchmarks/cp_long_context.py).
 - The model: a tiny Llama (rope, GQA; also with sequence parallelism under tp, and with the core
   attention recomputed in backward) and a GPT (learned positions, packed documents, biases)
   trained one step the trainer's way: masked loss sum over the global token count (all-reduced
@@ -24,12 +28,16 @@ import dataclasses
 import pytest
 import torch
 import torch.distributed as dist
-
 from launcher import run_distributed
+
 from meshtron.config import ModelConfig
 from meshtron.layers.attention import attention_mask, math_attention
 from meshtron.models import build_model
-from meshtron.parallel.apply import apply_tensor_parallel, finalize_tensor_parallel_grads, gather_full
+from meshtron.parallel.apply import (
+    apply_tensor_parallel,
+    finalize_tensor_parallel_grads,
+    gather_full,
+)
 from meshtron.parallel.context_parallel import (
     allgather_kv_attention,
     apply_context_parallel,
@@ -58,9 +66,49 @@ MODELS = {"llama": LLAMA, "gpt": GPT, "llama_recompute": dataclasses.replace(LLA
 MODEL_CASES = [("llama", "cp4", "p2p", False), ("llama", "cp2xdp2", "p2p", False), ("llama", "cp2xtp2", "p2p", False),
                ("llama", "cp4", "all_gather", False), ("gpt", "cp2xtp2", "p2p", False),
                ("llama", "cp2xtp2", "p2p", True), ("llama_recompute", "cp2xdp2", "p2p", False)]  # fmt: skip
-ATTENTION_CASES = [("p2p", True, False), ("p2p", True, True), ("p2p", False, False),
-                   ("all_gather", True, False), ("all_gather", True, True)]  # (algorithm, causal, documents); fmt: skip
+# (algorithm, causal, documents, block kernel): packed documents always take the math path.
+ATTENTION_CASES = [("p2p", True, False, "math"), ("p2p", True, True, "math"), ("p2p", False, False, "math"),
+                   ("all_gather", True, False, "math"), ("all_gather", True, True, "math"),
+                   ("p2p", True, False, "reference"), ("p2p", False, False, "reference"),
+                   ("all_gather", True, False, "reference"), ("all_gather", False, False, "reference")]  # fmt: skip
 ATTENTION_FNS = {"p2p": ring_attention, "all_gather": allgather_kv_attention}
+
+
+class ReferenceKernel:
+    """A CPU stand-in for ``FlashKernel``: [b, heads, s, d] inputs with fewer kv heads, output in
+    q's dtype and log-sum-exp [b, heads, s] (fp32) forward; backward from the output and
+    log-sum-exp it is given (the merged ones), the kv gradients summed over each group."""
+
+    AUX = ("placeholder",)
+
+    @staticmethod
+    def _scores(q, k, causal, scale):
+        scores = q.double() @ k.repeat_interleave(q.shape[1] // k.shape[1], 1).double().transpose(-1, -2) * scale
+        if causal:
+            scores = scores.masked_fill(~torch.ones(scores.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+        return scores
+
+    @classmethod
+    def forward(cls, q, k, v, causal, scale):
+        scores = cls._scores(q, k, causal, scale)
+        lse = scores.logsumexp(dim=-1)
+        out = (scores - lse[..., None]).exp() @ v.repeat_interleave(q.shape[1] // k.shape[1], 1).double()
+        return out.to(q.dtype), lse.float(), cls.AUX
+
+    @classmethod
+    def backward(cls, dout, q, k, v, out, lse, aux, causal, scale):
+        assert aux is cls.AUX, "the forward's auxiliary outputs must come back to the backward"
+        group = q.shape[1] // k.shape[1]
+        probs = (cls._scores(q, k, causal, scale) - lse.double()[..., None]).exp()
+        dout, v_full = dout.double(), v.repeat_interleave(group, 1).double()
+        dscores = probs * (dout @ v_full.transpose(-1, -2) - (dout * out.double()).sum(-1, keepdim=True))
+        dq = dscores @ k.repeat_interleave(group, 1).double() * scale
+        dk, dv = dscores.transpose(-1, -2) @ q.double() * scale, probs.transpose(-1, -2) @ dout
+        by_group = lambda g: g.unflatten(1, (k.shape[1], group)).sum(2).to(k.dtype)
+        return dq.to(q.dtype), by_group(dk), by_group(dv)
+
+
+KERNELS = {"math": "math", "reference": ReferenceKernel}
 
 
 # ---------------------------------------------------------------------- data
@@ -107,12 +155,12 @@ def _loss(model, batch, num_tokens):
 # ---------------------------------------------------------------------- the distributed side
 
 
-def _attention_case(mesh: Mesh, algorithm: str, causal: bool, documents: bool) -> dict[str, torch.Tensor]:
+def _attention_case(mesh: Mesh, algorithm: str, causal: bool, documents: bool, kernel: str) -> dict[str, torch.Tensor]:
     data = _attention_inputs()
     index = cp_token_index(SEQ, mesh.cp_size, mesh.cp_rank)
     q, k, v = (data[n].index_select(1, index).requires_grad_() for n in ("q", "k", "v"))
     docs = data["docs"].index_select(1, index) if documents else None
-    out = ATTENTION_FNS[algorithm](q, k, v, mesh, causal=causal, document_ids=docs)
+    out = ATTENTION_FNS[algorithm](q, k, v, mesh, causal=causal, document_ids=docs, kernel=KERNELS[kernel])
     (out * data["dout"].index_select(1, index)).sum().backward()
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
@@ -177,11 +225,11 @@ def _reference_attention(causal: bool, documents: bool) -> dict[str, torch.Tenso
 
 
 @pytest.mark.parametrize("layout", ["cp4", "cp2xdp2"])
-@pytest.mark.parametrize("algorithm,causal,documents", ATTENTION_CASES)
-def test_attention_matches_full_attention(results, layout, algorithm, causal, documents):
+@pytest.mark.parametrize("algorithm,causal,documents,kernel", ATTENTION_CASES)
+def test_attention_matches_full_attention(results, layout, algorithm, causal, documents, kernel):
     want = _reference_attention(causal, documents)
     for rank, result in enumerate(results):
-        got = result[("attention", layout, algorithm, causal, documents)]
+        got = result[("attention", layout, algorithm, causal, documents, kernel)]
         mesh = Mesh(rank=rank, **LAYOUTS[layout])
         index = cp_token_index(SEQ, mesh.cp_size, mesh.cp_rank)
         for name in ("out", "dq", "dk", "dv"):
@@ -193,7 +241,7 @@ def test_attention_matches_full_attention(results, layout, algorithm, causal, do
 @pytest.mark.parametrize("documents", [False, True])
 def test_allgather_equals_ring(results, layout, documents):
     for rank, result in enumerate(results):
-        ring, gathered = (result[("attention", layout, alg, True, documents)] for alg in ("p2p", "all_gather"))
+        ring, gathered = (result[("attention", layout, alg, True, documents, "math")] for alg in ("p2p", "all_gather"))
         for name in ("out", "dq", "dk", "dv"):
             assert _rel_err(gathered[name], ring[name]) < RTOL, f"rank {rank}: {name}"
 

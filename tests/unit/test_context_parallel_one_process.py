@@ -104,7 +104,7 @@ def test_apply_installs_core_on_every_layer_and_keeps_the_math():
     apply_context_parallel(model, cp2, algorithm="all_gather")
     installed = {id(layer.self_attention.core_attention) for layer in model.layers}
     assert len(installed) == 1 and repr(model.layers[1].self_attention.core_attention) == (
-        "ContextParallelAttention(cp=2, algorithm=all_gather)"
+        "ContextParallelAttention(cp=2, algorithm=all_gather, block_kernel=auto)"
     )
     with pytest.raises(ConfigError, match="unknown context-parallel algorithm"):
         apply_context_parallel(model, cp2, algorithm="ring")
