@@ -2,7 +2,7 @@
 
 Every field has exactly one name here (``section.field``); the command line accepts
 ``--section.field VALUE``, the short ``--field VALUE`` when the field name is unique, and the
-Megatron-LM flag names listed in ``MEGATRON_ALIASES``. Validation happens before any tensor is
+Megatron-LM flag names listed in ``meshtron/flags.py``. Validation happens before any tensor is
 allocated, and every error says what to change.
 """
 
@@ -16,6 +16,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from meshtron.flags import MEGATRON_ALIASES
 
 
 class ConfigError(ValueError):
@@ -125,6 +127,7 @@ class ParallelConfig:
     pipeline_schedule: str = "auto"  # auto (1f1b, interleaved with virtual stages) | 1f1b | afab | interleaved
     first_pipeline_stage_layers: int = 0  # 0: even split; fewer balance the embedding
     last_pipeline_stage_layers: int = 0  # 0: even split; fewer balance the output layer and loss
+    cp_comm_type: str = "p2p"  # context parallel attention: p2p (ring) | all_gather (of keys and values)
     fsdp: bool = False  # PyTorch FSDP2 (fully_shard) instead of the distributed optimizer; needs tp = 1
     ddp_bucket_size: int = 40_000_000  # gradient elements per data-parallel reduction bucket
 
@@ -221,106 +224,6 @@ def _coerce(value: Any, typ: Any, name: str) -> Any:
         pass
     type_name = getattr(typ, "__name__", str(typ))
     raise ConfigError(f"{name} must be {type_name}, got {value!r}")
-
-
-# Megatron-LM's flag names (and a few of their environment-script spellings) -> our field.
-# A value of ``(field, constant)`` means the flag takes no argument and sets that constant.
-MEGATRON_ALIASES: dict[str, Any] = {
-    "num-layers": "model.num_layers",
-    "hidden-size": "model.hidden_size",
-    "ffn-hidden-size": "model.ffn_hidden_size",
-    "num-attention-heads": "model.num_attention_heads",
-    "num-query-groups": "model.num_query_groups",
-    "group-query-attention": ("model.num_query_groups", None),  # Megatron's switch; groups come from --num-query-groups
-    "kv-channels": "model.kv_channels",
-    "max-position-embeddings": "model.max_position_embeddings",
-    "vocab-size": "model.vocab_size",
-    "make-vocab-size-divisible-by": "model.make_vocab_size_divisible_by",
-    "normalization": "model.normalization",
-    "norm-epsilon": "model.norm_epsilon",
-    "layernorm-epsilon": "model.norm_epsilon",
-    "swiglu": ("model.activation", "swiglu"),
-    "position-embedding-type": "model.position_embedding_type",
-    "rotary-base": "model.rotary_base",
-    "use-rope-scaling": ("model.rope_scaling", "llama3"),
-    "rope-scaling-factor": "model.rope_scaling_factor",
-    "untie-embeddings-and-output-weights": ("model.tie_embeddings", False),
-    "disable-bias-linear": ("model.add_bias_linear", False),
-    "attention-dropout": "model.attention_dropout",
-    "hidden-dropout": "model.hidden_dropout",
-    "init-method-std": "model.init_method_std",
-    "attention-backend": "model.attention_backend",
-    "no-fused-kernels": ("model.fused_kernels", "off"),
-    "recompute-granularity": "model.recompute_granularity",
-    "recompute-method": "model.recompute_method",
-    "recompute-num-layers": "model.recompute_num_layers",
-    "fp8-format": "model.fp8_format",
-    "compile": "train.compile",
-    "gemm-tuning": "train.gemm_tuning",
-    "seq-length": "data.seq_length",
-    "data-path": "data.data_path",
-    "split": "data.split",
-    "mock-data": ("data.mock", True),
-    "tokenizer-type": "data.tokenizer_type",
-    "tokenizer-model": "data.tokenizer_model",
-    "vocab-file": "data.vocab_file",
-    "merge-file": "data.merge_file",
-    "data-cache-path": "data.data_cache_path",
-    "reset-position-ids": ("data.reset_position_ids", True),
-    "reset-attention-mask": ("data.reset_attention_mask", True),
-    "eod-mask-loss": ("data.eod_mask_loss", True),
-    "num-workers": "data.num_workers",
-    "micro-batch-size": "train.micro_batch_size",
-    "global-batch-size": "train.global_batch_size",
-    "train-iters": "train.train_iters",
-    "exit-interval": "train.exit_interval",
-    "exit-duration-in-mins": "train.exit_duration_in_mins",
-    "seed": "train.seed",
-    "lr": "train.lr",
-    "min-lr": "train.min_lr",
-    "lr-decay-style": "train.lr_decay_style",
-    "lr-warmup-iters": "train.lr_warmup_iters",
-    "lr-decay-iters": "train.lr_decay_iters",
-    "lr-wsd-decay-iters": "train.lr_wsd_decay_iters",
-    "weight-decay": "train.weight_decay",
-    "adam-beta1": "train.adam_beta1",
-    "adam-beta2": "train.adam_beta2",
-    "adam-eps": "train.adam_eps",
-    "clip-grad": "train.clip_grad",
-    "bf16": ("train.precision", "bf16"),
-    "fp16": ("train.precision", "fp16"),
-    "fp32": ("train.precision", "fp32"),
-    "initial-loss-scale": "train.initial_loss_scale",
-    "min-loss-scale": "train.min_loss_scale",
-    "loss-scale-window": "train.loss_scale_window",
-    "hysteresis": "train.hysteresis",
-    "tensor-model-parallel-size": "parallel.tensor_parallel",
-    "tp": "parallel.tensor_parallel",
-    "pipeline-model-parallel-size": "parallel.pipeline_parallel",
-    "pp": "parallel.pipeline_parallel",
-    "context-parallel-size": "parallel.context_parallel",
-    "cp": "parallel.context_parallel",
-    "expert-model-parallel-size": "parallel.expert_parallel",
-    "ep": "parallel.expert_parallel",
-    "sequence-parallel": ("parallel.sequence_parallel", True),
-    "use-distributed-optimizer": ("parallel.use_distributed_optimizer", True),
-    "use-torch-fsdp2": ("parallel.fsdp", True),
-    "virtual-pipeline-model-parallel-size": "parallel.virtual_pipeline_parallel",
-    "num-layers-per-virtual-pipeline-stage": "parallel.num_layers_per_virtual_pipeline_stage",
-    "decoder-first-pipeline-num-layers": "parallel.first_pipeline_stage_layers",
-    "decoder-last-pipeline-num-layers": "parallel.last_pipeline_stage_layers",
-    "ddp-bucket-size": "parallel.ddp_bucket_size",
-    "save": "checkpoint.save",
-    "load": "checkpoint.load",
-    "save-interval": "checkpoint.save_interval",
-    "no-save-optim": ("checkpoint.no_save_optim", True),
-    "no-load-optim": ("checkpoint.no_load_optim", True),
-    "no-load-rng": ("checkpoint.no_load_rng", True),
-    "log-interval": "logging.log_interval",
-    "eval-interval": "logging.eval_interval",
-    "eval-iters": "logging.eval_iters",
-    "tensorboard-dir": "logging.tensorboard_dir",
-}
 
 # Megatron flags that take several values until the next flag.
 _MULTI_VALUE = {"data.data_path"}
@@ -502,6 +405,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         )
 
     need(t.micro_batch_size > 0, f"--micro-batch-size must be positive, got {t.micro_batch_size}")
+    need(p.cp_comm_type in ("p2p", "all_gather"), f"--cp-comm-type must be p2p or all_gather, got '{p.cp_comm_type}'")
     if p.fsdp:
         need(p.pipeline_parallel == 1, "--fsdp does not combine with pipeline parallelism; use the distributed optimizer")
         need(p.tensor_parallel == 1, f"--fsdp needs --tensor-model-parallel-size 1 (got {p.tensor_parallel}); use the distributed optimizer with tp")

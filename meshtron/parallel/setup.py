@@ -43,7 +43,9 @@ def build_parallel_model_and_optimizer(
     if cfg.model.fp8_format:
         apply_fp8(model.layers, cfg.model.fp8_format, cfg.model.fp8_backend)
     if mesh.cp > 1:
-        apply_context_parallel(model, mesh)
+        # The ring's per-block kernel follows --attention-backend where it names one of its kernels.
+        block_kernel = cfg.model.attention_backend if cfg.model.attention_backend in ("math", "flash", "cudnn") else "auto"
+        apply_context_parallel(model, mesh, p.cp_comm_type, block_kernel)
     stages = None
     if mesh.pp > 1:
         stages = build_stage_modules(

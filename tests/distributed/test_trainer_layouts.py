@@ -37,6 +37,7 @@ LAYOUTS = {  # name: (world size, extra flags)
     "fsdp_dp2": (2, ["--micro-batch-size", "2", "--fsdp"]),
     "tp2_dp2_distopt_sp": (4, ["--tp", "2", "--sequence-parallel", "--micro-batch-size", "2", "--use-distributed-optimizer"]),
     "cp2_dp2": (4, ["--cp", "2", "--micro-batch-size", "2"]),
+    "cp2_allgather_tp2": (4, ["--cp", "2", "--cp-comm-type", "all_gather", "--tp", "2", "--micro-batch-size", "4"]),
     "pp2_1f1b": (2, ["--pp", "2", "--micro-batch-size", "2"]),
     "pp2_interleaved": (2, ["--pp", "2", "--virtual-pipeline-model-parallel-size", "2", "--micro-batch-size", "2"]),
     "pp4_1f1b": (4, ["--pp", "4", "--micro-batch-size", "1"]),
