@@ -102,6 +102,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def _master_owners(self) -> list[nn.Parameter]:
         return [p.param for p in self._pieces]
 
+    def _param_span(self, master: torch.Tensor) -> tuple[int, int]:
+        piece = self._piece_of[id(master)]
+        return piece.start - piece.offset, piece.end - piece.offset
+
     def _new_moments(self, master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Views into per-bucket flat moments, so a checkpoint gathers each with one collective."""
         piece = self._piece_of[id(master)]

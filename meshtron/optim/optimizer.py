@@ -123,6 +123,8 @@ class MixedPrecisionOptimizer:
             (tp_rank == 0 or getattr(p, "tp_shard", None) is not None) and (first_stage or not getattr(p, "shared_embedding", False))
             for p in self._master_owners()
         ]
+        # Key/value rows copied to several tp ranks (fewer kv heads than ranks) count on their first copy only.
+        self._norm_excluded = [self._replica_copies(p, m) for p, m in zip(self._master_owners(), self._master_params())]
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -252,6 +254,21 @@ class MixedPrecisionOptimizer:
             master_groups.append({**group, "params": pairs})
         return master_groups
 
+    def _replica_copies(self, param: nn.Parameter, master: torch.Tensor) -> torch.Tensor | None:
+        """Flat indices into ``master`` of the kv rows this rank holds as a non-counted copy."""
+        rep = getattr(param, "tp_replicas", None)
+        if rep is None or rep.counted:
+            return None
+        row = param[0].numel() if param.dim() > 1 else 1
+        flat = (rep.local.to(master.device)[:, None] * row + torch.arange(row, device=master.device)).reshape(-1)
+        lo, hi = self._param_span(master)
+        flat = flat[(flat >= lo) & (flat < hi)] - lo
+        return flat if flat.numel() else None
+
+    def _param_span(self, master: torch.Tensor) -> tuple[int, int]:
+        """The flat elements ``[lo, hi)`` of its param that ``master`` holds (all of them here)."""
+        return 0, master.numel()
+
     def _master_params(self) -> list[torch.Tensor]:
         return [master for _, _, master in self._params]
 
@@ -277,6 +294,9 @@ class MixedPrecisionOptimizer:
         squares = torch.zeros((), dtype=torch.float32, device=masters[0].device)
         if counted:
             squares += torch.stack(torch._foreach_norm(counted)).square().sum()
+        for master, keep, excluded in zip(masters, self._in_norm, self._norm_excluded):
+            if keep and excluded is not None and master.grad is not None:
+                squares -= master.grad.reshape(-1)[excluded].square().sum()
         for group in self._norm_groups:
             dist.all_reduce(squares, group=group)
         return squares.sqrt()

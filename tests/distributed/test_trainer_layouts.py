@@ -38,6 +38,9 @@ LAYOUTS = {  # name: (world size, extra flags)
     "tp2_dp2_distopt_sp": (4, ["--tp", "2", "--sequence-parallel", "--micro-batch-size", "2", "--use-distributed-optimizer"]),
     "cp2_dp2": (4, ["--cp", "2", "--micro-batch-size", "2"]),
     "cp2_allgather_tp2": (4, ["--cp", "2", "--cp-comm-type", "all_gather", "--tp", "2", "--micro-batch-size", "4"]),
+    # one kv head for two tp ranks: each holds a copy, and the grad norm must count it once
+    "tp2_kv1": (2, ["--tp", "2", "--micro-batch-size", "4", "--num-query-groups", "1"]),
+    "tp2_dp2_distopt_kv1": (4, ["--tp", "2", "--micro-batch-size", "2", "--use-distributed-optimizer", "--num-query-groups", "1"]),
     "pp2_1f1b": (2, ["--pp", "2", "--micro-batch-size", "2"]),
     "pp2_interleaved": (2, ["--pp", "2", "--virtual-pipeline-model-parallel-size", "2", "--micro-batch-size", "2"]),
     "pp4_1f1b": (4, ["--pp", "4", "--micro-batch-size", "1"]),
@@ -71,6 +74,7 @@ def one_process():
     return {
         "mbs8": _run(["--micro-batch-size", "8"]),
         "mbs2": _run(["--micro-batch-size", "2"]),  # 4 micro batches: gradient accumulation
+        "mbs8_kv1": _run(["--micro-batch-size", "8", "--num-query-groups", "1"]),
     }
 
 
@@ -99,7 +103,8 @@ def test_gradient_accumulation_matches_one_big_batch(one_process):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_one_process(runs, one_process, layout):
-    ref, got = one_process["mbs8"], runs[layout]
+    ref = one_process["mbs8_kv1" if "--num-query-groups" in LAYOUTS[layout][1] else "mbs8"]
+    got = runs[layout]
     assert _close(got["losses"], ref["losses"]), (got["losses"], ref["losses"])
     assert _close(got["grad_norms"], ref["grad_norms"], rel=1e-4), (got["grad_norms"], ref["grad_norms"])
     for name, weight in ref["weights"].items():
