@@ -110,6 +110,7 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     compile: bool = False  # torch.compile each transformer block
     gemm_tuning: bool = False  # PyTorch TunableOp GEMM tuning (GPU); results kept in the save or cache dir
+    gradient_accumulation_fusion: bool = False  # the blocks' linears compute weight gradients straight into the fp32 buffer
 
 
 @dataclass
@@ -395,6 +396,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     need(m.fp8_format in ("", "hybrid", "e4m3"), f"--fp8-format must be hybrid or e4m3 (or empty for off), got '{m.fp8_format}'")
     need(m.fp8_backend in ("auto", "torchao", "meshtron"), f"--fp8-backend must be auto, torchao or meshtron, got '{m.fp8_backend}'")
     need(not (t.device == "cpu" and (m.fp8_format or t.gemm_tuning)), "--fp8-format and --gemm-tuning need a GPU; drop them for --device cpu")
+    # torch.compile would trace the fused linear's backward, which reports to the gradient buffer from Python.
+    need(not (t.compile and t.gradient_accumulation_fusion), "--gradient-accumulation-fusion does not combine with --compile; drop one")
     need(m.recompute_num_layers >= 1, f"--recompute-num-layers must be at least 1, got {m.recompute_num_layers}")
     max_pos = m.max_position_embeddings or d.seq_length
     need(d.seq_length > 0, f"--seq-length must be positive, got {d.seq_length}")

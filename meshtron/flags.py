@@ -42,6 +42,8 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "fp8-format": "model.fp8_format",
     "compile": "train.compile",
     "gemm-tuning": "train.gemm_tuning",
+    "gradient-accumulation-fusion": ("train.gradient_accumulation_fusion", True),
+    "no-gradient-accumulation-fusion": ("train.gradient_accumulation_fusion", False),  # Megatron's spelling (on there by default)
     "seq-length": "data.seq_length",
     "data-path": "data.data_path",
     "split": "data.split",

@@ -80,6 +80,9 @@ class GradBuffer:
     Every param gets ``param.main_grad``, its view of the buffer. fp32 params also keep
     ``param.grad`` pointing at that view, so autograd accumulates into it in place; a
     low-precision param's gradient is added into it by a post-accumulate-grad hook and freed.
+    A linear with gradient-accumulation fusion (``meshtron.kernels.grad_accum_fusion``) writes
+    into ``main_grad`` itself and reports through ``fused_grad_ready`` (found as
+    ``param.grad_buffer``).
     """
 
     def __init__(
@@ -116,10 +119,12 @@ class GradBuffer:
                 self._bucket_of[param] = bucket
                 param.main_grad = self.data[offset : offset + param.numel()].view_as(param)
                 param.grad = param.main_grad if param.dtype == torch.float32 else None
+                param.grad_buffer = self
                 param.register_post_accumulate_grad_hook(self._on_grad)
                 offset += param.numel()
         self._sync = True
         self._next_launch = 0
+        self._fused: set[nn.Parameter] = set()  # reported by a fused linear, its hook not yet run
         self.stats = SyncStats()
         self.zero_()
 
@@ -161,6 +166,7 @@ class GradBuffer:
         """Start a step: zero every gradient and re-arm the buckets. Call after the last step's
         ``finish_grad_sync`` (the optimizer's ``step`` calls it), never while collectives run."""
         self.data.zero_()
+        self._fused.clear()
         for bucket in self.buckets:
             bucket.pending, bucket.handle, bucket.launched_in_backward = len(bucket.params), None, False
         self._next_launch = 0
@@ -193,9 +199,24 @@ class GradBuffer:
 
     @torch.no_grad()
     def _on_grad(self, param: nn.Parameter) -> None:
+        if param in self._fused:  # a fused linear already accumulated and reported this gradient
+            self._fused.discard(param)
+            return
         if param.grad is not param.main_grad:  # low precision, or an fp32 .grad someone set to None
             param.main_grad.add_(param.grad)
             param.grad = param.main_grad if param.dtype == torch.float32 else None
+        self._grad_ready(param)
+
+    def fused_grad_ready(self, param: nn.Parameter) -> None:
+        """Called by a fused linear's backward once it has accumulated ``param``'s gradient into
+        ``main_grad``: count it for its bucket now, and let the hook autograd still runs for the
+        param (with no gradient) pass. Torch releases that skip that hook leave the mark, which
+        the next step's ``zero_`` clears."""
+        self._fused.add(param)
+        self._grad_ready(param)
+
+    def _grad_ready(self, param: nn.Parameter) -> None:
+        """One gradient of this backward is in ``main_grad``: launch its bucket once it is full."""
         if not self._sync or self.group is None:
             return
         bucket = self._bucket_of[param]

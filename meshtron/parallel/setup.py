@@ -10,6 +10,7 @@ from torch import nn
 
 from meshtron.config import Config, pipeline_virtual_size
 from meshtron.kernels.fp8 import apply_fp8, check_fp8_device
+from meshtron.kernels.grad_accum_fusion import apply_gradient_accumulation_fusion
 from meshtron.models import build_model
 from meshtron.optim.optimizer import build_optimizer
 from meshtron.parallel.apply import apply_tensor_parallel, check_model_fits
@@ -23,9 +24,10 @@ def build_parallel_model_and_optimizer(
     cfg: Config, mesh: Mesh, vocab_size: int, device: torch.device, dtype: torch.dtype
 ) -> tuple[nn.Module, object, list[PipelineStage] | None]:
     """Full model from the seed on every rank (layout-invariant init), then in order: tensor (and
-    sequence) parallelism, FP8 linears (on the sharded layers), context parallelism, the pipeline
-    split (this rank's stages; the model keeps only their parameters), torch.compile of each block
-    (last, so it traces the final modules; compilation itself waits for the first call), and
+    sequence) parallelism, FP8 linears (on the sharded layers), gradient-accumulation fusion (the
+    linears FP8 left), context parallelism, the pipeline split (this rank's stages; the model
+    keeps only their parameters), torch.compile of each block (last, so it traces the final
+    modules; compilation itself waits for the first call), and
     either FSDP2 or the (distributed) optimizer with data-parallel gradient buckets. Returns
     (model, optimizer, stages or None without pp)."""
     p = cfg.parallel
@@ -42,6 +44,8 @@ def build_parallel_model_and_optimizer(
         model = apply_tensor_parallel(model, mesh, sequence_parallel)
     if cfg.model.fp8_format:
         apply_fp8(model.layers, cfg.model.fp8_format, cfg.model.fp8_backend)
+    if cfg.train.gradient_accumulation_fusion:
+        apply_gradient_accumulation_fusion(model.layers)
     if mesh.cp > 1:
         # The ring's per-block kernel follows --attention-backend where it names one of its kernels.
         block_kernel = cfg.model.attention_backend if cfg.model.attention_backend in ("math", "flash", "cudnn") else "auto"

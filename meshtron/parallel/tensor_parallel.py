@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from meshtron.kernels import fp8
+from meshtron.kernels import grad_accum_fusion
 
 SEQ_DIM = 1
 
@@ -150,14 +150,16 @@ def gather_from_sequence_parallel(x: torch.Tensor, group, dim: int = SEQ_DIM) ->
 # ---------------------------------------------------------------------- layers
 
 
-def column_parallel_linear(x, weight, bias, group, sequence_parallel: bool, fp8_format: str = "") -> torch.Tensor:
+def column_parallel_linear(x, weight, bias, group, sequence_parallel: bool, fp8_format: str = "",
+                           fuse_wgrad: bool = False) -> torch.Tensor:  # fmt: skip
     """y_shard = x @ W_shard^T (+ b_shard), x replicated (or sequence-sharded with SP); in FP8 when
-    ``fp8_format`` is set (``meshtron.kernels.fp8.apply_fp8`` sets it on the layers).
+    ``fp8_format`` is set (``meshtron.kernels.fp8.apply_fp8`` sets it on the layers), with the
+    weight gradient fused into ``main_grad`` when ``fuse_wgrad`` (``grad_accum_fusion``).
 
     A function as well as a layer so the tied output head can run it on the embedding's weight.
     """
     x = all_gather_sequence(x, group) if sequence_parallel else copy_to_tp_region(x, group)
-    return fp8.linear(x, weight, bias, fp8_format)
+    return grad_accum_fusion.linear(x, weight, bias, fp8_format, fuse_wgrad)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -175,9 +177,11 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         self.fp8_format = ""
+        self.grad_accum_fusion = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = column_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel, self.fp8_format)
+        y = column_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel, self.fp8_format,
+                                   self.grad_accum_fusion)  # fmt: skip
         return gather_from_tp_region(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -200,11 +204,12 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         self.fp8_format = ""
+        self.grad_accum_fusion = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.group)
-        y = fp8.linear(x, self.weight, None, self.fp8_format)
+        y = grad_accum_fusion.linear(x, self.weight, None, self.fp8_format, self.grad_accum_fusion)
         y = reduce_scatter_sequence(y, self.group) if self.sequence_parallel else reduce_from_tp_region(y, self.group)
         return y if self.bias is None else y + self.bias
 

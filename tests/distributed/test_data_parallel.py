@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from launcher import run_distributed
 from meshtron.config import ModelConfig, TrainConfig
+from meshtron.kernels.grad_accum_fusion import apply_gradient_accumulation_fusion
 from meshtron.models import build_model
 from meshtron.optim.lr_schedule import LRSchedule
 from meshtron.optim.loss_scaler import ConstantLossScaler
@@ -147,9 +148,11 @@ def assert_matches_reference(runs: list[dict], ref: dict, rtol: float = RTOL) ->
 # ---------------------------------------------------------------------- all-reduce (no sharding)
 
 
-def _ddp_worker(rank: int, world_size: int) -> dict:
+def _ddp_worker(rank: int, world_size: int, fuse_wgrad: bool = False) -> dict:
     mesh = dp_mesh(rank)
     model = make_model()
+    if fuse_wgrad:
+        apply_gradient_accumulation_fusion(model.layers)
     opt = build_optimizer(model, TRAIN, torch.float32, mesh=mesh, bucket_size=BUCKET)
     out = train(model, opt, range(STEPS), rank, DP, MICRO_BATCHES, mesh.dp_group)
     out["stats"] = opt.grads.stats
@@ -184,8 +187,11 @@ def _norm_with_tp_group() -> float:
     return opt.step(0.0).grad_norm
 
 
-def test_data_parallel_all_reduce_matches_one_process():
-    runs = run_distributed(_ddp_worker, DP)
+@pytest.mark.parametrize("fuse_wgrad", [False, True], ids=["plain", "grad_accum_fusion"])
+def test_data_parallel_all_reduce_matches_one_process(fuse_wgrad):
+    """With gradient-accumulation fusion the blocks' linears write into the buffer and report
+    their buckets ready from backward: the same gradients, and still every bucket launched there."""
+    runs = run_distributed(_ddp_worker, DP, fuse_wgrad)
     assert_matches_reference(runs, reference())
     for run in runs:
         stats = run["stats"]

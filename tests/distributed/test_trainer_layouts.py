@@ -6,6 +6,8 @@ squares over 50 k gradients, each 5 AdamW steps from rounding-order differences)
 to 1e-5 relative or 2e-5 absolute. AdamW's eps is 1e-4 here: with 1e-8 its first steps are
 sign-like, so a gradient that is 0 in one run and 1e-12 (rounding) in another moves a weight by a
 whole lr in one and not at all in the other.
+Two layouts repeat dp2 (4 micro batches per rank) and tp2 x dp2 with --gradient-accumulation-fusion,
+whose linears write weight gradients into the fp32 buffer themselves and report their buckets ready.
 Then checkpoints saved under FSDP2 dp2, pp4 and pp2 x tp2 x dp2 (distributed optimizer, sequence
 parallel) resume exactly under the same layout, and load into one process (resharding by slicing).
 """
@@ -34,8 +36,11 @@ LAYOUTS = {  # name: (world size, extra flags)
     "tp2_sp": (2, ["--tp", "2", "--sequence-parallel", "--micro-batch-size", "2"]),
     "dp2": (2, ["--micro-batch-size", "2"]),
     "dp2_distopt": (2, ["--micro-batch-size", "1", "--use-distributed-optimizer", "--ddp-bucket-size", "5000"]),
+    "dp2_grad_accum_fusion": (2, ["--micro-batch-size", "1", "--ddp-bucket-size", "5000", "--gradient-accumulation-fusion"]),
     "fsdp_dp2": (2, ["--micro-batch-size", "2", "--fsdp"]),
     "tp2_dp2_distopt_sp": (4, ["--tp", "2", "--sequence-parallel", "--micro-batch-size", "2", "--use-distributed-optimizer"]),
+    "tp2_dp2_distopt_sp_grad_accum_fusion": (4, ["--tp", "2", "--sequence-parallel", "--micro-batch-size", "2",
+                                                 "--use-distributed-optimizer", "--gradient-accumulation-fusion"]),
     "cp2_dp2": (4, ["--cp", "2", "--micro-batch-size", "2"]),
     "cp2_allgather_tp2": (4, ["--cp", "2", "--cp-comm-type", "all_gather", "--tp", "2", "--micro-batch-size", "4"]),
     # one kv head for two tp ranks: each holds a copy, and the grad norm must count it once

@@ -1,0 +1,100 @@
+"""Gradient-accumulation fusion (Megatron's ``--gradient-accumulation-fusion``): a linear layer's
+weight gradient is computed straight into the fp32 ``param.main_grad`` of the gradient buffer.
+
+Why: without it autograd materializes a bf16 weight gradient, and the buffer's hook reads it back
+and adds it into ``main_grad`` (``meshtron.parallel.data_parallel.GradBuffer``). Here the wgrad
+GEMM accumulates in fp32 into the buffer itself (beta = 1), so neither the bf16 tensor nor the
+separate add exists, and the sum is not rounded to bf16 first.
+
+On a GPU that is one cuBLAS call, ``addmm`` with ``out_dtype=float32`` and ``out=main_grad``,
+where this torch build takes an fp32 accumulator with bf16/fp16 operands (probed once); where it
+does not, the bf16 product is added as the hook would. On the CPU (no such overload) the operands
+are upcast and ``addmm_`` accumulates in fp32, so the flag is testable there.
+
+The fused function hands no weight gradient back to autograd; its backward tells the buffer the
+gradient is in (``GradBuffer.fused_grad_ready``), which launches the bucket's collective exactly
+as the hook would have. Layers whose weight has no ``main_grad`` (FSDP, evaluation, a model with no
+optimizer) or which run in FP8 use the ordinary path.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshtron.kernels import fp8
+
+
+@functools.cache
+def _fp32_addmm_in_place(device_index: int) -> bool:
+    """Whether this build's CUDA ``addmm`` accumulates bf16 operands into an fp32 ``out`` given as
+    its own input (older releases insist the input share the operands' dtype)."""
+    acc = torch.ones(2, 2, device=torch.device("cuda", device_index))
+    ones = torch.ones(2, 3, device=acc.device, dtype=torch.bfloat16)
+    try:
+        torch.addmm(acc, ones, ones.t(), out_dtype=torch.float32, out=acc)
+    except RuntimeError:
+        return False
+    return bool((acc == 4.0).all())
+
+
+def accumulate_wgrad(main_grad: torch.Tensor, grad_2d: torch.Tensor, x_2d: torch.Tensor) -> None:
+    """``main_grad += grad_2d^T @ x_2d`` ([out, tokens] @ [tokens, in]), accumulating in ``main_grad``'s dtype."""
+    if grad_2d.dtype == main_grad.dtype:
+        main_grad.addmm_(grad_2d.t(), x_2d)
+    elif main_grad.is_cuda and _fp32_addmm_in_place(main_grad.device.index):
+        torch.addmm(main_grad, grad_2d.t(), x_2d, out_dtype=main_grad.dtype, out=main_grad)
+    elif main_grad.is_cuda:
+        main_grad.add_(grad_2d.t() @ x_2d)
+    else:
+        main_grad.addmm_(grad_2d.t().to(main_grad.dtype), x_2d.to(main_grad.dtype))
+
+
+class _LinearIntoMainGrad(torch.autograd.Function):
+    """y = x W^T + b whose backward accumulates W's gradient into ``W.main_grad``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_2d = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+        accumulate_wgrad(weight.main_grad, grad_2d, x.reshape(-1, x.shape[-1]))
+        weight.grad_buffer.fused_grad_ready(weight)
+        grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, None, grad_bias
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8_format: str = "", fuse: bool = False) -> torch.Tensor:
+    """``fp8.linear`` (``F.linear`` unless ``fp8_format``), with the weight gradient fused into
+    ``weight.main_grad`` when ``fuse`` is set and the weight has one and will get a gradient."""
+    if fuse and not fp8_format and hasattr(weight, "main_grad") and weight.requires_grad and torch.is_grad_enabled():
+        return _LinearIntoMainGrad.apply(x, weight, bias)
+    return fp8.linear(x, weight, bias, fp8_format)
+
+
+class FusedWgradLinear(nn.Linear):
+    """An ``nn.Linear`` whose weight gradient goes straight into ``main_grad``; made in place by
+    ``apply_gradient_accumulation_fusion`` (parameters, names and state dict unchanged)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, fuse=True)
+
+
+def apply_gradient_accumulation_fusion(blocks: nn.Module) -> None:
+    """Fuse the weight gradients of the linears under ``blocks`` (the transformer blocks; not the
+    output head, whose tied weight also gets the embedding's gradient): plain ``nn.Linear`` become
+    ``FusedWgradLinear``, the tensor-parallel linears get ``grad_accum_fusion = True``."""
+    for module in blocks.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = FusedWgradLinear
+        elif hasattr(module, "grad_accum_fusion"):
+            module.grad_accum_fusion = True
