@@ -25,9 +25,9 @@ from meshtron.data.tokenizers import build_tokenizer
 from meshtron.models import padded_vocab_size
 from meshtron.models.decoder import parameter_count
 from meshtron.optim.lr_schedule import LRSchedule
-from meshtron.parallel.apply import finalize_tensor_parallel_grads
+from meshtron.parallel.apply import check_model_fits, finalize_tensor_parallel_grads
 from meshtron.parallel.context_parallel import shard_batch_for_cp
-from meshtron.parallel.mesh import init_distributed
+from meshtron.parallel.mesh import Mesh, init_distributed
 from meshtron.parallel.pipeline import allreduce_tied_embedding_grads, forward_backward, pipeline_loss
 from meshtron.parallel.pipeline_schedules import bubble_fraction
 from meshtron.parallel.setup import build_parallel_model_and_optimizer, pipeline_schedule_kind
@@ -83,6 +83,9 @@ class Trainer:
 
     def __init__(self, cfg: Config, log: Callable[[str], None] = print):
         validate(cfg)
+        # The model's shapes against the layout, before any process group or GPU is touched.
+        layout = Mesh.from_config(cfg.parallel)
+        check_model_fits(cfg.model, layout, seq_length=cfg.data.seq_length, sequence_parallel=cfg.parallel.sequence_parallel and layout.tp > 1)
         self.cfg, self.log = cfg, log
         t = cfg.train
         self.device = resolve_device(t.device)

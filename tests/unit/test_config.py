@@ -82,3 +82,15 @@ def test_preset_fills_defaults_and_explicit_flags_win():
     assert cfg.model.hidden_size == 4096 and cfg.model.num_query_groups == 8 and cfg.model.num_layers == 2
     with pytest.raises(ConfigError, match="llama3-8b"):
         build_config(None, ["--preset", "llama3-8"])
+
+
+def test_layout_errors_come_before_any_process_group(monkeypatch):
+    """tp must divide the heads: refused from the environment's world size alone (no MASTER_ADDR set)."""
+    from meshtron.training.trainer import Trainer
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    cfg = build_config(None, ["--mock-data", "--tp", "2", "--num-attention-heads", "3", "--hidden-size", "96", "--global-batch-size", "16"])
+    with pytest.raises(ConfigError, match="--num-attention-heads 3 is not divisible by --tensor-model-parallel-size 2"):
+        Trainer(cfg, log=lambda _: None)
