@@ -1,4 +1,4 @@
-"""The one entry point: ``meshtron train | preprocess | generate | estimate``."""
+"""The one entry point: ``meshtron train | preprocess | generate | convert | estimate``."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ commands:
                (no arguments: a small GPT on the embedded corpus, then a sample)
   preprocess   jsonl -> Megatron-compatible .bin/.idx (preprocess_data.py's flags)
   generate     sample from a checkpoint: meshtron generate --load DIR --prompt TEXT
+  convert      Hugging Face weights: meshtron convert hf-import --hf-dir DIR --save OUT [--dtype bf16|fp32]
+               or meshtron convert hf-export --load CKPT --hf-dir OUT [--dtype bf16|fp32]
   estimate     per-GPU memory of a config and layout: meshtron estimate [--config FILE] [--world-size N]
                [--print-mesh] [--flag value ...]
 """
@@ -84,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if command == "generate":
             return generate_main(rest)
+        if command == "convert":
+            from meshtron.checkpoint.hf import main as convert_main
+
+            return convert_main(rest)
         if command == "estimate":
             from meshtron.estimate import main as estimate_main
 

@@ -1,0 +1,405 @@
+"""Hugging Face weight exchange: ``meshtron convert hf-import | hf-export``.
+
+Reads and writes the files ``save_pretrained`` produces (``config.json``, ``model.safetensors``
+or shards listed in ``model.safetensors.index.json``, ``tokenizer.json``) with the ``safetensors``
+library alone, so neither direction needs ``transformers`` installed. Llama-style models
+(RMSNorm, SwiGLU, RoPE incl. Llama 3.1 scaling, GQA) go both ways; GPT-2 goes both ways too.
+
+What changes between the two layouts:
+
+* Llama's separate ``q_proj``/``k_proj``/``v_proj`` become the fused ``linear_qkv`` in meshtron's
+  per-group order (each kv group's query heads, then its key head, then its value head, see
+  ``layers/attention.py``); GPT-2's ``c_attn`` holds [all q | all k | all v] and is regrouped the
+  same way. Both use the rotate-half RoPE convention, so no row permutation is needed.
+* ``gate_proj``/``up_proj`` become the fused ``linear_fc1`` = [gate | up].
+* GPT-2's ``Conv1D`` stores weights as [in, out]; they are transposed to ``nn.Linear``'s [out, in].
+
+Vocabulary: the import keeps the model's exact vocabulary (``make_vocab_size_divisible_by = 1``)
+instead of padding it with zero rows. A zero row gives a logit of 0, which a sampler can pick and
+a tokenizer cannot decode; exact rows keep logits identical to the source model. The price: a
+tensor-parallel size must divide the vocabulary (true for Llama's 32000 and 128256 at any power
+of two up to 128; not for GPT-2's 50257, which trains at tp 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from meshtron.checkpoint.checkpoint import CheckpointError, load_checkpoint, read_meta, save_checkpoint
+from meshtron.config import Config, ModelConfig
+from meshtron.layers.attention import head_dim, num_kv_heads
+from meshtron.layers.mlp import ffn_hidden_size
+from meshtron.models import build_model
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+TOKENIZER = "tokenizer.json"
+# Written beside an imported checkpoint: ``meshtron train --config`` it to fine-tune that model.
+TRAIN_CONFIG = "model_config.yaml"
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# Non-parameter buffers some checkpoints carry (recomputed by every implementation).
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
+
+
+# -- configs --------------------------------------------------------------------------------------
+
+
+def read_hf_config(hf_dir: str | Path) -> dict[str, Any]:
+    path = Path(hf_dir) / CONFIG
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing: --hf-dir must be a Hugging Face model folder (save_pretrained's output)")
+    try:
+        return json.loads(path.read_text())
+    except ValueError as exc:
+        raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
+
+
+def model_config_from_hf(hf: dict[str, Any], source: str = CONFIG) -> ModelConfig:
+    """The meshtron shape of a Hugging Face config; unsupported features raise, naming ``source``."""
+    kind = hf.get("model_type", "")
+    if kind == "llama":
+        return _llama_model_config(hf, source)
+    if kind == "gpt2":
+        return _gpt2_model_config(hf, source)
+    raise CheckpointError(f"{source}: model_type '{kind}' is not supported; hf-import reads 'llama' and 'gpt2'")
+
+
+def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """(rope theta, scaling dict) from transformers 5's ``rope_parameters`` or 4's ``rope_theta``/``rope_scaling``."""
+    params = hf.get("rope_parameters") or {}
+    scaling = params if params else (hf.get("rope_scaling") or {})
+    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0))), scaling
+
+
+def _llama_model_config(hf: dict[str, Any], source: str) -> ModelConfig:
+    for key, unsupported in (("hidden_act", lambda v: v != "silu"), ("attention_bias", bool), ("mlp_bias", bool)):
+        if key in hf and unsupported(hf[key]):
+            raise CheckpointError(f"{source}: {key}={hf[key]!r} is not supported (meshtron's Llama: silu, no biases)")
+    theta, scaling = _rope(hf)
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise CheckpointError(f"{source}: rope scaling '{rope_type}' is not supported (only llama3 or none)")
+    heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
+    cfg = ModelConfig(
+        num_layers=hf["num_hidden_layers"], hidden_size=hidden, ffn_hidden_size=hf["intermediate_size"],
+        num_attention_heads=heads, num_query_groups=hf.get("num_key_value_heads") or heads,
+        kv_channels=hf.get("head_dim") or hidden // heads, vocab_size=hf["vocab_size"], make_vocab_size_divisible_by=1,
+        max_position_embeddings=hf.get("max_position_embeddings", 2048), normalization="RMSNorm",
+        norm_epsilon=hf.get("rms_norm_eps", 1e-6), activation="swiglu", position_embedding_type="rope",
+        rotary_base=theta, add_bias_linear=False, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )  # fmt: skip
+    if rope_type == "llama3":
+        cfg.rope_scaling = "llama3"
+        cfg.rope_scaling_factor = float(scaling["factor"])
+        cfg.rope_low_freq_factor = float(scaling["low_freq_factor"])
+        cfg.rope_high_freq_factor = float(scaling["high_freq_factor"])
+        cfg.rope_original_max_position_embeddings = int(scaling["original_max_position_embeddings"])
+    return cfg
+
+
+def _gpt2_model_config(hf: dict[str, Any], source: str) -> ModelConfig:
+    if hf.get("scale_attn_by_inverse_layer_idx") or not hf.get("scale_attn_weights", True):
+        raise CheckpointError(f"{source}: GPT-2 attention scaling variants are not supported")
+    if hf.get("activation_function", "gelu_new") not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
+        raise CheckpointError(f"{source}: activation_function '{hf['activation_function']}' is not supported")
+    if hf.get("activation_function", "gelu_new") != "gelu":
+        # meshtron's GELU is the exact (erf) one; GPT-2's gelu_new is the tanh approximation. They
+        # differ by < 1e-3 per activation: close enough to fine-tune, not bit-equal logits.
+        warnings.warn(f"{source}: {hf.get('activation_function', 'gelu_new')} runs as meshtron's exact GELU; logits differ slightly from HF's")
+    hidden = hf["n_embd"]
+    return ModelConfig(
+        num_layers=hf["n_layer"], hidden_size=hidden, ffn_hidden_size=hf.get("n_inner") or 4 * hidden,
+        num_attention_heads=hf["n_head"], vocab_size=hf["vocab_size"], make_vocab_size_divisible_by=1,
+        max_position_embeddings=hf["n_positions"], normalization="LayerNorm",
+        norm_epsilon=hf.get("layer_norm_epsilon", 1e-5), activation="gelu", position_embedding_type="learned_absolute",
+        add_bias_linear=True, tie_embeddings=True,
+    )  # fmt: skip
+
+
+def _is_llama(m: ModelConfig) -> bool:
+    return (m.normalization, m.activation, m.position_embedding_type, m.add_bias_linear) == ("RMSNorm", "swiglu", "rope", False)
+
+
+def _is_gpt2(m: ModelConfig) -> bool:
+    shape = (m.normalization, m.activation, m.position_embedding_type, m.add_bias_linear, m.tie_embeddings)
+    return shape == ("LayerNorm", "gelu", "learned_absolute", True, True) and num_kv_heads(m) == m.num_attention_heads
+
+
+def hf_config_from_model(m: ModelConfig, vocab_size: int, max_positions: int, dtype: torch.dtype) -> dict[str, Any]:
+    """config.json for ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` (both transformers 4 and 5 read it)."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    if _is_gpt2(m):
+        return {
+            "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": m.hidden_size, "n_layer": m.num_layers,
+            "n_head": m.num_attention_heads, "n_inner": ffn_hidden_size(m), "n_positions": max_positions,
+            "layer_norm_epsilon": m.norm_epsilon, "vocab_size": vocab_size, "activation_function": "gelu",
+            "tie_word_embeddings": True, "torch_dtype": dtype_name,
+        }  # fmt: skip
+    if not _is_llama(m):
+        raise CheckpointError("hf-export writes Llama-style (RMSNorm, SwiGLU, RoPE, no biases) or GPT-2 models only")
+    rope: dict[str, Any] = {"rope_type": "default"}
+    if m.rope_scaling == "llama3":
+        rope = {
+            "rope_type": "llama3", "factor": m.rope_scaling_factor, "low_freq_factor": m.rope_low_freq_factor,
+            "high_freq_factor": m.rope_high_freq_factor, "original_max_position_embeddings": m.rope_original_max_position_embeddings,
+        }  # fmt: skip
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": m.hidden_size,
+        "intermediate_size": ffn_hidden_size(m), "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_attention_heads, "num_key_value_heads": num_kv_heads(m), "head_dim": head_dim(m),
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "rms_norm_eps": m.norm_epsilon,
+        "max_position_embeddings": max_positions, "vocab_size": vocab_size, "tie_word_embeddings": m.tie_embeddings,
+        "rope_theta": m.rotary_base, "rope_scaling": rope if m.rope_scaling else None,
+        "rope_parameters": {**rope, "rope_theta": m.rotary_base}, "torch_dtype": dtype_name,
+    }  # fmt: skip
+
+
+# -- tensors --------------------------------------------------------------------------------------
+
+
+class HFTensors:
+    """The tensors of a Hugging Face folder, handed out once each with their shape checked, so that
+    an error names the file and a tensor nobody took (another architecture) is noticed."""
+
+    def __init__(self, hf_dir: str | Path):
+        from safetensors.torch import load_file
+
+        root = Path(hf_dir)
+        index = root / INDEX
+        if index.is_file():
+            try:
+                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (ValueError, KeyError) as exc:
+                raise CheckpointError(f"{index} is not a safetensors index (no weight_map): {exc}") from None
+        elif (root / WEIGHTS).is_file():
+            files = [WEIGHTS]
+        else:
+            raise CheckpointError(f"{root} has neither {WEIGHTS} nor {INDEX}; hf-import reads safetensors weights only")
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.origin: dict[str, Path] = {}
+        for name in files:
+            path = root / name
+            if not path.is_file():
+                raise CheckpointError(f"weights file {path} is missing (listed in {index})")
+            for key, tensor in load_file(str(path)).items():
+                key = key.removeprefix("transformer.")  # GPT2LMHeadModel's prefix; GPT2Model has none
+                self.tensors[key], self.origin[key] = tensor, path
+        self.root = root
+
+    def take(self, name: str, shape: list[int]) -> torch.Tensor:
+        if name not in self.tensors:
+            raise CheckpointError(f"tensor {name} is missing from the weights in {self.root} ({CONFIG} implies it)")
+        tensor = self.tensors.pop(name)
+        if list(tensor.shape) != shape:
+            raise CheckpointError(f"{self.origin[name]}: {name} has shape {list(tensor.shape)}, {CONFIG} implies {shape}")
+        return tensor
+
+    def check_all_taken(self) -> None:
+        left = [k for k in self.tensors if not k.endswith(_IGNORED_SUFFIXES)]
+        if left:
+            raise CheckpointError(f"{self.origin[left[0]]}: {len(left)} tensors fit no meshtron parameter, e.g. {left[:3]}")
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """Separate q [heads*d, ...], k, v [groups*d, ...] -> meshtron's per-group [q heads | k | v] rows."""
+    d = k.shape[0] // groups
+    parts = [q.reshape(groups, -1, d, *q.shape[1:]), k.reshape(groups, 1, d, *k.shape[1:]), v.reshape(groups, 1, d, *v.shape[1:])]
+    return torch.cat(parts, dim=1).reshape(-1, *q.shape[1:])
+
+
+def split_qkv(qkv: torch.Tensor, heads: int, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of ``fuse_qkv``."""
+    per_group = heads // groups + 2
+    grouped = qkv.reshape(groups, per_group, -1, *qkv.shape[1:])
+    q, k, v = grouped[:, :-2], grouped[:, -2], grouped[:, -1]
+    q, k, v = (t.reshape(-1, *qkv.shape[1:]).contiguous() for t in (q, k, v))
+    return q, k, v
+
+
+def _llama_import(t: HFTensors, m: ModelConfig, vocab: int) -> dict[str, torch.Tensor]:
+    h, d, heads, groups, ffn = m.hidden_size, head_dim(m), m.num_attention_heads, num_kv_heads(m), ffn_hidden_size(m)
+    state = {"embedding.weight": t.take("model.embed_tokens.weight", [vocab, h]), "final_norm.weight": t.take("model.norm.weight", [h])}
+    if m.tie_embeddings:
+        t.tensors.pop("lm_head.weight", None)  # the embedding itself, where a tied model saved it anyway
+    else:
+        state["output.weight"] = t.take("lm_head.weight", [vocab, h])
+    for i in range(m.num_layers):
+        hf, mt = f"model.layers.{i}.", f"layers.{i}."
+        state[mt + "input_layernorm.weight"] = t.take(hf + "input_layernorm.weight", [h])
+        state[mt + "pre_mlp_layernorm.weight"] = t.take(hf + "post_attention_layernorm.weight", [h])
+        q = t.take(hf + "self_attn.q_proj.weight", [heads * d, h])
+        k, v = (t.take(hf + f"self_attn.{x}_proj.weight", [groups * d, h]) for x in "kv")
+        state[mt + "self_attention.linear_qkv.weight"] = fuse_qkv(q, k, v, groups)
+        state[mt + "self_attention.linear_proj.weight"] = t.take(hf + "self_attn.o_proj.weight", [h, heads * d])
+        gate, up = (t.take(hf + f"mlp.{x}_proj.weight", [ffn, h]) for x in ("gate", "up"))
+        state[mt + "mlp.linear_fc1.weight"] = torch.cat([gate, up])
+        state[mt + "mlp.linear_fc2.weight"] = t.take(hf + "mlp.down_proj.weight", [h, ffn])
+    return state
+
+
+def _llama_export(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
+    out = {"model.embed_tokens.weight": state["embedding.weight"], "model.norm.weight": state["final_norm.weight"]}
+    if not m.tie_embeddings:
+        out["lm_head.weight"] = state["output.weight"]
+    for i in range(m.num_layers):
+        hf, mt = f"model.layers.{i}.", f"layers.{i}."
+        out[hf + "input_layernorm.weight"] = state[mt + "input_layernorm.weight"]
+        out[hf + "post_attention_layernorm.weight"] = state[mt + "pre_mlp_layernorm.weight"]
+        q, k, v = split_qkv(state[mt + "self_attention.linear_qkv.weight"], m.num_attention_heads, num_kv_heads(m))
+        out.update({hf + "self_attn.q_proj.weight": q, hf + "self_attn.k_proj.weight": k, hf + "self_attn.v_proj.weight": v})
+        out[hf + "self_attn.o_proj.weight"] = state[mt + "self_attention.linear_proj.weight"]
+        gate, up = state[mt + "mlp.linear_fc1.weight"].chunk(2)
+        out.update({hf + "mlp.gate_proj.weight": gate, hf + "mlp.up_proj.weight": up})
+        out[hf + "mlp.down_proj.weight"] = state[mt + "mlp.linear_fc2.weight"]
+    return out
+
+
+def _gpt2_pairs(m: ModelConfig) -> list[tuple[str, str, bool]]:
+    """(HF name, meshtron name, Conv1D-transposed) for every GPT-2 tensor but ``c_attn``'s."""
+    pairs = [("wte.weight", "embedding.weight", False), ("wpe.weight", "position_embedding.weight", False),
+             ("ln_f.weight", "final_norm.weight", False), ("ln_f.bias", "final_norm.bias", False)]  # fmt: skip
+    for i in range(m.num_layers):
+        for hf, mt, transposed in (
+            ("ln_1", "input_layernorm", False), ("ln_2", "pre_mlp_layernorm", False),
+            ("attn.c_proj", "self_attention.linear_proj", True), ("mlp.c_fc", "mlp.linear_fc1", True),
+            ("mlp.c_proj", "mlp.linear_fc2", True),
+        ):  # fmt: skip
+            pairs += [(f"h.{i}.{hf}.weight", f"layers.{i}.{mt}.weight", transposed), (f"h.{i}.{hf}.bias", f"layers.{i}.{mt}.bias", False)]
+    return pairs
+
+
+def _gpt2_import(t: HFTensors, m: ModelConfig, expected: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """``expected``: the meshtron shapes (a Conv1D weight is stored as their transpose)."""
+    h, heads = m.hidden_size, m.num_attention_heads
+    state = {}
+    for hf, mt, transposed in _gpt2_pairs(m):
+        shape = list(expected[mt])
+        state[mt] = t.take(hf, shape[::-1]).T.contiguous() if transposed else t.take(hf, shape)
+    for i in range(m.num_layers):
+        weight = t.take(f"h.{i}.attn.c_attn.weight", [h, 3 * h]).T
+        bias = t.take(f"h.{i}.attn.c_attn.bias", [3 * h])
+        state[f"layers.{i}.self_attention.linear_qkv.weight"] = fuse_qkv(*weight.chunk(3), heads)
+        state[f"layers.{i}.self_attention.linear_qkv.bias"] = fuse_qkv(*bias.chunk(3), heads)
+    t.tensors.pop("lm_head.weight", None)  # tied: the embedding itself, when saved at all
+    return state
+
+
+def _gpt2_export(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
+    out = {hf: state[mt].T.contiguous() if transposed else state[mt] for hf, mt, transposed in _gpt2_pairs(m)}
+    for i in range(m.num_layers):
+        for kind in ("weight", "bias"):
+            q, k, v = split_qkv(state[f"layers.{i}.self_attention.linear_qkv.{kind}"], m.num_attention_heads, m.num_attention_heads)
+            fused = torch.cat([q, k, v])
+            out[f"h.{i}.attn.c_attn.{kind}"] = fused.T.contiguous() if kind == "weight" else fused
+    return {f"transformer.{k}": v for k, v in out.items()}
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    """Build the model directly in ``dtype``: a bf16 import never holds an fp32 copy of it."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+# -- the two directions ---------------------------------------------------------------------------
+
+
+def import_hf(hf_dir: str | Path, save_dir: str | Path, dtype: str = "bf16") -> Path:
+    """Write the Hugging Face model in ``hf_dir`` as a meshtron checkpoint (iteration 0, no
+    optimizer) in ``save_dir``, with its tokenizer and a ``model_config.yaml`` for fine-tuning.
+
+    The weights go through a real ``Decoder`` (built in ``dtype``, then loaded strictly), so what
+    is saved is exactly what ``meshtron generate`` and ``meshtron train --load`` rebuild.
+    """
+    hf_dir, save_dir = Path(hf_dir), Path(save_dir)
+    hf = read_hf_config(hf_dir)
+    m = model_config_from_hf(hf, str(hf_dir / CONFIG))
+    cfg = Config(model=m)
+    # The training context: Llama 3.1's original window (the scaled one is for inference), else the table size.
+    cfg.data.seq_length = m.rope_original_max_position_embeddings if m.rope_scaling else m.max_position_embeddings
+    tensors = HFTensors(hf_dir)
+    with _default_dtype(DTYPES[dtype]):
+        model = build_model(m, m.vocab_size, cfg.data.seq_length)
+    if hf["model_type"] == "llama":
+        state = _llama_import(tensors, m, m.vocab_size)
+    else:
+        state = _gpt2_import(tensors, m, {k: v.shape for k, v in model.state_dict().items()})
+    tensors.check_all_taken()
+    model.load_state_dict({k: v.to(DTYPES[dtype]) for k, v in state.items()}, strict=True)
+
+    tokenizer = {"tokenizer_type": ""}
+    if (hf_dir / TOKENIZER).is_file():
+        (save_dir / "tokenizer").mkdir(parents=True, exist_ok=True)
+        shutil.copy2(hf_dir / TOKENIZER, save_dir / "tokenizer" / TOKENIZER)
+        tokenizer = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": f"tokenizer/{TOKENIZER}"}
+        cfg.data.tokenizer_type = "HuggingFaceTokenizer"
+        cfg.data.tokenizer_model = str((save_dir / "tokenizer" / TOKENIZER).resolve())
+    meta = {"iteration": 0, "consumed_samples": 0, "config": cfg.to_dict(), "vocab_size": m.vocab_size,
+            "tokenizer": tokenizer, "hf_source": str(hf_dir.resolve())}  # fmt: skip
+    final = save_checkpoint(save_dir, 0, model, None, meta, save_optim=False)
+    fields = {"model": cfg.to_dict()["model"], "data": {k: v for k, v in cfg.to_dict()["data"].items() if k.startswith(("tokenizer", "seq"))}}
+    (save_dir / TRAIN_CONFIG).write_text(yaml.safe_dump(fields, sort_keys=False))
+    return final
+
+
+def export_hf(load_dir: str | Path, hf_dir: str | Path, dtype: str = "bf16") -> Path:
+    """Write the newest checkpoint in ``load_dir`` as a Hugging Face model folder ``hf_dir``.
+
+    The vocabulary keeps every row the checkpoint has (a padded one included: HF models may have
+    more rows than their tokenizer, as Llama's do), so the logits are those meshtron computes.
+    """
+    from safetensors.torch import save_file
+
+    load_dir, hf_dir = Path(load_dir), Path(hf_dir)
+    meta = read_meta(load_dir)
+    cfg = Config.from_dict(meta["config"])
+    m = cfg.model
+    model = build_model(m, meta["vocab_size"], cfg.data.seq_length)
+    hf_config = hf_config_from_model(m, meta["vocab_size"], model.max_positions, DTYPES[dtype])
+    load_checkpoint(load_dir, model, iteration=meta["iteration"], load_rng=False)
+    state = {k: v.to(DTYPES[dtype]) for k, v in model.state_dict().items()}
+    export = _gpt2_export if hf_config["model_type"] == "gpt2" else _llama_export
+    tensors = {k: v.contiguous() for k, v in export(state, m).items()}
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(hf_dir / WEIGHTS), metadata={"format": "pt"})
+    (hf_dir / CONFIG).write_text(json.dumps(hf_config, indent=2) + "\n")
+    source = meta.get("tokenizer", {}).get("tokenizer_model", "")
+    if source and Path(source).name == TOKENIZER and (load_dir / source).is_file():
+        shutil.copy2(load_dir / source, hf_dir / TOKENIZER)
+    return hf_dir
+
+
+def main(argv: list[str]) -> int:
+    """``meshtron convert hf-import|hf-export``."""
+    parser = argparse.ArgumentParser(prog="meshtron convert", description="exchange weights with Hugging Face")
+    sub = parser.add_subparsers(dest="direction", required=True)
+    imp = sub.add_parser("hf-import", help="Hugging Face folder -> meshtron checkpoint (iteration 0)")
+    imp.add_argument("--hf-dir", required=True, help="folder with config.json and *.safetensors (save_pretrained's output)")
+    imp.add_argument("--save", required=True, help="meshtron checkpoint directory to write")
+    imp.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    exp = sub.add_parser("hf-export", help="meshtron checkpoint -> Hugging Face folder")
+    exp.add_argument("--load", required=True, help="checkpoint directory written by --save")
+    exp.add_argument("--hf-dir", required=True, help="folder to write config.json and model.safetensors into")
+    exp.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    args = parser.parse_args(argv)
+    if args.direction == "hf-import":
+        final = import_hf(args.hf_dir, args.save, args.dtype)
+        print(f"wrote {final}; fine-tune with: meshtron train --config {Path(args.save) / TRAIN_CONFIG} "
+              f"--load {args.save} --no-load-optim --no-load-rng ...")  # fmt: skip
+    else:
+        print(f"wrote {export_hf(args.load, args.hf_dir, args.dtype)}")
+    return 0

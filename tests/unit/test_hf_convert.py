@@ -1,0 +1,163 @@
+"""Hugging Face import/export (``meshtron/checkpoint/hf.py``) held to transformers' own logits.
+
+Tiny random HF models are built here (no download), imported, and must give the logits HF gives
+on the same tokens in fp32; exported back, transformers must load them and agree again.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from meshtron.checkpoint.checkpoint import CheckpointError, load_checkpoint, read_meta  # noqa: E402
+from meshtron.checkpoint.hf import export_hf, fuse_qkv, import_hf, split_qkv  # noqa: E402
+from meshtron.cli import main as cli_main  # noqa: E402
+from meshtron.config import Config  # noqa: E402
+from meshtron.data.tokenizers import train_bpe_tokenizer  # noqa: E402
+from meshtron.models import build_model  # noqa: E402
+
+LLAMA = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=128, vocab_size=256, rope_theta=10000.0, max_position_embeddings=128)  # fmt: skip
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 32}  # fmt: skip
+
+
+def _random_init(model: torch.nn.Module, seed: int = 0) -> None:
+    """HF inits norms to ones; random values everywhere make a swapped or misplaced tensor show."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + (1.0 if p.dim() == 1 else 0.0))
+
+
+def _save_llama(tmp_path, **overrides):
+    cfg = transformers.LlamaConfig(**{**LLAMA, **overrides})
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    _random_init(model)
+    hf_dir = tmp_path / "hf"
+    model.save_pretrained(hf_dir)
+    return model, hf_dir
+
+
+def _meshtron_logits(save_dir, tokens):
+    meta = read_meta(save_dir)
+    cfg = Config.from_dict(meta["config"])
+    model = build_model(cfg.model, meta["vocab_size"], cfg.data.seq_length).eval()
+    load_checkpoint(save_dir, model, load_rng=False)
+    with torch.no_grad():
+        return model(tokens)
+
+
+def _hf_logits(model, tokens):
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def test_fuse_split_qkv_roundtrip_and_layout():
+    q, k, v = torch.arange(8 * 3).view(8, 3), 100 + torch.arange(4 * 3).view(4, 3), 200 + torch.arange(4 * 3).view(4, 3)
+    fused = fuse_qkv(q, k, v, groups=2)  # head dim 2: group 0 = q heads 0,1 | k head 0 | v head 0
+    assert torch.equal(fused[:4], q[:4]) and torch.equal(fused[4:6], k[:2]) and torch.equal(fused[6:8], v[:2])
+    assert all(torch.equal(a, b) for a, b in zip(split_qkv(fused, heads=4, groups=2), (q, k, v)))
+
+
+@pytest.mark.parametrize("overrides", [{}, {"rope_scaling": LLAMA3_SCALING, "tie_word_embeddings": True}], ids=["plain", "llama3-tied"])
+def test_llama_import_export_match_transformers(tmp_path, overrides):
+    hf_model, hf_dir = _save_llama(tmp_path, **overrides)
+    tokens = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))  # past the original 32 positions
+    expected = _hf_logits(hf_model, tokens)
+
+    import_hf(hf_dir, tmp_path / "ckpt", dtype="fp32")
+    meta = read_meta(tmp_path / "ckpt")
+    assert meta["iteration"] == 0 and meta["consumed_samples"] == 0 and meta["vocab_size"] == 256
+    torch.testing.assert_close(_meshtron_logits(tmp_path / "ckpt", tokens), expected, atol=1e-5, rtol=1e-5)
+
+    export_hf(tmp_path / "ckpt", tmp_path / "exported", dtype="fp32")
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "exported").eval()
+    assert reloaded.config.tie_word_embeddings == bool(overrides.get("tie_word_embeddings", False))
+    torch.testing.assert_close(_hf_logits(reloaded, tokens), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_gpt2_import_export_match_transformers(tmp_path):
+    cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64, activation_function="gelu")
+    hf_model = transformers.GPT2LMHeadModel(cfg).eval()
+    _random_init(hf_model)
+    hf_model.save_pretrained(tmp_path / "hf")
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(2))
+    expected = _hf_logits(hf_model, tokens)
+
+    import_hf(tmp_path / "hf", tmp_path / "ckpt", dtype="fp32")
+    torch.testing.assert_close(_meshtron_logits(tmp_path / "ckpt", tokens), expected, atol=1e-5, rtol=1e-5)
+
+    export_hf(tmp_path / "ckpt", tmp_path / "exported", dtype="fp32")
+    reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "exported").eval()
+    torch.testing.assert_close(_hf_logits(reloaded, tokens), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_sharded_weights_import(tmp_path):
+    hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).eval()
+    _random_init(hf_model)
+    hf_model.save_pretrained(tmp_path / "hf", max_shard_size="100KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    tokens = torch.randint(0, 256, (1, 16))
+    import_hf(tmp_path / "hf", tmp_path / "ckpt", dtype="fp32")
+    torch.testing.assert_close(_meshtron_logits(tmp_path / "ckpt", tokens), _hf_logits(hf_model, tokens), atol=1e-5, rtol=1e-5)
+
+
+def test_errors_name_the_file(tmp_path):
+    with pytest.raises(CheckpointError, match="config.json is missing"):
+        import_hf(tmp_path, tmp_path / "ckpt")
+    _, hf_dir = _save_llama(tmp_path)
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: model\.layers\.0\.mlp\.gate_proj\.weight has shape \[128, 64\]"):
+        import_hf(hf_dir, tmp_path / "ckpt")
+    (hf_dir / "config.json").write_text(json.dumps({**config, "model_type": "mixtral"}))
+    with pytest.raises(CheckpointError, match="model_type 'mixtral' is not supported"):
+        import_hf(hf_dir, tmp_path / "ckpt")
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    (hf_dir / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="neither model.safetensors nor model.safetensors.index.json"):
+        import_hf(hf_dir, tmp_path / "ckpt")
+
+
+def test_cli_import_then_generate_and_finetune_config(tmp_path, capsys):
+    _, hf_dir = _save_llama(tmp_path, vocab_size=300)
+    train_bpe_tokenizer(["hello world, the quick brown fox jumps over the lazy dog"] * 20, 300, str(hf_dir / "tokenizer.json"))
+    save = tmp_path / "ckpt"
+    assert cli_main(["convert", "hf-import", "--hf-dir", str(hf_dir), "--save", str(save)]) == 0
+    assert (save / "tokenizer" / "tokenizer.json").is_file() and (save / "model_config.yaml").is_file()
+    capsys.readouterr()
+    assert cli_main(["generate", "--load", str(save), "--prompt", "hello", "--max-new-tokens", "5", "--greedy"]) == 0
+    assert capsys.readouterr().out.startswith("hello")
+    from meshtron.config import build_config
+
+    cfg = build_config(str(save / "model_config.yaml"), ["--load", str(save), "--no-load-optim", "--no-load-rng"])
+    assert cfg.model.vocab_size == 300 and cfg.model.make_vocab_size_divisible_by == 1 and cfg.data.tokenizer_type == "HuggingFaceTokenizer"
+    assert cli_main(["convert", "hf-export", "--load", str(save), "--hf-dir", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "tokenizer.json").is_file()
+    assert cli_main(["convert", "hf-import", "--hf-dir", str(tmp_path / "nothing"), "--save", str(save)]) == 2
+
+
+def test_imported_checkpoint_fine_tunes(tmp_path, capsys):
+    _, hf_dir = _save_llama(tmp_path)
+    import_hf(hf_dir, tmp_path / "ckpt", dtype="fp32")
+    args = ["train", "--config", str(tmp_path / "ckpt" / "model_config.yaml"), "--load", str(tmp_path / "ckpt"),
+            "--no-load-optim", "--no-load-rng", "--mock-data", "--seq-length", "32", "--train-iters", "2",
+            "--micro-batch-size", "2", "--global-batch-size", "2", "--lr-warmup-iters", "0", "--eval-iters", "0",
+            "--save", str(tmp_path / "tuned")]  # fmt: skip
+    assert cli_main(args) == 0
+    assert "resumed from" in capsys.readouterr().out
+    assert read_meta(tmp_path / "tuned")["iteration"] == 2
+
+
+def test_gpt2_tanh_gelu_imports_with_a_warning(tmp_path):
+    hf_model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64)).eval()
+    hf_model.save_pretrained(tmp_path / "hf")
+    with pytest.warns(UserWarning, match="gelu_new runs as meshtron's exact GELU"):
+        import_hf(tmp_path / "hf", tmp_path / "ckpt", dtype="fp32")
+    tokens = torch.randint(0, 256, (1, 16))
+    torch.testing.assert_close(_meshtron_logits(tmp_path / "ckpt", tokens), _hf_logits(hf_model, tokens), atol=1e-2, rtol=1e-2)
