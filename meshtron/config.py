@@ -40,7 +40,7 @@ class ModelConfig:
     max_position_embeddings: int = 0  # 0: seq_length
     normalization: str = "LayerNorm"  # LayerNorm | RMSNorm
     norm_epsilon: float = 1e-5
-    activation: str = "gelu"  # gelu | swiglu
+    activation: str = "gelu"  # gelu | gelu_tanh | swiglu
     position_embedding_type: str = "learned_absolute"  # learned_absolute | rope
     rotary_base: float = 10000.0
     rope_scaling: str = ""  # "" | llama3
@@ -381,7 +381,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         f"--num-query-groups {groups} must divide --num-attention-heads {m.num_attention_heads}",
     )
     need(m.normalization in ("LayerNorm", "RMSNorm"), f"--normalization must be LayerNorm or RMSNorm, got '{m.normalization}'")
-    need(m.activation in ("gelu", "swiglu"), f"model.activation must be gelu or swiglu, got '{m.activation}'")
+    need(m.activation in ("gelu", "gelu_tanh", "swiglu"), f"model.activation must be gelu, gelu_tanh or swiglu, got '{m.activation}'")
     need(
         m.position_embedding_type in ("learned_absolute", "rope"),
         f"--position-embedding-type must be learned_absolute or rope, got '{m.position_embedding_type}'",

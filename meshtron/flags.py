@@ -25,6 +25,7 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "norm-epsilon": "model.norm_epsilon",
     "layernorm-epsilon": "model.norm_epsilon",
     "swiglu": ("model.activation", "swiglu"),
+    "openai-gelu": ("model.activation", "gelu_tanh"),
     "position-embedding-type": "model.position_embedding_type",
     "rotary-base": "model.rotary_base",
     "use-rope-scaling": ("model.rope_scaling", "llama3"),

@@ -27,7 +27,6 @@ import argparse
 import contextlib
 import json
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -110,18 +109,16 @@ def _llama_model_config(hf: dict[str, Any], source: str) -> ModelConfig:
 def _gpt2_model_config(hf: dict[str, Any], source: str) -> ModelConfig:
     if hf.get("scale_attn_by_inverse_layer_idx") or not hf.get("scale_attn_weights", True):
         raise CheckpointError(f"{source}: GPT-2 attention scaling variants are not supported")
-    if hf.get("activation_function", "gelu_new") not in ("gelu", "gelu_new", "gelu_pytorch_tanh"):
+    activations = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+    activation = activations.get(hf.get("activation_function", "gelu_new"))
+    if activation is None:
         raise CheckpointError(f"{source}: activation_function '{hf['activation_function']}' is not supported")
-    if hf.get("activation_function", "gelu_new") != "gelu":
-        # meshtron's GELU is the exact (erf) one; GPT-2's gelu_new is the tanh approximation. They
-        # differ by < 1e-3 per activation: close enough to fine-tune, not bit-equal logits.
-        warnings.warn(f"{source}: {hf.get('activation_function', 'gelu_new')} runs as meshtron's exact GELU; logits differ slightly from HF's")
     hidden = hf["n_embd"]
     return ModelConfig(
         num_layers=hf["n_layer"], hidden_size=hidden, ffn_hidden_size=hf.get("n_inner") or 4 * hidden,
         num_attention_heads=hf["n_head"], vocab_size=hf["vocab_size"], make_vocab_size_divisible_by=1,
         max_position_embeddings=hf["n_positions"], normalization="LayerNorm",
-        norm_epsilon=hf.get("layer_norm_epsilon", 1e-5), activation="gelu", position_embedding_type="learned_absolute",
+        norm_epsilon=hf.get("layer_norm_epsilon", 1e-5), activation=activation, position_embedding_type="learned_absolute",
         add_bias_linear=True, tie_embeddings=True,
     )  # fmt: skip
 
@@ -132,7 +129,7 @@ def _is_llama(m: ModelConfig) -> bool:
 
 def _is_gpt2(m: ModelConfig) -> bool:
     shape = (m.normalization, m.activation, m.position_embedding_type, m.add_bias_linear, m.tie_embeddings)
-    return shape == ("LayerNorm", "gelu", "learned_absolute", True, True) and num_kv_heads(m) == m.num_attention_heads
+    return shape[0] == "LayerNorm" and shape[1] in ("gelu", "gelu_tanh") and shape[2:] == ("learned_absolute", True, True) and num_kv_heads(m) == m.num_attention_heads
 
 
 def hf_config_from_model(m: ModelConfig, vocab_size: int, max_positions: int, dtype: torch.dtype) -> dict[str, Any]:
@@ -142,7 +139,8 @@ def hf_config_from_model(m: ModelConfig, vocab_size: int, max_positions: int, dt
         return {
             "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": m.hidden_size, "n_layer": m.num_layers,
             "n_head": m.num_attention_heads, "n_inner": ffn_hidden_size(m), "n_positions": max_positions,
-            "layer_norm_epsilon": m.norm_epsilon, "vocab_size": vocab_size, "activation_function": "gelu",
+            "layer_norm_epsilon": m.norm_epsilon, "vocab_size": vocab_size,
+            "activation_function": "gelu_new" if m.activation == "gelu_tanh" else "gelu",
             "tie_word_embeddings": True, "torch_dtype": dtype_name,
         }  # fmt: skip
     if not _is_llama(m):

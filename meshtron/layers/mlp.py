@@ -29,7 +29,7 @@ def ffn_hidden_size(cfg: ModelConfig) -> int:
 
 
 class MLP(nn.Module):
-    """gelu: fc2(gelu(fc1(x))); swiglu: fc2(silu(gate) * up) with [gate; up] = fc1(x).
+    """gelu / gelu_tanh: fc2(gelu(fc1(x))); swiglu: fc2(silu(gate) * up) with [gate; up] = fc1(x).
 
     SwiGLU's gate and up projections are one fused ``linear_fc1`` (output 2*ffn, gate first) so
     a single GEMM reads the input once, as in Megatron-Core.
@@ -39,6 +39,7 @@ class MLP(nn.Module):
         super().__init__()
         ffn = ffn_hidden_size(cfg)
         self.swiglu = cfg.activation == "swiglu"
+        self.gelu_approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"  # GPT-2's (Megatron's --openai-gelu)
         self.fused_kernels = cfg.fused_kernels
         fc1_out = 2 * ffn if self.swiglu else ffn
         self.linear_fc1 = nn.Linear(cfg.hidden_size, fc1_out, bias=cfg.add_bias_linear)
@@ -49,5 +50,5 @@ class MLP(nn.Module):
         if self.swiglu:
             h = swiglu(h, self.fused_kernels)
         else:
-            h = F.gelu(h)
+            h = F.gelu(h, approximate=self.gelu_approximate)
         return self.linear_fc2(h)

@@ -154,10 +154,12 @@ def test_imported_checkpoint_fine_tunes(tmp_path, capsys):
     assert read_meta(tmp_path / "tuned")["iteration"] == 2
 
 
-def test_gpt2_tanh_gelu_imports_with_a_warning(tmp_path):
+def test_gpt2_tanh_gelu_imports_exactly(tmp_path):
+    """GPT-2's default activation (gelu_new, the tanh approximation) maps to meshtron's gelu_tanh."""
     hf_model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64)).eval()
     hf_model.save_pretrained(tmp_path / "hf")
-    with pytest.warns(UserWarning, match="gelu_new runs as meshtron's exact GELU"):
-        import_hf(tmp_path / "hf", tmp_path / "ckpt", dtype="fp32")
+    import_hf(tmp_path / "hf", tmp_path / "ckpt", dtype="fp32")
     tokens = torch.randint(0, 256, (1, 16))
-    torch.testing.assert_close(_meshtron_logits(tmp_path / "ckpt", tokens), _hf_logits(hf_model, tokens), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(_meshtron_logits(tmp_path / "ckpt", tokens), _hf_logits(hf_model, tokens), atol=1e-5, rtol=1e-5)
+    export_hf(tmp_path / "ckpt", tmp_path / "back")
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["activation_function"] == "gelu_new"
