@@ -128,6 +128,8 @@ class ParallelConfig:
     pipeline_schedule: str = "auto"  # auto (1f1b, interleaved with virtual stages) | 1f1b | afab | interleaved
     first_pipeline_stage_layers: int = 0  # 0: even split; fewer balance the embedding
     last_pipeline_stage_layers: int = 0  # 0: even split; fewer balance the output layer and loss
+    account_for_embedding_in_pipeline_split: bool = False  # the embedding counts as a layer of the first chunk
+    account_for_loss_in_pipeline_split: bool = False  # the output layer + loss counts as a layer of the last chunk
     cp_comm_type: str = "p2p"  # context parallel attention: p2p (ring) | all_gather (of keys and values)
     fsdp: bool = False  # PyTorch FSDP2 (fully_shard) instead of the distributed optimizer; needs tp = 1
     ddp_bucket_size: int = 40_000_000  # gradient elements per data-parallel reduction bucket

@@ -97,6 +97,8 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "num-layers-per-virtual-pipeline-stage": "parallel.num_layers_per_virtual_pipeline_stage",
     "decoder-first-pipeline-num-layers": "parallel.first_pipeline_stage_layers",
     "decoder-last-pipeline-num-layers": "parallel.last_pipeline_stage_layers",
+    "account-for-embedding-in-pipeline-split": ("parallel.account_for_embedding_in_pipeline_split", True),
+    "account-for-loss-in-pipeline-split": ("parallel.account_for_loss_in_pipeline_split", True),
     "ddp-bucket-size": "parallel.ddp_bucket_size",
     "cp-comm-type": "parallel.cp_comm_type",
     "save": "checkpoint.save",

@@ -82,7 +82,8 @@ class PipelineStage(nn.Module):
 
 
 def build_stage_modules(model: Decoder, mesh: Mesh, virtual_size: int = 1, first_stage_layers: int | None = None,
-                        last_stage_layers: int | None = None) -> list[PipelineStage]:  # fmt: skip
+                        last_stage_layers: int | None = None, account_for_embedding: bool = False,
+                        account_for_loss: bool = False) -> list[PipelineStage]:  # fmt: skip
     """This rank's model chunks (chunk ``v`` of rank ``r`` is model chunk ``v * pp + r``), and
     ``model`` cut down in place to their parameters. Apply tensor parallelism first.
 
@@ -92,7 +93,7 @@ def build_stage_modules(model: Decoder, mesh: Mesh, virtual_size: int = 1, first
     (marked ``shared_embedding``); it counts once in a gradient norm (on the first stage).
     """
     pp = mesh.pp_size
-    ranges = split_layers(len(model.layers), pp, virtual_size, first_stage_layers, last_stage_layers)
+    ranges = split_layers(len(model.layers), pp, virtual_size, first_stage_layers, last_stage_layers, account_for_embedding, account_for_loss)
     last_chunk = pp * virtual_size - 1
     seq_divisor = mesh.tp_size if getattr(model.embedding, "sequence_parallel", False) else 1
     chunks = [v * pp + mesh.pp_rank for v in range(virtual_size)]

@@ -42,7 +42,8 @@ class Step(NamedTuple):
 
 
 def split_layers(num_layers: int, pp: int, virtual: int = 1, first_stage_layers: int | None = None,
-                 last_stage_layers: int | None = None) -> list[range]:  # fmt: skip
+                 last_stage_layers: int | None = None, account_for_embedding: bool = False,
+                 account_for_loss: bool = False) -> list[range]:  # fmt: skip
     """Layers of each model chunk, in model order (``pp * virtual`` contiguous ranges).
 
     Even by default. ``first_stage_layers`` / ``last_stage_layers`` give pipeline rank 0 / pp - 1
@@ -50,9 +51,26 @@ def split_layers(num_layers: int, pp: int, virtual: int = 1, first_stage_layers:
     loss (Megatron's ``--decoder-first/last-pipeline-num-layers``); the other ranks share what is
     left evenly. A rank's layers are split evenly over its ``virtual`` chunks, so every count must
     divide as described by the error it raises otherwise.
+
+    ``account_for_embedding`` / ``account_for_loss`` (Megatron's ``--account-for-*-in-pipeline-split``)
+    count the embedding / the output layer with its loss as one more layer each, so the first /
+    last *chunk* holds one real layer fewer: with virtual stages this balances the chunks, which
+    per-rank counts cannot.
     """
     if pp < 1 or virtual < 1:
         raise ValueError(f"pipeline size {pp} and virtual stages {virtual} must be at least 1")
+    if account_for_embedding or account_for_loss:
+        if first_stage_layers is not None or last_stage_layers is not None:
+            raise ValueError("--account-for-embedding/loss-in-pipeline-split does not combine with first/last stage layer counts")
+        chunks, slots = pp * virtual, num_layers + int(account_for_embedding) + int(account_for_loss)
+        if slots % chunks:
+            raise ValueError(f"{num_layers} layers + {slots - num_layers} accounted for (embedding/loss) = {slots} do not "
+                             f"split into {chunks} pipeline chunks; change --num-layers or the pipeline sizes")  # fmt: skip
+        sizes = [slots // chunks] * chunks
+        sizes[0] -= int(account_for_embedding)
+        sizes[-1] -= int(account_for_loss)
+        starts = [sum(sizes[:i]) for i in range(chunks)]
+        return [range(start, start + n) for start, n in zip(starts, sizes)]
     if pp == 1 and (first_stage_layers is not None or last_stage_layers is not None):
         raise ValueError("first/last stage layer counts need a pipeline of at least 2 stages")
     per_rank: list[int | None] = [None] * pp

@@ -53,7 +53,8 @@ def build_parallel_model_and_optimizer(
     stages = None
     if mesh.pp > 1:
         stages = build_stage_modules(
-            model, mesh, pipeline_virtual_size(cfg), p.first_pipeline_stage_layers or None, p.last_pipeline_stage_layers or None
+            model, mesh, pipeline_virtual_size(cfg), p.first_pipeline_stage_layers or None, p.last_pipeline_stage_layers or None,
+            p.account_for_embedding_in_pipeline_split, p.account_for_loss_in_pipeline_split,
         )
     if cfg.train.compile:
         compile_blocks(model)

@@ -48,6 +48,9 @@ LAYOUTS = {  # name: (world size, extra flags)
     "tp2_dp2_distopt_kv1": (4, ["--tp", "2", "--micro-batch-size", "2", "--use-distributed-optimizer", "--num-query-groups", "1"]),
     "pp2_1f1b": (2, ["--pp", "2", "--micro-batch-size", "2"]),
     "pp2_interleaved": (2, ["--pp", "2", "--virtual-pipeline-model-parallel-size", "2", "--micro-batch-size", "2"]),
+    # 7 layers + the loss = 8 slots: stage 0 holds 4 layers, stage 1 3 layers and the output layer (7 layers
+    # alone do not split over 2 stages, so this runs only if the flag reaches the split)
+    "pp2_account_for_loss_l7": (2, ["--pp", "2", "--micro-batch-size", "2", "--account-for-loss-in-pipeline-split", "--num-layers", "7"]),
     "pp4_1f1b": (4, ["--pp", "4", "--micro-batch-size", "1"]),
     "pp2_tp2_dp2_distopt_sp": (8, ["--pp", "2", "--tp", "2", "--sequence-parallel", "--micro-batch-size", "1", "--use-distributed-optimizer"]),
 }
@@ -80,6 +83,7 @@ def one_process():
         "mbs8": _run(["--micro-batch-size", "8"]),
         "mbs2": _run(["--micro-batch-size", "2"]),  # 4 micro batches: gradient accumulation
         "mbs8_kv1": _run(["--micro-batch-size", "8", "--num-query-groups", "1"]),
+        "mbs8_l7": _run(["--micro-batch-size", "8", "--num-layers", "7"]),
     }
 
 
@@ -108,7 +112,8 @@ def test_gradient_accumulation_matches_one_big_batch(one_process):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_one_process(runs, one_process, layout):
-    ref = one_process["mbs8_kv1" if "--num-query-groups" in LAYOUTS[layout][1] else "mbs8"]
+    flags = LAYOUTS[layout][1]
+    ref = one_process["mbs8_kv1" if "--num-query-groups" in flags else "mbs8_l7" if "7" in flags else "mbs8"]
     got = runs[layout]
     assert _close(got["losses"], ref["losses"]), (got["losses"], ref["losses"])
     assert _close(got["grad_norms"], ref["grad_norms"], rel=1e-4), (got["grad_norms"], ref["grad_norms"])

@@ -174,6 +174,18 @@ def test_errors_say_what_to_change():
         schedule_order("zb", 2, 0, 4)
 
 
+def test_split_layers_accounting_for_embedding_and_loss():
+    # 7 layers + the loss = 8 slots over pp 2 x 2 virtual: the last chunk holds one real layer
+    assert split_layers(7, 2, 2, account_for_loss=True) == [range(0, 2), range(2, 4), range(4, 6), range(6, 7)]
+    # 6 layers + embedding + loss = 8 slots over pp 2: 4 per stage, one of them not a layer
+    assert split_layers(6, 2, account_for_embedding=True, account_for_loss=True) == [range(0, 3), range(3, 6)]
+    assert split_layers(10, 2, 2, account_for_embedding=True, account_for_loss=True) == [range(0, 2), range(2, 5), range(5, 8), range(8, 10)]
+    with pytest.raises(ValueError, match="do not split into 4 pipeline chunks"):
+        split_layers(8, 2, 2, account_for_loss=True)
+    with pytest.raises(ValueError, match="does not combine"):
+        split_layers(8, 2, account_for_loss=True, first_stage_layers=3)
+
+
 def test_split_layers():
     assert split_layers(4, 2) == [range(0, 2), range(2, 4)]
     # interleaved: model chunk k = v * pp + rank, contiguous in model order
