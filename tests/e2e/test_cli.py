@@ -67,3 +67,29 @@ def test_bad_flag_fails_before_any_work(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "meshtron", "train", "--hiden-size", "64"], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert proc.returncode == 2 and "did you mean '--hidden-size'" in proc.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_sigterm_saves_a_loadable_checkpoint_and_resume_continues(tmp_path):
+    """A preempted job (SIGTERM, as SLURM and Kubernetes send) saves at the next step boundary and
+    exits cleanly; ``--load`` then continues from that iteration."""
+    import signal
+    import time
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]), PYTHONUNBUFFERED="1")
+    args = ["--mock-data", "--preset", "tiny-gpt", "--vocab-size", "256", "--train-iters", "100000", "--log-interval", "1",
+            "--eval-interval", "0", "--global-batch-size", "4", "--micro-batch-size", "2", "--save", str(tmp_path / "ckpt")]
+    proc = subprocess.Popen([sys.executable, "-m", "meshtron", "train", *args], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    for line in proc.stdout:  # wait until training runs
+        if line.startswith("iteration") or time.monotonic() > deadline:
+            break
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out
+    assert "stopping at iteration" in out and "saved checkpoint" in out
+    saved = int((tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text())
+    assert 1 <= saved < 100000
+    resumed = meshtron("train", *[a if a != "100000" else str(saved + 2) for a in args], "--load", str(tmp_path / "ckpt"), cwd=tmp_path)
+    assert f"resumed from {tmp_path / 'ckpt'} at iteration {saved}" in resumed.stdout
+    assert f"iteration {saved + 2:>7d}/{saved + 2}" in resumed.stdout
