@@ -20,13 +20,11 @@ meshtron's one FLOP-count function for both sides.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
-import time
 
 import torch
+from child import report, run_child  # benchmarks/child.py: the child-process protocol
 
 SHAPE = dict(hidden=2048, layers=16, heads=32, kv_heads=8, ffn=8192, vocab=128256, rope_base=500000.0)
 
@@ -138,7 +136,7 @@ def child(args) -> None:
     result = run_hf(args) if args.child == "hf" else run_meshtron(args)
     result.setdefault("peak_gib", torch.cuda.max_memory_allocated() / 2**30)
     result["device"] = torch.cuda.get_device_name()
-    print("RESULT " + json.dumps(result))
+    report(result)
 
 
 def main() -> None:
@@ -163,15 +161,7 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--child", side, "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--micro-batch-size", str(args.micro_batch_size), "--seq-length", str(args.seq_length),
                "--profile-dir", args.profile_dir, "--", *args.meshtron_args]
-        start = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        sys.stderr.write(proc.stderr[-4000:])
-        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            rows[side] = None
-            print(f"{side}: failed (exit {proc.returncode}) after {time.perf_counter() - start:.0f}s")
-            continue
-        rows[side] = json.loads(lines[-1][7:])
+        rows[side] = run_child(cmd, side)
 
     ceiling, source = device_ceiling_tflops(torch.device("cuda"))
     tokens_per_step = args.micro_batch_size * args.seq_length

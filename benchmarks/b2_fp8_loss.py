@@ -11,9 +11,9 @@ Each run is its own process so neither sees the other's compiled or cached state
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
+
+from child import report, run_child  # benchmarks/child.py: the child-process protocol
 
 MODEL = [
     "--num-layers", "8", "--hidden-size", "2048", "--num-attention-heads", "16", "--num-query-groups", "4",
@@ -31,7 +31,7 @@ def child(args) -> None:
     if args.child == "fp8":
         flags += ["--fp8-format", args.fp8_format, "--fp8-backend", args.fp8_backend]
     result = Trainer(build_config(None, flags + args.extra), log=lambda s: print(s, file=sys.stderr)).run()
-    print("RESULT " + json.dumps({"losses": result.losses, "valid": result.valid_losses[-1][1]}))
+    report({"losses": result.losses, "valid": result.valid_losses[-1][1]})
 
 
 def main() -> None:
@@ -49,10 +49,7 @@ def main() -> None:
     for side in ("bf16", "fp8"):
         cmd = [sys.executable, __file__, "--child", side, "--steps", str(args.steps), "--fp8-format", args.fp8_format,
                "--fp8-backend", args.fp8_backend, "--", *args.extra]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        sys.stderr.write(proc.stderr[-3000:])
-        lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-        runs[side] = json.loads(lines[-1][7:]) if proc.returncode == 0 and lines else None
+        runs[side] = run_child(cmd, side)
     if not all(runs.values()):
         print("a run failed:", {k: v is not None for k, v in runs.items()})
         return

@@ -20,8 +20,9 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
+
+from child import report, run_child  # benchmarks/child.py: the child-process protocol
 
 LAYOUT_FLAGS = {
     "dp1": (1, []),
@@ -43,10 +44,8 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from meshtron.config import build_config
+    from meshtron.config import build_config, data_parallel_size
     from meshtron.training.trainer import Trainer
-
-    from meshtron.config import data_parallel_size
 
     flags = [
         "--preset", "llama3-8b", "--num-layers", str(args.layers), "--mock-data", "--seq-length", str(args.seq_length),
@@ -100,10 +99,10 @@ def worker(args) -> None:
     if mesh.rank == 0:
         from meshtron.config import pipeline_virtual_size
 
-        print("RESULT " + json.dumps(dict(layout=args.layout, world=mesh.world_size, global_batch=global_batch, dp=mesh.dp, pp=mesh.pp, virtual=pipeline_virtual_size(trainer.cfg),
+        report(dict(layout=args.layout, world=mesh.world_size, global_batch=global_batch, dp=mesh.dp, pp=mesh.pp, virtual=pipeline_virtual_size(trainer.cfg),
                                           micro_per_rank=trainer.num_micro_batches,
                                           step_s=statistics.median(times), losses=losses, peak_gib=peak, comm_s=comm, hidden=hidden,
-                                          flops_per_token=trainer.flops_per_token, device=torch.cuda.get_device_name())))
+                                          flops_per_token=trainer.flops_per_token, device=torch.cuda.get_device_name()))
 
 
 def _profile_comm_overlap(trainer) -> dict:
@@ -153,13 +152,9 @@ def main() -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__,
                "--worker", layout, "--layers", str(args.layers), "--seq-length", str(args.seq_length),
                "--global-batch", str(args.global_batch), "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--weak"] if args.weak else [])
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        sys.stderr.write(proc.stderr[-3000:])
-        found = [json.loads(l[7:]) for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-        if proc.returncode or not found:
-            print(f"{layout}: failed (exit {proc.returncode})")
-            continue
-        rows.append(found[0])
+        result = run_child(cmd, layout)
+        if result is not None:
+            rows.append(result)
     if not rows:
         return
     base = next((r for r in rows if r["layout"] == "dp1"), None)
