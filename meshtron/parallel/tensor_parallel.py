@@ -207,6 +207,8 @@ class RowParallelLinear(nn.Module):
         self.grad_accum_fusion = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if group_size(self.group) == 1:  # the plain op, bias fused into the GEMM as nn.Linear does
+            return grad_accum_fusion.linear(x, self.weight, self.bias, self.fp8_format, self.grad_accum_fusion)
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.group)
         y = grad_accum_fusion.linear(x, self.weight, None, self.fp8_format, self.grad_accum_fusion)
