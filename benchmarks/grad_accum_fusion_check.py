@@ -21,7 +21,7 @@ import torch
 from meshtron.config import build_config
 from meshtron.kernels import grad_accum_fusion
 from meshtron.models import build_model
-from meshtron.parallel.data_parallel import GradBuffer
+from meshtron.optim.grad_buffer import GradBuffer
 
 
 def main_grads(cfg, dtype: torch.dtype, fuse: bool, batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from meshtron.checkpoint.checkpoint import CheckpointError
-from meshtron.config import ConfigError
+from meshtron.errors import ConfigError
 
 # ``meshtron train`` with no arguments: the embedded corpus, a small GPT, a checkpoint and a sample.
 EMBEDDED_DEFAULT_ARGS = ["--save", "checkpoints/default", "--generate-prompt", "The"]
@@ -28,6 +28,7 @@ commands:
 def train_main(argv: list[str]) -> int:
     from meshtron.config import build_config, format_config
     from meshtron.training.trainer import Trainer
+    from meshtron.validation import validate
 
     parser = argparse.ArgumentParser(prog="meshtron train", add_help=False)
     parser.add_argument("--config", default=None)
@@ -36,12 +37,13 @@ def train_main(argv: list[str]) -> int:
     known, overrides = parser.parse_known_args(argv)
     if known.help:
         print("usage: meshtron train [--config FILE.toml|.yaml] [--section.field VALUE | --field VALUE | Megatron flag ...]")
-        print("\nfields and their defaults:\n" + format_config(build_config(None, [], validate_now=False)))
+        print("\nfields and their defaults:\n" + format_config(build_config(None, [])))
         return 0
     if not argv:
         overrides = list(EMBEDDED_DEFAULT_ARGS)
     cfg = build_config(known.config, overrides)
     if known.print_config:
+        validate(cfg)
         print(format_config(cfg))
         return 0
     Trainer(cfg).run()
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         if command == "generate":
             return generate_main(rest)
         if command == "convert":
-            from meshtron.checkpoint.hf import main as convert_main
+            from meshtron.models.hf import main as convert_main
 
             return convert_main(rest)
         if command == "estimate":

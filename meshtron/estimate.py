@@ -24,7 +24,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from meshtron.config import Config, build_config, data_parallel_size, validate
+from meshtron.config import Config, build_config, data_parallel_size
+from meshtron.validation import validate
 from meshtron.kernels.cross_entropy import CHUNK_ELEMENTS
 from meshtron.layers.attention import head_dim, num_kv_heads
 from meshtron.layers.mlp import ffn_hidden_size
@@ -76,8 +77,8 @@ def stage_parameters(cfg: Config) -> int:
     layer_shard = (layer - 2 * norm) // tp + 2 * norm + kv_extra
     layers = -(-m.num_layers // p.pipeline_parallel)
     out = 0 if p.pipeline_parallel > 1 or m.tie_embeddings else vocab * h // tp
-    final_norm = norm if p.pipeline_parallel == 1 else 0
-    return vocab * h // tp + positions + layers * layer_shard + out + final_norm
+    last_norm = norm if p.pipeline_parallel == 1 else 0
+    return vocab * h // tp + positions + layers * layer_shard + out + last_norm
 
 
 def activation_bytes_per_token_layer(cfg: Config, granularity: str | None = None) -> float:
@@ -176,7 +177,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--world-size", type=int, default=1)
     parser.add_argument("--print-mesh", action="store_true", help="also print every rank's place in the layout")
     known, overrides = parser.parse_known_args(argv)
-    cfg = build_config(known.config, overrides, validate_now=False)
+    cfg = build_config(known.config, overrides)
     validate(cfg, world_size=known.world_size)
     if known.print_mesh:
         print(mesh_table(cfg, known.world_size))

@@ -38,6 +38,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from meshtron.checkpoint.layout import empty_full_state, full_state, load_full_state
+from meshtron.models.contract import ParamMeta
 from meshtron.parallel.mesh import Mesh
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -104,6 +105,7 @@ def save_checkpoint(
     meta: dict[str, Any],
     mesh: Mesh | None = None,
     save_optim: bool = True,
+    metas: dict[str, ParamMeta] | None = None,
 ) -> Path:
     """Write ``{save_dir}/iter_{iteration:07d}`` atomically, then point the tracker at it.
 
@@ -117,7 +119,7 @@ def save_checkpoint(
     final = checkpoint_dir(root, iteration)
     tmp = root / f"{final.name}.tmp"
     writer = mesh.rank == 0
-    state = full_state(model, optimizer, mesh, with_optimizer=save_optim)
+    state = full_state(model, optimizer, mesh, with_optimizer=save_optim, metas=metas)
     if writer:
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob(f"{final.name}.tmp*"):  # left by a run killed mid-save
@@ -211,6 +213,7 @@ def load_checkpoint(
     load_rng: bool = True,
     mesh: Mesh | None = None,
     load_optim: bool = True,
+    metas: dict[str, ParamMeta] | None = None,
 ) -> dict[str, Any] | None:
     """Load the tracker's checkpoint (or ``iteration``'s) into ``model`` and ``optimizer`` in place.
 
@@ -243,11 +246,11 @@ def load_checkpoint(
     if with_optim and not record.get("has_optimizer", False):
         raise CheckpointError(f"{directory} was saved without optimizer state (--no-save-optim); resume with --no-load-optim")
     # Every rank reads the full tensors (no collectives) and keeps its own part of them.
-    full = empty_full_state(model, optimizer, with_optimizer=with_optim)
+    full = empty_full_state(model, optimizer, with_optimizer=with_optim, metas=metas)
     _dcp_load({"model": full["model"]}, directory, metadata)
     if with_optim:
         _dcp_load({"optimizer": full["optimizer"]}, directory, metadata)
-    load_full_state(full, model, optimizer, with_optimizer=with_optim)
+    load_full_state(full, model, optimizer, with_optimizer=with_optim, metas=metas)
     if optimizer is not None and not with_optim:
         optimizer.reload_model_params()
 

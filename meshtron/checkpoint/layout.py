@@ -13,8 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshtron.parallel.apply import gather_full
+from meshtron.models.contract import ParamMeta
 from meshtron.parallel.mesh import Mesh
+from meshtron.parallel.plan import gather_full, local_part
 
 try:  # FSDP2 parameters are DTensors
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -22,18 +23,14 @@ except ImportError:  # pragma: no cover - torch < 2.5
     from torch.distributed._tensor import DTensor, distribute_tensor
 
 
-def _tp_shards(model: nn.Module) -> dict[str, Any]:
-    """Parameter name -> its tensor-parallel shard description (None when whole)."""
-    return {name: getattr(t, "tp_shard", None) for name, t in model.state_dict(keep_vars=True).items()}
+Metas = dict[str, ParamMeta] | None  # None: a one-process model, every tensor whole
 
 
-def _full(tensor: torch.Tensor, shard, mesh: Mesh) -> torch.Tensor:
+def _full(tensor: torch.Tensor, meta: ParamMeta | None, mesh: Mesh) -> torch.Tensor:
     if isinstance(tensor, DTensor):
         return tensor.full_tensor()
     tensor = tensor.detach()
-    if shard is None or mesh.tp_size == 1 or tensor.dim() == 0:
-        return tensor
-    return gather_full(tensor, shard, mesh)
+    return tensor if meta is None else gather_full(tensor, meta, mesh)
 
 
 def _by_name(tree: Any, fn, name: str | None = None) -> Any:
@@ -45,15 +42,16 @@ def _by_name(tree: Any, fn, name: str | None = None) -> Any:
 
 
 @torch.no_grad()
-def full_state(model: nn.Module, optimizer: Any, mesh: Mesh, with_optimizer: bool) -> dict[str, Any]:
-    """``{"model": ..., "optimizer": ...}`` with full tensors. Collective: every rank calls it."""
-    shards = _tp_shards(model)
-    state = {"model": {k: _full(v, shards[k], mesh) for k, v in model.state_dict().items()}}
+def full_state(model: nn.Module, optimizer: Any, mesh: Mesh, with_optimizer: bool, metas: Metas = None) -> dict[str, Any]:
+    """``{"model": ..., "optimizer": ...}`` with full tensors, put together from the shards the
+    parameter records describe. Collective: every rank calls it."""
+    metas = metas or {}
+    state = {"model": {k: _full(v, metas.get(k), mesh) for k, v in model.state_dict().items()}}
     if with_optimizer:
         opt = optimizer.state_dict()
         state["optimizer"] = {
-            "master": _by_name(opt["master"], lambda t, n: _full(t, shards.get(n), mesh)),
-            "state": _by_name(opt["state"], lambda t, n: _full(t, shards.get(n), mesh)),
+            "master": _by_name(opt["master"], lambda t, n: _full(t, metas.get(n), mesh)),
+            "state": _by_name(opt["state"], lambda t, n: _full(t, metas.get(n), mesh)),
             "loss_scaler": opt["loss_scaler"],
         }
     return _merge_pipeline_stages(state, mesh)
@@ -80,21 +78,15 @@ def _merge_pipeline_stages(state: dict[str, Any], mesh: Mesh) -> dict[str, Any]:
     return merged
 
 
-def _full_shape(tensor: torch.Tensor, shard) -> list[int]:
-    shape = list(tensor.shape)
-    if shard is not None and tensor.dim() > 0:
-        shape[shard.dim] = shard.full_size
-    return shape
-
-
 @torch.no_grad()
-def empty_full_state(model: nn.Module, optimizer: Any, with_optimizer: bool) -> dict[str, Any]:
+def empty_full_state(model: nn.Module, optimizer: Any, with_optimizer: bool, metas: Metas = None) -> dict[str, Any]:
     """CPU tensors of the full shapes (and this run's dtypes) for DCP to load into."""
-    shards = _tp_shards(model)
+    metas = metas or {}
 
     def empty(t: torch.Tensor, name: str) -> torch.Tensor:
-        shape = list(t.shape) if isinstance(t, DTensor) else _full_shape(t, shards.get(name))
-        return torch.empty(shape, dtype=t.dtype, device="cpu")
+        meta = metas.get(name)
+        whole = isinstance(t, DTensor) or meta is None or t.dim() == 0
+        return torch.empty(list(t.shape) if whole else meta.global_shape, dtype=t.dtype, device="cpu")
 
     state = {"model": {k: empty(v, k) for k, v in model.state_dict().items()}}
     if with_optimizer:
@@ -103,21 +95,19 @@ def empty_full_state(model: nn.Module, optimizer: Any, with_optimizer: bool) -> 
     return state
 
 
-def _local(full: torch.Tensor, like: torch.Tensor, shard) -> torch.Tensor:
+def _local(full: torch.Tensor, like: torch.Tensor, meta: ParamMeta | None) -> torch.Tensor:
     """This rank's part of ``full`` in the layout of ``like`` (a plain tensor, tp shard or DTensor)."""
     if isinstance(like, DTensor):
         return distribute_tensor(full.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
-    if shard is not None and full.dim() > 0:
-        full = full.index_select(shard.dim, shard.index.to(full.device))
-    return full.to(like.device)
+    return local_part(full, meta).to(like.device)
 
 
 @torch.no_grad()
-def load_full_state(full: dict[str, Any], model: nn.Module, optimizer: Any, with_optimizer: bool) -> None:
+def load_full_state(full: dict[str, Any], model: nn.Module, optimizer: Any, with_optimizer: bool, metas: Metas = None) -> None:
     """Slice a loaded full state into this rank's model (and optimizer) in place."""
-    shards = _tp_shards(model)
+    metas = metas or {}
     live = model.state_dict()
-    model.load_state_dict({k: _local(full["model"][k], live[k], shards[k]) for k in live})
+    model.load_state_dict({k: _local(full["model"][k], live[k], metas.get(k)) for k in live})
     if with_optimizer:
         live_opt = optimizer.state_dict()
         local = {"loss_scaler": full["optimizer"]["loss_scaler"]}
@@ -126,7 +116,7 @@ def load_full_state(full: dict[str, Any], model: nn.Module, optimizer: Any, with
             local[key] = {}
             for name, live_value in live_opt[key].items():
                 if isinstance(live_value, dict):
-                    local[key][name] = {k: _local(saved[name][k], v, shards.get(name)) for k, v in live_value.items()}
+                    local[key][name] = {k: _local(saved[name][k], v, metas.get(name)) for k, v in live_value.items()}
                 else:
-                    local[key][name] = _local(saved[name], live_value, shards.get(name))
+                    local[key][name] = _local(saved[name], live_value, metas.get(name))
         optimizer.load_state_dict(local)

@@ -65,7 +65,7 @@ def generate(
     eod: int | None = None,
     generator: torch.Generator | None = None,
 ) -> list[int]:
-    """Continue ``prompt_ids`` with ``model`` (a ``Decoder``); returns only the new tokens.
+    """Continue ``prompt_ids`` with ``model`` (a language model taking a ``KVCache``); returns only the new tokens.
 
     Stops after ``max_new_tokens``, at ``eod`` (which is not returned), or when the model's
     position tables are full. The model runs in eval mode (no dropout) and is put back after.

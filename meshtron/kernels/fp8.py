@@ -55,10 +55,6 @@ def quantize(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
     return q, scale.reciprocal()
 
 
-def dequantize(q: torch.Tensor, inv_scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return (q.float() * inv_scale).to(dtype)
-
-
 def _mm(a: torch.Tensor, a_inv: torch.Tensor, b_t: torch.Tensor, b_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """``(a * a_inv) @ (b_t * b_inv)^T`` for row-major FP8 ``a`` [M, K] and ``b_t`` [N, K].
 

@@ -2,7 +2,7 @@
 weight gradient is computed straight into the fp32 ``param.main_grad`` of the gradient buffer.
 
 Why: without it autograd materializes a bf16 weight gradient, and the buffer's hook reads it back
-and adds it into ``main_grad`` (``meshtron.parallel.data_parallel.GradBuffer``). Here the wgrad
+and adds it into ``main_grad`` (``meshtron.optim.grad_buffer.GradBuffer``). Here the wgrad
 GEMM accumulates in fp32 into the buffer itself (beta = 1), so neither the bf16 tensor nor the
 separate add exists, and the sum is not rounded to bf16 first.
 

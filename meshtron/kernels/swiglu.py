@@ -1,4 +1,4 @@
-"""SwiGLU activation, silu(gate) * up, on the fused [gate | up] output of ``linear_fc1``.
+"""SwiGLU activation, silu(gate) * up, on the fused [gate | up] output of the MLP's first projection.
 
 Unfused, autograd keeps silu(gate) as well as gate and up: one extra [tokens, ffn] tensor per
 layer. The kernel keeps only its input and recomputes the sigmoid in backward.

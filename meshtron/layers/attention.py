@@ -70,23 +70,68 @@ def attention_mask(
     return mask
 
 
+class CoreAttention(nn.Module):
+    """softmax(q k^T / sqrt(d)) v on [b, heads, s, d], by ``model.attention_backend``.
+
+    A module of its own so that a parallel plan can replace it (context parallelism attends
+    across ranks) and activation recompute can wrap it (``--recompute-granularity selective``).
+    k, v may have fewer heads (GQA): query head i reads kv head i // group_size.
+    """
+
+    def __init__(self, backend: str):
+        super().__init__()
+        self.backend = backend
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout: float, document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``mask`` already holds ``document_ids``; they are passed for a replacement core (context
+        parallelism) whose keys span other ranks' tokens.
+
+        Grouped heads go to SDPA as they are (``enable_gqa``) when there is no mask, as the flash
+        and cuDNN kernels read each kv head for its whole group; with a mask they are repeated,
+        since the kernels that take a mask do not all take groups.
+        """
+        if self.backend == "math":
+            return math_attention(q, k, v, mask, dropout)
+        group_size = q.shape[1] // k.shape[1]
+        if group_size > 1 and (mask is not None or not _SDPA_HAS_GQA):
+            k, v = k.repeat_interleave(group_size, dim=1), v.repeat_interleave(group_size, dim=1)
+        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+        with sdpa_backends(self.backend, q.device):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, **gqa)
+
+
 class Attention(nn.Module):
     """Self-attention of block ``layer_number`` (0-based; it picks this layer's KV-cache slot)."""
 
     def __init__(self, cfg: ModelConfig, layer_number: int):
         super().__init__()
         self.layer_number = layer_number
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = num_kv_heads(cfg)
+        heads, kv_heads = cfg.num_attention_heads, num_kv_heads(cfg)
+        self.queries_per_group = heads // kv_heads
         self.head_dim = head_dim(cfg)
         self.use_rope = cfg.position_embedding_type == "rope"
         self.backend = cfg.attention_backend
         self.fused_kernels = cfg.fused_kernels
         self.recompute_core = cfg.recompute_granularity == "selective"
         self.dropout = cfg.attention_dropout
-        qkv_out = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        qkv_out = (heads + 2 * kv_heads) * self.head_dim
         self.linear_qkv = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.add_bias_linear)
-        self.linear_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.add_bias_linear)
+        self.core_attention = CoreAttention(cfg.attention_backend)
+        self.linear_proj = nn.Linear(heads * self.head_dim, cfg.hidden_size, bias=cfg.add_bias_linear)
+
+    def _local_groups(self, qkv_heads: int) -> tuple[int, int]:
+        """(kv groups, queries per group) of the fused projection's output, ``qkv_heads`` heads wide.
+
+        Read off the output rather than the config, so that a tensor-parallel ``linear_qkv``
+        holding some whole groups, or (fewer kv heads than ranks) part of one group's queries with
+        its k and v, runs this code unchanged: whole groups divide the width by queries + 2, and
+        a part of one group is always narrower than a whole group.
+        """
+        per_group = self.queries_per_group + 2
+        groups = qkv_heads // per_group if qkv_heads % per_group == 0 else 1
+        return groups, qkv_heads // groups - 2
 
     def forward(
         self,
@@ -102,13 +147,12 @@ class Attention(nn.Module):
         With ``kv_cache``, x is the next chunk of a sequence whose earlier keys/values are cached:
         its k/v are stored and its queries attend to the whole prefix.
         """
-        group_size = self.num_heads // self.num_kv_heads
-        # Head counts and the sequence length are read off the projection's output, not the
-        # config or x, so that a column-parallel ``linear_qkv`` holding only some groups (and,
-        # with sequence parallelism, gathering the whole sequence from shards) runs this code.
+        # The sequence length is read off the projection's output too: with sequence parallelism
+        # a column-parallel ``linear_qkv`` gathers the whole sequence from shards.
         qkv = self.linear_qkv(x)
         b, s = qkv.shape[:2]
-        qkv = qkv.view(b, s, -1, group_size + 2, self.head_dim)
+        groups, group_size = self._local_groups(qkv.shape[-1] // self.head_dim)
+        qkv = qkv.view(b, s, groups, group_size + 2, self.head_dim)
         q = qkv[:, :, :, :group_size].flatten(2, 3)
         k, v = qkv[:, :, :, group_size], qkv[:, :, :, group_size + 1]
         if self.use_rope:
@@ -128,27 +172,6 @@ class Attention(nn.Module):
         else:
             out = self.core_attention(q, k, v, mask, dropout, document_ids)
         return self.linear_proj(out.transpose(1, 2).flatten(2))
-
-    def core_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout: float, document_ids: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d)) v on [b, heads, s, d] (k, v with fewer heads under GQA: query
-        head i reads kv head i // group_size), by ``model.attention_backend``. ``mask`` already
-        holds ``document_ids``; they are passed for a replacement core (context parallelism) whose
-        keys span other ranks' tokens.
-
-        Grouped heads go to SDPA as they are (``enable_gqa``) when there is no mask, as the flash
-        and cuDNN kernels read each kv head for its whole group; with a mask they are repeated,
-        since the kernels that take a mask do not all take groups.
-        """
-        if self.backend == "math":
-            return math_attention(q, k, v, mask, dropout)
-        group_size = q.shape[1] // k.shape[1]
-        if group_size > 1 and (mask is not None or not _SDPA_HAS_GQA):
-            k, v = k.repeat_interleave(group_size, dim=1), v.repeat_interleave(group_size, dim=1)
-        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
-        with sdpa_backends(self.backend, q.device):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, **gqa)
 
 
 def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, dropout: float = 0.0) -> torch.Tensor:

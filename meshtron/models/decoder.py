@@ -1,28 +1,29 @@
 """The decoder-only transformer behind every GPT and Llama preset.
 
 Read top to bottom: token (+ learned position) embedding, ``num_layers`` pre-norm blocks of
-attention and MLP, a final norm, and the output projection (the embedding matrix itself when
-tied). It is an ordinary ``nn.Module``; parallelism is applied from outside by swapping its
-linear layers, so nothing here knows about ranks.
+attention and MLP, a final norm, and the output layer (the embedding matrix itself when tied).
+It is an ordinary ``nn.Module``; it also fills in the model contract (``models/contract.py``):
+its parallel plan, its pipeline pieces and its loss, so ``parallel/`` can shard, cut and run it
+without knowing any of its attribute names.
 """
 
 from __future__ import annotations
 
 import math
-import zlib
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from meshtron.config import ModelConfig
-from meshtron.kernels.cross_entropy import linear_cross_entropy
 from meshtron.layers.attention import Attention, head_dim, num_kv_heads
 from meshtron.layers.kv_cache import KVCache
 from meshtron.layers.mlp import MLP, ffn_hidden_size
-from meshtron.layers.norms import RMSNorm, build_norm
+from meshtron.layers.norms import build_norm
+from meshtron.layers.output import OutputLayer
 from meshtron.layers.rope import rope_frequencies
+from meshtron.models import contract as c
+from meshtron.models.init import init_by_name
 
 # Output projections of each block: initialized with std / sqrt(2 * num_layers) so the residual
 # stream's variance does not grow with depth (GPT-2, Megatron's ``output_layer_init_method``).
@@ -54,10 +55,59 @@ class TransformerBlock(nn.Module):
         return x + self.dropout(self.mlp(self.pre_mlp_layernorm(x)))
 
 
-class Decoder(nn.Module):
+def decoder_plan(cfg: ModelConfig) -> c.Plan:
+    """How a decoder is tensor-, sequence- and context-parallel (Megatron's layout).
+
+    Attention: q heads and kv groups split so each rank has whole heads (kv heads replicated when
+    fewer than tp), output projection split by the same heads. MLP: fc1 by output features (gate
+    and up separately for SwiGLU), fc2 by input features. Embedding and output layer: by
+    vocabulary, the loss computed on the shards. Norms see 1/tp of the tokens under sequence
+    parallelism; learned positions are cut to match the embedding's sequence shard.
+    """
+    heads, kv = cfg.num_attention_heads, num_kv_heads(cfg)
+    fc1 = c.Halves(2) if cfg.activation == "swiglu" else c.Contiguous()
+    return [
+        ("embedding", c.VocabParallelEmbedding()),
+        ("position_embedding", c.ScatterToSequence()),
+        ("output", c.VocabParallelOutput()),
+        ("layers.*.self_attention.linear_qkv", c.ColumnParallel(c.GroupedHeads(kv, heads // kv, head_dim(cfg)))),
+        ("layers.*.self_attention.linear_proj", c.RowParallel()),
+        ("layers.*.self_attention.core_attention", c.ContextParallelCore()),
+        ("layers.*.mlp.linear_fc1", c.ColumnParallel(fc1)),
+        ("layers.*.mlp.linear_fc2", c.RowParallel()),
+        ("layers.*.input_layernorm", c.SequenceParallelNorm()),
+        ("layers.*.pre_mlp_layernorm", c.SequenceParallelNorm()),
+        ("final_norm", c.SequenceParallelNorm()),
+    ]
+
+
+def decoder_layout_errors(cfg: ModelConfig, tp: int) -> list[str]:
+    """Why the decoder's shapes cannot be split over ``tp`` ranks (empty when they can), each
+    naming the flag to change. Fewer kv heads than ranks is allowed when tp is a multiple of them."""
+    heads, kv = cfg.num_attention_heads, num_kv_heads(cfg)
+    ok_tp = [t for t in range(1, heads + 1) if heads % t == 0 and (kv % t == 0 or t % kv == 0)]
+    errors = []
+    if heads % tp:
+        errors.append(f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size {tp}; "
+                      f"use a tensor-parallel size in {ok_tp} or change the number of heads")  # fmt: skip
+    if kv % tp and tp % kv:
+        errors.append(f"--num-query-groups {kv} (key/value heads) and --tensor-model-parallel-size {tp} must divide "
+                      f"one another (kv heads split over the ranks, or each replicated on tp/kv ranks); use a "
+                      f"tensor-parallel size in {ok_tp} or change the number of query groups")  # fmt: skip
+    ffn = ffn_hidden_size(cfg)
+    if ffn % tp:
+        errors.append(f"the MLP width {ffn} (--ffn-hidden-size) is not divisible by --tensor-model-parallel-size {tp}; "
+                      f"set --ffn-hidden-size to a multiple of {tp}")  # fmt: skip
+    return errors
+
+
+class Decoder(c.ModelFamily):
     """GPT/Llama decoder over a vocabulary of ``vocab_size`` (already padded by the caller).
 
     ``max_seq_length`` sizes the position tables when ``cfg.max_position_embeddings`` is 0.
+    Its batch: ``tokens``, ``labels``, ``loss_mask`` [b, s], optional ``position_ids`` (restart at
+    each packed document, ``--reset-position-ids``) and ``document_ids`` (attention kept inside a
+    document, ``--reset-attention-mask``).
     """
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, max_seq_length: int):
@@ -66,39 +116,26 @@ class Decoder(nn.Module):
         self.vocab_size = vocab_size
         self.max_positions = cfg.max_position_embeddings or max_seq_length
         self.use_rope = cfg.position_embedding_type == "rope"
+        if cfg.recompute_granularity == "full":
+            self.recompute = (cfg.recompute_method, cfg.recompute_num_layers)
         self.embedding = nn.Embedding(vocab_size, cfg.hidden_size)
         self.position_embedding = None if self.use_rope else nn.Embedding(self.max_positions, cfg.hidden_size)
         self.embedding_dropout = nn.Dropout(cfg.hidden_dropout)
         self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.num_layers))
         self.final_norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, cfg.fused_kernels)
-        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.hidden_size, vocab_size, bias=False)
+        self.output = OutputLayer(cfg.hidden_size, vocab_size, cfg.tie_embeddings, cfg.fused_kernels)
         # RoPE tables stay fp32 and out of the state dict: a buffer would be cast to bf16 along
         # with the weights by ``model.to(torch.bfloat16)``. Built per device on first use.
         self._rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
         self.init_weights()
 
     def init_weights(self, seed: int | None = None) -> None:
-        """Megatron-style init: N(0, std) weights (residual outputs scaled), zero biases, unit norms.
+        """N(0, std) weights (residual outputs scaled by 1/sqrt(2 * layers)), zero biases, unit
+        norms; each tensor keyed by the seed and its name, so every layout draws the same."""
+        std = self.cfg.init_method_std
+        init_by_name(self, std, std / math.sqrt(2 * self.cfg.num_layers), _RESIDUAL_OUTPUTS, seed)
 
-        Each tensor is drawn from its own generator keyed by ``seed`` (default: the seed given to
-        ``torch.manual_seed``) and its parameter name. A weight thus depends on nothing but the
-        seed and its name: not on construction order, on how many random numbers were drawn
-        before, or on which other layers exist (a pipeline stage holding layers 8-15 gets the
-        same weights as the full model). Drawn on the parameter's device.
-        """
-        seed = torch.initial_seed() if seed is None else seed
-        norm_params = {id(p) for m in self.modules() if isinstance(m, (nn.LayerNorm, RMSNorm)) for p in m.parameters()}
-        residual_std = self.cfg.init_method_std / math.sqrt(2 * self.cfg.num_layers)
-        with torch.no_grad():
-            for name, param in self.named_parameters():
-                if id(param) in norm_params:
-                    param.fill_(1.0 if name.endswith("weight") else 0.0)
-                elif name.endswith("bias"):
-                    param.zero_()
-                else:
-                    std = residual_std if name.endswith(_RESIDUAL_OUTPUTS) else self.cfg.init_method_std
-                    key = (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63
-                    param.normal_(0.0, std, generator=torch.Generator(device=param.device).manual_seed(key))
+    # ------------------------------------------------------------------ one process: read top to bottom
 
     def forward(
         self,
@@ -110,8 +147,6 @@ class Decoder(nn.Module):
     ) -> torch.Tensor:
         """tokens [b, s] -> per-token loss [b, s] (fp32) when ``labels`` is given, else logits [b, s, V].
 
-        ``position_ids`` [b, s] restart at each packed document (``--reset-position-ids``);
-        ``document_ids`` [b, s] keep attention inside a document (``--reset-attention-mask``).
         With ``kv_cache``, tokens continue the cached sequence and positions default to follow it.
         """
         b, s = tokens.shape
@@ -120,70 +155,68 @@ class Decoder(nn.Module):
                 raise ValueError("document_ids cannot be combined with a KV cache")
             if position_ids is None:
                 position_ids = torch.arange(kv_cache.length, kv_cache.length + s, device=tokens.device).expand(b, s)
-        hidden = self.embedding(tokens)
-        if self.position_embedding is not None:
-            positions = position_ids if position_ids is not None else torch.arange(s, device=tokens.device)
-            hidden = hidden + self.position_embedding(positions)
-        hidden = self.embedding_dropout(hidden)
-        cos, sin = self.rope_tables(tokens.device) if self.use_rope else (None, None)
-        hidden = self.run_layers(hidden, cos, sin, position_ids, document_ids, kv_cache)
+        batch = {"tokens": tokens, "position_ids": position_ids, "document_ids": document_ids, "labels": labels}
+        inputs = self.block_inputs(batch)
+        inputs["kv_cache"] = kv_cache
+        carry, _ = self.forward_blocks(self.embed(batch), inputs, list(self.layers))
         if kv_cache is not None:
             kv_cache.advance(s)
-        hidden = self.final_norm(hidden)
-        if labels is None:
-            return self.logits(hidden)
-        return self.output_loss(hidden, labels)
+        return self.head(carry, batch)
 
-    def run_layers(self, hidden: torch.Tensor, *args) -> torch.Tensor:
-        """The blocks in order (``args``: what each block takes after ``hidden``).
+    # ------------------------------------------------------------------ the contract's pieces
 
-        With ``--recompute-granularity full`` and gradients on, blocks run inside activation
-        checkpoints, which keep only their input and rerun the forward during backward (same
-        random state, so the gradients are those of a plain run). ``uniform``: every run of
-        ``recompute_num_layers`` blocks is one checkpoint. ``block``: the first
-        ``recompute_num_layers`` blocks are checkpointed one by one, the rest keep their activations.
-        """
-        c = self.cfg
-        if c.recompute_granularity != "full" or not torch.is_grad_enabled():
-            return self._run_span(0, len(self.layers), hidden, *args)
-        n = c.recompute_num_layers
-        if c.recompute_method == "uniform":
-            for start in range(0, len(self.layers), n):
-                hidden = checkpoint(self._run_span, start, start + n, hidden, *args, use_reentrant=False)
-            return hidden
-        for i in range(min(n, len(self.layers))):
-            hidden = checkpoint(self._run_span, i, i + 1, hidden, *args, use_reentrant=False)
-        return self._run_span(n, len(self.layers), hidden, *args)
+    def parallel_plan(self) -> c.Plan:
+        return decoder_plan(self.cfg)
 
-    def _run_span(self, start: int, end: int, hidden: torch.Tensor, *args) -> torch.Tensor:
-        for layer in self.layers[start:end]:
-            hidden = layer(hidden, *args)
-        return hidden
+    def pipeline_pieces(self) -> c.PipelinePieces:
+        tied = ("embedding",) if self.cfg.tie_embeddings else ()
+        return c.PipelinePieces(("embedding", "position_embedding", "embedding_dropout"), "layers", ("final_norm", "output", *tied))
+
+    def embed(self, batch: c.Batch) -> c.Carry:
+        tokens, position_ids = batch["tokens"], batch.get("position_ids")
+        hidden = self.embedding(tokens)
+        if self.position_embedding is not None:
+            positions = position_ids if position_ids is not None else torch.arange(tokens.shape[1], device=tokens.device)
+            hidden = hidden + self.position_embedding(positions)
+        return {"hidden": self.embedding_dropout(hidden)}
+
+    def block_inputs(self, batch: c.Batch) -> dict[str, Any]:
+        cos, sin = self.rope_tables(batch["tokens"].device) if self.use_rope else (None, None)
+        return {"cos": cos, "sin": sin, "position_ids": batch.get("position_ids"), "document_ids": batch.get("document_ids")}
+
+    def run_blocks(self, carry: c.Carry, inputs: dict[str, Any], blocks: list[nn.Module]) -> tuple[c.Carry, dict[str, torch.Tensor]]:
+        hidden = carry["hidden"]
+        for block in blocks:
+            hidden = block(hidden, **inputs)
+        return {"hidden": hidden}, {}
+
+    def head(self, carry: c.Carry, batch: c.Batch) -> torch.Tensor:
+        """Per-token loss [b, s] in fp32 with labels in the batch, else logits."""
+        tied = self.embedding.weight if self.cfg.tie_embeddings else None
+        return self.output(self.final_norm(carry["hidden"]), batch.get("labels"), tied_weight=tied)
+
+    def loss(self, batch: c.Batch, outputs: torch.Tensor) -> c.LossOutput:
+        mask = batch["loss_mask"]
+        return c.LossOutput(total=(outputs * mask).sum(), count=mask.sum())
+
+    def loss_count(self, batch: c.Batch) -> torch.Tensor:
+        return batch["loss_mask"].sum()
+
+    def carry_shapes(self, batch: c.Batch, seq_shards: int) -> dict[str, tuple[int, ...]]:
+        b, s = batch["tokens"].shape
+        return {"hidden": (b, s // seq_shards, self.cfg.hidden_size)}
+
+    # ------------------------------------------------------------------ helpers
 
     def rope_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 (cos, sin) [max_positions, head_dim] on ``device``, computed once per device."""
         if self._rope_tables is None or self._rope_tables[0].device != device:
-            c = self.cfg
+            cfg = self.cfg
             self._rope_tables = rope_frequencies(
-                head_dim(c), self.max_positions, c.rotary_base, c.rope_scaling, c.rope_scaling_factor,
-                c.rope_low_freq_factor, c.rope_high_freq_factor, c.rope_original_max_position_embeddings, device,
+                head_dim(cfg), self.max_positions, cfg.rotary_base, cfg.rope_scaling, cfg.rope_scaling_factor,
+                cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_position_embeddings, device,
             )  # fmt: skip
         return self._rope_tables
-
-    def output_weight(self) -> torch.Tensor:
-        """The output projection [V, h]: the embedding matrix when tied."""
-        return self.embedding.weight if self.output is None else self.output.weight
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.output_weight())
-
-    def output_loss(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Per-token cross-entropy [b, s] in fp32 (label -100 gives 0).
-
-        Unless ``fused_kernels`` is off, the [b, s, V] logits are never held at once (see
-        ``meshtron.kernels.cross_entropy``); subclasses that shard the vocabulary override this.
-        """
-        return linear_cross_entropy(hidden, self.output_weight(), labels, self.cfg.fused_kernels)
 
 
 def num_parameters(model: Decoder, exclude_embeddings: bool = False) -> int:
@@ -194,7 +227,7 @@ def num_parameters(model: Decoder, exclude_embeddings: bool = False) -> int:
     """
     total = sum(p.numel() for p in model.parameters())
     if exclude_embeddings:
-        tables = (model.embedding, model.position_embedding, model.output)
+        tables = (model.embedding, model.position_embedding, model.output)  # a tied output layer holds no parameter
         total -= sum(p.numel() for m in tables if m is not None for p in m.parameters())
     return total
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from meshtron.optim.optimizer import MixedPrecisionOptimizer
-from meshtron.parallel.data_parallel import GradBuffer, all_gather_single
+from meshtron.optim.grad_buffer import GradBuffer, all_gather_single
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -101,6 +101,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def _master_owners(self) -> list[nn.Parameter]:
         return [p.param for p in self._pieces]
+
+    def _master_names(self) -> list[str]:
+        return [p.name for p in self._pieces]
 
     def _param_span(self, master: torch.Tensor) -> tuple[int, int]:
         piece = self._piece_of[id(master)]

@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshtron.models.contract import ParamMeta, default_meta
+from meshtron.optim.grad_buffer import GradBuffer
 from meshtron.optim.loss_scaler import ConstantLossScaler, DynamicLossScaler
-from meshtron.parallel.data_parallel import DEFAULT_BUCKET_SIZE, GradBuffer
-from meshtron.parallel.mesh import Mesh
 
 # Added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does (keeps fp32 runs identical to it).
 _CLIP_EPS = 1e-6
@@ -55,17 +55,18 @@ class GradStorage(Protocol):
     def finish_grad_sync(self) -> Any: ...
 
 
-def build_param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Megatron's split: weight decay on every matrix (embeddings included), none on 1-D params.
+def build_param_groups(model: nn.Module, weight_decay: float, metas: dict[str, ParamMeta] | None = None) -> list[dict[str, Any]]:
+    """Weight decay where each parameter's record says (Megatron's split by default: every matrix,
+    embeddings included, and no 1-D bias or norm gain), none elsewhere.
 
-    Biases and norm gains are 1-D; decaying them toward zero only fights the normalization.
     Params are given as ``(name, tensor)`` pairs so torch keeps their names (``param_names``) in
     each group for logging. Frozen params are left out.
     """
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if param.requires_grad:
-            (decay if param.ndim >= 2 else no_decay).append((name, param))
+            meta = metas[name] if metas is not None else default_meta(name, param)
+            (decay if meta.weight_decay else no_decay).append((name, param))
     return [
         {"params": params, "weight_decay": wd}
         for params, wd in ((decay, weight_decay), (no_decay, 0.0))
@@ -81,9 +82,10 @@ class MixedPrecisionOptimizer:
     ``optimizer.no_sync()``; then ``step(lr)``.
 
     ``grads``: the grad storage (default: a one-process ``GradBuffer`` of the params).
-    ``tp_group``: with tensor parallelism, the group over which the grad norm is completed:
-    params marked ``tp_shard`` (split over tp) count on every tp rank, the rest (replicated)
-    only on tp rank 0.
+    ``metas``: each parameter's record (default: whole on one process). ``tp_group`` / ``pp_group``:
+    the groups over which the grad norm is completed, each value counted once: split params on
+    every tp rank, whole ones on tp rank 0, kv rows copied over tp on their first copy, a weight
+    two pipeline stages hold on the first (``ParamMeta.counted_in_norm``, ``replicas``).
     """
 
     def __init__(
@@ -96,10 +98,12 @@ class MixedPrecisionOptimizer:
         clip_grad: float,
         loss_scaler: ConstantLossScaler | DynamicLossScaler,
         grads: GradStorage | None = None,
+        metas: dict[str, ParamMeta] | None = None,
         tp_group: dist.ProcessGroup | None = None,
         pp_group: dist.ProcessGroup | None = None,
     ) -> None:
         named = [pair for group in param_groups for pair in group["params"]]
+        metas = metas if metas is not None else {name: default_meta(name, p) for name, p in named}
         if not named:
             raise ValueError("the model has no trainable parameters")
         dtypes = {p.dtype for _, p in named}
@@ -115,16 +119,10 @@ class MixedPrecisionOptimizer:
         self.adamw = torch.optim.AdamW(master_groups, lr=lr, betas=betas, eps=eps, fused=fused)
         self._init_adam_state()
         self._norm_groups = [g for g in (tp_group, pp_group) if g is not None]
-        tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
-        first_stage = pp_group is None or dist.get_rank(pp_group) == 0
-        # Count each gradient once: tp shards on every tp rank, tp-replicated params on tp rank 0,
-        # a tied embedding's pipeline copy on the first stage only.
-        self._in_norm = [
-            (tp_rank == 0 or getattr(p, "tp_shard", None) is not None) and (first_stage or not getattr(p, "shared_embedding", False))
-            for p in self._master_owners()
-        ]
+        names = self._master_names()
+        self._in_norm = [metas[name].counted_in_norm() for name in names]
         # Key/value rows copied to several tp ranks (fewer kv heads than ranks) count on their first copy only.
-        self._norm_excluded = [self._replica_copies(p, m) for p, m in zip(self._master_owners(), self._master_params())]
+        self._norm_excluded = [self._replica_copies(metas[n], p, m) for n, p, m in zip(names, self._master_owners(), self._master_params())]
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -254,9 +252,9 @@ class MixedPrecisionOptimizer:
             master_groups.append({**group, "params": pairs})
         return master_groups
 
-    def _replica_copies(self, param: nn.Parameter, master: torch.Tensor) -> torch.Tensor | None:
+    def _replica_copies(self, meta: ParamMeta, param: nn.Parameter, master: torch.Tensor) -> torch.Tensor | None:
         """Flat indices into ``master`` of the kv rows this rank holds as a non-counted copy."""
-        rep = getattr(param, "tp_replicas", None)
+        rep = meta.replicas()
         if rep is None or rep.counted:
             return None
         row = param[0].numel() if param.dim() > 1 else 1
@@ -275,6 +273,10 @@ class MixedPrecisionOptimizer:
     def _master_owners(self) -> list[nn.Parameter]:
         """The model param each of ``_master_params()`` belongs to."""
         return [param for _, param, _ in self._params]
+
+    def _master_names(self) -> list[str]:
+        """The name of the model param each of ``_master_params()`` belongs to."""
+        return [name for name, _, _ in self._params]
 
     def _master_grads(self) -> list[torch.Tensor]:
         """fp32 gradients, already accumulated over micro batches (and reduced over data parallel)."""
@@ -334,47 +336,6 @@ def build_loss_scaler(train_cfg: Any, param_dtype: torch.dtype) -> ConstantLossS
         min_scale=train_cfg.min_loss_scale,
         growth_interval=train_cfg.loss_scale_window,
         hysteresis=train_cfg.hysteresis,
-    )
-
-
-def build_optimizer(
-    model: nn.Module,
-    train_cfg: Any,
-    param_dtype: torch.dtype,
-    *,
-    mesh: Mesh | None = None,
-    distributed: bool = False,
-    bucket_size: int = DEFAULT_BUCKET_SIZE,
-) -> MixedPrecisionOptimizer:
-    """The optimizer for a model already cast to ``param_dtype``.
-
-    With a ``mesh`` of several data-parallel (x context-parallel) ranks, gradients are summed over
-    ``mesh.dp_cp_group`` in buckets of ``bucket_size`` elements during backward; ``distributed``
-    (``--use-distributed-optimizer``) shards masters and Adam state over those ranks instead of
-    replicating them. The grad norm is completed over ``mesh.tp_group`` when tp > 1.
-    """
-    dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
-    if dtypes != {param_dtype}:
-        raise ValueError(
-            f"the model's trainable parameters are {sorted(map(str, dtypes))} but param_dtype is {param_dtype}; "
-            "cast the model before building the optimizer"
-        )
-    dp_group = mesh.dp_cp_group if mesh is not None and mesh.dp_cp_size > 1 else None
-    tp_group = mesh.tp_group if mesh is not None and mesh.tp_size > 1 else None
-    pp_group = mesh.pp_group if mesh is not None and mesh.pp_size > 1 else None
-    # Layout in registration order (GradBuffer reverses it to follow backward), not group order.
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    grads = GradBuffer(trainable, group=dp_group, bucket_size=bucket_size, shard=distributed)
-    if distributed:
-        from meshtron.optim.distributed_optimizer import DistributedOptimizer as optimizer_cls  # it subclasses this module's class
-    else:
-        optimizer_cls = MixedPrecisionOptimizer
-    return optimizer_cls(
-        build_param_groups(model, train_cfg.weight_decay),
-        **optimizer_settings(train_cfg, param_dtype),
-        grads=grads,
-        tp_group=tp_group,
-        pp_group=pp_group,
     )
 
 

@@ -38,11 +38,11 @@ path is taken on CUDA with bf16/fp16 inputs and no ``document_ids``; packed docu
 math path (the fused kernels take no per-block mask without a materialized bias). The fp32 math
 path materializes a block's scores, so it is for short sequences and tests only.
 
-How training uses it: ``shard_batch_for_cp`` gives each rank its tokens (with their global
-positions, so RoPE and learned positions stay right); ``apply_context_parallel`` routes each
-attention module's core through one of the two algorithms; per-token losses come out for the
-local tokens only, so the trainer divides the masked loss sum by the token count all-reduced over
-``dp x cp``, and gradients are summed over ``mesh.dp_cp_group`` (the data-parallel buffer's group).
+How training uses it: the runner's ``shard_batch_for_cp`` gives each rank its tokens (with their
+global positions, so RoPE and learned positions stay right); the parallel plan puts
+``ContextParallelAttention`` in place of each attention module's core; losses come out for the
+local tokens only, so the runner divides the loss sums by the count all-reduced over ``dp x cp``,
+and gradients are summed over ``mesh.dp_cp_group`` (the data-parallel buffer's group).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshtron.config import ConfigError
+from meshtron.errors import ConfigError
 from meshtron.parallel.mesh import Mesh
 from meshtron.parallel.tensor_parallel import (
     all_gather_sequence,
@@ -100,20 +100,6 @@ def shard_batch_for_cp(batch: dict[str, torch.Tensor], mesh: Mesh, seq_dim: int 
     if out.get("position_ids") is None:
         out["position_ids"] = index.expand(tokens.shape[:seq_dim] + index.shape)
     return out
-
-
-def unshard_sequence(x: torch.Tensor, mesh: Mesh, dim: int = 1) -> torch.Tensor:
-    """The inverse of the sharding: every cp rank's part of ``x`` put back in sequence order
-    (per-token losses, for logging or a test). Collective over cp; not differentiable."""
-    if mesh.cp_size == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(mesh.cp_size)]
-    dist.all_gather(parts, x.contiguous(), group=mesh.cp_group)
-    seq_len = x.shape[dim] * mesh.cp_size
-    index = torch.cat([cp_token_index(seq_len, mesh.cp_size, r, x.device) for r in range(mesh.cp_size)])
-    shape = list(x.shape)
-    shape[dim] = seq_len
-    return x.new_empty(shape).index_copy_(dim, index, torch.cat(parts, dim=dim))
 
 
 # ---------------------------------------------------------------------- attention of one block
@@ -561,18 +547,16 @@ def _is_causal_mask(mask: torch.Tensor) -> bool:
     return s_q == s_k and torch.equal(mask, torch.ones(s_q, s_k, dtype=torch.bool, device=mask.device).tril().expand_as(mask))
 
 
-class ContextParallelAttention:
-    """The core attention of a context-parallel model, installed as each attention module's
-    ``core_attention`` (q, k, v after RoPE -> output, on [b, heads, s, d]).
-
-    A plain callable rather than an ``nn.Module``, so that it lands in the instance's
-    ``__dict__`` and takes the place of the class's method (a submodule would be shadowed by it).
-    The mask the module builds describes one process's sequence; this builds its own from the
-    chunk layout and ``document_ids``. ``block_kernel`` is one of ``KERNEL_CHOICES`` (``auto``:
+class ContextParallelAttention(nn.Module):
+    """The core attention of a context-parallel model (q, k, v after RoPE -> output, on
+    [b, heads, s, d]), put in place of each attention module's core by the parallel plan's
+    ``ContextParallelCore`` style. The mask the attention module builds describes one process's
+    sequence; this builds its own from the chunk layout and ``document_ids``. ``block_kernel`` is one of ``KERNEL_CHOICES`` (``auto``:
     the fused kernel where the inputs allow, else the fp32 math).
     """
 
     def __init__(self, mesh: Mesh, algorithm: str = "p2p", block_kernel: str = "auto"):
+        super().__init__()
         if algorithm not in ALGORITHMS:
             raise ConfigError(f"unknown context-parallel algorithm '{algorithm}': use one of {ALGORITHMS}")
         if block_kernel not in KERNEL_CHOICES:
@@ -580,8 +564,8 @@ class ContextParallelAttention:
         self.mesh, self.algorithm, self.block_kernel = mesh, algorithm, block_kernel
         self._attention = ring_attention if algorithm == "p2p" else allgather_kv_attention
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout: float,
-                 document_ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout: float,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         if k.shape[-2] != q.shape[-2]:
             raise NotImplementedError(
                 "context-parallel attention has no KV cache; generate with a model built without context parallelism"
@@ -594,28 +578,5 @@ class ContextParallelAttention:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         return self._attention(q, k, v, self.mesh, True, document_ids, self.block_kernel).transpose(1, 2)
 
-    def __repr__(self) -> str:
-        return f"ContextParallelAttention(cp={self.mesh.cp_size}, algorithm={self.algorithm}, block_kernel={self.block_kernel})"
-
-
-def apply_context_parallel(model: nn.Module, mesh: Mesh, algorithm: str = "p2p", block_kernel: str = "auto") -> nn.Module:
-    """Route the core attention of every layer of ``model`` (a ``Decoder``, tensor-parallel or not)
-    through cp-wide attention, in place. At cp 1 the model is returned as it is.
-
-    Only attention changes: every other layer works on whatever tokens it is given, and the
-    batch's ``position_ids`` (from ``shard_batch_for_cp``) place them in the sequence.
-    """
-    if mesh.cp_size == 1:
-        return model
-    if model.cfg.attention_dropout > 0:
-        raise ConfigError("attention dropout is not supported with context parallelism; set --attention-dropout 0")
-    core = ContextParallelAttention(mesh, algorithm, block_kernel)
-    for layer in model.layers:
-        attn = layer.self_attention
-        if not callable(getattr(attn, "core_attention", None)):
-            raise NotImplementedError(
-                f"{type(attn).__name__} has no core_attention(q, k, v, mask, dropout) to replace; context "
-                f"parallelism needs one"
-            )
-        attn.core_attention = core
-    return model
+    def extra_repr(self) -> str:
+        return f"cp={self.mesh.cp_size}, algorithm={self.algorithm}, block_kernel={self.block_kernel}"

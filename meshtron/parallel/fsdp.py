@@ -25,14 +25,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshtron.config import ConfigError
+from meshtron.errors import ConfigError
+from meshtron.models.contract import ParamMeta
 from meshtron.optim.optimizer import MixedPrecisionOptimizer, build_param_groups, optimizer_settings
 from meshtron.parallel.mesh import Mesh
 
 try:  # torch >= 2.6
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 except ImportError:  # torch 2.4 / 2.5
-    from torch.distributed._composable.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed._composable.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 
 def apply_fsdp(
@@ -57,9 +58,12 @@ def apply_fsdp(
     device_type = next(model.parameters()).device.type
     device_mesh = DeviceMesh.from_group(mesh.dp_cp_group, device_type)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    for block in model.layers:
+    for block in model.blocks():
         fully_shard(block, mesh=device_mesh, mp_policy=policy)
     fully_shard(model, mesh=device_mesh, mp_policy=policy)
+    # The runner enters the model through ``run_stage``, not ``forward``: FSDP's root hooks
+    # (gather the embedding, norm and output layer; reduce their gradients) must run around it.
+    register_fsdp_forward_method(model, "run_stage")
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -104,7 +108,9 @@ class FSDPOptimizer(MixedPrecisionOptimizer):
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
-def build_fsdp_optimizer(model: nn.Module, train_cfg: Any, compute_dtype: torch.dtype = torch.float32) -> FSDPOptimizer:
+def build_fsdp_optimizer(model: nn.Module, train_cfg: Any, compute_dtype: torch.dtype = torch.float32,
+                         metas: dict[str, ParamMeta] | None = None) -> FSDPOptimizer:  # fmt: skip
     """The optimizer for a model that went through ``apply_fsdp`` (same weight-decay groups as
     ``build_optimizer``; ``compute_dtype``, FSDP's ``param_dtype``, picks the loss scaler)."""
-    return FSDPOptimizer(build_param_groups(model, train_cfg.weight_decay), **optimizer_settings(train_cfg, compute_dtype), grads=FSDPGrads(model))
+    groups = build_param_groups(model, train_cfg.weight_decay, metas)
+    return FSDPOptimizer(groups, **optimizer_settings(train_cfg, compute_dtype), grads=FSDPGrads(model), metas=metas)

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from meshtron.config import ConfigError, ParallelConfig
+from meshtron.config import ParallelConfig
+from meshtron.errors import ConfigError
 
 # Every group the mesh builds, in the order every rank creates them (new_group is collective).
 GROUP_DIMS = ("tp", "cp", "dp", "pp", "dp_cp", "ep", "edp")
@@ -201,9 +202,6 @@ class Mesh:
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
 
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp - 1
 
 
 def launch_env() -> tuple[int, int, int]:

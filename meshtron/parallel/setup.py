@@ -4,83 +4,96 @@ asks for parallelism, so a reader can see every transformation in order."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
 
-from meshtron.config import Config, pipeline_virtual_size
+from meshtron.config import Config, ParallelConfig, TrainConfig, virtual_stages
 from meshtron.kernels.fp8 import apply_fp8, check_fp8_device
 from meshtron.kernels.grad_accum_fusion import apply_gradient_accumulation_fusion
 from meshtron.models import build_model
-from meshtron.optim.optimizer import build_optimizer
-from meshtron.parallel.apply import apply_tensor_parallel, check_model_fits
-from meshtron.parallel.context_parallel import apply_context_parallel
+from meshtron.models.contract import ModelFamily
+from meshtron.optim.build import build_optimizer
 from meshtron.parallel.fsdp import apply_fsdp, build_fsdp_optimizer
 from meshtron.parallel.mesh import Mesh
-from meshtron.parallel.pipeline import PipelineStage, build_stage_modules
+from meshtron.parallel.pipeline import build_stages
+from meshtron.parallel.plan import parallelize
+from meshtron.parallel.runner import Runner
 
 
-def build_parallel_model_and_optimizer(
-    cfg: Config, mesh: Mesh, vocab_size: int, device: torch.device, dtype: torch.dtype
-) -> tuple[nn.Module, object, list[PipelineStage] | None]:
-    """Full model from the seed on every rank (layout-invariant init), then in order: tensor (and
-    sequence) parallelism, FP8 linears (on the sharded layers), gradient-accumulation fusion (the
-    linears FP8 left), context parallelism, the pipeline split (this rank's stages; the model
-    keeps only their parameters), torch.compile of each block (last, so it traces the final
-    modules; compilation itself waits for the first call), and
-    either FSDP2 or the (distributed) optimizer with data-parallel gradient buckets. Returns
-    (model, optimizer, stages or None without pp)."""
-    p = cfg.parallel
-    if cfg.model.fp8_format:
+def build_runner(cfg: Config, mesh: Mesh, vocab_size: int, device: torch.device, dtype: torch.dtype) -> Runner:
+    """The model of ``cfg`` on every rank from the seed (layout-invariant init), made ready to
+    train on ``mesh`` by ``runner_for``, with the kernel options of the config (FP8 linears,
+    gradient-accumulation fusion, torch.compile per block) applied to this rank's blocks. Shapes
+    were checked against the layout by ``meshtron.validation`` before any process group existed."""
+    m = cfg.model
+    if m.fp8_format:
         check_fp8_device(device)  # before anything is allocated
     if cfg.train.gemm_tuning:
         enable_gemm_tuning(cfg, device)
-    sequence_parallel = p.sequence_parallel and mesh.tp > 1
-    check_model_fits(cfg.model, mesh, seq_length=cfg.data.seq_length, sequence_parallel=sequence_parallel, vocab_size=vocab_size)
     torch.manual_seed(cfg.train.seed)
     with torch.device(device):  # initialize where it will train: fast on a GPU
-        model = build_model(cfg.model, vocab_size, cfg.data.seq_length)
-    if mesh.tp > 1:
-        model = apply_tensor_parallel(model, mesh, sequence_parallel)
-    if cfg.model.fp8_format:
-        apply_fp8(model.layers, cfg.model.fp8_format, cfg.model.fp8_backend)
-    if cfg.train.gradient_accumulation_fusion:
-        apply_gradient_accumulation_fusion(model.layers)
-    if mesh.cp > 1:
-        # The ring's per-block kernel follows --attention-backend where it names one of its kernels.
-        block_kernel = cfg.model.attention_backend if cfg.model.attention_backend in ("math", "flash", "cudnn") else "auto"
-        apply_context_parallel(model, mesh, p.cp_comm_type, block_kernel)
-    stages = None
-    if mesh.pp > 1:
-        stages = build_stage_modules(
-            model, mesh, pipeline_virtual_size(cfg), p.first_pipeline_stage_layers or None, p.last_pipeline_stage_layers or None,
-            p.account_for_embedding_in_pipeline_split, p.account_for_loss_in_pipeline_split,
-        )
-    if cfg.train.compile:
-        compile_blocks(model)
-    if p.fsdp and mesh.dp_cp_size > 1:
+        model = build_model(m, vocab_size, cfg.data.seq_length)
+
+    def prepare_blocks(blocks: nn.Module) -> None:
+        # FP8 first (on the sharded layers), fusion on the linears FP8 left, compile last so it
+        # traces the final modules (compilation itself waits for the first call).
+        if m.fp8_format:
+            apply_fp8(blocks, m.fp8_format, m.fp8_backend)
+        if cfg.train.gradient_accumulation_fusion:
+            apply_gradient_accumulation_fusion(blocks)
+        if cfg.train.compile:
+            compile_blocks(blocks)
+
+    # The ring's per-block kernel follows --attention-backend where it names one of its kernels.
+    block_kernel = m.attention_backend if m.attention_backend in ("math", "flash", "cudnn") else "auto"
+    return runner_for(model, mesh, cfg.parallel, cfg.train, dtype, block_kernel, prepare_blocks)
+
+
+def runner_for(model: ModelFamily, mesh: Mesh, parallel: ParallelConfig, train: TrainConfig, dtype: torch.dtype,
+               cp_block_kernel: str = "auto", prepare_blocks: Callable[[nn.Module], None] | None = None) -> Runner:  # fmt: skip
+    """Make ``model`` (any model family, the same full model on every rank) train on ``mesh``, in
+    order: its parallel plan over tp (and sp) and cp, the pipeline split (this rank's stages; the
+    model keeps only their parameters), ``prepare_blocks`` on the blocks this rank kept, and either
+    FSDP2 or the (distributed) optimizer with data-parallel gradient buckets."""
+    sequence_parallel = parallel.sequence_parallel and mesh.tp > 1
+    metas = parallelize(model, mesh, sequence_parallel, parallel.cp_comm_type, cp_block_kernel)
+    virtual = virtual_stages(parallel, len(model.blocks()))
+    stages = build_stages(
+        model, metas, mesh, virtual, parallel.first_pipeline_stage_layers or None, parallel.last_pipeline_stage_layers or None,
+        parallel.account_for_embedding_in_pipeline_split, parallel.account_for_loss_in_pipeline_split,
+    )  # fmt: skip
+    if prepare_blocks is not None:
+        prepare_blocks(model.blocks())
+    if parallel.fsdp and mesh.dp_cp_size > 1:
         # FSDP2 keeps fp32 sharded parameters as the master weights and casts to ``dtype`` to compute.
         model = apply_fsdp(model, mesh, param_dtype=dtype)
-        return model, build_fsdp_optimizer(model, cfg.train, dtype), stages
-    model.to(dtype=dtype)
-    optimizer = build_optimizer(model, cfg.train, dtype, mesh=mesh, distributed=p.use_distributed_optimizer, bucket_size=p.ddp_bucket_size)
-    return model, optimizer, stages
+        optimizer = build_fsdp_optimizer(model, train, dtype, metas)
+    else:
+        model.to(dtype=dtype)
+        groups = {dim: mesh.group(dim) if mesh.size(dim) > 1 else None for dim in ("dp_cp", "tp", "pp")}
+        optimizer = build_optimizer(model, train, dtype, metas=metas, dp_group=groups["dp_cp"], tp_group=groups["tp"],
+                                    pp_group=groups["pp"], distributed=parallel.use_distributed_optimizer,
+                                    bucket_size=parallel.ddp_bucket_size)  # fmt: skip
+    return Runner(model, metas, stages, optimizer, mesh, dtype, schedule_kind(parallel, virtual), sequence_parallel)
 
 
-def pipeline_schedule_kind(cfg: Config) -> str:
-    """The schedule ``auto`` means: interleaved 1F1B with virtual stages, else 1F1B."""
-    kind = cfg.parallel.pipeline_schedule
-    if kind == "auto":
-        return "interleaved" if pipeline_virtual_size(cfg) > 1 else "1f1b"
+def schedule_kind(parallel: ParallelConfig, virtual: int) -> str:
+    """The schedule ``auto`` means: interleaved 1F1B with virtual stages, else 1F1B. Without
+    pipeline parallelism every schedule is one forward then one backward per micro batch."""
+    kind = parallel.pipeline_schedule
+    if kind == "auto" or parallel.pipeline_parallel == 1:
+        return "interleaved" if virtual > 1 else "1f1b"
     return kind
 
 
-def compile_blocks(model: nn.Module, backend: str = "inductor") -> None:
+def compile_blocks(blocks: nn.Module, backend: str = "inductor") -> None:
     """``torch.compile`` each transformer block in place (``nn.Module.compile``: names, state dict
     and checkpoints unchanged). Per block rather than whole model: the blocks are identical, so one
     compiled graph serves all of them, compile time does not grow with depth, and activation
     recompute and the pipeline schedules keep calling blocks one by one."""
-    for block in model.layers.children():  # a ModuleList, or a ModuleDict after the pipeline split
+    for block in blocks.children():  # a ModuleList, or a ModuleDict after the pipeline split
         block.compile(backend=backend)
 
 

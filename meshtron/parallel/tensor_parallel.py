@@ -142,11 +142,6 @@ def scatter_to_sequence_parallel(x: torch.Tensor, group, dim: int = SEQ_DIM) -> 
     return _paired(x, _split, _all_gather, group, dim)
 
 
-def gather_from_sequence_parallel(x: torch.Tensor, group, dim: int = SEQ_DIM) -> torch.Tensor:
-    """Shards -> a replicated full sequence for replicated compute; backward keeps this rank's slice."""
-    return _paired(x, _all_gather, _split, group, dim)
-
-
 # ---------------------------------------------------------------------- layers
 
 
@@ -252,6 +247,45 @@ class VocabParallelEmbedding(nn.Module):
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, rows {self.vocab_start}.."
                 f"{self.vocab_start + self.weight.shape[0] - 1}, sequence_parallel={self.sequence_parallel}")  # fmt: skip
+
+
+class SequenceScatterEmbedding(nn.Embedding):
+    """An embedding every tp rank holds whole (learned positions) whose output, under sequence
+    parallelism, is cut to this rank's sequence shard to match the vocabulary embedding's
+    reduce-scattered output; the cut's backward gathers, so the gradient is complete on every rank.
+    Takes over the original module's weight (same parameter, same name)."""
+
+    def __init__(self, embedding: nn.Embedding, group):
+        nn.Module.__init__(self)
+        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        self.padding_idx, self.max_norm, self.norm_type = None, None, 2.0
+        self.scale_grad_by_freq, self.sparse = False, False
+        self.weight = embedding.weight
+        self.group = group
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        out = super().forward(positions)
+        return scatter_to_sequence_parallel(out, self.group, dim=out.dim() - 2)
+
+
+class VocabParallelOutputLayer(nn.Module):
+    """The output layer with the vocabulary split over tp: this rank's rows of the projection
+    (its own ``weight`` untied, else the vocabulary-parallel embedding's shard given at call
+    time), logits kept sharded and the loss computed on the shards, so the [b, s, V] logits exist
+    only when they are asked for (generation)."""
+
+    def __init__(self, group, sequence_parallel: bool, fused_kernels: str = "auto"):
+        super().__init__()
+        self.group, self.sequence_parallel, self.fused_kernels = group, sequence_parallel, fused_kernels
+        self.weight: nn.Parameter | None = None
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None,
+                tied_weight: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        weight = self.weight if self.weight is not None else tied_weight
+        logits_shard = column_parallel_linear(hidden, weight, None, self.group, self.sequence_parallel)
+        if labels is None:
+            return gather_from_tp_region(logits_shard, self.group)
+        return vocab_parallel_cross_entropy(logits_shard.float(), labels, self.group)
 
 
 # ---------------------------------------------------------------------- loss

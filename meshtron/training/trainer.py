@@ -1,7 +1,8 @@
 """The training loop: global batches of micro batches, schedule, logging, evaluation, checkpoints.
 
-It knows nothing of how the model is parallelized: it asks the model for per-token losses,
-the optimizer for a step, and the checkpoint module to save and load.
+It knows nothing of the model or of how it is parallelized: it moves the dataset's batches to
+the device, asks the runner (``meshtron.parallel.runner``) to run them forward and backward, the
+optimizer for a step, and the checkpoint module to save and load.
 """
 
 from __future__ import annotations
@@ -19,18 +20,14 @@ import torch
 import torch.distributed as dist
 
 from meshtron.checkpoint.checkpoint import load_checkpoint, save_checkpoint
-from meshtron.config import Config, pipeline_virtual_size, validate
+from meshtron.config import Config
+from meshtron.validation import validate
 from meshtron.data.builder import MicroBatchIterator, build_datasets
 from meshtron.data.tokenizers import build_tokenizer
-from meshtron.models import padded_vocab_size
-from meshtron.models.decoder import parameter_count
+from meshtron.models import padded_vocab_size, parameter_count
 from meshtron.optim.lr_schedule import LRSchedule
-from meshtron.parallel.apply import check_model_fits, finalize_tensor_parallel_grads
-from meshtron.parallel.context_parallel import shard_batch_for_cp
-from meshtron.parallel.mesh import Mesh, init_distributed
-from meshtron.parallel.pipeline import allreduce_tied_embedding_grads, forward_backward, pipeline_loss
-from meshtron.parallel.pipeline_schedules import bubble_fraction
-from meshtron.parallel.setup import build_parallel_model_and_optimizer, pipeline_schedule_kind
+from meshtron.parallel.mesh import init_distributed
+from meshtron.parallel.setup import build_runner
 from meshtron.training.metrics import IntervalMeter, TensorBoardWriter, device_ceiling_tflops, format_log_line, model_flops_per_token
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -82,10 +79,7 @@ class Trainer:
     """Builds every part from one config, then ``run()`` trains until an exit condition."""
 
     def __init__(self, cfg: Config, log: Callable[[str], None] = print):
-        validate(cfg)
-        # The model's shapes against the layout, before any process group or GPU is touched.
-        layout = Mesh.from_config(cfg.parallel)
-        check_model_fits(cfg.model, layout, seq_length=cfg.data.seq_length, sequence_parallel=cfg.parallel.sequence_parallel and layout.tp > 1)
+        validate(cfg)  # every rule, the layout's included, before any process group or GPU is touched
         self.cfg, self.log = cfg, log
         t = cfg.train
         self.device = resolve_device(t.device)
@@ -112,7 +106,8 @@ class Trainer:
             max(cfg.model.vocab_size, base_vocab), cfg.model.make_vocab_size_divisible_by, cfg.parallel.tensor_parallel
         )
         self.dtype = PRECISION_DTYPES[self.precision]
-        self.model, self.optimizer, self.stages = build_parallel_model_and_optimizer(cfg, self.mesh, self.vocab_size, self.device, self.dtype)
+        self.runner = build_runner(cfg, self.mesh, self.vocab_size, self.device, self.dtype)
+        self.model, self.optimizer = self.runner.model, self.runner.optimizer
         self.schedule = LRSchedule.from_config(t)
         self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * self.mesh.dp)
 
@@ -125,6 +120,7 @@ class Trainer:
                 load_rng=not cfg.checkpoint.no_load_rng,
                 mesh=self.mesh,
                 load_optim=not cfg.checkpoint.no_load_optim,
+                metas=self.runner.metas,
             )
             if meta is None:
                 log(f"no checkpoint in {cfg.checkpoint.load} yet: starting from scratch")
@@ -155,91 +151,43 @@ class Trainer:
             f"{self.num_micro_batches} micro batches of {t.micro_batch_size} x {cfg.data.seq_length} tokens per step; "
             f"MFU ceiling: {ceiling_source}"
         )
-        if self.stages is not None:
-            kind, virtual = pipeline_schedule_kind(cfg), pipeline_virtual_size(cfg)
-            bubble = bubble_fraction(kind, self.mesh.pp, self.num_micro_batches, virtual)
-            log(f"pipeline: {kind} schedule, pp {self.mesh.pp} x {virtual} virtual stages, {self.num_micro_batches} micro batches: theoretical bubble {100 * bubble:.1f}%")
+        if self.mesh.pp > 1:
+            log(self.runner.describe(self.num_micro_batches))
         log(f"optimizer state on this rank: {self.optimizer.memory_bytes() / 2**20:.1f} MiB" if hasattr(self.optimizer, "memory_bytes") else "optimizer state: sharded by FSDP2")
         self._stop_requested = False
 
     # ------------------------------------------------------------------ steps
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Move a micro batch to the device; with context parallelism keep this rank's chunks."""
-        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-        return shard_batch_for_cp(batch, self.mesh) if self.mesh.cp > 1 else batch
-
-    def _micro_batch_loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Sum of masked per-token losses of one micro batch (fp32)."""
-        per_token = self.model(
-            batch["tokens"],
-            position_ids=batch.get("position_ids"),
-            document_ids=batch.get("document_ids"),
-            labels=batch["labels"],
-        )
-        return (per_token * batch["loss_mask"]).sum()
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def _batches(self, dataset, consumed_samples: int, num_workers: int = 0) -> MicroBatchIterator:
         """This data-parallel rank's micro batches (tp/cp ranks of one dp rank read the same ones)."""
         return MicroBatchIterator(dataset, self.cfg.train.micro_batch_size, consumed_samples, self.mesh.dp_rank, self.mesh.dp, num_workers=num_workers)
 
-    def _sum_over_data_parallel(self, value: torch.Tensor) -> torch.Tensor:
-        if self.mesh.dp_cp_size > 1:
-            dist.all_reduce(value, group=self.mesh.dp_cp_group)
-        return value
-
     def train_step(self) -> tuple[float, object]:
-        """One optimizer step over a global batch; the loss is the token-weighted mean of the batch.
-
-        Each micro batch's masked loss sum is divided by the token count of the whole global batch
-        (all data-parallel ranks), so gradients summed over ranks equal the one-process gradient.
-        Gradients are reduced during the last micro batch's backward only.
-        """
+        """One optimizer step over a global batch; the loss is the mean over the global batch (per
+        token for a language model: each micro batch's loss sum divided by the count of the whole
+        batch, so gradients summed over data-parallel ranks equal the one-process gradient)."""
         batches = [self._to_device(next(self.train_batches)) for _ in range(self.num_micro_batches)]
-        num_tokens = self._sum_over_data_parallel(sum(b["loss_mask"].sum() for b in batches)).clamp(min=1)
         self.optimizer.zero_grad()
-        if self.stages is None:
-            total = torch.zeros((), device=self.device)
-            for i, batch in enumerate(batches):
-                last = i == len(batches) - 1
-                with contextlib.nullcontext() if last else self.optimizer.no_sync():
-                    loss = self._micro_batch_loss_sum(batch) / num_tokens
-                    self.optimizer.scale_loss(loss).backward()
-                total += loss.detach()
-        else:
-            losses = forward_backward(
-                pipeline_schedule_kind(self.cfg), self.stages, batches, self.mesh,
-                lambda per_token, batch: (per_token * batch["loss_mask"]).sum() / num_tokens, self.dtype,
-                scale_loss=self.optimizer.scale_loss, no_sync=self.optimizer.no_sync,
-            )  # fmt: skip
-            total = pipeline_loss(losses, self.mesh, self.device)
-        self.optimizer.finish_grad_sync()
-        finalize_tensor_parallel_grads(self.model, self.mesh)
-        if self.stages is not None:
-            allreduce_tied_embedding_grads(self.stages, self.mesh)
+        loss = self.runner.forward_backward(batches)
+        self.runner.finalize_grads()
         result = self.optimizer.step(self.schedule.lr_at(self.iteration))
-        return self._sum_over_data_parallel(total).item(), result
+        return (loss.total / loss.count).item(), result
 
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over ``eval_iters`` global batches of the validation split (same batches each time)."""
         self.model.eval()
         batches = self._batches(self.valid_data, 0)
-        loss_sum = torch.zeros((), device=self.device)
-        tokens = torch.zeros((), device=self.device)
+        total = torch.zeros((), device=self.device)
+        count = torch.zeros((), device=self.device)
         for _ in range(self.cfg.logging.eval_iters):
-            micro = [self._to_device(next(batches)) for _ in range(self.num_micro_batches)]
-            tokens += sum(b["loss_mask"].sum() for b in micro)
-            if self.stages is None:
-                loss_sum += sum(self._micro_batch_loss_sum(b) for b in micro)
-            else:
-                losses = forward_backward(
-                    pipeline_schedule_kind(self.cfg), self.stages, micro, self.mesh,
-                    lambda per_token, batch: (per_token * batch["loss_mask"]).sum(), self.dtype, forward_only=True,
-                )  # fmt: skip
-                loss_sum += pipeline_loss(losses, self.mesh, self.device)
+            loss = self.runner.forward_backward([self._to_device(next(batches)) for _ in range(self.num_micro_batches)], forward_only=True)
+            total, count = total + loss.total, count + loss.count
         self.model.train()
-        return (self._sum_over_data_parallel(loss_sum) / self._sum_over_data_parallel(tokens).clamp(min=1)).item()
+        return (total / count.clamp(min=1)).item()
 
     def _setup_data_source_once(self) -> list[str] | None:
         """The embedded corpus is built by rank 0 first; the others then find it ready."""
@@ -267,7 +215,8 @@ class Trainer:
             "lr_schedule": self.schedule.state_dict(),
         }
         start = time.perf_counter()
-        save_checkpoint(str(save_dir), self.iteration, self.model, self.optimizer, meta, mesh=self.mesh, save_optim=not ckpt.no_save_optim)
+        save_checkpoint(str(save_dir), self.iteration, self.model, self.optimizer, meta, mesh=self.mesh,
+                        save_optim=not ckpt.no_save_optim, metas=self.runner.metas)  # fmt: skip
         self.log(f"saved checkpoint at iteration {self.iteration} to {save_dir} in {time.perf_counter() - start:.2f}s")
 
     def _copy_tokenizer_files(self, save_dir: Path) -> dict[str, str]:
@@ -342,7 +291,7 @@ class Trainer:
             self.tensorboard.close()
             self.train_batches.close()
         result.iteration = self.iteration
-        if logc.generate_prompt and self.tokenizer is not None and self.stages is None:
+        if logc.generate_prompt and self.tokenizer is not None:
             result.sample = self.sample(logc.generate_prompt, logc.generate_tokens)
             self.log(f"sample: {result.sample!r}")
         return result

@@ -33,20 +33,14 @@ from launcher import run_distributed
 from meshtron.config import ModelConfig
 from meshtron.layers.attention import attention_mask, math_attention
 from meshtron.models import build_model
-from meshtron.parallel.apply import (
-    apply_tensor_parallel,
-    finalize_tensor_parallel_grads,
-    gather_full,
-)
 from meshtron.parallel.context_parallel import (
     allgather_kv_attention,
-    apply_context_parallel,
     cp_token_index,
     ring_attention,
     shard_batch_for_cp,
-    unshard_sequence,
 )
 from meshtron.parallel.mesh import Mesh
+from meshtron.parallel.plan import finalize_tensor_parallel_grads, gather_full, parallelize
 
 SEED, VOCAB, SEQ, BATCH = 1234, 128, 32, 2
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 16
@@ -114,6 +108,20 @@ KERNELS = {"math": "math", "reference": ReferenceKernel}
 # ---------------------------------------------------------------------- data
 
 
+def unshard_sequence(x: torch.Tensor, mesh: Mesh, dim: int = 1) -> torch.Tensor:
+    """The inverse of the sharding: every cp rank's part of ``x`` put back in sequence order
+    (per-token losses, for logging or a test). Collective over cp; not differentiable."""
+    if mesh.cp_size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(mesh.cp_size)]
+    dist.all_gather(parts, x.contiguous(), group=mesh.cp_group)
+    seq_len = x.shape[dim] * mesh.cp_size
+    index = torch.cat([cp_token_index(seq_len, mesh.cp_size, r, x.device) for r in range(mesh.cp_size)])
+    shape = list(x.shape)
+    shape[dim] = seq_len
+    return x.new_empty(shape).index_copy_(dim, index, torch.cat(parts, dim=dim))
+
+
 def _attention_inputs() -> dict[str, torch.Tensor]:
     """Whole-sequence q, k, v, an upstream gradient and three packed documents per sequence."""
     g = torch.Generator().manual_seed(5)
@@ -166,22 +174,21 @@ def _attention_case(mesh: Mesh, algorithm: str, causal: bool, documents: bool, k
 
 
 def _model_case(mesh: Mesh, name: str, algorithm: str, sequence_parallel: bool) -> dict[str, object]:
-    model = apply_tensor_parallel(_model(name), mesh, sequence_parallel)
-    apply_context_parallel(model, mesh, algorithm)
+    model = _model(name)
+    metas = parallelize(model, mesh, sequence_parallel, cp_algorithm=algorithm)
     batch = {k: t.chunk(mesh.dp_size)[mesh.dp_rank] for k, t in _batch(name).items()}
     local = shard_batch_for_cp(batch, mesh)
     num_tokens = local["loss_mask"].sum()
     dist.all_reduce(num_tokens, group=mesh.dp_cp_group)
     per_token, loss = _loss(model, local, num_tokens)
     loss.backward()
-    finalize_tensor_parallel_grads(model, mesh)
+    finalize_tensor_parallel_grads({n: p.grad for n, p in model.named_parameters()}, metas, mesh)
     global_loss = loss.detach().clone()
     dist.all_reduce(global_loss, group=mesh.dp_cp_group)
     grads = {}
     for n, p in model.named_parameters():
         dist.all_reduce(p.grad, group=mesh.dp_cp_group)  # the data-parallel buffer's job
-        shard = getattr(p, "tp_shard", None)
-        grads[n] = p.grad if shard is None or mesh.tp_size == 1 else gather_full(p.grad, shard, mesh)
+        grads[n] = gather_full(p.grad, metas[n], mesh)
     return {"losses": unshard_sequence(per_token.detach(), mesh), "loss": global_loss, "grads": grads}
 
 

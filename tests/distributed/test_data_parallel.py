@@ -13,6 +13,8 @@ This module also holds the harness the distributed-optimizer and FSDP tests shar
 
 from __future__ import annotations
 
+import dataclasses
+
 import contextlib
 import functools
 
@@ -26,7 +28,9 @@ from meshtron.kernels.grad_accum_fusion import apply_gradient_accumulation_fusio
 from meshtron.models import build_model
 from meshtron.optim.lr_schedule import LRSchedule
 from meshtron.optim.loss_scaler import ConstantLossScaler
-from meshtron.optim.optimizer import MixedPrecisionOptimizer, build_optimizer, build_param_groups
+from meshtron.models.contract import default_meta
+from meshtron.optim.build import build_optimizer
+from meshtron.optim.optimizer import MixedPrecisionOptimizer, build_param_groups
 from meshtron.parallel.mesh import Mesh
 
 SEED, VOCAB, SEQ = 1234, 128, 16
@@ -152,8 +156,8 @@ def _ddp_worker(rank: int, world_size: int, fuse_wgrad: bool = False) -> dict:
     mesh = dp_mesh(rank)
     model = make_model()
     if fuse_wgrad:
-        apply_gradient_accumulation_fusion(model.layers)
-    opt = build_optimizer(model, TRAIN, torch.float32, mesh=mesh, bucket_size=BUCKET)
+        apply_gradient_accumulation_fusion(model.blocks())
+    opt = build_optimizer(model, TRAIN, torch.float32, dp_group=mesh.dp_cp_group, bucket_size=BUCKET)
     out = train(model, opt, range(STEPS), rank, DP, MICRO_BATCHES, mesh.dp_group)
     out["stats"] = opt.grads.stats
     # A second synced backward in one step would reduce its buckets twice: it must be refused.
@@ -176,12 +180,14 @@ def _full_batch_loss(model) -> torch.Tensor:
 
 
 def _norm_with_tp_group() -> float:
-    """The grad norm when the world is passed as the tensor-parallel group and the embedding is
-    marked as split over it (``tp_shard``); every rank computes the same gradients."""
+    """The grad norm when the world is passed as the tensor-parallel group and the embedding's
+    record says it is split over it; every rank computes the same gradients."""
     model = make_model()
-    model.embedding.weight.tp_shard = True
+    tp = dict(tp_size=DP, tp_rank=dist.get_rank())
+    metas = {n: dataclasses.replace(default_meta(n, p), **tp) for n, p in model.named_parameters()}
+    metas["embedding.weight"] = dataclasses.replace(metas["embedding.weight"], tp_dim=0)
     opt = MixedPrecisionOptimizer(build_param_groups(model, 0.0), lr=0.0, betas=(0.9, 0.95), eps=1e-8, clip_grad=0.0,
-                                  loss_scaler=ConstantLossScaler(1.0), tp_group=dist.group.WORLD)  # fmt: skip
+                                  loss_scaler=ConstantLossScaler(1.0), metas=metas, tp_group=dist.group.WORLD)  # fmt: skip
     opt.zero_grad()
     _full_batch_loss(model).backward()
     return opt.step(0.0).grad_norm

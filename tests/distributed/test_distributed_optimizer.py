@@ -21,7 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from launcher import run_distributed
-from meshtron.optim.optimizer import build_optimizer
+from meshtron.optim.build import build_optimizer
 from test_data_parallel import (
     BUCKET,
     DP,
@@ -41,7 +41,7 @@ RESUME_AT = 3
 
 
 def _dist_opt(model, mesh, dtype=torch.float32):
-    return build_optimizer(model, TRAIN, dtype, mesh=mesh, distributed=True, bucket_size=BUCKET)
+    return build_optimizer(model, TRAIN, dtype, dp_group=mesh.dp_cp_group, distributed=True, bucket_size=BUCKET)
 
 
 def _worker(rank: int, world_size: int, ckpt_dir: str) -> dict:

@@ -11,17 +11,12 @@ import pytest
 import torch
 
 from launcher import run_distributed
-from meshtron.config import ModelConfig, ParallelConfig
+from meshtron.checkpoint.layout import full_state, load_full_state
+from meshtron.config import ModelConfig, ParallelConfig, TrainConfig
 from meshtron.models import build_model
-from meshtron.parallel.apply import (
-    apply_tensor_parallel,
-    finalize_tensor_parallel_grads,
-    full_state_dict,
-    gather_full,
-    grad_norm_squared,
-    shard_state_dict,
-)
+from meshtron.optim.build import build_optimizer
 from meshtron.parallel.mesh import Mesh
+from meshtron.parallel.plan import finalize_tensor_parallel_grads, gather_full, parallelize
 
 SEED, VOCAB, SEQ, BATCH = 1234, 256, 16, 2
 RTOL = 1e-5
@@ -82,24 +77,25 @@ def _tp_worker(rank: int, world_size: int) -> dict[str, dict[str, object]]:
     mesh.init_process_groups()
     out = {}
     for name, sp in CASES:
-        model = apply_tensor_parallel(_model(CONFIGS[name]), mesh, sequence_parallel=sp)
+        model = _model(CONFIGS[name])
+        metas = parallelize(model, mesh, sequence_parallel=sp)
+        # The optimizer's step reports the gradient norm it counts (each value once over tp).
+        optimizer = build_optimizer(model, TrainConfig(clip_grad=0.0), torch.float32, metas=metas, tp_group=mesh.tp_group)
         batch = _batch(name)
         losses = _run(model, batch)
-        finalize_tensor_parallel_grads(model, mesh)
-        params = list(model.parameters())
-        norm = grad_norm_squared(params, [p.grad for p in params], mesh).sqrt()
-        grads = {}
-        for n, p in model.named_parameters():
-            shard = getattr(p, "tp_shard", None)
-            grads[n] = p.grad if shard is None else gather_full(p.grad, shard, mesh)
+        grads = {n: p.main_grad for n, p in model.named_parameters()}
+        finalize_tensor_parallel_grads(grads, metas, mesh)
+        full_grads = {n: gather_full(g.clone(), metas[n], mesh) for n, g in grads.items()}
+        norm = torch.tensor(optimizer.step(lr=0.0).grad_norm)
         with torch.no_grad():
             logits = model(batch["tokens"], position_ids=batch["position_ids"])
         # Resharding: a model from another seed, loaded with this layout's slices of the full
         # weights, must give back exactly those weights.
-        other = apply_tensor_parallel(_model(CONFIGS[name], seed=SEED + 1), mesh, sequence_parallel=sp)
-        other.load_state_dict(shard_state_dict(full_state_dict(model, mesh), other))
-        out[f"{name}/sp={sp}"] = {"losses": losses, "logits": logits, "grads": grads, "norm": norm,
-                                "state": full_state_dict(other, mesh)}  # fmt: skip
+        other = _model(CONFIGS[name], seed=SEED + 1)
+        other_metas = parallelize(other, mesh, sequence_parallel=sp)
+        load_full_state(full_state(model, None, mesh, False, metas), other, None, False, other_metas)
+        out[f"{name}/sp={sp}"] = {"losses": losses, "logits": logits, "grads": full_grads, "norm": norm,
+                                "state": full_state(other, None, mesh, False, other_metas)["model"]}  # fmt: skip
     return out
 
 

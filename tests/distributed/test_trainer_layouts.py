@@ -62,7 +62,7 @@ RESUMED = {2: "fsdp_dp2", 4: "pp4_1f1b", 8: "pp2_tp2_dp2_distopt_sp"}  # layouts
 def _run(flags, tmp=None):
     trainer = Trainer(build_config(None, BASE + flags), log=lambda _: None)
     result = trainer.run()
-    weights = {k: v.clone() for k, v in full_state(trainer.model, trainer.optimizer, trainer.mesh, False)["model"].items()}
+    weights = {k: v.clone() for k, v in full_state(trainer.model, trainer.optimizer, trainer.mesh, False, trainer.runner.metas)["model"].items()}
     return {"losses": result.losses, "grad_norms": result.grad_norms, "weights": weights}
 
 

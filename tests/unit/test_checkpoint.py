@@ -16,7 +16,7 @@ from meshtron.checkpoint.checkpoint import (
 )
 from meshtron.config import TrainConfig
 from meshtron.optim.lr_schedule import LRSchedule
-from meshtron.optim.optimizer import build_optimizer
+from meshtron.optim.build import build_optimizer
 
 CFG = TrainConfig(
     lr=1e-2, min_lr=1e-3, lr_warmup_iters=2, train_iters=10, clip_grad=0.5, initial_loss_scale=256.0, loss_scale_window=1

@@ -21,7 +21,7 @@ def _loss_and_grads(compiled: bool, fp8_format: str = ""):
     if fp8_format:
         fp8.apply_fp8(model.layers, fp8_format, "meshtron")
     if compiled:
-        compile_blocks(model, backend="aot_eager")
+        compile_blocks(model.blocks(), backend="aot_eager")
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     loss = model(tokens, labels=torch.roll(tokens, -1, 1)).mean()
     loss.backward()

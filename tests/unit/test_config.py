@@ -2,7 +2,8 @@
 
 import pytest
 
-from meshtron.config import ConfigError, build_config, parse_overrides, validate
+from meshtron.config import ConfigError, build_config, parse_overrides
+from meshtron.validation import validate
 
 
 def test_megatron_aliases_map_to_fields():
@@ -12,7 +13,8 @@ def test_megatron_aliases_map_to_fields():
         "--lr-warmup-iters", "5", "--train-iters", "50", "--split", "90,9,1", "--bf16", "--clip-grad", "0.5",
         "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights", "--mock-data",
         "--tensor-model-parallel-size", "1",
-    ], validate_now=True)
+    ])
+    validate(cfg)
     assert (cfg.train.micro_batch_size, cfg.train.global_batch_size, cfg.data.seq_length) == (2, 8, 64)
     assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads) == (3, 96, 6)
     assert cfg.train.lr == 1e-4 and cfg.train.min_lr == 1e-5 and cfg.train.lr_warmup_iters == 5
@@ -38,7 +40,7 @@ def test_unknown_flag_suggests_the_closest():
 
 def test_heads_must_divide_hidden():
     with pytest.raises(ConfigError, match="does not divide --hidden-size 100"):
-        build_config(None, ["--hidden-size", "100", "--num-attention-heads", "3", "--mock-data"])
+        validate(build_config(None, ["--hidden-size", "100", "--num-attention-heads", "3", "--mock-data"]))
 
 
 def test_global_batch_must_be_multiple_of_micro_times_dp():
@@ -48,14 +50,14 @@ def test_global_batch_must_be_multiple_of_micro_times_dp():
 
 
 def test_world_size_must_divide_by_model_parallel():
-    cfg = build_config(None, ["--tp", "2", "--pp", "2", "--mock-data"], validate_now=False)
+    cfg = build_config(None, ["--tp", "2", "--pp", "2", "--mock-data"])
     with pytest.raises(ConfigError, match="world size 6 is not a multiple of tp 2 x pp 2"):
         validate(cfg, world_size=6)
 
 
 def test_missing_data_path_names_the_file(tmp_path):
     with pytest.raises(ConfigError, match=r"missing_text_document\.bin' not found"):
-        build_config(None, ["--data-path", str(tmp_path / "missing_text_document"), "--tokenizer-type", "ByteTokenizer"])
+        validate(build_config(None, ["--data-path", str(tmp_path / "missing_text_document"), "--tokenizer-type", "ByteTokenizer"]))
 
 
 def test_bad_value_type_is_named():
@@ -78,7 +80,7 @@ def test_toml_and_yaml_files_with_overrides(tmp_path):
 
 
 def test_preset_fills_defaults_and_explicit_flags_win():
-    cfg = build_config(None, ["--preset", "llama3-8b", "--num-layers", "2", "--mock-data"], validate_now=False)
+    cfg = build_config(None, ["--preset", "llama3-8b", "--num-layers", "2", "--mock-data"])
     assert cfg.model.hidden_size == 4096 and cfg.model.num_query_groups == 8 and cfg.model.num_layers == 2
     with pytest.raises(ConfigError, match="llama3-8b"):
         build_config(None, ["--preset", "llama3-8"])

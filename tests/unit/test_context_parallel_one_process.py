@@ -1,6 +1,6 @@
 """Context parallelism pieces that need no second process: the load-balanced sharding, the ring's
-block math at cp 1 (one block, its own backward) against ``math_attention``, and how
-``apply_context_parallel`` installs itself. The cross-rank behaviour is proven in
+block math at cp 1 (one block, its own backward) against ``math_attention``, and how the
+parallel plan installs it. The cross-rank behaviour is proven in
 tests/distributed/test_context_parallel.py."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from meshtron.models import build_model
 from meshtron.parallel.context_parallel import (
     ContextParallelAttention,
     allgather_kv_attention,
-    apply_context_parallel,
     cp_token_index,
     ring_attention,
     shard_batch_for_cp,
 )
 from meshtron.parallel.mesh import Mesh
+from meshtron.parallel.plan import parallelize
 
 LLAMA = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, normalization="RMSNorm",
                     activation="swiglu", position_embedding_type="rope", add_bias_linear=False)  # fmt: skip
@@ -88,29 +88,24 @@ def test_ring_keeps_bf16_inputs_and_accumulates_in_fp32():
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
 
 
-def test_apply_installs_core_on_every_layer_and_keeps_the_math():
+def test_plan_installs_core_on_every_layer_and_keeps_the_math():
     torch.manual_seed(0)
     model = build_model(LLAMA, 64, 16)
     tokens = torch.randint(0, 64, (2, 16))
     want = model(tokens, labels=tokens)
-    assert apply_context_parallel(model, Mesh()) is model and "core_attention" not in vars(model.layers[0].self_attention)
+    parallelize(model, Mesh())
+    assert all(type(layer.self_attention.core_attention).__name__ == "CoreAttention" for layer in model.layers)
     # A cp 1 mesh stands in for a larger one: the same core, degenerate ring.
-    core = ContextParallelAttention(Mesh())
     for layer in model.layers:
-        layer.self_attention.core_attention = core
+        layer.self_attention.core_attention = ContextParallelAttention(Mesh())
     torch.testing.assert_close(model(tokens, labels=tokens), want, rtol=1e-5, atol=1e-6)
 
-    cp2 = Mesh(cp=2)  # installing needs no process group
-    apply_context_parallel(model, cp2, algorithm="all_gather")
-    installed = {id(layer.self_attention.core_attention) for layer in model.layers}
-    assert len(installed) == 1 and repr(model.layers[1].self_attention.core_attention) == (
-        "ContextParallelAttention(cp=2, algorithm=all_gather, block_kernel=auto)"
-    )
+    parallelize(model, Mesh(cp=2), cp_algorithm="all_gather")  # installing needs no process group
+    cores = [layer.self_attention.core_attention for layer in model.layers]
+    assert all(isinstance(core, ContextParallelAttention) for core in cores)
+    assert repr(cores[1]) == "ContextParallelAttention(cp=2, algorithm=all_gather, block_kernel=auto)"
     with pytest.raises(ConfigError, match="unknown context-parallel algorithm"):
-        apply_context_parallel(model, cp2, algorithm="ring")
-    torch.manual_seed(0)
-    with pytest.raises(ConfigError, match="attention dropout"):
-        apply_context_parallel(build_model(ModelConfig(num_layers=1, attention_dropout=0.1), 64, 16), cp2)
+        parallelize(model, Mesh(cp=2), cp_algorithm="ring")
 
 
 def test_core_refuses_what_it_cannot_do():

@@ -15,14 +15,14 @@ from meshtron.estimate import (
     stage_parameters,
 )
 from meshtron.models import build_model, num_parameters
-from meshtron.optim.optimizer import build_optimizer
+from meshtron.optim.build import build_optimizer
 
 B1 = ["--preset", "llama-1.24b-bench", "--micro-batch-size", "4", "--global-batch-size", "4", "--bf16"]
 
 
 def _b1(*flags: str):
     """The B1 config with ``flags``, not validated against this process's world size."""
-    return build_config(overrides=B1 + list(flags), validate_now=False)
+    return build_config(overrides=B1 + list(flags))
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt"])

@@ -5,7 +5,8 @@ import shlex
 import subprocess
 from pathlib import Path
 
-from meshtron.config import build_config, validate
+from meshtron.config import build_config
+from meshtron.validation import validate
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "llama" / "train_llama.sh"
 
@@ -21,7 +22,7 @@ def test_knobs_become_valid_meshtron_flags():
     assert proc.returncode == 0, proc.stderr
     argv = shlex.split(proc.stdout)
     assert argv[:1] == ["torchrun"] and "--nproc-per-node" in argv
-    cfg = build_config(None, argv[argv.index("train") + 1 :], validate_now=False)
+    cfg = build_config(None, argv[argv.index("train") + 1 :])
     validate(cfg, world_size=8)
     assert cfg.model.rope_scaling == "llama3" and cfg.model.hidden_size == 4096
     assert (cfg.parallel.tensor_parallel, cfg.parallel.pipeline_parallel, cfg.parallel.sequence_parallel) == (2, 2, True)

@@ -8,9 +8,10 @@ import torch
 from torch import nn
 
 from meshtron.config import ConfigError, build_config
+from meshtron.validation import validate
 from meshtron.kernels.grad_accum_fusion import FusedWgradLinear, apply_gradient_accumulation_fusion
 from meshtron.models import build_model
-from meshtron.parallel.data_parallel import GradBuffer
+from meshtron.optim.grad_buffer import GradBuffer
 from meshtron.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 MICRO_BATCHES = 3
@@ -88,4 +89,4 @@ def test_flag_and_refusal_with_compile():
     assert build_config(None, ["--gradient-accumulation-fusion"]).train.gradient_accumulation_fusion
     assert not build_config(None, ["--gradient-accumulation-fusion", "--no-gradient-accumulation-fusion"]).train.gradient_accumulation_fusion
     with pytest.raises(ConfigError, match="--compile"):
-        build_config(None, ["--gradient-accumulation-fusion", "--compile"])
+        validate(build_config(None, ["--gradient-accumulation-fusion", "--compile"]))

@@ -1,4 +1,4 @@
-"""Hugging Face import/export (``meshtron/checkpoint/hf.py``) held to transformers' own logits.
+"""Hugging Face import/export (``meshtron/models/hf.py``) held to transformers' own logits.
 
 Tiny random HF models are built here (no download), imported, and must give the logits HF gives
 on the same tokens in fp32; exported back, transformers must load them and agree again.
@@ -14,7 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from meshtron.checkpoint.checkpoint import CheckpointError, load_checkpoint, read_meta  # noqa: E402
-from meshtron.checkpoint.hf import export_hf, fuse_qkv, import_hf, split_qkv  # noqa: E402
+from meshtron.models.hf import export_hf, fuse_qkv, import_hf, split_qkv  # noqa: E402
 from meshtron.cli import main as cli_main  # noqa: E402
 from meshtron.config import Config  # noqa: E402
 from meshtron.data.tokenizers import train_bpe_tokenizer  # noqa: E402

@@ -7,6 +7,7 @@ import torch
 
 from meshtron import kernels
 from meshtron.config import ConfigError, build_config
+from meshtron.validation import validate
 from meshtron.kernels.cross_entropy import default_chunk_size, linear_cross_entropy
 from meshtron.models import build_model
 
@@ -31,7 +32,7 @@ def test_fused_kernel_and_recompute_flags():
     for bad in (["--recompute-granularity", "some"], ["--recompute-method", "x"], ["--attention-backend", "fast"],
                 ["--recompute-num-layers", "0"], ["--model.fused-kernels", "maybe"]):  # fmt: skip
         with pytest.raises(ConfigError):
-            build_config(overrides=bad)
+            validate(build_config(overrides=bad))
 
 
 def test_chunk_size_bounds():

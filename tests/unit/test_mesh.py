@@ -6,10 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshtron.config import ConfigError, ModelConfig, ParallelConfig
+from meshtron.checkpoint.layout import full_state
+from meshtron.config import ConfigError, ModelConfig, ParallelConfig, build_config
 from meshtron.models import build_model
-from meshtron.parallel.apply import apply_tensor_parallel, check_model_fits, full_state_dict
 from meshtron.parallel.mesh import Mesh, launch_env
+from meshtron.parallel.plan import parallelize
+from meshtron.validation import validate
 from meshtron.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -29,7 +31,7 @@ def test_world8_tp2_dp2_pp2_groups_written_out():
     assert mesh.group_ranks("ep") == [[r] for r in range(8)]
     # rank 5 = tp 1 + 2 * (dp 0) + 4 * (pp 1)
     assert (mesh.tp_rank, mesh.cp_rank, mesh.dp_rank, mesh.pp_rank) == (1, 0, 0, 1)
-    assert mesh.is_last_stage and not mesh.is_first_stage
+    assert mesh.pp_rank == mesh.pp - 1 and not mesh.is_first_stage
     text = mesh.describe()
     assert "tp groups: [0, 1] [2, 3] [4, 5] [6, 7]" in text and "pp groups: [0, 4] [1, 5] [2, 6] [3, 7]" in text
 
@@ -86,40 +88,68 @@ def _cfg(**kw) -> ModelConfig:
     return ModelConfig(**{"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, **kw})
 
 
-def test_check_model_fits():
-    tp2, tp4, tp8 = (Mesh(tp=t, rank=0) for t in (2, 4, 8))
-    check_model_fits(_cfg(num_query_groups=2), tp2)
-    check_model_fits(_cfg(num_query_groups=1), tp2)  # kv heads replicated on both ranks
-    check_model_fits(_cfg(num_query_groups=2), tp4)  # each kv head on two ranks
+def _fits(tp: int, *flags: str) -> None:
+    """Validate a tiny model's flags for a world of ``tp`` ranks, all tensor parallel."""
+    base = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--global-batch-size", "8", "--micro-batch-size", "8", "--tp", str(tp)]  # fmt: skip
+    validate(build_config(None, base + list(flags)), world_size=tp)
+
+
+def test_model_fits_the_layout_before_any_process_group():
+    _fits(2, "--num-query-groups", "2")
+    _fits(2, "--num-query-groups", "1")  # kv heads replicated on both ranks
+    _fits(4, "--num-query-groups", "2")  # each kv head on two ranks
     with pytest.raises(ConfigError, match="--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 8"):
-        check_model_fits(_cfg(), tp8)
+        _fits(8)
     with pytest.raises(ConfigError, match="--num-query-groups 3 .* must divide"):
-        check_model_fits(_cfg(hidden_size=96, num_attention_heads=6, num_query_groups=3), Mesh(tp=2, rank=0))
+        _fits(2, "--hidden-size", "96", "--num-attention-heads", "6", "--num-query-groups", "3")
     with pytest.raises(ConfigError, match="ffn-hidden-size"):
-        check_model_fits(_cfg(ffn_hidden_size=90), tp4)
-    with pytest.raises(ConfigError, match="vocabulary 1001"):
-        check_model_fits(_cfg(), tp2, vocab_size=1001)
+        _fits(4, "--ffn-hidden-size", "90")
     with pytest.raises(ConfigError, match="--seq-length 30"):
-        check_model_fits(_cfg(), tp4, seq_length=30, sequence_parallel=True)
+        _fits(4, "--seq-length", "30", "--sequence-parallel")
+    with pytest.raises(ConfigError, match="2 x --context-parallel-size"):
+        validate(build_config(None, ["--mock-data", "--cp", "2", "--seq-length", "30"]), world_size=2)
+    with pytest.raises(ConfigError, match="--attention-dropout 0"):
+        validate(build_config(None, ["--mock-data", "--cp", "2", "--attention-dropout", "0.1"]), world_size=2)
+    with pytest.raises(ConfigError, match="pipeline stage split"):
+        validate(build_config(None, ["--mock-data", "--pp", "4", "--num-layers", "2"]), world_size=4)
+
+
+def test_expert_parallel_without_experts_is_refused():
+    """Until the model has experts, ep > 1 would build groups and train a dense model: refused."""
+    cfg = build_config(None, ["--mock-data", "--expert-model-parallel-size", "2"])
+    with pytest.raises(ConfigError, match="--expert-model-parallel-size 2 needs a mixture-of-experts model"):
+        validate(cfg, world_size=2)
+
+
+def test_sampling_after_a_sharded_run_is_refused_before_training():
+    for flags in (["--tp", "2"], ["--cp", "2"], ["--pp", "2"]):
+        cfg = build_config(None, ["--mock-data", "--generate-prompt", "Hello", *flags])
+        with pytest.raises(ConfigError, match="meshtron generate --load"):
+            validate(cfg, world_size=2)
+    validate(build_config(None, ["--mock-data", "--generate-prompt", "Hello"]), world_size=2)  # dp: every rank whole
 
 
 def test_one_process_mesh_is_free():
     mesh = Mesh.from_config(ParallelConfig(), world_size=1, rank=0)
     mesh.init_process_groups()  # no torch.distributed needed
     assert (mesh.tp_size, mesh.tp_rank, mesh.tp_group, mesh.dp_cp_group) == (1, 0, None, None)
-    assert mesh.is_first_stage and mesh.is_last_stage
+    assert mesh.is_first_stage and mesh.pp_rank == mesh.pp - 1
 
     torch.manual_seed(0)
     model = build_model(_cfg(vocab_size=128), 128, 8)
-    assert apply_tensor_parallel(model, mesh, sequence_parallel=True) is model
-    assert full_state_dict(model, mesh).keys() == model.state_dict().keys()
+    modules = dict(model.named_modules())
+    metas = parallelize(model, mesh, sequence_parallel=True)
+    assert all(modules[n] is m for n, m in model.named_modules()), "nothing is replaced at tp = cp = 1"
+    assert metas.keys() == dict(model.named_parameters()).keys()
+    assert full_state(model, None, mesh, with_optimizer=False, metas=metas)["model"].keys() == model.state_dict().keys()
 
     x = torch.randn(2, 8, 16)
     col = ColumnParallelLinear(16, 12, True, None)
     row = RowParallelLinear(12, 16, True, None, sequence_parallel=True)
     emb = VocabParallelEmbedding(50, 16, None)
-    for layer in (col, row, emb):
-        torch.nn.init.normal_(layer.weight)
+    for param in (*col.parameters(), *row.parameters(), *emb.parameters()):
+        torch.nn.init.normal_(param)  # torch.empty may hold NaN, which would never compare equal
     assert torch.equal(col(x), F.linear(x, col.weight, col.bias))
     h = torch.randn(2, 8, 12)
     assert torch.equal(row(h), F.linear(h, row.weight, row.bias))

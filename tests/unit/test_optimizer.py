@@ -8,7 +8,8 @@ from torch import nn
 
 from meshtron.config import TrainConfig
 from meshtron.optim.lr_schedule import LRSchedule
-from meshtron.optim.optimizer import build_optimizer, build_param_groups
+from meshtron.optim.build import build_optimizer
+from meshtron.optim.optimizer import build_param_groups
 
 VOCAB, HIDDEN = 16, 8
 

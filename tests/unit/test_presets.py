@@ -6,9 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshtron.config import ConfigError, build_config, validate
+from meshtron.config import ConfigError, build_config
+from meshtron.validation import validate
 from meshtron.models import build_model, num_parameters, parameter_count
-from meshtron.models.presets import PRESETS, preset_fields
+from meshtron.presets import PRESETS, preset_fields
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -102,7 +103,7 @@ def test_preset_fields_is_a_copy():
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.toml")), ids=lambda p: p.stem)
 def test_example_configs_validate(path):
-    cfg = build_config(str(path), validate_now=False)
+    cfg = build_config(str(path))
     world_size = 1 if cfg.model.preset.startswith("tiny") else 8
     validate(cfg, world_size=world_size)
     assert cfg.model.preset == path.stem

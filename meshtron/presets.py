@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshtron.config import ConfigError, _unknown
+from meshtron.errors import ConfigError, unknown_name
 
 
 def _shape(layers: int, hidden: int, heads: int, kv_heads: int = 0, ffn: int = 0) -> dict[str, Any]:
@@ -84,5 +84,5 @@ PRESETS: dict[str, dict[str, Any]] = {
 def preset_fields(name: str) -> dict[str, Any]:
     """The dotted config fields of preset ``name`` (a copy, safe to modify)."""
     if name not in PRESETS:
-        raise ConfigError(_unknown("model preset", name, list(PRESETS)))
+        raise ConfigError(unknown_name("model preset", name, list(PRESETS)))
     return dict(PRESETS[name])

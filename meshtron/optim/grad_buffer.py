@@ -92,6 +92,7 @@ class GradBuffer:
         group: dist.ProcessGroup | None = None,
         bucket_size: int = DEFAULT_BUCKET_SIZE,
         shard: bool = False,
+        own_bucket: frozenset[str] = frozenset(),
     ) -> None:
         if not named_params:
             raise ValueError("the model has no trainable parameters")
@@ -106,7 +107,7 @@ class GradBuffer:
         self.dp_rank = dist.get_rank(group) if group is not None else 0
         self.shard = shard
         self.names = {param: name for name, param in named_params}
-        self.buckets = self._layout([p for _, p in reversed(named_params)], bucket_size)
+        self.buckets = self._layout([p for _, p in reversed(named_params)], bucket_size, own_bucket)
         device = named_params[0][1].device
         self.numel = self.buckets[-1].end
         self.data = torch.zeros(self.numel, dtype=torch.float32, device=device)
@@ -128,15 +129,15 @@ class GradBuffer:
         self.stats = SyncStats()
         self.zero_()
 
-    def _layout(self, params: list[nn.Parameter], bucket_size: int) -> list[Bucket]:
+    def _layout(self, params: list[nn.Parameter], bucket_size: int, own_bucket: frozenset[str]) -> list[Bucket]:
         """Consecutive params into buckets of at least ``bucket_size`` elements (never splitting
-        a param), each padded so it shards evenly when ``shard``."""
+        a param), each padded so it shards evenly when ``shard``. A param named in ``own_bucket``
+        (a tied embedding two pipeline stages hold) gets a bucket of its own, so its shard ranges
+        are the same on both stages and their gradients can be summed."""
         buckets, current, start, size = [], [], 0, 0
         multiple = self.dp_size * _SHARD_ALIGN if self.shard else 1
         for i, param in enumerate(params):
-            # A tied embedding copy held by the first and last pipeline stage gets a bucket of its
-            # own, so its shard ranges are the same on both stages and their gradients can be summed.
-            alone = getattr(param, "shared_embedding", False)
+            alone = self.names[param] in own_bucket
             if alone and current:
                 end = start + -(-size // multiple) * multiple
                 buckets.append(Bucket(start, end, current))

@@ -1,0 +1,32 @@
+"""The output layer of a language model: hidden states -> logits, or straight to per-token loss.
+
+Its own module (rather than a method of the model) so that a parallel plan can swap it for the
+vocabulary-parallel version, and so that a tied model's head holds no weight of its own: the
+embedding matrix is handed to it at call time (``tied_weight``), on whichever pipeline stage.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshtron.kernels.cross_entropy import linear_cross_entropy
+
+
+class OutputLayer(nn.Module):
+    """``weight`` [V, h] of its own (untied), or none when the embedding is tied to it."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, tied: bool, fused_kernels: str = "auto"):
+        super().__init__()
+        self.fused_kernels = fused_kernels
+        self.weight = None if tied else nn.Parameter(torch.empty(vocab_size, hidden_size))
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None,
+                tied_weight: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """Logits [..., V] without ``labels``; with them, per-token cross-entropy in fp32 (label
+        -100 gives 0) without holding the [..., V] logits at once (``kernels/cross_entropy``)."""
+        weight = self.weight if self.weight is not None else tied_weight
+        if labels is None:
+            return F.linear(hidden, weight)
+        return linear_cross_entropy(hidden, weight, labels, self.fused_kernels)

@@ -1,0 +1,55 @@
+"""Build the optimizer of a model: its gradient storage, its parameter groups and the class that
+fits the layout (replicated masters, or sharded over data parallel)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshtron.models.contract import ParamMeta
+from meshtron.optim.distributed_optimizer import DistributedOptimizer
+from meshtron.optim.grad_buffer import DEFAULT_BUCKET_SIZE, GradBuffer
+from meshtron.optim.optimizer import MixedPrecisionOptimizer, build_param_groups, optimizer_settings
+
+
+def build_optimizer(
+    model: nn.Module,
+    train_cfg: Any,
+    param_dtype: torch.dtype,
+    *,
+    metas: dict[str, ParamMeta] | None = None,
+    dp_group: dist.ProcessGroup | None = None,
+    tp_group: dist.ProcessGroup | None = None,
+    pp_group: dist.ProcessGroup | None = None,
+    distributed: bool = False,
+    bucket_size: int = DEFAULT_BUCKET_SIZE,
+) -> MixedPrecisionOptimizer:
+    """The optimizer for a model already cast to ``param_dtype``.
+
+    With a ``dp_group`` (several data-parallel x context-parallel ranks), gradients are summed
+    over it in buckets of ``bucket_size`` elements during backward; ``distributed``
+    (``--use-distributed-optimizer``) shards masters and Adam state over those ranks instead of
+    replicating them. The grad norm is completed over ``tp_group`` and ``pp_group`` (None: one rank).
+    """
+    dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
+    if dtypes != {param_dtype}:
+        raise ValueError(
+            f"the model's trainable parameters are {sorted(map(str, dtypes))} but param_dtype is {param_dtype}; "
+            "cast the model before building the optimizer"
+        )
+    # Layout in registration order (GradBuffer reverses it to follow backward), not group order.
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    own_bucket = frozenset(n for n, _ in trainable if metas is not None and metas[n].pipeline_copy)
+    grads = GradBuffer(trainable, group=dp_group, bucket_size=bucket_size, shard=distributed, own_bucket=own_bucket)
+    optimizer_cls = DistributedOptimizer if distributed else MixedPrecisionOptimizer
+    return optimizer_cls(
+        build_param_groups(model, train_cfg.weight_decay, metas),
+        **optimizer_settings(train_cfg, param_dtype),
+        grads=grads,
+        metas=metas,
+        tp_group=tp_group,
+        pp_group=pp_group,
+    )

@@ -1,0 +1,193 @@
+"""Apply a model family's parallel plan: the one way tensor, sequence and context parallelism
+enter a model.
+
+Every rank builds the same full model from the same seed (initialization is layout-invariant),
+then ``parallelize`` walks ``model.parallel_plan()`` and replaces each matched module by the
+parallel module of its style, holding this rank's shard (module replacement is the only
+mechanism: no class swaps of the model, no hooks, no methods patched on instances). It returns
+one ``ParamMeta`` per parameter name: the global shape, which dim is split and how, whether its
+gradient is a partial sum over tp. That record, not attributes on the parameters, is what the
+optimizer, the gradient buffers and the checkpoint read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshtron.errors import ConfigError
+from meshtron.models import contract as mc
+from meshtron.parallel.context_parallel import ContextParallelAttention
+from meshtron.parallel.mesh import Mesh
+from meshtron.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    SequenceScatterEmbedding,
+    VocabParallelEmbedding,
+    VocabParallelOutputLayer,
+)
+
+ParamMetas = dict[str, mc.ParamMeta]
+
+
+def styled_modules(model: nn.Module, plan: mc.Plan) -> dict[str, mc.Style]:
+    """Module name -> the style of the first plan entry whose pattern matches it."""
+    out = {}
+    for name, _ in model.named_modules():
+        style = next((s for pattern, s in plan if fnmatch.fnmatchcase(name, pattern)), None)
+        if style is not None:
+            out[name] = style
+    return out
+
+
+def parallelize(model: mc.ModelFamily, mesh: Mesh, sequence_parallel: bool = False, cp_algorithm: str = "p2p",
+                cp_block_kernel: str = "auto") -> ParamMetas:  # fmt: skip
+    """Shard ``model`` (the full model, identical on every rank) over ``mesh.tp`` and route its
+    core attention over ``mesh.cp``, in place, by its plan; returns its parameters' records.
+
+    With ``sequence_parallel`` the residual stream between tensor-parallel regions holds 1/tp of
+    the tokens on each rank. At tp = cp = 1 nothing is replaced (the records are still returned).
+    """
+    metas = {name: mc.default_meta(name, p) for name, p in model.named_parameters()}
+    sp = sequence_parallel and mesh.tp_size > 1
+    for name, style in styled_modules(model, model.parallel_plan()).items():
+        module = model.get_submodule(name)
+        replacement = _replace(module, style, mesh, sp, cp_algorithm, cp_block_kernel)
+        if replacement is not None:
+            _set_submodule(model, name, replacement)
+        for pname, _ in (replacement or module).named_parameters():
+            full = f"{name}.{pname}"
+            metas[full] = _meta(metas[full], style, pname, mesh, sp)
+    return metas
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def _replace(module: nn.Module, style: mc.Style, mesh: Mesh, sp: bool, cp_algorithm: str,
+             cp_block_kernel: str) -> nn.Module | None:  # fmt: skip
+    """The module taking ``module``'s place under ``style``, or None when it stays."""
+    tp = mesh.tp_size
+    if isinstance(style, mc.ContextParallelCore):
+        return ContextParallelAttention(mesh, cp_algorithm, cp_block_kernel) if mesh.cp_size > 1 else None
+    if tp == 1:
+        return None
+    if isinstance(style, (mc.ColumnParallel, mc.RowParallel)):
+        return _linear(module, style, mesh, sp)
+    if isinstance(style, mc.VocabParallelEmbedding):
+        return _copy_weight(VocabParallelEmbedding(*module.weight.shape, mesh.tp_group, sp, device=module.weight.device,
+                                                   dtype=module.weight.dtype), module, 0, mc.Contiguous(), tp, mesh.tp_rank)  # fmt: skip
+    if isinstance(style, mc.VocabParallelOutput):
+        out = VocabParallelOutputLayer(mesh.tp_group, sp, module.fused_kernels)
+        if module.weight is not None:
+            out.weight = nn.Parameter(_shard(module.weight, 0, mc.Contiguous(), tp, mesh.tp_rank), module.weight.requires_grad)
+        return out
+    if isinstance(style, mc.ScatterToSequence):
+        return SequenceScatterEmbedding(module, mesh.tp_group) if sp else None
+    return None  # SequenceParallelNorm: the module stays, only its records change
+
+
+@torch.no_grad()
+def _shard(full: torch.Tensor, dim: int, layout: mc.Layout, tp: int, rank: int) -> torch.Tensor:
+    index = layout.local_index(full.shape[dim], tp, rank).to(full.device)
+    return full.index_select(dim, index).clone()
+
+
+@torch.no_grad()
+def _copy_weight(new: nn.Module, old: nn.Module, dim: int, layout: mc.Layout, tp: int, rank: int) -> nn.Module:
+    new.weight.copy_(_shard(old.weight, dim, layout, tp, rank))
+    new.weight.requires_grad_(old.weight.requires_grad)
+    return new
+
+
+@torch.no_grad()
+def _linear(linear: nn.Linear, style: mc.ColumnParallel | mc.RowParallel, mesh: Mesh, sp: bool) -> nn.Module:
+    tp, rank, w = mesh.tp_size, mesh.tp_rank, linear.weight
+    column = isinstance(style, mc.ColumnParallel)
+    size = w.shape[0] if column else w.shape[1]
+    if not style.layout.divisible(size, tp):
+        raise ConfigError(f"a {size}-wide layer does not split over --tensor-model-parallel-size {tp}; change tp")
+    local = len(style.layout.local_index(size, tp, rank))
+    cls = ColumnParallelLinear if column else RowParallelLinear
+    shape = (w.shape[1], local) if column else (local, w.shape[0])
+    out = cls(*shape, linear.bias is not None, mesh.tp_group, sp, device=w.device, dtype=w.dtype)
+    _copy_weight(out, linear, 0 if column else 1, style.layout, tp, rank)
+    if linear.bias is not None:
+        out.bias.copy_(_shard(linear.bias, 0, style.layout, tp, rank) if column else linear.bias)
+        out.bias.requires_grad_(linear.bias.requires_grad)
+    return out
+
+
+def _meta(meta: mc.ParamMeta, style: mc.Style, pname: str, mesh: Mesh, sp: bool) -> mc.ParamMeta:
+    """The record of parameter ``pname`` of a module of ``style``."""
+    tp = dict(tp_size=mesh.tp_size, tp_rank=mesh.tp_rank)
+    if isinstance(style, mc.ColumnParallel) or (isinstance(style, mc.RowParallel) and pname == "weight"):
+        dim = 1 if isinstance(style, mc.RowParallel) else 0
+        return dataclasses.replace(meta, tp_dim=dim, layout=style.layout, **tp)
+    if isinstance(style, (mc.VocabParallelEmbedding, mc.VocabParallelOutput)):
+        return dataclasses.replace(meta, tp_dim=0, layout=mc.Contiguous(), **tp)
+    if isinstance(style, (mc.RowParallel, mc.SequenceParallelNorm)):  # a row-parallel bias is added to the shards
+        return dataclasses.replace(meta, sequence_partial=sp, **tp)
+    return dataclasses.replace(meta, **tp)
+
+
+# ---------------------------------------------------------------------- gradients after backward
+
+
+def _sum_over(tensors: list[torch.Tensor], group) -> None:
+    """All-reduce several tensors in place as one flat buffer (one collective, not one each)."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+        t.copy_(part.view_as(t))
+
+
+@torch.no_grad()
+def finalize_tensor_parallel_grads(grads: dict[str, torch.Tensor], metas: ParamMetas, mesh: Mesh) -> None:
+    """Complete the gradients tp leaves partial, in place (``grads``: name -> the gradient the
+    optimizer reads). Sequence-partial ones are summed over tp. Key/value rows replicated over tp
+    (fewer kv heads than ranks): each rank scatters its copy's gradient into a zero table of all kv
+    rows at its slot, one all-reduce adds the copies up, each rank reads its rows back."""
+    if mesh.tp_size == 1:
+        return
+    _sum_over([g for n, g in grads.items() if metas[n].sequence_partial], mesh.tp_group)
+    replicated = [(g, metas[n].replicas()) for n, g in grads.items() if metas[n].replicas() is not None]
+    tables = []
+    for grad, rep in replicated:
+        table = grad.new_zeros((rep.num_slots, *grad.shape[1:]))
+        table[rep.slot.to(table.device)] = grad[rep.local.to(table.device)]
+        tables.append(table)
+    _sum_over(tables, mesh.tp_group)
+    for (grad, rep), table in zip(replicated, tables):
+        grad[rep.local.to(table.device)] = table[rep.slot.to(table.device)]
+
+
+# ---------------------------------------------------------------------- whole tensors from shards
+
+
+def gather_full(tensor: torch.Tensor, meta: mc.ParamMeta, mesh: Mesh) -> torch.Tensor:
+    """The full tensor from every tp rank's shard of it (a weight, its gradient or an optimizer
+    state of its shape). Collective over tp; the tensor itself when it is not split."""
+    if meta.tp_dim is None or mesh.tp_size == 1 or tensor.dim() == 0:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(mesh.tp_size)]
+    dist.all_gather(parts, tensor.contiguous(), group=mesh.tp_group)
+    indices = [meta.layout.local_index(meta.global_shape[meta.tp_dim], mesh.tp_size, r) for r in range(mesh.tp_size)]
+    full = tensor.new_empty(meta.global_shape)
+    # Replicated kv rows arrive from several ranks; their copies are equal.
+    full.index_copy_(meta.tp_dim, torch.cat(indices).to(tensor.device), torch.cat(parts, dim=meta.tp_dim))
+    return full
+
+
+def local_part(full: torch.Tensor, meta: mc.ParamMeta | None) -> torch.Tensor:
+    """This rank's part of a full tensor (the inverse of ``gather_full``)."""
+    index = None if meta is None or meta.tp_size == 1 or full.dim() == 0 else meta.local_index()
+    return full if index is None else full.index_select(meta.tp_dim, index.to(full.device))

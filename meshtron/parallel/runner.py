@@ -1,0 +1,131 @@
+"""The runner: runs a step's micro batches through a parallel model and completes its gradients.
+
+It is the one place that knows the layout when training: it cuts each micro batch to this
+context-parallel rank's tokens, runs the pipeline schedule over this rank's stages (one stage
+and a plain forward-then-backward per micro batch when pp is 1: the same code), builds the
+objective from the model's ``LossOutput`` and auxiliary terms, and after backward completes what
+tensor and pipeline parallelism leave partial. The trainer sees ``forward_backward`` and
+``finalize_grads`` only.
+
+The objective of one micro batch is ``total / (global count) + sum(aux) / (micro batches x dp x cp)``:
+the loss sum is divided by the count of the whole global batch (all data-parallel ranks), so
+gradients summed over ranks equal the one-process gradient; auxiliary terms are per-micro-batch
+means, averaged over every micro batch of the global batch the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshtron.models import contract as mc
+from meshtron.parallel.context_parallel import shard_batch_for_cp
+from meshtron.parallel.mesh import Mesh
+from meshtron.parallel.pipeline import Stage, forward_backward, pp_ranks, sum_stage_copies
+from meshtron.parallel.pipeline_schedules import bubble_fraction
+from meshtron.parallel.plan import ParamMetas, finalize_tensor_parallel_grads
+
+
+@dataclass
+class Runner:
+    """A parallel model ready to train: ``model`` (this rank's part, one-process parameter
+    names), its records ``metas``, its pipeline ``stages`` (one when pp is 1), ``optimizer``,
+    the layout, the compute ``dtype`` and the ``schedule`` (``setup.schedule_kind``)."""
+
+    model: mc.ModelFamily
+    metas: ParamMetas
+    stages: list[Stage]
+    optimizer: Any
+    mesh: Mesh
+    dtype: torch.dtype
+    schedule: str = "1f1b"
+    sequence_parallel: bool = False
+    # Every stage's auxiliary term names, learnt at the first step.
+    _aux_names: list[str] | None = field(default=None, init=False, repr=False)
+
+    def forward_backward(self, micro_batches: list[mc.Batch], forward_only: bool = False) -> mc.LossOutput:
+        """Forward (and unless ``forward_only``, backward) every micro batch of this rank's share
+        of a global batch; gradients accumulate into the optimizer's storage, reduced over data
+        parallel during the last backward. Returns the global batch's loss on every rank: the
+        loss sum over all its micro batches and ranks, its count (``total / count`` is the mean),
+        and each auxiliary term's mean."""
+        mesh, model = self.mesh, self.model
+        batches = [shard_batch_for_cp(b, mesh) for b in micro_batches]
+        device = next(iter(batches[0].values())).device
+        count = self._sum_over_dp(sum(model.loss_count(b) for b in batches).float()).clamp(min=1)
+        num_micro_total = len(batches) * mesh.dp_cp_size
+        totals: list[torch.Tensor] = []
+        aux_logged: dict[str, torch.Tensor] = {}
+
+        def step(stage: Stage, carry: mc.Carry | None, mb: int) -> tuple[mc.Carry | None, torch.Tensor | None]:
+            out, aux = stage.forward(carry, batches[mb])
+            objective = None
+            for name, term in aux.items():
+                share = term / num_micro_total
+                aux_logged[name] = aux_logged.get(name, 0.0) + share.detach()
+                objective = share if objective is None else objective + share
+            if stage.is_last:
+                loss_sum = model.loss(batches[mb], out).total
+                totals.append(loss_sum.detach())
+                loss = loss_sum / count
+                objective = loss if objective is None else loss + objective
+                out = None
+            if objective is not None and not forward_only:
+                objective = self.optimizer.scale_loss(objective)
+            return out, objective
+
+        seq_shards = mesh.tp_size if self.sequence_parallel else 1
+        no_sync = None if forward_only else self.optimizer.no_sync
+        forward_backward(self.schedule, self.stages, batches, mesh, step, self.dtype, seq_shards,
+                         no_sync=no_sync, forward_only=forward_only)  # fmt: skip
+        total = torch.stack(totals).sum().float() if totals else torch.zeros((), device=device)
+        if mesh.pp_size > 1:
+            dist.broadcast(total, src=pp_ranks(mesh)[-1], group=mesh.pp_group)
+        aux = self._sum_aux(aux_logged, device)
+        return mc.LossOutput(total=self._sum_over_dp(total), count=count, aux=aux)
+
+    def describe(self, num_micro_batches: int) -> str:
+        """The schedule in one line, with its theoretical bubble, for the start-up log."""
+        virtual = len(self.stages)
+        bubble = bubble_fraction(self.schedule, self.mesh.pp_size, num_micro_batches, virtual)
+        return (f"pipeline: {self.schedule} schedule, pp {self.mesh.pp_size} x {virtual} virtual stages, "
+                f"{num_micro_batches} micro batches: theoretical bubble {100 * bubble:.1f}%")  # fmt: skip
+
+    def finalize_grads(self) -> None:
+        """Wait for the data-parallel reduction, then complete what tp and pp leave partial:
+        sequence-parallel partial sums and replicated kv rows over tp, and the two pipeline copies
+        of a tied embedding. Call after ``forward_backward``, before the optimizer's step."""
+        self.optimizer.finish_grad_sync()
+        grads = {}
+        for name, param in self.model.named_parameters():
+            grad = self.optimizer.grads.grad_of(param) if param.requires_grad else None
+            if grad is not None:
+                grads[name] = grad
+        finalize_tensor_parallel_grads(grads, self.metas, self.mesh)
+        sum_stage_copies([grads[n] for n in sorted(grads) if self.metas[n].pipeline_copy], self.mesh)
+
+    def _sum_over_dp(self, value: torch.Tensor) -> torch.Tensor:
+        if self.mesh.dp_cp_size > 1:
+            dist.all_reduce(value, group=self.mesh.dp_cp_group)
+        return value
+
+    def _sum_aux(self, logged: dict[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
+        """Each auxiliary term's mean over the global batch, on every rank: terms arise on
+        whichever stage holds their layer, so names are gathered over pp first."""
+        names = self._aux_names
+        if names is None:
+            names = sorted(logged)
+            if self.mesh.pp_size > 1:  # once: a host round trip the steady state should not pay
+                everyone: list[list[str]] = [[] for _ in range(self.mesh.pp_size)]
+                dist.all_gather_object(everyone, names, group=self.mesh.pp_group)
+                names = sorted({n for part in everyone for n in part})
+            self._aux_names = names
+        if not names:
+            return {}
+        values = torch.stack([torch.as_tensor(logged.get(n, 0.0), device=device, dtype=torch.float32) for n in names])
+        if self.mesh.pp_size > 1:
+            dist.all_reduce(values, group=self.mesh.pp_group)
+        return dict(zip(names, self._sum_over_dp(values)))

@@ -1,0 +1,188 @@
+"""Every check of a config that needs no tensor, in one place: values, and the model against the
+parallel layout. Run before any process group exists or a GPU is touched; each message names the
+flag to change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from meshtron.config import Config, pipeline_virtual_size, world_size_from_env
+from meshtron.errors import ConfigError
+from meshtron.models import model_layout_errors
+from meshtron.parallel.pipeline_schedules import split_layers
+
+
+def validate(cfg: Config, world_size: int | None = None) -> None:
+    """Every check that needs no tensor. Raises ConfigError naming the fix."""
+    world_size = world_size_from_env() if world_size is None else world_size
+    m, d, t, p, c = cfg.model, cfg.data, cfg.train, cfg.parallel, cfg.checkpoint
+    errors: list[str] = []
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            errors.append(msg)
+
+    for name in ("num_layers", "hidden_size", "num_attention_heads"):
+        need(getattr(m, name) > 0, f"model.{name} must be positive, got {getattr(m, name)}")
+    if m.hidden_size > 0 and m.num_attention_heads > 0 and not m.kv_channels:
+        need(
+            m.hidden_size % m.num_attention_heads == 0,
+            f"--num-attention-heads {m.num_attention_heads} does not divide --hidden-size {m.hidden_size}; "
+            f"pick heads that divide it (e.g. {_divisor_near(m.hidden_size, m.num_attention_heads)}) or set --kv-channels",
+        )
+    groups = m.num_query_groups or m.num_attention_heads
+    need(
+        m.num_attention_heads % groups == 0 if groups > 0 else False,
+        f"--num-query-groups {groups} must divide --num-attention-heads {m.num_attention_heads}",
+    )
+    need(m.normalization in ("LayerNorm", "RMSNorm"), f"--normalization must be LayerNorm or RMSNorm, got '{m.normalization}'")
+    need(m.activation in ("gelu", "gelu_tanh", "swiglu"), f"model.activation must be gelu, gelu_tanh or swiglu, got '{m.activation}'")
+    need(
+        m.position_embedding_type in ("learned_absolute", "rope"),
+        f"--position-embedding-type must be learned_absolute or rope, got '{m.position_embedding_type}'",
+    )
+    need(m.rope_scaling in ("", "llama3"), f"model.rope_scaling must be '' or 'llama3', got '{m.rope_scaling}'")
+    need(m.attention_backend in ("auto", "sdpa", "cudnn", "flash", "efficient", "math"),
+         f"--attention-backend must be auto, sdpa, cudnn, flash, efficient or math, got '{m.attention_backend}'")  # fmt: skip
+    need(m.fused_kernels in ("auto", "on", "off"), f"model.fused_kernels must be auto, on or off, got '{m.fused_kernels}'")
+    need(m.recompute_granularity in ("", "selective", "full"),
+         f"--recompute-granularity must be selective or full (or empty for none), got '{m.recompute_granularity}'")  # fmt: skip
+    need(m.recompute_method in ("uniform", "block"), f"--recompute-method must be uniform or block, got '{m.recompute_method}'")
+    need(m.fp8_format in ("", "hybrid", "e4m3"), f"--fp8-format must be hybrid or e4m3 (or empty for off), got '{m.fp8_format}'")
+    need(m.fp8_backend in ("auto", "torchao", "meshtron"), f"--fp8-backend must be auto, torchao or meshtron, got '{m.fp8_backend}'")
+    need(not (t.device == "cpu" and (m.fp8_format or t.gemm_tuning)), "--fp8-format and --gemm-tuning need a GPU; drop them for --device cpu")
+    # torch.compile would trace the fused linear's backward, which reports to the gradient buffer from Python.
+    need(not (t.compile and t.gradient_accumulation_fusion), "--gradient-accumulation-fusion does not combine with --compile; drop one")
+    need(m.recompute_num_layers >= 1, f"--recompute-num-layers must be at least 1, got {m.recompute_num_layers}")
+    max_pos = m.max_position_embeddings or d.seq_length
+    need(d.seq_length > 0, f"--seq-length must be positive, got {d.seq_length}")
+    if m.position_embedding_type == "learned_absolute":
+        need(
+            d.seq_length <= max_pos,
+            f"--seq-length {d.seq_length} exceeds --max-position-embeddings {max_pos}; raise it or shorten the sequence",
+        )
+
+    need(t.micro_batch_size > 0, f"--micro-batch-size must be positive, got {t.micro_batch_size}")
+    need(p.cp_comm_type in ("p2p", "all_gather"), f"--cp-comm-type must be p2p or all_gather, got '{p.cp_comm_type}'")
+    if p.fsdp:
+        need(p.pipeline_parallel == 1, "--fsdp does not combine with pipeline parallelism; use the distributed optimizer")
+        need(p.tensor_parallel == 1, f"--fsdp needs --tensor-model-parallel-size 1 (got {p.tensor_parallel}); use the distributed optimizer with tp")
+        need(not p.use_distributed_optimizer, "--fsdp and --use-distributed-optimizer both shard optimizer state; pick one")
+    model_parallel = p.tensor_parallel * p.pipeline_parallel * p.context_parallel
+    for name in ("tensor_parallel", "pipeline_parallel", "context_parallel", "expert_parallel"):
+        need(getattr(p, name) >= 1, f"parallel.{name} must be at least 1")
+    if model_parallel >= 1:
+        need(
+            world_size % model_parallel == 0,
+            f"world size {world_size} is not a multiple of tp {p.tensor_parallel} x pp {p.pipeline_parallel} x "
+            f"cp {p.context_parallel} = {model_parallel}; change the parallel sizes or the number of processes",
+        )
+    dp = max(1, world_size // max(1, model_parallel))
+    need(p.pipeline_schedule in ("auto", "1f1b", "afab", "interleaved"), f"parallel.pipeline_schedule must be auto, 1f1b, afab or interleaved, got '{p.pipeline_schedule}'")
+    if p.num_layers_per_virtual_pipeline_stage and p.pipeline_parallel > 0:
+        per_rank = m.num_layers // max(1, p.pipeline_parallel)
+        need(
+            m.num_layers % p.pipeline_parallel == 0 and per_rank % p.num_layers_per_virtual_pipeline_stage == 0,
+            f"--num-layers-per-virtual-pipeline-stage {p.num_layers_per_virtual_pipeline_stage} must divide the "
+            f"{m.num_layers} layers / pp {p.pipeline_parallel} of each pipeline rank",
+        )
+    virtual = pipeline_virtual_size(cfg)
+    need(virtual == 1 or p.pipeline_parallel > 1, "virtual pipeline stages need --pipeline-model-parallel-size > 1")
+    if p.pipeline_parallel > 1 and (virtual > 1 or p.pipeline_schedule == "interleaved") and t.micro_batch_size > 0:
+        micro = t.global_batch_size // max(1, t.micro_batch_size * dp)
+        need(
+            micro % p.pipeline_parallel == 0,
+            f"the interleaved schedule needs the {micro} micro batches per step to be a multiple of pp "
+            f"{p.pipeline_parallel}; change --global-batch-size or --micro-batch-size",
+        )
+    if t.micro_batch_size > 0:
+        need(
+            t.global_batch_size % (t.micro_batch_size * dp) == 0 and t.global_batch_size > 0,
+            f"--global-batch-size {t.global_batch_size} is not a multiple of --micro-batch-size {t.micro_batch_size} "
+            f"x data-parallel size {dp} = {t.micro_batch_size * dp}; use e.g. "
+            f"{max(1, round(t.global_batch_size / (t.micro_batch_size * dp))) * t.micro_batch_size * dp}",
+        )
+    need(t.train_iters > 0, f"--train-iters must be positive, got {t.train_iters}")
+    need(t.lr >= 0 and t.min_lr >= 0, "--lr and --min-lr must not be negative")
+    need(t.min_lr <= t.lr, f"--min-lr {t.min_lr} is above --lr {t.lr}")
+    need(t.lr_decay_style in ("constant", "linear", "cosine", "wsd"), f"--lr-decay-style must be constant, linear, cosine or wsd, got '{t.lr_decay_style}'")
+    need(t.precision in ("auto", "fp32", "bf16", "fp16"), f"train.precision must be auto, fp32, bf16 or fp16, got '{t.precision}'")
+    need(t.device in ("auto", "cpu", "cuda"), f"train.device must be auto, cpu or cuda, got '{t.device}'")
+    need(t.clip_grad >= 0, f"--clip-grad must not be negative, got {t.clip_grad}")
+
+    if d.mock and d.data_path:
+        errors.append("--mock-data and --data-path are both set; keep one")
+    if d.data_path:
+        errors.extend(_check_data_path(d.data_path))
+        if not d.tokenizer_type:
+            errors.append("--data-path is set but --tokenizer-type is not; name the tokenizer the data was made with")
+    try:
+        parts = [float(x) for x in d.split.replace("/", ",").split(",")]
+        need(len(parts) <= 3 and sum(parts) > 0 and min(parts) >= 0, f"--split '{d.split}' must be up to 3 non-negative weights like 969,30,1")
+    except ValueError:
+        errors.append(f"--split '{d.split}' must be comma-separated numbers like 969,30,1")
+    if c.load and not Path(c.load).exists():
+        errors.append(f"--load {c.load} does not exist; point it at a checkpoint directory written by --save")
+    errors.extend(layout_errors(cfg))
+    if errors:
+        raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
+
+
+
+
+def _divisor_near(n: int, k: int) -> int:
+    divisors = [x for x in range(1, n + 1) if n % x == 0]
+    return min(divisors, key=lambda x: abs(x - k))
+
+
+def _check_data_path(tokens: list[str]) -> list[str]:
+    """``prefix`` or ``w1 prefix1 w2 prefix2 ...``: each prefix must have .bin and .idx."""
+    errors = []
+    prefixes = tokens
+    if len(tokens) > 1:
+        if len(tokens) % 2:
+            return [f"--data-path with several entries must be weight/prefix pairs, got {tokens}"]
+        try:
+            [float(w) for w in tokens[0::2]]
+        except ValueError:
+            return [f"--data-path with several entries must be weight/prefix pairs, got {tokens}"]
+        prefixes = tokens[1::2]
+    for prefix in prefixes:
+        for ext in (".bin", ".idx"):
+            if not Path(prefix + ext).is_file():
+                errors.append(f"--data-path: '{prefix}{ext}' not found (give the prefix without extension, as written by `meshtron preprocess`)")
+    return errors
+
+
+def layout_errors(cfg: Config) -> list[str]:
+    """Why the model cannot be split over the layout: its family's own rules for tp (heads,
+    groups, widths), then the sequence for sp and cp, the pipeline stage split, expert parallelism,
+    and what cannot follow training in a sharded run."""
+    m, d, p, log = cfg.model, cfg.data, cfg.parallel, cfg.logging
+    tp, cp, pp = p.tensor_parallel, p.context_parallel, p.pipeline_parallel
+    if min(tp, cp, pp) < 1:
+        return []  # reported with the sizes above
+    errors = model_layout_errors(m, tp) if tp > 1 else []
+    if p.sequence_parallel and tp > 1 and d.seq_length % tp:
+        errors.append(f"--sequence-parallel splits --seq-length {d.seq_length} over {tp} ranks; use a sequence length "
+                      f"that is a multiple of {tp} or drop --sequence-parallel")  # fmt: skip
+    if cp > 1:
+        if d.seq_length % (2 * cp):
+            errors.append(f"--seq-length {d.seq_length} must be a multiple of 2 x --context-parallel-size = {2 * cp} "
+                          f"(each sequence is cut into {2 * cp} equal chunks for load balance); change either")  # fmt: skip
+        if m.attention_dropout > 0:
+            errors.append("attention dropout is not supported with context parallelism; set --attention-dropout 0")
+    try:
+        split_layers(m.num_layers, pp, pipeline_virtual_size(cfg), p.first_pipeline_stage_layers or None,
+                     p.last_pipeline_stage_layers or None, p.account_for_embedding_in_pipeline_split,
+                     p.account_for_loss_in_pipeline_split)  # fmt: skip
+    except ValueError as exc:
+        errors.append(f"the pipeline stage split does not work: {exc}")
+    if p.expert_parallel > 1:
+        errors.append(f"--expert-model-parallel-size {p.expert_parallel} needs a mixture-of-experts model, and this model "
+                      f"is dense (no --num-experts); set --expert-model-parallel-size 1")  # fmt: skip
+    if log.generate_prompt and (tp > 1 or cp > 1 or pp > 1):
+        errors.append("--generate-prompt samples after training from the whole model on each rank, which tensor, context "
+                      "and pipeline parallelism split; drop it and sample from the saved checkpoint with "
+                      "`meshtron generate --load DIR --prompt ...` (one process)")  # fmt: skip
+    return errors
