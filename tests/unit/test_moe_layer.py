@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from meshtron.config import ModelConfig
 from meshtron.layers.moe import MoELayer, init_expert_weights
 from meshtron.layers.moe.dispatch import expert_capacity, permute, plan_dispatch, unpermute
-from meshtron.layers.moe.grouped_gemm import grouped_mm, grouped_mm_loop, torch_grouped_mm_usable
+from meshtron.layers.moe.grouped_gemm import _grouped_mm_runs, grouped_mm, grouped_mm_loop, torch_grouped_mm_usable
 
 H, FFN, E, K = 16, 8, 4, 2
 
@@ -51,7 +51,11 @@ def _reference(layer: MoELayer, x: torch.Tensor, kept=lambda token, expert: True
 def test_dropless_layer_equals_token_by_token_reference(activation, backend):
     layer = _layer(activation=activation, moe_grouped_gemm=backend)
     x = torch.randn(2, 5, H)
-    torch.testing.assert_close(layer(x), _reference(layer, x), atol=1e-6, rtol=1e-6)
+    y, expected = layer(x), _reference(layer, x)
+    torch.testing.assert_close(y, expected, atol=1e-6, rtol=1e-6)
+    grads = [torch.autograd.grad(out.square().sum(), list(layer.parameters())) for out in (y, expected)]
+    for got, want in zip(*grads):  # the router's gradient comes through the combine weights
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.skipif(not torch_grouped_mm_usable(torch.zeros(1, H), torch.zeros(E, FFN, H)), reason="no torch._grouped_mm")
@@ -91,6 +95,15 @@ def test_grouped_mm_backends_agree_on_ragged_groups():
     expected = torch.cat([x[:3] @ weight[0].t(), x[3:10] @ weight[2].t()])
     torch.testing.assert_close(grouped_mm_loop(x, weight, sizes), expected)
     torch.testing.assert_close(grouped_mm(x, weight, sizes, "auto"), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="no torch._grouped_mm")
+def test_grouped_mm_probe_from_inference_mode_still_finds_it():
+    _grouped_mm_runs.cache_clear()
+    layer = _layer()
+    with torch.inference_mode():
+        y = layer(torch.randn(1, 3, H))
+    assert _grouped_mm_runs(y.device, y.dtype)
 
 
 def test_capacity_drops_by_probability_or_by_position():

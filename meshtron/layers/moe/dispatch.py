@@ -55,10 +55,11 @@ def plan_dispatch(
     num_tokens, topk = experts.shape
     flat_experts = experts.reshape(-1)
     flat_tokens = torch.arange(num_tokens, device=experts.device).repeat_interleave(topk)
+    flat_probs = probs.reshape(-1)
     if capacity_factor <= 0:
         order = torch.argsort(flat_experts, stable=True)
         counts = torch.bincount(flat_experts, minlength=num_experts)
-        return DispatchPlan(flat_tokens[order], probs.reshape(-1)[order], None, order.numel(), counts, counts)
+        return DispatchPlan(flat_tokens[order], flat_probs[order], None, order.numel(), counts, counts)
 
     priority = _drop_priority(probs, num_tokens, drop_policy, seq_length or num_tokens)
     order = priority[torch.argsort(flat_experts[priority], stable=True)]
@@ -71,8 +72,8 @@ def plan_dispatch(
     if pad_to_capacity:
         row_index = sorted_experts[keep] * capacity + rank_in_expert[keep]
         group_sizes = torch.full_like(counts, capacity)
-        return DispatchPlan(flat_tokens[order], probs.reshape(-1)[order], row_index, num_experts * capacity, group_sizes, kept_counts)
-    return DispatchPlan(flat_tokens[order], probs.reshape(-1)[order], None, order.numel(), kept_counts, kept_counts)
+        return DispatchPlan(flat_tokens[order], flat_probs[order], row_index, num_experts * capacity, group_sizes, kept_counts)
+    return DispatchPlan(flat_tokens[order], flat_probs[order], None, order.numel(), kept_counts, kept_counts)
 
 
 def _drop_priority(probs: torch.Tensor, num_tokens: int, drop_policy: str, seq_length: int) -> torch.Tensor:

@@ -13,7 +13,9 @@ version. In torch 2.13's CPU build it exists and runs fp32, bf16 and fp16 (forwa
 backward) but refuses tensors whose row strides are not a multiple of 16 bytes (so h and the
 expert width must be multiples of 4 in fp32, 8 in bf16), offsets that are not int32, an output
 dtype other than the input's, and a stride-0 (expanded) output gradient in backward, e.g. that
-of ``out.sum()``; inside the MoE layer the gradient always arrives materialized.
+of ``out.sum()``; inside the MoE layer the gradient always arrives materialized. torch 2.11 on
+an H100 ran the same three dtypes under the same alignment rule, at 2.5x the loop's speed
+(bf16, 64 experts of DeepSeek-V2-Lite's fc1 shape, 49k rows).
 """
 
 from __future__ import annotations
@@ -39,11 +41,15 @@ def grouped_mm_torch(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.T
 
 @functools.cache
 def _grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether ``torch._grouped_mm`` runs forward and backward here, with one empty group."""
+    """Whether ``torch._grouped_mm`` runs forward and backward here, with one empty group.
+
+    Probed outside inference mode and with grad on whatever the first caller runs under, so a
+    first call from generation does not record a false "no".
+    """
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
-        with torch.enable_grad():
+        with torch.inference_mode(False), torch.enable_grad():
             x = torch.randn(8, 16, device=device, dtype=dtype, requires_grad=True)
             weight = torch.randn(3, 16, 16, device=device, dtype=dtype, requires_grad=True)
             out = grouped_mm_torch(x, weight, torch.tensor([3, 0, 5], device=device))

@@ -103,7 +103,6 @@ class Router(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.num_experts = cfg.num_experts
         self.topk = cfg.moe_router_topk
         self.score_function = cfg.moe_router_score_function
         self.pre_softmax = cfg.moe_router_pre_softmax
