@@ -57,6 +57,30 @@ class ModelConfig:
     recompute_num_layers: int = 1
     fp8_format: str = ""  # "" (off) | hybrid (e4m3 forward, e5m2 gradients) | e4m3: the blocks' linears in FP8
     fp8_backend: str = "auto"  # auto (torchao when installed and usable) | torchao | meshtron
+    # Mixture of experts (meshtron/layers/moe/; checks in moe_config_errors). Names are Megatron-Core's.
+    num_experts: int = 0  # routed experts per MoE layer; 0: dense MLPs only
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int = 0  # per expert; 0: ffn_hidden_size
+    moe_router_load_balancing_type: str = "aux_loss"  # aux_loss (switch/GShard) | seq_aux_loss (DeepSeek) | none
+    moe_aux_loss_coeff: float = 0.0  # per MoE layer; the layers' losses add up (Megatron-Core's scale)
+    moe_loss_weight: float = 0.0  # MegaBlocks' scale: the same loss averaged over the MoE layers; set one of the two
+    moe_z_loss_coeff: float = 0.0
+    moe_router_score_function: str = "softmax"  # softmax | sigmoid
+    moe_router_pre_softmax: bool = False  # softmax over all experts, then top-k (weights not renormalized)
+    moe_router_topk_scaling_factor: float = 1.0
+    moe_router_num_groups: int = 0  # group-limited routing: experts in this many groups; 0: off
+    moe_router_group_topk: int = 0  # groups a token may use
+    moe_router_dtype: str = ""  # "" (input dtype) | fp32 | fp64: router logits, weights and combine
+    moe_router_enable_expert_bias: bool = False  # DeepSeek-V3 auxiliary-loss-free balancing (sigmoid)
+    moe_router_bias_update_rate: float = 1e-3
+    moe_jitter_eps: float = 0.0  # multiplies the router input by U(1-eps, 1+eps) in training
+    moe_expert_capacity_factor: float = 0.0  # 0: dropless; else tokens beyond ceil(T*k/E*factor) per expert dropped
+    moe_token_drop_policy: str = "probs"  # probs (lowest weight dropped) | position (latest position dropped)
+    moe_pad_expert_input_to_capacity: bool = False  # every expert computes exactly capacity rows
+    moe_shared_expert_intermediate_size: int = 0  # 0: no shared experts
+    moe_shared_expert_gate: bool = False  # scale the shared experts' output by sigmoid(gate(x))
+    moe_layer_freq: str = "1"  # N: every N-th layer (from 0) is MoE; or a list like ([0]+[1]*26)
+    moe_grouped_gemm: str = "auto"  # auto | loop (per-expert reference) | torch (torch._grouped_mm)
 
 
 @dataclass

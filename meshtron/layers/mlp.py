@@ -28,27 +28,29 @@ def ffn_hidden_size(cfg: ModelConfig) -> int:
     return 4 * cfg.hidden_size
 
 
+def mlp_activation(h: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """The MLP's nonlinearity on fc1's output; swiglu halves the width (shared with MoE experts)."""
+    if cfg.activation == "swiglu":
+        return swiglu(h, cfg.fused_kernels)
+    return F.gelu(h, approximate="tanh" if cfg.activation == "gelu_tanh" else "none")  # GPT-2's (Megatron's --openai-gelu)
+
+
 class MLP(nn.Module):
     """gelu / gelu_tanh: fc2(gelu(fc1(x))); swiglu: fc2(silu(gate) * up) with [gate; up] = fc1(x).
 
     SwiGLU's gate and up projections are one fused ``linear_fc1`` (output 2*ffn, gate first) so
-    a single GEMM reads the input once, as in Megatron-Core.
+    a single GEMM reads the input once, as in Megatron-Core. ``width`` overrides the model's FFN
+    width (MoE shared experts have their own).
     """
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, width: int = 0):
         super().__init__()
-        ffn = ffn_hidden_size(cfg)
+        ffn = width or ffn_hidden_size(cfg)
+        self.cfg = cfg
         self.swiglu = cfg.activation == "swiglu"
-        self.gelu_approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"  # GPT-2's (Megatron's --openai-gelu)
-        self.fused_kernels = cfg.fused_kernels
         fc1_out = 2 * ffn if self.swiglu else ffn
         self.linear_fc1 = nn.Linear(cfg.hidden_size, fc1_out, bias=cfg.add_bias_linear)
         self.linear_fc2 = nn.Linear(ffn, cfg.hidden_size, bias=cfg.add_bias_linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.linear_fc1(x)
-        if self.swiglu:
-            h = swiglu(h, self.fused_kernels)
-        else:
-            h = F.gelu(h, approximate=self.gelu_approximate)
-        return self.linear_fc2(h)
+        return self.linear_fc2(mlp_activation(self.linear_fc1(x), self.cfg))

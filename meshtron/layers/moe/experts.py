@@ -1,0 +1,57 @@
+"""The routed experts: E feed-forward networks stored as two stacked weights, run as grouped GEMMs.
+
+Stacked ``weight1`` [E, fc1, h] and ``weight2`` [E, h, ffn] (each expert in nn.Linear layout,
+fc1 = 2*ffn with [gate; up] for SwiGLU) let one grouped GEMM serve all experts and let expert
+parallelism keep a slice of experts by slicing dim 0. No biases: MoE models run without them.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch import nn
+
+from meshtron.config import ModelConfig
+from meshtron.layers.mlp import ffn_hidden_size, mlp_activation
+from meshtron.layers.moe.grouped_gemm import grouped_mm
+
+# Parameter-name endings of stacked expert weights; their dim 0 is the expert id. weight2 is a
+# residual-branch output, initialized like the dense MLP's linear_fc2.
+EXPERT_WEIGHTS = ("experts.weight1", "experts.weight2")
+
+
+def expert_ffn_hidden_size(cfg: ModelConfig) -> int:
+    """Each expert's FFN width: ``--moe-ffn-hidden-size``, else the dense MLP's."""
+    return cfg.moe_ffn_hidden_size or ffn_hidden_size(cfg)
+
+
+@torch.no_grad()
+def init_expert_weights(param: torch.Tensor, name: str, seed: int, std: float, first_expert: int = 0) -> None:
+    """N(0, std) per expert from a generator keyed by (seed, name, global expert id).
+
+    ``param`` [E_local, ...] holds experts ``first_expert ..``; any expert-parallel split of the
+    same name and seed thus draws the same weights as one process holding all experts. ``name``
+    is the full parameter name, as for the model's other weights.
+    """
+    for local, expert in enumerate(range(first_expert, first_expert + param.shape[0])):
+        key = (seed * 1_000_003 + zlib.crc32(f"{name}[{expert}]".encode())) % 2**63
+        param[local].normal_(0.0, std, generator=torch.Generator(device=param.device).manual_seed(key))
+
+
+class Experts(nn.Module):
+    """Expert input [R, h], rows grouped by expert (``group_sizes`` [E]) -> output [R, h]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        ffn = expert_ffn_hidden_size(cfg)
+        fc1_out = 2 * ffn if cfg.activation == "swiglu" else ffn
+        self.cfg = cfg
+        # Drawn from the global RNG like nn.Linear's; the model re-draws them with init_expert_weights.
+        self.weight1 = nn.Parameter(torch.randn(cfg.num_experts, fc1_out, cfg.hidden_size) * cfg.init_method_std)
+        self.weight2 = nn.Parameter(torch.randn(cfg.num_experts, cfg.hidden_size, ffn) * cfg.init_method_std)
+
+    def forward(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+        backend = self.cfg.moe_grouped_gemm
+        hidden = mlp_activation(grouped_mm(x, self.weight1, group_sizes, backend), self.cfg)
+        return grouped_mm(hidden, self.weight2, group_sizes, backend)

@@ -1,0 +1,149 @@
+"""The router: which k experts each token visits, and with what weight.
+
+Semantics follow Megatron-Core's ``--moe-router-*`` flags, so a config moved from Megatron routes
+the same tokens to the same experts:
+
+- softmax, top-k first (default): softmax over the k chosen logits (Mixtral; weights sum to 1);
+- softmax, ``--moe-router-pre-softmax``: softmax over all experts, then top-k, not renormalized
+  (DeepSeek-V2's ``norm_topk_prob = false``);
+- sigmoid: top-k of sigmoid scores (plus the expert bias, for selection only), the chosen scores
+  renormalized to sum 1 when k > 1 (DeepSeek-V3);
+- then every weight times ``--moe-router-topk-scaling-factor``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshtron.config import ModelConfig
+
+ROUTER_DTYPES = {"": None, "fp32": torch.float32, "fp64": torch.float64}
+
+
+@dataclass
+class Routing:
+    """One layer's routing of T tokens: ``experts`` [T, k] ids, ``probs`` [T, k] combine weights."""
+
+    logits: torch.Tensor  # [T, E], in the router dtype; the balancing losses read it
+    probs: torch.Tensor
+    experts: torch.Tensor
+
+
+def group_limited_topk(scores: torch.Tensor, k: int, num_groups: int, group_topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k restricted to the ``group_topk`` best of ``num_groups`` equal expert groups.
+
+    DeepSeek's device/node-limited routing: with groups = devices (or nodes), a token's experts
+    live on at most ``group_topk`` of them, which bounds its all-to-all fan-out. A group's score
+    is the sum of its best k / group_topk scores (Megatron-Core's rule).
+    """
+    tokens, num_experts = scores.shape
+    grouped = scores.view(tokens, num_groups, num_experts // num_groups)
+    group_scores = grouped.topk(k // group_topk, dim=-1).values.sum(dim=-1)
+    best_groups = group_scores.topk(group_topk, dim=-1).indices
+    allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, best_groups, True)
+    allowed = allowed.unsqueeze(-1).expand_as(grouped).reshape(tokens, num_experts)
+    return scores.masked_fill(~allowed, float("-inf")).topk(k, dim=-1)
+
+
+def topk_routing(
+    logits: torch.Tensor,
+    k: int,
+    score_function: str = "softmax",
+    pre_softmax: bool = False,
+    scaling_factor: float = 1.0,
+    num_groups: int = 0,
+    group_topk: int = 0,
+    expert_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (probs [T, k] in the logits' dtype, expert ids [T, k]); see the module docstring.
+
+    Score functions run in fp32 whatever the logits' dtype: a bf16 softmax over many experts
+    loses the small probabilities that decide the balancing loss.
+    """
+
+    def select(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if group_topk:
+            return group_limited_topk(scores, k, num_groups, group_topk)
+        return scores.topk(k, dim=-1)
+
+    if score_function == "softmax":
+        if pre_softmax:
+            probs, experts = select(torch.softmax(logits.float(), dim=-1))
+        else:
+            top_logits, experts = select(logits.float())
+            probs = torch.softmax(top_logits, dim=-1)
+    elif score_function == "sigmoid":
+        scores = torch.sigmoid(logits.float())
+        if expert_bias is None:
+            probs, experts = select(scores)
+        else:
+            experts = select(scores + expert_bias.float()).indices
+            probs = scores.gather(1, experts)
+        if k > 1:
+            probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        raise ValueError(f"unknown --moe-router-score-function '{score_function}'")
+    if scaling_factor != 1.0:
+        probs = probs * scaling_factor
+    return probs.to(logits.dtype), experts
+
+
+class Router(nn.Module):
+    """Linear gate ``weight`` [E, h] (no bias) and top-k routing, with DeepSeek-V3's expert bias.
+
+    The expert bias shifts only which experts are chosen, never the combine weights, so it
+    balances load without a gradient that fights the language-model loss. It is a buffer (saved
+    in checkpoints, not trained) kept in fp32: its steps of ``--moe-router-bias-update-rate``
+    vanish in bf16.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.topk = cfg.moe_router_topk
+        self.score_function = cfg.moe_router_score_function
+        self.pre_softmax = cfg.moe_router_pre_softmax
+        self.scaling_factor = cfg.moe_router_topk_scaling_factor
+        self.num_groups = cfg.moe_router_num_groups
+        self.group_topk = cfg.moe_router_group_topk
+        self.dtype = ROUTER_DTYPES[cfg.moe_router_dtype]
+        self.jitter_eps = cfg.moe_jitter_eps
+        self.bias_update_rate = cfg.moe_router_bias_update_rate
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        nn.init.normal_(self.weight, std=cfg.init_method_std)
+        if cfg.moe_router_enable_expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+        else:
+            self.expert_bias = None
+
+    def _apply(self, fn, recurse=True):
+        """``model.to(bfloat16)`` casts buffers too; bring the expert bias back to fp32 (see class doc)."""
+        super()._apply(fn, recurse)
+        if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
+            self.expert_bias = self.expert_bias.float()
+        return self
+
+    def forward(self, tokens: torch.Tensor) -> Routing:
+        """tokens [T, h] -> Routing. Input jitter (MegaBlocks, Switch) applies in training only."""
+        if self.training and self.jitter_eps > 0:
+            tokens = tokens * torch.empty_like(tokens).uniform_(1.0 - self.jitter_eps, 1.0 + self.jitter_eps)
+        dtype = self.dtype or tokens.dtype
+        logits = F.linear(tokens.to(dtype), self.weight.to(dtype))
+        probs, experts = topk_routing(
+            logits, self.topk, self.score_function, self.pre_softmax, self.scaling_factor,
+            self.num_groups, self.group_topk, self.expert_bias,
+        )  # fmt: skip
+        return Routing(logits, probs, experts)
+
+    @torch.no_grad()
+    def update_expert_bias(self, tokens_per_expert: torch.Tensor) -> None:
+        """One aux-loss-free balancing step: experts above the mean load get a lower bias.
+
+        ``tokens_per_expert`` [E] must already be summed over every rank and micro-batch of the
+        step (the caller owns the all-reduce), so all replicas of the router make the same step.
+        """
+        load = tokens_per_expert.to(self.expert_bias.device, torch.float32)
+        self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)

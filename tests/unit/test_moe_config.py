@@ -1,0 +1,100 @@
+"""MoE config: --moe-layer-freq parsing (never evaluated), value checks, Megatron and MegaBlocks flags."""
+
+import builtins
+
+import pytest
+
+from meshtron.config import ModelConfig, build_config
+from meshtron.layers.moe import moe_config_errors, moe_layer_pattern
+from meshtron.layers.moe.layer_pattern import parse_layer_freq
+
+
+@pytest.mark.parametrize(
+    "text, layers, expected",
+    [
+        ("1", 3, [1, 1, 1]),
+        ("2", 5, [1, 0, 1, 0, 1]),
+        ("([0]+[1]*3)", 4, [0, 1, 1, 1]),
+        ("[1,0,1]", 3, [1, 0, 1]),
+        (" [1, 0] * 2 + 2*[0] ", 6, [1, 0, 1, 0, 0, 0]),
+        ("([1]*2+[0])*2", 6, [1, 1, 0, 1, 1, 0]),
+    ],
+)
+def test_layer_freq_forms(text, layers, expected):
+    assert parse_layer_freq(text, layers) == [bool(v) for v in expected]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "__import__('os').system('touch /tmp/pwned')",
+        "[1]*10**9",
+        "[1]*1000000000",
+        "[1,0,2]",
+        "[1,0",
+        "[1,0,1]]",
+        "0",
+        "[]",
+        "[1]*-1",
+    ],
+)
+def test_bad_or_malicious_layer_freq_is_refused_without_eval(text, monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the layer pattern must never be evaluated as Python")
+
+    monkeypatch.setattr(builtins, "eval", forbidden)
+    monkeypatch.setattr(builtins, "exec", forbidden)
+    with pytest.raises(ValueError, match="moe-layer-freq"):
+        parse_layer_freq(text, 3)
+
+
+def test_layer_pattern_of_a_config():
+    assert moe_layer_pattern(ModelConfig(num_layers=3)) == [False] * 3
+    assert moe_layer_pattern(ModelConfig(num_layers=3, num_experts=4, moe_layer_freq="[0,1,1]")) == [False, True, True]
+    errors = moe_config_errors(ModelConfig(num_layers=3, num_experts=4, add_bias_linear=False, moe_layer_freq="[0,1]"))
+    assert errors == ["--moe-layer-freq [0,1] names 2 layers but --num-layers is 3"]
+
+
+def _errors(**fields) -> str:
+    return "\n".join(moe_config_errors(ModelConfig(num_experts=8, add_bias_linear=False, **fields)))
+
+
+def test_config_checks_name_the_flag():
+    assert moe_config_errors(ModelConfig()) == []
+    assert _errors() == ""
+    assert "--disable-bias-linear" in "\n".join(moe_config_errors(ModelConfig(num_experts=8)))
+    assert "--moe-router-topk 9" in _errors(moe_router_topk=9)
+    assert "--moe-router-pre-softmax" in _errors(moe_router_topk=1)
+    assert _errors(moe_router_topk=1, moe_router_pre_softmax=True) == ""
+    assert "--moe-router-enable-expert-bias" in _errors(moe_router_enable_expert_bias=True)
+    assert "--moe-router-num-groups 3" in _errors(moe_router_num_groups=3, moe_router_group_topk=1)
+    assert "--moe-router-group-topk 3" in _errors(moe_router_num_groups=4, moe_router_group_topk=3)
+    assert _errors(moe_router_topk=4, moe_router_num_groups=4, moe_router_group_topk=2) == ""
+    assert "--moe-pad-expert-input-to-capacity" in _errors(moe_pad_expert_input_to_capacity=True)
+    assert "--moe-token-drop-policy" in _errors(moe_token_drop_policy="random")
+    assert "--moe-loss-weight" in _errors(moe_aux_loss_coeff=0.01, moe_loss_weight=0.1)
+    assert "--moe-shared-expert-gate" in _errors(moe_shared_expert_gate=True)
+    assert "moe_grouped_gemm" in _errors(moe_grouped_gemm="triton")
+    assert "--moe-router-dtype" in _errors(moe_router_dtype="bf16")
+
+
+def test_megatron_and_megablocks_flags():
+    megatron = build_config(overrides=[
+        "--num-experts", "64", "--moe-router-topk", "6", "--moe-ffn-hidden-size", "1408", "--moe-grouped-gemm",
+        "--moe-router-pre-softmax", "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-3",
+        "--moe-layer-freq", "([0]+[1]*26)", "--moe-shared-expert-intermediate-size", "2816",
+        "--moe-expert-capacity-factor", "1.25", "--moe-token-drop-policy", "position",
+    ], validate_now=False).model  # fmt: skip
+    assert (megatron.num_experts, megatron.moe_router_topk, megatron.moe_ffn_hidden_size) == (64, 6, 1408)
+    assert megatron.moe_grouped_gemm == "auto" and megatron.moe_router_pre_softmax
+    assert megatron.moe_router_load_balancing_type == "seq_aux_loss" and megatron.moe_aux_loss_coeff == 1e-3
+    assert megatron.moe_layer_freq == "([0]+[1]*26)" and megatron.moe_shared_expert_intermediate_size == 2816
+    assert (megatron.moe_expert_capacity_factor, megatron.moe_token_drop_policy) == (1.25, "position")
+    megablocks = build_config(overrides=[
+        "--moe-num-experts", "8", "--moe-top-k", "1", "--moe-capacity-factor", "0", "--moe-loss-weight", "0.1",
+        "--moe-jitter-eps", "0.01",
+    ], validate_now=False).model  # fmt: skip
+    assert (megablocks.num_experts, megablocks.moe_router_topk) == (8, 1)
+    assert megablocks.moe_expert_capacity_factor == 0  # dropless
+    assert (megablocks.moe_loss_weight, megablocks.moe_jitter_eps) == (0.1, 0.01)
+    assert build_config(overrides=["--model.moe_grouped_gemm", "loop"], validate_now=False).model.moe_grouped_gemm == "loop"
