@@ -81,6 +81,20 @@ class ModelConfig:
     moe_shared_expert_gate: bool = False  # scale the shared experts' output by sigmoid(gate(x))
     moe_layer_freq: str = "1"  # N: every N-th layer (from 0) is MoE; or a list like ([0]+[1]*26)
     moe_grouped_gemm: str = "auto"  # auto | loop (per-expert reference) | torch (torch._grouped_mm)
+    # DeepSeek-V2 multi-head latent attention (meshtron/layers/mla.py; checked by mla_config_errors there)
+    # and YaRN (rope_scaling "yarn", which also reads rope_scaling_factor and
+    # rope_original_max_position_embeddings). Head dims use Megatron's names; HF's in comments.
+    multi_latent_attention: bool = False
+    q_lora_rank: int = 0  # 0: full query projection (V2-Lite); else its low rank, with a norm (V2: 1536)
+    kv_lora_rank: int = 512  # width of the joint key/value latent (Megatron's default is 32)
+    qk_head_dim: int = 128  # per-head query/key dims without RoPE (HF qk_nope_head_dim)
+    qk_pos_emb_head_dim: int = 64  # per-head query dims with RoPE, and the one shared RoPE key (HF qk_rope_head_dim)
+    v_head_dim: int = 128
+    qk_layernorm: bool = False  # MLA: norm the q and kv latents (DeepSeek has them); not implemented without MLA
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 1.0
+    rope_mscale_all_dim: float = 0.0
 
 
 @dataclass

@@ -141,4 +141,23 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "moe-capacity-factor": "model.moe_expert_capacity_factor",
     "moe-loss-weight": "model.moe_loss_weight",
     "moe-jitter-eps": "model.moe_jitter_eps",
+    # DeepSeek-V2 multi-head latent attention and YaRN (meshtron/layers/mla.py). --qk-layernorm
+    # norms MLA's q and kv latents (Megatron's meaning under MLA; DeepSeek's checkpoints have both).
+    # Megatron's --qk-head-dim is the no-RoPE part; PAI-Megatron-Patch (the ROCm DeepSeek script)
+    # spells it --qk-nope-head-dim and the RoPE part --qk-rope-head-dim, like HF.
+    "multi-latent-attention": ("model.multi_latent_attention", True),
+    "q-lora-rank": "model.q_lora_rank",
+    "kv-lora-rank": "model.kv_lora_rank",
+    "qk-head-dim": "model.qk_head_dim",
+    "qk-nope-head-dim": "model.qk_head_dim",
+    "qk-pos-emb-head-dim": "model.qk_pos_emb_head_dim",
+    "qk-rope-head-dim": "model.qk_pos_emb_head_dim",
+    "v-head-dim": "model.v_head_dim",
+    "qk-layernorm": ("model.qk_layernorm", True),
+    "rotary-scaling-factor": "model.rope_scaling_factor",
+    "yarn-original-max-position-embeddings": "model.rope_original_max_position_embeddings",
+    "yarn-beta-fast": "model.rope_beta_fast",
+    "yarn-beta-slow": "model.rope_beta_slow",
+    "mscale": "model.rope_mscale",
+    "mscale-all-dim": "model.rope_mscale_all_dim",
 }

@@ -71,16 +71,17 @@ def attention_mask(
 
 
 class CoreAttention(nn.Module):
-    """softmax(q k^T / sqrt(d)) v on [b, heads, s, d], by ``model.attention_backend``.
+    """softmax(q k^T * scale) v on [b, heads, s, d], by ``model.attention_backend``; ``scale``
+    None means 1/sqrt(qk head dim).
 
     A module of its own so that a parallel plan can replace it (context parallelism attends
     across ranks) and activation recompute can wrap it (``--recompute-granularity selective``).
     k, v may have fewer heads (GQA): query head i reads kv head i // group_size.
     """
 
-    def __init__(self, backend: str):
+    def __init__(self, backend: str, scale: float | None = None):
         super().__init__()
-        self.backend = backend
+        self.backend, self.scale = backend, scale
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout: float, document_ids: torch.Tensor | None = None
@@ -93,32 +94,62 @@ class CoreAttention(nn.Module):
         since the kernels that take a mask do not all take groups.
         """
         if self.backend == "math":
-            return math_attention(q, k, v, mask, dropout)
+            return math_attention(q, k, v, mask, dropout, self.scale)
         group_size = q.shape[1] // k.shape[1]
         if group_size > 1 and (mask is not None or not _SDPA_HAS_GQA):
             k, v = k.repeat_interleave(group_size, dim=1), v.repeat_interleave(group_size, dim=1)
         gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+        scale = {"scale": self.scale} if self.scale is not None else {}
         with sdpa_backends(self.backend, q.device):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, **gqa)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, **gqa, **scale)
 
 
-class Attention(nn.Module):
-    """Self-attention of block ``layer_number`` (0-based; it picks this layer's KV-cache slot)."""
+class SelfAttentionBase(nn.Module):
+    """What every self-attention does once it has q, k and v: the mask, dropout, selective
+    recompute and the core. ``Attention`` and ``MultiLatentAttention`` differ only before.
+    ``softmax_scale`` None means 1/sqrt(qk head dim).
+    """
 
-    def __init__(self, cfg: ModelConfig, layer_number: int):
+    def __init__(self, cfg: ModelConfig, layer_number: int, softmax_scale: float | None = None):
         super().__init__()
         self.layer_number = layer_number
-        heads, kv_heads = cfg.num_attention_heads, num_kv_heads(cfg)
-        self.queries_per_group = heads // kv_heads
-        self.head_dim = head_dim(cfg)
-        self.use_rope = cfg.position_embedding_type == "rope"
         self.backend = cfg.attention_backend
         self.fused_kernels = cfg.fused_kernels
         self.recompute_core = cfg.recompute_granularity == "selective"
         self.dropout = cfg.attention_dropout
+        self.core_attention = CoreAttention(cfg.attention_backend, softmax_scale)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None) -> torch.Tensor:
+        """q [b, s, heads, d], k [b, t, kv_heads, d], v [b, t, kv_heads, dv] -> [b, s, heads * dv].
+
+        The queries are the last s of t positions (t > s after a KV-cache prefix).
+        """
+        s = q.shape[1]
+        # Plain causal attention over the chunk itself needs no mask tensor: SDPA's is_causal
+        # lets the fused (flash, cuDNN) kernels run.
+        mask = None
+        if document_ids is not None or k.shape[1] != s or self.backend == "math":
+            mask = attention_mask(s, k.shape[1], document_ids, q.device)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, s, d]
+        dropout = self.dropout if self.training else 0.0
+        if self.recompute_core and torch.is_grad_enabled():
+            out = checkpoint(self.core_attention, q, k, v, mask, dropout, document_ids, use_reentrant=False)
+        else:
+            out = self.core_attention(q, k, v, mask, dropout, document_ids)
+        return out.transpose(1, 2).flatten(2)
+
+
+class Attention(SelfAttentionBase):
+    """Self-attention of block ``layer_number`` (0-based; it picks this layer's KV-cache slot)."""
+
+    def __init__(self, cfg: ModelConfig, layer_number: int):
+        super().__init__(cfg, layer_number)
+        heads, kv_heads = cfg.num_attention_heads, num_kv_heads(cfg)
+        self.queries_per_group = heads // kv_heads
+        self.head_dim = head_dim(cfg)
+        self.use_rope = cfg.position_embedding_type == "rope"
         qkv_out = (heads + 2 * kv_heads) * self.head_dim
         self.linear_qkv = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.add_bias_linear)
-        self.core_attention = CoreAttention(cfg.attention_backend)
         self.linear_proj = nn.Linear(heads * self.head_dim, cfg.hidden_size, bias=cfg.add_bias_linear)
 
     def _local_groups(self, qkv_heads: int) -> tuple[int, int]:
@@ -160,25 +191,18 @@ class Attention(nn.Module):
             k = apply_rotary(k, cos, sin, position_ids, self.fused_kernels)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_number, k, v)
-        # Plain causal attention over the chunk itself needs no mask tensor: SDPA's is_causal
-        # lets the fused (flash, cuDNN) kernels run.
-        mask = None
-        if document_ids is not None or k.shape[1] != s or self.backend == "math":
-            mask = attention_mask(s, k.shape[1], document_ids, x.device)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, s, d]
-        dropout = self.dropout if self.training else 0.0
-        if self.recompute_core and torch.is_grad_enabled():
-            out = checkpoint(self.core_attention, q, k, v, mask, dropout, document_ids, use_reentrant=False)
-        else:
-            out = self.core_attention(q, k, v, mask, dropout, document_ids)
-        return self.linear_proj(out.transpose(1, 2).flatten(2))
+        return self.linear_proj(self.attend(q, k, v, document_ids))
 
 
-def math_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, dropout: float = 0.0) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d), masked) v in fp32: the reference every faster backend must match."""
+def math_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, dropout: float = 0.0, scale: float | None = None
+) -> torch.Tensor:
+    """softmax(q k^T * scale, masked) v in fp32 (scale 1/sqrt(d) by default): the reference every
+    faster backend must match."""
     group_size = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group_size, dim=1), v.repeat_interleave(group_size, dim=1)
-    scores = q.float() @ k.float().transpose(-2, -1) / math.sqrt(q.shape[-1])
+    scores = q.float() @ k.float().transpose(-2, -1)
+    scores = scores / math.sqrt(q.shape[-1]) if scale is None else scores * scale
     probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
     probs = F.dropout(probs, dropout)
     return (probs @ v.float()).to(q.dtype)

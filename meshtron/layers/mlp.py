@@ -47,8 +47,7 @@ class MLP(nn.Module):
         super().__init__()
         ffn = width or ffn_hidden_size(cfg)
         self.cfg = cfg
-        self.swiglu = cfg.activation == "swiglu"
-        fc1_out = 2 * ffn if self.swiglu else ffn
+        fc1_out = 2 * ffn if cfg.activation == "swiglu" else ffn
         self.linear_fc1 = nn.Linear(cfg.hidden_size, fc1_out, bias=cfg.add_bias_linear)
         self.linear_fc2 = nn.Linear(ffn, cfg.hidden_size, bias=cfg.add_bias_linear)
 

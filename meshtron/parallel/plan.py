@@ -75,6 +75,8 @@ def _replace(module: nn.Module, style: mc.Style, mesh: Mesh, sp: bool, cp_algori
     """The module taking ``module``'s place under ``style``, or None when it stays."""
     tp = mesh.tp_size
     if isinstance(style, mc.ContextParallelCore):
+        if mesh.cp_size > 1 and getattr(module, "scale", None) is not None:
+            raise NotImplementedError("context parallelism of attention with its own softmax scale (MLA) is not implemented")
         return ContextParallelAttention(mesh, cp_algorithm, cp_block_kernel) if mesh.cp_size > 1 else None
     if tp == 1:
         return None

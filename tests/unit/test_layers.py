@@ -104,7 +104,7 @@ def test_llama3_scaling_slows_only_long_wavelengths():
     assert torch.equal(inv_plain[:10], inv_scaled[:10])  # high frequencies untouched
     torch.testing.assert_close(inv_scaled[-10:], inv_plain[-10:] / 8)  # low ones divided by the factor
     with pytest.raises(ValueError, match="llama3"):
-        rope_frequencies(128, 2, scaling="yarn")
+        rope_frequencies(128, 2, scaling="dynamic")
 
 
 def test_apply_rotary_is_complex_rotation_of_half_pairs():
