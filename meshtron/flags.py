@@ -111,4 +111,13 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "eval-interval": "logging.eval_interval",
     "eval-iters": "logging.eval_iters",
     "tensorboard-dir": "logging.tensorboard_dir",
+    # BERT / T5 / ICT data
+    "mask-prob": "data.mask_prob",
+    "short-seq-prob": "data.short_seq_prob",
+    "vocab-extra-ids": "data.vocab_extra_ids",
+    "encoder-seq-length": "data.encoder_seq_length",
+    "decoder-seq-length": "data.decoder_seq_length",
+    "titles-data-path": "data.titles_data_path",
+    "query-in-block-prob": "data.query_in_block_prob",
+    "use-one-sent-docs": ("data.use_one_sent_docs", True),
 }
