@@ -114,6 +114,16 @@ class DataConfig:
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
     num_workers: int = 0
+    # BERT / T5 / ICT data (sentence-split files); checked by meshtron.data.masked_lm.masked_data_config_errors.
+    # N-gram limits are Megatron's fixed 3 (BERT) and 10 (T5), so no field sets them.
+    mask_prob: float = 0.15
+    short_seq_prob: float = 0.1  # a sample's target length is drawn shorter with this probability
+    vocab_extra_ids: int = 0  # T5 sentinels <extra_id_N> appended to a WordPiece vocabulary
+    encoder_seq_length: int = 0  # T5; 0: seq_length
+    decoder_seq_length: int = 0  # T5; must be set for T5
+    titles_data_path: str = ""  # ICT: document-level indexed titles, one per document
+    query_in_block_prob: float = 0.1  # ICT: the query sentence stays in its block this often
+    use_one_sent_docs: bool = False  # ICT: one-sentence documents make blocks too
 
 
 @dataclass

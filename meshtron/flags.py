@@ -160,4 +160,13 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "yarn-beta-slow": "model.rope_beta_slow",
     "mscale": "model.rope_mscale",
     "mscale-all-dim": "model.rope_mscale_all_dim",
+    # BERT / T5 / ICT data
+    "mask-prob": "data.mask_prob",
+    "short-seq-prob": "data.short_seq_prob",
+    "vocab-extra-ids": "data.vocab_extra_ids",
+    "encoder-seq-length": "data.encoder_seq_length",
+    "decoder-seq-length": "data.decoder_seq_length",
+    "titles-data-path": "data.titles_data_path",
+    "query-in-block-prob": "data.query_in_block_prob",
+    "use-one-sent-docs": ("data.use_one_sent_docs", True),
 }

@@ -7,7 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from meshtron.config import Config, pipeline_virtual_size, world_size_from_env
+from meshtron.data.masked_lm import masked_data_config_errors
 from meshtron.errors import ConfigError
+from meshtron.layers.mla import mla_config_errors
+from meshtron.layers.moe import moe_config_errors
 from meshtron.models import model_layout_errors
 from meshtron.parallel.pipeline_schedules import split_layers
 
@@ -41,7 +44,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         m.position_embedding_type in ("learned_absolute", "rope"),
         f"--position-embedding-type must be learned_absolute or rope, got '{m.position_embedding_type}'",
     )
-    need(m.rope_scaling in ("", "llama3"), f"model.rope_scaling must be '' or 'llama3', got '{m.rope_scaling}'")
+    need(m.rope_scaling in ("", "llama3", "yarn"), f"model.rope_scaling must be '', 'llama3' or 'yarn', got '{m.rope_scaling}'")
+    errors.extend(moe_config_errors(m) + mla_config_errors(m) + masked_data_config_errors(d))
     need(m.attention_backend in ("auto", "sdpa", "cudnn", "flash", "efficient", "math"),
          f"--attention-backend must be auto, sdpa, cudnn, flash, efficient or math, got '{m.attention_backend}'")  # fmt: skip
     need(m.fused_kernels in ("auto", "on", "off"), f"model.fused_kernels must be auto, on or off, got '{m.fused_kernels}'")

@@ -51,12 +51,17 @@ def build_datasets(
             data_cfg.reset_position_ids, data_cfg.reset_attention_mask, data_cfg.eod_mask_loss, name=SPLIT_NAMES[k],
         )
 
+    return _splits(ranges, weights, num_samples, seed, one)
+
+
+def _splits(ranges: list, weights: list[float], num_samples: tuple[int, int, int], seed: int, one) -> tuple:
+    """Per split, ``one(split, dataset, n)`` alone or a blend of every dataset with documents in the split."""
     out = []
     for k, n in enumerate(num_samples):
-        members = [i for i in range(len(prefixes)) if ranges[i][k][1] > ranges[i][k][0] and weights[i] > 0]
+        members = [i for i in range(len(ranges)) if ranges[i][k][1] > ranges[i][k][0] and weights[i] > 0]
         if n <= 0 or not members:
             out.append(None)
-        elif len(prefixes) == 1:
+        elif len(ranges) == 1:
             out.append(one(k, 0, n))
         else:
             w = [weights[i] for i in members]
@@ -67,6 +72,49 @@ def build_datasets(
             parts = [one(k, i, m) for i, m in zip(members, sizes)]
             out.append(BlendedDataset(parts, w, n, seed))
     return tuple(out)
+
+
+def build_masked_datasets(
+    model_type: str, data_cfg: DataConfig, tokenizer, num_samples: tuple[int, int, int], seed: int, binary_head: bool = True
+):
+    """(train, valid, test) of ``BERTDataset``, ``T5Dataset`` or ``ICTDataset`` on sentence-level ``--data-path`` files.
+
+    ``--split`` divides documents (not sentences); several weighted prefixes blend as for GPT.
+    ``binary_head`` is BERT's sentence-order head (``--bert-no-binary-head`` turns it off).
+    """
+    from meshtron.data.bert_dataset import BERTDataset
+    from meshtron.data.ict_dataset import ICTDataset
+    from meshtron.data.masked_lm import masked_data_config_errors
+    from meshtron.data.t5_dataset import T5Dataset
+
+    if model_type not in ("bert", "t5", "ict"):
+        raise ValueError(f"build_masked_datasets: model type '{model_type}' is not bert, t5 or ict")
+    errors = masked_data_config_errors(data_cfg, model_type)
+    if errors:
+        raise ValueError("; ".join(errors))
+    if data_cfg.mock or not data_cfg.data_path:
+        raise ValueError(f"{model_type} needs sentence-split data: --data-path PREFIX_text_sentence (meshtron preprocess --split-sentences)")
+    prefixes, weights = parse_data_path(data_cfg.data_path)
+    indexed = [IndexedDataset(p) for p in prefixes]
+    ranges = [split_document_ranges(data_cfg.split, len(ds.document_indices) - 1) for ds in indexed]
+    titles = IndexedDataset(data_cfg.titles_data_path) if data_cfg.titles_data_path else None
+    if titles is not None and len(prefixes) > 1:
+        raise ValueError("--titles-data-path holds the titles of one --data-path; ICT blends are not supported")
+    cache = data_cfg.data_cache_path or None
+    d = data_cfg
+
+    def one(k: int, i: int, n: int):
+        common = dict(num_samples=n, seed=seed, cache_dir=cache, tokenizer=tokenizer, name=SPLIT_NAMES[k])
+        if model_type == "bert":
+            return BERTDataset(indexed[i], ranges[i][k], seq_length=d.seq_length, mask_prob=d.mask_prob,
+                               short_seq_prob=d.short_seq_prob, binary_head=binary_head, **common)
+        if model_type == "t5":
+            return T5Dataset(indexed[i], ranges[i][k], encoder_seq_length=d.encoder_seq_length or d.seq_length,
+                             decoder_seq_length=d.decoder_seq_length, mask_prob=d.mask_prob, short_seq_prob=d.short_seq_prob, **common)
+        return ICTDataset(indexed[i], ranges[i][k], seq_length=d.seq_length, titles=titles, query_in_block_prob=d.query_in_block_prob,
+                          use_one_sent_docs=d.use_one_sent_docs, **common)
+
+    return _splits(ranges, weights, num_samples, seed, one)
 
 
 def collate(samples: list[dict]) -> dict:

@@ -81,6 +81,36 @@ def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.Random
     return np.concatenate((first, last))
 
 
+def cached_indices(description: dict, cache_dir: str, name: str, names: tuple[str, ...], build) -> tuple[dict[str, np.ndarray], bool]:
+    """Index arrays ``names`` for ``description`` from ``cache_dir``, or ``build()`` them and cache them there.
+
+    Files are ``{md5 of description}-{class}-{name}-{array}.npy``, written atomically so ranks
+    building at once never read half a file; returns the arrays and whether the cache had them.
+    """
+    digest = hashlib.md5(json.dumps(description, sort_keys=True).encode()).hexdigest()
+    stem = os.path.join(cache_dir, f"{digest}-{description['class']}-{name}")
+    paths = {k: f"{stem}-{k}.npy" for k in names}
+    if all(os.path.isfile(p) for p in paths.values()):
+        return {k: np.load(p, mmap_mode="r") for k, p in paths.items()}, True
+    arrays = build()
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        with open(f"{stem}-description.json", "w") as f:
+            json.dump(description, f, indent=1)
+        for k, p in paths.items():
+            tmp = f"{p[:-4]}.tmp{os.getpid()}.npy"
+            np.save(tmp, arrays[k])
+            os.replace(tmp, p)
+    except OSError as exc:
+        warnings.warn(f"cannot cache {name} indices in {cache_dir} ({exc}); set --data-cache-path to a writable folder")
+    return arrays, False
+
+
+def default_cache_dir(indexed: IndexedDataset, cache_dir: str | None) -> str:
+    """``--data-cache-path``, else a ``cache`` folder beside the data."""
+    return cache_dir or os.path.join(os.path.dirname(os.path.abspath(indexed.path_prefix)), "cache")
+
+
 def sample_dict(text: np.ndarray, eod: int | None, reset_position_ids: bool, reset_attention_mask: bool, eod_mask_loss: bool) -> dict:
     """``seq_length + 1`` tokens -> model inputs; ``document_ids`` (no dense mask) when documents must not attend across."""
     text = torch.from_numpy(np.asarray(text, dtype=np.int64))
@@ -140,38 +170,11 @@ class GPTDataset(torch.utils.data.Dataset):
             "seed": seed,
             "format": 1,
         }
-        self.cache_dir = cache_dir or os.path.join(os.path.dirname(os.path.abspath(indexed.path_prefix)), "cache")
-        digest = hashlib.md5(json.dumps(self.description, sort_keys=True).encode()).hexdigest()
-        self._cache_stem = os.path.join(self.cache_dir, f"{digest}-GPTDataset-{name}")
-        self.cache_hit = self._load()
-        if not self.cache_hit:
-            self._build(np.arange(start, end, dtype=np.int32), seed)
-            self._save()
+        self.cache_dir = default_cache_dir(indexed, cache_dir)
+        arrays, self.cache_hit = cached_indices(self.description, self.cache_dir, name, _INDEX_NAMES, lambda: self._build(np.arange(start, end, dtype=np.int32), seed))
+        self.document_index, self.sample_index, self.shuffle_index = (arrays[k] for k in _INDEX_NAMES)
 
-    def _paths(self) -> dict[str, str]:
-        return {k: f"{self._cache_stem}-{k}.npy" for k in _INDEX_NAMES}
-
-    def _load(self) -> bool:
-        paths = self._paths()
-        if not all(os.path.isfile(p) for p in paths.values()):
-            return False
-        for k, p in paths.items():
-            setattr(self, k, np.load(p, mmap_mode="r"))
-        return True
-
-    def _save(self) -> None:
-        try:
-            os.makedirs(self.cache_dir, exist_ok=True)
-            with open(f"{self._cache_stem}-description.json", "w") as f:
-                json.dump(self.description, f, indent=1)
-            for k, p in self._paths().items():
-                tmp = f"{p[:-4]}.tmp{os.getpid()}.npy"
-                np.save(tmp, getattr(self, k))
-                os.replace(tmp, p)  # atomic, so ranks building at once never read half a file
-        except OSError as exc:
-            warnings.warn(f"cannot cache {self.name} indices in {self.cache_dir} ({exc}); set --data-cache-path to a writable folder")
-
-    def _build(self, documents: np.ndarray, seed: int) -> None:
+    def _build(self, documents: np.ndarray, seed: int) -> dict[str, np.ndarray]:
         seq = self.seq_length
         tokens_per_epoch = int(self.indexed.sequence_lengths[documents].sum(dtype=np.int64))
         if tokens_per_epoch <= seq:
@@ -186,10 +189,11 @@ class GPTDataset(torch.utils.data.Dataset):
             per_epoch = (tokens_per_epoch - 1) // seq
             separate_final_epoch = self.num_samples - before_final < int(_FINAL_EPOCH_THRESHOLD * per_epoch)
         rng = np.random.RandomState(seed)
-        self.document_index = build_document_index(documents, num_epochs, rng, separate_final_epoch)
-        self.sample_index = build_sample_index(self.indexed.sequence_lengths, self.document_index, seq)
-        total = len(self.sample_index) - 1
-        self.shuffle_index = build_shuffle_index(before_final if separate_final_epoch else total, total, rng)
+        document_index = build_document_index(documents, num_epochs, rng, separate_final_epoch)
+        sample_index = build_sample_index(self.indexed.sequence_lengths, document_index, seq)
+        total = len(sample_index) - 1
+        shuffle_index = build_shuffle_index(before_final if separate_final_epoch else total, total, rng)
+        return {"document_index": document_index, "sample_index": sample_index, "shuffle_index": shuffle_index}
 
     def __len__(self) -> int:
         return self.num_samples

@@ -1,6 +1,9 @@
 """``meshtron preprocess``: jsonl text -> tokenized ``{prefix}_{key}_document.bin/.idx``.
 
-Takes the flags of Megatron-LM's ``tools/preprocess_data.py`` and writes the same files. Workers
+Takes the flags of Megatron-LM's ``tools/preprocess_data.py`` and writes the same files. With
+``--split-sentences`` each sentence is one sequence (the document index groups a document's
+sentences) and the files are ``{prefix}_{key}_sentence.bin/.idx``, the input of BERT, T5 and ICT;
+sentences come from NLTK's Punkt with parameters that need no download (``sentences.py``). Workers
 receive chunks of raw lines and send back packed numpy arrays, so the parent only writes bytes;
 tokenizers with a batch encoder (Hugging Face, sentencepiece) use it on each chunk.
 """
@@ -17,6 +20,7 @@ import time
 import numpy as np
 
 from meshtron.data.indexed import IndexedDatasetBuilder, best_dtype
+from meshtron.data.sentences import SentenceSplitter
 from meshtron.data.tokenizers import TOKENIZER_TYPES, Tokenizer, build_tokenizer
 
 
@@ -25,15 +29,19 @@ def _parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("input")
     g.add_argument("--input", required=True, help="jsonl file, one JSON object per line")
     g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract; one output dataset each")
-    g.add_argument("--split-sentences", action="store_true", help="not supported")
+    g.add_argument("--split-sentences", action="store_true", help="one sequence per sentence (Punkt), for BERT/T5/ICT")
+    g.add_argument("--keep-newlines", action="store_true", help="with --split-sentences: keep the whitespace after each sentence")
+    g.add_argument("--lang", default="english", choices=["english"], help="Punkt language")
+    g.add_argument("--punkt-cache-dir", default="", help="where the learned Punkt statistics are cached (default ~/.cache/meshtron/punkt)")
     g = p.add_argument_group("tokenizer")
     g.add_argument("--tokenizer-type", required=True, help=" | ".join(TOKENIZER_TYPES))
     g.add_argument("--tokenizer-model", default="")
     g.add_argument("--vocab-file", default="")
     g.add_argument("--merge-file", default="")
+    g.add_argument("--vocab-extra-ids", type=int, default=0, help="T5 sentinels <extra_id_N> added to BERT WordPiece vocabularies")
     g.add_argument("--append-eod", action="store_true", help="append the end-of-document id to every document")
     g = p.add_argument_group("output")
-    g.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
+    g.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx (_sentence with --split-sentences)")
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     g.add_argument("--chunk-size", type=int, default=64, help="lines sent to a worker at a time")
@@ -47,11 +55,14 @@ class _Encoder:
 
     tokenizer: Tokenizer | None = None
     args: argparse.Namespace | None = None
+    splitter: SentenceSplitter | None = None
 
     @classmethod
     def init(cls, args: argparse.Namespace) -> None:
         cls.args = args
         cls.tokenizer = _make_tokenizer(args)
+        if args.split_sentences:
+            cls.splitter = SentenceSplitter(args.keep_newlines, args.punkt_cache_dir or None)
 
     @classmethod
     def encode_chunk(cls, chunk: list[tuple[int, bytes]]):
@@ -72,7 +83,10 @@ class _Encoder:
                 if key not in obj:
                     raise ValueError(f"{args.input} line {lineno}: no key '{key}' (it has {sorted(obj)}); pick one with --json-keys")
                 value = obj[key]
-                parts = value if isinstance(value, list) else [value]  # a list is pre-split sentences, as in Megatron
+                if isinstance(value, list):
+                    parts = value  # already sentences, as in Megatron
+                else:
+                    parts = cls.splitter.split(value) if cls.splitter is not None else [value]
                 if not all(isinstance(v, str) for v in parts):
                     raise ValueError(f"{args.input} line {lineno}: '{key}' must be a string or a list of strings")
                 texts[key].extend(parts)
@@ -106,7 +120,7 @@ def _pack(encoded: list[list[int]], seqs_per_doc: list[int], eod: int | None):
 
 
 def _make_tokenizer(args: argparse.Namespace) -> Tokenizer:
-    return build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file)
+    return build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file, args.vocab_extra_ids)
 
 
 def _chunks(path: str, size: int):
@@ -126,17 +140,19 @@ def _chunks(path: str, size: int):
 def main(argv: list[str] | None = None) -> list[str]:
     """Run preprocessing; returns the written prefixes (without .bin/.idx)."""
     args = _parser().parse_args(argv)
-    if args.split_sentences:
-        raise SystemExit("--split-sentences is not supported by meshtron preprocess; give each document as one string, "
-                         "or as a JSON list of sentence strings (each becomes one sequence)")
+    if args.keep_newlines and not args.split_sentences:
+        raise SystemExit("--keep-newlines only applies with --split-sentences")
     if not os.path.isfile(args.input):
         raise FileNotFoundError(f"--input {args.input} does not exist")
     if args.workers < 1 or args.chunk_size < 1:
         raise ValueError("--workers and --chunk-size must be at least 1")
     tokenizer = _make_tokenizer(args)  # fail fast on a bad tokenizer, before any worker starts
+    if args.split_sentences:
+        SentenceSplitter(cache_dir=args.punkt_cache_dir or None)  # learn and cache Punkt's statistics once, before the workers
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     os.makedirs(out_dir, exist_ok=True)
-    prefixes = [f"{args.output_prefix}_{key}_document" for key in args.json_keys]
+    level = "sentence" if args.split_sentences else "document"
+    prefixes = [f"{args.output_prefix}_{key}_{level}" for key in args.json_keys]
     dtype = best_dtype(tokenizer.vocab_size)
     builders = {k: IndexedDatasetBuilder(p + ".bin", dtype) for k, p in zip(args.json_keys, prefixes)}
 

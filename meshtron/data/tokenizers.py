@@ -223,6 +223,49 @@ class TikTokenizer(Tokenizer):
         return self._enc.decode(list(ids))
 
 
+class BertWordPieceTokenizer(HuggingFaceTokenizer):
+    """A BERT ``vocab.txt`` as Megatron's ``BertWordPieceLowerCase`` / ``BertWordPieceCase``.
+
+    Ids follow the file's line order; ``[BOS]``, ``[EOS]`` (also the end of document) and
+    ``--vocab-extra-ids`` sentinels ``<extra_id_0..N-1>`` (T5's span markers) get the next ids when
+    the file lacks them, as in Megatron. They join the WordPiece vocabulary, not the added-token
+    list, so text spelling ``[EOS]`` is word-pieced like any other text, again as in Megatron.
+    ``encode`` adds no [CLS]/[SEP]: the datasets place those.
+    """
+
+    def __init__(self, vocab_file: str, lower_case: bool, vocab_extra_ids: int = 0):
+        from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders, models, normalizers, pre_tokenizers
+
+        tokenizer_type = "BertWordPieceLowerCase" if lower_case else "BertWordPieceCase"
+        _need_file(vocab_file, "--vocab-file", tokenizer_type, "WordPiece vocab.txt")
+        with open(vocab_file, encoding="utf-8") as f:
+            tokens = [line.strip() for line in f]
+        while tokens and not tokens[-1]:
+            tokens.pop()  # a trailing newline is not a token
+        vocab: dict[str, int] = {}
+        for i, t in enumerate(tokens):
+            if t in vocab:
+                raise ValueError(f"--vocab-file {vocab_file}: token {t!r} on lines {vocab[t] + 1} and {i + 1}; ids must be unique")
+            vocab[t] = i
+        missing = [t for t in ("[CLS]", "[SEP]", "[PAD]", "[MASK]", "[UNK]") if t not in vocab]
+        if missing:
+            raise ValueError(f"--vocab-file {vocab_file} lacks {missing}, which {tokenizer_type} needs")
+        self.additional_special_tokens = [f"<extra_id_{i}>" for i in range(vocab_extra_ids)]
+        for t in ["[BOS]", "[EOS]", *self.additional_special_tokens]:
+            vocab.setdefault(t, len(vocab))
+        tok = HFTokenizer(models.WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
+        tok.normalizer = normalizers.BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=lower_case, lowercase=lower_case)
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tok.decoder = decoders.WordPiece(prefix="##")
+        super().__init__(tok, name=f"{tokenizer_type}({vocab_file})", eod=vocab["[EOS]"])
+        self.vocab = vocab
+        self.inv_vocab = {i: t for t, i in vocab.items()}
+        self.cls, self.sep, self.pad, self.mask = (vocab[t] for t in ("[CLS]", "[SEP]", "[PAD]", "[MASK]"))
+        self.bos, self.eos = vocab["[BOS]"], vocab["[EOS]"]
+        self.additional_special_tokens_ids = [vocab[t] for t in self.additional_special_tokens]
+
+
 TOKENIZER_TYPES = (
     "HuggingFaceTokenizer",
     "GPT2BPETokenizer",
@@ -230,11 +273,20 @@ TOKENIZER_TYPES = (
     "Llama2Tokenizer",
     "TikTokenizer",
     "ByteTokenizer",
+    "BertWordPieceLowerCase",
+    "BertWordPieceCase",
 )
 
 
-def build_tokenizer(tokenizer_type: str, tokenizer_model: str = "", vocab_file: str = "", merge_file: str = "") -> Tokenizer:
-    """Build the tokenizer a ``--tokenizer-type`` names from the files its flags point at."""
+def build_tokenizer(
+    tokenizer_type: str, tokenizer_model: str = "", vocab_file: str = "", merge_file: str = "", vocab_extra_ids: int = 0
+) -> Tokenizer:
+    """Build the tokenizer a ``--tokenizer-type`` names from the files its flags point at.
+
+    ``vocab_extra_ids`` (``--vocab-extra-ids``, T5's sentinels) applies to the BERT WordPiece types.
+    """
+    if tokenizer_type in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+        return BertWordPieceTokenizer(vocab_file, tokenizer_type == "BertWordPieceLowerCase", vocab_extra_ids)
     if tokenizer_type == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer.from_file(tokenizer_model)
     if tokenizer_type == "GPT2BPETokenizer":

@@ -64,8 +64,8 @@ def test_errors_name_file_line_and_flag(tmp_path):
         run(tmp_path, DOCS, "--json-keys", "body")
     with pytest.raises(FileNotFoundError, match="--input"):
         preprocess.main(["--input", str(tmp_path / "missing.jsonl"), "--output-prefix", "x", "--tokenizer-type", "ByteTokenizer"])
-    with pytest.raises(SystemExit, match="--split-sentences is not supported"):
-        run(tmp_path, DOCS, "--split-sentences")
+    with pytest.raises(SystemExit, match="--keep-newlines only applies with --split-sentences"):
+        run(tmp_path, DOCS, "--keep-newlines")
     with pytest.raises(ValueError, match="unknown --tokenizer-type"):
         preprocess.main(["--input", str(src), "--output-prefix", "x", "--tokenizer-type", "Bytes"])
 
