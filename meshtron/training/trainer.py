@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from meshtron.checkpoint.checkpoint import load_checkpoint, save_checkpoint
+from meshtron.checkpoint.checkpoint import load_for_training, save_checkpoint
 from meshtron.config import Config, pipeline_virtual_size, validate
 from meshtron.data.builder import MicroBatchIterator, build_datasets
 from meshtron.data.tokenizers import build_tokenizer
@@ -31,6 +31,7 @@ from meshtron.parallel.mesh import Mesh, init_distributed
 from meshtron.parallel.pipeline import allreduce_tied_embedding_grads, forward_backward, pipeline_loss
 from meshtron.parallel.pipeline_schedules import bubble_fraction
 from meshtron.parallel.setup import build_parallel_model_and_optimizer, pipeline_schedule_kind
+from meshtron.training.divergence import DivergenceMonitor
 from meshtron.training.metrics import IntervalMeter, TensorBoardWriter, device_ceiling_tflops, format_log_line, model_flops_per_token
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -118,14 +119,7 @@ class Trainer:
 
         self.iteration, self.consumed_samples = 0, 0
         if cfg.checkpoint.load:
-            meta = load_checkpoint(
-                cfg.checkpoint.load,
-                self.model,
-                self.optimizer,
-                load_rng=not cfg.checkpoint.no_load_rng,
-                mesh=self.mesh,
-                load_optim=not cfg.checkpoint.no_load_optim,
-            )
+            meta = load_for_training(cfg.checkpoint, self.model, self.optimizer, self.mesh, log)
             if meta is None:
                 log(f"no checkpoint in {cfg.checkpoint.load} yet: starting from scratch")
             else:
@@ -161,6 +155,7 @@ class Trainer:
             log(f"pipeline: {kind} schedule, pp {self.mesh.pp} x {virtual} virtual stages, {self.num_micro_batches} micro batches: theoretical bubble {100 * bubble:.1f}%")
         log(f"optimizer state on this rank: {self.optimizer.memory_bytes() / 2**20:.1f} MiB" if hasattr(self.optimizer, "memory_bytes") else "optimizer state: sharded by FSDP2")
         self._stop_requested = False
+        self.divergence = DivergenceMonitor.from_config(t, self.precision, self.mesh.rank, self.model)
 
     # ------------------------------------------------------------------ steps
 
@@ -196,6 +191,7 @@ class Trainer:
         Gradients are reduced during the last micro batch's backward only.
         """
         batches = [self._to_device(next(self.train_batches)) for _ in range(self.num_micro_batches)]
+        self._last_batches = batches  # for the divergence check's re-run
         num_tokens = self._sum_over_data_parallel(sum(b["loss_mask"].sum() for b in batches)).clamp(min=1)
         self.optimizer.zero_grad()
         if self.stages is None:
@@ -267,7 +263,7 @@ class Trainer:
             "lr_schedule": self.schedule.state_dict(),
         }
         start = time.perf_counter()
-        save_checkpoint(str(save_dir), self.iteration, self.model, self.optimizer, meta, mesh=self.mesh, save_optim=not ckpt.no_save_optim)
+        save_checkpoint(str(save_dir), self.iteration, self.model, self.optimizer, meta, mesh=self.mesh, save_optim=not ckpt.no_save_optim, save_rng=not ckpt.no_save_rng)
         self.log(f"saved checkpoint at iteration {self.iteration} to {save_dir} in {time.perf_counter() - start:.2f}s")
 
     def _copy_tokenizer_files(self, save_dir: Path) -> dict[str, str]:
@@ -305,6 +301,7 @@ class Trainer:
             while self.iteration < t.train_iters:
                 self.meter.start_step()
                 loss, step = self.train_step()
+                self.divergence.check(self.iteration + 1, loss, step, None if self.stages is not None else lambda: [self._micro_batch_loss_sum(b) for b in self._last_batches])
                 self.meter.end_step(tokens_per_step, step.skipped)
                 self.iteration += 1
                 self.consumed_samples += t.global_batch_size
