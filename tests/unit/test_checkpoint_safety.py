@@ -99,7 +99,7 @@ def test_no_unrestricted_pickle_in_meshtron():
     root = Path(ckpt.__file__).parents[1]
     for path in root.rglob("*.py"):
         text = path.read_text()
-        assert not re.search(r"pickle\.loads?\(|\.read_metadata\(\)", text), path
+        assert not re.search(r"pickle\.loads?\(|\.read_metadata\(\)|dcp\.load\([^)]*checkpoint_id", text), path  # DCP's own reader unpickles
         for call in re.findall(r"torch\.load\([^)]*\)", text):
             assert "weights_only=True" in call, (path, call)
 
