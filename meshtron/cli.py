@@ -7,6 +7,7 @@ import sys
 
 from meshtron.checkpoint.checkpoint import CheckpointError
 from meshtron.errors import ConfigError
+from meshtron.training.divergence import DivergenceError
 
 # ``meshtron train`` with no arguments: the embedded corpus, a small GPT, a checkpoint and a sample.
 EMBEDDED_DEFAULT_ARGS = ["--save", "checkpoints/default", "--generate-prompt", "The"]
@@ -20,6 +21,7 @@ commands:
   generate     sample from a checkpoint: meshtron generate --load DIR --prompt TEXT
   convert      Hugging Face weights: meshtron convert hf-import --hf-dir DIR --save OUT [--dtype bf16|fp32]
                or meshtron convert hf-export --load CKPT --hf-dir OUT [--dtype bf16|fp32]
+  checkpoint   inspect a checkpoint: meshtron checkpoint info DIR [--ckpt-step N]
   estimate     per-GPU memory of a config and layout: meshtron estimate [--config FILE] [--world-size N]
                [--print-mesh] [--flag value ...]
 """
@@ -63,10 +65,11 @@ def generate_main(argv: list[str]) -> int:
     parser.add_argument("--greedy", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--ckpt-step", type=int, default=None, help="iteration to load (default: the newest)")
     args = parser.parse_args(argv)
     text = generate_from_checkpoint(
         args.load, args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, greedy=args.greedy, seed=args.seed, device=args.device,
+        top_p=args.top_p, greedy=args.greedy, seed=args.seed, device=args.device, iteration=args.ckpt_step,
     )
     print(text)
     return 0
@@ -92,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
             from meshtron.models.hf import main as convert_main
 
             return convert_main(rest)
+        if command == "checkpoint":
+            from meshtron.checkpoint.info import main as checkpoint_main
+
+            return checkpoint_main(rest)
         if command == "estimate":
             from meshtron.estimate import main as estimate_main
 
@@ -100,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         # Bad input: one clear line, no traceback. Bugs (other exceptions) keep their traceback.
         print(f"meshtron {command}: error: {exc}", file=sys.stderr)
         return 2
+    except DivergenceError as exc:
+        print(f"meshtron {command}: {exc}", file=sys.stderr)
+        return 3
     print(f"meshtron: unknown command '{command}'\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -156,6 +156,8 @@ class TrainConfig:
     compile: bool = False  # torch.compile each transformer block
     gemm_tuning: bool = False  # PyTorch TunableOp GEMM tuning (GPU); results kept in the save or cache dir
     gradient_accumulation_fusion: bool = False  # the blocks' linears compute weight gradients straight into the fp32 buffer
+    check_for_nan_in_loss_and_grad: bool = True  # a non-finite loss or grad norm stops the run (fp16: see the next field)
+    max_consecutive_skipped_steps: int = 10  # this many skipped steps in a row (fp16 overflow) stop the run; 0: no limit
 
 
 @dataclass
@@ -188,6 +190,11 @@ class CheckpointConfig:
     no_save_optim: bool = False
     no_load_optim: bool = False
     no_load_rng: bool = False
+    ckpt_step: int = -1  # iteration to load; -1: the tracker's
+    finetune: bool = False  # load the model weights only (no optimizer, no RNG) and start at iteration 0
+    no_save_rng: bool = False
+    ckpt_format: str = "torch_dist"  # the only format: DCP, reshardable
+    dist_ckpt_strictness: str = "raise_all"  # raise_all | log_all (checkpoint tensors the run lacks are skipped)
 
 
 @dataclass

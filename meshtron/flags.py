@@ -169,4 +169,17 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "titles-data-path": "data.titles_data_path",
     "query-in-block-prob": "data.query_in_block_prob",
     "use-one-sent-docs": ("data.use_one_sent_docs", True),
+    # Checkpoint trust and divergence (issue 9), with Megatron's meanings.
+    "ckpt-step": "checkpoint.ckpt_step",
+    "finetune": ("checkpoint.finetune", True),
+    "no-save-rng": ("checkpoint.no_save_rng", True),
+    "ckpt-format": "checkpoint.ckpt_format",
+    "dist-ckpt-strictness": "checkpoint.dist_ckpt_strictness",
+    "check-for-nan-in-loss-and-grad": ("train.check_for_nan_in_loss_and_grad", True),  # --no-... turns it off
+    # Accepted and ignored: every rank reads the tensors it needs itself, and the save will write
+    # each rank's own shards once it is sharded (today global rank 0 writes full tensors); no
+    # flag changes that.
+    "ckpt-fully-parallel-save": ("checkpoint.ckpt_format", None),
+    "no-ckpt-fully-parallel-save": ("checkpoint.ckpt_format", None),
+    "ckpt-fully-parallel-load": ("checkpoint.ckpt_format", None),
 }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from meshtron.checkpoint.checkpoint import checkpoint_config_errors
 from meshtron.config import Config, pipeline_virtual_size, world_size_from_env
 from meshtron.data.masked_lm import masked_data_config_errors
 from meshtron.errors import ConfigError
@@ -45,7 +46,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         f"--position-embedding-type must be learned_absolute or rope, got '{m.position_embedding_type}'",
     )
     need(m.rope_scaling in ("", "llama3", "yarn"), f"model.rope_scaling must be '', 'llama3' or 'yarn', got '{m.rope_scaling}'")
-    errors.extend(moe_config_errors(m) + mla_config_errors(m) + masked_data_config_errors(d))
+    errors.extend(moe_config_errors(m) + mla_config_errors(m) + masked_data_config_errors(d) + checkpoint_config_errors(cfg))
     need(m.attention_backend in ("auto", "sdpa", "cudnn", "flash", "efficient", "math"),
          f"--attention-backend must be auto, sdpa, cudnn, flash, efficient or math, got '{m.attention_backend}'")  # fmt: skip
     need(m.fused_kernels in ("auto", "on", "off"), f"model.fused_kernels must be auto, on or off, got '{m.fused_kernels}'")

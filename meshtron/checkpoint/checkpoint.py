@@ -5,7 +5,8 @@ Layout::
     {save}/latest_checkpointed_iteration.txt    the iteration of the newest complete checkpoint
     {save}/iter_0000100/.metadata, *.distcp     model + optimizer tensors (DCP)
     {save}/iter_0000100/meta.json               iteration, consumed samples, schedule, config, ...
-    {save}/iter_0000100/rng_rank0.pt            RNG states of each rank
+    {save}/iter_0000100/rng_rank0.pt            RNG states of each rank (unless --no-save-rng)
+    {save}/iter_0000100/complete.json           size and CRC-32 of every file above, written last
 
 The tensors are full and keyed by parameter name, whatever parallel layout wrote them
 (``layout.py``), so a checkpoint loads under any other layout.
@@ -18,6 +19,10 @@ into place; the tracker is replaced (temp file + ``os.replace``) only after that
 point leaves the previous tracker pointing at a complete checkpoint. The one window left is
 re-saving an iteration that already exists: between moving the old directory aside and renaming
 the new one in, the tracker's directory is briefly absent.
+
+Trust on load: the marker (``integrity.py``) is checked before any tensor is read, DCP's pickled
+index is read by a restricted unpickler (``safe_metadata.py``), and tensors of the checkpoint
+that the run lacks are an error rather than silently dropped.
 """
 
 from __future__ import annotations
@@ -26,10 +31,11 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -37,13 +43,19 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
+from meshtron.checkpoint.integrity import MARKER, manifest, verify
 from meshtron.checkpoint.layout import empty_full_state, full_state, load_full_state
+from meshtron.checkpoint.safe_metadata import SafeFileSystemReader, UnsafeMetadata, read_metadata
+from meshtron.config import Config, CheckpointConfig
 from meshtron.models.contract import ParamMeta
 from meshtron.parallel.mesh import Mesh
 
 TRACKER = "latest_checkpointed_iteration.txt"
 META = "meta.json"
 FORMAT_VERSION = 1
+# --dist-ckpt-strictness values we honor (Megatron's names): any mismatch is an error / the
+# checkpoint's tensors this run lacks are logged and skipped.
+STRICTNESS = ("raise_all", "log_all")
 
 
 class CheckpointError(RuntimeError):
@@ -52,6 +64,13 @@ class CheckpointError(RuntimeError):
 
 def checkpoint_dir(save_dir: str | os.PathLike, iteration: int) -> Path:
     return Path(save_dir) / f"iter_{iteration:07d}"
+
+
+def list_iterations(save_dir: str | os.PathLike) -> list[int]:
+    """Iterations with a directory in ``save_dir`` (complete or not), ascending."""
+    root = Path(save_dir)
+    found = [re.fullmatch(r"iter_(\d+)", p.name) for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
+    return sorted(int(m.group(1)) for m in found if m)
 
 
 def latest_iteration(save_dir: str | os.PathLike) -> int | None:
@@ -106,12 +125,14 @@ def save_checkpoint(
     mesh: Mesh | None = None,
     save_optim: bool = True,
     metas: dict[str, ParamMeta] | None = None,
+    save_rng: bool = True,
 ) -> Path:
     """Write ``{save_dir}/iter_{iteration:07d}`` atomically, then point the tracker at it.
 
     Collective: every rank calls it. The tensors are saved layout-free (full, keyed by name; see
-    ``layout.py``) by global rank 0; every rank adds its RNG state; rank 0 then renames the
-    directory into place and writes the tracker. ``meta`` must be JSON-serializable. Returns the
+    ``layout.py``) by global rank 0; every rank adds its RNG state; after a barrier rank 0
+    checksums every rank's files into the completion marker, renames the directory into place
+    and writes the tracker. ``meta`` must be JSON-serializable. Returns the
     final directory.
     """
     mesh = mesh or Mesh()
@@ -131,11 +152,13 @@ def save_checkpoint(
             with _quiet_single_process():
                 dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
             record = {"format_version": FORMAT_VERSION, "iteration": iteration, "has_optimizer": save_optim,
-                      "world_size": mesh.world_size, "meta": meta}
+                      "has_rng": save_rng, "world_size": mesh.world_size, "meta": meta}
             _write_durably(tmp / META, json.dumps(record, indent=1).encode())
-        torch.save(get_rng_state(), tmp / f"rng_rank{mesh.rank}.pt")
+        if save_rng:
+            torch.save(get_rng_state(), tmp / f"rng_rank{mesh.rank}.pt")
         _barrier(mesh)
         if writer:
+            _write_durably(tmp / MARKER, json.dumps(manifest(tmp, iteration), indent=1).encode())
             _fsync_tree(tmp)
             _move_into_place(tmp, final)
     except BaseException:  # DCP raises CheckpointException, a BaseException
@@ -214,11 +237,17 @@ def load_checkpoint(
     mesh: Mesh | None = None,
     load_optim: bool = True,
     metas: dict[str, ParamMeta] | None = None,
+    strict: bool = True,
+    log: Callable[[str], None] = print,
 ) -> dict[str, Any] | None:
     """Load the tracker's checkpoint (or ``iteration``'s) into ``model`` and ``optimizer`` in place.
 
     Returns the saved ``meta`` with ``"iteration"`` set to the checkpoint's iteration, or None when
     ``load_dir`` has no tracker and no ``iteration`` was asked for (a fresh start).
+
+    Every file is checked against the completion marker first. Tensors of the checkpoint that
+    this run does not have are an error; with ``strict=False`` they are logged and skipped.
+    Collective when pipeline-parallel (the stages pool their tensor names).
 
     With ``--no-load-optim``, still pass the optimizer and ``load_optim=False``: in bf16/fp16 its
     fp32 masters must be refreshed from the loaded weights (``reload_model_params``), or the first
@@ -233,20 +262,24 @@ def load_checkpoint(
             return None
         directory = checkpoint_dir(root, iteration)
         if not directory.is_dir():
-            raise CheckpointError(f"tracker {root / TRACKER} names iteration {iteration} but {directory} does not exist")
+            raise CheckpointError(f"tracker {root / TRACKER} names iteration {iteration} but {directory} does not exist; {_fallback_hint(root, iteration)}")
     else:
         directory = checkpoint_dir(root, iteration)
         if not directory.is_dir():
-            raise CheckpointError(f"no checkpoint for iteration {iteration}: {directory} does not exist")
+            raise CheckpointError(f"no checkpoint for iteration {iteration}: {directory} does not exist; {_fallback_hint(root, iteration)}")
+    problem = verify(directory)
+    if problem:
+        raise CheckpointError(f"checkpoint of iteration {iteration} cannot be trusted: {problem}; {_fallback_hint(root, iteration)}")
 
     mesh = mesh or Mesh()
-    record = _read_meta(directory / META)
-    metadata = _read_dcp_metadata(directory)
+    record = read_record(directory / META)
+    metadata = read_dcp_metadata(directory)
     with_optim = optimizer is not None and load_optim
     if with_optim and not record.get("has_optimizer", False):
         raise CheckpointError(f"{directory} was saved without optimizer state (--no-save-optim); resume with --no-load-optim")
     # Every rank reads the full tensors (no collectives) and keeps its own part of them.
     full = empty_full_state(model, optimizer, with_optimizer=with_optim, metas=metas)
+    _check_tensor_names(full, metadata, directory, mesh, strict, log)
     _dcp_load({"model": full["model"]}, directory, metadata)
     if with_optim:
         _dcp_load({"optimizer": full["optimizer"]}, directory, metadata)
@@ -255,14 +288,58 @@ def load_checkpoint(
         optimizer.reload_model_params()
 
     if load_rng:
-        rng = directory / f"rng_rank{mesh.rank}.pt"
+        if not record.get("has_rng", True):
+            raise CheckpointError(f"{directory} was saved without RNG states (--no-save-rng); resume with --no-load-rng")
         if record.get("world_size", 1) != mesh.world_size:
             raise CheckpointError(
                 f"{directory} was saved by {record.get('world_size', 1)} processes and this run has {mesh.world_size}: "
                 "their RNG streams do not map; resume with --no-load-rng"
             )
-        set_rng_state(_read_rng(rng))
+        set_rng_state(_read_rng(directory / f"rng_rank{mesh.rank}.pt"))
     return {**record["meta"], "iteration": record["iteration"]}
+
+
+def load_for_training(c: CheckpointConfig, model: nn.Module, optimizer: Any, mesh: Mesh, log: Callable[[str], None] = print,
+                      metas: dict[str, ParamMeta] | None = None) -> dict[str, Any] | None:  # fmt: skip
+    """``--load`` as Megatron reads its companions: ``--ckpt-step`` picks the iteration (else the
+    tracker's); ``--finetune`` loads the model weights only (no optimizer state, no RNG) and
+    starts again at iteration 0 with no samples consumed; ``--dist-ckpt-strictness log_all``
+    loads the tensors both have and logs the checkpoint's others."""
+    meta = load_checkpoint(
+        c.load, model, optimizer, iteration=None if c.ckpt_step < 0 else c.ckpt_step, mesh=mesh,
+        load_rng=not (c.no_load_rng or c.finetune), load_optim=not (c.no_load_optim or c.finetune),
+        strict=c.dist_ckpt_strictness == "raise_all", log=log, metas=metas,
+    )  # fmt: skip
+    if meta is not None and c.finetune:
+        return {**meta, "iteration": 0, "consumed_samples": 0}
+    return meta
+
+
+def checkpoint_config_errors(cfg: Config) -> list[str]:
+    """What is wrong with the checkpoint-trust and divergence fields (``validate`` adds these)."""
+    c, t = cfg.checkpoint, cfg.train
+    errors = []
+    if c.ckpt_format != "torch_dist":
+        errors.append(f"--ckpt-format {c.ckpt_format} is not supported: meshtron reads and writes torch_dist (DCP) checkpoints only; "
+                      "convert a legacy Megatron checkpoint (--ckpt-format torch) to torch_dist with Megatron first")
+    if c.dist_ckpt_strictness not in STRICTNESS:
+        errors.append(f"--dist-ckpt-strictness must be one of {', '.join(STRICTNESS)}, got '{c.dist_ckpt_strictness}'")
+    if c.ckpt_step < -1:
+        errors.append(f"--ckpt-step must be an iteration (>= 0), or -1 for the tracker's; got {c.ckpt_step}")
+    if (c.finetune or c.ckpt_step >= 0) and not c.load:
+        errors.append(f"{'--finetune' if c.finetune else '--ckpt-step'} needs --load")
+    if t.max_consecutive_skipped_steps < 0:
+        errors.append(f"--max-consecutive-skipped-steps must be >= 0 (0: no limit), got {t.max_consecutive_skipped_steps}")
+    return errors
+
+
+def _fallback_hint(root: Path, bad: int) -> str:
+    """How to load another iteration instead (Megatron's ``--ckpt-step``), naming the complete ones."""
+    complete = [i for i in list_iterations(root) if i != bad and (checkpoint_dir(root, i) / MARKER).is_file()]
+    if not complete:
+        return f"{root} holds no other complete checkpoint"
+    pick = max([i for i in complete if i < bad] or complete)
+    return f"load another iteration with --ckpt-step N (complete ones in {root}: {', '.join(map(str, complete))}), e.g. --ckpt-step {pick}"
 
 
 def read_meta(load_dir: str | os.PathLike, iteration: int | None = None) -> dict[str, Any]:
@@ -271,11 +348,12 @@ def read_meta(load_dir: str | os.PathLike, iteration: int | None = None) -> dict
     iteration = latest_iteration(root) if iteration is None else iteration
     if iteration is None:
         raise CheckpointError(f"no checkpoint in {root}: point --load at a directory written by --save")
-    record = _read_meta(checkpoint_dir(root, iteration) / META)
+    record = read_record(checkpoint_dir(root, iteration) / META)
     return {**record["meta"], "iteration": record["iteration"]}
 
 
-def _read_meta(path: Path) -> dict[str, Any]:
+def read_record(path: Path) -> dict[str, Any]:
+    """A checkpoint's whole ``meta.json``: iteration, what was saved, world size, and ``meta``."""
     try:
         record = json.loads(path.read_text())
     except FileNotFoundError:
@@ -298,14 +376,17 @@ def _read_rng(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint file {path} is corrupt: {exc}") from None
 
 
-def _read_dcp_metadata(directory: Path) -> Any:
-    """Read DCP's index first, so a missing or damaged file is named here rather than inside DCP's
-    rank-wrapped traceback; then check each data file holds the bytes the index points to."""
+def read_dcp_metadata(directory: Path) -> Any:
+    """DCP's index of ``directory``, read without running code from it (``safe_metadata.py``),
+    then checked: each data file holds the bytes the index points to. A missing or damaged file
+    is named here rather than inside DCP's rank-wrapped traceback."""
     path = directory / ".metadata"
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {path} is missing (was the save interrupted?)")
     try:
-        metadata = dcp.FileSystemReader(str(directory)).read_metadata()
+        metadata = read_metadata(path)
+    except UnsafeMetadata as exc:
+        raise CheckpointError(f"checkpoint file {path} {exc}") from None
     except Exception as exc:
         raise CheckpointError(f"checkpoint file {path} is corrupt: {exc}") from None
     needed: dict[str, int] = {}
@@ -320,18 +401,43 @@ def _read_dcp_metadata(directory: Path) -> Any:
     return metadata
 
 
-def _dcp_load(state: dict[str, Any], directory: Path, metadata: Any) -> None:
-    """``dcp.load`` with its rank-wrapped failures turned into one CheckpointError naming the directory."""
+# Keys named after a parameter: the ones a change of model shows up in. The loss scaler's entries
+# depend on the precision, which a run may change on resume.
+_PARAMETER_KEYED = ("model.", "optimizer.master.", "optimizer.state.")
+
+
+def _check_tensor_names(full: dict[str, Any], metadata: Any, directory: Path, mesh: Mesh, strict: bool, log: Callable[[str], None]) -> None:
+    """Tensors this run needs that the checkpoint lacks are an error; tensors of the checkpoint
+    this run does not have (fewer layers, another model) too, unless not ``strict``."""
+    wanted = _flat_keys(full)
+    run_keys = set(wanted)
+    if mesh.pp > 1:  # each stage holds its own layers: the run has their union
+        parts: list[Any] = [None] * mesh.pp
+        torch.distributed.all_gather_object(parts, wanted, group=mesh.pp_group)
+        run_keys = set().union(*parts)
     saved = metadata.state_dict_metadata.keys()
-    wanted = [k for k in _flat_keys(state) if k not in saved]
-    if wanted:
+    lacking = [k for k in wanted if k not in saved]
+    if lacking:
+        raise CheckpointError(f"{directory} lacks {len(lacking)} tensors this run needs, e.g. {lacking[:3]} (another model shape or precision?)")
+    sections = tuple(p for p in _PARAMETER_KEYED if p.split(".")[0] in full)
+    extra = sorted(k for k in saved if k.startswith(sections) and k not in run_keys)
+    if not extra:
+        return
+    what = f"{directory} holds {len(extra)} tensors this run does not have, e.g. {extra[:5]}"
+    if strict:
         raise CheckpointError(
-            f"{directory} lacks {len(wanted)} tensors this run needs, e.g. {wanted[:3]} "
-            "(another model shape or precision?)"
+            f"{what}: loading would silently drop them (fewer layers, or another model?). Configure the model as the "
+            "checkpoint was saved, or load only the tensors both have with --dist-ckpt-strictness log_all"
         )
+    log(f"warning: {what}; they are not loaded (--dist-ckpt-strictness log_all)")
+
+
+def _dcp_load(state: dict[str, Any], directory: Path, metadata: Any) -> None:
+    """``dcp.load`` through the already-read index, its rank-wrapped failures turned into one
+    CheckpointError naming the directory."""
     try:
         with _quiet_single_process():
-            dcp.load(state, checkpoint_id=str(directory), no_dist=True)
+            dcp.load(state, storage_reader=SafeFileSystemReader(directory, metadata), no_dist=True)
     except CheckpointException as exc:
         causes = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in exc.failures.items())
         raise CheckpointError(f"cannot load tensors from {directory}: {causes}") from None

@@ -61,8 +61,8 @@ class _Encoder:
     def init(cls, args: argparse.Namespace) -> None:
         cls.args = args
         cls.tokenizer = _make_tokenizer(args)
-        if args.split_sentences:
-            cls.splitter = SentenceSplitter(args.keep_newlines, args.punkt_cache_dir or None)
+        # Reset on every run: in-process runs (one worker) share this class.
+        cls.splitter = SentenceSplitter(args.keep_newlines, args.punkt_cache_dir or None) if args.split_sentences else None
 
     @classmethod
     def encode_chunk(cls, chunk: list[tuple[int, bytes]]):

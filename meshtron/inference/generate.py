@@ -107,15 +107,16 @@ def generate_from_checkpoint(
     greedy: bool = False,
     seed: int = 0,
     device: str = "auto",
+    iteration: int | None = None,
 ) -> str:
     """``meshtron generate``: rebuild the model and tokenizer a ``--save`` directory describes, and
     return ``prompt`` followed by its continuation.
 
-    Everything needed is in the newest checkpoint's meta: the run's config, the padded vocabulary
+    Everything needed is in the checkpoint's meta (the newest, or ``iteration``'s): the run's config, the padded vocabulary
     size and the tokenizer files copied beside the weights. Weights load in fp32.
     """
     root = Path(load_dir)
-    meta = read_meta(root)
+    meta = read_meta(root, iteration)
     cfg = Config.from_dict(meta["config"])
     files = {key: str(root / path) for key, path in meta["tokenizer"].items() if key != "tokenizer_type"}
     tokenizer = build_tokenizer(meta["tokenizer"]["tokenizer_type"], **files)

@@ -354,8 +354,8 @@ def import_hf(hf_dir: str | Path, save_dir: str | Path, dtype: str = "bf16") -> 
     return final
 
 
-def export_hf(load_dir: str | Path, hf_dir: str | Path, dtype: str = "bf16") -> Path:
-    """Write the newest checkpoint in ``load_dir`` as a Hugging Face model folder ``hf_dir``.
+def export_hf(load_dir: str | Path, hf_dir: str | Path, dtype: str = "bf16", iteration: int | None = None) -> Path:
+    """Write the newest checkpoint in ``load_dir`` (or ``iteration``'s) as a Hugging Face model folder ``hf_dir``.
 
     The vocabulary keeps every row the checkpoint has (a padded one included: HF models may have
     more rows than their tokenizer, as Llama's do), so the logits are those meshtron computes.
@@ -363,7 +363,7 @@ def export_hf(load_dir: str | Path, hf_dir: str | Path, dtype: str = "bf16") -> 
     from safetensors.torch import save_file
 
     load_dir, hf_dir = Path(load_dir), Path(hf_dir)
-    meta = read_meta(load_dir)
+    meta = read_meta(load_dir, iteration)
     cfg = Config.from_dict(meta["config"])
     m = cfg.model
     model = build_model(m, meta["vocab_size"], cfg.data.seq_length)
@@ -393,11 +393,12 @@ def main(argv: list[str]) -> int:
     exp.add_argument("--load", required=True, help="checkpoint directory written by --save")
     exp.add_argument("--hf-dir", required=True, help="folder to write config.json and model.safetensors into")
     exp.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    exp.add_argument("--ckpt-step", type=int, default=None, help="iteration to export (default: the newest)")
     args = parser.parse_args(argv)
     if args.direction == "hf-import":
         final = import_hf(args.hf_dir, args.save, args.dtype)
         print(f"wrote {final}; fine-tune with: meshtron train --config {Path(args.save) / TRAIN_CONFIG} "
               f"--load {args.save} --no-load-optim --no-load-rng ...")  # fmt: skip
     else:
-        print(f"wrote {export_hf(args.load, args.hf_dir, args.dtype)}")
+        print(f"wrote {export_hf(args.load, args.hf_dir, args.dtype, args.ckpt_step)}")
     return 0

@@ -85,11 +85,11 @@ def shard_batch_for_cp(batch: dict[str, torch.Tensor], mesh: Mesh, seq_dim: int 
     would otherwise number the local tokens from 0. Present ones (reset at document starts) are
     sharded like the rest. At cp 1 the batch is returned as it is.
     """
-    if mesh.cp_size == 1:
+    if mesh.cp == 1:
         return batch
     tokens = batch["tokens"]
     seq_len = tokens.shape[seq_dim]
-    index = cp_token_index(seq_len, mesh.cp_size, mesh.cp_rank, tokens.device)
+    index = cp_token_index(seq_len, mesh.cp, mesh.cp_rank, tokens.device)
     out = {}
     for name, t in batch.items():
         if t is None:
@@ -337,7 +337,7 @@ class _RingExchange:
     the background; ``wait()`` gives the received one. Holds the sent tensor until then."""
 
     def __init__(self, send: torch.Tensor, mesh: Mesh):
-        group, n, rank = mesh.cp_group, mesh.cp_size, mesh.cp_rank
+        group, n, rank = mesh.cp_group, mesh.cp, mesh.cp_rank
         self.send, self.recv = send, torch.empty_like(send)
         self.works = dist.batch_isend_irecv([
             dist.P2POp(dist.isend, send, dist.get_global_rank(group, (rank + 1) % n), group),
@@ -354,7 +354,7 @@ def _ring_step(step: int, mesh: Mesh, seq_local: int, causal: bool) -> _Block:
     """The block of ring step ``step``: the k/v block held then is rank ``src``'s. See the module
     docstring for why these rows and columns."""
     rank = mesh.cp_rank
-    src, everything, half = (rank - step) % mesh.cp_size, slice(None), seq_local // 2
+    src, everything, half = (rank - step) % mesh.cp, slice(None), seq_local // 2
     if not causal:
         return _Block(everything, everything, False, src)
     if step == 0:
@@ -368,9 +368,9 @@ def _gather_documents(document_ids: torch.Tensor | None, mesh: Mesh) -> torch.Te
     """Every cp rank's local document ids, [cp, b, s_local] (None without documents)."""
     if document_ids is None:
         return None
-    if mesh.cp_size == 1:
+    if mesh.cp == 1:
         return document_ids[None]
-    parts = [torch.empty_like(document_ids) for _ in range(mesh.cp_size)]
+    parts = [torch.empty_like(document_ids) for _ in range(mesh.cp)]
     dist.all_gather(parts, document_ids.contiguous(), group=mesh.cp_group)
     return torch.stack(parts)
 
@@ -380,7 +380,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, mesh: Mesh, causal: bool, document_ids, kernel):
-        n, scale = mesh.cp_size, q.shape[-1] ** -0.5
+        n, scale = mesh.cp, q.shape[-1] ** -0.5
         fused = _block_kernel(kernel, q, document_ids)
         if fused is None:
             blocks = _MathBlocks(k.shape[2], scale, _gather_documents(document_ids, mesh), mesh.cp_rank)
@@ -408,7 +408,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         mesh, blocks = ctx.mesh, ctx.blocks
-        n, seq = mesh.cp_size, q.shape[1]
+        n, seq = mesh.cp, q.shape[1]
         state = blocks.backward_inputs(q, out, dout, lse)
         dq = torch.zeros(state[0].shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
@@ -459,7 +459,7 @@ def _gathered_blocks(mesh: Mesh, seq_local: int, causal: bool) -> list[_Block]:
     if not causal:
         return [_Block(slice(None), slice(None), False)]
     half, blocks = seq_local // 2, []
-    for rows, chunk in ((slice(0, half), mesh.cp_rank), (slice(half, None), 2 * mesh.cp_size - 1 - mesh.cp_rank)):
+    for rows, chunk in ((slice(0, half), mesh.cp_rank), (slice(half, None), 2 * mesh.cp - 1 - mesh.cp_rank)):
         start = chunk * half
         if start:
             blocks.append(_Block(rows, slice(0, start), False))
@@ -469,7 +469,7 @@ def _gathered_blocks(mesh: Mesh, seq_local: int, causal: bool) -> list[_Block]:
 
 def _rank_order(mesh: Mesh, seq_local: int, device) -> torch.Tensor:
     """Global positions of the all-gathered tokens (rank 0's, then rank 1's, ...)."""
-    n = mesh.cp_size
+    n = mesh.cp
     return torch.cat([cp_token_index(seq_local * n, n, r, device) for r in range(n)])
 
 
@@ -524,7 +524,7 @@ def allgather_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, me
     fused = _block_kernel(kernel, q, document_ids)
     if fused is not None:
         return _AllGatherAttention.apply(q, k, v, mesh, causal, fused)
-    n, seq, kv_heads = mesh.cp_size, q.shape[1], k.shape[2]
+    n, seq, kv_heads = mesh.cp, q.shape[1], k.shape[2]
     k_all = all_gather_sequence(k, mesh.cp_group, dim=1)
     v_all = all_gather_sequence(v, mesh.cp_group, dim=1)
     mask = None
@@ -579,4 +579,4 @@ class ContextParallelAttention(nn.Module):
         return self._attention(q, k, v, self.mesh, True, document_ids, self.block_kernel).transpose(1, 2)
 
     def extra_repr(self) -> str:
-        return f"cp={self.mesh.cp_size}, algorithm={self.algorithm}, block_kernel={self.block_kernel}"
+        return f"cp={self.mesh.cp}, algorithm={self.algorithm}, block_kernel={self.block_kernel}"

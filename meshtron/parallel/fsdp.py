@@ -43,15 +43,15 @@ def apply_fsdp(
 
     With one data-parallel rank the model is returned as it is (nothing to shard).
     """
-    if mesh.tp_size > 1:
+    if mesh.tp > 1:
         raise ConfigError(
             f"--fsdp shards whole parameters over data parallel and does not combine with tensor parallelism "
-            f"(tp {mesh.tp_size}); use --use-distributed-optimizer with tensor parallelism, or set tp to 1"
+            f"(tp {mesh.tp}); use --use-distributed-optimizer with tensor parallelism, or set tp to 1"
         )
     dtypes = {p.dtype for p in model.parameters()}
     if dtypes != {torch.float32}:
         raise ValueError(f"apply_fsdp wants an fp32 model (its shards are the fp32 masters), got {sorted(map(str, dtypes))}")
-    if mesh.dp_cp_size == 1:
+    if mesh.dp_cp == 1:
         return model
     from torch.distributed.device_mesh import DeviceMesh
 

@@ -39,9 +39,9 @@ GRID_DIMS = ("tp", "cp", "dp", "pp")
 
 
 def _accessors(dim: str):
-    """(size, rank, group) properties of one mesh dimension, so each reads ``mesh.tp_size`` etc."""
+    """(rank, group) properties of one mesh dimension, so each reads ``mesh.tp_rank`` etc.; the
+    size is the field of the same name (``mesh.tp``), or a property for the derived groups."""
     return (
-        property(lambda self: self.size(dim), doc=f"number of ranks in this rank's {dim} group"),
         property(lambda self: self.coords()[dim], doc=f"this rank's index inside its {dim} group"),
         property(lambda self: self.group(dim), doc=f"torch.distributed group over {dim} (None in a one-process run)"),
     )
@@ -190,13 +190,23 @@ class Mesh:
             raise RuntimeError(f"the {dim} process group does not exist yet: call mesh.init_process_groups() first")
         return self._groups[dim]
 
-    tp_size, tp_rank, tp_group = _accessors("tp")
-    cp_size, cp_rank, cp_group = _accessors("cp")
-    dp_size, dp_rank, dp_group = _accessors("dp")
-    pp_size, pp_rank, pp_group = _accessors("pp")
-    ep_size, ep_rank, ep_group = _accessors("ep")
-    edp_size, edp_rank, edp_group = _accessors("edp")
-    dp_cp_size, dp_cp_rank, dp_cp_group = _accessors("dp_cp")
+    tp_rank, tp_group = _accessors("tp")
+    cp_rank, cp_group = _accessors("cp")
+    dp_rank, dp_group = _accessors("dp")
+    pp_rank, pp_group = _accessors("pp")
+    ep_rank, ep_group = _accessors("ep")
+    edp_rank, edp_group = _accessors("edp")
+    dp_cp_rank, dp_cp_group = _accessors("dp_cp")
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks that reduce a dense parameter's gradient together (data x context parallel)."""
+        return self.size("dp_cp")
+
+    @property
+    def edp(self) -> int:
+        """Ranks holding the same experts (expert data parallel)."""
+        return self.size("edp")
 
     @property
     def is_first_stage(self) -> bool:

@@ -54,7 +54,7 @@ def build_stages(model: mc.ModelFamily, metas: dict[str, mc.ParamMeta], mesh: Me
     projection) is kept on both: its record says which copy is the first (``pipeline_copy``), so
     its gradient is counted once and the copies are summed after backward.
     """
-    pp, pieces, all_blocks = mesh.pp_size, model.pipeline_pieces(), model.blocks()
+    pp, pieces, all_blocks = mesh.pp, model.pipeline_pieces(), model.blocks()
     ranges = split_layers(len(all_blocks), pp, virtual_size, first_stage_layers, last_stage_layers, account_for_embedding, account_for_loss)
     last_chunk = pp * virtual_size - 1
     chunks = [v * pp + mesh.pp_rank for v in range(virtual_size)]
@@ -114,7 +114,7 @@ def forward_backward(
     every backward but each chunk's last runs inside it, so gradients are reduced over data
     parallel once. ``forward_only``: evaluation, no graph kept.
     """
-    pp, rank, virtual = mesh.pp_size, mesh.pp_rank, len(stages)
+    pp, rank, virtual = mesh.pp, mesh.pp_rank, len(stages)
     plan = communication_plan(kind, pp, rank, len(micro_batches), virtual, forward_only)
     last_backward = {op[2]: op for step in plan for op in step.ops if op[0] == "B"}
     run = _Run(stages, micro_batches, mesh, dtype, seq_shards, keep_graph=not forward_only)
@@ -140,7 +140,7 @@ class _Run:
     def __init__(self, stages: list[Stage], micro_batches: list[mc.Batch], mesh: Mesh, dtype: torch.dtype,
                  seq_shards: int, keep_graph: bool):  # fmt: skip
         self.stages, self.micro_batches, self.mesh, self.dtype = stages, micro_batches, mesh, dtype
-        self.pp, self.seq_shards, self.keep_graph = mesh.pp_size, seq_shards, keep_graph
+        self.pp, self.seq_shards, self.keep_graph = mesh.pp, seq_shards, keep_graph
         self.pp_ranks = pp_ranks(mesh)
         self.inputs: dict[tuple[int, int], mc.Carry] = {}
         self.outputs: dict[tuple[int, int], tuple[mc.Carry | None, torch.Tensor | None]] = {}
@@ -218,7 +218,7 @@ def sum_stage_copies(grads: list[torch.Tensor], mesh: Mesh) -> None:
     (Megatron's embedding group). ``grads``: this rank's copies, in name order, on the first or
     the last stage; empty elsewhere. The two ranks swap them point to point and each adds the
     other's, so both hold bitwise the same sum."""
-    if mesh.pp_size == 1 or not grads:
+    if mesh.pp == 1 or not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
     ranks = pp_ranks(mesh)

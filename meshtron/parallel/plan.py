@@ -53,7 +53,7 @@ def parallelize(model: mc.ModelFamily, mesh: Mesh, sequence_parallel: bool = Fal
     the tokens on each rank. At tp = cp = 1 nothing is replaced (the records are still returned).
     """
     metas = {name: mc.default_meta(name, p) for name, p in model.named_parameters()}
-    sp = sequence_parallel and mesh.tp_size > 1
+    sp = sequence_parallel and mesh.tp > 1
     for name, style in styled_modules(model, model.parallel_plan()).items():
         module = model.get_submodule(name)
         replacement = _replace(module, style, mesh, sp, cp_algorithm, cp_block_kernel)
@@ -73,11 +73,11 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
 def _replace(module: nn.Module, style: mc.Style, mesh: Mesh, sp: bool, cp_algorithm: str,
              cp_block_kernel: str) -> nn.Module | None:  # fmt: skip
     """The module taking ``module``'s place under ``style``, or None when it stays."""
-    tp = mesh.tp_size
+    tp = mesh.tp
     if isinstance(style, mc.ContextParallelCore):
-        if mesh.cp_size > 1 and getattr(module, "scale", None) is not None:
+        if mesh.cp > 1 and getattr(module, "scale", None) is not None:
             raise NotImplementedError("context parallelism of attention with its own softmax scale (MLA) is not implemented")
-        return ContextParallelAttention(mesh, cp_algorithm, cp_block_kernel) if mesh.cp_size > 1 else None
+        return ContextParallelAttention(mesh, cp_algorithm, cp_block_kernel) if mesh.cp > 1 else None
     if tp == 1:
         return None
     if isinstance(style, (mc.ColumnParallel, mc.RowParallel)):
@@ -98,7 +98,7 @@ def _replace(module: nn.Module, style: mc.Style, mesh: Mesh, sp: bool, cp_algori
 @torch.no_grad()
 def _shard(full: torch.Tensor, dim: int, layout: mc.Layout, tp: int, rank: int) -> torch.Tensor:
     index = layout.local_index(full.shape[dim], tp, rank).to(full.device)
-    return full.index_select(dim, index).clone()
+    return full.index_select(dim, index)  # a new tensor already: no copy beyond the shard
 
 
 @torch.no_grad()
@@ -110,7 +110,7 @@ def _copy_weight(new: nn.Module, old: nn.Module, dim: int, layout: mc.Layout, tp
 
 @torch.no_grad()
 def _linear(linear: nn.Linear, style: mc.ColumnParallel | mc.RowParallel, mesh: Mesh, sp: bool) -> nn.Module:
-    tp, rank, w = mesh.tp_size, mesh.tp_rank, linear.weight
+    tp, rank, w = mesh.tp, mesh.tp_rank, linear.weight
     column = isinstance(style, mc.ColumnParallel)
     size = w.shape[0] if column else w.shape[1]
     if not style.layout.divisible(size, tp):
@@ -128,7 +128,7 @@ def _linear(linear: nn.Linear, style: mc.ColumnParallel | mc.RowParallel, mesh: 
 
 def _meta(meta: mc.ParamMeta, style: mc.Style, pname: str, mesh: Mesh, sp: bool) -> mc.ParamMeta:
     """The record of parameter ``pname`` of a module of ``style``."""
-    tp = dict(tp_size=mesh.tp_size, tp_rank=mesh.tp_rank)
+    tp = dict(tp_size=mesh.tp, tp_rank=mesh.tp_rank)
     if isinstance(style, mc.ColumnParallel) or (isinstance(style, mc.RowParallel) and pname == "weight"):
         dim = 1 if isinstance(style, mc.RowParallel) else 0
         return dataclasses.replace(meta, tp_dim=dim, layout=style.layout, **tp)
@@ -158,7 +158,7 @@ def finalize_tensor_parallel_grads(grads: dict[str, torch.Tensor], metas: ParamM
     optimizer reads). Sequence-partial ones are summed over tp. Key/value rows replicated over tp
     (fewer kv heads than ranks): each rank scatters its copy's gradient into a zero table of all kv
     rows at its slot, one all-reduce adds the copies up, each rank reads its rows back."""
-    if mesh.tp_size == 1:
+    if mesh.tp == 1:
         return
     _sum_over([g for n, g in grads.items() if metas[n].sequence_partial], mesh.tp_group)
     replicated = [(g, metas[n].replicas()) for n, g in grads.items() if metas[n].replicas() is not None]
@@ -178,11 +178,11 @@ def finalize_tensor_parallel_grads(grads: dict[str, torch.Tensor], metas: ParamM
 def gather_full(tensor: torch.Tensor, meta: mc.ParamMeta, mesh: Mesh) -> torch.Tensor:
     """The full tensor from every tp rank's shard of it (a weight, its gradient or an optimizer
     state of its shape). Collective over tp; the tensor itself when it is not split."""
-    if meta.tp_dim is None or mesh.tp_size == 1 or tensor.dim() == 0:
+    if meta.tp_dim is None or mesh.tp == 1 or tensor.dim() == 0:
         return tensor
-    parts = [torch.empty_like(tensor) for _ in range(mesh.tp_size)]
+    parts = [torch.empty_like(tensor) for _ in range(mesh.tp)]
     dist.all_gather(parts, tensor.contiguous(), group=mesh.tp_group)
-    indices = [meta.layout.local_index(meta.global_shape[meta.tp_dim], mesh.tp_size, r) for r in range(mesh.tp_size)]
+    indices = [meta.layout.local_index(meta.global_shape[meta.tp_dim], mesh.tp, r) for r in range(mesh.tp)]
     full = tensor.new_empty(meta.global_shape)
     # Replicated kv rows arrive from several ranks; their copies are equal.
     full.index_copy_(meta.tp_dim, torch.cat(indices).to(tensor.device), torch.cat(parts, dim=meta.tp_dim))

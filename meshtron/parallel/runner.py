@@ -56,7 +56,7 @@ class Runner:
         batches = [shard_batch_for_cp(b, mesh) for b in micro_batches]
         device = next(iter(batches[0].values())).device
         count = self._sum_over_dp(sum(model.loss_count(b) for b in batches).float()).clamp(min=1)
-        num_micro_total = len(batches) * mesh.dp_cp_size
+        num_micro_total = len(batches) * mesh.dp_cp
         totals: list[torch.Tensor] = []
         aux_logged: dict[str, torch.Tensor] = {}
 
@@ -77,12 +77,12 @@ class Runner:
                 objective = self.optimizer.scale_loss(objective)
             return out, objective
 
-        seq_shards = mesh.tp_size if self.sequence_parallel else 1
+        seq_shards = mesh.tp if self.sequence_parallel else 1
         no_sync = None if forward_only else self.optimizer.no_sync
         forward_backward(self.schedule, self.stages, batches, mesh, step, self.dtype, seq_shards,
                          no_sync=no_sync, forward_only=forward_only)  # fmt: skip
         total = torch.stack(totals).sum().float() if totals else torch.zeros((), device=device)
-        if mesh.pp_size > 1:
+        if mesh.pp > 1:
             dist.broadcast(total, src=pp_ranks(mesh)[-1], group=mesh.pp_group)
         aux = self._sum_aux(aux_logged, device)
         return mc.LossOutput(total=self._sum_over_dp(total), count=count, aux=aux)
@@ -90,8 +90,8 @@ class Runner:
     def describe(self, num_micro_batches: int) -> str:
         """The schedule in one line, with its theoretical bubble, for the start-up log."""
         virtual = len(self.stages)
-        bubble = bubble_fraction(self.schedule, self.mesh.pp_size, num_micro_batches, virtual)
-        return (f"pipeline: {self.schedule} schedule, pp {self.mesh.pp_size} x {virtual} virtual stages, "
+        bubble = bubble_fraction(self.schedule, self.mesh.pp, num_micro_batches, virtual)
+        return (f"pipeline: {self.schedule} schedule, pp {self.mesh.pp} x {virtual} virtual stages, "
                 f"{num_micro_batches} micro batches: theoretical bubble {100 * bubble:.1f}%")  # fmt: skip
 
     def finalize_grads(self) -> None:
@@ -108,7 +108,7 @@ class Runner:
         sum_stage_copies([grads[n] for n in sorted(grads) if self.metas[n].pipeline_copy], self.mesh)
 
     def _sum_over_dp(self, value: torch.Tensor) -> torch.Tensor:
-        if self.mesh.dp_cp_size > 1:
+        if self.mesh.dp_cp > 1:
             dist.all_reduce(value, group=self.mesh.dp_cp_group)
         return value
 
@@ -118,14 +118,14 @@ class Runner:
         names = self._aux_names
         if names is None:
             names = sorted(logged)
-            if self.mesh.pp_size > 1:  # once: a host round trip the steady state should not pay
-                everyone: list[list[str]] = [[] for _ in range(self.mesh.pp_size)]
+            if self.mesh.pp > 1:  # once: a host round trip the steady state should not pay
+                everyone: list[list[str]] = [[] for _ in range(self.mesh.pp)]
                 dist.all_gather_object(everyone, names, group=self.mesh.pp_group)
                 names = sorted({n for part in everyone for n in part})
             self._aux_names = names
         if not names:
             return {}
         values = torch.stack([torch.as_tensor(logged.get(n, 0.0), device=device, dtype=torch.float32) for n in names])
-        if self.mesh.pp_size > 1:
+        if self.mesh.pp > 1:
             dist.all_reduce(values, group=self.mesh.pp_group)
         return dict(zip(names, self._sum_over_dp(values)))

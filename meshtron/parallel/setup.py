@@ -66,7 +66,7 @@ def runner_for(model: ModelFamily, mesh: Mesh, parallel: ParallelConfig, train: 
     )  # fmt: skip
     if prepare_blocks is not None:
         prepare_blocks(model.blocks())
-    if parallel.fsdp and mesh.dp_cp_size > 1:
+    if parallel.fsdp and mesh.dp_cp > 1:
         # FSDP2 keeps fp32 sharded parameters as the master weights and casts to ``dtype`` to compute.
         model = apply_fsdp(model, mesh, param_dtype=dtype)
         optimizer = build_fsdp_optimizer(model, train, dtype, metas)

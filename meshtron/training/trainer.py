@@ -7,7 +7,6 @@ optimizer for a step, and the checkpoint module to save and load.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import shutil
 import signal
@@ -19,7 +18,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from meshtron.checkpoint.checkpoint import load_checkpoint, save_checkpoint
+from meshtron.checkpoint.checkpoint import load_for_training, save_checkpoint
 from meshtron.config import Config
 from meshtron.validation import validate
 from meshtron.data.builder import MicroBatchIterator, build_datasets
@@ -28,6 +27,7 @@ from meshtron.models import padded_vocab_size, parameter_count
 from meshtron.optim.lr_schedule import LRSchedule
 from meshtron.parallel.mesh import init_distributed
 from meshtron.parallel.setup import build_runner
+from meshtron.training.divergence import DivergenceMonitor
 from meshtron.training.metrics import IntervalMeter, TensorBoardWriter, device_ceiling_tflops, format_log_line, model_flops_per_token
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -55,7 +55,7 @@ def setup_data_source(cfg: Config, log: Callable[[str], None]) -> list[str] | No
     data = cfg.data
     if data.mock or data.data_path:
         return None
-    from meshtron.data.corpus import prepare_default_data
+    from meshtron.data.default_data import prepare_default_data
 
     cache = Path(data.data_cache_path or Path.home() / ".cache" / "meshtron" / "embedded")
     start = time.perf_counter()
@@ -113,15 +113,7 @@ class Trainer:
 
         self.iteration, self.consumed_samples = 0, 0
         if cfg.checkpoint.load:
-            meta = load_checkpoint(
-                cfg.checkpoint.load,
-                self.model,
-                self.optimizer,
-                load_rng=not cfg.checkpoint.no_load_rng,
-                mesh=self.mesh,
-                load_optim=not cfg.checkpoint.no_load_optim,
-                metas=self.runner.metas,
-            )
+            meta = load_for_training(cfg.checkpoint, self.model, self.optimizer, self.mesh, log, self.runner.metas)
             if meta is None:
                 log(f"no checkpoint in {cfg.checkpoint.load} yet: starting from scratch")
             else:
@@ -155,6 +147,7 @@ class Trainer:
             log(self.runner.describe(self.num_micro_batches))
         log(f"optimizer state on this rank: {self.optimizer.memory_bytes() / 2**20:.1f} MiB" if hasattr(self.optimizer, "memory_bytes") else "optimizer state: sharded by FSDP2")
         self._stop_requested = False
+        self.divergence = DivergenceMonitor.from_config(t, self.precision, self.mesh.rank, self.model)
 
     # ------------------------------------------------------------------ steps
 
@@ -170,6 +163,7 @@ class Trainer:
         token for a language model: each micro batch's loss sum divided by the count of the whole
         batch, so gradients summed over data-parallel ranks equal the one-process gradient)."""
         batches = [self._to_device(next(self.train_batches)) for _ in range(self.num_micro_batches)]
+        self._last_batches = batches  # for the divergence check's re-run
         self.optimizer.zero_grad()
         loss = self.runner.forward_backward(batches)
         self.runner.finalize_grads()
@@ -216,7 +210,7 @@ class Trainer:
         }
         start = time.perf_counter()
         save_checkpoint(str(save_dir), self.iteration, self.model, self.optimizer, meta, mesh=self.mesh,
-                        save_optim=not ckpt.no_save_optim, metas=self.runner.metas)  # fmt: skip
+                        save_optim=not ckpt.no_save_optim, save_rng=not ckpt.no_save_rng, metas=self.runner.metas)  # fmt: skip
         self.log(f"saved checkpoint at iteration {self.iteration} to {save_dir} in {time.perf_counter() - start:.2f}s")
 
     def _copy_tokenizer_files(self, save_dir: Path) -> dict[str, str]:
@@ -254,6 +248,7 @@ class Trainer:
             while self.iteration < t.train_iters:
                 self.meter.start_step()
                 loss, step = self.train_step()
+                self.divergence.check(self.iteration + 1, loss, step, lambda: self.runner.forward_backward(self._last_batches, forward_only=True))
                 self.meter.end_step(tokens_per_step, step.skipped)
                 self.iteration += 1
                 self.consumed_samples += t.global_batch_size

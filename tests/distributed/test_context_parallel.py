@@ -111,12 +111,12 @@ KERNELS = {"math": "math", "reference": ReferenceKernel}
 def unshard_sequence(x: torch.Tensor, mesh: Mesh, dim: int = 1) -> torch.Tensor:
     """The inverse of the sharding: every cp rank's part of ``x`` put back in sequence order
     (per-token losses, for logging or a test). Collective over cp; not differentiable."""
-    if mesh.cp_size == 1:
+    if mesh.cp == 1:
         return x
-    parts = [torch.empty_like(x) for _ in range(mesh.cp_size)]
+    parts = [torch.empty_like(x) for _ in range(mesh.cp)]
     dist.all_gather(parts, x.contiguous(), group=mesh.cp_group)
-    seq_len = x.shape[dim] * mesh.cp_size
-    index = torch.cat([cp_token_index(seq_len, mesh.cp_size, r, x.device) for r in range(mesh.cp_size)])
+    seq_len = x.shape[dim] * mesh.cp
+    index = torch.cat([cp_token_index(seq_len, mesh.cp, r, x.device) for r in range(mesh.cp)])
     shape = list(x.shape)
     shape[dim] = seq_len
     return x.new_empty(shape).index_copy_(dim, index, torch.cat(parts, dim=dim))
@@ -165,7 +165,7 @@ def _loss(model, batch, num_tokens):
 
 def _attention_case(mesh: Mesh, algorithm: str, causal: bool, documents: bool, kernel: str) -> dict[str, torch.Tensor]:
     data = _attention_inputs()
-    index = cp_token_index(SEQ, mesh.cp_size, mesh.cp_rank)
+    index = cp_token_index(SEQ, mesh.cp, mesh.cp_rank)
     q, k, v = (data[n].index_select(1, index).requires_grad_() for n in ("q", "k", "v"))
     docs = data["docs"].index_select(1, index) if documents else None
     out = ATTENTION_FNS[algorithm](q, k, v, mesh, causal=causal, document_ids=docs, kernel=KERNELS[kernel])
@@ -176,7 +176,7 @@ def _attention_case(mesh: Mesh, algorithm: str, causal: bool, documents: bool, k
 def _model_case(mesh: Mesh, name: str, algorithm: str, sequence_parallel: bool) -> dict[str, object]:
     model = _model(name)
     metas = parallelize(model, mesh, sequence_parallel, cp_algorithm=algorithm)
-    batch = {k: t.chunk(mesh.dp_size)[mesh.dp_rank] for k, t in _batch(name).items()}
+    batch = {k: t.chunk(mesh.dp)[mesh.dp_rank] for k, t in _batch(name).items()}
     local = shard_batch_for_cp(batch, mesh)
     num_tokens = local["loss_mask"].sum()
     dist.all_reduce(num_tokens, group=mesh.dp_cp_group)
@@ -238,7 +238,7 @@ def test_attention_matches_full_attention(results, layout, algorithm, causal, do
     for rank, result in enumerate(results):
         got = result[("attention", layout, algorithm, causal, documents, kernel)]
         mesh = Mesh(rank=rank, **LAYOUTS[layout])
-        index = cp_token_index(SEQ, mesh.cp_size, mesh.cp_rank)
+        index = cp_token_index(SEQ, mesh.cp, mesh.cp_rank)
         for name in ("out", "dq", "dk", "dv"):
             err = _rel_err(got[name], want[name].index_select(1, index))
             assert err < RTOL, f"rank {rank}: {name} differs by {err:.2e} (relative)"
@@ -266,7 +266,7 @@ def test_model_matches_one_process(results, name, layout, algorithm, sp):
     for rank, result in enumerate(results):
         got = result[("model", name, layout, algorithm, sp)]
         mesh = Mesh(rank=rank, **LAYOUTS[layout])
-        rows = torch.arange(BATCH).chunk(mesh.dp_size)[mesh.dp_rank]
+        rows = torch.arange(BATCH).chunk(mesh.dp)[mesh.dp_rank]
         err = _rel_err(got["losses"], want["losses"][rows])
         assert err < RTOL, f"rank {rank}: per-token losses differ by {err:.2e}"
         assert _rel_err(got["loss"], want["loss"]) < RTOL, f"rank {rank}: loss {got['loss']} != {want['loss']}"

@@ -73,7 +73,7 @@ def _reference(family: bool) -> dict:
 def _train_step(model, mesh: Mesh, parallel: ParallelConfig) -> tuple[object, dict]:
     runner = runner_for(model, mesh, parallel, TrainConfig(), torch.float32)
     batches = _micro_batches()
-    mine = [batches[i] for i in range(MICRO_BATCHES)[mesh.dp_rank :: mesh.dp_size]]
+    mine = [batches[i] for i in range(MICRO_BATCHES)[mesh.dp_rank :: mesh.dp]]
     runner.optimizer.zero_grad()
     loss = runner.forward_backward(mine)
     runner.finalize_grads()
@@ -97,7 +97,7 @@ def _worker(rank: int, world_size: int) -> dict:
             block.forward = _counting(block.forward, calls)
         runner, result = _train_step(model, mesh, ParallelConfig(pipeline_parallel=2))
         local_blocks = sum(len(stage.blocks) for stage in runner.stages)
-        result["calls"], result["expected_calls"] = calls[0], 2 * local_blocks * MICRO_BATCHES // mesh.dp_size
+        result["calls"], result["expected_calls"] = calls[0], 2 * local_blocks * MICRO_BATCHES // mesh.dp
         out["decoder_pp2_dp2_recompute"] = result
     return out
 

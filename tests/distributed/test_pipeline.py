@@ -83,7 +83,7 @@ def _run_case(rank: int, name: str) -> dict:
                               first_pipeline_stage_layers=first, last_pipeline_stage_layers=last)  # fmt: skip
     runner = runner_for(_model(tied), mesh, parallel, TrainConfig(), torch.float32)
     model, batches = runner.model, _micro_batches()
-    mine = [batches[i] for i in range(MICRO_BATCHES)[mesh.dp_rank :: mesh.dp_size]]
+    mine = [batches[i] for i in range(MICRO_BATCHES)[mesh.dp_rank :: mesh.dp]]
     runner.optimizer.zero_grad()
     loss = runner.forward_backward(mine)
     runner.finalize_grads()

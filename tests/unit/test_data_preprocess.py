@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from meshtron.data import preprocess
-from meshtron.data.corpus import MIN_DOC_CHARS, embedded_corpus_documents, prepare_default_data
+from meshtron.data.corpus import MIN_DOC_CHARS, embedded_corpus_documents
+from meshtron.data.default_data import prepare_default_data
 from meshtron.data.indexed import IndexedDataset
 
 DOCS = [

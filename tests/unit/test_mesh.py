@@ -44,7 +44,7 @@ def test_cp_and_ep_fold_inside_dp():
     assert mesh.group_ranks("dp_cp") == [[0, 1, 2, 3, 4, 5, 6, 7]]
     assert mesh.group_ranks("ep") == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert mesh.group_ranks("edp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert (mesh.ep_rank, mesh.edp_rank, mesh.ep_size, mesh.edp_size) == (2, 1, 4, 2)
+    assert (mesh.ep_rank, mesh.edp_rank, mesh.ep, mesh.edp) == (2, 1, 4, 2)
     # With tp 2 the same blocks are formed among ranks of equal tp rank.
     mesh = Mesh.from_config(ParallelConfig(tensor_parallel=2, expert_parallel=2), world_size=8)
     assert mesh.group_ranks("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
@@ -133,7 +133,7 @@ def test_sampling_after_a_sharded_run_is_refused_before_training():
 def test_one_process_mesh_is_free():
     mesh = Mesh.from_config(ParallelConfig(), world_size=1, rank=0)
     mesh.init_process_groups()  # no torch.distributed needed
-    assert (mesh.tp_size, mesh.tp_rank, mesh.tp_group, mesh.dp_cp_group) == (1, 0, None, None)
+    assert (mesh.tp, mesh.tp_rank, mesh.tp_group, mesh.dp_cp_group) == (1, 0, None, None)
     assert mesh.is_first_stage and mesh.pp_rank == mesh.pp - 1
 
     torch.manual_seed(0)

@@ -84,7 +84,7 @@ def test_megatron_and_megablocks_flags():
         "--moe-router-pre-softmax", "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-3",
         "--moe-layer-freq", "([0]+[1]*26)", "--moe-shared-expert-intermediate-size", "2816",
         "--moe-expert-capacity-factor", "1.25", "--moe-token-drop-policy", "position",
-    ], validate_now=False).model  # fmt: skip
+    ]).model  # fmt: skip
     assert (megatron.num_experts, megatron.moe_router_topk, megatron.moe_ffn_hidden_size) == (64, 6, 1408)
     assert megatron.moe_grouped_gemm == "auto" and megatron.moe_router_pre_softmax
     assert megatron.moe_router_load_balancing_type == "seq_aux_loss" and megatron.moe_aux_loss_coeff == 1e-3
@@ -93,8 +93,8 @@ def test_megatron_and_megablocks_flags():
     megablocks = build_config(overrides=[
         "--moe-num-experts", "8", "--moe-top-k", "1", "--moe-capacity-factor", "0", "--moe-loss-weight", "0.1",
         "--moe-jitter-eps", "0.01",
-    ], validate_now=False).model  # fmt: skip
+    ]).model  # fmt: skip
     assert (megablocks.num_experts, megablocks.moe_router_topk) == (8, 1)
     assert megablocks.moe_expert_capacity_factor == 0  # dropless
     assert (megablocks.moe_loss_weight, megablocks.moe_jitter_eps) == (0.1, 0.01)
-    assert build_config(overrides=["--model.moe_grouped_gemm", "loop"], validate_now=False).model.moe_grouped_gemm == "loop"
+    assert build_config(overrides=["--model.moe_grouped_gemm", "loop"]).model.moe_grouped_gemm == "loop"

@@ -1,0 +1,72 @@
+"""The completion marker of a checkpoint: every file's size and CRC-32, written last.
+
+A checkpoint directory without ``complete.json`` is incomplete (its save never finished); one
+whose files differ from the marker is damaged. Both are found before any tensor is read.
+
+Why CRC-32 (``zlib.crc32``) and not SHA-256: the marker guards against accidental damage (a torn
+write, a flipped bit, a truncated copy), which a 32-bit CRC detects with certainty for bursts up
+to 32 bits and misses otherwise with probability 2^-32; it runs about twice as fast as SHA-256
+(≈4 GB/s against ≈1.7 GB/s on our CI CPU), which matters because the whole checkpoint is read
+back once at save and once at load. A cryptographic hash would buy nothing against a malicious
+file: whoever can replace a ``.distcp`` can rewrite the marker too. Malicious files are handled
+by never running code from them (``safe_metadata.py``, ``weights_only`` loads).
+
+With several writing ranks (sharded save), the marker is still written by one rank after a
+barrier, over the whole directory, so it lists every rank's files.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+from typing import Any
+
+MARKER = "complete.json"
+_CHUNK = 8 << 20
+
+
+def crc32_of(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def manifest(directory: Path, iteration: int) -> dict[str, Any]:
+    """The marker's content for every file now in ``directory`` (call once all are written)."""
+    files = {
+        p.name: {"bytes": p.stat().st_size, "crc32": crc32_of(p)}
+        for p in sorted(directory.iterdir())
+        if p.is_file() and p.name != MARKER
+    }
+    return {"iteration": iteration, "checksum": "crc32", "files": files}
+
+
+def verify(directory: Path) -> str | None:
+    """What is wrong with ``directory`` against its marker, or None when every file matches.
+
+    Files not in the marker count as wrong too: they were added after the save completed.
+    """
+    marker = directory / MARKER
+    if not marker.is_file():
+        return f"{directory} has no {MARKER}: the checkpoint is incomplete (its save did not finish, or it predates completion markers)"
+    try:
+        files = json.loads(marker.read_text())["files"]
+        expected = {str(name): (int(f["bytes"]), str(f["crc32"])) for name, f in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return f"checkpoint file {marker} is corrupt: {exc}"
+    present = {p.name for p in directory.iterdir() if p.is_file() and p.name != MARKER}
+    unlisted = sorted(present - expected.keys())
+    if unlisted:
+        return f"checkpoint file {directory / unlisted[0]} is not listed in {MARKER} (added after the save?)"
+    for name, (size, crc) in sorted(expected.items()):
+        path = directory / name
+        if name not in present:
+            return f"checkpoint file {path} is missing"
+        if path.stat().st_size != size:
+            return f"checkpoint file {path} has {path.stat().st_size} bytes, {size} when saved (truncated or overwritten)"
+        if crc32_of(path) != crc:
+            return f"checkpoint file {path} is corrupt: its CRC-32 differs from the one recorded when it was saved"
+    return None
