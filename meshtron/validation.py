@@ -183,9 +183,20 @@ def layout_errors(cfg: Config) -> list[str]:
                      p.account_for_loss_in_pipeline_split)  # fmt: skip
     except ValueError as exc:
         errors.append(f"the pipeline stage split does not work: {exc}")
+    moe = m.num_experts > 0
     if p.expert_parallel > 1:
-        errors.append(f"--expert-model-parallel-size {p.expert_parallel} needs a mixture-of-experts model, and this model "
-                      f"is dense (no --num-experts); set --expert-model-parallel-size 1")  # fmt: skip
+        why = ("expert parallelism is not implemented yet (experts are replicated on every rank)" if moe
+               else "it needs a mixture-of-experts model, and this model is dense (no --num-experts)")  # fmt: skip
+        errors.append(f"--expert-model-parallel-size {p.expert_parallel}: {why}; set --expert-model-parallel-size 1")
+    if moe and p.sequence_parallel and tp > 1:
+        errors.append("mixture-of-experts layers under --sequence-parallel would balance each rank's token shard alone; "
+                      "drop --sequence-parallel (tensor parallelism without it replicates the experts)")  # fmt: skip
+    if moe and cp > 1:
+        errors.append("mixture-of-experts layers under context parallelism would balance each rank's chunk alone; "
+                      "set --context-parallel-size 1")  # fmt: skip
+    if moe and m.moe_router_enable_expert_bias:
+        errors.append("--moe-router-enable-expert-bias is not wired into training yet (the bias update needs the step's "
+                      "token counts summed over ranks); drop it and use --moe-aux-loss-coeff")  # fmt: skip
     if log.generate_prompt and (tp > 1 or cp > 1 or pp > 1):
         errors.append("--generate-prompt samples after training from the whole model on each rank, which tensor, context "
                       "and pipeline parallelism split; drop it and sample from the saved checkpoint with "

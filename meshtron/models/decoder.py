@@ -19,6 +19,8 @@ from meshtron.config import ModelConfig
 from meshtron.layers.attention import Attention, head_dim, num_kv_heads
 from meshtron.layers.kv_cache import KVCache
 from meshtron.layers.mlp import MLP, ffn_hidden_size
+from meshtron.layers.moe import EXPERT_WEIGHTS, MoELayer, init_expert_weights, moe_layer_pattern
+from meshtron.layers.moe.experts import expert_ffn_hidden_size
 from meshtron.layers.norms import build_norm
 from meshtron.layers.output import OutputLayer
 from meshtron.layers.rope import rope_frequencies
@@ -31,14 +33,15 @@ _RESIDUAL_OUTPUTS = ("linear_proj.weight", "linear_fc2.weight")
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)), dropout on each branch."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)), dropout on each branch. The MLP
+    is a mixture of experts in the layers ``--moe-layer-freq`` picks (``moe``)."""
 
-    def __init__(self, cfg: ModelConfig, layer_number: int):
+    def __init__(self, cfg: ModelConfig, layer_number: int, moe: bool = False):
         super().__init__()
         self.input_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, cfg.fused_kernels)
         self.self_attention = Attention(cfg, layer_number)
         self.pre_mlp_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, cfg.fused_kernels)
-        self.mlp = MLP(cfg)
+        self.mlp = MoELayer(cfg) if moe else MLP(cfg)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
 
     def forward(
@@ -121,7 +124,8 @@ class Decoder(c.ModelFamily):
         self.embedding = nn.Embedding(vocab_size, cfg.hidden_size)
         self.position_embedding = None if self.use_rope else nn.Embedding(self.max_positions, cfg.hidden_size)
         self.embedding_dropout = nn.Dropout(cfg.hidden_dropout)
-        self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.num_layers))
+        moe = moe_layer_pattern(cfg)
+        self.layers = nn.ModuleList(TransformerBlock(cfg, i, moe[i]) for i in range(cfg.num_layers))
         self.final_norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, cfg.fused_kernels)
         self.output = OutputLayer(cfg.hidden_size, vocab_size, cfg.tie_embeddings, cfg.fused_kernels)
         # RoPE tables stay fp32 and out of the state dict: a buffer would be cast to bf16 along
@@ -133,7 +137,13 @@ class Decoder(c.ModelFamily):
         """N(0, std) weights (residual outputs scaled by 1/sqrt(2 * layers)), zero biases, unit
         norms; each tensor keyed by the seed and its name, so every layout draws the same."""
         std = self.cfg.init_method_std
-        init_by_name(self, std, std / math.sqrt(2 * self.cfg.num_layers), _RESIDUAL_OUTPUTS, seed)
+        residual_std = std / math.sqrt(2 * self.cfg.num_layers)
+        init_by_name(self, std, residual_std, _RESIDUAL_OUTPUTS, seed)
+        # Stacked expert weights: one draw per global expert id, so expert parallelism changes nothing.
+        seed = torch.initial_seed() if seed is None else seed
+        for name, param in self.named_parameters():
+            if name.endswith(EXPERT_WEIGHTS):
+                init_expert_weights(param, name, seed, residual_std if name.endswith(EXPERT_WEIGHTS[1]) else std)
 
     # ------------------------------------------------------------------ one process: read top to bottom
 
@@ -185,10 +195,15 @@ class Decoder(c.ModelFamily):
         return {"cos": cos, "sin": sin, "position_ids": batch.get("position_ids"), "document_ids": batch.get("document_ids")}
 
     def run_blocks(self, carry: c.Carry, inputs: dict[str, Any], blocks: list[nn.Module]) -> tuple[c.Carry, dict[str, torch.Tensor]]:
-        hidden = carry["hidden"]
+        """The blocks in order; a mixture-of-experts block's balancing losses are the auxiliary
+        terms, named per kind and layer (``load_balancing/3``)."""
+        hidden, aux = carry["hidden"], {}
         for block in blocks:
             hidden = block(hidden, **inputs)
-        return {"hidden": hidden}, {}
+            if isinstance(block.mlp, MoELayer):
+                layer = block.self_attention.layer_number
+                aux.update({f"{kind}/{layer}": value for kind, value in block.mlp.last_aux_losses.items()})
+        return {"hidden": hidden}, aux
 
     def head(self, carry: c.Carry, batch: c.Batch) -> torch.Tensor:
         """Per-token loss [b, s] in fp32 with labels in the batch, else logits."""
@@ -232,19 +247,28 @@ def num_parameters(model: Decoder, exclude_embeddings: bool = False) -> int:
     return total
 
 
-def parameter_count(cfg: ModelConfig, vocab_size: int, max_seq_length: int = 0) -> int:
-    """What ``num_parameters(Decoder(cfg, vocab_size, max_seq_length))`` returns, without building it.
+def parameter_count(cfg: ModelConfig, vocab_size: int, max_seq_length: int = 0, active: bool = False) -> int:
+    """What ``num_parameters(Decoder(cfg, vocab_size, max_seq_length))`` returns, without building it;
+    with ``active``, a mixture-of-experts layer counts only the experts a token passes (top-k and
+    the shared ones), the parameters that multiply each token's activations.
 
-    For sizing models that do not fit in memory (presets, the memory estimator).
+    For sizing models that do not fit in memory (presets, the memory estimator) and FLOP counts.
     """
     h, bias = cfg.hidden_size, int(cfg.add_bias_linear)
     norm = h * (2 if cfg.normalization == "LayerNorm" else 1)
     qkv_out = (cfg.num_attention_heads + 2 * num_kv_heads(cfg)) * head_dim(cfg)
     attention = h * qkv_out + bias * qkv_out + cfg.num_attention_heads * head_dim(cfg) * h + bias * h
-    ffn = ffn_hidden_size(cfg)
-    fc1_out = 2 * ffn if cfg.activation == "swiglu" else ffn
-    mlp = h * fc1_out + bias * fc1_out + ffn * h + bias * h
-    layer = 2 * norm + attention + mlp
+
+    def mlp(ffn: int, with_bias: int) -> int:
+        fc1_out = 2 * ffn if cfg.activation == "swiglu" else ffn
+        return h * fc1_out + with_bias * fc1_out + ffn * h + with_bias * h
+
+    experts = cfg.moe_router_topk if active else cfg.num_experts
+    shared = cfg.moe_shared_expert_intermediate_size
+    moe = cfg.num_experts * h + experts * mlp(expert_ffn_hidden_size(cfg), 0) + (mlp(shared, bias) if shared else 0)
+    moe += h if shared and cfg.moe_shared_expert_gate else 0
+    pattern = moe_layer_pattern(cfg)
+    layers = sum(2 * norm + attention + (moe if is_moe else mlp(ffn_hidden_size(cfg), bias)) for is_moe in pattern)
     positions = 0 if cfg.position_embedding_type == "rope" else (cfg.max_position_embeddings or max_seq_length) * h
     output = 0 if cfg.tie_embeddings else vocab_size * h
-    return vocab_size * h + positions + cfg.num_layers * layer + norm + output
+    return vocab_size * h + positions + layers + norm + output

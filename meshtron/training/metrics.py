@@ -28,10 +28,11 @@ def model_flops_per_token(model_cfg, vocab_size: int, seq_length: int) -> float:
     """``flops_per_token`` of a decoder config, with ``P`` the parameters that multiply activations:
     all of them except the input embedding table when it is untied and learned position tables
     (lookups, no FLOPs). A tied table counts once, as the output projection. This is the
-    convention the peers' figures in ../shared/BENCHMARKS.md use."""
+    convention the peers' figures in ../shared/BENCHMARKS.md use. Mixture-of-experts layers count
+    their active parameters (top-k experts and the shared ones)."""
     from meshtron.models.decoder import parameter_count
 
-    params = parameter_count(model_cfg, vocab_size, seq_length)
+    params = parameter_count(model_cfg, vocab_size, seq_length, active=True)
     if not model_cfg.tie_embeddings:
         params -= vocab_size * model_cfg.hidden_size
     if model_cfg.position_embedding_type == "learned_absolute":
@@ -97,8 +98,10 @@ class IntervalMeter:
         return out
 
 
-def format_log_line(iteration: int, train_iters: int, consumed: int, lr: float, loss: float, grad_norm: float, loss_scale: float, stats: dict[str, float]) -> str:
-    """Megatron's log line, plus tokens/s, TFLOP/s per device, MFU and memory."""
+def format_log_line(iteration: int, train_iters: int, consumed: int, lr: float, loss: float, grad_norm: float, loss_scale: float,
+                    stats: dict[str, float], aux: dict[str, float] | None = None) -> str:  # fmt: skip
+    """Megatron's log line, plus tokens/s, TFLOP/s per device, MFU and memory, and each kind of
+    auxiliary loss summed over layers (``aux`` is per term, ``kind/layer``: TensorBoard gets those)."""
     parts = [
         f"iteration {iteration:>7d}/{train_iters}",
         f"consumed samples {consumed:>10d}",
@@ -116,6 +119,11 @@ def format_log_line(iteration: int, train_iters: int, consumed: int, lr: float, 
         parts.append(f"mem {stats['mem_gib']:.2f} GiB")
     if stats.get("skipped"):
         parts.append(f"skipped {int(stats['skipped'])}")
+    totals: dict[str, float] = {}
+    for name, value in (aux or {}).items():
+        kind = name.split("/")[0]
+        totals[kind] = totals.get(kind, 0.0) + value
+    parts.extend(f"{kind} {value:.4g}" for kind, value in sorted(totals.items()))
     return " | ".join(parts)
 
 

@@ -147,6 +147,7 @@ class Trainer:
             log(self.runner.describe(self.num_micro_batches))
         log(f"optimizer state on this rank: {self.optimizer.memory_bytes() / 2**20:.1f} MiB" if hasattr(self.optimizer, "memory_bytes") else "optimizer state: sharded by FSDP2")
         self._stop_requested = False
+        self.last_aux: dict[str, float] = {}  # the last step's auxiliary terms, for the log line
         self.divergence = DivergenceMonitor.from_config(t, self.precision, self.mesh.rank, self.model)
 
     # ------------------------------------------------------------------ steps
@@ -168,6 +169,7 @@ class Trainer:
         loss = self.runner.forward_backward(batches)
         self.runner.finalize_grads()
         result = self.optimizer.step(self.schedule.lr_at(self.iteration))
+        self.last_aux = {name: value.item() for name, value in loss.aux.items()}  # logged with the interval's last step
         return (loss.total / loss.count).item(), result
 
     @torch.no_grad()
@@ -260,11 +262,12 @@ class Trainer:
                     stats = self.meter.summary()
                     lr = self.schedule.lr_at(self.iteration - 1)
                     mean_loss = interval_loss / interval_steps
-                    self.log(format_log_line(self.iteration, t.train_iters, self.consumed_samples, lr, mean_loss, step.grad_norm, step.loss_scale, stats))
+                    self.log(format_log_line(self.iteration, t.train_iters, self.consumed_samples, lr, mean_loss, step.grad_norm, step.loss_scale, stats, self.last_aux))
                     self.tensorboard.scalars(
                         self.iteration,
-                        {"train/loss": mean_loss, "train/lr": lr, "train/grad_norm": step.grad_norm, "train/loss_scale": step.loss_scale, "perf/tokens_per_s_per_device": stats["tokens_per_s"], "perf/tflops_per_device": stats["tflops_per_device"]},
-                    )
+                        {"train/loss": mean_loss, "train/lr": lr, "train/grad_norm": step.grad_norm, "train/loss_scale": step.loss_scale, "perf/tokens_per_s_per_device": stats["tokens_per_s"], "perf/tflops_per_device": stats["tflops_per_device"],
+                         **{f"aux/{name}": value for name, value in self.last_aux.items()}},
+                    )  # fmt: skip
                     interval_loss, interval_steps = 0.0, 0
                 if self.valid_data is not None and logc.eval_interval > 0 and (self.iteration % logc.eval_interval == 0 or self.iteration == t.train_iters):
                     valid = self.evaluate()

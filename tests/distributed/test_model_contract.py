@@ -6,6 +6,10 @@ as training, under tp2, pp2, dp2 (world 2) and tp2 x pp2 (world 4), its step los
 terms and every gradient equal one process's (fp32 on the CPU, 1e-5 relative as a norm over each
 tensor). The auxiliary terms arise on both pipeline stages and enter the objective there.
 
+The stock decoder with mixture-of-experts MLPs (4 experts, top-2, load-balancing and z-loss)
+passes the same layouts: its balancing losses are auxiliary terms of the contract, equal to one
+process's whatever the pipeline split (a per-layer term arises on the stage holding the layer).
+
 The same spawn checks that full activation recompute holds under pp2: each block of the stock
 decoder runs twice per micro batch (forward, then again in backward), with the gradients of a
 plain one-process run.
@@ -31,6 +35,8 @@ RTOL = 1e-5
 CFG = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, activation="swiglu",
                   position_embedding_type="rope", normalization="RMSNorm", add_bias_linear=False)  # fmt: skip
 RECOMPUTE = ModelConfig(**{**CFG.__dict__, "recompute_granularity": "full", "recompute_num_layers": 1})
+MOE = ModelConfig(**{**CFG.__dict__, "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48,
+                     "moe_aux_loss_coeff": 1e-2, "moe_z_loss_coeff": 1e-3, "moe_layer_freq": "([0]+[1]*3)"})
 LAYOUTS = {2: {"tp2": dict(tp=2), "pp2": dict(pp=2), "dp2": dict(dp=2)}, 4: {"tp2_pp2": dict(tp=2, pp=2)}}
 
 
@@ -44,6 +50,9 @@ def _decoder(cfg: ModelConfig):
     return build_model(cfg, VOCAB, SEQ)
 
 
+FAMILIES = {"parallel_block": _family, "moe_decoder": lambda: _decoder(MOE), "decoder": lambda: _decoder(CFG)}
+
+
 def _micro_batches() -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(7)
     return [{"tokens": torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), generator=g),
@@ -53,10 +62,10 @@ def _micro_batches() -> list[dict[str, torch.Tensor]]:
 
 
 @functools.lru_cache
-def _reference(family: bool) -> dict:
+def _reference(family: str) -> dict:
     """One process, the model's own ``run_stage`` on every micro batch: loss sum / tokens of the
     whole batch, plus each auxiliary term / number of micro batches."""
-    model, batches = (_family() if family else _decoder(CFG)), _micro_batches()
+    model, batches = FAMILIES[family](), _micro_batches()
     count = sum(b["loss_mask"].sum() for b in batches)
     total, aux_sum = torch.zeros(()), {}
     for b in batches:
@@ -88,7 +97,8 @@ def _worker(rank: int, world_size: int) -> dict:
         mesh = Mesh(**sizes, rank=rank)
         mesh.init_process_groups()
         parallel = ParallelConfig(tensor_parallel=mesh.tp, pipeline_parallel=mesh.pp)
-        out[name] = _train_step(_family(), mesh, parallel)[1]
+        for family in ("parallel_block", "moe_decoder"):
+            out[f"{family}/{name}"] = _train_step(FAMILIES[family](), mesh, parallel)[1]
     if world_size == 4:  # the stock decoder with full recompute, pp2 x dp2: count block calls
         mesh = Mesh(pp=2, dp=2, rank=rank)
         mesh.init_process_groups()
@@ -141,13 +151,20 @@ def _check(results: list[dict], ref: dict, name: str) -> None:
 
 @pytest.mark.parametrize("name", [n for layouts in LAYOUTS.values() for n in layouts])
 def test_new_family_matches_one_process(runs, name):
-    ref = _reference(family=True)
+    ref = _reference("parallel_block")
     assert len(ref["aux"]) == CFG.num_layers
-    _check(runs[name], ref, name)
+    _check(runs[f"parallel_block/{name}"], ref, name)
+
+
+@pytest.mark.parametrize("name", [n for layouts in LAYOUTS.values() for n in layouts])
+def test_mixture_of_experts_matches_one_process(runs, name):
+    ref = _reference("moe_decoder")
+    assert sorted(ref["aux"]) == [f"{kind}/{layer}" for kind in ("load_balancing", "z_loss") for layer in (1, 2, 3)]
+    _check(runs[f"moe_decoder/{name}"], ref, f"moe {name}")
 
 
 def test_full_recompute_runs_under_pipeline_parallelism(runs):
     results = runs["decoder_pp2_dp2_recompute"]
     for rank, r in enumerate(results):
         assert r["calls"] == r["expected_calls"] > 0, f"rank {rank}: {r['calls']} block calls, {r['expected_calls']} with recompute"
-    _check(results, _reference(family=False), "decoder pp2 recompute")
+    _check(results, _reference("decoder"), "decoder pp2 recompute")
