@@ -37,6 +37,7 @@ LAYOUT_FLAGS = {
     # so the plain split gives it fewer layers
     "pp2": (2, ["--pp", "2", "--decoder-first-pipeline-num-layers", "5", "--decoder-last-pipeline-num-layers", "3"]),
     "pp2v2": (2, ["--pp", "2", "--virtual-pipeline-model-parallel-size", "2"]),
+    "pp4": (4, ["--pp", "4", "--decoder-first-pipeline-num-layers", "3", "--decoder-last-pipeline-num-layers", "1"]),
 }
 
 
@@ -54,7 +55,7 @@ def worker(args) -> None:
     ] + LAYOUT_FLAGS[args.layout][1]
     global_batch = args.global_batch
     if args.weak:  # the same micro batches per data-parallel rank whatever the layout
-        global_batch *= data_parallel_size(build_config(None, flags, validate_now=False), int(os.environ["WORLD_SIZE"]))
+        global_batch *= data_parallel_size(build_config(None, flags), int(os.environ["WORLD_SIZE"]))
     flags += ["--global-batch-size", str(global_batch)]
     trainer = Trainer(build_config(None, flags), log=lambda s: print("[meshtron]", s, file=sys.stderr) if int(os.environ.get("RANK", 0)) == 0 else None)
     losses, times = [], []

@@ -205,7 +205,6 @@ def train_worker(args) -> None:
     import torch
 
     from meshtron.config import build_config
-    from meshtron.parallel.context_parallel import apply_context_parallel
     from meshtron.training.trainer import Trainer
 
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
@@ -223,12 +222,11 @@ def train_worker(args) -> None:
         ]  # fmt: skip
         if algorithm == "cp1":
             flags += ["--global-batch-size", str(world)]
-        else:
-            flags += ["--global-batch-size", "1", "--context-parallel-size", str(world)]
+        else:  # the ring's block kernel follows --attention-backend where it names one of its kernels
+            flags += ["--global-batch-size", "1", "--context-parallel-size", str(world),
+                      "--cp-comm-type", "p2p" if algorithm == "ring" else "all_gather"] + (["--attention-backend", kernel] if kernel else [])  # fmt: skip
         try:
             trainer = Trainer(build_config(None, flags), log=lambda s: None)
-            if algorithm != "cp1":
-                apply_context_parallel(trainer.model, trainer.mesh, "p2p" if algorithm == "ring" else "all_gather", kernel or "auto")
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             times, losses = [], []
