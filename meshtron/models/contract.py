@@ -328,6 +328,25 @@ class ModelFamily(nn.Module):
         return carry, aux
 
 
+class TokenLossModel(ModelFamily):
+    """What every language model whose head returns per-token losses shares: the loss is the sum
+    over the batch's ``loss_mask``, normalized by its count, and the carry between stages is the
+    hidden states ``{"hidden": [b, s / seq_shards, hidden_size]}``. Set ``hidden_size``."""
+
+    hidden_size: int = 0
+
+    def loss(self, batch: Batch, outputs: torch.Tensor) -> LossOutput:
+        mask = batch["loss_mask"]
+        return LossOutput(total=(outputs * mask).sum(), count=mask.sum())
+
+    def loss_count(self, batch: Batch) -> torch.Tensor:
+        return batch["loss_mask"].sum()
+
+    def carry_shapes(self, batch: Batch, seq_shards: int) -> dict[str, tuple[int, ...]]:
+        b, s = batch["tokens"].shape
+        return {"hidden": (b, s // seq_shards, self.hidden_size)}
+
+
 def _add_terms(into: dict[str, torch.Tensor], terms: dict[str, torch.Tensor]) -> None:
     for name, value in terms.items():
         into[name] = into[name] + value if name in into else value

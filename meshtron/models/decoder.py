@@ -104,7 +104,7 @@ def decoder_layout_errors(cfg: ModelConfig, tp: int) -> list[str]:
     return errors
 
 
-class Decoder(c.ModelFamily):
+class Decoder(c.TokenLossModel):
     """GPT/Llama decoder over a vocabulary of ``vocab_size`` (already padded by the caller).
 
     ``max_seq_length`` sizes the position tables when ``cfg.max_position_embeddings`` is 0.
@@ -115,7 +115,7 @@ class Decoder(c.ModelFamily):
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, max_seq_length: int):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.hidden_size = cfg, cfg.hidden_size
         self.vocab_size = vocab_size
         self.max_positions = cfg.max_position_embeddings or max_seq_length
         self.use_rope = cfg.position_embedding_type == "rope"
@@ -209,17 +209,6 @@ class Decoder(c.ModelFamily):
         """Per-token loss [b, s] in fp32 with labels in the batch, else logits."""
         tied = self.embedding.weight if self.cfg.tie_embeddings else None
         return self.output(self.final_norm(carry["hidden"]), batch.get("labels"), tied_weight=tied)
-
-    def loss(self, batch: c.Batch, outputs: torch.Tensor) -> c.LossOutput:
-        mask = batch["loss_mask"]
-        return c.LossOutput(total=(outputs * mask).sum(), count=mask.sum())
-
-    def loss_count(self, batch: c.Batch) -> torch.Tensor:
-        return batch["loss_mask"].sum()
-
-    def carry_shapes(self, batch: c.Batch, seq_shards: int) -> dict[str, tuple[int, ...]]:
-        b, s = batch["tokens"].shape
-        return {"hidden": (b, s // seq_shards, self.cfg.hidden_size)}
 
     # ------------------------------------------------------------------ helpers
 

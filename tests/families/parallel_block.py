@@ -41,12 +41,12 @@ class ParallelBlock(nn.Module):
         return x + self.attention(h, cos, sin, position_ids, document_ids) + self.mlp(h)
 
 
-class ParallelBlockDecoder(mc.ModelFamily):
+class ParallelBlockDecoder(mc.TokenLossModel):
     """Token embedding, parallel blocks, final norm, untied output layer; RoPE positions."""
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, max_seq_length: int):
         super().__init__()
-        self.cfg, self.max_positions = cfg, max_seq_length
+        self.cfg, self.max_positions, self.hidden_size = cfg, max_seq_length, cfg.hidden_size
         if cfg.recompute_granularity == "full":
             self.recompute = (cfg.recompute_method, cfg.recompute_num_layers)
         self.embedding = nn.Embedding(vocab_size, cfg.hidden_size)
@@ -90,14 +90,3 @@ class ParallelBlockDecoder(mc.ModelFamily):
 
     def head(self, carry: mc.Carry, batch: mc.Batch) -> torch.Tensor:
         return self.output(self.final_norm(carry["hidden"]), batch["labels"])
-
-    def loss(self, batch: mc.Batch, outputs: torch.Tensor) -> mc.LossOutput:
-        mask = batch["loss_mask"]
-        return mc.LossOutput(total=(outputs * mask).sum(), count=mask.sum())
-
-    def loss_count(self, batch: mc.Batch) -> torch.Tensor:
-        return batch["loss_mask"].sum()
-
-    def carry_shapes(self, batch: mc.Batch, seq_shards: int) -> dict[str, tuple[int, ...]]:
-        b, s = batch["tokens"].shape
-        return {"hidden": (b, s // seq_shards, self.cfg.hidden_size)}
