@@ -58,11 +58,12 @@ class Bert(c.ModelFamily):
         super().__init__()
         self.cfg = cfg
         self.vocab_size = vocab_size
+        self.max_positions = cfg.max_position_embeddings or max_seq_length
         if cfg.recompute_granularity == "full":
             self.recompute = (cfg.recompute_method, cfg.recompute_num_layers)
         h, binary = cfg.hidden_size, cfg.bert_binary_head
         self.embedding = nn.Embedding(vocab_size, h)
-        self.position_embedding = nn.Embedding(cfg.max_position_embeddings or max_seq_length, h)
+        self.position_embedding = nn.Embedding(self.max_positions, h)
         # Token types only tell segment B from A, which only the sentence-order task has (Megatron's
         # num_tokentypes = 2 with the binary head, else 0).
         self.tokentype_embedding = nn.Embedding(2, h) if binary else None
