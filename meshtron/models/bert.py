@@ -50,13 +50,13 @@ class LMHead(nn.Module):
         return self.norm(F.gelu(self.dense(hidden), approximate=self.approximate))
 
 
-class Bert(c.ModelFamily):
+class Bert(c.TokenLossModel):
     """BERT over a vocabulary of ``vocab_size`` (already padded by the caller); positions up to
     ``cfg.max_position_embeddings`` (else ``max_seq_length``)."""
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, max_seq_length: int):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.hidden_size = cfg, cfg.hidden_size
         self.vocab_size = vocab_size
         self.max_positions = cfg.max_position_embeddings or max_seq_length
         if cfg.recompute_granularity == "full":
@@ -131,18 +131,11 @@ class Bert(c.ModelFamily):
         return out
 
     def loss(self, batch: c.Batch, outputs: dict[str, torch.Tensor]) -> c.LossOutput:
-        mask = batch["loss_mask"]
-        loss = c.LossOutput(total=(outputs["lm"] * mask).sum(), count=mask.sum())
+        """The masked-LM loss as every token-loss model's, plus the sentence-order term."""
+        loss = super().loss(batch, outputs["lm"])
         if "sop" in outputs:
             loss.aux[SOP_LOSS] = F.cross_entropy(outputs["sop"].float(), batch["is_random"])
         return loss
-
-    def loss_count(self, batch: c.Batch) -> torch.Tensor:
-        return batch["loss_mask"].sum()
-
-    def carry_shapes(self, batch: c.Batch, seq_shards: int) -> dict[str, tuple[int, ...]]:
-        b, s = batch["tokens"].shape
-        return {"hidden": (b, s // seq_shards, self.cfg.hidden_size)}
 
 
 def bert_parameter_count(cfg: ModelConfig, vocab_size: int, decoder_count: int) -> int:
