@@ -95,6 +95,11 @@ class ModelConfig:
     rope_beta_slow: float = 1.0
     rope_mscale: float = 1.0
     rope_mscale_all_dim: float = 0.0
+    # Model families: meshtron.models.build_model dispatches on model_type (Megatron users pick the
+    # pretrain_*.py script, we pick the type); checked by meshtron.models.model_config_errors.
+    model_type: str = "gpt"  # gpt (the decoder: GPT, Llama, MoE) | bert
+    apply_residual_connection_post_layernorm: bool = False  # residuals from the norms' outputs: post-LN (HF BERT)
+    bert_binary_head: bool = True  # BERT's sentence-order head and token types (--bert-no-binary-head drops them)
 
 
 @dataclass

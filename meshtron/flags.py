@@ -182,4 +182,8 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "ckpt-fully-parallel-save": ("checkpoint.ckpt_format", None),
     "no-ckpt-fully-parallel-save": ("checkpoint.ckpt_format", None),
     "ckpt-fully-parallel-load": ("checkpoint.ckpt_format", None),
+    # Model families: BERT (pretrain_bert.py's flags); --model-type picks what Megatron's script does.
+    "model-type": "model.model_type",
+    "bert-no-binary-head": ("model.bert_binary_head", False),
+    "apply-residual-connection-post-layernorm": ("model.apply_residual_connection_post_layernorm", True),
 }

@@ -53,6 +53,10 @@ _LLAMA3_1 = {
 }
 _LLAMA3_2 = {**_LLAMA3_1, "model.rope_scaling_factor": 32.0, "model.tie_embeddings": True}
 
+# Megatron's BERT (pretrain_bert.py): pre-LN blocks, GELU, learned positions, tied LM head, 512
+# positions; the vocabulary comes from the WordPiece vocab.txt.
+_BERT = {**_GPT, "model.model_type": "bert", "model.max_position_embeddings": 512, "data.seq_length": 512}
+
 PRESETS: dict[str, dict[str, Any]] = {
     "gpt2-124m": {**_GPT2, **_shape(12, 768, 12)},
     "gpt2-355m": {**_GPT2, **_shape(24, 1024, 16)},
@@ -78,6 +82,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Tiny shapes for tests and CPU smoke runs; the vocabulary comes from the tokenizer.
     "tiny-gpt": {**_GPT, **_shape(2, 64, 4), "data.seq_length": 64},
     "tiny-llama": {**_LLAMA, **_shape(2, 64, 4, kv_heads=2), "data.seq_length": 64},
+    "bert-base": {**_BERT, **_shape(12, 768, 12)},
+    "bert-large": {**_BERT, **_shape(24, 1024, 16)},
+    "tiny-bert": {**_BERT, **_shape(2, 64, 4), "model.max_position_embeddings": 64, "data.seq_length": 64},
 }
 
 

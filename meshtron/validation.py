@@ -12,7 +12,7 @@ from meshtron.data.masked_lm import masked_data_config_errors
 from meshtron.errors import ConfigError
 from meshtron.layers.mla import mla_config_errors
 from meshtron.layers.moe import moe_config_errors
-from meshtron.models import model_layout_errors
+from meshtron.models import model_config_errors, model_layout_errors
 from meshtron.parallel.pipeline_schedules import split_layers
 
 
@@ -46,7 +46,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         f"--position-embedding-type must be learned_absolute or rope, got '{m.position_embedding_type}'",
     )
     need(m.rope_scaling in ("", "llama3", "yarn"), f"model.rope_scaling must be '', 'llama3' or 'yarn', got '{m.rope_scaling}'")
-    errors.extend(moe_config_errors(m) + mla_config_errors(m) + masked_data_config_errors(d) + checkpoint_config_errors(cfg))
+    errors.extend(moe_config_errors(m) + mla_config_errors(m) + masked_data_config_errors(d, m.model_type) + checkpoint_config_errors(cfg))
+    errors.extend(model_config_errors(cfg))  # the model type's own rules (models/)
     need(m.attention_backend in ("auto", "sdpa", "cudnn", "flash", "efficient", "math"),
          f"--attention-backend must be auto, sdpa, cudnn, flash, efficient or math, got '{m.attention_backend}'")  # fmt: skip
     need(m.fused_kernels in ("auto", "on", "off"), f"model.fused_kernels must be auto, on or off, got '{m.fused_kernels}'")

@@ -23,11 +23,17 @@ def build_datasets(
     seed: int,
     data_prefixes: list[str] | None = None,
     vocab_size: int | None = None,
+    model_type: str = "gpt",
+    binary_head: bool = True,
 ):
-    """(train, valid, test); a split with 0 samples or no documents is None.
+    """(train, valid, test) for ``model_type`` (``model.model_type``); a split with 0 samples or
+    no documents is None. Decoders read documents (``GPTDataset``); the masked-LM families read
+    sentences (``build_masked_datasets``, where ``binary_head`` applies).
 
     Mock data draws ids below ``vocab_size`` (default: the tokenizer's), so it needs no tokenizer.
     """
+    if model_type != "gpt":
+        return build_masked_datasets(model_type, data_cfg, tokenizer, num_samples, seed, binary_head, data_prefixes)
     if data_cfg.mock:
         vocab = vocab_size or (tokenizer.vocab_size if tokenizer is not None else 0)
         if vocab <= 0:
@@ -75,9 +81,11 @@ def _splits(ranges: list, weights: list[float], num_samples: tuple[int, int, int
 
 
 def build_masked_datasets(
-    model_type: str, data_cfg: DataConfig, tokenizer, num_samples: tuple[int, int, int], seed: int, binary_head: bool = True
-):
-    """(train, valid, test) of ``BERTDataset``, ``T5Dataset`` or ``ICTDataset`` on sentence-level ``--data-path`` files.
+    model_type: str, data_cfg: DataConfig, tokenizer, num_samples: tuple[int, int, int], seed: int, binary_head: bool = True,
+    data_prefixes: list[str] | None = None,
+):  # fmt: skip
+    """(train, valid, test) of ``BERTDataset``, ``T5Dataset`` or ``ICTDataset`` on sentence-level
+    ``--data-path`` files (or ``data_prefixes``, equally weighted: the embedded corpus).
 
     ``--split`` divides documents (not sentences); several weighted prefixes blend as for GPT.
     ``binary_head`` is BERT's sentence-order head (``--bert-no-binary-head`` turns it off).
@@ -92,9 +100,12 @@ def build_masked_datasets(
     errors = masked_data_config_errors(data_cfg, model_type)
     if errors:
         raise ValueError("; ".join(errors))
-    if data_cfg.mock or not data_cfg.data_path:
+    if data_cfg.mock or not (data_cfg.data_path or data_prefixes):
         raise ValueError(f"{model_type} needs sentence-split data: --data-path PREFIX_text_sentence (meshtron preprocess --split-sentences)")
-    prefixes, weights = parse_data_path(data_cfg.data_path)
+    if data_prefixes:
+        prefixes, weights = list(data_prefixes), [1.0 / len(data_prefixes)] * len(data_prefixes)
+    else:
+        prefixes, weights = parse_data_path(data_cfg.data_path)
     indexed = [IndexedDataset(p) for p in prefixes]
     ranges = [split_document_ranges(data_cfg.split, len(ds.document_indices) - 1) for ds in indexed]
     titles = IndexedDataset(data_cfg.titles_data_path) if data_cfg.titles_data_path else None

@@ -325,3 +325,24 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, path: str) -> str
     tok.save(tmp)
     os.replace(tmp, path)
     return path
+
+
+def train_wordpiece_vocab(texts: Iterable[str], vocab_size: int, path: str) -> str:
+    """Train a lower-cased WordPiece vocabulary (BERT's normalizer and pre-tokenizer, ``##``
+    continuations, [PAD] [UNK] [CLS] [SEP] [MASK] first) and write it as a ``vocab.txt`` at
+    ``path``, one token per line in id order: what ``BertWordPieceLowerCase`` reads."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, normalizers, pre_tokenizers, trainers
+
+    tok = HFTokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True, strip_accents=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"],
+                                        show_progress=False)  # fmt: skip
+    tok.train_from_iterator(texts, trainer=trainer)
+    tokens = sorted(tok.get_vocab().items(), key=lambda item: item[1])
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(t + "\n" for t, _ in tokens)
+    os.replace(tmp, path)
+    return path

@@ -1,4 +1,5 @@
-"""Causal self-attention with grouped-query heads, RoPE, packed-document masks and a KV cache.
+"""Self-attention with grouped-query heads, RoPE, packed-document masks and a KV cache: causal
+(decoders) or bidirectional over the real tokens of padded sequences (encoders, ``causal=False``).
 
 Parameter names follow Megatron-Core (``linear_qkv``, ``linear_proj``), and so does the layout of
 the fused QKV output: per key/value group, that group's query heads, then its key head, then its
@@ -54,20 +55,32 @@ def num_kv_heads(cfg: ModelConfig) -> int:
 
 
 def attention_mask(
-    q_len: int, kv_len: int, document_ids: torch.Tensor | None = None, device: torch.device | None = None
+    q_len: int,
+    kv_len: int,
+    document_ids: torch.Tensor | None = None,
+    device: torch.device | None = None,
+    causal: bool = True,
+    padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Boolean mask (True = may attend), [1 or b, 1, q_len, kv_len].
+    """Boolean mask (True = may attend), broadcastable to [b, 1, q_len, kv_len].
 
-    The queries are the last ``q_len`` of ``kv_len`` positions (a chunk after a cached prefix),
-    so query ``i`` sees keys up to ``kv_len - q_len + i``. With ``document_ids`` [b, s] (packed
-    sequences, Megatron's ``--reset-attention-mask``) a token also sees only its own document.
+    Causal: the queries are the last ``q_len`` of ``kv_len`` positions (a chunk after a cached
+    prefix), so query ``i`` sees keys up to ``kv_len - q_len + i``. With ``document_ids`` [b, s]
+    (packed sequences, Megatron's ``--reset-attention-mask``) a token also sees only its own
+    document. With ``padding_mask`` [b, kv_len] (True at real tokens) no query sees a padding key;
+    an encoder's mask stays [b, 1, 1, kv_len], which SDPA broadcasts without materializing.
     """
-    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)
-    mask = (torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None])[None, None]
+    mask = None
+    if causal:
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=device)
+        mask = (torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None])[None, None]
     if document_ids is not None:
-        same_doc = document_ids[:, -q_len:, None] == document_ids[:, None, :]
-        mask = mask & same_doc[:, None]
-    return mask
+        same_doc = (document_ids[:, -q_len:, None] == document_ids[:, None, :])[:, None]
+        mask = same_doc if mask is None else mask & same_doc
+    if padding_mask is not None:
+        real_keys = padding_mask[:, None, None, :].bool()
+        mask = real_keys if mask is None else mask & real_keys
+    return torch.ones((1, 1, q_len, kv_len), dtype=torch.bool, device=device) if mask is None else mask
 
 
 class CoreAttention(nn.Module):
@@ -76,12 +89,14 @@ class CoreAttention(nn.Module):
 
     A module of its own so that a parallel plan can replace it (context parallelism attends
     across ranks) and activation recompute can wrap it (``--recompute-granularity selective``).
-    k, v may have fewer heads (GQA): query head i reads kv head i // group_size.
+    k, v may have fewer heads (GQA): query head i reads kv head i // group_size. Without a mask
+    it is causal (SDPA's ``is_causal``, which lets the fused kernels skip the upper triangle)
+    unless built with ``causal=False``.
     """
 
-    def __init__(self, backend: str, scale: float | None = None):
+    def __init__(self, backend: str, scale: float | None = None, causal: bool = True):
         super().__init__()
-        self.backend, self.scale = backend, scale
+        self.backend, self.scale, self.causal = backend, scale, causal
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout: float, document_ids: torch.Tensor | None = None
@@ -101,35 +116,38 @@ class CoreAttention(nn.Module):
         gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
         scale = {"scale": self.scale} if self.scale is not None else {}
         with sdpa_backends(self.backend, q.device):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, **gqa, **scale)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None and self.causal, **gqa, **scale)
 
 
 class SelfAttentionBase(nn.Module):
     """What every self-attention does once it has q, k and v: the mask, dropout, selective
     recompute and the core. ``Attention`` and ``MultiLatentAttention`` differ only before.
-    ``softmax_scale`` None means 1/sqrt(qk head dim).
+    ``softmax_scale`` None means 1/sqrt(qk head dim). ``causal=False``: bidirectional (BERT's
+    encoder), attending to every real token of the sequence.
     """
 
-    def __init__(self, cfg: ModelConfig, layer_number: int, softmax_scale: float | None = None):
+    def __init__(self, cfg: ModelConfig, layer_number: int, softmax_scale: float | None = None, causal: bool = True):
         super().__init__()
-        self.layer_number = layer_number
+        self.layer_number, self.causal = layer_number, causal
         self.backend = cfg.attention_backend
         self.fused_kernels = cfg.fused_kernels
         self.recompute_core = cfg.recompute_granularity == "selective"
         self.dropout = cfg.attention_dropout
-        self.core_attention = CoreAttention(cfg.attention_backend, softmax_scale)
+        self.core_attention = CoreAttention(cfg.attention_backend, softmax_scale, causal)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None,
+               padding_mask: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """q [b, s, heads, d], k [b, t, kv_heads, d], v [b, t, kv_heads, dv] -> [b, s, heads * dv].
 
-        The queries are the last s of t positions (t > s after a KV-cache prefix).
+        The queries are the last s of t positions (t > s after a KV-cache prefix). ``padding_mask``
+        [b, t]: True at the real tokens, the only keys a query sees.
         """
         s = q.shape[1]
-        # Plain causal attention over the chunk itself needs no mask tensor: SDPA's is_causal
-        # lets the fused (flash, cuDNN) kernels run.
+        # Plain attention over the chunk itself (causal, or bidirectional without padding) needs
+        # no mask tensor: SDPA's is_causal (or nothing) lets the fused (flash, cuDNN) kernels run.
         mask = None
-        if document_ids is not None or k.shape[1] != s or self.backend == "math":
-            mask = attention_mask(s, k.shape[1], document_ids, q.device)
+        if document_ids is not None or padding_mask is not None or k.shape[1] != s or self.backend == "math":
+            mask = attention_mask(s, k.shape[1], document_ids, q.device, self.causal, padding_mask)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, s, d]
         dropout = self.dropout if self.training else 0.0
         if self.recompute_core and torch.is_grad_enabled():
@@ -140,10 +158,11 @@ class SelfAttentionBase(nn.Module):
 
 
 class Attention(SelfAttentionBase):
-    """Self-attention of block ``layer_number`` (0-based; it picks this layer's KV-cache slot)."""
+    """Self-attention of block ``layer_number`` (0-based; it picks this layer's KV-cache slot);
+    bidirectional with ``causal=False``."""
 
-    def __init__(self, cfg: ModelConfig, layer_number: int):
-        super().__init__(cfg, layer_number)
+    def __init__(self, cfg: ModelConfig, layer_number: int, causal: bool = True):
+        super().__init__(cfg, layer_number, causal=causal)
         heads, kv_heads = cfg.num_attention_heads, num_kv_heads(cfg)
         self.queries_per_group = heads // kv_heads
         self.head_dim = head_dim(cfg)
@@ -172,8 +191,10 @@ class Attention(SelfAttentionBase):
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [b, s, hidden] -> [b, s, hidden]. ``cos``/``sin`` are the RoPE tables (unused without RoPE).
+        """x [b, s, hidden] -> [b, s, hidden]. ``cos``/``sin`` are the RoPE tables (unused without RoPE);
+        ``padding_mask`` [b, s] marks the real tokens of padded sequences (encoders).
 
         With ``kv_cache``, x is the next chunk of a sequence whose earlier keys/values are cached:
         its k/v are stored and its queries attend to the whole prefix.
@@ -191,7 +212,7 @@ class Attention(SelfAttentionBase):
             k = apply_rotary(k, cos, sin, position_ids, self.fused_kernels)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_number, k, v)
-        return self.linear_proj(self.attend(q, k, v, document_ids))
+        return self.linear_proj(self.attend(q, k, v, document_ids, padding_mask))
 
 
 def math_attention(

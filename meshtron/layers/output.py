@@ -15,18 +15,24 @@ from meshtron.kernels.cross_entropy import linear_cross_entropy
 
 
 class OutputLayer(nn.Module):
-    """``weight`` [V, h] of its own (untied), or none when the embedding is tied to it."""
+    """``weight`` [V, h] of its own (untied), or none when the embedding is tied to it; with
+    ``bias``, a [V] bias of its own even when tied (BERT's LM head)."""
 
-    def __init__(self, hidden_size: int, vocab_size: int, tied: bool, fused_kernels: str = "auto"):
+    def __init__(self, hidden_size: int, vocab_size: int, tied: bool, fused_kernels: str = "auto", bias: bool = False):
         super().__init__()
         self.fused_kernels = fused_kernels
         self.weight = None if tied else nn.Parameter(torch.empty(vocab_size, hidden_size))
+        self.bias = nn.Parameter(torch.zeros(vocab_size)) if bias else None
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None,
                 tied_weight: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """Logits [..., V] without ``labels``; with them, per-token cross-entropy in fp32 (label
-        -100 gives 0) without holding the [..., V] logits at once (``kernels/cross_entropy``)."""
+        -100 gives 0) without holding the [..., V] logits at once (``kernels/cross_entropy``; with a
+        bias, from the whole logits: the chunked kernel takes none)."""
         weight = self.weight if self.weight is not None else tied_weight
-        if labels is None:
-            return F.linear(hidden, weight)
+        if labels is None or self.bias is not None:
+            logits = F.linear(hidden, weight, self.bias)
+            if labels is None:
+                return logits
+            return F.cross_entropy(logits.float().flatten(0, -2), labels.reshape(-1), reduction="none").view(labels.shape)
         return linear_cross_entropy(hidden, weight, labels, self.fused_kernels)

@@ -1,12 +1,21 @@
-"""Model construction: the one place the training loop, checkpoints and tools get a model from."""
+"""Model construction: the one place the training loop, checkpoints and tools get a model from.
+
+``model.model_type`` picks the family (Megatron users pick the ``pretrain_*.py`` script): ``gpt``
+is the decoder (GPT, Llama, mixture of experts), ``bert`` the encoder of ``models/bert.py``.
+"""
 
 from __future__ import annotations
 
-from meshtron.config import ModelConfig
+from meshtron.config import Config, ModelConfig
+from meshtron.models import decoder
+from meshtron.models.bert import Bert, bert_config_errors, bert_parameter_count
 from meshtron.models.contract import ModelFamily
-from meshtron.models.decoder import Decoder, decoder_layout_errors, num_parameters, parameter_count
+from meshtron.models.decoder import Decoder, decoder_layout_errors, num_parameters
 
-__all__ = ["build_model", "model_layout_errors", "num_parameters", "padded_vocab_size", "parameter_count"]
+__all__ = ["MODEL_TYPES", "attends_causally", "build_model", "model_config_errors", "model_layout_errors", "num_parameters", "padded_vocab_size",
+           "parameter_count"]  # fmt: skip
+
+MODEL_TYPES = {"gpt": Decoder, "bert": Bert}
 
 
 def build_model(model_cfg: ModelConfig, vocab_size: int, max_seq_length: int) -> ModelFamily:
@@ -15,12 +24,33 @@ def build_model(model_cfg: ModelConfig, vocab_size: int, max_seq_length: int) ->
     ``vocab_size`` is the embedding's row count: pass ``padded_vocab_size(...)`` of the
     tokenizer's size (or ``model_cfg.vocab_size`` when set) so every parallel layout agrees.
     """
-    return Decoder(model_cfg, vocab_size, max_seq_length)
+    return MODEL_TYPES[model_cfg.model_type](model_cfg, vocab_size, max_seq_length)
+
+
+def model_config_errors(cfg: Config) -> list[str]:
+    """Why ``cfg`` does not fit its model type (empty when it does), each naming the flag to change."""
+    kind = cfg.model.model_type
+    if kind not in MODEL_TYPES:
+        return [f"--model-type must be one of {sorted(MODEL_TYPES)}, got '{kind}'"]
+    return bert_config_errors(cfg) if kind == "bert" else []
 
 
 def model_layout_errors(model_cfg: ModelConfig, tp: int) -> list[str]:
-    """Why the model's shapes cannot be split over ``tp`` tensor-parallel ranks (empty if they can)."""
+    """Why the model's shapes cannot be split over ``tp`` tensor-parallel ranks (empty if they can).
+    Every family splits the decoder's attention and MLP blocks, so their rules are the decoder's."""
     return decoder_layout_errors(model_cfg, tp)
+
+
+def parameter_count(cfg: ModelConfig, vocab_size: int, max_seq_length: int = 0, active: bool = False) -> int:
+    """``num_parameters(build_model(cfg, vocab_size, max_seq_length))`` without building it (``active``:
+    a mixture-of-experts layer counts only the experts a token passes); see ``decoder.parameter_count``."""
+    count = decoder.parameter_count(cfg, vocab_size, max_seq_length, active)
+    return bert_parameter_count(cfg, vocab_size, count) if cfg.model_type == "bert" else count
+
+
+def attends_causally(cfg: ModelConfig) -> bool:
+    """Whether a token attends only to earlier ones (decoders), which halves attention FLOPs."""
+    return cfg.model_type != "bert"
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int = 1) -> int:

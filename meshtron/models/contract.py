@@ -36,7 +36,10 @@ Carry = dict[str, torch.Tensor]
 class LossOutput:
     """One micro batch's (or a step's) loss: ``total`` summed over what ``count`` counts (tokens,
     queries), ``aux`` terms already weighted (each enters the objective as it is), ``metrics`` to
-    log only. The objective the runner backwards is ``total / global count + sum(aux) / micro batches``."""
+    log only. The objective the runner backwards is ``total / global count + sum(aux) / micro batches``,
+    with ``aux`` both the blocks' terms (``run_blocks``) and these: a second loss normalized per
+    sample (BERT's sentence order) is its micro batch's mean here, and so the global batch's mean
+    (micro batches are equally large) without a second count."""
 
     total: torch.Tensor
     count: torch.Tensor

@@ -29,20 +29,29 @@ from meshtron.models.init import init_by_name
 
 # Output projections of each block: initialized with std / sqrt(2 * num_layers) so the residual
 # stream's variance does not grow with depth (GPT-2, Megatron's ``output_layer_init_method``).
-_RESIDUAL_OUTPUTS = ("linear_proj.weight", "linear_fc2.weight")
+RESIDUAL_OUTPUTS = ("linear_proj.weight", "linear_fc2.weight")
 
 
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)), dropout on each branch. The MLP
-    is a mixture of experts in the layers ``--moe-layer-freq`` picks (``moe``)."""
+    is a mixture of experts in the layers ``--moe-layer-freq`` picks (``moe``); ``causal=False``
+    makes the attention bidirectional (encoders).
 
-    def __init__(self, cfg: ModelConfig, layer_number: int, moe: bool = False):
+    ``--apply-residual-connection-post-layernorm`` (Megatron's) takes each residual from the
+    norm's output instead of its input: norm(x) + attn(norm(x)). Chained over the blocks this is
+    the original post-LN transformer (BERT's), its norms shifted by one: each block's input norm
+    is the previous block's output norm (the first's, BERT's embedding norm) and the final norm
+    the last block's output norm.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_number: int, moe: bool = False, causal: bool = True):
         super().__init__()
         self.input_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, cfg.fused_kernels)
-        self.self_attention = Attention(cfg, layer_number)
+        self.self_attention = Attention(cfg, layer_number, causal)
         self.pre_mlp_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, cfg.fused_kernels)
         self.mlp = MoELayer(cfg) if moe else MLP(cfg)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
+        self.residual_after_norm = cfg.apply_residual_connection_post_layernorm
 
     def forward(
         self,
@@ -52,10 +61,13 @@ class TransformerBlock(nn.Module):
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        attn = self.self_attention(self.input_layernorm(x), cos, sin, position_ids, document_ids, kv_cache)
-        x = x + self.dropout(attn)
-        return x + self.dropout(self.mlp(self.pre_mlp_layernorm(x)))
+        normed = self.input_layernorm(x)
+        attn = self.self_attention(normed, cos, sin, position_ids, document_ids, kv_cache, padding_mask)
+        x = (normed if self.residual_after_norm else x) + self.dropout(attn)
+        normed = self.pre_mlp_layernorm(x)
+        return (normed if self.residual_after_norm else x) + self.dropout(self.mlp(normed))
 
 
 def decoder_plan(cfg: ModelConfig) -> c.Plan:
@@ -138,7 +150,7 @@ class Decoder(c.TokenLossModel):
         norms; each tensor keyed by the seed and its name, so every layout draws the same."""
         std = self.cfg.init_method_std
         residual_std = std / math.sqrt(2 * self.cfg.num_layers)
-        init_by_name(self, std, residual_std, _RESIDUAL_OUTPUTS, seed)
+        init_by_name(self, std, residual_std, RESIDUAL_OUTPUTS, seed)
         # Stacked expert weights: one draw per global expert id, so expert parallelism changes nothing.
         seed = torch.initial_seed() if seed is None else seed
         for name, param in self.named_parameters():

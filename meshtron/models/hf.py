@@ -135,6 +135,9 @@ def _is_gpt2(m: ModelConfig) -> bool:
 def hf_config_from_model(m: ModelConfig, vocab_size: int, max_positions: int, dtype: torch.dtype) -> dict[str, Any]:
     """config.json for ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` (both transformers 4 and 5 read it)."""
     dtype_name = str(dtype).removeprefix("torch.")
+    if m.model_type != "gpt" or m.apply_residual_connection_post_layernorm:
+        raise CheckpointError("hf-export writes decoders with pre-norm residuals only: BERT export and post-LN "
+                              "(--apply-residual-connection-post-layernorm) models are not implemented yet")  # fmt: skip
     if _is_gpt2(m):
         return {
             "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": m.hidden_size, "n_layer": m.num_layers,

@@ -87,8 +87,10 @@ def _replace(module: nn.Module, style: mc.Style, mesh: Mesh, sp: bool, cp_algori
                                                    dtype=module.weight.dtype), module, 0, mc.Contiguous(), tp, mesh.tp_rank)  # fmt: skip
     if isinstance(style, mc.VocabParallelOutput):
         out = VocabParallelOutputLayer(mesh.tp_group, sp, module.fused_kernels)
-        if module.weight is not None:
-            out.weight = nn.Parameter(_shard(module.weight, 0, mc.Contiguous(), tp, mesh.tp_rank), module.weight.requires_grad)
+        for name in ("weight", "bias"):  # each when the layer has its own
+            full = getattr(module, name)
+            if full is not None:
+                setattr(out, name, nn.Parameter(_shard(full, 0, mc.Contiguous(), tp, mesh.tp_rank), full.requires_grad))
         return out
     if isinstance(style, mc.ScatterToSequence):
         return SequenceScatterEmbedding(module, mesh.tp_group) if sp else None

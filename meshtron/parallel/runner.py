@@ -9,8 +9,10 @@ tensor and pipeline parallelism leave partial. The trainer sees ``forward_backwa
 
 The objective of one micro batch is ``total / (global count) + sum(aux) / (micro batches x dp x cp)``:
 the loss sum is divided by the count of the whole global batch (all data-parallel ranks), so
-gradients summed over ranks equal the one-process gradient; auxiliary terms are per-micro-batch
-means, averaged over every micro batch of the global batch the same way.
+gradients summed over ranks equal the one-process gradient; auxiliary terms (the blocks', on any
+stage, and the loss's own, on the last) are per-micro-batch means, averaged over every micro batch
+of the global batch the same way. As micro batches hold equally many samples, a per-sample mean
+over a micro batch (BERT's sentence-order loss) becomes exactly the global batch's per-sample mean.
 """
 
 from __future__ import annotations
@@ -63,16 +65,16 @@ class Runner:
         def step(stage: Stage, carry: mc.Carry | None, mb: int) -> tuple[mc.Carry | None, torch.Tensor | None]:
             out, aux = stage.forward(carry, batches[mb])
             objective = None
+            if stage.is_last:
+                loss = model.loss(batches[mb], out)
+                totals.append(loss.total.detach())
+                objective = loss.total / count
+                aux = {**aux, **loss.aux}  # the loss's own terms (BERT's sentence order) count as the blocks' do
+                out = None
             for name, term in aux.items():
                 share = term / num_micro_total
                 aux_logged[name] = aux_logged.get(name, 0.0) + share.detach()
                 objective = share if objective is None else objective + share
-            if stage.is_last:
-                loss_sum = model.loss(batches[mb], out).total
-                totals.append(loss_sum.detach())
-                loss = loss_sum / count
-                objective = loss if objective is None else loss + objective
-                out = None
             if objective is not None and not forward_only:
                 objective = self.optimizer.scale_loss(objective)
             return out, objective

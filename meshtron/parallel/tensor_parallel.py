@@ -271,18 +271,19 @@ class SequenceScatterEmbedding(nn.Embedding):
 class VocabParallelOutputLayer(nn.Module):
     """The output layer with the vocabulary split over tp: this rank's rows of the projection
     (its own ``weight`` untied, else the vocabulary-parallel embedding's shard given at call
-    time), logits kept sharded and the loss computed on the shards, so the [b, s, V] logits exist
-    only when they are asked for (generation)."""
+    time) and of its bias if it has one, logits kept sharded and the loss computed on the shards,
+    so the [b, s, V] logits exist only when they are asked for (generation)."""
 
     def __init__(self, group, sequence_parallel: bool, fused_kernels: str = "auto"):
         super().__init__()
         self.group, self.sequence_parallel, self.fused_kernels = group, sequence_parallel, fused_kernels
         self.weight: nn.Parameter | None = None
+        self.bias: nn.Parameter | None = None
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None,
                 tied_weight: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         weight = self.weight if self.weight is not None else tied_weight
-        logits_shard = column_parallel_linear(hidden, weight, None, self.group, self.sequence_parallel)
+        logits_shard = column_parallel_linear(hidden, weight, self.bias, self.group, self.sequence_parallel)
         if labels is None:
             return gather_from_tp_region(logits_shard, self.group)
         return vocab_parallel_cross_entropy(logits_shard.float(), labels, self.group)

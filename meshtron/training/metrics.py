@@ -14,30 +14,31 @@ import torch
 MEASURED_BF16_CEILING_TFLOPS = {"H100": 762.0, "H200": 788.0}
 
 
-def flops_per_token(num_params: int, num_layers: int, seq_length: int, hidden_size: int) -> float:
+def flops_per_token(num_params: int, num_layers: int, seq_length: int, hidden_size: int, causal: bool = True) -> float:
     """Training FLOPs per token of a causal decoder: ``6 P + 6 L S h``.
 
     ``6 P``: forward (2) and backward (4) through every parameter, the tied embedding counted once
     as the output projection. ``6 L S h``: the attention score and value products, halved for
-    causality (12 L S h / 2). The one place the project counts FLOPs.
+    causality (12 L S h / 2); an encoder (``causal=False``) attends to every key: ``12 L S h``.
+    The one place the project counts FLOPs.
     """
-    return 6.0 * num_params + 6.0 * num_layers * seq_length * hidden_size
+    return 6.0 * num_params + (6.0 if causal else 12.0) * num_layers * seq_length * hidden_size
 
 
 def model_flops_per_token(model_cfg, vocab_size: int, seq_length: int) -> float:
-    """``flops_per_token`` of a decoder config, with ``P`` the parameters that multiply activations:
+    """``flops_per_token`` of a model config, with ``P`` the parameters that multiply activations:
     all of them except the input embedding table when it is untied and learned position tables
     (lookups, no FLOPs). A tied table counts once, as the output projection. This is the
     convention the peers' figures in ../shared/BENCHMARKS.md use. Mixture-of-experts layers count
     their active parameters (top-k experts and the shared ones)."""
-    from meshtron.models.decoder import parameter_count
+    from meshtron.models import attends_causally, parameter_count
 
     params = parameter_count(model_cfg, vocab_size, seq_length, active=True)
     if not model_cfg.tie_embeddings:
         params -= vocab_size * model_cfg.hidden_size
     if model_cfg.position_embedding_type == "learned_absolute":
         params -= (model_cfg.max_position_embeddings or seq_length) * model_cfg.hidden_size
-    return flops_per_token(params, model_cfg.num_layers, seq_length, model_cfg.hidden_size)
+    return flops_per_token(params, model_cfg.num_layers, seq_length, model_cfg.hidden_size, attends_causally(model_cfg))
 
 
 def device_ceiling_tflops(device: torch.device) -> tuple[float | None, str]:

@@ -51,18 +51,19 @@ def resolve_precision(choice: str, device: torch.device) -> str:
 
 
 def setup_data_source(cfg: Config, log: Callable[[str], None]) -> list[str] | None:
-    """Fill in the embedded corpus when no data is named; returns its prefixes (None otherwise)."""
+    """Fill in the embedded corpus (as the model type reads it) when no data is named; returns its
+    prefixes (None otherwise)."""
     data = cfg.data
     if data.mock or data.data_path:
         return None
-    from meshtron.data.default_data import prepare_default_data
+    from meshtron.data.default_data import default_data
 
     cache = Path(data.data_cache_path or Path.home() / ".cache" / "meshtron" / "embedded")
     start = time.perf_counter()
-    prefix, tokenizer_path = prepare_default_data(str(cache))
-    log(f"embedded corpus ready in {time.perf_counter() - start:.1f}s: {prefix} (tokenizer {tokenizer_path})")
-    data.tokenizer_type = "HuggingFaceTokenizer"
-    data.tokenizer_model = str(tokenizer_path)
+    prefix, tokenizer_fields = default_data(str(cache), cfg.model.model_type)
+    log(f"embedded corpus ready in {time.perf_counter() - start:.1f}s: {prefix} (tokenizer {tokenizer_fields})")
+    for name, value in tokenizer_fields.items():
+        setattr(data, name, value)
     return [prefix]
 
 
@@ -98,7 +99,7 @@ class Trainer:
         self.tokenizer = None
         if not cfg.data.mock:
             d = cfg.data
-            self.tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file)
+            self.tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file, d.vocab_extra_ids)
         base_vocab = self.tokenizer.vocab_size if self.tokenizer else (cfg.model.vocab_size or 32000)
         if cfg.model.vocab_size and self.tokenizer and cfg.model.vocab_size < base_vocab:
             raise ValueError(f"--vocab-size {cfg.model.vocab_size} is smaller than the tokenizer's {base_vocab}")
@@ -130,6 +131,8 @@ class Trainer:
             seed=t.seed,
             data_prefixes=data_prefixes,
             vocab_size=self.vocab_size,
+            model_type=cfg.model.model_type,
+            binary_head=cfg.model.bert_binary_head,
         )
         self.train_batches = self._batches(self.train_data, self.consumed_samples, cfg.data.num_workers)
 

@@ -1,0 +1,173 @@
+"""BERT (Megatron's ``pretrain_bert.py`` model): a bidirectional encoder trained by masked-LM and
+sentence-order prediction.
+
+Read top to bottom: token + learned position (+ token type, with the binary head) embeddings,
+``num_layers`` blocks of the decoder's ``TransformerBlock`` with bidirectional attention over the
+real tokens (pre-LN as Megatron's BERT, or post-LN with ``--apply-residual-connection-post-layernorm``,
+which is Hugging Face's BERT), a final norm, then two heads: the LM head (dense, GELU, LayerNorm,
+the output projection tied to the embedding, with a bias) over every position, and the pooler
+([CLS]'s hidden state, dense, tanh) with the sentence-order (binary) head.
+
+The loss is Megatron's: masked-LM cross-entropy averaged over the masked tokens of the global
+batch (``total`` / ``count``) plus the sentence-order cross-entropy averaged over its samples,
+an auxiliary term of ``LossOutput`` (each micro batch's mean; the runner averages the means over
+equally large micro batches, which is the global per-sample mean). Both are logged.
+
+Its batch is ``meshtron.data.bert_dataset``'s: ``tokens``, ``types``, ``labels``, ``loss_mask``,
+``padding_mask``, ``is_random``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshtron.config import Config, ModelConfig
+from meshtron.layers.norms import build_norm
+from meshtron.layers.output import OutputLayer
+from meshtron.models import contract as c
+from meshtron.models.decoder import RESIDUAL_OUTPUTS, TransformerBlock, decoder_plan
+from meshtron.models.init import init_by_name
+
+SOP_LOSS = "sop_loss"  # the auxiliary term's name in logs
+
+
+class LMHead(nn.Module):
+    """dense -> GELU -> LayerNorm before the output projection (Megatron's ``BertLMHead``,
+    Hugging Face's ``cls.predictions.transform``)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, cfg.fused_kernels)
+        self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.norm(F.gelu(self.dense(hidden), approximate=self.approximate))
+
+
+class Bert(c.TokenLossModel):
+    """BERT over a vocabulary of ``vocab_size`` (already padded by the caller); positions up to
+    ``cfg.max_position_embeddings`` (else ``max_seq_length``)."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, max_seq_length: int):
+        super().__init__()
+        self.cfg, self.hidden_size = cfg, cfg.hidden_size
+        self.vocab_size = vocab_size
+        self.max_positions = cfg.max_position_embeddings or max_seq_length
+        if cfg.recompute_granularity == "full":
+            self.recompute = (cfg.recompute_method, cfg.recompute_num_layers)
+        h, binary = cfg.hidden_size, cfg.bert_binary_head
+        self.embedding = nn.Embedding(vocab_size, h)
+        self.position_embedding = nn.Embedding(self.max_positions, h)
+        # Token types only tell segment B from A, which only the sentence-order task has (Megatron's
+        # num_tokentypes = 2 with the binary head, else 0).
+        self.tokentype_embedding = nn.Embedding(2, h) if binary else None
+        self.embedding_dropout = nn.Dropout(cfg.hidden_dropout)
+        self.layers = nn.ModuleList(TransformerBlock(cfg, i, causal=False) for i in range(cfg.num_layers))
+        self.final_norm = build_norm(cfg.normalization, h, cfg.norm_epsilon, cfg.fused_kernels)
+        self.lm_head = LMHead(cfg)
+        self.output = OutputLayer(h, vocab_size, cfg.tie_embeddings, cfg.fused_kernels, bias=True)
+        self.pooler = nn.Linear(h, h) if binary else None
+        self.binary_head = nn.Linear(h, 2) if binary else None
+        self.init_weights()
+
+    def init_weights(self, seed: int | None = None) -> None:
+        """The decoder's rule: N(0, std), residual outputs std / sqrt(2 * layers), zero biases, unit norms."""
+        std = self.cfg.init_method_std
+        init_by_name(self, std, std / math.sqrt(2 * self.cfg.num_layers), RESIDUAL_OUTPUTS, seed)
+
+    # ------------------------------------------------------------------ one process: read top to bottom
+
+    def forward(self, tokens: torch.Tensor, types: torch.Tensor | None = None, padding_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+        """tokens [b, s] -> {"lm": logits [b, s, V] (per-token loss [b, s] with ``labels``),
+        "sop": sentence-order logits [b, 2] (with the binary head)}."""
+        batch = {"tokens": tokens, "types": types, "padding_mask": padding_mask, "labels": labels}
+        out, _ = self.run_stage(None, {k: v for k, v in batch.items() if v is not None}, list(self.layers), True, True)
+        return out
+
+    # ------------------------------------------------------------------ the contract's pieces
+
+    def parallel_plan(self) -> c.Plan:
+        """The decoder's: the blocks, embedding, positions and output layer are the same modules
+        under the same names. The heads before the output projection are small and replicated."""
+        return decoder_plan(self.cfg)
+
+    def pipeline_pieces(self) -> c.PipelinePieces:
+        tied = ("embedding",) if self.cfg.tie_embeddings else ()
+        embed = ("embedding", "position_embedding", "tokentype_embedding", "embedding_dropout")
+        return c.PipelinePieces(embed, "layers", ("final_norm", "lm_head", "output", "pooler", "binary_head", *tied))
+
+    def embed(self, batch: c.Batch) -> c.Carry:
+        tokens = batch["tokens"]
+        hidden = self.embedding(tokens) + self.position_embedding(torch.arange(tokens.shape[1], device=tokens.device))
+        if self.tokentype_embedding is not None:
+            types = batch.get("types")
+            hidden = hidden + self.tokentype_embedding(types if types is not None else torch.zeros_like(tokens))
+        return {"hidden": self.embedding_dropout(hidden)}
+
+    def block_inputs(self, batch: c.Batch) -> dict[str, Any]:
+        return {"cos": None, "sin": None, "padding_mask": batch.get("padding_mask")}
+
+    def run_blocks(self, carry: c.Carry, inputs: dict[str, Any], blocks: list[nn.Module]) -> tuple[c.Carry, dict[str, torch.Tensor]]:
+        hidden = carry["hidden"]
+        for block in blocks:
+            hidden = block(hidden, **inputs)
+        return {"hidden": hidden}, {}
+
+    def head(self, carry: c.Carry, batch: c.Batch) -> dict[str, torch.Tensor]:
+        """{"lm": per-token loss [b, s] (fp32) with labels in the batch, else logits; "sop": the
+        sentence-order logits [b, 2] of the [CLS] token, with the binary head}."""
+        hidden = self.final_norm(carry["hidden"])
+        tied = self.embedding.weight if self.cfg.tie_embeddings else None
+        out = {"lm": self.output(self.lm_head(hidden), batch.get("labels"), tied_weight=tied)}
+        if self.binary_head is not None:
+            out["sop"] = self.binary_head(torch.tanh(self.pooler(hidden[:, 0])))
+        return out
+
+    def loss(self, batch: c.Batch, outputs: dict[str, torch.Tensor]) -> c.LossOutput:
+        """The masked-LM loss as every token-loss model's, plus the sentence-order term."""
+        loss = super().loss(batch, outputs["lm"])
+        if "sop" in outputs:
+            loss.aux[SOP_LOSS] = F.cross_entropy(outputs["sop"].float(), batch["is_random"])
+        return loss
+
+
+def bert_parameter_count(cfg: ModelConfig, vocab_size: int, decoder_count: int) -> int:
+    """``num_parameters(Bert(...))`` from the count of the decoder of the same shape: BERT adds
+    the LM head (dense, norm), the output bias and, with the binary head, token types, pooler and
+    the two-way classifier."""
+    h = cfg.hidden_size
+    norm = h * (2 if cfg.normalization == "LayerNorm" else 1)
+    extra = h * h + h + norm + vocab_size
+    if cfg.bert_binary_head:
+        extra += 2 * h + (h * h + h) + (2 * h + 2)
+    return decoder_count + extra
+
+
+def bert_config_errors(cfg: Config) -> list[str]:
+    """What BERT does not take (yet), each naming the flag to change."""
+    m, d, p = cfg.model, cfg.data, cfg.parallel
+    errors = []
+    if m.position_embedding_type != "learned_absolute":
+        errors.append(f"BERT uses learned absolute positions; drop --position-embedding-type {m.position_embedding_type}")
+    if m.num_experts or m.multi_latent_attention:
+        errors.append("BERT is built with dense MLPs and standard attention; drop --num-experts / --multi-latent-attention")
+    if p.context_parallel > 1:
+        errors.append("BERT under context parallelism is not implemented (the ring attention is causal); set --context-parallel-size 1")
+    if p.sequence_parallel and p.tensor_parallel > 1:
+        errors.append("BERT under --sequence-parallel is not implemented (the pooler reads token 0 of a sequence-sharded "
+                      "state); drop --sequence-parallel")  # fmt: skip
+    if d.mock:
+        errors.append("BERT has no mock dataset yet; drop --mock-data (the embedded corpus or --data-path work)")
+    if d.data_path and d.tokenizer_type not in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+        errors.append(f"BERT's data needs [CLS]/[SEP]/[MASK]: use --tokenizer-type BertWordPieceLowerCase or "
+                      f"BertWordPieceCase (got '{d.tokenizer_type}')")  # fmt: skip
+    if cfg.logging.generate_prompt:
+        errors.append("BERT does not generate text; drop --generate-prompt")
+    return errors
