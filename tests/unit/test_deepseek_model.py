@@ -1,6 +1,7 @@
 """The decoder with multi-head latent attention (DeepSeek-V2's shape): parameter counts of the
 presets against the published totals, the count formula against built models, generation through
-the latent cache against uncached forwards, and YaRN for standard attention too."""
+the latent cache against uncached forwards, YaRN for standard attention too, and Megatron's
+spellings for both."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from meshtron.config import build_config
+from meshtron.data.tokenizers import build_tokenizer, train_bpe_tokenizer
 from meshtron.inference.generate import generate
 from meshtron.layers.kv_cache import LatentKVCache
 from meshtron.layers.rope import rope_tables
@@ -75,3 +77,16 @@ def test_yarn_reaches_standard_attention():
     want, _ = rope_tables(m, m.hidden_size // m.num_attention_heads, 64)
     plain, _ = rope_tables(dataclasses.replace(m, rope_scaling=""), m.hidden_size // m.num_attention_heads, 64)
     assert torch.equal(cos, want) and not torch.allclose(cos, plain)
+
+
+def test_megatron_spellings():
+    """``--position-embedding-type yarn`` is RoPE with YaRN's scaling; the DeepSeek scripts'
+    ``DeepSeekV2Tokenizer`` reads the model's Hugging Face tokenizer."""
+    cfg = build_config(overrides=["--position-embedding-type", "yarn", "--rotary-scaling-factor", "40"])
+    assert (cfg.model.position_embedding_type, cfg.model.rope_scaling, cfg.model.rope_scaling_factor) == ("rope", "yarn", 40.0)
+
+
+def test_deepseek_tokenizer_type_reads_the_hf_tokenizer(tmp_path):
+    train_bpe_tokenizer(["hello world, hello tokens"] * 20, 300, str(tmp_path))
+    tok = build_tokenizer("DeepSeekV2Tokenizer", str(tmp_path))
+    assert tok.decode(tok.encode("hello world")) == "hello world"
