@@ -392,6 +392,9 @@ def build_config(config_file: str | None = None, overrides: list[str] | None = N
     for dotted, value in parsed.items():
         section, name = dotted.split(".")
         merged.setdefault(section, {})[name] = value
+    model = merged.get("model", {})
+    if model.get("position_embedding_type") == "yarn":  # Megatron's spelling of RoPE with YaRN's scaling
+        model.update(position_embedding_type="rope", rope_scaling="yarn")
     return Config.from_dict(merged)
 
 

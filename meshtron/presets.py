@@ -56,6 +56,52 @@ _LLAMA3_2 = {**_LLAMA3_1, "model.rope_scaling_factor": 32.0, "model.tie_embeddin
 # Megatron's BERT (pretrain_bert.py): pre-LN blocks, GELU, learned positions, tied LM head, 512
 # positions; the vocabulary comes from the WordPiece vocab.txt.
 _BERT = {**_GPT, "model.model_type": "bert", "model.max_position_embeddings": 512, "data.seq_length": 512}
+# DeepSeek-V2 (MLA + MoE). Numbers from the Hugging Face config.json of deepseek-ai/DeepSeek-V2
+# (revision 3d445e7) and DeepSeek-Coder-V2-Lite-Base (the V2-Lite architecture), cross-checked with
+# Megatron-LM's DeepSeek-V2-Lite example flags (../shared/research/moe.md section 1): RMSNorm 1e-6,
+# rope theta 10000 with YaRN (factor 40 over 4096 positions, beta 32/1, mscale 0.707/0.707, 163840
+# positions), latent norms (Megatron's --qk-layernorm), softmax over all experts then top-6 without
+# renormalization (HF norm_topk_prob false = --moe-router-pre-softmax), sequence-wise balancing with
+# aux_loss_alpha 0.001, layer 0 dense (first_k_dense_replace 1), shared experts n_shared x moe width.
+_DEEPSEEK_V2 = {
+    **_LLAMA,
+    "model.norm_epsilon": 1e-6,
+    "model.rotary_base": 10000.0,
+    "model.vocab_size": 102400,
+    "model.max_position_embeddings": 163840,
+    "model.multi_latent_attention": True,
+    "model.qk_layernorm": True,
+    "model.kv_lora_rank": 512,
+    "model.qk_head_dim": 128,
+    "model.qk_pos_emb_head_dim": 64,
+    "model.v_head_dim": 128,
+    "model.rope_scaling": "yarn",
+    "model.rope_scaling_factor": 40.0,
+    "model.rope_original_max_position_embeddings": 4096,
+    "model.rope_beta_fast": 32.0,
+    "model.rope_beta_slow": 1.0,
+    "model.rope_mscale": 0.707,
+    "model.rope_mscale_all_dim": 0.707,
+    "model.moe_router_topk": 6,
+    "model.moe_router_score_function": "softmax",
+    "model.moe_router_pre_softmax": True,
+    "model.moe_router_load_balancing_type": "seq_aux_loss",
+    "model.moe_aux_loss_coeff": 1e-3,
+    "data.seq_length": 4096,
+}
+
+
+def _deepseek(layers: int, hidden: int, heads: int, ffn: int, experts: int, expert_ffn: int, **fields: Any) -> dict[str, Any]:
+    return {
+        **_DEEPSEEK_V2,
+        **_shape(layers, hidden, heads, ffn=ffn),
+        "model.num_experts": experts,
+        "model.moe_ffn_hidden_size": expert_ffn,
+        "model.moe_shared_expert_intermediate_size": 2 * expert_ffn,  # n_shared_experts 2
+        "model.moe_layer_freq": f"([0]+[1]*{layers - 1})",
+        **{f"model.{k}": v for k, v in fields.items()},
+    }
+
 
 PRESETS: dict[str, dict[str, Any]] = {
     "gpt2-124m": {**_GPT2, **_shape(12, 768, 12)},
@@ -79,12 +125,24 @@ PRESETS: dict[str, dict[str, Any]] = {
         "model.tie_embeddings": True,
         "data.seq_length": 4096,
     },
+    "deepseek-v2-lite": _deepseek(27, 2048, 16, 10944, 64, 1408),
+    # V2's router is group-limited: 8 groups of 20 experts, a token's top-6 from its best 3 groups
+    # (scored here as Megatron-Core scores them, by each group's best 6/3 = 2 experts; HF's V2 code
+    # by its best one), weights times routed_scaling_factor 16.
+    "deepseek-v2": _deepseek(60, 5120, 128, 12288, 160, 1536, q_lora_rank=1536, moe_router_num_groups=8,
+                             moe_router_group_topk=3, moe_router_topk_scaling_factor=16.0),  # fmt: skip
     # Tiny shapes for tests and CPU smoke runs; the vocabulary comes from the tokenizer.
     "tiny-gpt": {**_GPT, **_shape(2, 64, 4), "data.seq_length": 64},
     "tiny-llama": {**_LLAMA, **_shape(2, 64, 4, kv_heads=2), "data.seq_length": 64},
     "bert-base": {**_BERT, **_shape(12, 768, 12)},
     "bert-large": {**_BERT, **_shape(24, 1024, 16)},
     "tiny-bert": {**_BERT, **_shape(2, 64, 4), "model.max_position_embeddings": 64, "data.seq_length": 64},
+    "tiny-deepseek": {
+        **_deepseek(4, 64, 4, 128, 4, 32, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
+                    moe_router_topk=2, rope_original_max_position_embeddings=16, max_position_embeddings=256),
+        "model.vocab_size": 0,
+        "data.seq_length": 64,
+    },
 }
 
 

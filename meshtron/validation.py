@@ -189,12 +189,15 @@ def layout_errors(cfg: Config) -> list[str]:
         why = ("expert parallelism is not implemented yet (experts are replicated on every rank)" if moe
                else "it needs a mixture-of-experts model, and this model is dense (no --num-experts)")  # fmt: skip
         errors.append(f"--expert-model-parallel-size {p.expert_parallel}: {why}; set --expert-model-parallel-size 1")
-    if moe and p.sequence_parallel and tp > 1:
-        errors.append("mixture-of-experts layers under --sequence-parallel would balance each rank's token shard alone; "
-                      "drop --sequence-parallel (tensor parallelism without it replicates the experts)")  # fmt: skip
-    if moe and cp > 1:
-        errors.append("mixture-of-experts layers under context parallelism would balance each rank's chunk alone; "
-                      "set --context-parallel-size 1")  # fmt: skip
+    # Routing is token by token; only the balancing losses would see one rank's tokens alone.
+    balancing = moe and (m.moe_z_loss_coeff > 0 or (m.moe_router_load_balancing_type != "none" and
+                                                    (m.moe_aux_loss_coeff > 0 or m.moe_loss_weight > 0)))  # fmt: skip
+    if balancing and p.sequence_parallel and tp > 1:
+        errors.append("mixture-of-experts balancing losses under --sequence-parallel would balance each rank's token shard "
+                      "alone; drop --sequence-parallel or the losses (--moe-aux-loss-coeff, --moe-z-loss-coeff)")  # fmt: skip
+    if balancing and cp > 1:
+        errors.append("mixture-of-experts balancing losses under context parallelism would balance each rank's chunk "
+                      "alone; set --context-parallel-size 1 or drop the losses (--moe-aux-loss-coeff, --moe-z-loss-coeff)")  # fmt: skip
     if moe and m.moe_router_enable_expert_bias:
         errors.append("--moe-router-enable-expert-bias is not wired into training yet (the bias update needs the step's "
                       "token counts summed over ranks); drop it and use --moe-aux-loss-coeff")  # fmt: skip

@@ -275,7 +275,11 @@ TOKENIZER_TYPES = (
     "ByteTokenizer",
     "BertWordPieceLowerCase",
     "BertWordPieceCase",
+    "DeepSeekV2Tokenizer",
 )
+# Types that name a model's Hugging Face tokenizer rather than an algorithm of their own (the
+# ROCm/PAI DeepSeek scripts' type): read from the tokenizer.json in --tokenizer-model.
+HF_TOKENIZER_ALIASES = ("HuggingFaceTokenizer", "DeepSeekV2Tokenizer")
 
 
 def build_tokenizer(
@@ -287,7 +291,7 @@ def build_tokenizer(
     """
     if tokenizer_type in ("BertWordPieceLowerCase", "BertWordPieceCase"):
         return BertWordPieceTokenizer(vocab_file, tokenizer_type == "BertWordPieceLowerCase", vocab_extra_ids)
-    if tokenizer_type == "HuggingFaceTokenizer":
+    if tokenizer_type in HF_TOKENIZER_ALIASES:
         return HuggingFaceTokenizer.from_file(tokenizer_model)
     if tokenizer_type == "GPT2BPETokenizer":
         return _gpt2_bpe(vocab_file, merge_file)

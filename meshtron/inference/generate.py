@@ -13,8 +13,6 @@ import torch
 from meshtron.checkpoint.checkpoint import load_checkpoint, read_meta
 from meshtron.config import Config
 from meshtron.data.tokenizers import build_tokenizer
-from meshtron.layers.attention import head_dim, num_kv_heads
-from meshtron.layers.kv_cache import KVCache
 from meshtron.models import build_model
 
 
@@ -65,7 +63,7 @@ def generate(
     eod: int | None = None,
     generator: torch.Generator | None = None,
 ) -> list[int]:
-    """Continue ``prompt_ids`` with ``model`` (a language model taking a ``KVCache``); returns only the new tokens.
+    """Continue ``prompt_ids`` with ``model`` (a language model with ``new_kv_cache``); returns only the new tokens.
 
     Stops after ``max_new_tokens``, at ``eod`` (which is not returned), or when the model's
     position tables are full. The model runs in eval mode (no dropout) and is put back after.
@@ -77,9 +75,7 @@ def generate(
         raise ValueError(f"prompt of {len(prompt_ids)} tokens exceeds the model's {model.max_positions} positions")
     param = next(model.parameters())
     max_length = min(len(prompt_ids) + max_new_tokens, model.max_positions)
-    cache = KVCache(
-        model.cfg.num_layers, 1, max_length, num_kv_heads(model.cfg), head_dim(model.cfg), param.dtype, param.device
-    )
+    cache = model.new_kv_cache(1, max_length, param.dtype, param.device)
     was_training = model.training
     model.eval()
     try:

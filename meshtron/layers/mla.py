@@ -29,6 +29,13 @@ Each query head is laid out [nope | rope]. The rope dims of the checkpoints rota
 Megatron checkpoints load without permuting rows. (Permuting the rope rows of the q and kv-down
 weights once at load would save that copy of a third of q; not worth a second layout yet.)
 
+Tensor parallelism splits the heads (Megatron's layout): ``linear_q_proj`` / ``linear_q_up_proj``
+and ``linear_kv_up_proj`` by output rows, whole heads per rank (each head's rows are contiguous,
+[nope | rope] and [k | v], so a contiguous split needs no layout of its own), ``linear_proj`` by
+input columns. The down-projections and latent norms are replicated and, under sequence
+parallelism, see their rank's tokens; the shared RoPE key, which every rank's heads read, enters
+the tensor-parallel region through ``rope_key_to_heads`` (an identity in one process).
+
 Attention runs through ``SelfAttentionBase`` with qk dim 192 and v dim 128 as they are. On an
 H100 (torch 2.11, cuDNN 9.19; b 4, 16 heads, 4096 causal, bf16, fwd+bwd) SDPA's cuDNN kernel takes
 them in 3.0 ms, its flash kernel refuses unequal dims (6.2 ms with v padded to 192), the
@@ -62,6 +69,20 @@ def rope_table_dim(cfg: ModelConfig) -> int:
     return cfg.qk_pos_emb_head_dim if cfg.multi_latent_attention else head_dim(cfg)
 
 
+def mla_parameter_count(cfg: ModelConfig) -> int:
+    """Parameters of one ``MultiLatentAttention`` of ``cfg``, without building it."""
+    h, heads, rank, rope = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim
+    q_out = heads * (cfg.qk_head_dim + rope)
+
+    def norm(dim: int) -> int:
+        return dim * (2 if cfg.normalization == "LayerNorm" else 1) if cfg.qk_layernorm else 0
+
+    lora = cfg.q_lora_rank
+    query = h * lora + norm(lora) + lora * q_out if lora else h * q_out
+    key_value = h * (rank + rope) + norm(rank) + rank * heads * (cfg.qk_head_dim + cfg.v_head_dim)
+    return query + key_value + heads * cfg.v_head_dim * h + (h if cfg.add_bias_linear else 0)
+
+
 class MultiLatentAttention(SelfAttentionBase):
     """MLA of block ``layer_number``; ``forward`` takes what ``Attention.forward`` takes, with
     ``cos``/``sin`` of width ``rope_table_dim(cfg)`` (YaRN's, as ``rope_tables`` builds them).
@@ -92,6 +113,7 @@ class MultiLatentAttention(SelfAttentionBase):
             self.linear_q_proj = nn.Linear(hidden, q_out, bias=False)
         self.linear_kv_down_proj = nn.Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=False)
         self.kv_layernorm = latent_norm(self.kv_lora_rank)
+        self.rope_key_to_heads = nn.Identity()  # the parallel plan's hook (module docstring)
         self.linear_kv_up_proj = nn.Linear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), bias=False)
         self.linear_proj = nn.Linear(heads * self.v_dim, hidden, bias=cfg.add_bias_linear)
 
@@ -103,6 +125,7 @@ class MultiLatentAttention(SelfAttentionBase):
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         kv_cache: LatentKVCache | None = None,
+        padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [b, s, hidden] -> [b, s, hidden]. With ``kv_cache``, x continues the cached sequence:
         its latents are stored and its queries attend to the whole prefix."""
@@ -114,7 +137,7 @@ class MultiLatentAttention(SelfAttentionBase):
         b, s = q.shape[:2]
         q_nope, q_rope = q.view(b, s, -1, self.nope_dim + self.rope_dim).split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rope = self.linear_kv_down_proj(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        latent = self.kv_layernorm(latent)
+        latent, k_rope = self.kv_layernorm(latent), self.rope_key_to_heads(k_rope)
         q_rope = apply_rotary(deinterleave(q_rope), cos, sin, position_ids, self.fused_kernels)
         k_rope = apply_rotary(deinterleave(k_rope).unsqueeze(2), cos, sin, position_ids, self.fused_kernels)  # one head
         if kv_cache is not None:
@@ -126,7 +149,7 @@ class MultiLatentAttention(SelfAttentionBase):
         k_nope, v = kv.view(b, kv.shape[1], -1, self.nope_dim + self.v_dim).split([self.nope_dim, self.v_dim], dim=-1)
         k = torch.cat((k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)), dim=-1)
         q = torch.cat((q_nope, q_rope), dim=-1)
-        return self.linear_proj(self.attend(q, k, v, document_ids))
+        return self.linear_proj(self.attend(q, k, v, document_ids, padding_mask))
 
     def _absorbed_attention(self, q_nope: torch.Tensor, q_rope: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """One new token's attention straight over the cached rows [b, t, latent | rope].
@@ -178,6 +201,9 @@ def mla_config_errors(cfg: ModelConfig) -> list[str]:
         errors.append("--multi-latent-attention needs --position-embedding-type rope (its decoupled RoPE key)")
     if cfg.num_query_groups not in (0, cfg.num_attention_heads):
         errors.append("--multi-latent-attention has no key/value groups: drop --num-query-groups")
+    if cfg.attention_backend == "flash":
+        errors.append("--attention-backend flash needs equal query/key and value head dims, which MLA's are not "
+                      f"({cfg.qk_head_dim + cfg.qk_pos_emb_head_dim} and {cfg.v_head_dim}); use auto or cudnn")  # fmt: skip
     if cfg.kv_channels:
         errors.append("--kv-channels does not apply to --multi-latent-attention: set --qk-head-dim, --qk-pos-emb-head-dim and --v-head-dim")
     return errors

@@ -169,7 +169,8 @@ class VocabParallelOutput:
 @dataclass(frozen=True)
 class SequenceParallelNorm:
     """A module every tp rank holds whole which, under sequence parallelism, sees 1/tp of the
-    tokens (norms): its gradients are partial sums, added up over tp after backward."""
+    tokens (norms; MLA's down-projections and latent norms): its gradients are partial sums,
+    added up over tp after backward."""
 
 
 @dataclass(frozen=True)
@@ -181,10 +182,20 @@ class ScatterToSequence:
 @dataclass(frozen=True)
 class ContextParallelCore:
     """A core-attention module (q, k, v, mask, dropout, document_ids -> out on [b, heads, s, d])
-    replaced by attention across the cp ranks' sequence chunks."""
+    replaced by attention across the cp ranks' sequence chunks, with the core's ``scale``
+    attribute (the softmax scale) where it has one."""
 
 
-Style = ColumnParallel | RowParallel | VocabParallelEmbedding | VocabParallelOutput | SequenceParallelNorm | ScatterToSequence | ContextParallelCore
+@dataclass(frozen=True)
+class EnterTensorParallel:
+    """An identity module where a tensor every tp rank computes whole (or, under sequence
+    parallelism, for its own tokens) is read by this rank's heads only (MLA's shared RoPE key):
+    replaced by what a column-parallel layer does to its input, so its gradient is summed over tp
+    (all-gather of the sequence forward, reduce-scatter backward, under sequence parallelism)."""
+
+
+Style = (ColumnParallel | RowParallel | VocabParallelEmbedding | VocabParallelOutput | SequenceParallelNorm
+         | ScatterToSequence | ContextParallelCore | EnterTensorParallel)  # fmt: skip
 Plan = list[tuple[str, Style]]  # (fnmatch pattern over module names, style); first match wins
 
 

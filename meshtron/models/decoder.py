@@ -17,13 +17,14 @@ from torch import nn
 
 from meshtron.config import ModelConfig
 from meshtron.layers.attention import Attention, head_dim, num_kv_heads
-from meshtron.layers.kv_cache import KVCache
+from meshtron.layers.kv_cache import KVCache, KVCacheBase, LatentKVCache
+from meshtron.layers.mla import MultiLatentAttention, mla_parameter_count, rope_table_dim
 from meshtron.layers.mlp import MLP, ffn_hidden_size
 from meshtron.layers.moe import EXPERT_WEIGHTS, MoELayer, init_expert_weights, moe_layer_pattern
 from meshtron.layers.moe.experts import expert_ffn_hidden_size
 from meshtron.layers.norms import build_norm
 from meshtron.layers.output import OutputLayer
-from meshtron.layers.rope import rope_frequencies
+from meshtron.layers.rope import rope_tables
 from meshtron.models import contract as c
 from meshtron.models.init import init_by_name
 
@@ -34,7 +35,8 @@ RESIDUAL_OUTPUTS = ("linear_proj.weight", "linear_fc2.weight")
 
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)), dropout on each branch. The MLP
-    is a mixture of experts in the layers ``--moe-layer-freq`` picks (``moe``); ``causal=False``
+    is a mixture of experts in the layers ``--moe-layer-freq`` picks (``moe``); the attention is
+    multi-head latent attention with ``--multi-latent-attention`` (DeepSeek-V2); ``causal=False``
     makes the attention bidirectional (encoders).
 
     ``--apply-residual-connection-post-layernorm`` (Megatron's) takes each residual from the
@@ -47,7 +49,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_number: int, moe: bool = False, causal: bool = True):
         super().__init__()
         self.input_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, cfg.fused_kernels)
-        self.self_attention = Attention(cfg, layer_number, causal)
+        self.self_attention = MultiLatentAttention(cfg, layer_number) if cfg.multi_latent_attention else Attention(cfg, layer_number, causal)
         self.pre_mlp_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, cfg.fused_kernels)
         self.mlp = MoELayer(cfg) if moe else MLP(cfg)
         self.dropout = nn.Dropout(cfg.hidden_dropout)
@@ -60,7 +62,7 @@ class TransformerBlock(nn.Module):
         sin: torch.Tensor | None,
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
-        kv_cache: KVCache | None = None,
+        kv_cache: KVCacheBase | None = None,
         padding_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         normed = self.input_layernorm(x)
@@ -74,22 +76,34 @@ def decoder_plan(cfg: ModelConfig) -> c.Plan:
     """How a decoder is tensor-, sequence- and context-parallel (Megatron's layout).
 
     Attention: q heads and kv groups split so each rank has whole heads (kv heads replicated when
-    fewer than tp), output projection split by the same heads. MLP: fc1 by output features (gate
-    and up separately for SwiGLU), fc2 by input features. Embedding and output layer: by
-    vocabulary, the loss computed on the shards. Norms see 1/tp of the tokens under sequence
+    fewer than tp), output projection split by the same heads; MLA likewise by heads, its
+    down-projections and latent norms replicated (``layers/mla.py``). MLP: fc1 by output features
+    (gate and up separately for SwiGLU), fc2 by input features. Mixture-of-experts layers are
+    replicated over tp. Embedding and output layer: by vocabulary, the loss computed on the
+    shards. Norms (and other replicated token-wise modules) see 1/tp of the tokens under sequence
     parallelism; learned positions are cut to match the embedding's sequence shard.
     """
     heads, kv = cfg.num_attention_heads, num_kv_heads(cfg)
     fc1 = c.Halves(2) if cfg.activation == "swiglu" else c.Contiguous()
+    attn = "layers.*.self_attention."
+    if cfg.multi_latent_attention:
+        by_heads = [(attn + name, c.ColumnParallel()) for name in ("linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj")]
+        replicated = [(attn + name, c.SequenceParallelNorm())
+                      for name in ("linear_q_down_proj", "q_layernorm", "linear_kv_down_proj", "kv_layernorm")]  # fmt: skip
+        attention = [*by_heads, *replicated, (attn + "rope_key_to_heads", c.EnterTensorParallel())]
+    else:
+        attention = [(attn + "linear_qkv", c.ColumnParallel(c.GroupedHeads(kv, heads // kv, head_dim(cfg))))]
+    moe = [(f"layers.*.mlp.{name}", c.SequenceParallelNorm()) for name in ("router", "experts", "shared_experts", "shared_expert_gate")]
     return [
         ("embedding", c.VocabParallelEmbedding()),
         ("position_embedding", c.ScatterToSequence()),
         ("output", c.VocabParallelOutput()),
-        ("layers.*.self_attention.linear_qkv", c.ColumnParallel(c.GroupedHeads(kv, heads // kv, head_dim(cfg)))),
-        ("layers.*.self_attention.linear_proj", c.RowParallel()),
-        ("layers.*.self_attention.core_attention", c.ContextParallelCore()),
+        *attention,
+        (attn + "linear_proj", c.RowParallel()),
+        (attn + "core_attention", c.ContextParallelCore()),
         ("layers.*.mlp.linear_fc1", c.ColumnParallel(fc1)),
         ("layers.*.mlp.linear_fc2", c.RowParallel()),
+        *moe,
         ("layers.*.input_layernorm", c.SequenceParallelNorm()),
         ("layers.*.pre_mlp_layernorm", c.SequenceParallelNorm()),
         ("final_norm", c.SequenceParallelNorm()),
@@ -165,7 +179,7 @@ class Decoder(c.TokenLossModel):
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
-        kv_cache: KVCache | None = None,
+        kv_cache: KVCacheBase | None = None,
     ) -> torch.Tensor:
         """tokens [b, s] -> per-token loss [b, s] (fp32) when ``labels`` is given, else logits [b, s, V].
 
@@ -225,14 +239,19 @@ class Decoder(c.TokenLossModel):
     # ------------------------------------------------------------------ helpers
 
     def rope_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 (cos, sin) [max_positions, head_dim] on ``device``, computed once per device."""
+        """fp32 (cos, sin) [max_positions, rotary dims] on ``device``, computed once per device: the
+        head dim, or MLA's decoupled rope dims; Llama 3.1's or YaRN's scaling as configured."""
         if self._rope_tables is None or self._rope_tables[0].device != device:
-            cfg = self.cfg
-            self._rope_tables = rope_frequencies(
-                head_dim(cfg), self.max_positions, cfg.rotary_base, cfg.rope_scaling, cfg.rope_scaling_factor,
-                cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_position_embeddings, device,
-            )  # fmt: skip
+            self._rope_tables = rope_tables(self.cfg, rope_table_dim(self.cfg), self.max_positions, device)
         return self._rope_tables
+
+    def new_kv_cache(self, batch_size: int, max_length: int, dtype: torch.dtype, device: torch.device) -> KVCacheBase:
+        """An empty cache for generating up to ``max_length`` positions: per-head keys and values,
+        or MLA's latent rows (kv_lora_rank + rope dims per token and layer)."""
+        cfg = self.cfg
+        if cfg.multi_latent_attention:
+            return LatentKVCache(cfg.num_layers, batch_size, max_length, cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim, dtype, device)
+        return KVCache(cfg.num_layers, batch_size, max_length, num_kv_heads(cfg), head_dim(cfg), dtype, device)
 
 
 def num_parameters(model: Decoder, exclude_embeddings: bool = False) -> int:
@@ -259,6 +278,8 @@ def parameter_count(cfg: ModelConfig, vocab_size: int, max_seq_length: int = 0, 
     norm = h * (2 if cfg.normalization == "LayerNorm" else 1)
     qkv_out = (cfg.num_attention_heads + 2 * num_kv_heads(cfg)) * head_dim(cfg)
     attention = h * qkv_out + bias * qkv_out + cfg.num_attention_heads * head_dim(cfg) * h + bias * h
+    if cfg.multi_latent_attention:
+        attention = mla_parameter_count(cfg)
 
     def mlp(ffn: int, with_bias: int) -> int:
         fc1_out = 2 * ffn if cfg.activation == "swiglu" else ffn

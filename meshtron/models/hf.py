@@ -3,7 +3,8 @@
 Reads and writes the files ``save_pretrained`` produces (``config.json``, ``model.safetensors``
 or shards listed in ``model.safetensors.index.json``, ``tokenizer.json``) with the ``safetensors``
 library alone, so neither direction needs ``transformers`` installed. Llama-style models
-(RMSNorm, SwiGLU, RoPE incl. Llama 3.1 scaling, GQA) go both ways; GPT-2 goes both ways too.
+(RMSNorm, SwiGLU, RoPE incl. Llama 3.1 scaling, GQA) go both ways; GPT-2 and DeepSeek-V2
+(``models/hf_deepseek.py``: latent attention, YaRN, experts) go both ways too.
 
 What changes between the two layouts:
 
@@ -38,6 +39,8 @@ from meshtron.config import Config, ModelConfig
 from meshtron.layers.attention import head_dim, num_kv_heads
 from meshtron.layers.mlp import ffn_hidden_size
 from meshtron.models import build_model
+from meshtron.models.hf_common import export_body, export_swiglu, import_body, import_swiglu, rope_settings
+from meshtron.models.hf_deepseek import deepseek_hf_config, deepseek_import, deepseek_export, deepseek_model_config, is_deepseek
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -70,21 +73,16 @@ def model_config_from_hf(hf: dict[str, Any], source: str = CONFIG) -> ModelConfi
         return _llama_model_config(hf, source)
     if kind == "gpt2":
         return _gpt2_model_config(hf, source)
-    raise CheckpointError(f"{source}: model_type '{kind}' is not supported; hf-import reads 'llama' and 'gpt2'")
-
-
-def _rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
-    """(rope theta, scaling dict) from transformers 5's ``rope_parameters`` or 4's ``rope_theta``/``rope_scaling``."""
-    params = hf.get("rope_parameters") or {}
-    scaling = params if params else (hf.get("rope_scaling") or {})
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0))), scaling
+    if kind == "deepseek_v2":
+        return deepseek_model_config(hf, source)
+    raise CheckpointError(f"{source}: model_type '{kind}' is not supported; hf-import reads 'llama', 'gpt2' and 'deepseek_v2'")
 
 
 def _llama_model_config(hf: dict[str, Any], source: str) -> ModelConfig:
     for key, unsupported in (("hidden_act", lambda v: v != "silu"), ("attention_bias", bool), ("mlp_bias", bool)):
         if key in hf and unsupported(hf[key]):
             raise CheckpointError(f"{source}: {key}={hf[key]!r} is not supported (meshtron's Llama: silu, no biases)")
-    theta, scaling = _rope(hf)
+    theta, scaling = rope_settings(hf)
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in ("default", "llama3"):
         raise CheckpointError(f"{source}: rope scaling '{rope_type}' is not supported (only llama3 or none)")
@@ -133,11 +131,13 @@ def _is_gpt2(m: ModelConfig) -> bool:
 
 
 def hf_config_from_model(m: ModelConfig, vocab_size: int, max_positions: int, dtype: torch.dtype) -> dict[str, Any]:
-    """config.json for ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` (both transformers 4 and 5 read it)."""
+    """config.json for ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` / ``DeepseekV2ForCausalLM`` (transformers 4 and 5 read it)."""
     dtype_name = str(dtype).removeprefix("torch.")
     if m.model_type != "gpt" or m.apply_residual_connection_post_layernorm:
         raise CheckpointError("hf-export writes decoders with pre-norm residuals only: BERT export and post-LN "
                               "(--apply-residual-connection-post-layernorm) models are not implemented yet")  # fmt: skip
+    if is_deepseek(m):
+        return deepseek_hf_config(m, vocab_size, max_positions, dtype_name)
     if _is_gpt2(m):
         return {
             "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": m.hidden_size, "n_layer": m.num_layers,
@@ -229,39 +229,25 @@ def split_qkv(qkv: torch.Tensor, heads: int, groups: int) -> tuple[torch.Tensor,
 
 def _llama_import(t: HFTensors, m: ModelConfig, vocab: int) -> dict[str, torch.Tensor]:
     h, d, heads, groups, ffn = m.hidden_size, head_dim(m), m.num_attention_heads, num_kv_heads(m), ffn_hidden_size(m)
-    state = {"embedding.weight": t.take("model.embed_tokens.weight", [vocab, h]), "final_norm.weight": t.take("model.norm.weight", [h])}
-    if m.tie_embeddings:
-        t.tensors.pop("lm_head.weight", None)  # the embedding itself, where a tied model saved it anyway
-    else:
-        state["output.weight"] = t.take("lm_head.weight", [vocab, h])
+    state = import_body(t, m, vocab)
     for i in range(m.num_layers):
         hf, mt = f"model.layers.{i}.", f"layers.{i}."
-        state[mt + "input_layernorm.weight"] = t.take(hf + "input_layernorm.weight", [h])
-        state[mt + "pre_mlp_layernorm.weight"] = t.take(hf + "post_attention_layernorm.weight", [h])
         q = t.take(hf + "self_attn.q_proj.weight", [heads * d, h])
         k, v = (t.take(hf + f"self_attn.{x}_proj.weight", [groups * d, h]) for x in "kv")
         state[mt + "self_attention.linear_qkv.weight"] = fuse_qkv(q, k, v, groups)
         state[mt + "self_attention.linear_proj.weight"] = t.take(hf + "self_attn.o_proj.weight", [h, heads * d])
-        gate, up = (t.take(hf + f"mlp.{x}_proj.weight", [ffn, h]) for x in ("gate", "up"))
-        state[mt + "mlp.linear_fc1.weight"] = torch.cat([gate, up])
-        state[mt + "mlp.linear_fc2.weight"] = t.take(hf + "mlp.down_proj.weight", [h, ffn])
+        state.update(import_swiglu(t, hf + "mlp.", mt + "mlp.", ffn, h))
     return state
 
 
 def _llama_export(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
-    out = {"model.embed_tokens.weight": state["embedding.weight"], "model.norm.weight": state["final_norm.weight"]}
-    if not m.tie_embeddings:
-        out["lm_head.weight"] = state["output.weight"]
+    out = export_body(state, m)
     for i in range(m.num_layers):
         hf, mt = f"model.layers.{i}.", f"layers.{i}."
-        out[hf + "input_layernorm.weight"] = state[mt + "input_layernorm.weight"]
-        out[hf + "post_attention_layernorm.weight"] = state[mt + "pre_mlp_layernorm.weight"]
         q, k, v = split_qkv(state[mt + "self_attention.linear_qkv.weight"], m.num_attention_heads, num_kv_heads(m))
         out.update({hf + "self_attn.q_proj.weight": q, hf + "self_attn.k_proj.weight": k, hf + "self_attn.v_proj.weight": v})
         out[hf + "self_attn.o_proj.weight"] = state[mt + "self_attention.linear_proj.weight"]
-        gate, up = state[mt + "mlp.linear_fc1.weight"].chunk(2)
-        out.update({hf + "mlp.gate_proj.weight": gate, hf + "mlp.up_proj.weight": up})
-        out[hf + "mlp.down_proj.weight"] = state[mt + "mlp.linear_fc2.weight"]
+        out.update(export_swiglu(state, mt + "mlp.", hf + "mlp."))
     return out
 
 
@@ -337,6 +323,8 @@ def import_hf(hf_dir: str | Path, save_dir: str | Path, dtype: str = "bf16") -> 
         model = build_model(m, m.vocab_size, cfg.data.seq_length)
     if hf["model_type"] == "llama":
         state = _llama_import(tensors, m, m.vocab_size)
+    elif hf["model_type"] == "deepseek_v2":
+        state = deepseek_import(tensors, m, m.vocab_size)
     else:
         state = _gpt2_import(tensors, m, {k: v.shape for k, v in model.state_dict().items()})
     tensors.check_all_taken()
@@ -373,7 +361,7 @@ def export_hf(load_dir: str | Path, hf_dir: str | Path, dtype: str = "bf16", ite
     hf_config = hf_config_from_model(m, meta["vocab_size"], model.max_positions, DTYPES[dtype])
     load_checkpoint(load_dir, model, iteration=meta["iteration"], load_rng=False)
     state = {k: v.to(DTYPES[dtype]) for k, v in model.state_dict().items()}
-    export = _gpt2_export if hf_config["model_type"] == "gpt2" else _llama_export
+    export = {"gpt2": _gpt2_export, "llama": _llama_export, "deepseek_v2": deepseek_export}[hf_config["model_type"]]
     tensors = {k: v.contiguous() for k, v in export(state, m).items()}
     hf_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(hf_dir / WEIGHTS), metadata={"format": "pt"})

@@ -30,6 +30,9 @@ ring step ``i`` rank ``r`` holds the block of rank ``src = r - i``:
 Packed documents (``document_ids``) add a same-document mask to each block; the ids of every rank
 are all-gathered once (a few integers per token).
 
+Keys and values travel as one ``[k | v]`` tensor (last dim), so value heads may be narrower than
+query/key heads (MLA: 192 and 128); the softmax scale is the core's own (MLA's has YaRN's factor).
+
 Per block, two implementations of the same contract (output and log-sum-exp forward; dq/dk/dv
 given the merged output and log-sum-exp backward): plain PyTorch in fp32 (``_MathBlocks``: any
 device and dtype, packed documents; the reference, tested on the CPU), and PyTorch's fused GPU
@@ -55,10 +58,7 @@ from torch import nn
 
 from meshtron.errors import ConfigError
 from meshtron.parallel.mesh import Mesh
-from meshtron.parallel.tensor_parallel import (
-    all_gather_sequence,
-    reduce_scatter_sequence,
-)
+from meshtron.parallel.tensor_parallel import all_gather_sequence, reduce_scatter_sequence
 
 ALGORITHMS = ("p2p", "all_gather")
 
@@ -188,12 +188,17 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
     lse.copy_(total)
 
 
+def _split_kv(kv: torch.Tensor, k_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key and value halves of a ``[k | v]`` tensor (last dim: k_dim, then the value dims)."""
+    return kv[..., :k_dim], kv[..., k_dim:]
+
+
 class _MathBlocks:
     """Blocks in plain PyTorch, fp32, in the grouped layout above; with packed documents (ids of
     every cp rank, [cp, b, s_local]) each block gets its same-document mask."""
 
-    def __init__(self, kv_heads: int, scale: float, docs: torch.Tensor | None, rank: int):
-        self.kv_heads, self.scale, self.docs, self.rank = kv_heads, scale, docs, rank
+    def __init__(self, kv_heads: int, k_dim: int, scale: float, docs: torch.Tensor | None, rank: int):
+        self.kv_heads, self.k_dim, self.scale, self.docs, self.rank = kv_heads, k_dim, scale, docs, rank
 
     def layout(self, x: torch.Tensor) -> torch.Tensor:
         return _grouped_q(x, self.kv_heads)
@@ -202,7 +207,7 @@ class _MathBlocks:
         return _ungroup(x, dtype)
 
     def _kv_mask(self, kv: torch.Tensor, block: _Block, s_q: int):
-        k, v = _grouped_kv(kv[:, :, block.cols])
+        k, v = _split_kv(_grouped_kv(kv[:, block.cols]), self.k_dim)
         q_docs = k_docs = None
         if self.docs is not None:
             q_docs, k_docs = self.docs[self.rank][:, block.rows], self.docs[block.src][:, block.cols]
@@ -283,10 +288,11 @@ KERNEL_CHOICES = ("auto", "math", *BLOCK_KERNELS)
 AUTO_KERNEL = "cudnn"
 
 
-def _block_kernel(choice, q: torch.Tensor, document_ids: torch.Tensor | None):
+def _block_kernel(choice, q: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None):
     """The fused kernel for these inputs, or None for the fp32 math path: a kernel runs on CUDA
     in bf16/fp16 without packed documents. ``choice`` is a name of ``KERNEL_CHOICES`` or a kernel
-    object (tests pass a CPU stand-in with the kernels' conventions)."""
+    object (tests pass a CPU stand-in with the kernels' conventions). Flash needs the value head
+    as wide as the query/key head; MLA's (192 / 128) takes cuDNN or the math path."""
     if choice == "math" or document_ids is not None:
         return None
     if not isinstance(choice, str):
@@ -295,7 +301,11 @@ def _block_kernel(choice, q: torch.Tensor, document_ids: torch.Tensor | None):
         raise ConfigError(f"unknown context-parallel block kernel '{choice}': use one of {KERNEL_CHOICES}")
     if q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16):
         return None
-    return BLOCK_KERNELS[AUTO_KERNEL if choice == "auto" else choice]
+    kernel = AUTO_KERNEL if choice == "auto" else choice
+    if kernel == "flash" and v.shape[-1] != q.shape[-1]:
+        raise ConfigError(f"the flash block kernel needs equal q/k and v head dims, got {q.shape[-1]} and "
+                          f"{v.shape[-1]} (multi-latent attention); use --attention-backend cudnn or auto")  # fmt: skip
+    return BLOCK_KERNELS[kernel]
 
 
 class _FusedBlocks:
@@ -303,8 +313,11 @@ class _FusedBlocks:
     Each block's output comes in q's dtype and is merged in fp32; its gradients come in q's dtype
     and are added into fp32 sums in place (no fp32 copies of them)."""
 
-    def __init__(self, kernel, scale: float):
-        self.kernel, self.scale, self.aux = kernel, scale, None
+    def __init__(self, kernel, k_dim: int, scale: float):
+        self.kernel, self.k_dim, self.scale, self.aux = kernel, k_dim, scale, None
+
+    def _kv(self, kv: torch.Tensor, block: _Block) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(t.transpose(1, 2) for t in _split_kv(kv[:, block.cols], self.k_dim))
 
     def layout(self, x: torch.Tensor) -> torch.Tensor:
         return x.transpose(1, 2)
@@ -313,7 +326,7 @@ class _FusedBlocks:
         return x.to(dtype).transpose(1, 2).contiguous()
 
     def forward(self, q: torch.Tensor, kv: torch.Tensor, block: _Block) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = (t[:, block.cols].transpose(1, 2) for t in kv)
+        k, v = self._kv(kv, block)
         out, lse, self.aux = self.kernel.forward(q[:, :, block.rows], k, v, block.diagonal, self.scale)
         return out.float(), lse
 
@@ -323,7 +336,7 @@ class _FusedBlocks:
     def backward(self, state: tuple, kv: torch.Tensor, block: _Block):
         q, out, dout, lse = state
         r = block.rows
-        k, v = (t[:, block.cols].transpose(1, 2) for t in kv)
+        k, v = self._kv(kv, block)
         return self.kernel.backward(
             dout[:, :, r], q[:, :, r], k, v, out[:, :, r], lse[..., r].contiguous(), self.aux, block.diagonal, self.scale
         )
@@ -379,15 +392,15 @@ class _RingAttention(torch.autograd.Function):
     """Ring attention with its own ring backward; see ``ring_attention``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mesh: Mesh, causal: bool, document_ids, kernel):
-        n, scale = mesh.cp, q.shape[-1] ** -0.5
-        fused = _block_kernel(kernel, q, document_ids)
+    def forward(ctx, q, k, v, mesh: Mesh, causal: bool, document_ids, kernel, scale: float):
+        n = mesh.cp
+        fused = _block_kernel(kernel, q, v, document_ids)
         if fused is None:
-            blocks = _MathBlocks(k.shape[2], scale, _gather_documents(document_ids, mesh), mesh.cp_rank)
+            blocks = _MathBlocks(k.shape[2], k.shape[-1], scale, _gather_documents(document_ids, mesh), mesh.cp_rank)
         else:
-            blocks = _FusedBlocks(fused, scale)
+            blocks = _FusedBlocks(fused, k.shape[-1], scale)
         q_blocks = blocks.layout(q)
-        kv = torch.stack([k, v])  # one message per hop
+        kv = torch.cat([k, v], dim=-1)  # one message per hop
         out = lse = None
         for step in range(n):
             pending = _RingExchange(kv, mesh) if step < n - 1 else None
@@ -411,9 +424,9 @@ class _RingAttention(torch.autograd.Function):
         n, seq = mesh.cp, q.shape[1]
         state = blocks.backward_inputs(q, out, dout, lse)
         dq = torch.zeros(state[0].shape, dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v])
-        # dk and dv of the block in hand ([2, b, kv_heads, s, d], fp32) follow it around the ring;
-        # each rank adds its queries' share, and after n hops they are back with their owner.
+        kv, k_dim = torch.cat([k, v], dim=-1), k.shape[-1]
+        # dk and dv of the block in hand ([b, kv_heads, s, dk + dv], fp32) follow it around the
+        # ring; each rank adds its queries' share, and after n hops they are back with their owner.
         dkv_in_flight = None
         for step in range(n):
             pending_kv = _RingExchange(kv, mesh) if step < n - 1 else None
@@ -421,33 +434,34 @@ class _RingAttention(torch.autograd.Function):
             dq_block, dk_block, dv_block = blocks.backward(state, kv, block)
             dq[..., block.rows, :] += dq_block
             if dkv_in_flight is None:
-                dkv = dq.new_zeros((2, *dk_block.shape[:2], seq, dk_block.shape[-1]))
+                dkv = dq.new_zeros((*dk_block.shape[:2], seq, k_dim + dv_block.shape[-1]))
             else:
                 dkv = dkv_in_flight.wait()
-            dkv[0, ..., block.cols, :] += dk_block
-            dkv[1, ..., block.cols, :] += dv_block
+            dkv[..., block.cols, :k_dim] += dk_block
+            dkv[..., block.cols, k_dim:] += dv_block
             if n > 1:
                 dkv_in_flight = _RingExchange(dkv, mesh)
             if pending_kv is not None:
                 kv = pending_kv.wait()
         if dkv_in_flight is not None:
             dkv = dkv_in_flight.wait()
-        dk, dv = dkv.transpose(-3, -2).to(k.dtype)
-        return blocks.unlayout(dq, q.dtype), dk, dv, None, None, None, None
+        dk, dv = _split_kv(dkv.transpose(-3, -2).to(k.dtype), k_dim)
+        return blocks.unlayout(dq, q.dtype), dk, dv, None, None, None, None, None
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Mesh, causal: bool = True,
-                   document_ids: torch.Tensor | None = None, kernel="auto") -> torch.Tensor:  # fmt: skip
+                   document_ids: torch.Tensor | None = None, kernel="auto", scale: float | None = None) -> torch.Tensor:  # fmt: skip
     """Attention of this cp rank's queries over the whole sequence, the k/v blocks passed around
     the cp ring.
 
-    q [b, s_local, heads, d], k/v [b, s_local, kv_heads, d] (heads a multiple of kv_heads;
-    under tensor parallelism, this rank's heads), each the load-balanced shard that
-    ``shard_batch_for_cp`` cuts, after RoPE. ``document_ids`` [b, s_local] (sharded alike) keeps
-    attention inside documents. ``kernel`` picks the per-block implementation (``_block_kernel``).
-    Returns [b, s_local, heads, d] in q's dtype; merged in fp32.
+    q [b, s_local, heads, d], k [b, s_local, kv_heads, d], v [b, s_local, kv_heads, dv] (heads a
+    multiple of kv_heads; under tensor parallelism, this rank's heads), each the load-balanced
+    shard that ``shard_batch_for_cp`` cuts, after RoPE. ``document_ids`` [b, s_local] (sharded
+    alike) keeps attention inside documents. ``kernel`` picks the per-block implementation
+    (``_block_kernel``); ``scale`` multiplies the scores (None: 1/sqrt(d)). Returns
+    [b, s_local, heads, dv] in q's dtype; merged in fp32.
     """
-    return _RingAttention.apply(q, k, v, mesh, causal, document_ids, kernel)
+    return _RingAttention.apply(q, k, v, mesh, causal, document_ids, kernel, scale or q.shape[-1] ** -0.5)
 
 
 # ---------------------------------------------------------------------- all-gather attention
@@ -479,12 +493,12 @@ class _AllGatherAttention(torch.autograd.Function):
     holds its queries' share of every token's)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mesh: Mesh, causal: bool, kernel):
+    def forward(ctx, q, k, v, mesh: Mesh, causal: bool, kernel, scale: float):
         seq = q.shape[1]
         order = _rank_order(mesh, seq, q.device)
-        kv = all_gather_sequence(torch.stack([k, v]), mesh.cp_group, dim=2)
-        kv = kv.index_select(2, order.argsort())  # [2, b, s, kv_heads, d] in sequence order
-        blocks = _FusedBlocks(kernel, q.shape[-1] ** -0.5)
+        kv = all_gather_sequence(torch.cat([k, v], dim=-1), mesh.cp_group, dim=1)
+        kv = kv.index_select(1, order.argsort())  # [b, s, kv_heads, dk + dv] in sequence order
+        blocks = _FusedBlocks(kernel, k.shape[-1], scale)
         q_blocks, specs = blocks.layout(q), _gathered_blocks(mesh, seq, causal)
         out = q_blocks.new_zeros(q_blocks.shape, dtype=torch.float32)
         lse = out.new_full(out.shape[:-1], float("-inf"))
@@ -498,32 +512,33 @@ class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, out, lse, kv, order = ctx.saved_tensors
-        blocks = ctx.blocks
+        blocks, k_dim = ctx.blocks, ctx.blocks.k_dim
         state = blocks.backward_inputs(q, out, dout, lse)
         dq = torch.zeros(state[0].shape, dtype=torch.float32, device=q.device)
-        b, s, kv_heads, d = kv.shape[1:]
-        dkv = dq.new_zeros((2, b, kv_heads, s, d))
+        b, s, kv_heads, d = kv.shape
+        dkv = dq.new_zeros((b, kv_heads, s, d))
         for block in ctx.specs:
             dq_block, dk_block, dv_block = blocks.backward(state, kv, block)
             dq[..., block.rows, :] += dq_block
-            dkv[0, ..., block.cols, :] += dk_block
-            dkv[1, ..., block.cols, :] += dv_block
-        dkv = reduce_scatter_sequence(dkv.index_select(3, order), ctx.mesh.cp_group, dim=3)
-        dk, dv = dkv.transpose(-3, -2).to(kv.dtype)
-        return blocks.unlayout(dq, q.dtype), dk, dv, None, None, None
+            dkv[..., block.cols, :k_dim] += dk_block
+            dkv[..., block.cols, k_dim:] += dv_block
+        dkv = reduce_scatter_sequence(dkv.index_select(2, order), ctx.mesh.cp_group, dim=2)
+        dk, dv = _split_kv(dkv.transpose(-3, -2).to(kv.dtype), k_dim)
+        return blocks.unlayout(dq, q.dtype), dk, dv, None, None, None, None
 
 
 def allgather_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Mesh, causal: bool = True,
-                           document_ids: torch.Tensor | None = None, kernel="auto") -> torch.Tensor:  # fmt: skip
+                           document_ids: torch.Tensor | None = None, kernel="auto", scale: float | None = None) -> torch.Tensor:  # fmt: skip
     """``ring_attention``'s result by all-gathering k/v over cp and attending to all of them.
 
     With a fused kernel (``_block_kernel``): ``_AllGatherAttention``. On the math path one masked
     attention over the gathered sequence, backward by autograd: the all-gather's backward
     reduce-scatters the k/v gradients, each rank having contributed its queries' share.
     """
-    fused = _block_kernel(kernel, q, document_ids)
+    scale = scale or q.shape[-1] ** -0.5
+    fused = _block_kernel(kernel, q, v, document_ids)
     if fused is not None:
-        return _AllGatherAttention.apply(q, k, v, mesh, causal, fused)
+        return _AllGatherAttention.apply(q, k, v, mesh, causal, fused, scale)
     n, seq, kv_heads = mesh.cp, q.shape[1], k.shape[2]
     k_all = all_gather_sequence(k, mesh.cp_group, dim=1)
     v_all = all_gather_sequence(v, mesh.cp_group, dim=1)
@@ -535,7 +550,7 @@ def allgather_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, me
         docs_all = all_gather_sequence(document_ids, mesh.cp_group, dim=1)
         same_doc = (document_ids[:, :, None] == docs_all[:, None, :])[:, None, None]
         mask = same_doc if mask is None else mask & same_doc
-    out, _ = _block_forward(_grouped_q(q, kv_heads), _grouped_kv(k_all), _grouped_kv(v_all), mask, q.shape[-1] ** -0.5)
+    out, _ = _block_forward(_grouped_q(q, kv_heads), _grouped_kv(k_all), _grouped_kv(v_all), mask, scale)
     return _ungroup(out, q.dtype)
 
 
@@ -552,16 +567,17 @@ class ContextParallelAttention(nn.Module):
     [b, heads, s, d]), put in place of each attention module's core by the parallel plan's
     ``ContextParallelCore`` style. The mask the attention module builds describes one process's
     sequence; this builds its own from the chunk layout and ``document_ids``. ``block_kernel`` is one of ``KERNEL_CHOICES`` (``auto``:
-    the fused kernel where the inputs allow, else the fp32 math).
+    the fused kernel where the inputs allow, else the fp32 math). ``scale``: the replaced core's
+    softmax scale (None: 1/sqrt(qk head dim)).
     """
 
-    def __init__(self, mesh: Mesh, algorithm: str = "p2p", block_kernel: str = "auto"):
+    def __init__(self, mesh: Mesh, algorithm: str = "p2p", block_kernel: str = "auto", scale: float | None = None):
         super().__init__()
         if algorithm not in ALGORITHMS:
             raise ConfigError(f"unknown context-parallel algorithm '{algorithm}': use one of {ALGORITHMS}")
         if block_kernel not in KERNEL_CHOICES:
             raise ConfigError(f"unknown context-parallel block kernel '{block_kernel}': use one of {KERNEL_CHOICES}")
-        self.mesh, self.algorithm, self.block_kernel = mesh, algorithm, block_kernel
+        self.mesh, self.algorithm, self.block_kernel, self.scale = mesh, algorithm, block_kernel, scale
         self._attention = ring_attention if algorithm == "p2p" else allgather_kv_attention
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout: float,
@@ -576,7 +592,7 @@ class ContextParallelAttention(nn.Module):
                 "document_ids to core_attention"
             )
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        return self._attention(q, k, v, self.mesh, True, document_ids, self.block_kernel).transpose(1, 2)
+        return self._attention(q, k, v, self.mesh, True, document_ids, self.block_kernel, self.scale).transpose(1, 2)
 
     def extra_repr(self) -> str:
         return f"cp={self.mesh.cp}, algorithm={self.algorithm}, block_kernel={self.block_kernel}"

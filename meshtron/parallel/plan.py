@@ -27,6 +27,7 @@ from meshtron.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     SequenceScatterEmbedding,
+    TensorParallelEntry,
     VocabParallelEmbedding,
     VocabParallelOutputLayer,
 )
@@ -75,11 +76,11 @@ def _replace(module: nn.Module, style: mc.Style, mesh: Mesh, sp: bool, cp_algori
     """The module taking ``module``'s place under ``style``, or None when it stays."""
     tp = mesh.tp
     if isinstance(style, mc.ContextParallelCore):
-        if mesh.cp > 1 and getattr(module, "scale", None) is not None:
-            raise NotImplementedError("context parallelism of attention with its own softmax scale (MLA) is not implemented")
-        return ContextParallelAttention(mesh, cp_algorithm, cp_block_kernel) if mesh.cp > 1 else None
+        return ContextParallelAttention(mesh, cp_algorithm, cp_block_kernel, getattr(module, "scale", None)) if mesh.cp > 1 else None
     if tp == 1:
         return None
+    if isinstance(style, mc.EnterTensorParallel):
+        return TensorParallelEntry(mesh.tp_group, sp)
     if isinstance(style, (mc.ColumnParallel, mc.RowParallel)):
         return _linear(module, style, mesh, sp)
     if isinstance(style, mc.VocabParallelEmbedding):

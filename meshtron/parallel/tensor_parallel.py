@@ -142,6 +142,12 @@ def scatter_to_sequence_parallel(x: torch.Tensor, group, dim: int = SEQ_DIM) -> 
     return _paired(x, _split, _all_gather, group, dim)
 
 
+def enter_tp_region(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
+    """The input of tensor-parallel compute: replicated (copy, gradient all-reduced) or, under
+    sequence parallelism, the sequence shards gathered (gradient reduce-scattered)."""
+    return all_gather_sequence(x, group) if sequence_parallel else copy_to_tp_region(x, group)
+
+
 # ---------------------------------------------------------------------- layers
 
 
@@ -153,8 +159,20 @@ def column_parallel_linear(x, weight, bias, group, sequence_parallel: bool, fp8_
 
     A function as well as a layer so the tied output head can run it on the embedding's weight.
     """
-    x = all_gather_sequence(x, group) if sequence_parallel else copy_to_tp_region(x, group)
-    return grad_accum_fusion.linear(x, weight, bias, fp8_format, fuse_wgrad)
+    return grad_accum_fusion.linear(enter_tp_region(x, group, sequence_parallel), weight, bias, fp8_format, fuse_wgrad)
+
+
+class TensorParallelEntry(nn.Module):
+    """A column-parallel layer's input step alone, for a tensor read by this rank's heads without
+    a linear in between (MLA's shared RoPE key): identity forward and all-reduce of the gradient,
+    or, under sequence parallelism, all-gather of the sequence and reduce-scatter back."""
+
+    def __init__(self, group, sequence_parallel: bool):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return enter_tp_region(x, self.group, self.sequence_parallel)
 
 
 class ColumnParallelLinear(nn.Module):

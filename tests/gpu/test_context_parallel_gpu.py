@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from meshtron.errors import ConfigError
 from meshtron.parallel.context_parallel import (
     BLOCK_KERNELS,
     _block_backward,
@@ -79,3 +80,24 @@ def test_cp1_attention_matches_sdpa(kernel, attention):
     assert got.dtype == torch.bfloat16 and _rel(got, want) < TOL
     for name, a, b in zip("qkv", got_grads, want_grads):
         assert _rel(a, b) < TOL, f"d{name}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", [ring_attention, allgather_kv_attention])
+def test_cudnn_blocks_take_mla_head_dims(attention):
+    """Multi-head latent attention's shape: q/k heads 192 wide, values 128, its own softmax scale,
+    through the cuDNN blocks; the flash blocks refuse unequal dims by name."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k = (torch.randn(2, 1024, 16, 192, device="cuda", generator=g).bfloat16().requires_grad_() for _ in range(2))
+    v = torch.randn(2, 1024, 16, 128, device="cuda", generator=g).bfloat16().requires_grad_()
+    dout = torch.randn(2, 1024, 16, 128, device="cuda", generator=g).bfloat16()
+    scale = 0.1147  # DeepSeek-V2's: 1/sqrt(192) times YaRN's temperature squared
+    got = attention(q, k, v, Mesh(), causal=True, kernel="cudnn", scale=scale)
+    got_grads = torch.autograd.grad(got, (q, k, v), dout)
+    want = F.scaled_dot_product_attention(*(t.float().transpose(1, 2) for t in (q, k, v)), is_causal=True, scale=scale).transpose(1, 2)
+    want_grads = torch.autograd.grad(want, (q, k, v), dout.float())
+    assert got.shape == v.shape and _rel(got, want) < TOL
+    for name, a, b in zip("qkv", got_grads, want_grads):
+        assert _rel(a, b) < TOL, f"d{name}"
+    with pytest.raises(ConfigError, match="flash block kernel needs equal"):
+        attention(q, k, v, Mesh(), causal=True, kernel="flash", scale=scale)

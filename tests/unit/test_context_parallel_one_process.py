@@ -79,6 +79,21 @@ def test_single_rank_equals_math_attention(attention, case):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"d{name}")
 
 
+@pytest.mark.parametrize("attention", [ring_attention, allgather_kv_attention])
+def test_values_narrower_than_keys_and_the_cores_own_scale(attention):
+    """Multi-head latent attention's shape at cp 1: keys 12 wide, values 8, a softmax scale that
+    is not 1/sqrt(12); forward and the hand-written backward against the reference."""
+    g = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(2, 12, 4, 12, generator=g, requires_grad=True) for _ in range(2))
+    v = torch.randn(2, 12, 4, 8, generator=g, requires_grad=True)
+    dout = torch.randn(2, 12, 4, 8, generator=g)
+    got = attention(q, k, v, Mesh(), scale=0.37)
+    want = math_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attention_mask(12, 12), scale=0.37).transpose(1, 2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for name, a, b in zip("qkv", torch.autograd.grad(got, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"d{name}")
+
+
 def test_ring_keeps_bf16_inputs_and_accumulates_in_fp32():
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 16, 2, 8, generator=g) for _ in range(3))

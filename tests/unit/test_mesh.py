@@ -117,15 +117,19 @@ def test_model_fits_the_layout_before_any_process_group():
 
 def test_expert_parallel_without_experts_is_refused():
     """ep > 1 used to build groups and train a dense model: refused, as is ep with experts until
-    expert parallelism exists, and the MoE layouts whose balancing would be per shard."""
+    expert parallelism exists, and the MoE layouts whose balancing losses would be per shard."""
     cfg = build_config(None, ["--mock-data", "--expert-model-parallel-size", "2"])
     with pytest.raises(ConfigError, match="--expert-model-parallel-size 2: it needs a mixture-of-experts model"):
         validate(cfg, world_size=2)
     moe = ["--mock-data", "--num-experts", "4", "--disable-bias-linear"]
     validate(build_config(None, moe + ["--tp", "2"]), world_size=2)  # experts replicated over tp: fine
+    # Without balancing losses, routing is token by token: sp and cp shards change nothing.
+    validate(build_config(None, moe + ["--tp", "2", "--sequence-parallel"]), world_size=2)
+    validate(build_config(None, moe + ["--cp", "2"]), world_size=2)
+    balanced = ["--moe-aux-loss-coeff", "1e-2"]
     for flags, message in ((["--expert-model-parallel-size", "2"], "expert parallelism is not implemented yet"),
-                           (["--tp", "2", "--sequence-parallel"], "drop --sequence-parallel"),
-                           (["--cp", "2"], "set --context-parallel-size 1"),
+                           (["--tp", "2", "--sequence-parallel", *balanced], "drop --sequence-parallel"),
+                           (["--cp", "2", "--moe-z-loss-coeff", "1e-3"], "set --context-parallel-size 1"),
                            (["--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid"], "not wired")):  # fmt: skip
         with pytest.raises(ConfigError, match=message):
             validate(build_config(None, moe + flags), world_size=2)

@@ -1,0 +1,68 @@
+"""What Hugging Face's Llama-family checkpoints (Llama, DeepSeek-V2) share, mapped once for both:
+the embedding, final norm and output head, the two norms of each block, SwiGLU MLPs
+(``gate_proj``/``up_proj``/``down_proj`` <-> the fused ``linear_fc1`` = [gate | up] and
+``linear_fc2``) and the rope settings of ``config.json``.
+
+Importers take tensors from an object with ``take(name, shape)`` (``hf.HFTensors``: each tensor
+handed out once, its shape checked); exporters read a meshtron state dict.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from meshtron.config import ModelConfig
+
+
+class TensorSource(Protocol):
+    tensors: dict[str, torch.Tensor]
+
+    def take(self, name: str, shape: list[int]) -> torch.Tensor: ...
+
+
+def rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """(rope theta, scaling dict) from transformers 5's ``rope_parameters`` or 4's ``rope_theta``/``rope_scaling``."""
+    params = hf.get("rope_parameters") or {}
+    scaling = params if params else (hf.get("rope_scaling") or {})
+    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0))), scaling
+
+
+def import_body(t: TensorSource, m: ModelConfig, vocab: int) -> dict[str, torch.Tensor]:
+    """Embedding, final norm, untied output layer and every block's two norms."""
+    h = m.hidden_size
+    state = {"embedding.weight": t.take("model.embed_tokens.weight", [vocab, h]), "final_norm.weight": t.take("model.norm.weight", [h])}
+    if m.tie_embeddings:
+        t.tensors.pop("lm_head.weight", None)  # the embedding itself, where a tied model saved it anyway
+    else:
+        state["output.weight"] = t.take("lm_head.weight", [vocab, h])
+    for i in range(m.num_layers):
+        hf, mt = f"model.layers.{i}.", f"layers.{i}."
+        state[mt + "input_layernorm.weight"] = t.take(hf + "input_layernorm.weight", [h])
+        state[mt + "pre_mlp_layernorm.weight"] = t.take(hf + "post_attention_layernorm.weight", [h])
+    return state
+
+
+def export_body(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
+    """The inverse of ``import_body``."""
+    out = {"model.embed_tokens.weight": state["embedding.weight"], "model.norm.weight": state["final_norm.weight"]}
+    if not m.tie_embeddings:
+        out["lm_head.weight"] = state["output.weight"]
+    for i in range(m.num_layers):
+        hf, mt = f"model.layers.{i}.", f"layers.{i}."
+        out[hf + "input_layernorm.weight"] = state[mt + "input_layernorm.weight"]
+        out[hf + "post_attention_layernorm.weight"] = state[mt + "pre_mlp_layernorm.weight"]
+    return out
+
+
+def import_swiglu(t: TensorSource, hf: str, mt: str, ffn: int, h: int) -> dict[str, torch.Tensor]:
+    """The MLP under HF prefix ``hf`` (``model.layers.0.mlp.``) as meshtron's under ``mt``."""
+    gate, up = (t.take(hf + f"{x}_proj.weight", [ffn, h]) for x in ("gate", "up"))
+    return {mt + "linear_fc1.weight": torch.cat([gate, up]), mt + "linear_fc2.weight": t.take(hf + "down_proj.weight", [h, ffn])}
+
+
+def export_swiglu(state: dict[str, torch.Tensor], mt: str, hf: str) -> dict[str, torch.Tensor]:
+    """The inverse of ``import_swiglu``."""
+    gate, up = state[mt + "linear_fc1.weight"].chunk(2)
+    return {hf + "gate_proj.weight": gate, hf + "up_proj.weight": up, hf + "down_proj.weight": state[mt + "linear_fc2.weight"]}

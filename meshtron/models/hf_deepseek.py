@@ -1,0 +1,205 @@
+"""DeepSeek-V2 (``DeepseekV2ForCausalLM``, model_type ``deepseek_v2``) to and from Hugging Face.
+
+What ``hf.py`` reads and writes for Llama (embedding, norms, head, SwiGLU MLPs) is shared through
+``hf_common``; this module adds the config and what only DeepSeek has:
+
+* Multi-head latent attention: HF's ``q_proj`` (or ``q_a_proj``/``q_a_layernorm``/``q_b_proj``),
+  ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``, ``o_proj`` map one to one onto
+  ``layers/mla.py``'s modules (its docstring has the table). The rope rows keep the checkpoint's
+  interleaved order; MLA reorders them at run time.
+* YaRN from ``rope_scaling`` (transformers 4, DeepSeek's own code: ``"type": "yarn"``) or
+  ``rope_parameters`` (transformers 5); both are written on export.
+* Experts. The files on the Hub and what ``save_pretrained`` writes hold one module per expert,
+  ``mlp.experts.{e}.{gate,up,down}_proj.weight``; transformers 5.x fuses them in memory into
+  ``mlp.experts.gate_up_proj`` [E, 2 ffn, h] ([gate; up] per expert) and ``mlp.experts.down_proj``
+  [E, h, ffn], exactly meshtron's stacked ``experts.weight1`` / ``weight2``. Import reads either
+  form; export writes the per-expert one, which transformers 4 and 5 and DeepSeek's code all load.
+  The router ``mlp.gate.weight`` is ``mlp.router.weight``; ``shared_experts`` is an MLP of width
+  n_shared_experts x moe_intermediate_size.
+
+Routing: softmax over all experts, top-k, renormalized only with ``norm_topk_prob``
+(``--moe-router-pre-softmax`` when not), times ``routed_scaling_factor``. HF's
+``group_limited_greedy`` (full V2) scores a group by its best expert while meshtron (as
+Megatron-Core) scores it by its best k / group_topk experts' sum, so such checkpoints are refused
+rather than routed differently; V2-Lite routes greedily.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from meshtron.checkpoint.checkpoint import CheckpointError
+from meshtron.config import ModelConfig
+from meshtron.layers.mlp import ffn_hidden_size
+from meshtron.layers.moe import moe_layer_pattern
+from meshtron.layers.moe.experts import expert_ffn_hidden_size
+from meshtron.models.hf_common import TensorSource, export_body, export_swiglu, import_body, import_swiglu, rope_settings
+
+_YARN_KEYS = {"factor": "rope_scaling_factor", "original_max_position_embeddings": "rope_original_max_position_embeddings",
+              "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow", "mscale": "rope_mscale",
+              "mscale_all_dim": "rope_mscale_all_dim"}  # fmt: skip
+
+
+def is_deepseek(m: ModelConfig) -> bool:
+    return m.multi_latent_attention
+
+
+# -- configs --------------------------------------------------------------------------------------
+
+
+def deepseek_model_config(hf: dict[str, Any], source: str) -> ModelConfig:
+    """meshtron's shape of a ``deepseek_v2`` config.json; what it cannot run raises, naming ``source``."""
+    refused = {"hidden_act": lambda v: v != "silu", "attention_bias": bool, "mlp_bias": bool,
+               "scoring_func": lambda v: v != "softmax", "topk_method": lambda v: v not in (None, "greedy"),
+               "moe_layer_freq": lambda v: v != 1}  # fmt: skip
+    for key, unsupported in refused.items():
+        if key in hf and unsupported(hf[key]):
+            raise CheckpointError(f"{source}: {key}={hf[key]!r} is not supported (see meshtron/models/hf_deepseek.py)")
+    theta, scaling = rope_settings(hf)
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in ("default", "yarn"):
+        raise CheckpointError(f"{source}: rope scaling '{rope_type}' is not supported for DeepSeek-V2 (only yarn or none)")
+    layers, heads, experts = hf["num_hidden_layers"], hf["num_attention_heads"], hf.get("n_routed_experts") or 0
+    dense = min(hf.get("first_k_dense_replace", 0), layers) if experts else layers
+    cfg = ModelConfig(
+        num_layers=layers, hidden_size=hf["hidden_size"], ffn_hidden_size=hf["intermediate_size"], num_attention_heads=heads,
+        vocab_size=hf["vocab_size"], make_vocab_size_divisible_by=1, max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        normalization="RMSNorm", norm_epsilon=hf.get("rms_norm_eps", 1e-6), activation="swiglu", position_embedding_type="rope",
+        rotary_base=theta, add_bias_linear=False, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        multi_latent_attention=True, qk_layernorm=True, q_lora_rank=hf.get("q_lora_rank") or 0, kv_lora_rank=hf["kv_lora_rank"],
+        qk_head_dim=hf["qk_nope_head_dim"], qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
+    )  # fmt: skip
+    if rope_type == "yarn":
+        cfg.rope_scaling = "yarn"
+        for key, field in _YARN_KEYS.items():
+            if key in scaling:
+                setattr(cfg, field, type(getattr(cfg, field))(scaling[key]))
+    if dense < layers:
+        cfg.num_experts, cfg.moe_router_topk = experts, hf["num_experts_per_tok"]
+        cfg.moe_ffn_hidden_size = hf["moe_intermediate_size"]
+        cfg.moe_shared_expert_intermediate_size = (hf.get("n_shared_experts") or 0) * hf["moe_intermediate_size"]
+        cfg.moe_layer_freq = f"([0]*{dense}+[1]*{layers - dense})" if dense else "1"
+        cfg.moe_router_pre_softmax = not hf.get("norm_topk_prob", False)
+        cfg.moe_router_topk_scaling_factor = float(hf.get("routed_scaling_factor", 1.0))
+        cfg.moe_router_load_balancing_type = "seq_aux_loss" if hf.get("seq_aux", True) else "aux_loss"
+        cfg.moe_aux_loss_coeff = float(hf.get("aux_loss_alpha", 0.0))
+    return cfg
+
+
+def _first_dense_layers(m: ModelConfig) -> int:
+    """How many leading layers are dense, for ``first_k_dense_replace``; refuses other patterns."""
+    pattern = moe_layer_pattern(m)
+    dense = pattern.index(True) if any(pattern) else m.num_layers
+    if any(pattern) and not all(pattern[dense:]):
+        raise CheckpointError(f"hf-export: DeepseekV2 has dense layers only before its MoE ones; "
+                              f"--moe-layer-freq {m.moe_layer_freq} mixes them")  # fmt: skip
+    return dense
+
+
+def deepseek_hf_config(m: ModelConfig, vocab_size: int, max_positions: int, dtype_name: str) -> dict[str, Any]:
+    """config.json for ``DeepseekV2ForCausalLM``; refuses what that class cannot express."""
+    shared, expert_ffn = m.moe_shared_expert_intermediate_size, expert_ffn_hidden_size(m)
+    problems = {
+        "--qk-layernorm off (DeepseekV2 norms both latents)": not m.qk_layernorm,
+        "a sigmoid router, expert bias or shared-expert gate": m.moe_router_score_function != "softmax"
+        or m.moe_router_enable_expert_bias or m.moe_shared_expert_gate,
+        "group-limited routing (HF scores groups differently, see hf_deepseek.py)": bool(m.moe_router_group_topk),
+        "shared experts that are not a whole number of experts wide": bool(m.num_experts and shared % expert_ffn),
+        "a non-Llama block (RMSNorm, SwiGLU, RoPE, no biases)": (m.normalization, m.activation, m.add_bias_linear)
+        != ("RMSNorm", "swiglu", False),
+        "rope scaling other than yarn": m.rope_scaling not in ("", "yarn"),
+    }  # fmt: skip
+    for what, bad in problems.items():
+        if bad:
+            raise CheckpointError(f"hf-export: DeepseekV2ForCausalLM cannot express {what}")
+    rope: dict[str, Any] = {"rope_type": "default"}
+    if m.rope_scaling == "yarn":
+        rope = {"rope_type": "yarn", **{key: getattr(m, field) for key, field in _YARN_KEYS.items()}}
+    legacy_rope = {"type": "yarn", **{k: v for k, v in rope.items() if k != "rope_type"}} if m.rope_scaling else None
+    experts = {}
+    if m.num_experts:
+        experts = {
+            "n_routed_experts": m.num_experts, "num_experts_per_tok": m.moe_router_topk, "moe_intermediate_size": expert_ffn,
+            "n_shared_experts": shared // expert_ffn, "first_k_dense_replace": _first_dense_layers(m), "moe_layer_freq": 1,
+            "norm_topk_prob": not m.moe_router_pre_softmax, "routed_scaling_factor": m.moe_router_topk_scaling_factor,
+            "scoring_func": "softmax", "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+            "seq_aux": m.moe_router_load_balancing_type == "seq_aux_loss", "aux_loss_alpha": m.moe_aux_loss_coeff,
+        }  # fmt: skip
+    return {
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": m.hidden_size,
+        "intermediate_size": ffn_hidden_size(m), "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_attention_heads,
+        "num_key_value_heads": m.num_attention_heads, "q_lora_rank": m.q_lora_rank or None, "kv_lora_rank": m.kv_lora_rank,
+        "qk_nope_head_dim": m.qk_head_dim, "qk_rope_head_dim": m.qk_pos_emb_head_dim, "v_head_dim": m.v_head_dim,
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "rms_norm_eps": m.norm_epsilon,
+        "max_position_embeddings": max_positions, "vocab_size": vocab_size, "tie_word_embeddings": m.tie_embeddings,
+        "rope_theta": m.rotary_base, "rope_scaling": legacy_rope, "rope_parameters": {**rope, "rope_theta": m.rotary_base},
+        **experts, "torch_dtype": dtype_name,
+    }  # fmt: skip
+
+
+# -- tensors --------------------------------------------------------------------------------------
+
+
+def _attention_tensors(m: ModelConfig) -> list[tuple[str, str, list[int]]]:
+    """(HF name under ``self_attn.``, meshtron's under ``self_attention.``, shape) of one layer's
+    attention weights: the names of ``layers/mla.py``'s table."""
+    h, heads, lora, rank = m.hidden_size, m.num_attention_heads, m.q_lora_rank, m.kv_lora_rank
+    q_out = heads * (m.qk_head_dim + m.qk_pos_emb_head_dim)
+    query = [("q_proj", "linear_q_proj", [q_out, h])]
+    if lora:
+        query = [("q_a_proj", "linear_q_down_proj", [lora, h]), ("q_a_layernorm", "q_layernorm", [lora]),
+                 ("q_b_proj", "linear_q_up_proj", [q_out, lora])]  # fmt: skip
+    return query + [
+        ("kv_a_proj_with_mqa", "linear_kv_down_proj", [rank + m.qk_pos_emb_head_dim, h]), ("kv_a_layernorm", "kv_layernorm", [rank]),
+        ("kv_b_proj", "linear_kv_up_proj", [heads * (m.qk_head_dim + m.v_head_dim), rank]),
+        ("o_proj", "linear_proj", [h, heads * m.v_head_dim]),
+    ]  # fmt: skip
+
+
+def deepseek_import(t: TensorSource, m: ModelConfig, vocab: int) -> dict[str, torch.Tensor]:
+    """meshtron's state dict from the tensors of a ``deepseek_v2`` folder."""
+    state, pattern, h = import_body(t, m, vocab), moe_layer_pattern(m), m.hidden_size
+    for i in range(m.num_layers):
+        hf, mt = f"model.layers.{i}.", f"layers.{i}."
+        for hf_name, mt_name, shape in _attention_tensors(m):
+            state[f"{mt}self_attention.{mt_name}.weight"] = t.take(f"{hf}self_attn.{hf_name}.weight", shape)
+        if not pattern[i]:
+            state.update(import_swiglu(t, hf + "mlp.", mt + "mlp.", ffn_hidden_size(m), h))
+            continue
+        state[mt + "mlp.router.weight"] = t.take(hf + "mlp.gate.weight", [m.num_experts, h])
+        state.update(_import_experts(t, hf + "mlp.experts.", mt + "mlp.experts.", m))
+        if m.moe_shared_expert_intermediate_size:
+            state.update(import_swiglu(t, hf + "mlp.shared_experts.", mt + "mlp.shared_experts.", m.moe_shared_expert_intermediate_size, h))
+    return state
+
+
+def _import_experts(t: TensorSource, hf: str, mt: str, m: ModelConfig) -> dict[str, torch.Tensor]:
+    """Stacked ``weight1`` [E, 2 ffn, h] ([gate; up]) and ``weight2`` [E, h, ffn] from either HF form."""
+    e, ffn, h = m.num_experts, expert_ffn_hidden_size(m), m.hidden_size
+    if hf + "gate_up_proj" in t.tensors:  # transformers 5's in-memory form
+        return {mt + "weight1": t.take(hf + "gate_up_proj", [e, 2 * ffn, h]), mt + "weight2": t.take(hf + "down_proj", [e, h, ffn])}
+    fc1 = [torch.cat([t.take(f"{hf}{x}.gate_proj.weight", [ffn, h]), t.take(f"{hf}{x}.up_proj.weight", [ffn, h])]) for x in range(e)]
+    fc2 = [t.take(f"{hf}{x}.down_proj.weight", [h, ffn]) for x in range(e)]
+    return {mt + "weight1": torch.stack(fc1), mt + "weight2": torch.stack(fc2)}
+
+
+def deepseek_export(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
+    """The inverse of ``deepseek_import``, experts one module each (the Hub's form)."""
+    out, pattern = export_body(state, m), moe_layer_pattern(m)
+    for i in range(m.num_layers):
+        hf, mt = f"model.layers.{i}.", f"layers.{i}."
+        for hf_name, mt_name, _ in _attention_tensors(m):
+            out[f"{hf}self_attn.{hf_name}.weight"] = state[f"{mt}self_attention.{mt_name}.weight"]
+        if not pattern[i]:
+            out.update(export_swiglu(state, mt + "mlp.", hf + "mlp."))
+            continue
+        out[hf + "mlp.gate.weight"] = state[mt + "mlp.router.weight"]
+        for e, (fc1, fc2) in enumerate(zip(state[mt + "mlp.experts.weight1"], state[mt + "mlp.experts.weight2"])):
+            gate, up = fc1.chunk(2)
+            out.update({f"{hf}mlp.experts.{e}.gate_proj.weight": gate, f"{hf}mlp.experts.{e}.up_proj.weight": up,
+                        f"{hf}mlp.experts.{e}.down_proj.weight": fc2})  # fmt: skip
+        if m.moe_shared_expert_intermediate_size:
+            out.update(export_swiglu(state, mt + "mlp.shared_experts.", hf + "mlp.shared_experts."))
+    return out
