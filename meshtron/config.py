@@ -95,6 +95,9 @@ class ModelConfig:
     rope_beta_slow: float = 1.0
     rope_mscale: float = 1.0
     rope_mscale_all_dim: float = 0.0
+    # Expert parallelism (meshtron/parallel/expert_parallel.py). alltoall is the default here, unlike
+    # Megatron's allgather: both compute the same, and alltoall moves ep times fewer rows.
+    moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather
 
 
 @dataclass
@@ -180,6 +183,7 @@ class ParallelConfig:
     cp_comm_type: str = "p2p"  # context parallel attention: p2p (ring) | all_gather (of keys and values)
     fsdp: bool = False  # PyTorch FSDP2 (fully_shard) instead of the distributed optimizer; needs tp = 1
     ddp_bucket_size: int = 40_000_000  # gradient elements per data-parallel reduction bucket
+    expert_tensor_parallel: int = 1  # experts split over tp: not implemented, only 1 (experts whole, replicated over tp)
 
 
 @dataclass

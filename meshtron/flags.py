@@ -182,4 +182,7 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "ckpt-fully-parallel-save": ("checkpoint.ckpt_format", None),
     "no-ckpt-fully-parallel-save": ("checkpoint.ckpt_format", None),
     "ckpt-fully-parallel-load": ("checkpoint.ckpt_format", None),
+    # Expert parallelism (issue 10), Megatron-Core's names; --expert-model-parallel-size is above.
+    "moe-token-dispatcher-type": "model.moe_token_dispatcher_type",
+    "expert-tensor-parallel-size": "parallel.expert_tensor_parallel",
 }

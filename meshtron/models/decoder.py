@@ -66,6 +66,11 @@ def decoder_plan(cfg: ModelConfig) -> c.Plan:
     and up separately for SwiGLU), fc2 by input features. Embedding and output layer: by
     vocabulary, the loss computed on the shards. Norms see 1/tp of the tokens under sequence
     parallelism; learned positions are cut to match the embedding's sequence shard.
+
+    Mixture of experts: routed experts split over ep, whole over tp; the router and shared experts
+    whole on every rank (under sequence parallelism each tp rank routes its sequence shard, so
+    their gradients are partial over tp like a norm's), the balancing statistics summed over the
+    sequence shards.
     """
     heads, kv = cfg.num_attention_heads, num_kv_heads(cfg)
     fc1 = c.Halves(2) if cfg.activation == "swiglu" else c.Contiguous()
@@ -78,6 +83,11 @@ def decoder_plan(cfg: ModelConfig) -> c.Plan:
         ("layers.*.self_attention.core_attention", c.ContextParallelCore()),
         ("layers.*.mlp.linear_fc1", c.ColumnParallel(fc1)),
         ("layers.*.mlp.linear_fc2", c.RowParallel()),
+        ("layers.*.mlp.experts", c.ExpertParallel(cfg.moe_token_dispatcher_type)),
+        ("layers.*.mlp.token_sum", c.SequenceSum()),
+        ("layers.*.mlp.router", c.SequenceParallelNorm()),
+        ("layers.*.mlp.shared_experts", c.SequenceParallelNorm()),
+        ("layers.*.mlp.shared_expert_gate", c.SequenceParallelNorm()),
         ("layers.*.input_layernorm", c.SequenceParallelNorm()),
         ("layers.*.pre_mlp_layernorm", c.SequenceParallelNorm()),
         ("final_norm", c.SequenceParallelNorm()),
