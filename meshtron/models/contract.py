@@ -5,7 +5,7 @@ that also says:
 
 - its **parallel plan** (``parallel_plan()``): module-name patterns mapped to the styles below
   (column, row, vocabulary, sequence-parallel norm, sequence scatter, context-parallel core
-  attention). ``meshtron.parallel.plan`` applies any plan by one mechanism, module replacement,
+  attention, expert parallel, sequence sum). ``meshtron.parallel.plan`` applies any plan by one mechanism, module replacement,
   and returns one ``ParamMeta`` per parameter;
 - its **pipeline pieces** (``pipeline_pieces()`` plus ``embed``/``block_inputs``/``run_blocks``/
   ``head``): ``embed -> ordered blocks -> head``, with the tensors that travel between stages a

@@ -1,5 +1,5 @@
-"""Apply a model family's parallel plan: the one way tensor, sequence and context parallelism
-enter a model.
+"""Apply a model family's parallel plan: the one way tensor, sequence, context and expert
+parallelism enter a model.
 
 Every rank builds the same full model from the same seed (initialization is layout-invariant),
 then ``parallelize`` walks ``model.parallel_plan()`` and replaces each matched module by the

@@ -9,6 +9,9 @@ One spawn of 4 gloo processes (fp32, CPU) runs every case through the same runne
 - one optimizer step (the distributed optimizer sharding experts over edp; and the replicated
   one under ep2 x tp2 x sp): the gradient norm (each expert counted once), the updated weights
   and the expert bias after ``Runner.after_step`` equal a one-process runner's;
+- checkpoints: the full state (weights, masters, Adam moments, keyed by global expert id) an
+  ep layout writes equals one process's, and one process's state loaded into a fresh ep layout
+  (the distributed optimizer's) reads back the same: resharding ep1 -> ep2 is slicing;
 - the dispatchers alone, with ranks that send nothing, ranks whose experts receive nothing and
   experts with no row: outputs and weight gradients equal one process's experts.
 """
@@ -21,6 +24,7 @@ import pytest
 import torch
 
 from launcher import run_distributed
+from meshtron.checkpoint.layout import full_state, load_full_state
 from meshtron.config import ModelConfig, ParallelConfig, TrainConfig
 from meshtron.layers.moe.experts import Experts
 from meshtron.parallel.expert_parallel import ExpertParallelExperts
@@ -70,7 +74,19 @@ def _step(runner) -> dict:
     runner.after_step()
     params = {n: gather_full(p.detach().clone(), runner.metas[n], mesh) for n, p in runner.model.named_parameters()}
     biases = {n: b.clone() for n, b in runner.model.named_buffers() if n.endswith("expert_bias")}
-    return {"grad_norm": result.grad_norm, "params": params, "biases": biases}
+    state = full_state(runner.model, runner.optimizer, mesh, True, runner.metas)
+    return {"grad_norm": result.grad_norm, "params": params, "biases": biases, "state": state}
+
+
+def _bias_runner(mesh: Mesh, sequence_parallel: bool = False, distributed: bool = False):
+    return runner_for(_decoder(MOE_BIAS), mesh, _parallel(mesh, sequence_parallel, distributed), TRAIN, torch.float32)
+
+
+def _reloaded(mesh: Mesh, state: dict) -> dict:
+    """``state`` loaded into a fresh runner on ``mesh`` (distributed optimizer), written back."""
+    runner = _bias_runner(mesh, distributed=True)
+    load_full_state(state, runner.model, runner.optimizer, True, runner.metas)
+    return full_state(runner.model, runner.optimizer, mesh, True, runner.metas)
 
 
 def _zero_token_inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -104,7 +120,11 @@ def _worker(rank: int, world_size: int) -> dict:
     for name, (sizes, sp, distributed) in STEPS.items():
         mesh = Mesh(**sizes, rank=rank)
         mesh.init_process_groups()
-        out[f"step/{name}"] = _step(runner_for(_decoder(MOE_BIAS), mesh, _parallel(mesh, sp, distributed), TRAIN, torch.float32))
+        out[f"step/{name}"] = _step(_bias_runner(mesh, sp, distributed))
+    # One process's state (a one-process run inside each process of the spawn) into a tp2 x ep2 layout.
+    mesh = Mesh(tp=2, dp=2, ep=2, rank=rank)
+    mesh.init_process_groups()
+    out["reloaded"] = _reloaded(mesh, _one_process_step()["state"])
     mesh = Mesh(dp=4, ep=4, rank=rank)
     mesh.init_process_groups()
     for dispatcher in ("alltoall", "allgather"):
@@ -142,8 +162,24 @@ def test_alltoall_and_allgather_dispatchers_are_bit_identical(runs, layout):
             assert torch.equal(grad, b["grads"][pname]), f"{layout}: {pname} differs between dispatchers"
 
 
+@functools.lru_cache
 def _one_process_step() -> dict:
-    return _step(runner_for(_decoder(MOE_BIAS), Mesh(), ParallelConfig(), TRAIN, torch.float32))
+    return _step(_bias_runner(Mesh()))
+
+
+def _assert_same_state(actual: dict, expected: dict, what: str) -> None:
+    flat_actual, flat_expected = _flatten(actual), _flatten(expected)
+    assert flat_actual.keys() == flat_expected.keys(), f"{what}: state keys differ"
+    for key, value in flat_expected.items():
+        assert flat_actual[key].shape == value.shape, f"{what}: {key} {tuple(flat_actual[key].shape)} != {tuple(value.shape)}"
+        err = (flat_actual[key].double() - value.double()).norm() / value.double().norm().clamp(min=1e-30)
+        assert err <= RTOL, f"{what}: {key} relative error {err:.2e}"
+
+
+def _flatten(tree, prefix: str = "") -> dict[str, torch.Tensor]:
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _flatten(sub, f"{prefix}/{key}").items()}
+    return {prefix: tree}
 
 
 @pytest.mark.parametrize("name", list(STEPS))
@@ -158,6 +194,14 @@ def test_optimizer_step_and_expert_bias_match_one_process(runs, name):
         for pname, param in r["params"].items():
             err = (param - ref["params"][pname]).norm() / ref["params"][pname].norm()
             assert err <= RTOL, f"{name} rank {rank}: {pname} after the step, relative error {err:.2e}"
+        _assert_same_state(r["state"], ref["state"], f"{name} rank {rank} checkpoint state")
+
+
+def test_one_process_checkpoint_loads_into_expert_parallel_layout(runs):
+    ref = _one_process_step()["state"]
+    assert any(n.endswith("experts.weight1") for n in ref["model"])
+    for rank, state in enumerate(runs["reloaded"]):
+        _assert_same_state(state, ref, f"rank {rank} after loading one process's state")
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])

@@ -5,11 +5,11 @@ named auxiliary terms of its loss. That keeps them right under pipeline parallel
 recomputation, where MegaBlocks' global list of per-layer statistics went wrong.
 
 Scales are Megatron-Core's: each MoE layer's loss is ``coeff * E * sum_i f_i * P_i`` over one
-micro-batch on one data-parallel rank (its whole sequences, under sequence parallelism too), the layers' losses add up (the total grows
-with the number of MoE layers), and a micro-batch's terms are weighted as its language-model
-loss is (Megatron scales them by 1/num_micro_batches, as the LM loss). MegaBlocks'
-``--moe-loss-weight w`` averages over the layers instead: a per-layer coefficient of
-``w / num_moe_layers`` (``aux_loss_coeff``).
+micro-batch on one data-parallel rank (its whole sequences, under sequence parallelism too), the
+layers' losses add up (the total grows with the number of MoE layers), and a micro-batch's terms
+are weighted as its language-model loss is (Megatron scales them by 1/num_micro_batches, as the
+LM loss). MegaBlocks' ``--moe-loss-weight w`` averages over the layers instead: a per-layer
+coefficient of ``w / num_moe_layers`` (``aux_loss_coeff``).
 """
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ def balancing_losses(
         parts["counts"] = F.one_hot(chosen.view(rows, -1), scores.shape[-1]).sum(dim=1).float()
     if z_coeff > 0:
         parts["z"] = torch.logsumexp(logits.float(), dim=-1).square().sum().reshape(1)
-    sums = token_sum(torch.cat([p.reshape(-1) for p in parts.values()]))
-    total = dict(zip(parts, (s.view_as(p) for s, p in zip(sums.split([p.numel() for p in parts.values()]), parts.values()))))
+    sums = token_sum(torch.cat([p.reshape(-1) for p in parts.values()])).split([p.numel() for p in parts.values()])
+    total = {name: summed.view_as(part) for (name, part), summed in zip(parts.items(), sums)}
     num_tokens = total["tokens"][0]
     losses: dict[str, torch.Tensor] = {}
     if balanced:
