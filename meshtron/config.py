@@ -100,6 +100,9 @@ class ModelConfig:
     model_type: str = "gpt"  # gpt (the decoder: GPT, Llama, MoE) | bert
     apply_residual_connection_post_layernorm: bool = False  # residuals from the norms' outputs: post-LN (HF BERT)
     bert_binary_head: bool = True  # BERT's sentence-order head and token types (--bert-no-binary-head drops them)
+    # Expert parallelism (meshtron/parallel/expert_parallel.py). alltoall is the default here, unlike
+    # Megatron's allgather: both compute the same, and alltoall moves ep times fewer rows.
+    moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather
 
 
 @dataclass
@@ -185,6 +188,7 @@ class ParallelConfig:
     cp_comm_type: str = "p2p"  # context parallel attention: p2p (ring) | all_gather (of keys and values)
     fsdp: bool = False  # PyTorch FSDP2 (fully_shard) instead of the distributed optimizer; needs tp = 1
     ddp_bucket_size: int = 40_000_000  # gradient elements per data-parallel reduction bucket
+    expert_tensor_parallel: int = 1  # experts split over tp: not implemented, only 1 (experts whole, replicated over tp)
 
 
 @dataclass

@@ -129,7 +129,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         errors.append(f"--split '{d.split}' must be comma-separated numbers like 969,30,1")
     if c.load and not Path(c.load).exists():
         errors.append(f"--load {c.load} does not exist; point it at a checkpoint directory written by --save")
-    errors.extend(layout_errors(cfg))
+    errors.extend(layout_errors(cfg) + expert_parallel_errors(cfg, dp))
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
 
@@ -160,6 +160,33 @@ def _check_data_path(tokens: list[str]) -> list[str]:
     return errors
 
 
+def expert_parallel_errors(cfg: Config, dp: int) -> list[str]:
+    """Expert parallelism against the model and the layout (``dp`` data-parallel ranks): experts
+    to split, evenly, over ranks carved out of dp x cp; what is not implemented for it."""
+    m, p = cfg.model, cfg.parallel
+    ep, errors = p.expert_parallel, []
+    if p.expert_tensor_parallel != 1:
+        errors.append(f"--expert-tensor-parallel-size {p.expert_tensor_parallel}: splitting experts over tensor parallelism "
+                      "is not implemented (experts stay whole, replicated over tp); set --expert-tensor-parallel-size 1")  # fmt: skip
+    if m.num_experts > 0 and m.moe_token_dispatcher_type not in ("alltoall", "allgather"):
+        errors.append(f"--moe-token-dispatcher-type must be alltoall or allgather, got '{m.moe_token_dispatcher_type}'")
+    if ep <= 1:
+        return errors
+    if m.num_experts <= 0:
+        return errors + [f"--expert-model-parallel-size {ep} needs a mixture-of-experts model, and this model is dense "
+                         "(no --num-experts); set --expert-model-parallel-size 1"]  # fmt: skip
+    if m.num_experts % ep:
+        errors.append(f"--expert-model-parallel-size {ep} must divide --num-experts {m.num_experts} (each rank holds "
+                      "an equal share of the experts); change either")  # fmt: skip
+    if (dp * p.context_parallel) % ep:
+        errors.append(f"--expert-model-parallel-size {ep} must divide data parallel {dp} x --context-parallel-size "
+                      f"{p.context_parallel} (expert-parallel ranks are carved out of them); change it or the number of processes")  # fmt: skip
+    if p.fsdp:
+        errors.append("--use-torch-fsdp2 does not shard routed experts over the expert-data-parallel group yet; use "
+                      "--use-distributed-optimizer with --expert-model-parallel-size, or set it to 1")  # fmt: skip
+    return errors
+
+
 def layout_errors(cfg: Config) -> list[str]:
     """Why the model cannot be split over the layout: its family's own rules for tp (heads,
     groups, widths), then the sequence for sp and cp, the pipeline stage split, expert parallelism,
@@ -184,23 +211,13 @@ def layout_errors(cfg: Config) -> list[str]:
                      p.account_for_loss_in_pipeline_split)  # fmt: skip
     except ValueError as exc:
         errors.append(f"the pipeline stage split does not work: {exc}")
-    moe = m.num_experts > 0
-    if p.expert_parallel > 1:
-        why = ("expert parallelism is not implemented yet (experts are replicated on every rank)" if moe
-               else "it needs a mixture-of-experts model, and this model is dense (no --num-experts)")  # fmt: skip
-        errors.append(f"--expert-model-parallel-size {p.expert_parallel}: {why}; set --expert-model-parallel-size 1")
-    # Routing is token by token; only the balancing losses would see one rank's tokens alone.
-    balancing = moe and (m.moe_z_loss_coeff > 0 or (m.moe_router_load_balancing_type != "none" and
-                                                    (m.moe_aux_loss_coeff > 0 or m.moe_loss_weight > 0)))  # fmt: skip
-    if balancing and p.sequence_parallel and tp > 1:
-        errors.append("mixture-of-experts balancing losses under --sequence-parallel would balance each rank's token shard "
-                      "alone; drop --sequence-parallel or the losses (--moe-aux-loss-coeff, --moe-z-loss-coeff)")  # fmt: skip
+    # Routing is token by token; only the balancing losses would see one rank's chunk alone under cp
+    # (under sequence parallelism their statistics are summed over the shards).
+    balancing = m.num_experts > 0 and (m.moe_z_loss_coeff > 0 or (m.moe_router_load_balancing_type != "none" and
+                                                                (m.moe_aux_loss_coeff > 0 or m.moe_loss_weight > 0)))  # fmt: skip
     if balancing and cp > 1:
         errors.append("mixture-of-experts balancing losses under context parallelism would balance each rank's chunk "
                       "alone; set --context-parallel-size 1 or drop the losses (--moe-aux-loss-coeff, --moe-z-loss-coeff)")  # fmt: skip
-    if moe and m.moe_router_enable_expert_bias:
-        errors.append("--moe-router-enable-expert-bias is not wired into training yet (the bias update needs the step's "
-                      "token counts summed over ranks); drop it and use --moe-aux-loss-coeff")  # fmt: skip
     if log.generate_prompt and (tp > 1 or cp > 1 or pp > 1):
         errors.append("--generate-prompt samples after training from the whole model on each rank, which tensor, context "
                       "and pipeline parallelism split; drop it and sample from the saved checkpoint with "

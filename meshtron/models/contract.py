@@ -5,7 +5,7 @@ that also says:
 
 - its **parallel plan** (``parallel_plan()``): module-name patterns mapped to the styles below
   (column, row, vocabulary, sequence-parallel norm, sequence scatter, context-parallel core
-  attention). ``meshtron.parallel.plan`` applies any plan by one mechanism, module replacement,
+  attention, expert parallel, sequence sum). ``meshtron.parallel.plan`` applies any plan by one mechanism, module replacement,
   and returns one ``ParamMeta`` per parameter;
 - its **pipeline pieces** (``pipeline_pieces()`` plus ``embed``/``block_inputs``/``run_blocks``/
   ``head``): ``embed -> ordered blocks -> head``, with the tensors that travel between stages a
@@ -22,7 +22,7 @@ Everything here is layout-free: sizes of a parallel dimension enter only through
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -194,8 +194,27 @@ class EnterTensorParallel:
     (all-gather of the sequence forward, reduce-scatter backward, under sequence parallelism)."""
 
 
+@dataclass(frozen=True)
+class ExpertParallel:
+    """Routed experts (``layers/moe/experts.py``'s interface: rows grouped by global expert, the
+    per-expert group sizes -> outputs in the same rows) whose stacked weights' dim 0 is the global
+    expert id: each expert-parallel rank keeps ``num_experts / ep`` consecutive experts and the
+    rows are exchanged over the ep group by ``dispatcher`` (``alltoall`` or ``allgather``). Their
+    gradients are reduced over the expert-data-parallel group; under sequence parallelism they are
+    partial sums over tp (each tp rank routes its own sequence shard)."""
+
+    dispatcher: str = "alltoall"
+
+
+@dataclass(frozen=True)
+class SequenceSum:
+    """A module summing per-token statistics over the tokens it sees (identity when it sees the
+    whole micro batch): under sequence parallelism replaced by a sum over tp, so a statistic over
+    the whole sequence (a balancing loss's token fractions) equals one process's."""
+
+
 Style = (ColumnParallel | RowParallel | VocabParallelEmbedding | VocabParallelOutput | SequenceParallelNorm
-         | ScatterToSequence | ContextParallelCore | EnterTensorParallel)  # fmt: skip
+         | ScatterToSequence | ContextParallelCore | EnterTensorParallel | ExpertParallel | SequenceSum)  # fmt: skip
 Plan = list[tuple[str, Style]]  # (fnmatch pattern over module names, style); first match wins
 
 
@@ -212,7 +231,9 @@ class ParamMeta:
     to ranks. ``sequence_partial``: its gradient is a partial sum over tp (sequence parallelism).
     ``pipeline_copy``: "" for most; "first"/"other" for a weight two pipeline stages hold (a tied
     embedding), whose gradients are summed between them and counted once, on "first".
-    ``grad_group``: the mesh dimension its gradient is reduced over.
+    ``grad_group``: the mesh dimension its gradient is reduced over ("edp" for routed experts).
+    ``ep_size`` / ``ep_rank``: a routed expert weight's dim 0 (the global expert id) is cut into
+    ``ep_size`` consecutive runs; this rank holds run ``ep_rank`` (1 / 0: whole).
     """
 
     global_shape: tuple[int, ...]
@@ -224,6 +245,15 @@ class ParamMeta:
     pipeline_copy: str = ""
     grad_group: str = "dp_cp"
     weight_decay: bool = True
+    ep_size: int = 1
+    ep_rank: int = 0
+
+    def expert_index(self) -> torch.Tensor | None:
+        """Global expert ids (positions along dim 0) this rank holds (None when whole)."""
+        if self.ep_size == 1:
+            return None
+        local = self.global_shape[0] // self.ep_size
+        return _span(self.ep_rank * local, local)
 
     def local_index(self) -> torch.Tensor | None:
         """Positions along ``tp_dim`` of the global tensor this rank holds (None when whole)."""
@@ -245,6 +275,17 @@ def default_meta(name: str, param: torch.Tensor) -> ParamMeta:
     """The record of a parameter no plan style touched: whole on every rank; weight decay on
     matrices only (Megatron's split: decaying 1-D biases and norm gains fights the normalization)."""
     return ParamMeta(tuple(param.shape), weight_decay=param.dim() >= 2)
+
+
+@runtime_checkable
+class StepStatistics(Protocol):
+    """A module that learns from each step's tokens other than by gradient (a router's expert
+    bias): ``step_statistics()`` is its tensor summed over this rank's micro batches of the step
+    (None: nothing to do); after the optimizer step the runner sums it over the ranks that saw
+    other tokens and hands the total to ``apply_step_statistics``."""
+
+    def step_statistics(self) -> torch.Tensor | None: ...
+    def apply_step_statistics(self, total: torch.Tensor) -> None: ...
 
 
 # ---------------------------------------------------------------------- pipeline pieces

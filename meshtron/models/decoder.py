@@ -82,6 +82,11 @@ def decoder_plan(cfg: ModelConfig) -> c.Plan:
     replicated over tp. Embedding and output layer: by vocabulary, the loss computed on the
     shards. Norms (and other replicated token-wise modules) see 1/tp of the tokens under sequence
     parallelism; learned positions are cut to match the embedding's sequence shard.
+
+    Mixture of experts: routed experts split over ep, whole over tp; the router and shared experts
+    whole on every rank (under sequence parallelism each tp rank routes its sequence shard, so
+    their gradients are partial over tp like a norm's), the balancing statistics summed over the
+    sequence shards.
     """
     heads, kv = cfg.num_attention_heads, num_kv_heads(cfg)
     fc1 = c.Halves(2) if cfg.activation == "swiglu" else c.Contiguous()
@@ -93,7 +98,6 @@ def decoder_plan(cfg: ModelConfig) -> c.Plan:
         attention = [*by_heads, *replicated, (attn + "rope_key_to_heads", c.EnterTensorParallel())]
     else:
         attention = [(attn + "linear_qkv", c.ColumnParallel(c.GroupedHeads(kv, heads // kv, head_dim(cfg))))]
-    moe = [(f"layers.*.mlp.{name}", c.SequenceParallelNorm()) for name in ("router", "experts", "shared_experts", "shared_expert_gate")]
     return [
         ("embedding", c.VocabParallelEmbedding()),
         ("position_embedding", c.ScatterToSequence()),
@@ -103,7 +107,11 @@ def decoder_plan(cfg: ModelConfig) -> c.Plan:
         (attn + "core_attention", c.ContextParallelCore()),
         ("layers.*.mlp.linear_fc1", c.ColumnParallel(fc1)),
         ("layers.*.mlp.linear_fc2", c.RowParallel()),
-        *moe,
+        ("layers.*.mlp.experts", c.ExpertParallel(cfg.moe_token_dispatcher_type)),
+        ("layers.*.mlp.token_sum", c.SequenceSum()),
+        ("layers.*.mlp.router", c.SequenceParallelNorm()),
+        ("layers.*.mlp.shared_experts", c.SequenceParallelNorm()),
+        ("layers.*.mlp.shared_expert_gate", c.SequenceParallelNorm()),
         ("layers.*.input_layernorm", c.SequenceParallelNorm()),
         ("layers.*.pre_mlp_layernorm", c.SequenceParallelNorm()),
         ("final_norm", c.SequenceParallelNorm()),

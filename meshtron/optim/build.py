@@ -24,6 +24,8 @@ def build_optimizer(
     dp_group: dist.ProcessGroup | None = None,
     tp_group: dist.ProcessGroup | None = None,
     pp_group: dist.ProcessGroup | None = None,
+    ep_group: dist.ProcessGroup | None = None,
+    edp_group: dist.ProcessGroup | None = None,
     distributed: bool = False,
     bucket_size: int = DEFAULT_BUCKET_SIZE,
 ) -> MixedPrecisionOptimizer:
@@ -33,6 +35,8 @@ def build_optimizer(
     over it in buckets of ``bucket_size`` elements during backward; ``distributed``
     (``--use-distributed-optimizer``) shards masters and Adam state over those ranks instead of
     replicating them. The grad norm is completed over ``tp_group`` and ``pp_group`` (None: one rank).
+    Parameters whose record says ``grad_group`` "edp" (routed experts) are reduced and sharded
+    over ``edp_group`` instead, and their norm summed over ``ep_group``.
     """
     dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
     if dtypes != {param_dtype}:
@@ -43,7 +47,9 @@ def build_optimizer(
     # Layout in registration order (GradBuffer reverses it to follow backward), not group order.
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     own_bucket = frozenset(n for n, _ in trainable if metas is not None and metas[n].pipeline_copy)
-    grads = GradBuffer(trainable, group=dp_group, bucket_size=bucket_size, shard=distributed, own_bucket=own_bucket)
+    grad_group_of = {n: metas[n].grad_group for n, _ in trainable} if metas is not None else {}
+    grads = GradBuffer(trainable, group=dp_group, bucket_size=bucket_size, shard=distributed, own_bucket=own_bucket,
+                       groups={"edp": edp_group}, grad_group_of=grad_group_of)  # fmt: skip
     optimizer_cls = DistributedOptimizer if distributed else MixedPrecisionOptimizer
     return optimizer_cls(
         build_param_groups(model, train_cfg.weight_decay, metas),
@@ -52,4 +58,5 @@ def build_optimizer(
         metas=metas,
         tp_group=tp_group,
         pp_group=pp_group,
+        ep_group=ep_group,
     )

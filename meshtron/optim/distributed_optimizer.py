@@ -46,7 +46,8 @@ class _Piece:
 
 
 class DistributedOptimizer(MixedPrecisionOptimizer):
-    """``MixedPrecisionOptimizer`` whose masters and AdamW state are sharded over ``grads.group``.
+    """``MixedPrecisionOptimizer`` whose masters and AdamW state are sharded over each bucket's
+    group (dp x cp; the expert-data-parallel group for routed experts).
 
     Build it after the model is cast and placed: its params are re-pointed into a flat tensor.
     """
@@ -55,8 +56,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         if not isinstance(grads, GradBuffer) or not grads.shard:
             raise ValueError("the distributed optimizer needs a GradBuffer built with shard=True (reduce-scatter)")
         super().__init__(param_groups, grads=grads, **kwargs)
-        if grads.group is not None:
-            self._norm_groups.insert(0, grads.group)
+        for key, groups in self._partial_norm_groups.items():  # each rank holds 1/n of a group's gradients
+            if grads.groups.get(key) is not None:
+                groups.insert(0, grads.groups[key])
 
     # -- placement -----------------------------------------------------------------------------
 
@@ -123,9 +125,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for bucket, (lo, hi, masters) in zip(self.grads.buckets, self._slices):
             if self.mixed_precision:
                 self._param_flat[lo:hi].copy_(masters)
-            if self.grads.group is not None:
+            if bucket.group is not None:
                 out = self._param_flat[bucket.start : bucket.end]
-                handles.append(all_gather_single(out, self._param_flat[lo:hi], group=self.grads.group, async_op=True))
+                handles.append(all_gather_single(out, self._param_flat[lo:hi], group=bucket.group, async_op=True))
         for handle in handles:
             handle.wait()
 
@@ -143,8 +145,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         full = torch.zeros(self.grads.numel, dtype=torch.float32, device=self._param_flat.device)
         for bucket, (lo, hi, _), own in zip(self.grads.buckets, self._slices, slices):
             full[lo:hi].copy_(own)
-            if self.grads.group is not None:
-                all_gather_single(full[bucket.start : bucket.end], full[lo:hi], group=self.grads.group)
+            if bucket.group is not None:
+                all_gather_single(full[bucket.start : bucket.end], full[lo:hi], group=bucket.group)
         return full
 
     def state_dict(self) -> dict[str, Any]:

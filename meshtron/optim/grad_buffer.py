@@ -19,6 +19,11 @@ With the distributed optimizer each bucket is reduce-scattered instead: rank ``r
 keeps the sum only in its ``1/dp`` slice of every bucket (``shard_range``), which is all its
 optimizer shard needs.
 
+Parameters may reduce over different groups (``ParamMeta.grad_group``: routed experts over the
+expert-data-parallel group, the rest over dp x cp): each bucket holds parameters of one group
+and reduces (or shards) over it. Buckets of the groups interleave in backward order, each
+launched in layout order, which every rank of every group shares.
+
 Only the last micro batch of a step communicates: earlier ones run inside ``no_sync()`` and just
 accumulate. With one process (``group=None``) the buffer never communicates; it is then only the
 fp32 accumulator of ``MixedPrecisionOptimizer``.
@@ -53,6 +58,7 @@ class Bucket:
     start: int
     end: int
     params: list[nn.Parameter]
+    group: dist.ProcessGroup | None = None  # the ranks it reduces over (None: none to reduce with)
     pending: int = 0  # params whose gradient has not landed yet in this step's synced backward
     handle: object = None  # the in-flight collective
     launched_in_backward: bool = False
@@ -75,7 +81,8 @@ class SyncStats:
 
 
 class GradBuffer:
-    """fp32 gradients of ``named_params`` in one flat tensor, reduced over ``group``.
+    """fp32 gradients of ``named_params`` in one flat tensor, reduced over ``group``, or over
+    ``groups[grad_group_of[name]]`` for the params named in ``grad_group_of``.
 
     Every param gets ``param.main_grad``, its view of the buffer. fp32 params also keep
     ``param.grad`` pointing at that view, so autograd accumulates into it in place; a
@@ -93,6 +100,8 @@ class GradBuffer:
         bucket_size: int = DEFAULT_BUCKET_SIZE,
         shard: bool = False,
         own_bucket: frozenset[str] = frozenset(),
+        groups: dict[str, dist.ProcessGroup | None] | None = None,
+        grad_group_of: dict[str, str] | None = None,
     ) -> None:
         if not named_params:
             raise ValueError("the model has no trainable parameters")
@@ -102,12 +111,13 @@ class GradBuffer:
         if owned:
             # A second buffer's hooks would fight the first's over every .grad.
             raise ValueError(f"parameters {owned[:3]} already have a gradient buffer: build one optimizer per model")
-        self.group = group
-        self.dp_size = dist.get_world_size(group) if group is not None else 1
-        self.dp_rank = dist.get_rank(group) if group is not None else 0
+        self.groups = {"dp_cp": group, **(groups or {})}
+        grad_group_of = grad_group_of or {}
         self.shard = shard
         self.names = {param: name for name, param in named_params}
+        self.key_of = {param: grad_group_of.get(name, "dp_cp") for name, param in named_params}
         self.buckets = self._layout([p for _, p in reversed(named_params)], bucket_size, own_bucket)
+        self.communicates = any(b.group is not None for b in self.buckets)
         device = named_params[0][1].device
         self.numel = self.buckets[-1].end
         self.data = torch.zeros(self.numel, dtype=torch.float32, device=device)
@@ -130,24 +140,33 @@ class GradBuffer:
         self.zero_()
 
     def _layout(self, params: list[nn.Parameter], bucket_size: int, own_bucket: frozenset[str]) -> list[Bucket]:
-        """Consecutive params into buckets of at least ``bucket_size`` elements (never splitting
-        a param), each padded so it shards evenly when ``shard``. A param named in ``own_bucket``
-        (a tied embedding two pipeline stages hold) gets a bucket of its own, so its shard ranges
-        are the same on both stages and their gradients can be summed."""
-        buckets, current, start, size = [], [], 0, 0
-        multiple = self.dp_size * _SHARD_ALIGN if self.shard else 1
-        for i, param in enumerate(params):
+        """Consecutive params of one reduction group into buckets of at least ``bucket_size``
+        elements (never splitting a param), each padded so it shards evenly over its group when
+        ``shard``; a bucket is placed when it closes, so buckets of different groups interleave
+        in backward order. A param named in ``own_bucket`` (a tied embedding two pipeline stages
+        hold) gets a bucket of its own, so its shard ranges are the same on both stages and their
+        gradients can be summed."""
+        buckets: list[Bucket] = []
+        open_params: dict[str, list[nn.Parameter]] = {}
+        open_size: dict[str, int] = {}
+
+        def close(key: str) -> None:
+            group, size = self.groups[key], open_size.pop(key)
+            multiple = _group_size(group) * _SHARD_ALIGN if self.shard else 1
+            start = buckets[-1].end if buckets else 0
+            buckets.append(Bucket(start, start + -(-size // multiple) * multiple, open_params.pop(key), group))
+
+        for param in params:
+            key = self.key_of[param]
             alone = self.names[param] in own_bucket
-            if alone and current:
-                end = start + -(-size // multiple) * multiple
-                buckets.append(Bucket(start, end, current))
-                current, start, size = [], end, 0
-            current.append(param)
-            size += param.numel()
-            if alone or size >= bucket_size or i == len(params) - 1:
-                end = start + -(-size // multiple) * multiple
-                buckets.append(Bucket(start, end, current))
-                current, start, size = [], end, 0
+            if alone and key in open_params:
+                close(key)
+            open_params.setdefault(key, []).append(param)
+            open_size[key] = open_size.get(key, 0) + param.numel()
+            if alone or open_size[key] >= bucket_size:
+                close(key)
+        for key in list(open_params):
+            close(key)
         return buckets
 
     # ------------------------------------------------------------------ what the optimizer reads
@@ -157,8 +176,8 @@ class GradBuffer:
 
     def shard_range(self, bucket: Bucket) -> tuple[int, int]:
         """Buffer elements ``[lo, hi)`` of ``bucket`` that this rank reduces and owns when sharded."""
-        size = (bucket.end - bucket.start) // self.dp_size
-        lo = bucket.start + self.dp_rank * size
+        size = (bucket.end - bucket.start) // _group_size(bucket.group)
+        lo = bucket.start + _group_rank(bucket.group) * size
         return lo, lo + size
 
     # ------------------------------------------------------------------ a step
@@ -183,7 +202,7 @@ class GradBuffer:
 
     def finish_grad_sync(self) -> SyncStats:
         """Launch what backward did not (unused params), wait for every collective; idempotent."""
-        if self.group is None:
+        if not self.communicates:
             return self.stats
         self._launch_ready(force=True)
         start = time.perf_counter()
@@ -218,7 +237,7 @@ class GradBuffer:
 
     def _grad_ready(self, param: nn.Parameter) -> None:
         """One gradient of this backward is in ``main_grad``: launch its bucket once it is full."""
-        if not self._sync or self.group is None:
+        if not self._sync or not self.communicates:
             return
         bucket = self._bucket_of[param]
         if bucket.pending == 0:
@@ -239,10 +258,18 @@ class GradBuffer:
                 return
             bucket.launched_in_backward = not force
             region = self.data[bucket.start : bucket.end]
-            if self.shard:
+            if bucket.group is not None and self.shard:
                 lo, hi = self.shard_range(bucket)
-                bucket.handle = reduce_scatter_single(self.data[lo:hi], region, group=self.group, async_op=True)
-            else:
-                bucket.handle = dist.all_reduce(region, group=self.group, async_op=True)
+                bucket.handle = reduce_scatter_single(self.data[lo:hi], region, group=bucket.group, async_op=True)
+            elif bucket.group is not None:  # None: no other rank holds these params, nothing to add
+                bucket.handle = dist.all_reduce(region, group=bucket.group, async_op=True)
             bucket.pending = 0
             self._next_launch += 1
+
+
+def _group_size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _group_rank(group: dist.ProcessGroup | None) -> int:
+    return 0 if group is None else dist.get_rank(group)

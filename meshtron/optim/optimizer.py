@@ -86,6 +86,8 @@ class MixedPrecisionOptimizer:
     the groups over which the grad norm is completed, each value counted once: split params on
     every tp rank, whole ones on tp rank 0, kv rows copied over tp on their first copy, a weight
     two pipeline stages hold on the first (``ParamMeta.counted_in_norm``, ``replicas``).
+    ``ep_group``: routed experts differ over it (``grad_group`` "edp"), so their squares are
+    summed over it before they join the rest.
     """
 
     def __init__(
@@ -101,6 +103,7 @@ class MixedPrecisionOptimizer:
         metas: dict[str, ParamMeta] | None = None,
         tp_group: dist.ProcessGroup | None = None,
         pp_group: dist.ProcessGroup | None = None,
+        ep_group: dist.ProcessGroup | None = None,
     ) -> None:
         named = [pair for group in param_groups for pair in group["params"]]
         metas = metas if metas is not None else {name: default_meta(name, p) for name, p in named}
@@ -119,7 +122,12 @@ class MixedPrecisionOptimizer:
         self.adamw = torch.optim.AdamW(master_groups, lr=lr, betas=betas, eps=eps, fused=fused)
         self._init_adam_state()
         self._norm_groups = [g for g in (tp_group, pp_group) if g is not None]
+        # Per gradient group, the groups completing its partial sum of squares; keys from every
+        # parameter (not only this rank's shards), so all ranks issue the same collectives.
+        keys = sorted({metas[name].grad_group for name, _ in named})
+        self._partial_norm_groups = {k: [ep_group] if k == "edp" and ep_group is not None else [] for k in keys}
         names = self._master_names()
+        self._grad_group_of = [metas[name].grad_group for name in names]
         self._in_norm = [metas[name].counted_in_norm() for name in names]
         # Key/value rows copied to several tp ranks (fewer kv heads than ranks) count on their first copy only.
         self._norm_excluded = [self._replica_copies(metas[n], p, m) for n, p, m in zip(names, self._master_owners(), self._master_params())]
@@ -286,22 +294,30 @@ class MixedPrecisionOptimizer:
         """Global L2 norm, as a 0-d fp32 tensor (no host sync here).
 
         With reduction groups (tensor parallel; the data-parallel shards of the distributed
-        optimizer) each rank sums the squares of the gradients it counts and the sums are
-        all-reduced; a param replicated over tp counts on tp rank 0 only.
+        optimizer; expert parallel) each rank sums the squares of the gradients it counts and the
+        sums are all-reduced; a param replicated over tp counts on tp rank 0 only. Each gradient
+        group's sum is completed over its own groups first (routed experts over ep, and over edp
+        when sharded; the rest over dp x cp when sharded).
         """
-        if not self._norm_groups:
+        if not self._norm_groups and not any(self._partial_norm_groups.values()):
             return torch.nn.utils.get_total_norm(grads, norm_type=2.0)
         masters = self._master_params()
-        counted = [m.grad for m, keep in zip(masters, self._in_norm) if keep and m.grad is not None]
-        squares = torch.zeros((), dtype=torch.float32, device=masters[0].device)
-        if counted:
-            squares += torch.stack(torch._foreach_norm(counted)).square().sum()
-        for master, keep, excluded in zip(masters, self._in_norm, self._norm_excluded):
-            if keep and excluded is not None and master.grad is not None:
-                squares -= master.grad.reshape(-1)[excluded].square().sum()
+        total = torch.zeros((), dtype=torch.float32, device=masters[0].device)
+        for key, groups in self._partial_norm_groups.items():
+            mine = [(m, excluded) for m, k, keep, excluded in zip(masters, self._grad_group_of, self._in_norm, self._norm_excluded)
+                    if k == key and keep and m.grad is not None]  # fmt: skip
+            squares = torch.zeros((), dtype=torch.float32, device=masters[0].device)
+            if mine:
+                squares += torch.stack(torch._foreach_norm([m.grad for m, _ in mine])).square().sum()
+            for master, excluded in mine:
+                if excluded is not None:
+                    squares -= master.grad.reshape(-1)[excluded].square().sum()
+            for group in groups:
+                dist.all_reduce(squares, group=group)
+            total += squares
         for group in self._norm_groups:
-            dist.all_reduce(squares, group=group)
-        return squares.sqrt()
+            dist.all_reduce(total, group=group)
+        return total.sqrt()
 
     @torch.no_grad()
     def _copy_masters_to_model(self) -> None:

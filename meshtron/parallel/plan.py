@@ -1,5 +1,5 @@
-"""Apply a model family's parallel plan: the one way tensor, sequence and context parallelism
-enter a model.
+"""Apply a model family's parallel plan: the one way tensor, sequence, context and expert
+parallelism enter a model.
 
 Every rank builds the same full model from the same seed (initialization is layout-invariant),
 then ``parallelize`` walks ``model.parallel_plan()`` and replaces each matched module by the
@@ -22,12 +22,14 @@ from torch import nn
 from meshtron.errors import ConfigError
 from meshtron.models import contract as mc
 from meshtron.parallel.context_parallel import ContextParallelAttention
+from meshtron.parallel.expert_parallel import ExpertParallelExperts
 from meshtron.parallel.mesh import Mesh
 from meshtron.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     SequenceScatterEmbedding,
     TensorParallelEntry,
+    SequenceShardSum,
     VocabParallelEmbedding,
     VocabParallelOutputLayer,
 )
@@ -77,6 +79,10 @@ def _replace(module: nn.Module, style: mc.Style, mesh: Mesh, sp: bool, cp_algori
     tp = mesh.tp
     if isinstance(style, mc.ContextParallelCore):
         return ContextParallelAttention(mesh, cp_algorithm, cp_block_kernel, getattr(module, "scale", None)) if mesh.cp > 1 else None
+    if isinstance(style, mc.ExpertParallel):
+        return ExpertParallelExperts(module, mesh.ep_group, mesh.ep, mesh.ep_rank, style.dispatcher) if mesh.ep > 1 else None
+    if isinstance(style, mc.SequenceSum):
+        return SequenceShardSum(mesh.tp_group) if sp else None
     if tp == 1:
         return None
     if isinstance(style, mc.EnterTensorParallel):
@@ -139,6 +145,8 @@ def _meta(meta: mc.ParamMeta, style: mc.Style, pname: str, mesh: Mesh, sp: bool)
         return dataclasses.replace(meta, tp_dim=0, layout=mc.Contiguous(), **tp)
     if isinstance(style, (mc.RowParallel, mc.SequenceParallelNorm)):  # a row-parallel bias is added to the shards
         return dataclasses.replace(meta, sequence_partial=sp, **tp)
+    if isinstance(style, mc.ExpertParallel):
+        return dataclasses.replace(meta, grad_group="edp", ep_size=mesh.ep, ep_rank=mesh.ep_rank, sequence_partial=sp, **tp)
     return dataclasses.replace(meta, **tp)
 
 
@@ -180,7 +188,12 @@ def finalize_tensor_parallel_grads(grads: dict[str, torch.Tensor], metas: ParamM
 
 def gather_full(tensor: torch.Tensor, meta: mc.ParamMeta, mesh: Mesh) -> torch.Tensor:
     """The full tensor from every tp rank's shard of it (a weight, its gradient or an optimizer
-    state of its shape). Collective over tp; the tensor itself when it is not split."""
+    state of its shape), or from every ep rank's experts. Collective over tp (ep for routed
+    experts); the tensor itself when it is not split."""
+    if meta.ep_size > 1 and tensor.dim() > 0:
+        parts = [torch.empty_like(tensor) for _ in range(meta.ep_size)]
+        dist.all_gather(parts, tensor.contiguous(), group=mesh.ep_group)
+        return torch.cat(parts)  # ep rank r holds the r-th run of global expert ids
     if meta.tp_dim is None or mesh.tp == 1 or tensor.dim() == 0:
         return tensor
     parts = [torch.empty_like(tensor) for _ in range(mesh.tp)]
@@ -194,5 +207,7 @@ def gather_full(tensor: torch.Tensor, meta: mc.ParamMeta, mesh: Mesh) -> torch.T
 
 def local_part(full: torch.Tensor, meta: mc.ParamMeta | None) -> torch.Tensor:
     """This rank's part of a full tensor (the inverse of ``gather_full``)."""
+    if meta is not None and meta.ep_size > 1 and full.dim() > 0:
+        return full.index_select(0, meta.expert_index().to(full.device))
     index = None if meta is None or meta.tp_size == 1 or full.dim() == 0 else meta.local_index()
     return full if index is None else full.index_select(meta.tp_dim, index.to(full.device))

@@ -109,6 +109,22 @@ class Runner:
         finalize_tensor_parallel_grads(grads, self.metas, self.mesh)
         sum_stage_copies([grads[n] for n in sorted(grads) if self.metas[n].pipeline_copy], self.mesh)
 
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """After the optimizer step: the model's per-step updates that are not gradients (a
+        router's expert bias). Each ``StepStatistics`` module's tensor is summed over the ranks
+        that saw other tokens of the step (dp x cp, and tp under sequence parallelism), all of
+        them in one all-reduce, and handed back to it."""
+        pending = [(m, m.step_statistics()) for m in self.model.modules() if isinstance(m, mc.StepStatistics)]
+        pending = [(m, s) for m, s in pending if s is not None]
+        if not pending:
+            return
+        flat = self._sum_over_dp(torch.cat([s.reshape(-1).double() for _, s in pending]))
+        if self.sequence_parallel:
+            dist.all_reduce(flat, group=self.mesh.tp_group)
+        for (module, stats), total in zip(pending, flat.split([s.numel() for _, s in pending])):
+            module.apply_step_statistics(total.view_as(stats).to(stats.dtype))
+
     def _sum_over_dp(self, value: torch.Tensor) -> torch.Tensor:
         if self.mesh.dp_cp > 1:
             dist.all_reduce(value, group=self.mesh.dp_cp_group)

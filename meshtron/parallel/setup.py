@@ -72,10 +72,10 @@ def runner_for(model: ModelFamily, mesh: Mesh, parallel: ParallelConfig, train: 
         optimizer = build_fsdp_optimizer(model, train, dtype, metas)
     else:
         model.to(dtype=dtype)
-        groups = {dim: mesh.group(dim) if mesh.size(dim) > 1 else None for dim in ("dp_cp", "tp", "pp")}
+        groups = {dim: mesh.group(dim) if mesh.size(dim) > 1 else None for dim in ("dp_cp", "tp", "pp", "ep", "edp")}
         optimizer = build_optimizer(model, train, dtype, metas=metas, dp_group=groups["dp_cp"], tp_group=groups["tp"],
-                                    pp_group=groups["pp"], distributed=parallel.use_distributed_optimizer,
-                                    bucket_size=parallel.ddp_bucket_size)  # fmt: skip
+                                    pp_group=groups["pp"], ep_group=groups["ep"], edp_group=groups["edp"],
+                                    distributed=parallel.use_distributed_optimizer, bucket_size=parallel.ddp_bucket_size)  # fmt: skip
     return Runner(model, metas, stages, optimizer, mesh, dtype, schedule_kind(parallel, virtual), sequence_parallel)
 
 

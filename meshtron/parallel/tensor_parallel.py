@@ -267,6 +267,20 @@ class VocabParallelEmbedding(nn.Module):
                 f"{self.vocab_start + self.weight.shape[0] - 1}, sequence_parallel={self.sequence_parallel}")  # fmt: skip
 
 
+class SequenceShardSum(nn.Module):
+    """Per-token statistics summed over this rank's sequence shard -> summed over the whole
+    sequence (all tp ranks). Backward passes the gradient through unchanged: every rank computes
+    the same function of the sum and backwards its own shard's part, and the sequence-partial
+    gradients of the parameters behind it are added up over tp after backward."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+
+    def forward(self, partial_sums: torch.Tensor) -> torch.Tensor:
+        return reduce_from_tp_region(partial_sums, self.group)
+
+
 class SequenceScatterEmbedding(nn.Embedding):
     """An embedding every tp rank holds whole (learned positions) whose output, under sequence
     parallelism, is cut to this rank's sequence shard to match the vocabulary embedding's

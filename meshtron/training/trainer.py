@@ -172,6 +172,7 @@ class Trainer:
         loss = self.runner.forward_backward(batches)
         self.runner.finalize_grads()
         result = self.optimizer.step(self.schedule.lr_at(self.iteration))
+        self.runner.after_step()
         self.last_aux = {name: value.item() for name, value in loss.aux.items()}  # logged with the interval's last step
         return (loss.total / loss.count).item(), result
 

@@ -63,9 +63,13 @@ def _micro_batches() -> list[dict[str, torch.Tensor]]:
 
 @functools.lru_cache
 def _reference(family: str) -> dict:
+    return one_process_reference(FAMILIES[family]())
+
+
+def one_process_reference(model) -> dict:
     """One process, the model's own ``run_stage`` on every micro batch: loss sum / tokens of the
     whole batch, plus each auxiliary term / number of micro batches."""
-    model, batches = FAMILIES[family](), _micro_batches()
+    batches = _micro_batches()
     count = sum(b["loss_mask"].sum() for b in batches)
     total, aux_sum = torch.zeros(()), {}
     for b in batches:

@@ -115,24 +115,26 @@ def test_model_fits_the_layout_before_any_process_group():
         validate(build_config(None, ["--mock-data", "--pp", "4", "--num-layers", "2"]), world_size=4)
 
 
-def test_expert_parallel_without_experts_is_refused():
-    """ep > 1 used to build groups and train a dense model: refused, as is ep with experts until
-    expert parallelism exists, and the MoE layouts whose balancing losses would be per shard."""
+def test_expert_parallel_layouts_are_checked():
+    """ep > 1 used to build groups and train a dense model: refused. With experts, ep must divide
+    them and dp x cp; expert tensor parallelism, FSDP with ep and MoE under cp are refused; ep,
+    sequence parallelism and the expert bias are accepted."""
     cfg = build_config(None, ["--mock-data", "--expert-model-parallel-size", "2"])
-    with pytest.raises(ConfigError, match="--expert-model-parallel-size 2: it needs a mixture-of-experts model"):
+    with pytest.raises(ConfigError, match="--expert-model-parallel-size 2 needs a mixture-of-experts model"):
         validate(cfg, world_size=2)
     moe = ["--mock-data", "--num-experts", "4", "--disable-bias-linear"]
-    validate(build_config(None, moe + ["--tp", "2"]), world_size=2)  # experts replicated over tp: fine
-    # Without balancing losses, routing is token by token: sp and cp shards change nothing.
-    validate(build_config(None, moe + ["--tp", "2", "--sequence-parallel"]), world_size=2)
-    validate(build_config(None, moe + ["--cp", "2"]), world_size=2)
-    balanced = ["--moe-aux-loss-coeff", "1e-2"]
-    for flags, message in ((["--expert-model-parallel-size", "2"], "expert parallelism is not implemented yet"),
-                           (["--tp", "2", "--sequence-parallel", *balanced], "drop --sequence-parallel"),
-                           (["--cp", "2", "--moe-z-loss-coeff", "1e-3"], "set --context-parallel-size 1"),
-                           (["--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid"], "not wired")):  # fmt: skip
+    for flags in (["--tp", "2"], ["--ep", "2"], ["--tp", "2", "--sequence-parallel"], ["--cp", "2"],
+                  ["--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid"]):  # fmt: skip
+        validate(build_config(None, moe + flags), world_size=2)
+    validate(build_config(None, moe + ["--ep", "4", "--moe-token-dispatcher-type", "allgather", "--global-batch-size", "32"]), world_size=4)
+    for flags, world, message in ((["--ep", "4"], 2, "must divide data parallel 2"),
+                                  (["--ep", "3"], 3, "must divide --num-experts 4"),
+                                  (["--expert-tensor-parallel-size", "2"], 2, "--expert-tensor-parallel-size 1"),
+                                  (["--ep", "2", "--use-torch-fsdp2"], 2, "--use-distributed-optimizer"),
+                                  (["--moe-token-dispatcher-type", "flex"], 2, "alltoall or allgather"),
+                                  (["--cp", "2", "--moe-z-loss-coeff", "1e-3"], 2, "set --context-parallel-size 1")):  # fmt: skip
         with pytest.raises(ConfigError, match=message):
-            validate(build_config(None, moe + flags), world_size=2)
+            validate(build_config(None, moe + flags), world_size=world)
 
 
 def test_sampling_after_a_sharded_run_is_refused_before_training():

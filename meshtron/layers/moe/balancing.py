@@ -4,18 +4,19 @@ Nothing here adds to a global: the layer hands its losses to the model, which re
 named auxiliary terms of its loss. That keeps them right under pipeline parallelism and
 recomputation, where MegaBlocks' global list of per-layer statistics went wrong.
 
-Scales are Megatron-Core's: each MoE layer's loss is ``coeff * E * sum_i f_i * P_i`` over the
-tokens that layer sees (one micro-batch on one rank), the layers' losses add up (the total grows
-with the number of MoE layers), and a micro-batch's terms are weighted as its language-model
-loss is (Megatron scales them by 1/num_micro_batches, as the LM loss). MegaBlocks'
-``--moe-loss-weight w`` averages over the layers instead: a per-layer coefficient of
-``w / num_moe_layers`` (``aux_loss_coeff``).
+Scales are Megatron-Core's: each MoE layer's loss is ``coeff * E * sum_i f_i * P_i`` over one
+micro-batch on one data-parallel rank (its whole sequences, under sequence parallelism too), the
+layers' losses add up (the total grows with the number of MoE layers), and a micro-batch's terms
+are weighted as its language-model loss is (Megatron scales them by 1/num_micro_batches, as the
+LM loss). MegaBlocks' ``--moe-loss-weight w`` averages over the layers instead: a per-layer
+coefficient of ``w / num_moe_layers`` (``aux_loss_coeff``).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from meshtron.config import ModelConfig
 
@@ -34,37 +35,24 @@ def balancing_scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:
     return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
 
 
-def switch_aux_loss(scores: torch.Tensor, tokens_per_expert: torch.Tensor, num_tokens: int, topk: int) -> torch.Tensor:
+def switch_aux_loss(score_sums: torch.Tensor, tokens_per_expert: torch.Tensor, num_tokens: torch.Tensor | int, topk: int) -> torch.Tensor:
     """Switch/GShard loss ``E * sum_i f_i * P_i`` (1 when perfectly balanced), before its coefficient.
 
-    f_i = tokens_per_expert_i / (num_tokens * k) is a count and carries no gradient; P_i = the mean
-    of ``scores`` [T, E] over tokens does. ``tokens_per_expert`` and ``num_tokens`` may cover more
-    tokens than ``scores`` (a sequence-parallel runner sums the counts over its group first).
+    f_i = tokens_per_expert_i / (num_tokens * k) is a count and carries no gradient; P_i =
+    score_sums_i / num_tokens, the mean of the balancing scores over the tokens, does. Sums rather
+    than means, so that a sequence-parallel layer can add its shards' sums up first (``TokenSum``).
     """
-    num_experts = scores.shape[-1]
     fraction = tokens_per_expert.float() / (num_tokens * topk)
-    mean_prob = scores.sum(dim=0) / num_tokens
-    return num_experts * (fraction * mean_prob).sum()
+    return score_sums.shape[-1] * (fraction * score_sums / num_tokens).sum(dim=-1)
 
 
-def sequence_aux_loss(scores: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-    """DeepSeek's sequence-wise balance loss: the switch loss of each sequence, averaged over them.
+class TokenSum(nn.Module):
+    """Sums over the tokens of the micro batch, from sums over the tokens this layer sees: the
+    same at one process. Under sequence parallelism each tp rank sees a shard of every sequence,
+    and the parallel plan replaces this module by a sum over the shards (``SequenceSum`` style)."""
 
-    ``scores`` [b, s, E], ``chosen`` [b, s, k] expert ids. Balancing each sequence, not only the
-    micro-batch, stops one long document from sending all its tokens to the same few experts.
-    """
-    b, s, num_experts = scores.shape
-    k = chosen.shape[-1]
-    counts = F.one_hot(chosen.reshape(b, s * k), num_experts).sum(dim=1)  # [b, E]
-    fraction = counts.float() / (s * k)
-    mean_prob = scores.mean(dim=1)
-    return num_experts * (fraction * mean_prob).sum(dim=-1).mean()
-
-
-def z_loss(logits: torch.Tensor) -> torch.Tensor:
-    """ST-MoE's router z-loss, mean over tokens of logsumexp(logits)^2: keeps logits small so the
-    router's softmax stays in a range where bf16 rounding does not flip the top-k."""
-    return torch.logsumexp(logits.float(), dim=-1).square().mean()
+    def forward(self, partial_sums: torch.Tensor) -> torch.Tensor:
+        return partial_sums
 
 
 def balancing_losses(
@@ -75,23 +63,38 @@ def balancing_losses(
     balancing_type: str,
     aux_coeff: float,
     z_coeff: float,
+    token_sum: nn.Module | None = None,
 ) -> dict[str, torch.Tensor]:
     """The layer's named losses, each already times its coefficient; a zero coefficient omits it.
 
-    ``logits`` [T, E] with T = batch_size * seq tokens in batch-major order. The counts f_i come
-    from the plain top-k of the balancing scores, not from the router's final choice (groups,
-    bias and dropping left out), as Megatron-Core computes them.
+    ``logits`` [T, E] with T = batch_size * seq tokens in batch-major order (this layer's share of
+    the sequence under sequence parallelism). The counts f_i come from the plain top-k of the
+    balancing scores, not from the router's final choice (groups, bias and dropping left out), as
+    Megatron-Core computes them. Every statistic is a sum over tokens, packed into one vector that
+    ``token_sum`` completes over the whole sequence in one call; seq_aux_loss keeps one per sequence.
+
+    The z-loss (ST-MoE) is the mean over tokens of logsumexp(logits)^2: it keeps logits small so
+    the router's softmax stays in a range where bf16 rounding does not flip the top-k.
     """
-    losses: dict[str, torch.Tensor] = {}
-    if balancing_type != "none" and aux_coeff > 0:
+    token_sum = token_sum or TokenSum()
+    parts: dict[str, torch.Tensor] = {"tokens": logits.new_full((1,), logits.shape[0], dtype=torch.float32)}
+    balanced = balancing_type != "none" and aux_coeff > 0
+    if balanced:
         scores = balancing_scores(logits, score_function)
         chosen = scores.topk(topk, dim=-1).indices
-        if balancing_type == "seq_aux_loss":
-            loss = sequence_aux_loss(scores.view(batch_size, -1, scores.shape[-1]), chosen.view(batch_size, -1, topk))
-        else:
-            counts = torch.bincount(chosen.flatten(), minlength=scores.shape[-1])
-            loss = switch_aux_loss(scores, counts, scores.shape[0], topk)
-        losses["load_balancing"] = aux_coeff * loss
+        per_sequence = balancing_type == "seq_aux_loss"
+        rows = batch_size if per_sequence else 1
+        parts["scores"] = scores.view(rows, -1, scores.shape[-1]).sum(dim=1)
+        parts["counts"] = F.one_hot(chosen.view(rows, -1), scores.shape[-1]).sum(dim=1).float()
     if z_coeff > 0:
-        losses["z_loss"] = z_coeff * z_loss(logits)
+        parts["z"] = torch.logsumexp(logits.float(), dim=-1).square().sum().reshape(1)
+    sums = token_sum(torch.cat([p.reshape(-1) for p in parts.values()])).split([p.numel() for p in parts.values()])
+    total = {name: summed.view_as(part) for (name, part), summed in zip(parts.items(), sums)}
+    num_tokens = total["tokens"][0]
+    losses: dict[str, torch.Tensor] = {}
+    if balanced:
+        per_row = num_tokens / total["scores"].shape[0]
+        losses["load_balancing"] = aux_coeff * switch_aux_loss(total["scores"], total["counts"], per_row, topk).mean()
+    if z_coeff > 0:
+        losses["z_loss"] = z_coeff * total["z"][0] / num_tokens
     return losses

@@ -52,6 +52,11 @@ class Experts(nn.Module):
         self.weight2 = nn.Parameter(torch.randn(cfg.num_experts, cfg.hidden_size, ffn) * cfg.init_method_std)
 
     def forward(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-        backend = self.cfg.moe_grouped_gemm
-        hidden = mlp_activation(grouped_mm(x, self.weight1, group_sizes, backend), self.cfg)
-        return grouped_mm(hidden, self.weight2, group_sizes, backend)
+        return expert_ffn(x, self.weight1, self.weight2, group_sizes, self.cfg)
+
+
+def expert_ffn(x: torch.Tensor, weight1: torch.Tensor, weight2: torch.Tensor, group_sizes: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Rows [R, h] grouped by ``group_sizes`` [E'] through the E' experts stacked in ``weight1`` /
+    ``weight2`` (all of them, or an expert-parallel rank's slice) -> [R, h]."""
+    hidden = mlp_activation(grouped_mm(x, weight1, group_sizes, cfg.moe_grouped_gemm), cfg)
+    return grouped_mm(hidden, weight2, group_sizes, cfg.moe_grouped_gemm)

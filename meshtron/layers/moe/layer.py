@@ -12,7 +12,7 @@ from torch import nn
 
 from meshtron.config import ModelConfig
 from meshtron.layers.mlp import MLP
-from meshtron.layers.moe.balancing import aux_loss_coeff, balancing_losses
+from meshtron.layers.moe.balancing import TokenSum, aux_loss_coeff, balancing_losses
 from meshtron.layers.moe.dispatch import permute, plan_dispatch, unpermute
 from meshtron.layers.moe.experts import Experts
 from meshtron.layers.moe.layer_pattern import moe_layer_pattern
@@ -21,13 +21,15 @@ from meshtron.layers.moe.router import Router
 
 class MoELayer(nn.Module):
     """x [b, s, h] -> [b, s, h]. Submodules ``router``, ``experts``, optional ``shared_experts``
-    (a plain MLP every token passes, DeepSeek's and Qwen-MoE's) and ``shared_expert_gate``."""
+    (a plain MLP every token passes, DeepSeek's and Qwen-MoE's) and ``shared_expert_gate``, and
+    ``token_sum``, which completes the balancing statistics over the whole sequence."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.aux_loss_coeff = aux_loss_coeff(cfg, sum(moe_layer_pattern(cfg)))
         self.router = Router(cfg)
+        self.token_sum = TokenSum()
         self.experts = Experts(cfg)
         shared = cfg.moe_shared_expert_intermediate_size
         self.shared_experts = MLP(cfg, width=shared) if shared else None
@@ -42,7 +44,7 @@ class MoELayer(nn.Module):
         differentiable scalars over this call's b*s tokens, already times their coefficients;
         the model adds them to its objective as named auxiliary terms (summed over layers, see
         ``balancing``). ``last_tokens_per_expert`` [E]: detached counts of the copies the experts
-        computed (after dropping), for load logging and ``router.update_expert_bias``.
+        computed (after dropping), for load logging.
         """
         b, s, h = x.shape
         tokens = x.reshape(b * s, h)
@@ -50,7 +52,7 @@ class MoELayer(nn.Module):
         cfg = self.cfg
         self.last_aux_losses = balancing_losses(
             routing.logits, b, cfg.moe_router_topk, cfg.moe_router_score_function,
-            cfg.moe_router_load_balancing_type, self.aux_loss_coeff, cfg.moe_z_loss_coeff,
+            cfg.moe_router_load_balancing_type, self.aux_loss_coeff, cfg.moe_z_loss_coeff, self.token_sum,
         )  # fmt: skip
         plan = plan_dispatch(
             routing.probs, routing.experts, cfg.num_experts, cfg.moe_expert_capacity_factor,

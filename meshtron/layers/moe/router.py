@@ -116,6 +116,8 @@ class Router(nn.Module):
         nn.init.normal_(self.weight, std=cfg.init_method_std)
         if cfg.moe_router_enable_expert_bias:
             self.register_buffer("expert_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+            # Integer, so casting the model to bf16 leaves the counts exact; not saved (zero after a step).
+            self.register_buffer("tokens_since_update", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False)
         else:
             self.expert_bias = None
 
@@ -136,7 +138,23 @@ class Router(nn.Module):
             logits, self.topk, self.score_function, self.pre_softmax, self.scaling_factor,
             self.num_groups, self.group_topk, self.expert_bias,
         )  # fmt: skip
+        if self.expert_bias is not None and self.training and torch.is_grad_enabled():
+            self.tokens_since_update += torch.bincount(experts.detach().reshape(-1), minlength=self.expert_bias.numel())
         return Routing(logits, probs, experts)
+
+    def step_statistics(self) -> torch.Tensor | None:
+        """This rank's routed copies per expert since the last update ([E], summed over the step's
+        training micro batches), or None without an expert bias. A layer that activation
+        recompute reruns counts each token twice: the update reads only the sign of (mean - load),
+        which a uniform factor leaves unchanged."""
+        return None if self.expert_bias is None else self.tokens_since_update
+
+    @torch.no_grad()
+    def apply_step_statistics(self, tokens_per_expert: torch.Tensor) -> None:
+        """After the optimizer step: one bias update from the counts summed over every rank that
+        routed other tokens, then the count restarts."""
+        self.update_expert_bias(tokens_per_expert)
+        self.tokens_since_update.zero_()
 
     @torch.no_grad()
     def update_expert_bias(self, tokens_per_expert: torch.Tensor) -> None:

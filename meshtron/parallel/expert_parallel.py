@@ -1,0 +1,130 @@
+"""Expert parallelism: each rank of an ep group holds ``E / ep`` consecutive routed experts of a
+layer, and the rows routed to an expert travel to the rank holding it and back.
+
+The mixture-of-experts layer is unchanged by it: it routes, sorts its tokens' copies by global
+expert and hands its ``experts`` module those rows with the per-expert counts [E]. The plan
+replaces that module by ``ExpertParallelExperts``, which keeps the interface (rows grouped by
+global expert in, outputs in the same rows out) and brings each rank's rows to their experts in
+one of two ways (``--moe-token-dispatcher-type``):
+
+- ``alltoall``: the per-expert counts are exchanged first (a fixed-size all-to-all of the [ep,
+  E/ep] count table), then one variable-size ``all_to_all_single`` sends each rank exactly the
+  rows of its experts. They arrive ordered [source rank][local expert] and are regrouped to
+  [local expert][source rank] for the grouped GEMM; the way back is the exact reverse.
+- ``allgather``: every rank gathers every rank's rows (padded to the longest), picks its own
+  experts' rows, and a reduce-scatter hands each source its rows back (each row computed by one
+  owner, zeros elsewhere, so the sum is exact). It moves ep times the rows of ``alltoall``; it
+  needs no variable-size collective. Megatron's allgather gathers tokens before permutation
+  (k times fewer bytes than the permuted rows gathered here); this one reuses the layer's
+  permutation so that both dispatchers share everything but the transport.
+
+Both transports are autograd functions whose backward runs the reverse collective, and both give
+the experts the same rows in the same order, so the two dispatchers compute bit-identical
+results. A rank that sends or receives no row, or an expert that gets none, still takes part in
+every collective with empty buffers (its weights get a zero gradient, as at one process).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from meshtron.errors import ConfigError
+from meshtron.layers.moe.experts import expert_ffn
+from meshtron.optim.grad_buffer import all_gather_single
+from meshtron.parallel.tensor_parallel import all_gather_sequence, reduce_scatter_sequence
+
+DISPATCHERS = ("alltoall", "allgather")
+
+
+def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    out = x.new_empty((sum(recv), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows ``send[j]`` to rank j, ``recv[i]`` from rank i; backward sends the gradients back."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return _all_to_all(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def source_major_to_expert_major(received: torch.Tensor) -> torch.Tensor:
+    """Row order that regroups a buffer of chunks [source][local expert] (sizes ``received``
+    [ep, L]) into [local expert][source]: ``buffer[index]`` has each local expert's rows contiguous."""
+    flat = received.reshape(-1)
+    starts = torch.cumsum(flat, 0) - flat
+    chunk_order = torch.arange(flat.numel(), device=flat.device).view(received.shape).t().reshape(-1)
+    sizes, chunk_starts = flat[chunk_order], starts[chunk_order]
+    total = int(flat.sum())
+    offset_in_chunk = torch.arange(total, device=flat.device) - torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes)
+    return torch.repeat_interleave(chunk_starts, sizes) + offset_in_chunk
+
+
+class ExpertParallelExperts(nn.Module):
+    """The routed experts of one layer on one ep rank: experts ``ep_rank * L .. + L`` of ``experts``
+    (L = E / ep), same parameter names, rows exchanged over ``group`` by ``dispatcher``."""
+
+    def __init__(self, experts: nn.Module, group, ep: int, ep_rank: int, dispatcher: str):
+        super().__init__()
+        num_experts = experts.weight1.shape[0]
+        if num_experts % ep:
+            raise ConfigError(f"--num-experts {num_experts} does not split over --expert-model-parallel-size {ep}; change either")
+        if dispatcher not in DISPATCHERS:
+            raise ConfigError(f"--moe-token-dispatcher-type must be one of {', '.join(DISPATCHERS)}, got '{dispatcher}'")
+        self.cfg, self.group, self.ep, self.dispatcher = experts.cfg, group, ep, dispatcher
+        self.num_local, self.ep_rank = num_experts // ep, ep_rank
+        first = ep_rank * self.num_local
+        with torch.no_grad():
+            for name, param in experts.named_parameters(recurse=False):
+                local = param[first : first + self.num_local].clone()
+                self.register_parameter(name, nn.Parameter(local, requires_grad=param.requires_grad))
+
+    def forward(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+        """x [R, h] grouped by global expert (``group_sizes`` [E]) -> their outputs [R, h]."""
+        if self.dispatcher == "alltoall":
+            return self._alltoall(x, group_sizes)
+        return self._allgather(x, group_sizes)
+
+    def _local_experts(self, rows: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
+        """Rows ordered [source][local expert] (chunk sizes ``received`` [ep, L]) -> outputs, same order."""
+        index = source_major_to_expert_major(received)
+        out = expert_ffn(rows.index_select(0, index), self.weight1, self.weight2, received.sum(0), self.cfg)
+        return out.index_select(0, torch.argsort(index))
+
+    def _alltoall(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+        counts = group_sizes.to(torch.int64).view(self.ep, self.num_local).contiguous()
+        received = torch.empty_like(counts)  # received[i, l]: rows rank i sends to my expert l
+        dist.all_to_all_single(received, counts, group=self.group)
+        send, recv = counts.sum(1).tolist(), received.sum(1).tolist()  # the one host sync: split sizes
+        rows = _AllToAll.apply(x, send, recv, self.group)
+        return _AllToAll.apply(self._local_experts(rows, received), recv, send, self.group)
+
+    def _allgather(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+        counts = group_sizes.to(torch.int64).contiguous()
+        table = counts.new_empty(self.ep * counts.numel())
+        all_gather_single(table, counts, group=self.group)
+        table = table.view(self.ep, -1)  # every rank's per-expert counts
+        longest = max(1, int(table.sum(1).max()))  # at least a row: collectives over empty buffers cannot be split
+        gathered = all_gather_sequence(F.pad(x, (0, 0, 0, longest - x.shape[0])), self.group, dim=0)
+        mine = slice(self.ep_rank * self.num_local, (self.ep_rank + 1) * self.num_local)
+        received = table[:, mine]
+        # Row positions of my experts' chunks in the gathered buffer, in [source][local expert] order.
+        before_mine = table[:, : mine.start].sum(1)
+        source_rows = [torch.arange(int(n), device=x.device) + i * longest + int(b) for i, (b, n) in enumerate(zip(before_mine, received.sum(1)))]
+        index = torch.cat(source_rows)
+        out = self._local_experts(gathered.index_select(0, index), received)
+        full = out.new_zeros(gathered.shape).index_copy(0, index, out)
+        return reduce_scatter_sequence(full, self.group, dim=0)[: x.shape[0]]
+
+    def extra_repr(self) -> str:
+        return f"{self.num_local} of {self.num_local * self.ep} experts, ep {self.ep}, {self.dispatcher}"

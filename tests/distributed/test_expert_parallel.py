@@ -1,0 +1,230 @@
+"""Expert parallelism, sequence parallelism with MoE and the expert bias, equal to one process.
+
+One spawn of 4 gloo processes (fp32, CPU) runs every case through the same runner as training:
+
+- ep2 inside dp4 (edp 2), ep4 inside dp4 (edp 1) with both dispatchers, ep2 x tp2, ep2 x pp2,
+  ep2 x tp2 with sequence parallelism (DeepSeek's per-sequence balancing loss, shared experts
+  with a gate): the step loss, each balancing term and every gradient equal one process's
+  (1e-5 relative); alltoall and allgather give bit-identical results;
+- one optimizer step (the distributed optimizer sharding experts over edp; and the replicated
+  one under ep2 x tp2 x sp): the gradient norm (each expert counted once), the updated weights
+  and the expert bias after ``Runner.after_step`` equal a one-process runner's;
+- checkpoints: the full state (weights, masters, Adam moments, keyed by global expert id) an
+  ep layout writes equals one process's, and one process's state loaded into a fresh ep layout
+  (the distributed optimizer's) reads back the same: resharding ep1 -> ep2 is slicing;
+- the dispatchers alone, with ranks that send nothing, ranks whose experts receive nothing and
+  experts with no row: outputs and weight gradients equal one process's experts.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from launcher import run_distributed
+from meshtron.checkpoint.layout import full_state, load_full_state
+from meshtron.config import ModelConfig, ParallelConfig, TrainConfig
+from meshtron.layers.moe.experts import Experts
+from meshtron.parallel.expert_parallel import ExpertParallelExperts
+from meshtron.parallel.mesh import Mesh
+from meshtron.parallel.plan import gather_full
+from meshtron.parallel.setup import runner_for
+from test_model_contract import MOE, MICRO_BATCHES, RTOL, _check, _decoder, _micro_batches, _train_step, one_process_reference
+
+MOE_ALLGATHER = ModelConfig(**{**MOE.__dict__, "moe_token_dispatcher_type": "allgather"})
+MOE_SEQUENCE = ModelConfig(**{**MOE.__dict__, "moe_router_load_balancing_type": "seq_aux_loss",
+                              "moe_shared_expert_intermediate_size": 32, "moe_shared_expert_gate": True})  # fmt: skip
+MOE_BIAS = ModelConfig(**{**MOE.__dict__, "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+                          "moe_router_bias_update_rate": 0.01})  # fmt: skip
+CONFIGS = {"moe": MOE, "allgather": MOE_ALLGATHER, "sequence": MOE_SEQUENCE, "bias": MOE_BIAS}
+# name: (mesh sizes, config, sequence parallel)
+LAYOUTS = {
+    "ep2_dp4": (dict(dp=4, ep=2), "moe", False),
+    "ep4_dp4": (dict(dp=4, ep=4), "moe", False),
+    "ep4_dp4_allgather": (dict(dp=4, ep=4), "allgather", False),
+    "ep2_tp2": (dict(tp=2, dp=2, ep=2), "moe", False),
+    "ep2_tp2_allgather": (dict(tp=2, dp=2, ep=2), "allgather", False),
+    "ep2_pp2": (dict(pp=2, dp=2, ep=2), "moe", False),
+    "ep2_tp2_sp": (dict(tp=2, dp=2, ep=2), "sequence", True),
+    "tp2_sp": (dict(tp=2, dp=2), "sequence", True),
+}
+# name: (mesh sizes, sequence parallel, distributed optimizer), all with MOE_BIAS
+STEPS = {"ep2_dp4_distopt": (dict(dp=4, ep=2), False, True), "ep2_tp2_sp": (dict(tp=2, dp=2, ep=2), True, False)}
+TRAIN = TrainConfig(lr=1e-2, clip_grad=0.05, weight_decay=0.1)
+# Rows per global expert that each rank hands its experts: rank 1 sends nothing, experts 1 and 2
+# (ranks 1 and 2 under ep4) receive nothing.
+ZERO_TOKEN_ROWS = [[5, 0, 0, 0], [0, 0, 0, 0], [2, 0, 0, 3], [0, 0, 0, 1]]
+
+
+def _parallel(mesh: Mesh, sequence_parallel: bool, distributed: bool = False) -> ParallelConfig:
+    return ParallelConfig(tensor_parallel=mesh.tp, pipeline_parallel=mesh.pp, expert_parallel=mesh.ep,
+                          sequence_parallel=sequence_parallel, use_distributed_optimizer=distributed)  # fmt: skip
+
+
+def _step(runner) -> dict:
+    """forward_backward, finalize, step, after_step of this rank's micro batches -> what to compare."""
+    mesh = runner.mesh
+    batches = _micro_batches()
+    runner.optimizer.zero_grad()
+    runner.forward_backward([batches[i] for i in range(MICRO_BATCHES)[mesh.dp_rank :: mesh.dp]])
+    runner.finalize_grads()
+    result = runner.optimizer.step(TRAIN.lr)
+    runner.after_step()
+    params = {n: gather_full(p.detach().clone(), runner.metas[n], mesh) for n, p in runner.model.named_parameters()}
+    biases = {n: b.clone() for n, b in runner.model.named_buffers() if n.endswith("expert_bias")}
+    state = full_state(runner.model, runner.optimizer, mesh, True, runner.metas)
+    return {"grad_norm": result.grad_norm, "params": params, "biases": biases, "state": state}
+
+
+def _bias_runner(mesh: Mesh, sequence_parallel: bool = False, distributed: bool = False):
+    return runner_for(_decoder(MOE_BIAS), mesh, _parallel(mesh, sequence_parallel, distributed), TRAIN, torch.float32)
+
+
+def _reloaded(mesh: Mesh, state: dict) -> dict:
+    """``state`` loaded into a fresh runner on ``mesh`` (distributed optimizer), written back."""
+    runner = _bias_runner(mesh, distributed=True)
+    load_full_state(state, runner.model, runner.optimizer, True, runner.metas)
+    return full_state(runner.model, runner.optimizer, mesh, True, runner.metas)
+
+
+def _zero_token_inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s rows [R, h], their group sizes [E] and an output weighting for the loss."""
+    g = torch.Generator().manual_seed(100 + rank)
+    sizes = torch.tensor(ZERO_TOKEN_ROWS[rank])
+    rows = int(sizes.sum())
+    return torch.randn(rows, MOE.hidden_size, generator=g), sizes, torch.randn(rows, MOE.hidden_size, generator=g)
+
+
+def _zero_token_experts() -> Experts:
+    torch.manual_seed(5)
+    return Experts(MOE)
+
+
+def _zero_tokens(mesh: Mesh, dispatcher: str) -> dict:
+    experts = ExpertParallelExperts(_zero_token_experts(), mesh.ep_group, mesh.ep, mesh.ep_rank, dispatcher)
+    x, sizes, weighting = _zero_token_inputs(mesh.rank)
+    x.requires_grad_(True)
+    out = experts(x, sizes)
+    (out * weighting).sum().backward()
+    return {"out": out.detach(), "x_grad": x.grad, "grads": {n: p.grad for n, p in experts.named_parameters()}}
+
+
+def _worker(rank: int, world_size: int) -> dict:
+    out = {}
+    for name, (sizes, config, sp) in LAYOUTS.items():
+        mesh = Mesh(**sizes, rank=rank)
+        mesh.init_process_groups()
+        out[name] = _train_step(_decoder(CONFIGS[config]), mesh, _parallel(mesh, sp))[1]
+    for name, (sizes, sp, distributed) in STEPS.items():
+        mesh = Mesh(**sizes, rank=rank)
+        mesh.init_process_groups()
+        out[f"step/{name}"] = _step(_bias_runner(mesh, sp, distributed))
+    # One process's state (a one-process run inside each process of the spawn) into a tp2 x ep2 layout.
+    mesh = Mesh(tp=2, dp=2, ep=2, rank=rank)
+    mesh.init_process_groups()
+    out["reloaded"] = _reloaded(mesh, _one_process_step()["state"])
+    mesh = Mesh(dp=4, ep=4, rank=rank)
+    mesh.init_process_groups()
+    for dispatcher in ("alltoall", "allgather"):
+        out[f"zero/{dispatcher}"] = _zero_tokens(mesh, dispatcher)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for rank_result in run_distributed(_worker, 4, timeout=300.0):
+        for name, result in rank_result.items():
+            out.setdefault(name, []).append(result)
+    return out
+
+
+@functools.lru_cache
+def _reference(config: str) -> dict:
+    return one_process_reference(_decoder(CONFIGS[config]))
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_expert_and_sequence_parallel_match_one_process(runs, name):
+    config = LAYOUTS[name][1]
+    ref = _reference(config)
+    assert sorted(ref["aux"]) == [f"{kind}/{layer}" for kind in ("load_balancing", "z_loss") for layer in (1, 2, 3)]
+    _check(runs[name], ref, f"{name} ({config})")
+
+
+@pytest.mark.parametrize("layout", ["ep4_dp4", "ep2_tp2"])
+def test_alltoall_and_allgather_dispatchers_are_bit_identical(runs, layout):
+    for a, b in zip(runs[layout], runs[f"{layout}_allgather"]):
+        assert a["loss"] == b["loss"] and a["aux"] == b["aux"]
+        for pname, grad in a["grads"].items():
+            assert torch.equal(grad, b["grads"][pname]), f"{layout}: {pname} differs between dispatchers"
+
+
+@functools.lru_cache
+def _one_process_step() -> dict:
+    return _step(_bias_runner(Mesh()))
+
+
+def _assert_same_state(actual: dict, expected: dict, what: str) -> None:
+    flat_actual, flat_expected = _flatten(actual), _flatten(expected)
+    assert flat_actual.keys() == flat_expected.keys(), f"{what}: state keys differ"
+    for key, value in flat_expected.items():
+        assert flat_actual[key].shape == value.shape, f"{what}: {key} {tuple(flat_actual[key].shape)} != {tuple(value.shape)}"
+        err = (flat_actual[key].double() - value.double()).norm() / value.double().norm().clamp(min=1e-30)
+        assert err <= RTOL, f"{what}: {key} relative error {err:.2e}"
+
+
+def _flatten(tree, prefix: str = "") -> dict[str, torch.Tensor]:
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in _flatten(sub, f"{prefix}/{key}").items()}
+    return {prefix: tree}
+
+
+@pytest.mark.parametrize("name", list(STEPS))
+def test_optimizer_step_and_expert_bias_match_one_process(runs, name):
+    ref = _one_process_step()
+    assert ref["grad_norm"] > TRAIN.clip_grad  # clipping is active: the norm matters
+    assert any(b.abs().sum() > 0 for b in ref["biases"].values()), "the expert bias did not move"
+    for rank, r in enumerate(runs[f"step/{name}"]):
+        assert abs(r["grad_norm"] - ref["grad_norm"]) <= RTOL * ref["grad_norm"], f"{name} rank {rank}: grad norm"
+        for bname, bias in ref["biases"].items():
+            assert torch.equal(r["biases"][bname], bias), f"{name} rank {rank}: {bname} {r['biases'][bname]} != {bias}"
+        for pname, param in r["params"].items():
+            err = (param - ref["params"][pname]).norm() / ref["params"][pname].norm()
+            assert err <= RTOL, f"{name} rank {rank}: {pname} after the step, relative error {err:.2e}"
+        _assert_same_state(r["state"], ref["state"], f"{name} rank {rank} checkpoint state")
+
+
+def test_one_process_checkpoint_loads_into_expert_parallel_layout(runs):
+    ref = _one_process_step()["state"]
+    assert any(n.endswith("experts.weight1") for n in ref["model"])
+    for rank, state in enumerate(runs["reloaded"]):
+        _assert_same_state(state, ref, f"rank {rank} after loading one process's state")
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_ranks_and_experts_without_tokens(runs, dispatcher):
+    """Rank 1 sends no row; experts 1 and 2 (ranks 1 and 2) receive none: outputs, input and
+    weight gradients equal one process's experts on every rank's rows."""
+    experts = _zero_token_experts()
+    total = torch.zeros(())
+    outputs = []
+    for rank in range(4):
+        x, sizes, weighting = _zero_token_inputs(rank)
+        x.requires_grad_(True)
+        out = experts(x, sizes)
+        total = total + (out * weighting).sum()
+        outputs.append((out, x))
+    total.backward()
+    for rank, r in enumerate(runs[f"zero/{dispatcher}"]):
+        out, x = outputs[rank]
+        torch.testing.assert_close(r["out"], out.detach(), rtol=RTOL, atol=1e-6)
+        if x.numel():
+            torch.testing.assert_close(r["x_grad"], x.grad, rtol=RTOL, atol=1e-6)
+        for pname, grad in r["grads"].items():
+            expected = getattr(experts, pname).grad[rank : rank + 1]
+            torch.testing.assert_close(grad, expected, rtol=RTOL, atol=1e-6)
+            if rank in (1, 2):
+                assert not grad.any(), f"expert {rank} received no token but has a gradient"
