@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from meshtron.errors import ConfigError, unknown_name
-from meshtron.flags import MEGATRON_ALIASES
+from meshtron.flags import MEGATRON_ALIASES, NOTED_FLAGS, VALUE_ALIASES
 from meshtron.presets import preset_fields
 
 
@@ -95,6 +95,9 @@ class ModelConfig:
     rope_beta_slow: float = 1.0
     rope_mscale: float = 1.0
     rope_mscale_all_dim: float = 0.0
+    # Flags of the ROCm fork's launch scripts (issue 14); checks in meshtron.validation.dropin_errors.
+    extra_vocab_size: int = 0  # rows added after the tokenizer's vocabulary, before padding (PAI-Megatron's)
+    moe_num_shared_experts: int = 0  # PAI-Megatron's shared-expert count: the shared MLP is this x moe_ffn_hidden_size wide
 
 
 @dataclass
@@ -158,6 +161,7 @@ class TrainConfig:
     gradient_accumulation_fusion: bool = False  # the blocks' linears compute weight gradients straight into the fp32 buffer
     check_for_nan_in_loss_and_grad: bool = True  # a non-finite loss or grad norm stops the run (fp16: see the next field)
     max_consecutive_skipped_steps: int = 10  # this many skipped steps in a row (fp16 overflow) stop the run; 0: no limit
+    optimizer: str = "adam"  # adam (AdamW: Megatron's adam, decoupled weight decay); sgd is not implemented
 
 
 @dataclass
@@ -180,6 +184,8 @@ class ParallelConfig:
     cp_comm_type: str = "p2p"  # context parallel attention: p2p (ring) | all_gather (of keys and values)
     fsdp: bool = False  # PyTorch FSDP2 (fully_shard) instead of the distributed optimizer; needs tp = 1
     ddp_bucket_size: int = 40_000_000  # gradient elements per data-parallel reduction bucket
+    grad_reduce_in_bf16: bool = False  # reduce a bf16 copy of each gradient bucket; accumulation stays fp32
+    distributed_timeout_minutes: int = 10  # how long a collective may wait before the process group fails
 
 
 @dataclass
@@ -195,6 +201,7 @@ class CheckpointConfig:
     no_save_rng: bool = False
     ckpt_format: str = "torch_dist"  # the only format: DCP, reshardable
     dist_ckpt_strictness: str = "raise_all"  # raise_all | log_all (checkpoint tensors the run lacks are skipped)
+    exit_on_missing_checkpoint: bool = False  # --load finds no checkpoint: stop instead of starting from scratch
 
 
 @dataclass
@@ -205,6 +212,14 @@ class LoggingConfig:
     tensorboard_dir: str = ""
     generate_prompt: str = ""  # after training, print a sample from this prompt ("" skips)
     generate_tokens: int = 48
+    tensorboard_queue_size: int = 1000  # scalars TensorBoard buffers before writing to disk
+    wandb_project: str = ""  # log to Weights & Biases too (needs `pip install wandb`; WANDB_MODE=offline honoured)
+    wandb_exp_name: str = ""  # the W&B run name
+    wandb_save_dir: str = ""  # where W&B keeps its files ("": its default, ./wandb)
+    profile: bool = False  # PyTorch profiler trace of iterations [profile_step_start, profile_step_end) under the run directory
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    noted_flags: list[str] = field(default_factory=list)  # Megatron flags given whose behaviour is fixed here; logged at start-up
 
 
 @dataclass
@@ -313,8 +328,11 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
             out[_target(flags[name[3:]])] = False
             i += 1
             continue
+        if name in NOTED_FLAGS:
+            i = _note_flag(name, NOTED_FLAGS[name][0], inline if eq else None, args, i, out)
+            continue
         if name not in flags:
-            raise ConfigError(unknown_name("flag", "--" + name, ["--" + f for f in flags]))
+            raise ConfigError(unknown_name("flag", "--" + name, ["--" + f for f in [*flags, *NOTED_FLAGS]]))
         target = flags[name]
         if isinstance(target, tuple):
             dotted, constant = target
@@ -342,11 +360,36 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
                 raise ConfigError(f"--{name} needs a value")
             out[target] = args[i + 1]
             i += 2
+    _translate_values(out)
     return out
 
 
 def _target(t: Any) -> str:
     return t[0] if isinstance(t, tuple) else t
+
+
+def _note_flag(name: str, takes_value: bool, inline: str | None, args: list[str], i: int, out: dict[str, Any]) -> int:
+    """Record a flag of ``NOTED_FLAGS`` (with its value, if it takes one) in ``logging.noted_flags``;
+    returns the index of the next argument."""
+    value, i = (inline, i + 1) if inline is not None else (None, i + 1)
+    if takes_value and value is None:
+        if i == len(args) or args[i].startswith("--"):
+            raise ConfigError(f"--{name} needs a value")
+        value, i = args[i], i + 1
+    elif not takes_value and value is not None:
+        raise ConfigError(f"--{name} takes no value")
+    out.setdefault("logging.noted_flags", []).append(f"--{name}" + (f" {value}" if value is not None else ""))
+    return i
+
+
+def _translate_values(out: dict[str, Any]) -> None:
+    """Megatron's values of a flag (``--attention-backend fused``) become meshtron's, noted for the log."""
+    for target, table in VALUE_ALIASES.items():
+        if isinstance(out.get(target), str) and out[target] in table:
+            ours, meaning = table[out[target]]
+            flag = "--" + target.split(".")[1].replace("_", "-")
+            out.setdefault("logging.noted_flags", []).append(f"{flag} {out[target]}: meshtron's {ours}, {meaning}")
+            out[target] = ours
 
 
 def load_file(path: str | os.PathLike) -> dict[str, Any]:
@@ -387,7 +430,15 @@ def build_config(config_file: str | None = None, overrides: list[str] | None = N
     for dotted, value in parsed.items():
         section, name = dotted.split(".")
         merged.setdefault(section, {})[name] = value
-    return Config.from_dict(merged)
+    cfg = Config.from_dict(merged)
+    _resolve_shared_experts(cfg.model)
+    return cfg
+
+
+def _resolve_shared_experts(m: ModelConfig) -> None:
+    """PAI-Megatron's ``--num-shared-experts N`` is Megatron-Core's shared MLP of N expert widths."""
+    if m.moe_num_shared_experts and not m.moe_shared_expert_intermediate_size:
+        m.moe_shared_expert_intermediate_size = m.moe_num_shared_experts * (m.moe_ffn_hidden_size or m.ffn_hidden_size)
 
 
 def world_size_from_env() -> int:

@@ -26,6 +26,7 @@ def build_optimizer(
     pp_group: dist.ProcessGroup | None = None,
     distributed: bool = False,
     bucket_size: int = DEFAULT_BUCKET_SIZE,
+    reduce_dtype: torch.dtype = torch.float32,
 ) -> MixedPrecisionOptimizer:
     """The optimizer for a model already cast to ``param_dtype``.
 
@@ -43,7 +44,8 @@ def build_optimizer(
     # Layout in registration order (GradBuffer reverses it to follow backward), not group order.
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     own_bucket = frozenset(n for n, _ in trainable if metas is not None and metas[n].pipeline_copy)
-    grads = GradBuffer(trainable, group=dp_group, bucket_size=bucket_size, shard=distributed, own_bucket=own_bucket)
+    grads = GradBuffer(trainable, group=dp_group, bucket_size=bucket_size, shard=distributed, own_bucket=own_bucket,
+                       reduce_dtype=reduce_dtype)
     optimizer_cls = DistributedOptimizer if distributed else MixedPrecisionOptimizer
     return optimizer_cls(
         build_param_groups(model, train_cfg.weight_decay, metas),

@@ -19,6 +19,11 @@ With the distributed optimizer each bucket is reduce-scattered instead: rank ``r
 keeps the sum only in its ``1/dp`` slice of every bucket (``shard_range``), which is all its
 optimizer shard needs.
 
+With ``reduce_dtype=torch.bfloat16`` (``--grad-reduce-in-bf16``) each bucket goes over the wire
+as a bf16 copy, half the bytes, and the reduced copy is written back into the fp32 buffer; micro
+batches still accumulate in fp32, so only the one rounding of the communicated sum is lost (Megatron
+instead keeps the whole buffer in bf16).
+
 Only the last micro batch of a step communicates: earlier ones run inside ``no_sync()`` and just
 accumulate. With one process (``group=None``) the buffer never communicates; it is then only the
 fp32 accumulator of ``MixedPrecisionOptimizer``.
@@ -56,6 +61,7 @@ class Bucket:
     pending: int = 0  # params whose gradient has not landed yet in this step's synced backward
     handle: object = None  # the in-flight collective
     launched_in_backward: bool = False
+    reduced_copy: tuple[torch.Tensor, torch.Tensor] | None = None  # (bf16 result, fp32 elements it goes back to)
 
 
 @dataclass
@@ -93,6 +99,7 @@ class GradBuffer:
         bucket_size: int = DEFAULT_BUCKET_SIZE,
         shard: bool = False,
         own_bucket: frozenset[str] = frozenset(),
+        reduce_dtype: torch.dtype = torch.float32,
     ) -> None:
         if not named_params:
             raise ValueError("the model has no trainable parameters")
@@ -103,6 +110,7 @@ class GradBuffer:
             # A second buffer's hooks would fight the first's over every .grad.
             raise ValueError(f"parameters {owned[:3]} already have a gradient buffer: build one optimizer per model")
         self.group = group
+        self.reduce_dtype = reduce_dtype
         self.dp_size = dist.get_world_size(group) if group is not None else 1
         self.dp_rank = dist.get_rank(group) if group is not None else 0
         self.shard = shard
@@ -191,6 +199,10 @@ class GradBuffer:
         for bucket in waited:
             bucket.handle.wait()
             bucket.handle = None
+            if bucket.reduced_copy is not None:
+                reduced, target = bucket.reduced_copy
+                target.copy_(reduced)
+                bucket.reduced_copy = None
         if waited:
             overlapped = sum(b.end - b.start for b in self.buckets if b.launched_in_backward)
             self.stats = SyncStats(len(self.buckets), overlapped / self.numel, time.perf_counter() - start)
@@ -239,9 +251,13 @@ class GradBuffer:
                 return
             bucket.launched_in_backward = not force
             region = self.data[bucket.start : bucket.end]
+            target = self.data[slice(*self.shard_range(bucket))] if self.shard else region
+            if self.reduce_dtype != region.dtype:  # reduce a low-precision copy, written back after the wait
+                region = region.to(self.reduce_dtype)
+                out = torch.empty_like(target, dtype=self.reduce_dtype) if self.shard else region
+                bucket.reduced_copy, target = (out, target), out
             if self.shard:
-                lo, hi = self.shard_range(bucket)
-                bucket.handle = reduce_scatter_single(self.data[lo:hi], region, group=self.group, async_op=True)
+                bucket.handle = reduce_scatter_single(target, region, group=self.group, async_op=True)
             else:
                 bucket.handle = dist.all_reduce(region, group=self.group, async_op=True)
             bucket.pending = 0
