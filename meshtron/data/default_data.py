@@ -20,7 +20,10 @@ def _complete(cache_dir: str, stamp: dict, files: list[str]) -> bool:
         return False
 
 
-def prepare_default_data(cache_dir: str, vocab_size: int = 4096, workers: int = 1) -> tuple[str, str]:
+EMBEDDED_VOCAB_SIZE = 4096  # the embedded corpus's BPE vocabulary
+
+
+def prepare_default_data(cache_dir: str, vocab_size: int = EMBEDDED_VOCAB_SIZE, workers: int = 1) -> tuple[str, str]:
     """Corpus jsonl -> BPE tokenizer.json -> ``corpus_text_document.bin/.idx`` in ``cache_dir``; reused when complete.
 
     Returns ``(data_prefix, tokenizer_path)``. Call it on one rank first (then a barrier) when
