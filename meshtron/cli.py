@@ -38,8 +38,9 @@ def train_main(argv: list[str]) -> int:
     parser.add_argument("-h", "--help", action="store_true")
     known, overrides = parser.parse_known_args(argv)
     if known.help:
-        print("usage: meshtron train [--config FILE.toml|.yaml] [--section.field VALUE | --field VALUE | Megatron flag ...]")
-        print("\nfields and their defaults:\n" + format_config(build_config(None, [])))
+        from meshtron.config_help import help_text
+
+        print(help_text(build_config(None, [])))
         return 0
     if not argv:
         overrides = list(EMBEDDED_DEFAULT_ARGS)
