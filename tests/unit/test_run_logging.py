@@ -92,3 +92,25 @@ def test_wandb_gets_the_scalars_and_its_settings(monkeypatch, tmp_path):
     assert "mode" not in calls["init"], "W&B's own WANDB_MODE (offline) must decide"
     assert [step for step, _ in calls["log"]] == [1, 2] and "train/loss" in calls["log"][0][1] and calls.get("finished")
     assert save_dir.is_dir()
+
+
+def test_plot_writes_a_png_of_the_run(tiny_run, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from meshtron.cli import main
+    from meshtron.plot import PANELS, read_scalars
+
+    run_dir, _ = tiny_run
+    assert main(["plot", str(run_dir), "--output", str(tmp_path / "run.png")]) == 0
+    png = (tmp_path / "run.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000 and f"wrote {tmp_path / 'run.png'}" in capsys.readouterr().out
+    scalars = read_scalars(run_dir)
+    assert all(any(tag in scalars for tag, _ in series) for _, series in PANELS), "a panel of the plot would be empty"
+    assert scalars["valid/loss"][0] == [3, 6]
+
+
+def test_plot_without_matplotlib_or_events_says_what_to_do(tiny_run, tmp_path, monkeypatch, capsys):
+    from meshtron.cli import main
+
+    assert main(["plot", str(tmp_path)]) == 2 and "train with --tensorboard-dir" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main(["plot", str(tiny_run[0])]) == 2 and "pip install 'meshtron[plot]'" in capsys.readouterr().err
