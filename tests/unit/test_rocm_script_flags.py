@@ -189,3 +189,24 @@ def test_values_meshtron_cannot_honour_are_refused_with_the_fix(argv, message):
 
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         validate(build_config(None, shlex.split(argv)), world_size=1)
+
+
+def test_wandb_knob_needs_the_package_and_is_accepted_with_it(monkeypatch):
+    """WANDB_API_KEY set: the scripts add the three W&B flags; refused with the fix while wandb is
+    missing, accepted once it is importable (a stand-in module here)."""
+    import importlib.machinery
+    import sys
+    import types
+
+    from meshtron.errors import ConfigError
+
+    argv = shlex.split(llama3_flags(WANDB=True))
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(ConfigError, match="pip install wandb"):
+        validate(build_config(None, argv), world_size=WORLD)
+    fake = types.ModuleType("wandb")
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg = build_config(None, argv)
+    validate(cfg, world_size=WORLD)
+    assert (cfg.logging.wandb_project, cfg.logging.wandb_exp_name, cfg.logging.wandb_save_dir) == ("LLama", "LLama_70B", "logs/wandb")
