@@ -22,6 +22,7 @@ commands:
   convert      Hugging Face weights: meshtron convert hf-import --hf-dir DIR --save OUT [--dtype bf16|fp32]
                or meshtron convert hf-export --load CKPT --hf-dir OUT [--dtype bf16|fp32]
   checkpoint   inspect a checkpoint: meshtron checkpoint info DIR [--ckpt-step N]
+  plot         a PNG of a run's loss, lr, grad norm, tokens/s and memory: meshtron plot RUN_DIR (its --tensorboard-dir)
   estimate     per-GPU memory of a config and layout: meshtron estimate [--config FILE] [--world-size N]
                [--print-mesh] [--flag value ...]
 """
@@ -38,8 +39,9 @@ def train_main(argv: list[str]) -> int:
     parser.add_argument("-h", "--help", action="store_true")
     known, overrides = parser.parse_known_args(argv)
     if known.help:
-        print("usage: meshtron train [--config FILE.toml|.yaml] [--section.field VALUE | --field VALUE | Megatron flag ...]")
-        print("\nfields and their defaults:\n" + format_config(build_config(None, [])))
+        from meshtron.config_help import help_text
+
+        print(help_text(build_config(None, [])))
         return 0
     if not argv:
         overrides = list(EMBEDDED_DEFAULT_ARGS)
@@ -99,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
             from meshtron.checkpoint.info import main as checkpoint_main
 
             return checkpoint_main(rest)
+        if command == "plot":
+            from meshtron.plot import main as plot_main
+
+            return plot_main(rest)
         if command == "estimate":
             from meshtron.estimate import main as estimate_main
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from meshtron.errors import ConfigError, unknown_name
-from meshtron.flags import MEGATRON_ALIASES
+from meshtron.flags import MEGATRON_ALIASES, NOTED_FLAGS, VALUE_ALIASES
 from meshtron.presets import preset_fields
 
 
@@ -25,54 +25,54 @@ from meshtron.presets import preset_fields
 class ModelConfig:
     """Shape of a decoder. ``preset`` fills defaults; explicit fields win."""
 
-    preset: str = ""
-    num_layers: int = 4
-    hidden_size: int = 128
+    preset: str = ""  # named model shape whose fields become the defaults (meshtron/presets.py)
+    num_layers: int = 4  # transformer blocks
+    hidden_size: int = 128  # width of the residual stream
     ffn_hidden_size: int = 0  # 0: 4*hidden (gelu) or Llama's 8/3 rule (swiglu)
-    num_attention_heads: int = 4
+    num_attention_heads: int = 4  # query heads per layer
     num_query_groups: int = 0  # kv heads; 0: same as attention heads (no GQA)
     kv_channels: int = 0  # head dim; 0: hidden / heads
     vocab_size: int = 0  # 0: taken from the tokenizer (padded, see below)
-    make_vocab_size_divisible_by: int = 128
+    make_vocab_size_divisible_by: int = 128  # pad the vocabulary to a multiple of this x tp
     max_position_embeddings: int = 0  # 0: seq_length
     normalization: str = "LayerNorm"  # LayerNorm | RMSNorm
-    norm_epsilon: float = 1e-5
+    norm_epsilon: float = 1e-5  # epsilon of every LayerNorm/RMSNorm
     activation: str = "gelu"  # gelu | gelu_tanh | swiglu
     position_embedding_type: str = "learned_absolute"  # learned_absolute | rope
-    rotary_base: float = 10000.0
+    rotary_base: float = 10000.0  # RoPE theta
     rope_scaling: str = ""  # "" | llama3
-    rope_scaling_factor: float = 8.0
-    rope_low_freq_factor: float = 1.0
-    rope_high_freq_factor: float = 4.0
-    rope_original_max_position_embeddings: int = 8192
-    add_bias_linear: bool = True
-    tie_embeddings: bool = True
-    attention_dropout: float = 0.0
-    hidden_dropout: float = 0.0
-    init_method_std: float = 0.02
+    rope_scaling_factor: float = 8.0  # llama3/YaRN: context extension factor
+    rope_low_freq_factor: float = 1.0  # llama3 scaling: wavelengths above original/this are scaled fully
+    rope_high_freq_factor: float = 4.0  # llama3 scaling: wavelengths below original/this are kept
+    rope_original_max_position_embeddings: int = 8192  # llama3/YaRN: the context the model was trained with
+    add_bias_linear: bool = True  # biases in the blocks' linear layers
+    tie_embeddings: bool = True  # the output layer shares the input embedding's weights
+    attention_dropout: float = 0.0  # dropout on attention probabilities
+    hidden_dropout: float = 0.0  # dropout on each block's attention and MLP outputs
+    init_method_std: float = 0.02  # standard deviation of the normal weight init
     attention_backend: str = "auto"  # auto | sdpa | cudnn | flash | efficient | math
     fused_kernels: str = "auto"  # auto (Triton on a GPU where installed) | on | off (PyTorch references, unfused loss)
     recompute_granularity: str = ""  # "" | selective (core attention) | full (whole layers)
     recompute_method: str = "uniform"  # full: uniform (groups of N layers) | block (first N layers)
-    recompute_num_layers: int = 1
+    recompute_num_layers: int = 1  # full recompute: layers per group (uniform) or layers recomputed (block)
     fp8_format: str = ""  # "" (off) | hybrid (e4m3 forward, e5m2 gradients) | e4m3: the blocks' linears in FP8
     fp8_backend: str = "auto"  # auto (torchao when installed and usable) | torchao | meshtron
     # Mixture of experts (meshtron/layers/moe/; checks in moe_config_errors). Names are Megatron-Core's.
     num_experts: int = 0  # routed experts per MoE layer; 0: dense MLPs only
-    moe_router_topk: int = 2
+    moe_router_topk: int = 2  # experts each token is sent to
     moe_ffn_hidden_size: int = 0  # per expert; 0: ffn_hidden_size
     moe_router_load_balancing_type: str = "aux_loss"  # aux_loss (switch/GShard) | seq_aux_loss (DeepSeek) | none
     moe_aux_loss_coeff: float = 0.0  # per MoE layer; the layers' losses add up (Megatron-Core's scale)
     moe_loss_weight: float = 0.0  # MegaBlocks' scale: the same loss averaged over the MoE layers; set one of the two
-    moe_z_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0  # router z-loss coefficient (0: off)
     moe_router_score_function: str = "softmax"  # softmax | sigmoid
     moe_router_pre_softmax: bool = False  # softmax over all experts, then top-k (weights not renormalized)
-    moe_router_topk_scaling_factor: float = 1.0
+    moe_router_topk_scaling_factor: float = 1.0  # multiplies the top-k routing weights
     moe_router_num_groups: int = 0  # group-limited routing: experts in this many groups; 0: off
     moe_router_group_topk: int = 0  # groups a token may use
     moe_router_dtype: str = ""  # "" (input dtype) | fp32 | fp64: router logits, weights and combine
     moe_router_enable_expert_bias: bool = False  # DeepSeek-V3 auxiliary-loss-free balancing (sigmoid)
-    moe_router_bias_update_rate: float = 1e-3
+    moe_router_bias_update_rate: float = 1e-3  # expert-bias step per iteration (with the expert bias)
     moe_jitter_eps: float = 0.0  # multiplies the router input by U(1-eps, 1+eps) in training
     moe_expert_capacity_factor: float = 0.0  # 0: dropless; else tokens beyond ceil(T*k/E*factor) per expert dropped
     moe_token_drop_policy: str = "probs"  # probs (lowest weight dropped) | position (latest position dropped)
@@ -84,17 +84,17 @@ class ModelConfig:
     # DeepSeek-V2 multi-head latent attention (meshtron/layers/mla.py; checked by mla_config_errors there)
     # and YaRN (rope_scaling "yarn", which also reads rope_scaling_factor and
     # rope_original_max_position_embeddings). Head dims use Megatron's names; HF's in comments.
-    multi_latent_attention: bool = False
+    multi_latent_attention: bool = False  # DeepSeek-V2 multi-head latent attention instead of GQA
     q_lora_rank: int = 0  # 0: full query projection (V2-Lite); else its low rank, with a norm (V2: 1536)
     kv_lora_rank: int = 512  # width of the joint key/value latent (Megatron's default is 32)
     qk_head_dim: int = 128  # per-head query/key dims without RoPE (HF qk_nope_head_dim)
     qk_pos_emb_head_dim: int = 64  # per-head query dims with RoPE, and the one shared RoPE key (HF qk_rope_head_dim)
-    v_head_dim: int = 128
+    v_head_dim: int = 128  # MLA: per-head value dims
     qk_layernorm: bool = False  # MLA: norm the q and kv latents (DeepSeek has them); not implemented without MLA
-    rope_beta_fast: float = 32.0
-    rope_beta_slow: float = 1.0
-    rope_mscale: float = 1.0
-    rope_mscale_all_dim: float = 0.0
+    rope_beta_fast: float = 32.0  # YaRN: fast-rotating boundary (rotations per context)
+    rope_beta_slow: float = 1.0  # YaRN: slow-rotating boundary
+    rope_mscale: float = 1.0  # YaRN: attention temperature scale
+    rope_mscale_all_dim: float = 0.0  # YaRN: temperature scale applied to all dims (DeepSeek)
     # Model families: meshtron.models.build_model dispatches on model_type (Megatron users pick the
     # pretrain_*.py script, we pick the type); checked by meshtron.models.model_config_errors.
     model_type: str = "gpt"  # gpt (the decoder: GPT, Llama, MoE) | bert
@@ -103,6 +103,9 @@ class ModelConfig:
     # Expert parallelism (meshtron/parallel/expert_parallel.py). alltoall is the default here, unlike
     # Megatron's allgather: both compute the same, and alltoall moves ep times fewer rows.
     moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather
+    # Flags of the ROCm fork's launch scripts (issue 14); checks in meshtron.validation.dropin_errors.
+    extra_vocab_size: int = 0  # rows added after the tokenizer's vocabulary, before padding (PAI-Megatron's)
+    moe_num_shared_experts: int = 0  # PAI-Megatron's shared-expert count: the shared MLP is this x moe_ffn_hidden_size wide
 
 
 @dataclass
@@ -110,21 +113,21 @@ class DataConfig:
     """Where tokens come from. Empty ``data_path`` and ``mock`` off means the embedded corpus."""
 
     data_path: list[str] = field(default_factory=list)  # ["prefix"] or ["0.3", "a", "0.7", "b"]
-    split: str = "969,30,1"
-    mock: bool = False
-    seq_length: int = 128
+    split: str = "969,30,1"  # train,valid,test weights of the documents
+    mock: bool = False  # random tokens instead of data (benchmarks)
+    seq_length: int = 128  # tokens per sample
     tokenizer_type: str = ""  # HuggingFaceTokenizer | GPT2BPETokenizer | SentencePieceTokenizer | TikTokenizer | ByteTokenizer
-    tokenizer_model: str = ""
-    vocab_file: str = ""
-    merge_file: str = ""
-    data_cache_path: str = ""
-    reset_position_ids: bool = False
-    reset_attention_mask: bool = False
-    eod_mask_loss: bool = False
-    num_workers: int = 0
+    tokenizer_model: str = ""  # tokenizer file or folder (tokenizer.json, .model, tiktoken file)
+    vocab_file: str = ""  # GPT-2 vocab.json or WordPiece vocab.txt
+    merge_file: str = ""  # GPT-2 merges.txt
+    data_cache_path: str = ""  # where sample indices are cached (default: beside the data)
+    reset_position_ids: bool = False  # positions restart after each end-of-document token
+    reset_attention_mask: bool = False  # no attention across end-of-document tokens
+    eod_mask_loss: bool = False  # no loss on end-of-document tokens
+    num_workers: int = 0  # data loader worker processes (0: in the training process)
     # BERT / T5 / ICT data (sentence-split files); checked by meshtron.data.masked_lm.masked_data_config_errors.
     # N-gram limits are Megatron's fixed 3 (BERT) and 10 (T5), so no field sets them.
-    mask_prob: float = 0.15
+    mask_prob: float = 0.15  # BERT/T5: fraction of tokens masked
     short_seq_prob: float = 0.1  # a sample's target length is drawn shorter with this probability
     vocab_extra_ids: int = 0  # T5 sentinels <extra_id_N> appended to a WordPiece vocabulary
     encoder_seq_length: int = 0  # T5; 0: seq_length
@@ -138,46 +141,47 @@ class DataConfig:
 class TrainConfig:
     """Batches, optimizer, schedule and precision."""
 
-    micro_batch_size: int = 8
-    global_batch_size: int = 16
-    train_iters: int = 300
+    micro_batch_size: int = 8  # samples per forward/backward on one rank
+    global_batch_size: int = 16  # samples per optimizer step over all data-parallel ranks
+    train_iters: int = 300  # optimizer steps
     exit_interval: int = 0  # stop (after saving) once the iteration is a multiple of this
-    exit_duration_in_mins: float = 0.0
-    seed: int = 1234
-    lr: float = 3e-3
-    min_lr: float = 3e-4
+    exit_duration_in_mins: float = 0.0  # stop (after saving) after this many minutes; 0: no limit
+    seed: int = 1234  # seed of init, data order and dropout
+    lr: float = 3e-3  # peak learning rate
+    min_lr: float = 3e-4  # learning rate at the end of decay
     lr_decay_style: str = "cosine"  # constant | linear | cosine | wsd
-    lr_warmup_iters: int = 30
+    lr_warmup_iters: int = 30  # linear warm-up steps
     lr_decay_iters: int = 0  # 0: train_iters
     lr_wsd_decay_iters: int = 0  # wsd: length of the final decay phase; 0: 10% of decay iters
-    weight_decay: float = 0.1
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
+    weight_decay: float = 0.1  # AdamW decoupled weight decay (not on norms and biases)
+    adam_beta1: float = 0.9  # Adam first-moment decay
+    adam_beta2: float = 0.95  # Adam second-moment decay
+    adam_eps: float = 1e-8  # Adam epsilon
+    clip_grad: float = 1.0  # clip the global gradient norm to this; 0: off
     precision: str = "auto"  # auto | fp32 | bf16 | fp16
-    initial_loss_scale: float = 2.0**16
-    min_loss_scale: float = 1.0
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
+    initial_loss_scale: float = 2.0**16  # fp16: starting loss scale
+    min_loss_scale: float = 1.0  # fp16: the scale never drops below this
+    loss_scale_window: int = 1000  # fp16: steps without overflow before the scale doubles
+    hysteresis: int = 2  # fp16: overflows tolerated before the scale halves
     device: str = "auto"  # auto | cpu | cuda
     compile: bool = False  # torch.compile each transformer block
     gemm_tuning: bool = False  # PyTorch TunableOp GEMM tuning (GPU); results kept in the save or cache dir
     gradient_accumulation_fusion: bool = False  # the blocks' linears compute weight gradients straight into the fp32 buffer
     check_for_nan_in_loss_and_grad: bool = True  # a non-finite loss or grad norm stops the run (fp16: see the next field)
     max_consecutive_skipped_steps: int = 10  # this many skipped steps in a row (fp16 overflow) stop the run; 0: no limit
+    optimizer: str = "adam"  # adam (AdamW: Megatron's adam, decoupled weight decay); sgd is not implemented
 
 
 @dataclass
 class ParallelConfig:
     """Parallel sizes; data parallel is what remains of the world size."""
 
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
-    context_parallel: int = 1
-    expert_parallel: int = 1
-    sequence_parallel: bool = False
-    use_distributed_optimizer: bool = False
+    tensor_parallel: int = 1  # ranks splitting each layer's weights
+    pipeline_parallel: int = 1  # ranks splitting the layers into stages
+    context_parallel: int = 1  # ranks splitting each sequence
+    expert_parallel: int = 1  # ranks splitting the experts
+    sequence_parallel: bool = False  # with tp: norms and dropout on sequence shards
+    use_distributed_optimizer: bool = False  # shard fp32 masters and Adam moments over data-parallel ranks
     virtual_pipeline_parallel: int = 1  # model chunks per pipeline rank (interleaved 1F1B when > 1)
     num_layers_per_virtual_pipeline_stage: int = 0  # Megatron's way to set the above: layers / pp / this
     pipeline_schedule: str = "auto"  # auto (1f1b, interleaved with virtual stages) | 1f1b | afab | interleaved
@@ -189,31 +193,42 @@ class ParallelConfig:
     fsdp: bool = False  # PyTorch FSDP2 (fully_shard) instead of the distributed optimizer; needs tp = 1
     ddp_bucket_size: int = 40_000_000  # gradient elements per data-parallel reduction bucket
     expert_tensor_parallel: int = 1  # experts split over tp: not implemented, only 1 (experts whole, replicated over tp)
+    grad_reduce_in_bf16: bool = False  # reduce a bf16 copy of each gradient bucket; accumulation stays fp32
+    distributed_timeout_minutes: int = 10  # how long a collective may wait before the process group fails
 
 
 @dataclass
 class CheckpointConfig:
-    save: str = ""
-    load: str = ""
+    save: str = ""  # checkpoint directory to write
+    load: str = ""  # checkpoint directory to resume from
     save_interval: int = 0  # 0: only at the end
-    no_save_optim: bool = False
-    no_load_optim: bool = False
-    no_load_rng: bool = False
+    no_save_optim: bool = False  # checkpoints without optimizer state
+    no_load_optim: bool = False  # resume without the optimizer state
+    no_load_rng: bool = False  # resume without the random states
     ckpt_step: int = -1  # iteration to load; -1: the tracker's
     finetune: bool = False  # load the model weights only (no optimizer, no RNG) and start at iteration 0
-    no_save_rng: bool = False
+    no_save_rng: bool = False  # checkpoints without random states
     ckpt_format: str = "torch_dist"  # the only format: DCP, reshardable
     dist_ckpt_strictness: str = "raise_all"  # raise_all | log_all (checkpoint tensors the run lacks are skipped)
+    exit_on_missing_checkpoint: bool = False  # --load finds no checkpoint: stop instead of starting from scratch
 
 
 @dataclass
 class LoggingConfig:
-    log_interval: int = 10
-    eval_interval: int = 100
-    eval_iters: int = 10
-    tensorboard_dir: str = ""
+    log_interval: int = 10  # steps per log line
+    eval_interval: int = 100  # steps between validations; 0: none
+    eval_iters: int = 10  # global batches per validation
+    tensorboard_dir: str = ""  # write TensorBoard events here (`meshtron plot` reads them)
     generate_prompt: str = ""  # after training, print a sample from this prompt ("" skips)
-    generate_tokens: int = 48
+    generate_tokens: int = 48  # tokens of that sample
+    tensorboard_queue_size: int = 1000  # scalars TensorBoard buffers before writing to disk
+    wandb_project: str = ""  # log to Weights & Biases too (needs `pip install wandb`; WANDB_MODE=offline honoured)
+    wandb_exp_name: str = ""  # the W&B run name
+    wandb_save_dir: str = ""  # where W&B keeps its files ("": its default, ./wandb)
+    profile: bool = False  # PyTorch profiler trace of iterations [profile_step_start, profile_step_end) under the run directory
+    profile_step_start: int = 10  # first profiled iteration
+    profile_step_end: int = 12  # profiling stops before this iteration
+    noted_flags: list[str] = field(default_factory=list)  # Megatron flags given whose behaviour is fixed here; logged at start-up
 
 
 @dataclass
@@ -322,8 +337,11 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
             out[_target(flags[name[3:]])] = False
             i += 1
             continue
+        if name in NOTED_FLAGS:
+            i = _note_flag(name, NOTED_FLAGS[name][0], inline if eq else None, args, i, out)
+            continue
         if name not in flags:
-            raise ConfigError(unknown_name("flag", "--" + name, ["--" + f for f in flags]))
+            raise ConfigError(unknown_name("flag", "--" + name, ["--" + f for f in [*flags, *NOTED_FLAGS]]))
         target = flags[name]
         if isinstance(target, tuple):
             dotted, constant = target
@@ -351,11 +369,36 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
                 raise ConfigError(f"--{name} needs a value")
             out[target] = args[i + 1]
             i += 2
+    _translate_values(out)
     return out
 
 
 def _target(t: Any) -> str:
     return t[0] if isinstance(t, tuple) else t
+
+
+def _note_flag(name: str, takes_value: bool, inline: str | None, args: list[str], i: int, out: dict[str, Any]) -> int:
+    """Record a flag of ``NOTED_FLAGS`` (with its value, if it takes one) in ``logging.noted_flags``;
+    returns the index of the next argument."""
+    value, i = (inline, i + 1) if inline is not None else (None, i + 1)
+    if takes_value and value is None:
+        if i == len(args) or args[i].startswith("--"):
+            raise ConfigError(f"--{name} needs a value")
+        value, i = args[i], i + 1
+    elif not takes_value and value is not None:
+        raise ConfigError(f"--{name} takes no value")
+    out.setdefault("logging.noted_flags", []).append(f"--{name}" + (f" {value}" if value is not None else ""))
+    return i
+
+
+def _translate_values(out: dict[str, Any]) -> None:
+    """Megatron's values of a flag (``--attention-backend fused``) become meshtron's, noted for the log."""
+    for target, table in VALUE_ALIASES.items():
+        if isinstance(out.get(target), str) and out[target] in table:
+            ours, meaning = table[out[target]]
+            flag = "--" + target.split(".")[1].replace("_", "-")
+            out.setdefault("logging.noted_flags", []).append(f"{flag} {out[target]}: meshtron's {ours}, {meaning}")
+            out[target] = ours
 
 
 def load_file(path: str | os.PathLike) -> dict[str, Any]:
@@ -399,7 +442,15 @@ def build_config(config_file: str | None = None, overrides: list[str] | None = N
     model = merged.get("model", {})
     if model.get("position_embedding_type") == "yarn":  # Megatron's spelling of RoPE with YaRN's scaling
         model.update(position_embedding_type="rope", rope_scaling="yarn")
-    return Config.from_dict(merged)
+    cfg = Config.from_dict(merged)
+    _resolve_shared_experts(cfg.model)
+    return cfg
+
+
+def _resolve_shared_experts(m: ModelConfig) -> None:
+    """PAI-Megatron's ``--num-shared-experts N`` is Megatron-Core's shared MLP of N expert widths."""
+    if m.moe_num_shared_experts and not m.moe_shared_expert_intermediate_size:
+        m.moe_shared_expert_intermediate_size = m.moe_num_shared_experts * (m.moe_ffn_hidden_size or m.ffn_hidden_size)
 
 
 def world_size_from_env() -> int:

@@ -25,6 +25,8 @@ import argparse
 from dataclasses import dataclass
 
 from meshtron.config import Config, build_config, data_parallel_size
+from meshtron.data.default_data import EMBEDDED_VOCAB_SIZE
+from meshtron.training.vocab import model_vocab_size, run_tokenizer
 from meshtron.validation import validate
 from meshtron.kernels.cross_entropy import CHUNK_ELEMENTS
 from meshtron.layers.attention import head_dim, num_kv_heads
@@ -161,6 +163,14 @@ def estimate(cfg: Config, world_size: int = 1) -> MemoryEstimate:
     return MemoryEstimate(params, param_bytes, grad_bytes, opt_bytes, activation_bytes(cfg, world_size), loss_bytes(cfg))
 
 
+def training_vocab_size(cfg: Config) -> int:
+    """The padded vocabulary the run would train with: its tokenizer's when it names one (or the
+    embedded corpus's when it names no data), else ``--vocab-size`` (32000 by default)."""
+    if not (cfg.data.mock or cfg.data.data_path):
+        return max(cfg.model.vocab_size, EMBEDDED_VOCAB_SIZE)
+    return model_vocab_size(cfg, run_tokenizer(cfg))
+
+
 def mesh_table(cfg: Config, world_size: int) -> str:
     """Every rank's coordinates, then the groups (``Mesh.describe``)."""
     mesh = Mesh.from_config(cfg.parallel, world_size=world_size, rank=0, local_rank=0)
@@ -179,11 +189,13 @@ def main(argv: list[str]) -> int:
     known, overrides = parser.parse_known_args(argv)
     cfg = build_config(known.config, overrides)
     validate(cfg, world_size=known.world_size)
+    cfg.model.vocab_size = training_vocab_size(cfg)
     if known.print_mesh:
         print(mesh_table(cfg, known.world_size))
     p = cfg.parallel
     print(f"layout: world {known.world_size}, tp {p.tensor_parallel}, pp {p.pipeline_parallel}, cp {p.context_parallel}, "
           f"dp {data_parallel_size(cfg, known.world_size)}, sp {p.sequence_parallel}, distributed optimizer "
           f"{p.use_distributed_optimizer}, fsdp {p.fsdp}, recompute '{cfg.model.recompute_granularity or 'none'}'")  # fmt: skip
+    print(f"vocabulary: {cfg.model.vocab_size} rows (padded)")
     print(estimate(cfg, known.world_size).table())
     return 0

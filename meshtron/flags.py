@@ -189,4 +189,132 @@ MEGATRON_ALIASES: dict[str, Any] = {
     # Expert parallelism (issue 10), Megatron-Core's names; --expert-model-parallel-size is above.
     "moe-token-dispatcher-type": "model.moe_token_dispatcher_type",
     "expert-tensor-parallel-size": "parallel.expert_tensor_parallel",
+    # The ROCm fork's launch scripts (train_llama2.sh, train_llama3.sh, train_deepseekv2.sh, issue 14).
+    # Model: older spellings of what the fields above set.
+    "use-rotary-position-embeddings": ("model.position_embedding_type", "rope"),
+    "recompute-activations": ("model.recompute_granularity", "selective"),
+    "use-flash-attn": ("model.attention_backend", "flash"),
+    "extra-vocab-size": "model.extra_vocab_size",
+    "num-shared-experts": "model.moe_num_shared_experts",
+    # Parallelism, data, checkpoints, logging, profiling.
+    "optimizer": "train.optimizer",
+    "grad-reduce-in-bf16": ("parallel.grad_reduce_in_bf16", True),
+    "distributed-timeout-minutes": "parallel.distributed_timeout_minutes",
+    "exit-on-missing-checkpoint": ("checkpoint.exit_on_missing_checkpoint", True),
+    "tensorboard-queue-size": "logging.tensorboard_queue_size",
+    "wandb-project": "logging.wandb_project",
+    "wandb-exp-name": "logging.wandb_exp_name",
+    "wandb-save-dir": "logging.wandb_save_dir",
+    "profile": ("logging.profile", True),
+    "profile-step-start": "logging.profile_step_start",
+    "profile-step-end": "logging.profile_step_end",
 }
+
+# Megatron's values of a flag -> meshtron's, with what the translation means (said once at start-up).
+VALUE_ALIASES: dict[str, dict[str, tuple[str, str]]] = {
+    "model.attention_backend": {
+        "fused": ("auto", "the fastest fused SDPA kernel the GPU has (cuDNN, then flash; ROCm starts at flash)"),
+        "unfused": ("math", "PyTorch's reference attention (softmax of the full score matrix)"),
+        "local": ("math", "PyTorch's reference attention (softmax of the full score matrix)"),
+    },
+    "checkpoint.ckpt_format": {
+        "torch": ("torch_dist", "checkpoints are written as torch_dist (DCP); a legacy torch-format checkpoint cannot be loaded"),
+    },
+    "data.tokenizer_type": {
+        "DeepSeekV2Tokenizer": ("HuggingFaceTokenizer", "the tokenizer.json in --tokenizer-model (a local directory or file)"),
+    },
+}
+
+# Megatron flags for what meshtron always does, never does, or does its own way. They are accepted,
+# recorded in ``logging.noted_flags``, and the start-up log says once what meshtron does for each.
+# A value: (the flag takes a value, what meshtron does). Grouped by what the flags are about.
+_MODEL_AND_FUSION_NOTES = {
+    "no-position-embedding": (False, "no learned position table: positions come from --position-embedding-type rope"),
+    "use-te-activation-func": (False, "meshtron's own activation kernels (Triton on a GPU per --fused-kernels); Transformer Engine is not used"),
+    "no-bias-swiglu-fusion": (False, "SwiGLU fusion follows --fused-kernels (turn it off with --no-fused-kernels)"),
+    "no-masked-softmax-fusion": (False, "never fused: attention runs in PyTorch SDPA (--attention-backend), which has no separate masked softmax"),
+    "no-rope-fusion": (False, "RoPE fusion follows --fused-kernels (turn it off with --no-fused-kernels)"),
+    "fused-single-qkv-rope": (False, "always: one QKV projection, RoPE applied to q and k (fused per --fused-kernels)"),
+    "cross-entropy-loss-fusion": (False, "always on unless --no-fused-kernels: chunked cross-entropy that never holds the full fp32 logits"),
+    "cross-entropy-fusion-impl": (True, "meshtron's chunked cross-entropy, whichever implementation is named"),
+    "use-mcore-models": (False, "always: meshtron has one model implementation, built like Megatron-Core's"),
+    "use-legacy-models": (False, "meshtron has one model implementation, built like Megatron-Core's"),
+    "attention-softmax-in-fp32": (False, "always: SDPA's fused kernels accumulate the softmax in fp32"),
+    "enable-shared-expert": (False, "shared experts are on when --num-shared-experts or --moe-shared-expert-intermediate-size is set"),
+    "moe-use-legacy-grouped-gemm": (False, "meshtron's grouped GEMM per --moe-grouped-gemm; there is no legacy one"),
+}
+_PARALLELISM_NOTES = {
+    "overlap-grad-reduce": (False, "always on (gradient buckets are reduced during backward)"),
+    "overlap-param-gather": (False, "not overlapped: the distributed optimizer all-gathers the updated parameters at the end of each step"),
+    "ddp-average-in-collective": (False, "nothing to fold: losses are divided by the global batch's token count, so gradients are summed, never averaged"),
+    "distributed-backend": (True, "chosen by device: nccl (rccl on ROCm) on GPUs, gloo on the CPU"),
+    "no-async-tensor-model-parallel-allreduce": (False, "always: tensor-parallel linears do not overlap their input-gradient all-reduce with the weight-gradient GEMM"),
+    "use-contiguous-parameters-in-local-ddp": (False, "always: gradients live in one contiguous fp32 buffer"),
+    "tp-comm-overlap": (False, "never: tensor-parallel communication is not overlapped with GEMMs"),
+}
+_PRECISION_NOTES = {
+    "transformer-impl": (True, "always meshtron's own layers (Megatron's 'local': PyTorch modules, Triton kernels per --fused-kernels); "
+                               "Transformer Engine is never used, FP8 comes from --fp8-format (torchao or meshtron's kernels)"),
+    "fp8-recipe": (True, "FP8 is scaled per tensor from the current amax (Transformer Engine's tensorwise); no amax history is kept"),
+    "fp8-margin": (True, "delayed scaling's knob; meshtron scales from the current amax with no margin"),
+    "fp8-interval": (True, "delayed scaling's knob; meshtron rescales every GEMM"),
+    "fp8-amax-history-len": (True, "delayed scaling's knob; meshtron keeps no amax history"),
+    "fp8-amax-compute-algo": (True, "delayed scaling's knob; meshtron uses the current tensor's amax"),
+    "fp8-param-gather": (False, "never: parameters are gathered in the compute dtype"),
+    "keep-fp8-transpose-cache": (False, "never: FP8 copies are made per GEMM and not cached"),
+    "keep-fp8-weight-transpose-cache-te": (False, "never: FP8 copies are made per GEMM and not cached"),
+    "reuse-grad-buf-for-mxfp8-param-ag": (False, "not applicable: meshtron has no MXFP8"),
+}
+_DATA_NOTES = {
+    "dataloader-type": (True, "samples come in the dataset's own shuffled order, each once per epoch, resumed at the consumed-sample count"),
+    "dataset": (True, "meshtron reads --data-path .bin/.idx files (PAI's idxmap), or --mock-data"),
+    "max-padding-length": (True, "pretraining packs documents into --seq-length tokens; nothing is padded"),
+    "train-mode": (True, "pretraining"),
+}
+_LOGGING_NOTES = {
+    "log-throughput": (False, "always: every log line has tokens/s and TFLOP/s per device"),
+    "log-timers-to-tensorboard": (False, "always: the step time goes to TensorBoard as perf/ms_per_iter"),
+    "log-batch-size-to-tensorboard": (False, "always: the global batch size goes to TensorBoard as train/batch_size"),
+    "log-validation-ppl-to-tensorboard": (False, "always: validation perplexity goes to TensorBoard as valid/ppl"),
+    "use-pytorch-profiler": (False, "always: --profile uses the PyTorch profiler"),
+}
+_OTHER_NOTES = {
+    "rerun-mode": (True, "no re-run engine: --check-for-nan-in-loss-and-grad stops on a non-finite loss and the divergence check re-runs a step"),
+    "use-checkpoint-args": (False, "never: the model comes from this run's flags; a checkpoint of another shape is refused at load"),
+}
+NOTED_FLAGS: dict[str, tuple[bool, str]] = {
+    **_MODEL_AND_FUSION_NOTES, **_PARALLELISM_NOTES, **_PRECISION_NOTES, **_DATA_NOTES, **_LOGGING_NOTES, **_OTHER_NOTES,
+}
+
+# Values of a noted flag that meshtron cannot honour: refused with what to do instead.
+REFUSED_NOTED_VALUES: dict[tuple[str, str], str] = {
+    ("fp8-recipe", "mxfp8"): "MXFP8 (block scaling) is not implemented; use --fp8-recipe tensorwise (or delayed, run as tensorwise)",
+    ("fp8-recipe", "blockwise"): "blockwise FP8 scaling is not implemented; use --fp8-recipe tensorwise",
+    ("train-mode", "finetune"): "fine-tuning data (SFT) is not implemented yet; use --train-mode pretrain",
+    ("transformer-impl", "inference_optimized"): "there is no inference-optimized implementation; drop --transformer-impl",
+}
+
+
+def noted_flag_lines(noted: list[str]) -> list[str]:
+    """One start-up line per noted flag (the first time it was given): ``--flag [value]: what meshtron does``."""
+    lines, seen = [], set()
+    for given in noted:
+        name = given.split()[0].removeprefix("--")
+        if name in seen:
+            continue
+        seen.add(name)
+        if name in NOTED_FLAGS:
+            lines.append(f"{given}: {NOTED_FLAGS[name][1]}")
+        else:  # a translated value: "--flag value -> ours: meaning"
+            lines.append(given)
+    return lines
+
+
+def noted_flag_errors(noted: list[str]) -> list[str]:
+    """The noted flags whose value meshtron cannot honour, each with what to do."""
+    errors = []
+    for given in noted:
+        name, _, value = given.removeprefix("--").partition(" ")
+        if (name, value) in REFUSED_NOTED_VALUES:
+            errors.append(f"--{name} {value}: {REFUSED_NOTED_VALUES[name, value]}")
+    return errors

@@ -4,12 +4,14 @@ flag to change."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 from meshtron.checkpoint.checkpoint import checkpoint_config_errors
 from meshtron.config import Config, pipeline_virtual_size, world_size_from_env
 from meshtron.data.masked_lm import masked_data_config_errors
 from meshtron.errors import ConfigError
+from meshtron.flags import noted_flag_errors
 from meshtron.layers.mla import mla_config_errors
 from meshtron.layers.moe import moe_config_errors
 from meshtron.models import model_config_errors, model_layout_errors
@@ -129,11 +131,41 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         errors.append(f"--split '{d.split}' must be comma-separated numbers like 969,30,1")
     if c.load and not Path(c.load).exists():
         errors.append(f"--load {c.load} does not exist; point it at a checkpoint directory written by --save")
-    errors.extend(layout_errors(cfg) + expert_parallel_errors(cfg, dp))
+    errors.extend(layout_errors(cfg) + expert_parallel_errors(cfg, dp) + dropin_errors(cfg))
     if errors:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
 
 
+
+
+def dropin_errors(cfg: Config) -> list[str]:
+    """The flags of Megatron launch scripts that meshtron accepts but cannot honour with these
+    values, and the fields they set (optimizer, W&B, profiler, timeouts)."""
+    m, d, t, p, log = cfg.model, cfg.data, cfg.train, cfg.parallel, cfg.logging
+    errors = noted_flag_errors(log.noted_flags)
+    if "--no-position-embedding" in log.noted_flags and m.position_embedding_type != "rope":
+        errors.append("--no-position-embedding: a model without any position information is not implemented; "
+                      "add --position-embedding-type rope")  # fmt: skip
+    if t.optimizer != "adam":
+        errors.append(f"--optimizer {t.optimizer}: only adam (AdamW) is implemented; use --optimizer adam")
+    if d.tokenizer_model and not d.tokenizer_type:
+        errors.append("--tokenizer-model is set but --tokenizer-type is not; name its type (e.g. HuggingFaceTokenizer)")
+    if m.extra_vocab_size < 0 or m.moe_num_shared_experts < 0:
+        errors.append("--extra-vocab-size and --num-shared-experts must not be negative")
+    if m.moe_num_shared_experts and not m.num_experts:
+        errors.append("--num-shared-experts needs a mixture-of-experts model (--num-experts)")
+    if p.distributed_timeout_minutes < 1:
+        errors.append(f"--distributed-timeout-minutes must be at least 1, got {p.distributed_timeout_minutes}")
+    if log.tensorboard_queue_size < 1:
+        errors.append(f"--tensorboard-queue-size must be at least 1, got {log.tensorboard_queue_size}")
+    if log.profile and not 0 <= log.profile_step_start < log.profile_step_end:
+        errors.append(f"--profile-step-start {log.profile_step_start} must be >= 0 and below --profile-step-end {log.profile_step_end}")
+    if log.profile and not (log.tensorboard_dir or cfg.checkpoint.save):
+        errors.append("--profile writes its trace under the run directory: set --tensorboard-dir or --save")
+    if log.wandb_project and importlib.util.find_spec("wandb") is None:
+        errors.append("--wandb-project needs the wandb package, which is not installed: `pip install wandb` "
+                      "(WANDB_MODE=offline logs without an account), or drop --wandb-project")  # fmt: skip
+    return errors
 
 
 def _divisor_near(n: int, k: int) -> int:

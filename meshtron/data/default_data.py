@@ -18,6 +18,7 @@ from meshtron.data.corpus import embedded_corpus_documents
 from meshtron.data.tokenizers import train_bpe_tokenizer, train_wordpiece_vocab
 
 SENTENCE_MODEL_TYPES = ("bert",)  # model types trained on sentence-split data
+EMBEDDED_VOCAB_SIZE = 4096  # the embedded corpus's vocabulary (BPE, or WordPiece for sentence data)
 
 
 def _complete(cache_dir: str, stamp: dict, files: list[str]) -> bool:
@@ -55,7 +56,7 @@ def _prepare(cache_dir: str, stamp: dict, tokenizer_file: str, level: str, train
     return prefix, tok_path
 
 
-def prepare_default_data(cache_dir: str, vocab_size: int = 4096, workers: int = 1) -> tuple[str, str]:
+def prepare_default_data(cache_dir: str, vocab_size: int = EMBEDDED_VOCAB_SIZE, workers: int = 1) -> tuple[str, str]:
     """Corpus jsonl -> BPE tokenizer.json -> ``corpus_text_document.bin/.idx`` in ``cache_dir``; reused when complete.
 
     Returns ``(data_prefix, tokenizer_path)``. Call it on one rank first (then a barrier) when
@@ -66,7 +67,7 @@ def prepare_default_data(cache_dir: str, vocab_size: int = 4096, workers: int = 
                     ["--append-eod", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model"], workers)  # fmt: skip
 
 
-def prepare_default_sentence_data(cache_dir: str, vocab_size: int = 4096, workers: int = 1) -> tuple[str, str]:
+def prepare_default_sentence_data(cache_dir: str, vocab_size: int = EMBEDDED_VOCAB_SIZE, workers: int = 1) -> tuple[str, str]:
     """Corpus jsonl -> WordPiece vocab.txt -> ``corpus_text_sentence.bin/.idx`` (one sequence per
     sentence) in ``cache_dir``; reused when complete. Returns ``(data_prefix, vocab_path)``."""
     stamp = {"vocab_size": vocab_size, "source": sysconfig.get_paths()["stdlib"], "format": 1, "level": "sentence"}

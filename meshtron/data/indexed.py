@@ -100,6 +100,12 @@ class IndexedDatasetBuilder:
             self.add_item(tokens)
         self.end_document()
 
+    def abort(self) -> None:
+        """Close and delete the partly written ``.bin`` (a failed build leaves no file behind)."""
+        self._file.close()
+        if os.path.exists(self._bin_path):
+            os.remove(self._bin_path)
+
     def finalize(self, idx_path: str) -> None:
         self._file.close()
         lengths = np.asarray(self._lengths, dtype=np.int32)

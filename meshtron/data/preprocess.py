@@ -137,6 +137,18 @@ def _chunks(path: str, size: int):
             yield chunk
 
 
+_PARTIAL = ".partial"
+
+
+def _check_not_empty(args: argparse.Namespace, docs: int, tokens: int) -> None:
+    """An empty dataset would only fail later, in training, with a less clear error."""
+    if docs == 0:
+        raise ValueError(f"--input {args.input} has no documents (no non-blank lines); nothing to preprocess")
+    if tokens == 0:
+        keys = ", ".join(f"'{k}'" for k in args.json_keys)
+        raise ValueError(f"--input {args.input}: every {keys} of its {docs} documents is empty; no tokens to write")
+
+
 def main(argv: list[str] | None = None) -> list[str]:
     """Run preprocessing; returns the written prefixes (without .bin/.idx)."""
     args = _parser().parse_args(argv)
@@ -154,7 +166,9 @@ def main(argv: list[str] | None = None) -> list[str]:
     level = "sentence" if args.split_sentences else "document"
     prefixes = [f"{args.output_prefix}_{key}_{level}" for key in args.json_keys]
     dtype = best_dtype(tokenizer.vocab_size)
-    builders = {k: IndexedDatasetBuilder(p + ".bin", dtype) for k, p in zip(args.json_keys, prefixes)}
+    # Written under partial names and renamed at the end: a failed run leaves neither a 0-byte
+    # .bin nor a half-written dataset in place of an older complete one.
+    builders = {k: IndexedDatasetBuilder(p + _PARTIAL + ".bin", dtype) for k, p in zip(args.json_keys, prefixes)}
 
     from tqdm import tqdm
 
@@ -164,6 +178,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     docs = tokens = 0
     last_log = 0
     pool = None
+    finished = False
     try:
         if args.workers == 1:
             _Encoder.init(args)
@@ -190,12 +205,21 @@ def main(argv: list[str] | None = None) -> list[str]:
             if docs - last_log >= args.log_interval:
                 last_log = docs
                 bar.set_postfix(docs=docs, tok_s=f"{tokens / max(time.perf_counter() - start, 1e-9):,.0f}")
+        _check_not_empty(args, docs, tokens)
+        for key, p in zip(args.json_keys, prefixes):
+            builders[key].finalize(p + _PARTIAL + ".idx")
+            for ext in (".bin", ".idx"):
+                os.replace(p + _PARTIAL + ext, p + ext)
+        finished = True
     finally:
         if pool is not None:
             pool.terminate()
         bar.close()
-    for key, p in zip(args.json_keys, prefixes):
-        builders[key].finalize(p + ".idx")
+        if not finished:
+            for key, p in zip(args.json_keys, prefixes):
+                builders[key].abort()
+                if os.path.exists(p + _PARTIAL + ".idx"):
+                    os.remove(p + _PARTIAL + ".idx")
     seconds = time.perf_counter() - start
     if not args.quiet:
         print(f"preprocess: {docs} documents, {tokens} tokens in {seconds:.2f} s ({tokens / max(seconds, 1e-9):,.0f} tokens/s) "

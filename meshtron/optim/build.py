@@ -28,6 +28,7 @@ def build_optimizer(
     edp_group: dist.ProcessGroup | None = None,
     distributed: bool = False,
     bucket_size: int = DEFAULT_BUCKET_SIZE,
+    reduce_dtype: torch.dtype = torch.float32,
 ) -> MixedPrecisionOptimizer:
     """The optimizer for a model already cast to ``param_dtype``.
 
@@ -49,7 +50,7 @@ def build_optimizer(
     own_bucket = frozenset(n for n, _ in trainable if metas is not None and metas[n].pipeline_copy)
     grad_group_of = {n: metas[n].grad_group for n, _ in trainable} if metas is not None else {}
     grads = GradBuffer(trainable, group=dp_group, bucket_size=bucket_size, shard=distributed, own_bucket=own_bucket,
-                       groups={"edp": edp_group}, grad_group_of=grad_group_of)  # fmt: skip
+                       groups={"edp": edp_group}, grad_group_of=grad_group_of, reduce_dtype=reduce_dtype)  # fmt: skip
     optimizer_cls = DistributedOptimizer if distributed else MixedPrecisionOptimizer
     return optimizer_cls(
         build_param_groups(model, train_cfg.weight_decay, metas),

@@ -19,6 +19,11 @@ With the distributed optimizer each bucket is reduce-scattered instead: rank ``r
 keeps the sum only in its ``1/dp`` slice of every bucket (``shard_range``), which is all its
 optimizer shard needs.
 
+With ``reduce_dtype=torch.bfloat16`` (``--grad-reduce-in-bf16``) each bucket goes over the wire
+as a bf16 copy, half the bytes, and the reduced copy is written back into the fp32 buffer; micro
+batches still accumulate in fp32, so only the one rounding of the communicated sum is lost (Megatron
+instead keeps the whole buffer in bf16).
+
 Parameters may reduce over different groups (``ParamMeta.grad_group``: routed experts over the
 expert-data-parallel group, the rest over dp x cp): each bucket holds parameters of one group
 and reduces (or shards) over it. Buckets of the groups interleave in backward order, each
@@ -62,6 +67,7 @@ class Bucket:
     pending: int = 0  # params whose gradient has not landed yet in this step's synced backward
     handle: object = None  # the in-flight collective
     launched_in_backward: bool = False
+    reduced_copy: tuple[torch.Tensor, torch.Tensor] | None = None  # (bf16 result, fp32 elements it goes back to)
 
 
 @dataclass
@@ -102,6 +108,7 @@ class GradBuffer:
         own_bucket: frozenset[str] = frozenset(),
         groups: dict[str, dist.ProcessGroup | None] | None = None,
         grad_group_of: dict[str, str] | None = None,
+        reduce_dtype: torch.dtype = torch.float32,
     ) -> None:
         if not named_params:
             raise ValueError("the model has no trainable parameters")
@@ -113,7 +120,7 @@ class GradBuffer:
             raise ValueError(f"parameters {owned[:3]} already have a gradient buffer: build one optimizer per model")
         self.groups = {"dp_cp": group, **(groups or {})}
         grad_group_of = grad_group_of or {}
-        self.shard = shard
+        self.shard, self.reduce_dtype = shard, reduce_dtype
         self.names = {param: name for name, param in named_params}
         self.key_of = {param: grad_group_of.get(name, "dp_cp") for name, param in named_params}
         self.buckets = self._layout([p for _, p in reversed(named_params)], bucket_size, own_bucket)
@@ -210,6 +217,10 @@ class GradBuffer:
         for bucket in waited:
             bucket.handle.wait()
             bucket.handle = None
+            if bucket.reduced_copy is not None:
+                reduced, target = bucket.reduced_copy
+                target.copy_(reduced)
+                bucket.reduced_copy = None
         if waited:
             overlapped = sum(b.end - b.start for b in self.buckets if b.launched_in_backward)
             self.stats = SyncStats(len(self.buckets), overlapped / self.numel, time.perf_counter() - start)
@@ -257,14 +268,24 @@ class GradBuffer:
             if bucket.pending and not force:
                 return
             bucket.launched_in_backward = not force
-            region = self.data[bucket.start : bucket.end]
-            if bucket.group is not None and self.shard:
-                lo, hi = self.shard_range(bucket)
-                bucket.handle = reduce_scatter_single(self.data[lo:hi], region, group=bucket.group, async_op=True)
-            elif bucket.group is not None:  # None: no other rank holds these params, nothing to add
-                bucket.handle = dist.all_reduce(region, group=bucket.group, async_op=True)
+            if bucket.group is not None:  # None: no other rank holds these params, nothing to add
+                self._reduce(bucket)
             bucket.pending = 0
             self._next_launch += 1
+
+    def _reduce(self, bucket: Bucket) -> None:
+        """Start the bucket's collective: reduce-scatter into this rank's shard, or all-reduce; in
+        ``reduce_dtype`` through a copy when that is not the buffer's fp32."""
+        region = self.data[bucket.start : bucket.end]
+        target = self.data[slice(*self.shard_range(bucket))] if self.shard else region
+        if self.reduce_dtype != region.dtype:  # reduce a low-precision copy, written back after the wait
+            region = region.to(self.reduce_dtype)
+            out = torch.empty_like(target, dtype=self.reduce_dtype) if self.shard else region
+            bucket.reduced_copy, target = (out, target), out
+        if self.shard:
+            bucket.handle = reduce_scatter_single(target, region, group=bucket.group, async_op=True)
+        else:
+            bucket.handle = dist.all_reduce(region, group=bucket.group, async_op=True)
 
 
 def _group_size(group: dist.ProcessGroup | None) -> int:

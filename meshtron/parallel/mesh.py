@@ -23,6 +23,7 @@ accessor never returns None there (None given to a collective would mean the who
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass, field
 
@@ -241,7 +242,8 @@ def init_distributed(parallel_cfg: ParallelConfig, device_type: str) -> Mesh:
                 "MASTER_ADDR and MASTER_PORT must be set for a multi-process run (torchrun sets them; under srun "
                 "export MASTER_ADDR=$(scontrol show hostnames $SLURM_JOB_NODELIST | head -n1) and a free MASTER_PORT)"
             )
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=world_size)
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(minutes=parallel_cfg.distributed_timeout_minutes))
     mesh.init_process_groups()
     return mesh
 

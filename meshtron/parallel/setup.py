@@ -66,16 +66,17 @@ def runner_for(model: ModelFamily, mesh: Mesh, parallel: ParallelConfig, train: 
     )  # fmt: skip
     if prepare_blocks is not None:
         prepare_blocks(model.blocks())
+    reduce_dtype = torch.bfloat16 if parallel.grad_reduce_in_bf16 else torch.float32  # --grad-reduce-in-bf16
     if parallel.fsdp and mesh.dp_cp > 1:
         # FSDP2 keeps fp32 sharded parameters as the master weights and casts to ``dtype`` to compute.
-        model = apply_fsdp(model, mesh, param_dtype=dtype)
+        model = apply_fsdp(model, mesh, param_dtype=dtype, reduce_dtype=reduce_dtype)
         optimizer = build_fsdp_optimizer(model, train, dtype, metas)
     else:
         model.to(dtype=dtype)
         groups = {dim: mesh.group(dim) if mesh.size(dim) > 1 else None for dim in ("dp_cp", "tp", "pp", "ep", "edp")}
         optimizer = build_optimizer(model, train, dtype, metas=metas, dp_group=groups["dp_cp"], tp_group=groups["tp"],
                                     pp_group=groups["pp"], ep_group=groups["ep"], edp_group=groups["edp"],
-                                    distributed=parallel.use_distributed_optimizer, bucket_size=parallel.ddp_bucket_size)  # fmt: skip
+                                    distributed=parallel.use_distributed_optimizer, bucket_size=parallel.ddp_bucket_size, reduce_dtype=reduce_dtype)  # fmt: skip
     return Runner(model, metas, stages, optimizer, mesh, dtype, schedule_kind(parallel, virtual), sequence_parallel)
 
 

@@ -128,22 +128,49 @@ def format_log_line(iteration: int, train_iters: int, consumed: int, lr: float, 
     return " | ".join(parts)
 
 
-class TensorBoardWriter:
-    """Scalars to TensorBoard when a directory is given; a no-op otherwise."""
+def memory_scalars(stats: dict[str, float]) -> dict[str, float]:
+    """Memory for TensorBoard: the GPU's peak allocation where there is one, and always the
+    process's peak resident memory (what a CPU run uses)."""
+    import resource
 
-    def __init__(self, log_dir: str):
-        self._writer = None
-        if log_dir:
+    out = {"perf/host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30}
+    if "mem_gib" in stats:
+        out["perf/gpu_mem_gib"] = stats["mem_gib"]
+    return out
+
+
+class MetricsWriter:
+    """Scalars to TensorBoard (``--tensorboard-dir``) and Weights & Biases (``--wandb-project``),
+    each only when asked for; built with ``None`` (ranks other than 0) it writes nothing.
+
+    W&B reads its own environment (``WANDB_MODE=offline``, ``WANDB_API_KEY``), so offline runs
+    write under ``--wandb-save-dir`` for a later ``wandb sync``.
+    """
+
+    def __init__(self, cfg=None):
+        self._tensorboard = self._wandb = None
+        log = cfg.logging if cfg is not None else None
+        if log is not None and log.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(log_dir=log_dir)
+            self._tensorboard = SummaryWriter(log_dir=log.tensorboard_dir, max_queue=log.tensorboard_queue_size)
+        if log is not None and log.wandb_project:
+            import wandb  # validation has checked that it is installed
+
+            if log.wandb_save_dir:
+                os.makedirs(log.wandb_save_dir, exist_ok=True)
+            self._wandb = wandb.init(project=log.wandb_project, name=log.wandb_exp_name or None,
+                                     dir=log.wandb_save_dir or None, config=cfg.to_dict())  # fmt: skip
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
-        if self._writer is None:
-            return
-        for name, value in values.items():
-            self._writer.add_scalar(name, value, step)
+        if self._tensorboard is not None:
+            for name, value in values.items():
+                self._tensorboard.add_scalar(name, value, step)
+        if self._wandb is not None:
+            self._wandb.log(values, step=step)
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+        if self._wandb is not None:
+            self._wandb.finish()

@@ -18,17 +18,19 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from meshtron.checkpoint.checkpoint import load_for_training, save_checkpoint
+from meshtron.checkpoint.checkpoint import CheckpointError, load_for_training, save_checkpoint
 from meshtron.config import Config
 from meshtron.validation import validate
 from meshtron.data.builder import MicroBatchIterator, build_datasets
-from meshtron.data.tokenizers import build_tokenizer
-from meshtron.models import padded_vocab_size, parameter_count
+from meshtron.flags import noted_flag_lines
+from meshtron.models import parameter_count
 from meshtron.optim.lr_schedule import LRSchedule
 from meshtron.parallel.mesh import init_distributed
 from meshtron.parallel.setup import build_runner
 from meshtron.training.divergence import DivergenceMonitor
-from meshtron.training.metrics import IntervalMeter, TensorBoardWriter, device_ceiling_tflops, format_log_line, model_flops_per_token
+from meshtron.training.metrics import IntervalMeter, MetricsWriter, device_ceiling_tflops, format_log_line, memory_scalars, model_flops_per_token
+from meshtron.training.profiler import StepProfiler
+from meshtron.training.vocab import model_vocab_size, run_tokenizer
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -94,18 +96,12 @@ class Trainer:
         if self.mesh.rank != 0:
             self.log = log = _silent  # one voice: global rank 0 logs
         log(f"mesh: {self.mesh.describe()}" if self.mesh.world_size > 1 else "mesh: one process")
+        for line in noted_flag_lines(cfg.logging.noted_flags):
+            log(line)
 
         data_prefixes = self._setup_data_source_once()
-        self.tokenizer = None
-        if not cfg.data.mock:
-            d = cfg.data
-            self.tokenizer = build_tokenizer(d.tokenizer_type, d.tokenizer_model, d.vocab_file, d.merge_file, d.vocab_extra_ids)
-        base_vocab = self.tokenizer.vocab_size if self.tokenizer else (cfg.model.vocab_size or 32000)
-        if cfg.model.vocab_size and self.tokenizer and cfg.model.vocab_size < base_vocab:
-            raise ValueError(f"--vocab-size {cfg.model.vocab_size} is smaller than the tokenizer's {base_vocab}")
-        self.vocab_size = padded_vocab_size(
-            max(cfg.model.vocab_size, base_vocab), cfg.model.make_vocab_size_divisible_by, cfg.parallel.tensor_parallel
-        )
+        self.tokenizer = run_tokenizer(cfg)
+        self.vocab_size = model_vocab_size(cfg, self.tokenizer)
         self.dtype = PRECISION_DTYPES[self.precision]
         self.runner = build_runner(cfg, self.mesh, self.vocab_size, self.device, self.dtype)
         self.model, self.optimizer = self.runner.model, self.runner.optimizer
@@ -115,6 +111,8 @@ class Trainer:
         self.iteration, self.consumed_samples = 0, 0
         if cfg.checkpoint.load:
             meta = load_for_training(cfg.checkpoint, self.model, self.optimizer, self.mesh, log, self.runner.metas)
+            if meta is None and cfg.checkpoint.exit_on_missing_checkpoint:
+                raise CheckpointError(f"no checkpoint in {cfg.checkpoint.load} and --exit-on-missing-checkpoint is set")
             if meta is None:
                 log(f"no checkpoint in {cfg.checkpoint.load} yet: starting from scratch")
             else:
@@ -140,7 +138,8 @@ class Trainer:
         self.flops_per_token = model_flops_per_token(cfg.model, self.vocab_size, cfg.data.seq_length)
         ceiling, ceiling_source = device_ceiling_tflops(self.device)
         self.meter = IntervalMeter(self.flops_per_token, ceiling, self.device)
-        self.tensorboard = TensorBoardWriter(cfg.logging.tensorboard_dir)
+        self.tensorboard = MetricsWriter(cfg if self.mesh.rank == 0 else None)  # TensorBoard and W&B, one writer
+        self.profiler = StepProfiler(cfg.logging, cfg.checkpoint.save, self.mesh.rank, log)
         log(
             f"model: {num_params / 1e6:.2f} M parameters, vocab {self.vocab_size}, {self.precision} on {self.device}; "
             f"{self.num_micro_batches} micro batches of {t.micro_batch_size} x {cfg.data.seq_length} tokens per step; "
@@ -252,6 +251,7 @@ class Trainer:
         interval_loss, interval_steps = 0.0, 0
         try:
             while self.iteration < t.train_iters:
+                self.profiler.at(self.iteration)
                 self.meter.start_step()
                 loss, step = self.train_step()
                 self.divergence.check(self.iteration + 1, loss, step, lambda: self.runner.forward_backward(self._last_batches, forward_only=True))
@@ -270,6 +270,7 @@ class Trainer:
                     self.tensorboard.scalars(
                         self.iteration,
                         {"train/loss": mean_loss, "train/lr": lr, "train/grad_norm": step.grad_norm, "train/loss_scale": step.loss_scale, "perf/tokens_per_s_per_device": stats["tokens_per_s"], "perf/tflops_per_device": stats["tflops_per_device"],
+                         "train/batch_size": t.global_batch_size, "perf/ms_per_iter": stats["ms_per_iter"], **memory_scalars(stats),
                          **{f"aux/{name}": value for name, value in self.last_aux.items()}},
                     )  # fmt: skip
                     interval_loss, interval_steps = 0.0, 0
@@ -277,7 +278,7 @@ class Trainer:
                     valid = self.evaluate()
                     result.valid_losses.append((self.iteration, valid))
                     self.log(f"validation at iteration {self.iteration} | loss {valid:.4f} | ppl {math.exp(min(valid, 50)):.2f}")
-                    self.tensorboard.scalars(self.iteration, {"valid/loss": valid})
+                    self.tensorboard.scalars(self.iteration, {"valid/loss": valid, "valid/ppl": math.exp(min(valid, 50))})
                 interval_due = cfg.checkpoint.save_interval and self.iteration % cfg.checkpoint.save_interval == 0
                 exit_due = t.exit_interval and self.iteration % t.exit_interval == 0
                 stopping = self._stop_requested or exit_due or time.monotonic() > deadline
@@ -291,6 +292,7 @@ class Trainer:
             if previous_handler is not None:
                 signal.signal(signal.SIGTERM, previous_handler)
             self.tensorboard.close()
+            self.profiler.close()
             self.train_batches.close()
         result.iteration = self.iteration
         if logc.generate_prompt and self.tokenizer is not None:

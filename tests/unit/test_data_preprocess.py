@@ -98,3 +98,21 @@ def test_prepare_default_data_builds_then_reuses(tmp_path):
     os.remove(prefix + ".idx")
     prepare_default_data(str(tmp_path), vocab_size=512)
     assert IndexedDataset(prefix).sequence_lengths.tolist() == ds.sequence_lengths.tolist()
+
+
+@pytest.mark.parametrize("content, message", [
+    ("", "has no documents"),
+    ("\n  \n", "has no documents"),
+    ('{"text": ""}\n{"text": ""}\n', "every 'text' of its 2 documents is empty"),
+    ('{"text": "fine"}\nnot json\n', "line 2: not valid JSON"),
+])  # fmt: skip
+def test_bad_input_exits_nonzero_and_leaves_no_files(tmp_path, capsys, content, message):
+    """A new user's empty or broken jsonl: a clear message and exit 2 from the CLI, and no .bin/.idx
+    (not even a 0-byte one) for training to trip over later."""
+    from meshtron.cli import main as cli_main
+
+    (tmp_path / "in.jsonl").write_text(content)
+    rc = cli_main(["preprocess", "--input", str(tmp_path / "in.jsonl"), "--output-prefix", str(tmp_path / "out"),
+                   "--tokenizer-type", "ByteTokenizer", "--quiet"])  # fmt: skip
+    assert rc == 2 and message in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]

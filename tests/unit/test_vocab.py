@@ -1,0 +1,36 @@
+"""One vocabulary rule for training and ``estimate``: a named tokenizer sizes the model even with
+``--mock-data`` (before, mock runs silently used 32000 rows), ``--extra-vocab-size`` adds rows,
+the embedded corpus's tokenizer sizes the no-argument run, and ``estimate`` reports what trains."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshtron.cli import main
+from meshtron.config import build_config
+from meshtron.training.vocab import model_vocab_size, run_tokenizer
+
+
+def _vocab(*flags: str) -> int:
+    cfg = build_config(None, list(flags))
+    return model_vocab_size(cfg, run_tokenizer(cfg))
+
+
+def test_mock_data_takes_the_named_tokenizers_vocabulary():
+    assert _vocab("--mock-data") == 32000
+    assert _vocab("--mock-data", "--tokenizer-type", "ByteTokenizer") == 384  # 257 padded to a multiple of 128
+    assert _vocab("--mock-data", "--tokenizer-type", "ByteTokenizer", "--extra-vocab-size", "200") == 512
+    assert _vocab("--mock-data", "--tokenizer-type", "ByteTokenizer", "--vocab-size", "1000") == 1024
+    assert _vocab("--mock-data", "--tokenizer-type", "ByteTokenizer", "--tensor-model-parallel-size", "4") == 512
+
+
+def test_a_tokenizer_that_is_not_here_says_how_to_do_without():
+    with pytest.raises(FileNotFoundError, match="set --vocab-size instead"):
+        _vocab("--mock-data", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "NousResearch/Meta-Llama-3-8B")
+
+
+@pytest.mark.parametrize("flags, rows", [([], 4096), (["--mock-data", "--tokenizer-type", "ByteTokenizer"], 384),
+                                         (["--mock-data"], 32000)])  # fmt: skip
+def test_estimate_uses_the_vocabulary_training_uses(capsys, flags, rows):
+    assert main(["estimate", *flags]) == 0
+    assert f"vocabulary: {rows} rows" in capsys.readouterr().out
