@@ -115,8 +115,12 @@ class CoreAttention(nn.Module):
             k, v = k.repeat_interleave(group_size, dim=1), v.repeat_interleave(group_size, dim=1)
         gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
         scale = {"scale": self.scale} if self.scale is not None else {}
+        v_dim = v.shape[-1]
+        if self.backend == "flash" and v_dim != q.shape[-1]:  # flash takes equal dims: zero columns of v give zero outputs
+            v = F.pad(v, (0, q.shape[-1] - v_dim))
         with sdpa_backends(self.backend, q.device):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None and self.causal, **gqa, **scale)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None and self.causal, **gqa, **scale)
+        return out[..., :v_dim] if out.shape[-1] != v_dim else out
 
 
 class SelfAttentionBase(nn.Module):

@@ -39,8 +39,9 @@ the tensor-parallel region through ``rope_key_to_heads`` (an identity in one pro
 Attention runs through ``SelfAttentionBase`` with qk dim 192 and v dim 128 as they are. On an
 H100 (torch 2.11, cuDNN 9.19; b 4, 16 heads, 4096 causal, bf16, fwd+bwd) SDPA's cuDNN kernel takes
 them in 3.0 ms, its flash kernel refuses unequal dims (6.2 ms with v padded to 192), the
-memory-efficient one takes them in 28 ms; ``auto`` tries cuDNN first. Padding v for flash matters
-only where cuDNN is missing (ROCm) and is left to the GPU benchmarks.
+memory-efficient one takes them in 28 ms; ``auto`` tries cuDNN first. ``--attention-backend flash``
+(what ROCm, without cuDNN, and its launch scripts use) pads v with zeros to the qk dim and drops
+the extra output columns (``CoreAttention``), which changes nothing in the result.
 """
 
 from __future__ import annotations
@@ -201,9 +202,6 @@ def mla_config_errors(cfg: ModelConfig) -> list[str]:
         errors.append("--multi-latent-attention needs --position-embedding-type rope (its decoupled RoPE key)")
     if cfg.num_query_groups not in (0, cfg.num_attention_heads):
         errors.append("--multi-latent-attention has no key/value groups: drop --num-query-groups")
-    if cfg.attention_backend == "flash":
-        errors.append("--attention-backend flash needs equal query/key and value head dims, which MLA's are not "
-                      f"({cfg.qk_head_dim + cfg.qk_pos_emb_head_dim} and {cfg.v_head_dim}); use auto or cudnn")  # fmt: skip
     if cfg.kv_channels:
         errors.append("--kv-channels does not apply to --multi-latent-attention: set --qk-head-dim, --qk-pos-emb-head-dim and --v-head-dim")
     return errors
