@@ -195,6 +195,7 @@ class CheckpointConfig:
     no_save_rng: bool = False
     ckpt_format: str = "torch_dist"  # the only format: DCP, reshardable
     dist_ckpt_strictness: str = "raise_all"  # raise_all | log_all (checkpoint tensors the run lacks are skipped)
+    async_save: bool = False  # copy the shards to host and write them in a background thread
 
 
 @dataclass
