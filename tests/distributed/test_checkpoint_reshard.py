@@ -14,6 +14,7 @@ up to the checkpoint's).
 
 import math
 
+import pytest
 import torch
 
 from meshtron.checkpoint.checkpoint import read_dcp_metadata
@@ -54,6 +55,7 @@ def _checkpoint_bytes(directory):
     return sum(math.prod(e.size) * e.properties.dtype.itemsize for e in entries)
 
 
+@pytest.mark.slow
 def test_chain_of_layouts_continues_like_one_process(tmp_path):
     reference = Trainer(build_config(None, BASE + MODEL + ["--micro-batch-size", "8"]), log=lambda _: None).run().losses
     assert len(reference) == TOTAL and len(set(reference)) == TOTAL
