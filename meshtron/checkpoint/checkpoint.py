@@ -371,6 +371,8 @@ def checkpoint_config_errors(cfg: Config) -> list[str]:
         errors.append(f"--ckpt-step must be an iteration (>= 0), or -1 for the tracker's; got {c.ckpt_step}")
     if (c.finetune or c.ckpt_step >= 0) and not c.load:
         errors.append(f"{'--finetune' if c.finetune else '--ckpt-step'} needs --load")
+    if c.async_save and not c.save:
+        errors.append("--async-save needs --save (the directory the background writes go to)")
     if t.max_consecutive_skipped_steps < 0:
         errors.append(f"--max-consecutive-skipped-steps must be >= 0 (0: no limit), got {t.max_consecutive_skipped_steps}")
     return errors

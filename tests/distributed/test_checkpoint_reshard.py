@@ -9,7 +9,8 @@ distributed optimizer's flat buffers misread) changes the losses. Tolerance: the
 
 The first run also checks what a 4-rank save writes: 4 data files, each rank handing DCP no more
 bytes than it holds, and every element of every tensor written exactly once (the ranks' bytes add
-up to the checkpoint's).
+up to the checkpoint's); the last, written by 4 ranks, is read into a one-process CPU model as
+``generate`` and ``hf-export`` read it.
 """
 
 import math
@@ -17,9 +18,10 @@ import math
 import pytest
 import torch
 
-from meshtron.checkpoint.checkpoint import read_dcp_metadata
+from meshtron.checkpoint.checkpoint import load_checkpoint, read_dcp_metadata
 from meshtron.checkpoint.sharded import save_state, state_bytes
 from meshtron.config import build_config
+from meshtron.models import build_model
 from meshtron.training.trainer import Trainer
 from tests.distributed.launcher import run_distributed
 from tests.distributed.test_trainer_layouts import BASE
@@ -57,7 +59,8 @@ def _checkpoint_bytes(directory):
 
 @pytest.mark.slow
 def test_chain_of_layouts_continues_like_one_process(tmp_path):
-    reference = Trainer(build_config(None, BASE + MODEL + ["--micro-batch-size", "8"]), log=lambda _: None).run().losses
+    straight = Trainer(build_config(None, BASE + MODEL + ["--micro-batch-size", "8"]), log=lambda _: None)
+    reference = straight.run().losses
     assert len(reference) == TOTAL and len(set(reference)) == TOTAL
 
     got = []
@@ -77,3 +80,9 @@ def test_chain_of_layouts_continues_like_one_process(tmp_path):
     assert all(math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-7) for a, b in zip(got, reference)), (got, reference)
     # Not trivially equal: the legs resumed mid-schedule with the optimizer state of the previous layout.
     assert torch.tensor(got[LEG:]).ne(torch.tensor(got[:-LEG])).all()
+    # The last checkpoint (4 ranks, tp2 x pp2) read into a one-process CPU model, as generate and
+    # hf-export do (no process group): the weights of training straight through.
+    model = build_model(straight.cfg.model, straight.vocab_size, straight.cfg.data.seq_length)
+    assert load_checkpoint(tmp_path / f"leg{len(CHAIN) - 1}", model, load_rng=False)["iteration"] == TOTAL
+    for name, weight in straight.model.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], weight, rtol=1e-5, atol=2e-5, msg=lambda m, name=name: f"{name}: {m}")
