@@ -211,6 +211,7 @@ class CheckpointConfig:
     ckpt_format: str = "torch_dist"  # the only format: DCP, reshardable
     dist_ckpt_strictness: str = "raise_all"  # raise_all | log_all (checkpoint tensors the run lacks are skipped)
     exit_on_missing_checkpoint: bool = False  # --load finds no checkpoint: stop instead of starting from scratch
+    async_save: bool = False  # copy the shards to host and write them in a background thread
 
 
 @dataclass

@@ -176,9 +176,8 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "ckpt-format": "checkpoint.ckpt_format",
     "dist-ckpt-strictness": "checkpoint.dist_ckpt_strictness",
     "check-for-nan-in-loss-and-grad": ("train.check_for_nan_in_loss_and_grad", True),  # --no-... turns it off
-    # Accepted and ignored: every rank reads the tensors it needs itself, and the save will write
-    # each rank's own shards once it is sharded (today global rank 0 writes full tensors); no
-    # flag changes that.
+    # Accepted and ignored: they ask for what meshtron always does (every rank writes its own
+    # shards and reads the boxes it needs itself); no flag changes that.
     "ckpt-fully-parallel-save": ("checkpoint.ckpt_format", None),
     "no-ckpt-fully-parallel-save": ("checkpoint.ckpt_format", None),
     "ckpt-fully-parallel-load": ("checkpoint.ckpt_format", None),
@@ -208,6 +207,8 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "profile": ("logging.profile", True),
     "profile-step-start": "logging.profile_step_start",
     "profile-step-end": "logging.profile_step_end",
+    # Asynchronous save (sharded checkpoints): the saving step returns after a copy to host.
+    "async-save": ("checkpoint.async_save", True),
 }
 
 # Megatron's values of a flag -> meshtron's, with what the translation means (said once at start-up).

@@ -3,16 +3,18 @@
 Layout::
 
     {save}/latest_checkpointed_iteration.txt    the iteration of the newest complete checkpoint
-    {save}/iter_0000100/.metadata, *.distcp     model + optimizer tensors (DCP)
+    {save}/iter_0000100/.metadata               DCP's index of every global tensor's chunks
+    {save}/iter_0000100/__{rank}_0.distcp       the chunks each rank wrote
     {save}/iter_0000100/meta.json               iteration, consumed samples, schedule, config, ...
     {save}/iter_0000100/rng_rank0.pt            RNG states of each rank (unless --no-save-rng)
     {save}/iter_0000100/complete.json           size and CRC-32 of every file above, written last
 
-The tensors are full and keyed by parameter name, whatever parallel layout wrote them
-(``layout.py``), so a checkpoint loads under any other layout.
-
-Tensors go through DCP even in one process so that sharded, reshardable checkpoints (a later
-distributed optimizer) change what is *in* the state dict, not how callers save or load.
+Sharded: each rank writes only the boxes of the global (one-process) tensors it owns, each
+element once, optimizer state in parameter shape (``sharded.py``, ``boxes.py``); every rank reads
+the boxes it holds under its own layout, so a checkpoint loads under any other layout. Each rank
+writes its file on its own and rank 0 merges the ranks' indexes into DCP's ``.metadata``
+(``dcp_io.py``), which lets ``--async-save`` write from a background thread with no collective
+there: ``start_save`` returns after a copy to host and ``PendingSave.finish`` completes it.
 
 Crash safety: a checkpoint is written into a temporary sibling directory, fsynced, and renamed
 into place; the tracker is replaced (temp file + ``os.replace``) only after that. A crash at any
@@ -27,25 +29,24 @@ that the run lacks are an error rather than silently dropped.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import random
+import pickle
 import re
 import shutil
-import warnings
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from meshtron.checkpoint.integrity import MARKER, manifest, verify
-from meshtron.checkpoint.layout import empty_full_state, full_state, load_full_state
-from meshtron.checkpoint.safe_metadata import SafeFileSystemReader, UnsafeMetadata, read_metadata
+from meshtron.checkpoint.dcp_io import merge_indexes, read_boxes, write_rank_files
+from meshtron.checkpoint.integrity import MARKER, describe_files, manifest, verify
+from meshtron.checkpoint.rng import get_rng_state, set_rng_state
+from meshtron.checkpoint.safe_metadata import UnsafeMetadata, read_metadata
+from meshtron.checkpoint.sharded import finish_load, load_state, save_state, state_bytes
 from meshtron.config import Config, CheckpointConfig
 from meshtron.models.contract import ParamMeta
 from meshtron.parallel.mesh import Mesh
@@ -85,104 +86,147 @@ def latest_iteration(save_dir: str | os.PathLike) -> int | None:
         raise CheckpointError(f"tracker file {tracker} should hold an iteration number, found {text[:40]!r}") from None
 
 
-# -- RNG ------------------------------------------------------------------------------------------
-
-
-def get_rng_state() -> dict[str, Any]:
-    """Every generator a run draws from (python, numpy, torch CPU, current CUDA device), in types
-    that ``torch.load(weights_only=True)`` accepts."""
-    np_state = np.random.get_state(legacy=False)
-    state = {
-        "python": random.getstate(),
-        "numpy": {**np_state, "state": {"key": np_state["state"]["key"].tolist(), "pos": np_state["state"]["pos"]}},
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore ``get_rng_state()``'s result; a CUDA state is applied only where CUDA exists."""
-    random.setstate(state["python"])
-    np_state = state["numpy"]
-    key = np.asarray(np_state["state"]["key"], dtype=np.uint32)
-    np.random.set_state({**np_state, "state": {"key": key, "pos": np_state["state"]["pos"]}})
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
 # -- save -----------------------------------------------------------------------------------------
 
 
-def save_checkpoint(
-    save_dir: str | os.PathLike,
-    iteration: int,
-    model: nn.Module,
-    optimizer: Any,
-    meta: dict[str, Any],
-    mesh: Mesh | None = None,
-    save_optim: bool = True,
-    metas: dict[str, ParamMeta] | None = None,
-    save_rng: bool = True,
-) -> Path:
-    """Write ``{save_dir}/iter_{iteration:07d}`` atomically, then point the tracker at it.
+def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model: nn.Module, optimizer: Any, meta: dict[str, Any],
+                    mesh: Mesh | None = None, save_optim: bool = True, metas: dict[str, ParamMeta] | None = None,
+                    save_rng: bool = True) -> Path:  # fmt: skip
+    """Write ``{save_dir}/iter_{iteration:07d}`` and point the tracker at it; returns the directory.
+    Collective: every rank calls it. ``meta`` must be JSON-serializable."""
+    return start_save(save_dir, iteration, model, optimizer, meta, mesh, save_optim, metas, save_rng).finish()
 
-    Collective: every rank calls it. The tensors are saved layout-free (full, keyed by name; see
-    ``layout.py``) by global rank 0; every rank adds its RNG state; after a barrier rank 0
-    checksums every rank's files into the completion marker, renames the directory into place
-    and writes the tracker. ``meta`` must be JSON-serializable. Returns the
-    final directory.
+
+def start_save(save_dir: str | os.PathLike, iteration: int, model: nn.Module, optimizer: Any, meta: dict[str, Any],
+               mesh: Mesh | None = None, save_optim: bool = True, metas: dict[str, ParamMeta] | None = None,
+               save_rng: bool = True, in_background: bool = False) -> "PendingSave":  # fmt: skip
+    """Begin a checkpoint: each rank writes the boxes it owns (``sharded.py``) and its RNG state
+    into a temporary sibling directory; ``finish()`` on the result completes it.
+
+    ``in_background`` (``--async-save``): the boxes are first copied to host memory (pinned when
+    on a GPU), then a thread writes them, so this returns once the copy is done and training goes
+    on; its RNG state is taken now. Collective (a barrier after the directory is made).
     """
     mesh = mesh or Mesh()
     root = Path(save_dir)
     final = checkpoint_dir(root, iteration)
     tmp = root / f"{final.name}.tmp"
-    writer = mesh.rank == 0
-    state = full_state(model, optimizer, mesh, with_optimizer=save_optim, metas=metas)
-    if writer:
+    if mesh.rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         for stale in root.glob(f"{final.name}.tmp*"):  # left by a run killed mid-save
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     _barrier(mesh)
-    try:
-        if writer:
-            with _quiet_single_process():
-                dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
-            record = {"format_version": FORMAT_VERSION, "iteration": iteration, "has_optimizer": save_optim,
-                      "has_rng": save_rng, "world_size": mesh.world_size, "meta": meta}
-            _write_durably(tmp / META, json.dumps(record, indent=1).encode())
-        if save_rng:
-            torch.save(get_rng_state(), tmp / f"rng_rank{mesh.rank}.pt")
-        _barrier(mesh)
-        if writer:
-            _write_durably(tmp / MARKER, json.dumps(manifest(tmp, iteration), indent=1).encode())
-            _fsync_tree(tmp)
-            _move_into_place(tmp, final)
-    except BaseException:  # DCP raises CheckpointException, a BaseException
-        if writer:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if writer:
-        _write_durably(root / TRACKER, f"{iteration}\n".encode())
-    _barrier(mesh)
-    return final
+    state = save_state(model, optimizer, mesh, with_optimizer=save_optim, metas=metas)
+    record = {"format_version": FORMAT_VERSION, "iteration": iteration, "has_optimizer": save_optim,
+              "has_rng": save_rng, "world_size": mesh.world_size, "meta": meta}  # fmt: skip
+    pending = PendingSave(root, iteration, tmp, record, mesh, state_bytes(state))
+    if not in_background:
+        pending.run(state, get_rng_state if save_rng else None)
+        return pending
+    staged = {key: sharded.to_host() for key, sharded in state.items()}
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the non-blocking copies to pinned memory have landed
+    rng = get_rng_state() if save_rng else None
+    pending.thread = threading.Thread(target=pending.run, args=(staged, (lambda: rng) if save_rng else None),
+                                      name=f"checkpoint-{iteration}", daemon=True)  # fmt: skip
+    pending.thread.start()
+    return pending
+
+
+class PendingSave:
+    """A checkpoint whose files this rank is writing (in ``thread`` when asynchronous).
+
+    ``finish()`` (collective) waits for this rank's files, gathers every rank's index and file
+    checksums on rank 0, which merges the indexes into DCP's ``.metadata``, writes ``meta.json``
+    and the completion marker, renames the directory into place and then writes the tracker:
+    only a checkpoint every rank completed is ever pointed at. A failure on any rank fails the
+    save on every rank and leaves the previous checkpoint as it was.
+    """
+
+    def __init__(self, root: Path, iteration: int, tmp: Path, record: dict[str, Any], mesh: Mesh, staged_bytes: int) -> None:
+        self.root, self.iteration, self.tmp, self.record, self.mesh = root, iteration, tmp, record, mesh
+        self.staged_bytes = staged_bytes  # what this rank hands to DCP: its own boxes only
+        self.thread: threading.Thread | None = None
+        self._result: tuple[Any, dict[str, Any]] | None = None
+        self._error: BaseException | None = None
+
+    def run(self, state: dict[str, Any], rng: Callable[[], dict[str, Any]] | None) -> None:
+        """This rank's files: its DCP data file, its RNG state, and their checksums."""
+        try:
+            rank = self.mesh.rank
+            index = write_rank_files(state, self.tmp, rank)
+            written = sorted(self.tmp.glob(f"__{rank}_*.distcp"))
+            if rng is not None:
+                path = self.tmp / f"rng_rank{rank}.pt"
+                torch.save(rng(), path)
+                written.append(path)
+            self._result = (index, describe_files(written))
+        except BaseException as exc:  # DCP raises CheckpointException, a BaseException
+            self._error = exc
+
+    def finish(self) -> Path:
+        if self.thread is not None:
+            self.thread.join()
+        mine = None if self._error is not None else self._result
+        failure = None if mine is not None else f"rank {self.mesh.rank}: {type(self._error).__name__}: {self._error}"
+        parts = _gather_to_first(self.mesh, (mine, failure))
+        own_error = self._error
+        if self.mesh.rank == 0:
+            failures = [f for _, f in parts if f]
+            try:
+                if failures:
+                    raise CheckpointError(f"saving iteration {self.iteration} failed: {'; '.join(failures)}")
+                self._complete([p for p, _ in parts])
+            except BaseException as exc:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+                own_error = own_error or exc
+                failure = failure or f"{type(exc).__name__}: {exc}"
+        outcome = _broadcast_from_first(self.mesh, failure if self.mesh.rank == 0 else None)
+        if own_error is not None:
+            raise own_error
+        if outcome:
+            raise CheckpointError(f"saving iteration {self.iteration} to {self.root} failed on rank 0: {outcome}")
+        return checkpoint_dir(self.root, self.iteration)
+
+    def _complete(self, parts: list[tuple[Any, dict[str, Any]]]) -> None:
+        """Rank 0, once every rank's files are written: the index, the record, the marker, the
+        rename into place, then the tracker."""
+        try:
+            index = merge_indexes([p[0] for p in parts])
+        except ValueError as exc:
+            raise CheckpointError(f"the ranks' shards of iteration {self.iteration} do not fit together: {exc}") from None
+        _write_durably(self.tmp / ".metadata", pickle.dumps(index))
+        _write_durably(self.tmp / META, json.dumps(self.record, indent=1).encode())
+        files = describe_files([self.tmp / ".metadata", self.tmp / META])
+        for _, rank_files in parts:
+            files.update(rank_files)
+        _write_durably(self.tmp / MARKER, json.dumps(manifest(self.iteration, files), indent=1).encode())
+        _fsync_tree(self.tmp)
+        final = checkpoint_dir(self.root, self.iteration)
+        _move_into_place(self.tmp, final)
+        _write_durably(self.root / TRACKER, f"{self.iteration}\n".encode())
+
+
+def _gather_to_first(mesh: Mesh, item: Any) -> list[Any]:
+    if mesh.world_size == 1:
+        return [item]
+    parts: list[Any] = [None] * mesh.world_size if mesh.rank == 0 else None
+    torch.distributed.gather_object(item, parts, dst=0)
+    return parts
+
+
+def _broadcast_from_first(mesh: Mesh, item: Any) -> Any:
+    if mesh.world_size == 1:
+        return item
+    box = [item]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _barrier(mesh: Mesh) -> None:
     if mesh.world_size > 1:
         torch.distributed.barrier()
-
-
-@contextlib.contextmanager
-def _quiet_single_process():
-    """DCP runs without a process group when none exists, and warns on every call that it does;
-    in one process that is the intent, so the warning is noise."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        yield
 
 
 def _write_durably(path: Path, data: bytes) -> None:
@@ -277,14 +321,13 @@ def load_checkpoint(
     with_optim = optimizer is not None and load_optim
     if with_optim and not record.get("has_optimizer", False):
         raise CheckpointError(f"{directory} was saved without optimizer state (--no-save-optim); resume with --no-load-optim")
-    # Every rank reads the full tensors (no collectives) and keeps its own part of them.
-    full = empty_full_state(model, optimizer, with_optimizer=with_optim, metas=metas)
-    _check_tensor_names(full, metadata, directory, mesh, strict, log)
-    _dcp_load({"model": full["model"]}, directory, metadata)
+    # Each rank names the boxes it holds and reads their overlap with the stored chunks.
+    state = load_state(model, optimizer, with_optimizer=with_optim, metas=metas)
+    _check_tensors(state, model, metadata, directory, mesh, strict, log)
+    _read(state, directory, metadata)
     if with_optim:
-        _dcp_load({"optimizer": full["optimizer"]}, directory, metadata)
-    load_full_state(full, model, optimizer, with_optimizer=with_optim, metas=metas)
-    if optimizer is not None and not with_optim:
+        finish_load(state, optimizer)
+    elif optimizer is not None:
         optimizer.reload_model_params()
 
     if load_rng:
@@ -328,6 +371,8 @@ def checkpoint_config_errors(cfg: Config) -> list[str]:
         errors.append(f"--ckpt-step must be an iteration (>= 0), or -1 for the tracker's; got {c.ckpt_step}")
     if (c.finetune or c.ckpt_step >= 0) and not c.load:
         errors.append(f"{'--finetune' if c.finetune else '--ckpt-step'} needs --load")
+    if c.async_save and not c.save:
+        errors.append("--async-save needs --save (the directory the background writes go to)")
     if t.max_consecutive_skipped_steps < 0:
         errors.append(f"--max-consecutive-skipped-steps must be >= 0 (0: no limit), got {t.max_consecutive_skipped_steps}")
     return errors
@@ -406,21 +451,32 @@ def read_dcp_metadata(directory: Path) -> Any:
 _PARAMETER_KEYED = ("model.", "optimizer.master.", "optimizer.state.")
 
 
-def _check_tensor_names(full: dict[str, Any], metadata: Any, directory: Path, mesh: Mesh, strict: bool, log: Callable[[str], None]) -> None:
-    """Tensors this run needs that the checkpoint lacks are an error; tensors of the checkpoint
-    this run does not have (fewer layers, another model) too, unless not ``strict``."""
-    wanted = _flat_keys(full)
-    run_keys = set(wanted)
-    if mesh.pp > 1:  # each stage holds its own layers: the run has their union
-        parts: list[Any] = [None] * mesh.pp
-        torch.distributed.all_gather_object(parts, wanted, group=mesh.pp_group)
-        run_keys = set().union(*parts)
-    saved = metadata.state_dict_metadata.keys()
-    lacking = [k for k in wanted if k not in saved]
+def _parameter_of(key: str) -> str:
+    """The parameter name in a parameter-keyed checkpoint key."""
+    name = key.removeprefix("model.").removeprefix("optimizer.master.")
+    return name.removeprefix("optimizer.state.").rpartition(".")[0] if key.startswith("optimizer.state.") else name
+
+
+def _check_tensors(state: dict[str, Any], model: nn.Module, metadata: Any, directory: Path, mesh: Mesh, strict: bool,
+                   log: Callable[[str], None]) -> None:  # fmt: skip
+    """Tensors this run needs that the checkpoint lacks, or holds in another shape, are an error;
+    tensors of the checkpoint whose parameter this run does not have (fewer layers, another model)
+    too, unless not ``strict``."""
+    saved = metadata.state_dict_metadata
+    lacking = [k for k in state if k not in saved]
     if lacking:
         raise CheckpointError(f"{directory} lacks {len(lacking)} tensors this run needs, e.g. {lacking[:3]} (another model shape or precision?)")
-    sections = tuple(p for p in _PARAMETER_KEYED if p.split(".")[0] in full)
-    extra = sorted(k for k in saved if k.startswith(sections) and k not in run_keys)
+    for key, sharded in state.items():
+        if tuple(saved[key].size) != tuple(sharded.shape):
+            raise CheckpointError(f"{directory} holds {key} of shape {list(saved[key].size)} but this run's is {list(sharded.shape)} "
+                                  "(another model width, vocabulary or layout of the model?); configure the model as it was saved")  # fmt: skip
+    names = set(model.state_dict())
+    if mesh.pp > 1:  # each stage holds its own layers: the run has their union
+        parts: list[Any] = [None] * mesh.pp
+        torch.distributed.all_gather_object(parts, sorted(names), group=mesh.pp_group)
+        names = set().union(*parts)
+    sections = _PARAMETER_KEYED if any(k.startswith("optimizer.") for k in state) else ("model.",)
+    extra = sorted(k for k in saved if k.startswith(sections) and _parameter_of(k) not in names)
     if not extra:
         return
     what = f"{directory} holds {len(extra)} tensors this run does not have, e.g. {extra[:5]}"
@@ -432,21 +488,10 @@ def _check_tensor_names(full: dict[str, Any], metadata: Any, directory: Path, me
     log(f"warning: {what}; they are not loaded (--dist-ckpt-strictness log_all)")
 
 
-def _dcp_load(state: dict[str, Any], directory: Path, metadata: Any) -> None:
-    """``dcp.load`` through the already-read index, its rank-wrapped failures turned into one
-    CheckpointError naming the directory."""
+def _read(state: dict[str, Any], directory: Path, metadata: Any) -> None:
+    """``read_boxes`` with DCP's rank-wrapped failures turned into one CheckpointError naming the directory."""
     try:
-        with _quiet_single_process():
-            dcp.load(state, storage_reader=SafeFileSystemReader(directory, metadata), no_dist=True)
+        read_boxes(state, directory, metadata)
     except CheckpointException as exc:
         causes = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in exc.failures.items())
         raise CheckpointError(f"cannot load tensors from {directory}: {causes}") from None
-
-
-def _flat_keys(state: dict[str, Any], prefix: str = "") -> list[str]:
-    """DCP's flattened key names (``a.b.c``) for a nested dict of tensors."""
-    keys = []
-    for k, v in state.items():
-        name = f"{prefix}{k}"
-        keys.extend(_flat_keys(v, name + ".") if isinstance(v, dict) else [name])
-    return keys

@@ -11,8 +11,9 @@ back once at save and once at load. A cryptographic hash would buy nothing again
 file: whoever can replace a ``.distcp`` can rewrite the marker too. Malicious files are handled
 by never running code from them (``safe_metadata.py``, ``weights_only`` loads).
 
-With several writing ranks (sharded save), the marker is still written by one rank after a
-barrier, over the whole directory, so it lists every rank's files.
+With several writing ranks (sharded save), each rank checksums the files it wrote
+(``describe_files``) and rank 0 gathers the entries into the one marker, so no rank reads
+another's files at save.
 """
 
 from __future__ import annotations
@@ -34,14 +35,14 @@ def crc32_of(path: Path) -> str:
     return f"{crc:08x}"
 
 
-def manifest(directory: Path, iteration: int) -> dict[str, Any]:
-    """The marker's content for every file now in ``directory`` (call once all are written)."""
-    files = {
-        p.name: {"bytes": p.stat().st_size, "crc32": crc32_of(p)}
-        for p in sorted(directory.iterdir())
-        if p.is_file() and p.name != MARKER
-    }
-    return {"iteration": iteration, "checksum": "crc32", "files": files}
+def describe_files(paths: list[Path]) -> dict[str, dict[str, Any]]:
+    """The marker's entries (size and CRC-32) of ``paths``, keyed by file name."""
+    return {p.name: {"bytes": p.stat().st_size, "crc32": crc32_of(p)} for p in paths}
+
+
+def manifest(iteration: int, files: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The marker's content: the entries of every file of the checkpoint, gathered from the ranks."""
+    return {"iteration": iteration, "checksum": "crc32", "files": dict(sorted(files.items()))}
 
 
 def verify(directory: Path) -> str | None:

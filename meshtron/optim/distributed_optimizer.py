@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshtron.optim.optimizer import MixedPrecisionOptimizer
+from meshtron.optim.optimizer import MixedPrecisionOptimizer, ParamState
 from meshtron.optim.grad_buffer import GradBuffer, all_gather_single
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -139,6 +139,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     # -- checkpointing ---------------------------------------------------------------------------
 
+    def param_states(self) -> list[ParamState]:
+        """This rank's pieces: each the slice ``[start, end)`` of its parameter it owns."""
+        return [self._param_state(p.name, p.param, p.master, p.start - p.offset, False) for p in self._pieces]
+
     @torch.no_grad()
     def _gather(self, slices: list[torch.Tensor]) -> torch.Tensor:
         """The full flat fp32 tensor (buffer layout) from every rank's per-bucket ``slices``."""
@@ -151,7 +155,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The same form as ``MixedPrecisionOptimizer.state_dict`` (full fp32 tensors keyed by
-        parameter name), so checkpoints move freely between dp sizes and the plain optimizer.
+        parameter name), for comparing or copying whole optimizer states; checkpoints do not use
+        it (they write each rank's slices through ``param_states``).
 
         Cost: collective over dp, and every rank briefly holds the full masters and moments
         (3 x 4 bytes per parameter). The tensors are fresh copies, not live views: load through
@@ -181,5 +186,4 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             current["step"].copy_(saved["step"])
             for key in _MOMENTS:
                 current[key].copy_(saved[key].reshape(-1)[lo:hi])
-        self.loss_scaler.load_state_dict({k: v.item() for k, v in state_dict["loss_scaler"].items()})
-        self._copy_masters_to_model()
+        self.finish_load({k: v.item() for k, v in state_dict["loss_scaler"].items()})

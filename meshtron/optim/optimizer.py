@@ -36,6 +36,24 @@ _CLIP_EPS = 1e-6
 
 
 @dataclass
+class ParamState:
+    """This rank's optimizer state of one parameter, as live tensors, for the sharded checkpoint.
+
+    ``tensors`` (``master``, ``exp_avg``, ``exp_avg_sq``) hold the flat elements ``[start, start +
+    numel)`` of the parameter's local (tensor-parallel) tensor of ``shape`` — all of it, or the
+    distributed optimizer's slice; FSDP's are DTensors that carry their own placement. ``step`` is
+    0-d. ``dp_replicated``: every data-parallel rank holds the same state (one of them writes it).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    start: int
+    tensors: dict[str, torch.Tensor]
+    step: torch.Tensor
+    dp_replicated: bool
+
+
+@dataclass
 class StepResult:
     """What one ``step`` did: the pre-clip global gradient norm (inf/nan when skipped), whether the
     update was skipped for an overflow, and the loss scale after the scaler's update (what Megatron logs)."""
@@ -215,6 +233,22 @@ class MixedPrecisionOptimizer:
             "loss_scaler": self._scaler_state(),
         }
 
+    def param_states(self) -> list[ParamState]:
+        """Every parameter's master and moments, whole on this rank (``checkpoint/sharded.py``)."""
+        return [self._param_state(name, param, master, 0, True) for name, param, master in self._params]
+
+    def _param_state(self, name: str, param: nn.Parameter, master: torch.Tensor, start: int, dp_replicated: bool) -> ParamState:
+        state = self.adamw.state[master]
+        tensors = {"master": master, **{k: state[k] for k in ("exp_avg", "exp_avg_sq")}}
+        return ParamState(name, tuple(param.shape), start, tensors, state["step"], dp_replicated)
+
+    @torch.no_grad()
+    def finish_load(self, loss_scaler_state: dict[str, float]) -> None:
+        """After a checkpoint was read into ``param_states()``' tensors in place: restore the loss
+        scaler and write the masters into the model."""
+        self.loss_scaler.load_state_dict(loss_scaler_state)
+        self._copy_masters_to_model()
+
     def _scaler_state(self) -> dict[str, torch.Tensor]:
         return {k: torch.tensor(float(v), dtype=torch.float64) for k, v in self.loss_scaler.state_dict().items()}
 
@@ -240,8 +274,7 @@ class MixedPrecisionOptimizer:
                 raise ValueError(f"optimizer state of '{name}' has keys {sorted(saved)}, expected {sorted(current)}")
             for key, value in saved.items():
                 current[key].copy_(value)
-        self.loss_scaler.load_state_dict({k: v.item() for k, v in state_dict["loss_scaler"].items()})
-        self._copy_masters_to_model()
+        self.finish_load({k: v.item() for k, v in state_dict["loss_scaler"].items()})
 
     # -- placement (the distributed optimizer overrides these) --------------------------------
 

@@ -27,7 +27,7 @@ from torch import nn
 
 from meshtron.errors import ConfigError
 from meshtron.models.contract import ParamMeta
-from meshtron.optim.optimizer import MixedPrecisionOptimizer, build_param_groups, optimizer_settings
+from meshtron.optim.optimizer import MixedPrecisionOptimizer, ParamState, build_param_groups, optimizer_settings
 from meshtron.parallel.mesh import Mesh
 
 try:  # torch >= 2.6
@@ -106,6 +106,10 @@ class FSDPOptimizer(MixedPrecisionOptimizer):
         """The norm of DTensor shards is a DTensor; ``full_tensor`` completes it over dp."""
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def param_states(self) -> list[ParamState]:
+        """Masters and moments are DTensor shards: each data-parallel rank holds (and writes) its own."""
+        return [self._param_state(name, param, master, 0, False) for name, param, master in self._params]
 
 
 def build_fsdp_optimizer(model: nn.Module, train_cfg: Any, compute_dtype: torch.dtype = torch.float32,

@@ -204,10 +204,3 @@ def gather_full(tensor: torch.Tensor, meta: mc.ParamMeta, mesh: Mesh) -> torch.T
     full.index_copy_(meta.tp_dim, torch.cat(indices).to(tensor.device), torch.cat(parts, dim=meta.tp_dim))
     return full
 
-
-def local_part(full: torch.Tensor, meta: mc.ParamMeta | None) -> torch.Tensor:
-    """This rank's part of a full tensor (the inverse of ``gather_full``)."""
-    if meta is not None and meta.ep_size > 1 and full.dim() > 0:
-        return full.index_select(0, meta.expert_index().to(full.device))
-    index = None if meta is None or meta.tp_size == 1 or full.dim() == 0 else meta.local_index()
-    return full if index is None else full.index_select(meta.tp_dim, index.to(full.device))

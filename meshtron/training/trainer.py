@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from meshtron.checkpoint.checkpoint import CheckpointError, load_for_training, save_checkpoint
+from meshtron.checkpoint.checkpoint import CheckpointError, PendingSave, load_for_training, start_save
 from meshtron.config import Config
 from meshtron.validation import validate
 from meshtron.data.builder import MicroBatchIterator, build_datasets
@@ -27,7 +27,7 @@ from meshtron.models import parameter_count
 from meshtron.optim.lr_schedule import LRSchedule
 from meshtron.parallel.mesh import init_distributed
 from meshtron.parallel.setup import build_runner
-from meshtron.training.divergence import DivergenceMonitor
+from meshtron.training.divergence import DivergenceError, DivergenceMonitor
 from meshtron.training.metrics import IntervalMeter, MetricsWriter, device_ceiling_tflops, format_log_line, memory_scalars, model_flops_per_token
 from meshtron.training.profiler import StepProfiler
 from meshtron.training.vocab import model_vocab_size, run_tokenizer
@@ -149,6 +149,7 @@ class Trainer:
             log(self.runner.describe(self.num_micro_batches))
         log(f"optimizer state on this rank: {self.optimizer.memory_bytes() / 2**20:.1f} MiB" if hasattr(self.optimizer, "memory_bytes") else "optimizer state: sharded by FSDP2")
         self._stop_requested = False
+        self._pending_save: PendingSave | None = None  # an --async-save checkpoint still being written
         self.last_aux: dict[str, float] = {}  # the last step's auxiliary terms, for the log line
         self.divergence = DivergenceMonitor.from_config(t, self.precision, self.mesh.rank, self.model)
 
@@ -213,10 +214,29 @@ class Trainer:
             "tokenizer": self._copy_tokenizer_files(save_dir),
             "lr_schedule": self.schedule.state_dict(),
         }
+        self.finish_save()  # one checkpoint in flight at a time
         start = time.perf_counter()
-        save_checkpoint(str(save_dir), self.iteration, self.model, self.optimizer, meta, mesh=self.mesh,
-                        save_optim=not ckpt.no_save_optim, save_rng=not ckpt.no_save_rng, metas=self.runner.metas)  # fmt: skip
+        pending = start_save(str(save_dir), self.iteration, self.model, self.optimizer, meta, mesh=self.mesh,
+                             save_optim=not ckpt.no_save_optim, save_rng=not ckpt.no_save_rng, metas=self.runner.metas,
+                             in_background=ckpt.async_save)  # fmt: skip
+        if ckpt.async_save:
+            self._pending_save = pending
+            self.log(f"checkpoint of iteration {self.iteration}: training stalled {time.perf_counter() - start:.2f}s "
+                     f"(copy of {pending.staged_bytes / 2**20:.1f} MiB to host); writing in the background")  # fmt: skip
+            return
+        pending.finish()
         self.log(f"saved checkpoint at iteration {self.iteration} to {save_dir} in {time.perf_counter() - start:.2f}s")
+
+    def finish_save(self) -> None:
+        """Complete the checkpoint being written in the background, if any (collective): its
+        tracker and completion marker appear only now, once every rank's files are written."""
+        pending, self._pending_save = self._pending_save, None
+        if pending is None:
+            return
+        start = time.perf_counter()
+        final = pending.finish()
+        self.log(f"saved checkpoint at iteration {pending.iteration} to {final.parent} (written in the background; "
+                 f"waited {time.perf_counter() - start:.2f}s to complete it)")  # fmt: skip
 
     def _copy_tokenizer_files(self, save_dir: Path) -> dict[str, str]:
         """Put the tokenizer beside the weights so ``generate`` needs nothing else."""
@@ -288,6 +308,10 @@ class Trainer:
                     self.log(f"stopping at iteration {self.iteration} ({'signal' if self._stop_requested else 'exit interval' if exit_due else 'wall-clock limit'})")
                     break
             self.save()
+            self.finish_save()
+        except DivergenceError:
+            self.finish_save()  # the checkpoint in flight predates the divergence: keep it (every rank stops alike)
+            raise
         finally:
             if previous_handler is not None:
                 signal.signal(signal.SIGTERM, previous_handler)

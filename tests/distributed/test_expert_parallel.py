@@ -9,9 +9,10 @@ One spawn of 4 gloo processes (fp32, CPU) runs every case through the same runne
 - one optimizer step (the distributed optimizer sharding experts over edp; and the replicated
   one under ep2 x tp2 x sp): the gradient norm (each expert counted once), the updated weights
   and the expert bias after ``Runner.after_step`` equal a one-process runner's;
-- checkpoints: the full state (weights, masters, Adam moments, keyed by global expert id) an
-  ep layout writes equals one process's, and one process's state loaded into a fresh ep layout
-  (the distributed optimizer's) reads back the same: resharding ep1 -> ep2 is slicing;
+- checkpoints, through the sharded checkpoint itself: what an ep layout saves (weights, masters,
+  Adam moments, boxes keyed by global expert id), loaded into one process, equals the one-process
+  runner's state; and one process's checkpoint loaded into a fresh tp2 x ep2 layout (the
+  distributed optimizer's) and saved again reads back the same: resharding 1 -> ep2 -> 1;
 - the dispatchers alone, with ranks that send nothing, ranks whose experts receive nothing and
   experts with no row: outputs and weight gradients equal one process's experts.
 """
@@ -24,7 +25,7 @@ import pytest
 import torch
 
 from launcher import run_distributed
-from meshtron.checkpoint.layout import full_state, load_full_state
+from meshtron.checkpoint.checkpoint import load_checkpoint, save_checkpoint
 from meshtron.config import ModelConfig, ParallelConfig, TrainConfig
 from meshtron.layers.moe.experts import Experts
 from meshtron.parallel.expert_parallel import ExpertParallelExperts
@@ -63,8 +64,9 @@ def _parallel(mesh: Mesh, sequence_parallel: bool, distributed: bool = False) ->
                           sequence_parallel=sequence_parallel, use_distributed_optimizer=distributed)  # fmt: skip
 
 
-def _step(runner) -> dict:
-    """forward_backward, finalize, step, after_step of this rank's micro batches -> what to compare."""
+def _step(runner, save_dir: str) -> dict:
+    """forward_backward, finalize, step, after_step of this rank's micro batches -> what to
+    compare; the state is saved as a checkpoint in ``save_dir``."""
     mesh = runner.mesh
     batches = _micro_batches()
     runner.optimizer.zero_grad()
@@ -74,19 +76,34 @@ def _step(runner) -> dict:
     runner.after_step()
     params = {n: gather_full(p.detach().clone(), runner.metas[n], mesh) for n, p in runner.model.named_parameters()}
     biases = {n: b.clone() for n, b in runner.model.named_buffers() if n.endswith("expert_bias")}
-    state = full_state(runner.model, runner.optimizer, mesh, True, runner.metas)
-    return {"grad_norm": result.grad_norm, "params": params, "biases": biases, "state": state}
+    save_checkpoint(save_dir, 1, runner.model, runner.optimizer, {}, mesh, metas=runner.metas)
+    return {"grad_norm": result.grad_norm, "params": params, "biases": biases}
 
 
 def _bias_runner(mesh: Mesh, sequence_parallel: bool = False, distributed: bool = False):
     return runner_for(_decoder(MOE_BIAS), mesh, _parallel(mesh, sequence_parallel, distributed), TRAIN, torch.float32)
 
 
-def _reloaded(mesh: Mesh, state: dict) -> dict:
-    """``state`` loaded into a fresh runner on ``mesh`` (distributed optimizer), written back."""
+def _reload(mesh: Mesh, load_dir: str, save_dir: str) -> None:
+    """The checkpoint in ``load_dir`` loaded into a fresh runner on ``mesh`` (distributed
+    optimizer) and saved again to ``save_dir``."""
     runner = _bias_runner(mesh, distributed=True)
-    load_full_state(state, runner.model, runner.optimizer, True, runner.metas)
-    return full_state(runner.model, runner.optimizer, mesh, True, runner.metas)
+    load_checkpoint(load_dir, runner.model, runner.optimizer, load_rng=False, mesh=mesh, metas=runner.metas)
+    save_checkpoint(save_dir, 1, runner.model, runner.optimizer, {}, mesh, metas=runner.metas)
+
+
+def _state_in_one_process(load_dir: str) -> dict[str, torch.Tensor]:
+    """A checkpoint loaded into a one-process runner: its weights and optimizer state, by name."""
+    runner = _bias_runner(Mesh())
+    load_checkpoint(load_dir, runner.model, runner.optimizer, load_rng=False, metas=runner.metas)
+    return _state(runner)
+
+
+def _state(runner) -> dict[str, torch.Tensor]:
+    state = {f"model/{n}": t.detach().clone() for n, t in runner.model.state_dict().items()}
+    for ps in runner.optimizer.param_states():
+        state.update({f"optimizer/{ps.name}/{key}": t.detach().clone() for key, t in ps.tensors.items()})
+    return state
 
 
 def _zero_token_inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -111,7 +128,7 @@ def _zero_tokens(mesh: Mesh, dispatcher: str) -> dict:
     return {"out": out.detach(), "x_grad": x.grad, "grads": {n: p.grad for n, p in experts.named_parameters()}}
 
 
-def _worker(rank: int, world_size: int) -> dict:
+def _worker(rank: int, world_size: int, tmp: str) -> dict:
     out = {}
     for name, (sizes, config, sp) in LAYOUTS.items():
         mesh = Mesh(**sizes, rank=rank)
@@ -120,11 +137,11 @@ def _worker(rank: int, world_size: int) -> dict:
     for name, (sizes, sp, distributed) in STEPS.items():
         mesh = Mesh(**sizes, rank=rank)
         mesh.init_process_groups()
-        out[f"step/{name}"] = _step(_bias_runner(mesh, sp, distributed))
-    # One process's state (a one-process run inside each process of the spawn) into a tp2 x ep2 layout.
+        out[f"step/{name}"] = _step(_bias_runner(mesh, sp, distributed), f"{tmp}/step_{name}")
+    # One process's checkpoint (saved by pytest's process before the spawn) into a tp2 x ep2 layout.
     mesh = Mesh(tp=2, dp=2, ep=2, rank=rank)
     mesh.init_process_groups()
-    out["reloaded"] = _reloaded(mesh, _one_process_step()["state"])
+    _reload(mesh, f"{tmp}/one_process", f"{tmp}/reloaded")
     mesh = Mesh(dp=4, ep=4, rank=rank)
     mesh.init_process_groups()
     for dispatcher in ("alltoall", "allgather"):
@@ -133,9 +150,15 @@ def _worker(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[str, list[dict]]:
+def tmp(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("expert_parallel"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp) -> dict[str, list[dict]]:
+    _one_process_step(tmp)  # its checkpoint is what the spawn reshards
     out: dict[str, list[dict]] = {}
-    for rank_result in run_distributed(_worker, 4, timeout=300.0):
+    for rank_result in run_distributed(_worker, 4, tmp, timeout=300.0):
         for name, result in rank_result.items():
             out.setdefault(name, []).append(result)
     return out
@@ -163,8 +186,9 @@ def test_alltoall_and_allgather_dispatchers_are_bit_identical(runs, layout):
 
 
 @functools.lru_cache
-def _one_process_step() -> dict:
-    return _step(_bias_runner(Mesh()))
+def _one_process_step(tmp: str) -> dict:
+    runner = _bias_runner(Mesh())
+    return {**_step(runner, f"{tmp}/one_process"), "state": _state(runner)}
 
 
 def _assert_same_state(actual: dict, expected: dict, what: str) -> None:
@@ -183,8 +207,8 @@ def _flatten(tree, prefix: str = "") -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("name", list(STEPS))
-def test_optimizer_step_and_expert_bias_match_one_process(runs, name):
-    ref = _one_process_step()
+def test_optimizer_step_and_expert_bias_match_one_process(runs, tmp, name):
+    ref = _one_process_step(tmp)
     assert ref["grad_norm"] > TRAIN.clip_grad  # clipping is active: the norm matters
     assert any(b.abs().sum() > 0 for b in ref["biases"].values()), "the expert bias did not move"
     for rank, r in enumerate(runs[f"step/{name}"]):
@@ -194,14 +218,13 @@ def test_optimizer_step_and_expert_bias_match_one_process(runs, name):
         for pname, param in r["params"].items():
             err = (param - ref["params"][pname]).norm() / ref["params"][pname].norm()
             assert err <= RTOL, f"{name} rank {rank}: {pname} after the step, relative error {err:.2e}"
-        _assert_same_state(r["state"], ref["state"], f"{name} rank {rank} checkpoint state")
+    _assert_same_state(_state_in_one_process(f"{tmp}/step_{name}"), ref["state"], f"{name} checkpoint, loaded in one process")
 
 
-def test_one_process_checkpoint_loads_into_expert_parallel_layout(runs):
-    ref = _one_process_step()["state"]
-    assert any(n.endswith("experts.weight1") for n in ref["model"])
-    for rank, state in enumerate(runs["reloaded"]):
-        _assert_same_state(state, ref, f"rank {rank} after loading one process's state")
+def test_one_process_checkpoint_loads_into_expert_parallel_layout(runs, tmp):
+    ref = _one_process_step(tmp)["state"]
+    assert any(n.endswith("experts.weight1") for n in ref)
+    _assert_same_state(_state_in_one_process(f"{tmp}/reloaded"), ref, "1 -> tp2 x ep2 -> 1")
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])

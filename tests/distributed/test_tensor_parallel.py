@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from launcher import run_distributed
-from meshtron.checkpoint.layout import full_state, load_full_state
 from meshtron.config import ModelConfig, ParallelConfig, TrainConfig
 from meshtron.models import build_model
 from meshtron.optim.build import build_optimizer
 from meshtron.parallel.mesh import Mesh
 from meshtron.parallel.plan import finalize_tensor_parallel_grads, gather_full, parallelize
+from tests.distributed.full_weights import full_weights, load_full_weights
 
 SEED, VOCAB, SEQ, BATCH = 1234, 256, 16, 2
 RTOL = 1e-5
@@ -93,9 +93,9 @@ def _tp_worker(rank: int, world_size: int) -> dict[str, dict[str, object]]:
         # weights, must give back exactly those weights.
         other = _model(CONFIGS[name], seed=SEED + 1)
         other_metas = parallelize(other, mesh, sequence_parallel=sp)
-        load_full_state(full_state(model, None, mesh, False, metas), other, None, False, other_metas)
+        load_full_weights(full_weights(model, metas, mesh), other, other_metas)
         out[f"{name}/sp={sp}"] = {"losses": losses, "logits": logits, "grads": full_grads, "norm": norm,
-                                "state": full_state(other, None, mesh, False, other_metas)["model"]}  # fmt: skip
+                                "state": full_weights(other, other_metas, mesh)}  # fmt: skip
     return out
 
 

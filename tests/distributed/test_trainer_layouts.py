@@ -17,9 +17,9 @@ import math
 import pytest
 import torch
 
-from meshtron.checkpoint.layout import full_state
 from meshtron.config import build_config
 from meshtron.training.trainer import Trainer
+from tests.distributed.full_weights import full_weights
 from tests.distributed.launcher import run_distributed
 
 STEPS = 5
@@ -62,7 +62,7 @@ RESUMED = {2: "fsdp_dp2", 4: "pp4_1f1b", 8: "pp2_tp2_dp2_distopt_sp"}  # layouts
 def _run(flags, tmp=None):
     trainer = Trainer(build_config(None, BASE + flags), log=lambda _: None)
     result = trainer.run()
-    weights = {k: v.clone() for k, v in full_state(trainer.model, trainer.optimizer, trainer.mesh, False, trainer.runner.metas)["model"].items()}
+    weights = full_weights(trainer.model, trainer.runner.metas, trainer.mesh)
     return {"losses": result.losses, "grad_norms": result.grad_norms, "weights": weights}
 
 

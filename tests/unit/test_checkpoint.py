@@ -218,3 +218,28 @@ def test_meta_json_is_plain_json(tmp_path):
     trained_and_saved(tmp_path)
     record = json.loads((tmp_path / "iter_0000002" / "meta.json").read_text())
     assert record["iteration"] == 2 and record["meta"]["consumed_samples"] == 16
+
+
+def test_async_save_writes_the_state_of_the_saving_step_and_completes_on_finish(tmp_path):
+    model, opt = trained_and_saved(tmp_path, iteration=2)
+    train(model, opt, 1, start=2)
+    at_save = {k: v.clone() for k, v in model.state_dict().items()}
+    pending = ckpt.start_save(tmp_path, 3, model, opt, {"consumed_samples": 24}, in_background=True)
+    assert pending.staged_bytes > 0
+    train(model, opt, 1, start=3)  # training goes on while the files are written
+    assert latest_iteration(tmp_path) == 2  # not complete before finish
+    assert pending.finish() == tmp_path / "iter_0000003"
+    assert latest_iteration(tmp_path) == 3
+    other, other_opt = setup(seed=1)
+    assert load_checkpoint(tmp_path, other, other_opt)["iteration"] == 3
+    assert equal_trees(other.state_dict(), at_save)
+
+
+def test_async_save_failure_surfaces_at_finish_and_keeps_previous(tmp_path, monkeypatch):
+    model, opt = trained_and_saved(tmp_path, iteration=2)
+    monkeypatch.setattr(ckpt, "write_rank_files", lambda *a: (_ for _ in ()).throw(OSError("disk full")))
+    pending = ckpt.start_save(tmp_path, 4, model, opt, {}, in_background=True)
+    with pytest.raises(OSError, match="disk full"):
+        pending.finish()
+    assert latest_iteration(tmp_path) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000002", "latest_checkpointed_iteration.txt"]

@@ -19,7 +19,7 @@ from meshtron.checkpoint.checkpoint import (
     load_for_training,
     save_checkpoint,
 )
-from meshtron.checkpoint.integrity import MARKER, manifest
+from meshtron.checkpoint.integrity import MARKER, describe_files, manifest
 from meshtron.config import CheckpointConfig, build_config
 from meshtron.models import build_model
 from meshtron.optim.build import build_optimizer
@@ -42,7 +42,7 @@ def rewrite_metadata(directory: Path, change) -> None:
     metadata = pickle.loads((directory / ".metadata").read_bytes())
     change(metadata)
     (directory / ".metadata").write_bytes(pickle.dumps(metadata))
-    (directory / MARKER).write_text(json.dumps(manifest(directory, 0)))
+    (directory / MARKER).write_text(json.dumps(manifest(0, describe_files([p for p in directory.iterdir() if p.name != MARKER]))))
 
 
 def generatable_checkpoint(path):
@@ -236,7 +236,7 @@ def test_checkpoint_info(tmp_path, capsys):
     ckpt_dir = tmp_path / "iter_0000004"
     record = json.loads((ckpt_dir / "meta.json").read_text())
     (ckpt_dir / "meta.json").write_text(json.dumps({**record, "world_size": 8}))  # as if saved by tp 2 x dp 2 x pp 2
-    (ckpt_dir / MARKER).write_text(json.dumps(manifest(ckpt_dir, 4)))
+    (ckpt_dir / MARKER).write_text(json.dumps(manifest(4, describe_files([p for p in ckpt_dir.iterdir() if p.name != MARKER]))))
     assert cli.main(["checkpoint", "info", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert f"{tmp_path}: iterations 2, 4 (tracker: 4)" in out and f"iteration 4: {ckpt_dir}" in out
