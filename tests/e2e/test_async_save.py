@@ -39,6 +39,6 @@ def test_kill_9_during_async_save_leaves_a_loadable_checkpoint(tmp_path, delay):
     info = meshtron("checkpoint", "info", str(save), cwd=tmp_path)
     assert info.returncode == 0 and "checksums: verified OK" in info.stdout, info.stdout + info.stderr
     if delay == 0.05:
-        resumed = meshtron("train", *ARGS, "--train-iters", str(tracked + 1), "--load", str(save), cwd=tmp_path)
+        resumed = meshtron("train", *ARGS, "--train-iters", str(tracked + 1), "--load", str(save), "--save", str(save), cwd=tmp_path)
         assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
         assert f"resumed from {save} at iteration {tracked}" in resumed.stdout
