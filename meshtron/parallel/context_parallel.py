@@ -500,7 +500,7 @@ class _AllGatherAttention(torch.autograd.Function):
         kv = kv.index_select(1, order.argsort())  # [b, s, kv_heads, dk + dv] in sequence order
         blocks = _FusedBlocks(kernel, k.shape[-1], scale)
         q_blocks, specs = blocks.layout(q), _gathered_blocks(mesh, seq, causal)
-        out = q_blocks.new_zeros(q_blocks.shape, dtype=torch.float32)
+        out = q_blocks.new_zeros((*q_blocks.shape[:-1], v.shape[-1]), dtype=torch.float32)  # v's dim (MLA: < q's)
         lse = out.new_full(out.shape[:-1], float("-inf"))
         for block in specs:
             _merge(out[..., block.rows, :], lse[..., block.rows], *blocks.forward(q_blocks, kv, block))
