@@ -1,6 +1,7 @@
 """Throughput of any model the training loop builds, and what its checkpoints cost, on this GPU.
 
     python benchmarks/train_bench.py [--steps 6] [--warmup 3] [--checkpoint DIR] -- <meshtron train flags>
+    torchrun --nproc-per-node 2 benchmarks/train_bench.py ... -- --tp 2 ...   (rank 0 prints)
 
 Runs ``meshtron.training.Trainer`` on the given flags (mock data is added), times whole steps with
 CUDA events after warm-up (``b1_llama.time_steps``) and prints tokens/s, TFLOP/s (the loop's own
@@ -65,7 +66,7 @@ def main() -> None:
     from meshtron.training.trainer import Trainer
 
     flags = args.flags + ["--mock-data", "--train-iters", "1000", "--log-interval", "1000000", "--eval-interval", "0"]
-    trainer = Trainer(build_config(None, flags), log=lambda s: print("[meshtron]", s, file=sys.stderr))
+    trainer = Trainer(build_config(None, flags), log=lambda s: print("[meshtron]", s, file=sys.stderr))  # rank 0 logs
     losses = []
 
     def step() -> None:
@@ -88,7 +89,8 @@ def main() -> None:
     }
     if args.checkpoint:
         result.update(checkpoint_costs(trainer, Path(args.checkpoint)))
-    print(json.dumps(result))
+    if trainer.mesh.rank == 0:
+        print(json.dumps(result))
 
 
 if __name__ == "__main__":

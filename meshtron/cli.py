@@ -21,6 +21,7 @@ commands:
   generate     sample from a checkpoint: meshtron generate --load DIR --prompt TEXT
   convert      Hugging Face weights: meshtron convert hf-import --hf-dir DIR --save OUT [--dtype bf16|fp32]
                or meshtron convert hf-export --load CKPT --hf-dir OUT [--dtype bf16|fp32]
+               or meshtron convert reshard --load CKPT --save OUT (one process, offline)
   checkpoint   inspect a checkpoint: meshtron checkpoint info DIR [--ckpt-step N]
   plot         a PNG of a run's loss, lr, grad norm, tokens/s and memory: meshtron plot RUN_DIR (its --tensorboard-dir)
   estimate     per-GPU memory of a config and layout: meshtron estimate [--config FILE] [--world-size N]
@@ -93,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if command == "generate":
             return generate_main(rest)
+        if command == "convert" and rest[:1] == ["reshard"]:
+            from meshtron.checkpoint.reshard import main as reshard_main
+
+            return reshard_main(rest[1:])
         if command == "convert":
             from meshtron.models.hf import main as convert_main
 
