@@ -29,13 +29,21 @@ def _bytes_on_disk(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 
 
+def _clear(root: Path, mesh) -> None:
+    """Remove ``root`` on rank 0 while the others wait (a save must not start into a half-removed tree)."""
+    if mesh.rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    if mesh.world_size > 1:
+        torch.distributed.barrier()
+
+
 def checkpoint_costs(trainer, root: Path) -> dict:
     """Sync save, async save (stall, then completion) and load of the trainer's state, timed."""
     from meshtron.checkpoint.checkpoint import load_checkpoint
 
     out = {}
     for mode in ("sync", "async"):
-        shutil.rmtree(root, ignore_errors=True)
+        _clear(root, trainer.mesh)
         trainer.cfg.checkpoint.save, trainer.cfg.checkpoint.async_save = str(root), mode == "async"
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -51,7 +59,7 @@ def checkpoint_costs(trainer, root: Path) -> dict:
     load_checkpoint(root, trainer.model, trainer.optimizer, load_rng=False, mesh=trainer.mesh, metas=trainer.runner.metas)
     torch.cuda.synchronize()
     out["load_s"] = time.perf_counter() - start
-    shutil.rmtree(root, ignore_errors=True)
+    _clear(root, trainer.mesh)
     return out
 
 
