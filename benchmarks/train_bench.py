@@ -30,7 +30,10 @@ def _bytes_on_disk(root: Path) -> int:
 
 
 def _clear(root: Path, mesh) -> None:
-    """Remove ``root`` on rank 0 while the others wait (a save must not start into a half-removed tree)."""
+    """Remove ``root`` on rank 0 once every rank is done with it, while the others wait (a save
+    must not start into a half-removed tree, nor a rank still be reading it)."""
+    if mesh.world_size > 1:
+        torch.distributed.barrier()
     if mesh.rank == 0:
         shutil.rmtree(root, ignore_errors=True)
     if mesh.world_size > 1:
