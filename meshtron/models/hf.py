@@ -39,7 +39,7 @@ from meshtron.config import Config, ModelConfig
 from meshtron.layers.attention import head_dim, num_kv_heads
 from meshtron.layers.mlp import ffn_hidden_size
 from meshtron.models import build_model
-from meshtron.models.hf_common import export_body, export_swiglu, import_body, import_swiglu, rope_settings
+from meshtron.models.hf_common import checked_config, export_body, export_swiglu, import_body, import_swiglu
 from meshtron.models.hf_deepseek import deepseek_hf_config, deepseek_import, deepseek_export, deepseek_model_config, is_deepseek
 
 CONFIG = "config.json"
@@ -79,13 +79,8 @@ def model_config_from_hf(hf: dict[str, Any], source: str = CONFIG) -> ModelConfi
 
 
 def _llama_model_config(hf: dict[str, Any], source: str) -> ModelConfig:
-    for key, unsupported in (("hidden_act", lambda v: v != "silu"), ("attention_bias", bool), ("mlp_bias", bool)):
-        if key in hf and unsupported(hf[key]):
-            raise CheckpointError(f"{source}: {key}={hf[key]!r} is not supported (meshtron's Llama: silu, no biases)")
-    theta, scaling = rope_settings(hf)
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise CheckpointError(f"{source}: rope scaling '{rope_type}' is not supported (only llama3 or none)")
+    refused = {"hidden_act": lambda v: v != "silu", "attention_bias": bool, "mlp_bias": bool}
+    theta, scaling, rope_type = checked_config(hf, source, refused, ("default", "llama3"), "Llama (silu, no biases)")
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     cfg = ModelConfig(
         num_layers=hf["num_hidden_layers"], hidden_size=hidden, ffn_hidden_size=hf["intermediate_size"],

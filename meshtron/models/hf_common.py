@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import torch
 
+from meshtron.checkpoint.checkpoint import CheckpointError
 from meshtron.config import ModelConfig
 
 
@@ -27,6 +28,21 @@ def rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     params = hf.get("rope_parameters") or {}
     scaling = params if params else (hf.get("rope_scaling") or {})
     return float(params.get("rope_theta", hf.get("rope_theta", 10000.0))), scaling
+
+
+def checked_config(hf: dict[str, Any], source: str, refused: dict[str, Any], rope_types: tuple[str, ...],
+                   family: str) -> tuple[float, dict[str, Any], str]:  # fmt: skip
+    """Refuse a config.json meshtron cannot run as ``family``: a key whose ``refused[key](value)``
+    is true, or a rope scaling not in ``rope_types``, each naming ``source``; else its rope theta,
+    scaling dict (``rope_settings``) and scaling type."""
+    for key, unsupported in refused.items():
+        if key in hf and unsupported(hf[key]):
+            raise CheckpointError(f"{source}: {key}={hf[key]!r} is not supported by meshtron's {family}")
+    theta, scaling = rope_settings(hf)
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in rope_types:
+        raise CheckpointError(f"{source}: rope scaling '{rope_type}' is not supported for {family} (only {', '.join(rope_types)})")
+    return theta, scaling, rope_type
 
 
 def import_body(t: TensorSource, m: ModelConfig, vocab: int) -> dict[str, torch.Tensor]:

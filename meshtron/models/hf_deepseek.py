@@ -35,7 +35,7 @@ from meshtron.config import ModelConfig
 from meshtron.layers.mlp import ffn_hidden_size
 from meshtron.layers.moe import moe_layer_pattern
 from meshtron.layers.moe.experts import expert_ffn_hidden_size
-from meshtron.models.hf_common import TensorSource, export_body, export_swiglu, import_body, import_swiglu, rope_settings
+from meshtron.models.hf_common import TensorSource, checked_config, export_body, export_swiglu, import_body, import_swiglu
 
 _YARN_KEYS = {"factor": "rope_scaling_factor", "original_max_position_embeddings": "rope_original_max_position_embeddings",
               "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow", "mscale": "rope_mscale",
@@ -54,13 +54,7 @@ def deepseek_model_config(hf: dict[str, Any], source: str) -> ModelConfig:
     refused = {"hidden_act": lambda v: v != "silu", "attention_bias": bool, "mlp_bias": bool,
                "scoring_func": lambda v: v != "softmax", "topk_method": lambda v: v not in (None, "greedy"),
                "moe_layer_freq": lambda v: v != 1}  # fmt: skip
-    for key, unsupported in refused.items():
-        if key in hf and unsupported(hf[key]):
-            raise CheckpointError(f"{source}: {key}={hf[key]!r} is not supported (see meshtron/models/hf_deepseek.py)")
-    theta, scaling = rope_settings(hf)
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type not in ("default", "yarn"):
-        raise CheckpointError(f"{source}: rope scaling '{rope_type}' is not supported for DeepSeek-V2 (only yarn or none)")
+    theta, scaling, rope_type = checked_config(hf, source, refused, ("default", "yarn"), "DeepSeek-V2")
     layers, heads, experts = hf["num_hidden_layers"], hf["num_attention_heads"], hf.get("n_routed_experts") or 0
     dense = min(hf.get("first_k_dense_replace", 0), layers) if experts else layers
     cfg = ModelConfig(
