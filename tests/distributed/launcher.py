@@ -74,3 +74,12 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
             codes = [p.exitcode for p in procs]
             raise RuntimeError(f"distributed run did not finish within {timeout:.0f} s or died (exit codes {codes})")
         return [torch.load(Path(out_dir) / f"{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def by_name(rank_results: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """``run_distributed``'s per-rank ``{case name: result}`` dicts -> ``{case name: [result of rank 0, 1, ...]}``."""
+    out: dict[str, list[Any]] = {}
+    for rank_result in rank_results:
+        for name, result in rank_result.items():
+            out.setdefault(name, []).append(result)
+    return out

@@ -16,7 +16,7 @@ import functools
 import pytest
 import torch
 
-from launcher import run_distributed
+from launcher import by_name, run_distributed
 from meshtron.config import ModelConfig, ParallelConfig, TrainConfig
 from meshtron.models import build_model
 from meshtron.models.bert import SOP_LOSS
@@ -97,11 +97,7 @@ def _worker(rank: int, world_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, list[dict]]:
-    out: dict[str, list[dict]] = {}
-    for rank_result in run_distributed(_worker, 2):
-        for name, result in rank_result.items():
-            out.setdefault(name, []).append(result)
-    return out
+    return by_name(run_distributed(_worker, 2))
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -20,11 +20,11 @@ import functools
 import pytest
 import torch
 
-from launcher import run_distributed
+from launcher import by_name, run_distributed
 from meshtron.config import ModelConfig, ParallelConfig, build_config
 from meshtron.models import build_model
 from meshtron.parallel.mesh import Mesh
-from tests.distributed.test_model_contract import _check, _train_step
+from test_model_contract import _check, _train_step, token_batches
 
 SEED, VOCAB, SEQ, MICRO_BATCH, MICRO_BATCHES = 1234, 128, 16, 2, 4
 BASE = dataclasses.replace(build_config(overrides=["--model.preset", "tiny-deepseek"]).model, vocab_size=VOCAB,
@@ -52,11 +52,7 @@ def _model(config: str):
 
 
 def _micro_batches() -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(7)
-    return [{"tokens": torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), generator=g),
-             "labels": torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), generator=g),
-             "loss_mask": (torch.rand(MICRO_BATCH, SEQ, generator=g) < 0.8).float()}
-            for _ in range(MICRO_BATCHES)]  # fmt: skip
+    return token_batches(VOCAB, SEQ, MICRO_BATCH, MICRO_BATCHES)
 
 
 @functools.lru_cache
@@ -87,11 +83,7 @@ def _worker(rank: int, world_size: int) -> dict:
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, list[dict]]:
-    out: dict[str, list[dict]] = {}
-    for rank_result in run_distributed(_worker, 2):
-        for name, result in rank_result.items():
-            out.setdefault(name, []).append(result)
-    return out
+    return by_name(run_distributed(_worker, 2))
 
 
 @pytest.mark.parametrize("layout, config", CASES)

@@ -24,7 +24,7 @@ import functools
 import pytest
 import torch
 
-from launcher import run_distributed
+from launcher import by_name, run_distributed
 from meshtron.checkpoint.checkpoint import load_checkpoint, save_checkpoint
 from meshtron.config import ModelConfig, ParallelConfig, TrainConfig
 from meshtron.layers.moe.experts import Experts
@@ -157,11 +157,7 @@ def tmp(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def runs(tmp) -> dict[str, list[dict]]:
     _one_process_step(tmp)  # its checkpoint is what the spawn reshards
-    out: dict[str, list[dict]] = {}
-    for rank_result in run_distributed(_worker, 4, tmp, timeout=300.0):
-        for name, result in rank_result.items():
-            out.setdefault(name, []).append(result)
-    return out
+    return by_name(run_distributed(_worker, 4, tmp, timeout=300.0))
 
 
 @functools.lru_cache

@@ -22,7 +22,7 @@ import functools
 import pytest
 import torch
 
-from launcher import run_distributed
+from launcher import by_name, run_distributed
 from meshtron.config import ModelConfig, ParallelConfig, TrainConfig
 from meshtron.models import build_model
 from meshtron.parallel.mesh import Mesh
@@ -53,12 +53,17 @@ def _decoder(cfg: ModelConfig):
 FAMILIES = {"parallel_block": _family, "moe_decoder": lambda: _decoder(MOE), "decoder": lambda: _decoder(CFG)}
 
 
-def _micro_batches() -> list[dict[str, torch.Tensor]]:
+def token_batches(vocab: int, seq: int, micro_batch: int, micro_batches: int) -> list[dict[str, torch.Tensor]]:
+    """Random language-model micro batches (tokens, labels, ~80 % loss mask), the same in every process."""
     g = torch.Generator().manual_seed(7)
-    return [{"tokens": torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), generator=g),
-             "labels": torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), generator=g),
-             "loss_mask": (torch.rand(MICRO_BATCH, SEQ, generator=g) < 0.8).float()}
-            for _ in range(MICRO_BATCHES)]  # fmt: skip
+    return [{"tokens": torch.randint(0, vocab, (micro_batch, seq), generator=g),
+             "labels": torch.randint(0, vocab, (micro_batch, seq), generator=g),
+             "loss_mask": (torch.rand(micro_batch, seq, generator=g) < 0.8).float()}
+            for _ in range(micro_batches)]  # fmt: skip
+
+
+def _micro_batches() -> list[dict[str, torch.Tensor]]:
+    return token_batches(VOCAB, SEQ, MICRO_BATCH, MICRO_BATCHES)
 
 
 @functools.lru_cache
@@ -126,12 +131,7 @@ def _counting(forward, calls: list[int]):
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, list[dict]]:
-    out: dict[str, list[dict]] = {}
-    for world in LAYOUTS:
-        for rank_result in run_distributed(_worker, world):
-            for name, result in rank_result.items():
-                out.setdefault(name, []).append(result)
-    return out
+    return by_name([rank_result for world in LAYOUTS for rank_result in run_distributed(_worker, world)])
 
 
 def _assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
