@@ -63,7 +63,8 @@ def setup_data_source(cfg: Config, log: Callable[[str], None]) -> list[str] | No
     cache = Path(data.data_cache_path or Path.home() / ".cache" / "meshtron" / "embedded")
     start = time.perf_counter()
     prefix, tokenizer_fields = default_data(str(cache), cfg.model.model_type)
-    log(f"embedded corpus ready in {time.perf_counter() - start:.1f}s: {prefix} (tokenizer {tokenizer_fields})")
+    files = ", ".join(v for k, v in tokenizer_fields.items() if k != "tokenizer_type")
+    log(f"embedded corpus ready in {time.perf_counter() - start:.1f}s: {prefix} ({tokenizer_fields['tokenizer_type']} {files})")
     for name, value in tokenizer_fields.items():
         setattr(data, name, value)
     return [prefix]
