@@ -174,7 +174,9 @@ class Trainer:
         self.runner.finalize_grads()
         result = self.optimizer.step(self.schedule.lr_at(self.iteration))
         self.runner.after_step()
-        self.last_aux = {name: value.item() for name, value in loss.aux.items()}  # logged with the interval's last step
+        # Logged with the interval's last step; one host copy for every term (a MoE model has two per layer).
+        values = torch.stack(list(loss.aux.values())).tolist() if loss.aux else []
+        self.last_aux = dict(zip(loss.aux, values))
         return (loss.total / loss.count).item(), result
 
     @torch.no_grad()
