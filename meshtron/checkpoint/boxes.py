@@ -66,16 +66,6 @@ class Sharded:
     def nbytes(self) -> int:
         return sum(b.data.numel() * b.data.element_size() for b in self.boxes)
 
-    def to_host(self) -> "Sharded":
-        """A copy of the boxes in host memory (pinned when they live on a GPU, so the copy is a
-        fast DMA), each owning just its bytes: what an asynchronous save writes from while
-        training goes on."""
-        def copy(t: torch.Tensor) -> torch.Tensor:
-            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-            return out.copy_(t, non_blocking=t.is_cuda)
-
-        return Sharded(self.shape, self.dtype, [Box(b.offsets, copy(b.data)) for b in self.boxes])
-
 
 def tp_runs(meta: ParamMeta | None, writing: bool) -> list[tuple[int, int, int]] | None:
     """``(local start, global start, length)`` of each run of rows along ``meta.tp_dim`` this rank

@@ -47,6 +47,7 @@ from meshtron.checkpoint.integrity import MARKER, describe_files, manifest, veri
 from meshtron.checkpoint.rng import get_rng_state, set_rng_state
 from meshtron.checkpoint.safe_metadata import UnsafeMetadata, read_metadata
 from meshtron.checkpoint.sharded import finish_load, load_state, save_state, state_bytes
+from meshtron.checkpoint.staging import HostStaging
 from meshtron.config import Config, CheckpointConfig
 from meshtron.models.contract import ParamMeta
 from meshtron.parallel.mesh import Mesh
@@ -99,13 +100,15 @@ def save_checkpoint(save_dir: str | os.PathLike, iteration: int, model: nn.Modul
 
 def start_save(save_dir: str | os.PathLike, iteration: int, model: nn.Module, optimizer: Any, meta: dict[str, Any],
                mesh: Mesh | None = None, save_optim: bool = True, metas: dict[str, ParamMeta] | None = None,
-               save_rng: bool = True, in_background: bool = False) -> "PendingSave":  # fmt: skip
+               save_rng: bool = True, in_background: bool = False, staging: HostStaging | None = None) -> "PendingSave":  # fmt: skip
     """Begin a checkpoint: each rank writes the boxes it owns (``sharded.py``) and its RNG state
     into a temporary sibling directory; ``finish()`` on the result completes it.
 
-    ``in_background`` (``--async-save``): the boxes are first copied to host memory (pinned when
-    on a GPU), then a thread writes them, so this returns once the copy is done and training goes
-    on; its RNG state is taken now. Collective (a barrier after the directory is made).
+    ``in_background`` (``--async-save``): the boxes are copied to host memory (``staging.py``),
+    then a thread writes them; its RNG state is taken now. With the run's own ``staging`` this
+    returns once the copies are enqueued, and the caller must call ``staging.before_state_changes()``
+    before the state next changes (the optimizer step); without, it returns once they are done.
+    Collective (a barrier after the directory is made).
     """
     mesh = mesh or Mesh()
     root = Path(save_dir)
@@ -124,11 +127,12 @@ def start_save(save_dir: str | os.PathLike, iteration: int, model: nn.Module, op
     if not in_background:
         pending.run(state, get_rng_state if save_rng else None)
         return pending
-    staged = {key: sharded.to_host() for key, sharded in state.items()}
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()  # the non-blocking copies to pinned memory have landed
+    own_staging = staging is None
+    staged, copied = (staging or HostStaging()).stage(state)
+    if own_staging:
+        copied()  # nobody will order the next state change after the copies
     rng = get_rng_state() if save_rng else None
-    pending.thread = threading.Thread(target=pending.run, args=(staged, (lambda: rng) if save_rng else None),
+    pending.thread = threading.Thread(target=pending.run, args=(staged, (lambda: rng) if save_rng else None, copied),
                                       name=f"checkpoint-{iteration}", daemon=True)  # fmt: skip
     pending.thread.start()
     return pending
@@ -151,9 +155,11 @@ class PendingSave:
         self._result: tuple[Any, dict[str, Any]] | None = None
         self._error: BaseException | None = None
 
-    def run(self, state: dict[str, Any], rng: Callable[[], dict[str, Any]] | None) -> None:
-        """This rank's files: its DCP data file, its RNG state, and their checksums."""
+    def run(self, state: dict[str, Any], rng: Callable[[], dict[str, Any]] | None, ready: Callable[[], None] = lambda: None) -> None:
+        """This rank's files: its DCP data file, its RNG state, and their checksums (once ``ready``
+        returns: the host copies of an asynchronous save have landed)."""
         try:
+            ready()
             rank = self.mesh.rank
             index = write_rank_files(state, self.tmp, rank)
             written = sorted(self.tmp.glob(f"__{rank}_*.distcp"))
@@ -222,6 +228,16 @@ def _broadcast_from_first(mesh: Mesh, item: Any) -> Any:
     box = [item]
     torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def _verify_together(directory: Path, mesh: Mesh) -> str | None:
+    """``verify`` with the checksum reading split over the ranks; every rank gets the first problem."""
+    problem = verify(directory, mesh.rank, mesh.world_size)
+    if mesh.world_size == 1:
+        return problem
+    problems: list[Any] = [None] * mesh.world_size
+    torch.distributed.all_gather_object(problems, problem)
+    return next((p for p in problems if p), None)
 
 
 def _barrier(mesh: Mesh) -> None:
@@ -311,11 +327,11 @@ def load_checkpoint(
         directory = checkpoint_dir(root, iteration)
         if not directory.is_dir():
             raise CheckpointError(f"no checkpoint for iteration {iteration}: {directory} does not exist; {_fallback_hint(root, iteration)}")
-    problem = verify(directory)
+    mesh = mesh or Mesh()
+    problem = _verify_together(directory, mesh)
     if problem:
         raise CheckpointError(f"checkpoint of iteration {iteration} cannot be trusted: {problem}; {_fallback_hint(root, iteration)}")
 
-    mesh = mesh or Mesh()
     record = read_record(directory / META)
     metadata = read_dcp_metadata(directory)
     with_optim = optimizer is not None and load_optim

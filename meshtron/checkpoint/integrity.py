@@ -45,10 +45,13 @@ def manifest(iteration: int, files: dict[str, dict[str, Any]]) -> dict[str, Any]
     return {"iteration": iteration, "checksum": "crc32", "files": dict(sorted(files.items()))}
 
 
-def verify(directory: Path) -> str | None:
+def verify(directory: Path, part: int = 0, parts: int = 1) -> str | None:
     """What is wrong with ``directory`` against its marker, or None when every file matches.
 
     Files not in the marker count as wrong too: they were added after the save completed.
+    With ``parts`` > 1 (the ranks of a load), every part checks the names and sizes but reads
+    only its share of the files for their checksums: the ranks split the reading, and together
+    check everything.
     """
     marker = directory / MARKER
     if not marker.is_file():
@@ -62,12 +65,24 @@ def verify(directory: Path) -> str | None:
     unlisted = sorted(present - expected.keys())
     if unlisted:
         return f"checkpoint file {directory / unlisted[0]} is not listed in {MARKER} (added after the save?)"
-    for name, (size, crc) in sorted(expected.items()):
+    for name, (size, _) in sorted(expected.items()):
         path = directory / name
         if name not in present:
             return f"checkpoint file {path} is missing"
         if path.stat().st_size != size:
             return f"checkpoint file {path} has {path.stat().st_size} bytes, {size} when saved (truncated or overwritten)"
-        if crc32_of(path) != crc:
-            return f"checkpoint file {path} is corrupt: its CRC-32 differs from the one recorded when it was saved"
+    for name in _share(expected, part, parts):
+        if crc32_of(directory / name) != expected[name][1]:
+            return f"checkpoint file {directory / name} is corrupt: its CRC-32 differs from the one recorded when it was saved"
     return None
+
+
+def _share(expected: dict[str, tuple[int, str]], part: int, parts: int) -> list[str]:
+    """The files ``part`` of ``parts`` checksums: largest first, each to the least loaded part."""
+    loads, mine = [0] * parts, []
+    for name in sorted(expected, key=lambda n: (-expected[n][0], n)):
+        lightest = loads.index(min(loads))
+        loads[lightest] += expected[name][0]
+        if lightest == part:
+            mine.append(name)
+    return mine

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from meshtron.checkpoint.checkpoint import CheckpointError, PendingSave, load_for_training, start_save
+from meshtron.checkpoint.staging import HostStaging
 from meshtron.config import Config
 from meshtron.validation import validate
 from meshtron.data.builder import MicroBatchIterator, build_datasets
@@ -151,6 +152,7 @@ class Trainer:
         log(f"optimizer state on this rank: {self.optimizer.memory_bytes() / 2**20:.1f} MiB" if hasattr(self.optimizer, "memory_bytes") else "optimizer state: sharded by FSDP2")
         self._stop_requested = False
         self._pending_save: PendingSave | None = None  # an --async-save checkpoint still being written
+        self.host_staging = HostStaging()  # --async-save's host buffers, reused by every save of the run
         self.last_aux: dict[str, float] = {}  # the last step's auxiliary terms, for the log line
         self.divergence = DivergenceMonitor.from_config(t, self.precision, self.mesh.rank, self.model)
 
@@ -172,6 +174,7 @@ class Trainer:
         self.optimizer.zero_grad()
         loss = self.runner.forward_backward(batches)
         self.runner.finalize_grads()
+        self.host_staging.before_state_changes()  # an async save's copies of the weights are done first
         result = self.optimizer.step(self.schedule.lr_at(self.iteration))
         self.runner.after_step()
         # Logged with the interval's last step; one host copy for every term (a MoE model has two per layer).
@@ -221,11 +224,12 @@ class Trainer:
         start = time.perf_counter()
         pending = start_save(str(save_dir), self.iteration, self.model, self.optimizer, meta, mesh=self.mesh,
                              save_optim=not ckpt.no_save_optim, save_rng=not ckpt.no_save_rng, metas=self.runner.metas,
-                             in_background=ckpt.async_save)  # fmt: skip
+                             in_background=ckpt.async_save, staging=self.host_staging)  # fmt: skip
         if ckpt.async_save:
             self._pending_save = pending
             self.log(f"checkpoint of iteration {self.iteration}: training stalled {time.perf_counter() - start:.2f}s "
-                     f"(copy of {pending.staged_bytes / 2**20:.1f} MiB to host); writing in the background")  # fmt: skip
+                     f"(copy of {pending.staged_bytes / 2**20:.1f} MiB to host, overlapping the next step on a GPU); "
+                     "writing in the background")  # fmt: skip
             return
         pending.finish()
         self.log(f"saved checkpoint at iteration {self.iteration} to {save_dir} in {time.perf_counter() - start:.2f}s")

@@ -253,3 +253,13 @@ def test_checkpoint_info(tmp_path, capsys):
     (ckpt_dir / MARKER).unlink()
     assert cli.main(["checkpoint", "info", str(tmp_path)]) == 1
     assert "the checkpoint is incomplete" in capsys.readouterr().out
+
+
+def test_ranks_split_the_checksum_reading_and_cover_every_file():
+    from meshtron.checkpoint.integrity import _share
+
+    files = {"a": (100, "x"), "b": (60, "x"), "c": (50, "x"), "d": (1, "x"), "e": (1, "x")}
+    shares = [_share(files, part, 2) for part in range(2)]
+    assert sorted(shares[0] + shares[1]) == sorted(files) and not set(shares[0]) & set(shares[1])
+    assert [sum(files[n][0] for n in share) for share in shares] == [102, 110]  # 212 bytes split 102 | 110
+    assert _share(files, 0, 1) == ["a", "b", "c", "d", "e"]
