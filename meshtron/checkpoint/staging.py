@@ -3,9 +3,10 @@ from while training goes on.
 
 Two things keep the training stall short:
 
-- The pinned host buffers are allocated once and reused by every later save of the run (same
-  boxes, same shapes): page-locking tens of GB takes seconds, copying into locked pages does not.
-  A run with ``--async-save`` therefore holds one host copy of its rank's checkpoint state.
+- The pinned host buffers are allocated once, at start-up (``reserve``), and reused by every save
+  of the run (same boxes, same shapes): page-locking tens of GB takes seconds, copying into locked
+  pages does not. A run with ``--async-save`` therefore holds one host copy of its rank's
+  checkpoint state.
 - On a GPU the copies run on a side stream, ordered after the work that produced the state and
   not waited for on the host: the save returns as soon as they are enqueued. The state can only
   change in the next optimizer step, so ``before_state_changes()`` (called by the trainer just
@@ -56,6 +57,12 @@ class HostStaging:
             copied.record(self._stream)
         self._copied = copied
         return staged, copied.synchronize
+
+    def reserve(self, state: dict[str, Sharded]) -> None:
+        """Allocate the buffers of ``state``'s boxes now (at start-up), not in the first save."""
+        for key, s in state.items():
+            for i, box in enumerate(s.boxes):
+                self._buffer(key, i, box.data)
 
     def before_state_changes(self) -> None:
         """Make the compute stream wait (on the GPU, not the host) for the copies of the last save."""

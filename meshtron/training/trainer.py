@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from meshtron.checkpoint.checkpoint import CheckpointError, PendingSave, load_for_training, start_save
+from meshtron.checkpoint.sharded import save_state
 from meshtron.checkpoint.staging import HostStaging
 from meshtron.config import Config
 from meshtron.validation import validate
@@ -153,6 +154,10 @@ class Trainer:
         self._stop_requested = False
         self._pending_save: PendingSave | None = None  # an --async-save checkpoint still being written
         self.host_staging = HostStaging()  # --async-save's host buffers, reused by every save of the run
+        if cfg.checkpoint.async_save and cfg.checkpoint.save:  # page-locked now, not in the first save's stall
+            ckpt = cfg.checkpoint
+            self.host_staging.reserve(save_state(self.model, self.optimizer, self.mesh, not ckpt.no_save_optim, self.runner.metas))
+            log(f"--async-save: {self.host_staging.allocated_bytes / 2**30:.2f} GiB of host memory held for checkpoint copies")
         self.last_aux: dict[str, float] = {}  # the last step's auxiliary terms, for the log line
         self.divergence = DivergenceMonitor.from_config(t, self.precision, self.mesh.rank, self.model)
 

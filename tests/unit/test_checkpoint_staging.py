@@ -30,3 +30,12 @@ def test_a_box_of_another_shape_gets_a_new_buffer_and_the_count_follows():
     staging.stage(_state(torch.zeros(4, 3)))
     staging.stage(_state(torch.zeros(4, 5)))
     assert staging.allocated_bytes == 4 * 5 * 4
+
+
+def test_reserved_buffers_are_the_ones_the_save_uses():
+    weight = torch.ones(4, 3)
+    staging = HostStaging()
+    staging.reserve(_state(weight))
+    held = dict(staging._buffers)
+    staged, _ = staging.stage(_state(weight))
+    assert [b.data for b in staged["w"].boxes] == [held[("w", 0)], held[("w", 1)]] and staging.allocated_bytes == 48
