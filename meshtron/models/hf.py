@@ -41,7 +41,8 @@ from meshtron.layers.attention import head_dim, num_kv_heads
 from meshtron.layers.mlp import ffn_hidden_size
 from meshtron.models import build_model
 from meshtron.models.hf_common import checked_config, export_body, export_swiglu, fuse_qkv, import_body, import_swiglu, split_qkv
-from meshtron.models.hf_bert import bert_export, bert_export_notes, bert_export_vocab_size, bert_hf_config, bert_import, bert_model_config
+from meshtron.models.hf_bert import (bert_export, bert_export_notes, bert_export_tokenizer, bert_export_vocab_size, bert_hf_config, bert_import,
+                                     bert_model_config)  # fmt: skip
 from meshtron.models.hf_deepseek import deepseek_hf_config, deepseek_import, deepseek_export, deepseek_model_config, is_deepseek
 
 CONFIG = "config.json"
@@ -372,6 +373,7 @@ def export_hf(load_dir: str | Path, hf_dir: str | Path, dtype: str = "bf16", ite
     source = meta.get("tokenizer", {}).get("tokenizer_model", "")
     if source and Path(source).name == TOKENIZER and (load_dir / source).is_file():
         shutil.copy2(load_dir / source, hf_dir / TOKENIZER)
+    bert_export_tokenizer(load_dir, hf_dir, meta.get("tokenizer", {}))
     return hf_dir
 
 

@@ -27,6 +27,8 @@ the tokenizer's vocabulary (plus ``--extra-vocab-size``), which the checkpoint k
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +112,18 @@ def bert_export_vocab_size(cfg: Config, padded: int, load_dir: Path, tokenizer: 
         base = build_tokenizer(tokenizer["tokenizer_type"], vocab_extra_ids=cfg.data.vocab_extra_ids, **files).vocab_size
         base += m.extra_vocab_size
     return min(padded, max(base, m.vocab_size)) if max(base, m.vocab_size) else padded
+
+
+def bert_export_tokenizer(load_dir: Path, hf_dir: Path, tokenizer: dict[str, str]) -> None:
+    """A WordPiece ``vocab.txt`` (``BertWordPieceLowerCase`` / ``Case``) goes beside the weights
+    with the ``tokenizer_config.json`` that makes transformers' ``AutoTokenizer`` a BertTokenizer
+    of the same casing."""
+    kind, vocab = tokenizer.get("tokenizer_type", ""), tokenizer.get("vocab_file", "")
+    if kind not in ("BertWordPieceLowerCase", "BertWordPieceCase") or not (load_dir / vocab).is_file():
+        return
+    shutil.copy2(load_dir / vocab, hf_dir / "vocab.txt")
+    config = {"tokenizer_class": "BertTokenizer", "do_lower_case": kind == "BertWordPieceLowerCase"}
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 def bert_export_notes(m: ModelConfig, padded: int, vocab_size: int) -> list[str]:

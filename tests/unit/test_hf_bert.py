@@ -93,19 +93,25 @@ def test_import_export_match_transformers(tmp_path, cls, act, tied):
 
 
 def test_meshtron_post_ln_bert_exports_cropped_with_zero_token_types(tmp_path, capsys):
-    """A BERT as meshtron trains it: padded vocabulary (120 -> 128), no binary head hence no
-    token types. The export crops to the 120 rows a tokenizer of that size implies (``--vocab-size``
-    here) and writes two zero token-type rows; transformers' logits equal meshtron's."""
+    """A BERT as meshtron trains it: a WordPiece vocab.txt of 118 tokens (the tokenizer adds
+    [BOS] and [EOS]: 120), padded to 128 rows, no binary head hence no token types. The export
+    crops to the tokenizer's 120 rows, writes two zero token-type rows and the vocab.txt that
+    transformers' AutoTokenizer reads; transformers' logits equal meshtron's, and so do they
+    after importing the export back."""
+    (tmp_path / "ckpt" / "tokenizer").mkdir(parents=True)
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *(f"w{i}" for i in range(VOCAB - 7))]
+    (tmp_path / "ckpt" / "tokenizer" / "vocab.txt").write_text("\n".join(words) + "\n")
     flags = ["--model-type", "bert", "--preset", "tiny-bert", "--num-layers", "2", "--hidden-size", "32",
-             "--apply-residual-connection-post-layernorm", "--bert-no-binary-head", "--vocab-size", str(VOCAB),
-             "--make-vocab-size-divisible-by", "64", "--seq-length", str(SEQ)]  # fmt: skip
+             "--apply-residual-connection-post-layernorm", "--bert-no-binary-head", "--make-vocab-size-divisible-by", "64",
+             "--seq-length", str(SEQ)]  # fmt: skip
     cfg = build_config(overrides=flags)
     torch.manual_seed(0)
     model = build_model(cfg.model, 128, SEQ).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.1)  # norms and biases off their init values
-    meta = {"iteration": 3, "consumed_samples": 0, "config": cfg.to_dict(), "vocab_size": 128, "tokenizer": {"tokenizer_type": ""}}
+    tokenizer = {"tokenizer_type": "BertWordPieceLowerCase", "vocab_file": "tokenizer/vocab.txt"}
+    meta = {"iteration": 3, "consumed_samples": 0, "config": cfg.to_dict(), "vocab_size": 128, "tokenizer": tokenizer}
     save_checkpoint(tmp_path / "ckpt", 3, model, None, meta, save_optim=False)
     tokens, types, padding_mask = _inputs()
     with torch.no_grad():
@@ -118,6 +124,8 @@ def test_meshtron_post_ln_bert_exports_cropped_with_zero_token_types(tmp_path, c
     assert (config["vocab_size"], config["type_vocab_size"], config["architectures"]) == (VOCAB, 2, ["BertForMaskedLM"])
     reloaded = transformers.BertForMaskedLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
     _assert_same(_hf_outputs(reloaded, tokens, types, padding_mask), {"lm": expected})
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert hf_tokenizer("W3 w5")["input_ids"] == [2, 8, 10, 3]  # lower-cased, [CLS] ... [SEP]
 
     import_hf(tmp_path / "out", tmp_path / "back", dtype="fp32")  # round trip: the 120 rows, token types zero
     _assert_same(_meshtron_outputs(tmp_path / "back", tokens, types, padding_mask), {"lm": expected})
