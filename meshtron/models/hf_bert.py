@@ -105,11 +105,14 @@ def bert_hf_config(m: ModelConfig, vocab_size: int, max_positions: int, dtype_na
 def bert_export_vocab_size(cfg: Config, padded: int, load_dir: Path, tokenizer: dict[str, str]) -> int:
     """The rows an exported BERT keeps: the tokenizer's vocabulary plus ``--extra-vocab-size``
     (or ``--vocab-size`` when larger), as training sized it before padding; all ``padded`` rows
-    when the checkpoint has no tokenizer and no ``--vocab-size``."""
+    when the checkpoint has no readable tokenizer and no ``--vocab-size``."""
     m, base = cfg.model, 0
     files = {key: str(load_dir / path) for key, path in tokenizer.items() if key != "tokenizer_type"}
     if tokenizer.get("tokenizer_type") and files:
-        base = build_tokenizer(tokenizer["tokenizer_type"], vocab_extra_ids=cfg.data.vocab_extra_ids, **files).vocab_size
+        try:
+            base = build_tokenizer(tokenizer["tokenizer_type"], vocab_extra_ids=cfg.data.vocab_extra_ids, **files).vocab_size
+        except (OSError, ValueError):
+            return padded  # the tokenizer files were not kept beside the weights: nothing tells the real size
         base += m.extra_vocab_size
     return min(padded, max(base, m.vocab_size)) if max(base, m.vocab_size) else padded
 
