@@ -100,6 +100,7 @@ class ModelConfig:
     model_type: str = "gpt"  # gpt (the decoder: GPT, Llama, MoE) | bert
     apply_residual_connection_post_layernorm: bool = False  # residuals from the norms' outputs: post-LN (HF BERT)
     bert_binary_head: bool = True  # BERT's sentence-order head and token types (--bert-no-binary-head drops them)
+    bert_tokentypes: int = 0  # BERT's token-type rows; 0: 2 with the binary head, else none (Megatron's); HF's type_vocab_size
     # Expert parallelism (meshtron/parallel/expert_parallel.py). alltoall is the default here, unlike
     # Megatron's allgather: both compute the same, and alltoall moves ep times fewer rows.
     moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather

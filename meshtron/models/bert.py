@@ -1,12 +1,13 @@
 """BERT (Megatron's ``pretrain_bert.py`` model): a bidirectional encoder trained by masked-LM and
 sentence-order prediction.
 
-Read top to bottom: token + learned position (+ token type, with the binary head) embeddings,
-``num_layers`` blocks of the decoder's ``TransformerBlock`` with bidirectional attention over the
-real tokens (pre-LN as Megatron's BERT, or post-LN with ``--apply-residual-connection-post-layernorm``,
-which is Hugging Face's BERT), a final norm, then two heads: the LM head (dense, GELU, LayerNorm,
-the output projection tied to the embedding, with a bias) over every position, and the pooler
-([CLS]'s hidden state, dense, tanh) with the sentence-order (binary) head.
+Read top to bottom: token + learned position (+ token type: with the binary head, or with
+``--bert-tokentypes``) embeddings, ``num_layers`` blocks of the decoder's ``TransformerBlock``
+with bidirectional attention over the real tokens (pre-LN as Megatron's BERT, or post-LN with
+``--apply-residual-connection-post-layernorm``, which is Hugging Face's BERT exactly, see
+``hf_bert.py``), a final norm, then two heads: the LM head (dense, GELU, LayerNorm, the output
+projection tied to the embedding, with a bias) over every position, and the pooler ([CLS]'s
+hidden state, dense, tanh) with the sentence-order (binary) head.
 
 The loss is Megatron's: masked-LM cross-entropy averaged over the masked tokens of the global
 batch (``total`` / ``count``) plus the sentence-order cross-entropy averaged over its samples,
@@ -64,9 +65,8 @@ class Bert(c.TokenLossModel):
         h, binary = cfg.hidden_size, cfg.bert_binary_head
         self.embedding = nn.Embedding(vocab_size, h)
         self.position_embedding = nn.Embedding(self.max_positions, h)
-        # Token types only tell segment B from A, which only the sentence-order task has (Megatron's
-        # num_tokentypes = 2 with the binary head, else 0).
-        self.tokentype_embedding = nn.Embedding(2, h) if binary else None
+        types = tokentype_rows(cfg)
+        self.tokentype_embedding = nn.Embedding(types, h) if types else None
         self.embedding_dropout = nn.Dropout(cfg.hidden_dropout)
         self.layers = nn.ModuleList(TransformerBlock(cfg, i, causal=False) for i in range(cfg.num_layers))
         self.final_norm = build_norm(cfg.normalization, h, cfg.norm_epsilon, cfg.fused_kernels)
@@ -138,15 +138,22 @@ class Bert(c.TokenLossModel):
         return loss
 
 
+def tokentype_rows(cfg: ModelConfig) -> int:
+    """Rows of the token-type embedding. Megatron's BERT has them only with the binary head (2:
+    segment A or B, which only the sentence-order task tells apart); ``--bert-tokentypes`` keeps
+    them without it, as Hugging Face's BERT always has them (``type_vocab_size``)."""
+    return cfg.bert_tokentypes or (2 if cfg.bert_binary_head else 0)
+
+
 def bert_parameter_count(cfg: ModelConfig, vocab_size: int, decoder_count: int) -> int:
     """``num_parameters(Bert(...))`` from the count of the decoder of the same shape: BERT adds
-    the LM head (dense, norm), the output bias and, with the binary head, token types, pooler and
-    the two-way classifier."""
+    the LM head (dense, norm), the output bias, the token types and, with the binary head, the
+    pooler and the two-way classifier."""
     h = cfg.hidden_size
     norm = h * (2 if cfg.normalization == "LayerNorm" else 1)
-    extra = h * h + h + norm + vocab_size
+    extra = h * h + h + norm + vocab_size + tokentype_rows(cfg) * h
     if cfg.bert_binary_head:
-        extra += 2 * h + (h * h + h) + (2 * h + 2)
+        extra += (h * h + h) + (2 * h + 2)
     return decoder_count + extra
 
 
@@ -156,6 +163,9 @@ def bert_config_errors(cfg: Config) -> list[str]:
     errors = []
     if m.position_embedding_type != "learned_absolute":
         errors.append(f"BERT uses learned absolute positions; drop --position-embedding-type {m.position_embedding_type}")
+    if m.bert_tokentypes < 0 or (m.bert_binary_head and m.bert_tokentypes == 1):
+        errors.append(f"--bert-tokentypes {m.bert_tokentypes}: use 0 (Megatron's rule) or at least 2 (the sentence-order "
+                      "head reads segments 0 and 1)")  # fmt: skip
     if m.num_experts or m.multi_latent_attention:
         errors.append("BERT is built with dense MLPs and standard attention; drop --num-experts / --multi-latent-attention")
     if p.context_parallel > 1:

@@ -3,8 +3,9 @@
 Reads and writes the files ``save_pretrained`` produces (``config.json``, ``model.safetensors``
 or shards listed in ``model.safetensors.index.json``, ``tokenizer.json``) with the ``safetensors``
 library alone, so neither direction needs ``transformers`` installed. Llama-style models
-(RMSNorm, SwiGLU, RoPE incl. Llama 3.1 scaling, GQA) go both ways; GPT-2 and DeepSeek-V2
-(``models/hf_deepseek.py``: latent attention, YaRN, experts) go both ways too.
+(RMSNorm, SwiGLU, RoPE incl. Llama 3.1 scaling, GQA) go both ways; GPT-2, DeepSeek-V2
+(``models/hf_deepseek.py``: latent attention, YaRN, experts) and BERT (``models/hf_bert.py``:
+post-LN, token types, masked-LM and next-sentence heads) go both ways too.
 
 What changes between the two layouts:
 
@@ -39,7 +40,9 @@ from meshtron.config import Config, ModelConfig
 from meshtron.layers.attention import head_dim, num_kv_heads
 from meshtron.layers.mlp import ffn_hidden_size
 from meshtron.models import build_model
-from meshtron.models.hf_common import checked_config, export_body, export_swiglu, import_body, import_swiglu
+from meshtron.models.hf_common import checked_config, export_body, export_swiglu, fuse_qkv, import_body, import_swiglu, split_qkv
+from meshtron.models.hf_bert import (bert_export, bert_export_notes, bert_export_tokenizer, bert_export_vocab_size, bert_hf_config, bert_import,
+                                     bert_model_config)  # fmt: skip
 from meshtron.models.hf_deepseek import deepseek_hf_config, deepseek_import, deepseek_export, deepseek_model_config, is_deepseek
 
 CONFIG = "config.json"
@@ -50,7 +53,9 @@ TOKENIZER = "tokenizer.json"
 TRAIN_CONFIG = "model_config.yaml"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # Non-parameter buffers some checkpoints carry (recomputed by every implementation).
-_IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias", "embeddings.position_ids", "embeddings.token_type_ids")
+# TF-era names of LayerNorm parameters in old BERT checkpoints, which transformers renames on load.
+_LEGACY_NORM_NAMES = {"LayerNorm.gamma": "LayerNorm.weight", "LayerNorm.beta": "LayerNorm.bias"}
 
 
 # -- configs --------------------------------------------------------------------------------------
@@ -66,16 +71,19 @@ def read_hf_config(hf_dir: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
 
 
-def model_config_from_hf(hf: dict[str, Any], source: str = CONFIG) -> ModelConfig:
-    """The meshtron shape of a Hugging Face config; unsupported features raise, naming ``source``."""
+def model_config_from_hf(hf: dict[str, Any], source: str = CONFIG, names: set[str] | None = None) -> ModelConfig:
+    """The meshtron shape of a Hugging Face config; unsupported features raise, naming ``source``.
+    BERT's heads are read off its tensor ``names`` (BertForMaskedLM or BertForPreTraining)."""
     kind = hf.get("model_type", "")
+    if kind == "bert":
+        return bert_model_config(hf, source, names or set())
     if kind == "llama":
         return _llama_model_config(hf, source)
     if kind == "gpt2":
         return _gpt2_model_config(hf, source)
     if kind == "deepseek_v2":
         return deepseek_model_config(hf, source)
-    raise CheckpointError(f"{source}: model_type '{kind}' is not supported; hf-import reads 'llama', 'gpt2' and 'deepseek_v2'")
+    raise CheckpointError(f"{source}: model_type '{kind}' is not supported; hf-import reads 'llama', 'gpt2', 'deepseek_v2' and 'bert'")
 
 
 def _llama_model_config(hf: dict[str, Any], source: str) -> ModelConfig:
@@ -126,11 +134,14 @@ def _is_gpt2(m: ModelConfig) -> bool:
 
 
 def hf_config_from_model(m: ModelConfig, vocab_size: int, max_positions: int, dtype: torch.dtype) -> dict[str, Any]:
-    """config.json for ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` / ``DeepseekV2ForCausalLM`` (transformers 4 and 5 read it)."""
+    """config.json for ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` / ``DeepseekV2ForCausalLM`` /
+    ``BertForPreTraining`` / ``BertForMaskedLM`` (transformers 4 and 5 read it)."""
     dtype_name = str(dtype).removeprefix("torch.")
-    if m.model_type != "gpt" or m.apply_residual_connection_post_layernorm:
-        raise CheckpointError("hf-export writes decoders with pre-norm residuals only: BERT export and post-LN "
-                              "(--apply-residual-connection-post-layernorm) models are not implemented yet")  # fmt: skip
+    if m.model_type == "bert":
+        return bert_hf_config(m, vocab_size, max_positions, dtype_name)
+    if m.apply_residual_connection_post_layernorm:
+        raise CheckpointError("hf-export: Hugging Face's GPT-2 and Llama are pre-norm; a post-LN decoder "
+                              "(--apply-residual-connection-post-layernorm) has no equivalent there")  # fmt: skip
     if is_deepseek(m):
         return deepseek_hf_config(m, vocab_size, max_positions, dtype_name)
     if _is_gpt2(m):
@@ -189,6 +200,8 @@ class HFTensors:
                 raise CheckpointError(f"weights file {path} is missing (listed in {index})")
             for key, tensor in load_file(str(path)).items():
                 key = key.removeprefix("transformer.")  # GPT2LMHeadModel's prefix; GPT2Model has none
+                for old, new in _LEGACY_NORM_NAMES.items():
+                    key = key.removesuffix(old) + new if key.endswith(old) else key
                 self.tensors[key], self.origin[key] = tensor, path
         self.root = root
 
@@ -204,22 +217,6 @@ class HFTensors:
         left = [k for k in self.tensors if not k.endswith(_IGNORED_SUFFIXES)]
         if left:
             raise CheckpointError(f"{self.origin[left[0]]}: {len(left)} tensors fit no meshtron parameter, e.g. {left[:3]}")
-
-
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
-    """Separate q [heads*d, ...], k, v [groups*d, ...] -> meshtron's per-group [q heads | k | v] rows."""
-    d = k.shape[0] // groups
-    parts = [q.reshape(groups, -1, d, *q.shape[1:]), k.reshape(groups, 1, d, *k.shape[1:]), v.reshape(groups, 1, d, *v.shape[1:])]
-    return torch.cat(parts, dim=1).reshape(-1, *q.shape[1:])
-
-
-def split_qkv(qkv: torch.Tensor, heads: int, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The inverse of ``fuse_qkv``."""
-    per_group = heads // groups + 2
-    grouped = qkv.reshape(groups, per_group, -1, *qkv.shape[1:])
-    q, k, v = grouped[:, :-2], grouped[:, -2], grouped[:, -1]
-    q, k, v = (t.reshape(-1, *qkv.shape[1:]).contiguous() for t in (q, k, v))
-    return q, k, v
 
 
 def _llama_import(t: HFTensors, m: ModelConfig, vocab: int) -> dict[str, torch.Tensor]:
@@ -309,19 +306,22 @@ def import_hf(hf_dir: str | Path, save_dir: str | Path, dtype: str = "bf16") -> 
     """
     hf_dir, save_dir = Path(hf_dir), Path(save_dir)
     hf = read_hf_config(hf_dir)
-    m = model_config_from_hf(hf, str(hf_dir / CONFIG))
+    tensors = HFTensors(hf_dir)
+    m = model_config_from_hf(hf, str(hf_dir / CONFIG), set(tensors.tensors))
     cfg = Config(model=m)
     # The training context: Llama 3.1's original window (the scaled one is for inference), else the table size.
     cfg.data.seq_length = m.rope_original_max_position_embeddings if m.rope_scaling else m.max_position_embeddings
-    tensors = HFTensors(hf_dir)
     with _default_dtype(DTYPES[dtype]):
         model = build_model(m, m.vocab_size, cfg.data.seq_length)
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
     if hf["model_type"] == "llama":
         state = _llama_import(tensors, m, m.vocab_size)
     elif hf["model_type"] == "deepseek_v2":
         state = deepseek_import(tensors, m, m.vocab_size)
+    elif hf["model_type"] == "bert":
+        state = bert_import(tensors, m, shapes)
     else:
-        state = _gpt2_import(tensors, m, {k: v.shape for k, v in model.state_dict().items()})
+        state = _gpt2_import(tensors, m, shapes)
     tensors.check_all_taken()
     model.load_state_dict({k: v.to(DTYPES[dtype]) for k, v in state.items()}, strict=True)
 
@@ -343,8 +343,9 @@ def import_hf(hf_dir: str | Path, save_dir: str | Path, dtype: str = "bf16") -> 
 def export_hf(load_dir: str | Path, hf_dir: str | Path, dtype: str = "bf16", iteration: int | None = None) -> Path:
     """Write the newest checkpoint in ``load_dir`` (or ``iteration``'s) as a Hugging Face model folder ``hf_dir``.
 
-    The vocabulary keeps every row the checkpoint has (a padded one included: HF models may have
-    more rows than their tokenizer, as Llama's do), so the logits are those meshtron computes.
+    A decoder's vocabulary keeps every row the checkpoint has (a padded one included: HF models
+    may have more rows than their tokenizer, as Llama's do), so the logits are those meshtron
+    computes; BERT's is cropped to its tokenizer's (``hf_bert.py``), and what changed is printed.
     """
     from safetensors.torch import save_file
 
@@ -353,17 +354,26 @@ def export_hf(load_dir: str | Path, hf_dir: str | Path, dtype: str = "bf16", ite
     cfg = Config.from_dict(meta["config"])
     m = cfg.model
     model = build_model(m, meta["vocab_size"], cfg.data.seq_length)
-    hf_config = hf_config_from_model(m, meta["vocab_size"], model.max_positions, DTYPES[dtype])
+    vocab = meta["vocab_size"]
+    if m.model_type == "bert":
+        vocab = bert_export_vocab_size(cfg, vocab, load_dir, meta.get("tokenizer", {}))
+        for note in bert_export_notes(m, meta["vocab_size"], vocab):
+            print(f"hf-export: {note}")
+    hf_config = hf_config_from_model(m, vocab, model.max_positions, DTYPES[dtype])
     load_checkpoint(load_dir, model, iteration=meta["iteration"], load_rng=False)
     state = {k: v.to(DTYPES[dtype]) for k, v in model.state_dict().items()}
-    export = {"gpt2": _gpt2_export, "llama": _llama_export, "deepseek_v2": deepseek_export}[hf_config["model_type"]]
-    tensors = {k: v.contiguous() for k, v in export(state, m).items()}
+    if m.model_type == "bert":
+        exported = bert_export(state, m, vocab)
+    else:
+        exported = {"gpt2": _gpt2_export, "llama": _llama_export, "deepseek_v2": deepseek_export}[hf_config["model_type"]](state, m)
+    tensors = {k: v.contiguous() for k, v in exported.items()}
     hf_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(hf_dir / WEIGHTS), metadata={"format": "pt"})
     (hf_dir / CONFIG).write_text(json.dumps(hf_config, indent=2) + "\n")
     source = meta.get("tokenizer", {}).get("tokenizer_model", "")
     if source and Path(source).name == TOKENIZER and (load_dir / source).is_file():
         shutil.copy2(load_dir / source, hf_dir / TOKENIZER)
+    bert_export_tokenizer(load_dir, hf_dir, meta.get("tokenizer", {}))
     return hf_dir
 
 

@@ -1,7 +1,8 @@
-"""What Hugging Face's Llama-family checkpoints (Llama, DeepSeek-V2) share, mapped once for both:
-the embedding, final norm and output head, the two norms of each block, SwiGLU MLPs
-(``gate_proj``/``up_proj``/``down_proj`` <-> the fused ``linear_fc1`` = [gate | up] and
-``linear_fc2``) and the rope settings of ``config.json``.
+"""What Hugging Face's checkpoints share, mapped once: the fused QKV rows (separate q, k, v <->
+meshtron's per-group layout; every family but DeepSeek's latent attention) and, for the Llama
+family (Llama, DeepSeek-V2), the embedding, final norm and output head, the two norms of each
+block, SwiGLU MLPs (``gate_proj``/``up_proj``/``down_proj`` <-> the fused ``linear_fc1`` =
+[gate | up] and ``linear_fc2``) and the rope settings of ``config.json``.
 
 Importers take tensors from an object with ``take(name, shape)`` (``hf.HFTensors``: each tensor
 handed out once, its shape checked); exporters read a meshtron state dict.
@@ -43,6 +44,22 @@ def checked_config(hf: dict[str, Any], source: str, refused: dict[str, Any], rop
     if rope_type not in rope_types:
         raise CheckpointError(f"{source}: rope scaling '{rope_type}' is not supported for {family} (only {', '.join(rope_types)})")
     return theta, scaling, rope_type
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """Separate q [heads*d, ...], k, v [groups*d, ...] -> meshtron's per-group [q heads | k | v] rows."""
+    d = k.shape[0] // groups
+    parts = [q.reshape(groups, -1, d, *q.shape[1:]), k.reshape(groups, 1, d, *k.shape[1:]), v.reshape(groups, 1, d, *v.shape[1:])]
+    return torch.cat(parts, dim=1).reshape(-1, *q.shape[1:])
+
+
+def split_qkv(qkv: torch.Tensor, heads: int, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of ``fuse_qkv``."""
+    per_group = heads // groups + 2
+    grouped = qkv.reshape(groups, per_group, -1, *qkv.shape[1:])
+    q, k, v = grouped[:, :-2], grouped[:, -2], grouped[:, -1]
+    q, k, v = (t.reshape(-1, *qkv.shape[1:]).contiguous() for t in (q, k, v))
+    return q, k, v
 
 
 def import_body(t: TensorSource, m: ModelConfig, vocab: int) -> dict[str, torch.Tensor]:

@@ -67,8 +67,16 @@ def test_no_binary_head_drops_pooler_token_types_and_sentence_order():
     assert set(model(tokens, padding_mask=padding_mask)) == {"lm"}
 
 
+def test_token_types_without_binary_head():
+    """``--bert-tokentypes`` keeps token types without the sentence-order head (HF's BertForMaskedLM)."""
+    model = _model("--bert-no-binary-head", "--bert-tokentypes", "3")
+    assert model.binary_head is None and model.tokentype_embedding.weight.shape == (3, 32)
+    tokens, types, padding_mask = _inputs()
+    assert not torch.allclose(model(tokens, types, padding_mask)["lm"], model(tokens, None, padding_mask)["lm"])
+
+
 @pytest.mark.parametrize("flags", [[], ["--bert-no-binary-head"], ["--untie-embeddings-and-output-weights"],
-                                   ["--normalization", "RMSNorm"]])  # fmt: skip
+                                   ["--normalization", "RMSNorm"], ["--bert-no-binary-head", "--bert-tokentypes", "2"]])  # fmt: skip
 def test_parameter_count_matches_built_model(flags):
     cfg = build_config(overrides=[*TINY, *flags]).model
     assert num_parameters(build_model(cfg, VOCAB, SEQ)) == parameter_count(cfg, VOCAB, SEQ)
@@ -91,6 +99,7 @@ def test_parameter_count_equals_hugging_face_bert_for_pretraining():
     (["--position-embedding-type", "rope"], "learned absolute positions"),
     (["--generate-prompt", "Hi"], "drop --generate-prompt"),
     (["--seq-length", "4", "--max-position-embeddings", "8"], "--seq-length >= 5"),
+    (["--bert-tokentypes", "1"], "--bert-tokentypes 1: use 0"),
 ])  # fmt: skip
 def test_config_rules_name_the_flag(flags, message):
     with pytest.raises(ConfigError, match=message):
