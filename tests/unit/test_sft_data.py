@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from meshtron.config import build_config
-from meshtron.data.builder import build_datasets
+from meshtron.data.builder import MicroBatchIterator, build_datasets
 from meshtron.data.chat_template import conversation_template, find_chat_template
 from meshtron.data.sft_dataset import pack_documents, read_conversations, record_messages, tokenize_conversation
 from meshtron.data.tokenizers import ByteTokenizer, HuggingFaceTokenizer, train_bpe_tokenizer
@@ -167,6 +167,17 @@ def test_samples_reset_positions_and_documents_and_cache(tmp_path):
     again, _, _ = build_datasets(cfg.data, tok, (10, 0, 0), seed=1)
     assert again.cache_hit and all(torch.equal(again[i]["tokens"], train[i]["tokens"]) for i in range(10))
     assert "30 conversations packed into 10 sequences of 64" in train.describe()
+
+
+def test_resumed_iterator_continues_with_the_same_samples(tmp_path):
+    path = write_jsonl(tmp_path / "chat.jsonl", conversations(30))
+    train, _, _ = build_datasets(sft_config(path).data, ByteTokenizer(), (12, 0, 0), seed=2)
+    straight = MicroBatchIterator(train, 2, 0)
+    batches = [next(straight) for _ in range(5)]
+    resumed = MicroBatchIterator(build_datasets(sft_config(path).data, ByteTokenizer(), (12, 0, 0), seed=2)[0], 2, 6)
+    for want in batches[3:]:
+        got = next(resumed)
+        assert all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_packed_loss_equals_each_conversation_alone(tmp_path):
