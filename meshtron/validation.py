@@ -179,6 +179,8 @@ def sft_errors(cfg: Config) -> list[str]:
         errors.append("--sft needs --data-path FILE.jsonl (one file, one conversation per line), without --mock-data")
     elif not Path(d.data_path[0]).is_file():
         errors.append(f"--sft --data-path {d.data_path[0]}: no such file (a jsonl of 'messages' or 'prompt'/'response' records)")
+    if d.eod_mask_loss:
+        errors.append("--eod-mask-loss: with --sft the loss covers exactly the assistant's tokens (a reply's end included); drop it")
     if cfg.model.model_type != "gpt":
         errors.append(f"--sft fine-tunes decoders; --model-type {cfg.model.model_type} is not one")
     if d.sft_chat_template not in TEMPLATE_CHOICES:

@@ -42,6 +42,26 @@ def _special_text(value) -> str:
     return value if isinstance(value, str) else ""
 
 
+def _generation_tag():
+    """``{% generation %}...{% endgeneration %}`` (templates that mark the assistant's text for
+    transformers) rendered as its body: the turns are located by rendering prefixes instead."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class GenerationTag(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    return GenerationTag
+
+
 class ChatTemplate:
     """A Jinja chat template and the special tokens it may name."""
 
@@ -52,7 +72,7 @@ class ChatTemplate:
         def raise_exception(message):
             raise ValueError(f"chat template {source}: {message}")
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _generation_tag()])
         env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
         env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
         try:

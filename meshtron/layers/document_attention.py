@@ -33,6 +33,7 @@ def uses_flex(backend: str, causal: bool, dropout: float, q: torch.Tensor, k: to
     )  # fmt: skip
 
 
+@torch.compiler.disable  # built eagerly once per forward, also inside a compiled block (``--compile``)
 def document_block_mask(document_ids: torch.Tensor):
     """The flex block mask of causal attention within documents of ``document_ids`` [b, s]."""
     global _last_mask
@@ -52,6 +53,10 @@ def flex_document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d
                             scale: float | None = None) -> torch.Tensor:  # fmt: skip
     """q [b, heads, s, d], k/v [b, kv_heads, s, d] (grouped heads native) -> [b, heads, s, d]."""
     global _compiled_flex
+    block_mask = document_block_mask(document_ids)
+    gqa = k.shape[1] != q.shape[1]
+    if torch.compiler.is_compiling():  # inside a compiled block: traced with it
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex(q, k, v, block_mask=document_block_mask(document_ids), scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    return _compiled_flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)

@@ -2,7 +2,8 @@
 the dense-mask SDPA path is the reference. Forward and backward of the attention core in bf16
 against an fp32 reference, with grouped kv heads and a length that is not a multiple of flex's
 128-token blocks, and a whole packed SFT batch through a tiny Llama: flex (``auto``) against the
-dense path (``efficient`` takes the mask) in fp32, loss and every gradient.
+dense path (``efficient`` takes the mask) in fp32, loss and every gradient, with and without
+``--compile``.
 
 Tolerances: norm-wise relative 2e-2 for bf16 against fp32; 1e-4 for fp32 against fp32."""
 
@@ -19,6 +20,7 @@ from meshtron.layers import attention as attention_module
 from meshtron.layers.attention import CoreAttention, attention_mask, math_attention
 from meshtron.layers.document_attention import uses_flex
 from meshtron.models import build_model
+from meshtron.parallel.setup import compile_blocks
 
 TOL_BF16, TOL_FP32 = 2e-2, 1e-4
 
@@ -76,9 +78,11 @@ def test_packed_batch_through_flex_matches_dense_path(monkeypatch):
     cfg = build_config(None, ["--preset", "tiny-llama"]).model
     batch = _sft_batch(512, 256)
 
-    def loss_and_grads(backend: str):
+    def loss_and_grads(backend: str, compiled: bool = False):
         torch.manual_seed(0)
         model = build_model(dataclasses.replace(cfg, attention_backend=backend, vocab_size=0), 256, 512).cuda()
+        if compiled:
+            compile_blocks(model.blocks())
         per_token = model(batch["tokens"], labels=batch["labels"], position_ids=batch["position_ids"], document_ids=batch["document_ids"])
         loss = (per_token * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
         loss.backward()
@@ -88,10 +92,12 @@ def test_packed_batch_through_flex_matches_dense_path(monkeypatch):
     masks = []
     monkeypatch.setattr(attention_module, "attention_mask", lambda *a, **k: masks.append(1))  # flex builds no dense mask
     flex_loss, flex_grads = loss_and_grads("auto")
+    compiled_loss, compiled_grads = loss_and_grads("auto", compiled=True)  # --compile: flex traced inside each block
     assert not masks
-    assert _rel(flex_loss, dense_loss) < TOL_FP32
-    for name, grad in dense_grads.items():
-        assert _rel(flex_grads[name], grad) < TOL_FP32 * 10, f"{name}: relative error {_rel(flex_grads[name], grad):.2e}"
+    for loss, grads in ((flex_loss, flex_grads), (compiled_loss, compiled_grads)):
+        assert _rel(loss, dense_loss) < TOL_FP32
+        for name, grad in dense_grads.items():
+            assert _rel(grads[name], grad) < TOL_FP32 * 10, f"{name}: relative error {_rel(grads[name], grad):.2e}"
 
 
 @pytest.mark.gpu

@@ -12,7 +12,7 @@ import torch
 
 from meshtron.config import build_config
 from meshtron.data.builder import MicroBatchIterator, build_datasets
-from meshtron.data.chat_template import conversation_template, find_chat_template
+from meshtron.data.chat_template import ChatTemplate, conversation_template, find_chat_template
 from meshtron.data.sft_dataset import pack_documents, read_conversations, record_messages, tokenize_conversation
 from meshtron.data.tokenizers import ByteTokenizer, HuggingFaceTokenizer, train_bpe_tokenizer
 from meshtron.errors import ConfigError
@@ -101,6 +101,15 @@ def test_chat_template_matches_transformers_and_masks_each_reply_with_its_end(ch
     ids, assistant = tokenize_conversation(record_messages(prompt, "record"), tok, template)
     assert tok.decode([i for i, a in zip(ids, assistant) if a]) == "Blue.<|im_end|>\n"
     assert tok.decode(ids).startswith("<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_generation_tags_render_their_body(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML.replace(
+        "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' + '\\n' }}",
+        "{{ '<|im_start|>' + m['role'] + '\\n' }}{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}")}))  # fmt: skip
+    tagged = find_chat_template(str(tmp_path))
+    assert "generation" in tagged.text
+    assert tagged.render(CONVERSATION, False) == ChatTemplate("plain ChatML", CHATML, {}).render(CONVERSATION, False)
 
 
 def test_template_choice(chatml_tokenizer, tmp_path):
@@ -217,6 +226,7 @@ def test_packed_loss_equals_each_conversation_alone(tmp_path):
     ("--sft --data-path {jsonl} --tokenizer-type ByteTokenizer --sft-chat-template jinja", "must be one of auto, tokenizer, plain"),
     ("--sft --data-path {jsonl} --tokenizer-type ByteTokenizer --sft-chat-template tokenizer", "no chat_template"),
     ("--sft --data-path {jsonl} --tokenizer-type ByteTokenizer --model-type bert", "--sft fine-tunes decoders"),
+    ("--sft --data-path {jsonl} --tokenizer-type ByteTokenizer --eod-mask-loss", "drop it"),
     ("--data-path {jsonl} --tokenizer-type ByteTokenizer", "add --sft"),
 ])  # fmt: skip
 def test_sft_flags_are_checked(tmp_path, argv, message):
