@@ -269,7 +269,7 @@ _PRECISION_NOTES = {
 _DATA_NOTES = {
     "dataloader-type": (True, "samples come in the dataset's own shuffled order, each once per epoch, resumed at the consumed-sample count"),
     "dataset": (True, "meshtron reads --data-path .bin/.idx files (PAI's idxmap), a chat jsonl with --sft, or --mock-data"),
-    "max-padding-length": (True, "pretraining packs documents into --seq-length tokens; nothing is padded"),
+    "max-padding-length": (True, "documents are packed into --seq-length tokens; only --sft pads a row's end, with no loss"),
     "train-mode": (True, "pretraining"),
 }
 _LOGGING_NOTES = {

@@ -101,7 +101,7 @@ def tokenize_file(path: str, tokenizer, template: ChatTemplate | None) -> dict[s
         assistant += flags
         offsets.append(len(tokens))
     return {
-        "tokens": np.asarray(tokens, dtype=np.int32 if tokenizer.vocab_size < 2**31 else np.int64),
+        "tokens": np.asarray(tokens, dtype=np.int32),
         "assistant": np.asarray(assistant, dtype=np.bool_),
         "offsets": np.asarray(offsets, dtype=np.int64),
     }
@@ -152,8 +152,10 @@ class SFTDataset(torch.utils.data.Dataset):
         start, end = document_range
         lengths = np.diff(self.offsets)
         self.positions = np.minimum(np.maximum(lengths - 1, 0), seq_length)
-        trained = np.array([self.assistant[a + 1 : b].any() for a, b in zip(self.offsets[start:end], self.offsets[start + 1 : end + 1])], dtype=bool)
-        documents = np.arange(start, end, dtype=np.int64)[trained]
+        assistant_before = np.concatenate(([0], np.cumsum(self.assistant, dtype=np.int64)))  # assistant tokens before each index
+        ends = self.offsets[start + 1 : end + 1]
+        trained_labels = assistant_before[ends] - assistant_before[np.minimum(self.offsets[start:end] + 1, ends)]  # labels skip token 0
+        documents = np.arange(start, end, dtype=np.int64)[trained_labels > 0]
         if len(documents) == 0:
             raise ValueError(f"{name} split of {file_description['path']} has no conversation with an assistant token to train on; check --split")
         self.num_documents = len(documents)
