@@ -13,7 +13,7 @@ import torch
 from meshtron.config import build_config
 from meshtron.data.builder import MicroBatchIterator, build_datasets
 from meshtron.data.chat_template import ChatTemplate, conversation_template, find_chat_template
-from meshtron.data.sft_dataset import pack_documents, read_conversations, record_messages, tokenize_conversation
+from meshtron.data.sft_dataset import pack_documents, read_conversations, record_messages, tokenize_conversation, tokenize_file
 from meshtron.data.tokenizers import ByteTokenizer, HuggingFaceTokenizer, train_bpe_tokenizer
 from meshtron.errors import ConfigError
 from meshtron.models import build_model
@@ -101,6 +101,33 @@ def test_chat_template_matches_transformers_and_masks_each_reply_with_its_end(ch
     ids, assistant = tokenize_conversation(record_messages(prompt, "record"), tok, template)
     assert tok.decode([i for i, a in zip(ids, assistant) if a]) == "Blue.<|im_end|>\n"
     assert tok.decode(ids).startswith("<|im_start|>user\nName a colour.<|im_end|>\n<|im_start|>assistant\n")
+
+
+LLAMA3_STYLE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if (m['role'] == 'user') != (loop.index0 % 2 == (1 if messages[0]['role'] == 'system' else 0)) and m['role'] != 'system' %}"
+    "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+    "{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + m['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+
+
+def test_template_with_bos_and_its_own_errors(chatml_tokenizer, tmp_path):
+    """Special tokens from tokenizer_config.json, loops and filters render as transformers renders
+    them; the template's raise_exception stops tokenization naming the file and line."""
+    from transformers import PreTrainedTokenizerFast
+
+    (tmp_path / "tokenizer.json").write_text(open(f"{chatml_tokenizer}/tokenizer.json").read())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": LLAMA3_STYLE, "bos_token": {"content": "<|im_start|>"}}))
+    template = find_chat_template(str(tmp_path / "tokenizer.json"))
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), chat_template=LLAMA3_STYLE, bos_token="<|im_start|>")
+    assert template.render(CONVERSATION, False) == hf.apply_chat_template(CONVERSATION, tokenize=False)
+    tok = HuggingFaceTokenizer.from_file(str(tmp_path))
+    ids, assistant = tokenize_conversation(CONVERSATION, tok, template)
+    assert ids[0] == tok.encode_text("<|im_start|>")[0] and tok.decode([i for i, a in zip(ids, assistant) if a]) == "Blue.<|eot_id|>Green, and red.<|eot_id|>"
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "a", "response": "b"}, {"messages": CONVERSATION[1:2] + CONVERSATION[1:3]}])
+    with pytest.raises(ValueError, match=f"{bad}:2: chat template .*tokenizer_config.json: roles must alternate"):
+        tokenize_file(bad, tok, template)
 
 
 def test_generation_tags_render_their_body(tmp_path):
