@@ -126,6 +126,8 @@ class DataConfig:
     reset_attention_mask: bool = False  # no attention across end-of-document tokens
     eod_mask_loss: bool = False  # no loss on end-of-document tokens
     num_workers: int = 0  # data loader worker processes (0: in the training process)
+    sft: bool = False  # fine-tune on the chat jsonl in --data-path: loss on assistant tokens, conversations packed
+    sft_chat_template: str = "auto"  # auto | tokenizer | plain: --sft layout (auto: the tokenizer's chat template if any)
     # BERT / T5 / ICT data (sentence-split files); checked by meshtron.data.masked_lm.masked_data_config_errors.
     # N-gram limits are Megatron's fixed 3 (BERT) and 10 (T5), so no field sets them.
     mask_prob: float = 0.15  # BERT/T5: fraction of tokens masked

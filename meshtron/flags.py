@@ -268,8 +268,8 @@ _PRECISION_NOTES = {
 }
 _DATA_NOTES = {
     "dataloader-type": (True, "samples come in the dataset's own shuffled order, each once per epoch, resumed at the consumed-sample count"),
-    "dataset": (True, "meshtron reads --data-path .bin/.idx files (PAI's idxmap), or --mock-data"),
-    "max-padding-length": (True, "pretraining packs documents into --seq-length tokens; nothing is padded"),
+    "dataset": (True, "meshtron reads --data-path .bin/.idx files (PAI's idxmap), a chat jsonl with --sft, or --mock-data"),
+    "max-padding-length": (True, "documents are packed into --seq-length tokens; only --sft pads a row's end, with no loss"),
     "train-mode": (True, "pretraining"),
 }
 _LOGGING_NOTES = {
@@ -291,7 +291,7 @@ NOTED_FLAGS: dict[str, tuple[bool, str]] = {
 REFUSED_NOTED_VALUES: dict[tuple[str, str], str] = {
     ("fp8-recipe", "mxfp8"): "MXFP8 (block scaling) is not implemented; use --fp8-recipe tensorwise (or delayed, run as tensorwise)",
     ("fp8-recipe", "blockwise"): "blockwise FP8 scaling is not implemented; use --fp8-recipe tensorwise",
-    ("train-mode", "finetune"): "fine-tuning data (SFT) is not implemented yet; use --train-mode pretrain",
+    ("train-mode", "finetune"): "fine-tuning reads a chat jsonl with --sft (messages, or prompt/response records); drop --train-mode",
     ("transformer-impl", "inference_optimized"): "there is no inference-optimized implementation; drop --transformer-impl",
 }
 

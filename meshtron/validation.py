@@ -9,6 +9,7 @@ from pathlib import Path
 
 from meshtron.checkpoint.checkpoint import checkpoint_config_errors
 from meshtron.config import Config, pipeline_virtual_size, world_size_from_env
+from meshtron.data.chat_template import TEMPLATE_CHOICES, conversation_template
 from meshtron.data.masked_lm import masked_data_config_errors
 from meshtron.errors import ConfigError
 from meshtron.flags import noted_flag_errors
@@ -120,7 +121,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
 
     if d.mock and d.data_path:
         errors.append("--mock-data and --data-path are both set; keep one")
-    if d.data_path:
+    if d.sft:
+        errors.extend(sft_errors(cfg))
+    elif d.data_path:
         errors.extend(_check_data_path(d.data_path))
         if not d.tokenizer_type:
             errors.append("--data-path is set but --tokenizer-type is not; name the tokenizer the data was made with")
@@ -168,6 +171,28 @@ def dropin_errors(cfg: Config) -> list[str]:
     return errors
 
 
+def sft_errors(cfg: Config) -> list[str]:
+    """``--sft``: one readable jsonl of conversations for a decoder, and a layout that exists."""
+    d = cfg.data
+    errors = []
+    if d.mock or len(d.data_path) != 1:
+        errors.append("--sft needs --data-path FILE.jsonl (one file, one conversation per line), without --mock-data")
+    elif not Path(d.data_path[0]).is_file():
+        errors.append(f"--sft --data-path {d.data_path[0]}: no such file (a jsonl of 'messages' or 'prompt'/'response' records)")
+    if d.eod_mask_loss:
+        errors.append("--eod-mask-loss: with --sft the loss covers exactly the assistant's tokens (a reply's end included); drop it")
+    if cfg.model.model_type != "gpt":
+        errors.append(f"--sft fine-tunes decoders; --model-type {cfg.model.model_type} is not one")
+    if d.sft_chat_template not in TEMPLATE_CHOICES:
+        errors.append(f"--sft-chat-template must be one of {', '.join(TEMPLATE_CHOICES)}, got '{d.sft_chat_template}'")
+    elif d.sft_chat_template == "tokenizer":
+        try:
+            conversation_template(d.sft_chat_template, d.tokenizer_type, d.tokenizer_model)
+        except ValueError as exc:
+            errors.append(str(exc))
+    return errors
+
+
 def _divisor_near(n: int, k: int) -> int:
     divisors = [x for x in range(1, n + 1) if n % x == 0]
     return min(divisors, key=lambda x: abs(x - k))
@@ -189,6 +214,8 @@ def _check_data_path(tokens: list[str]) -> list[str]:
         for ext in (".bin", ".idx"):
             if not Path(prefix + ext).is_file():
                 errors.append(f"--data-path: '{prefix}{ext}' not found (give the prefix without extension, as written by `meshtron preprocess`)")
+        if prefix.endswith((".jsonl", ".json")):
+            errors.append(f"--data-path {prefix} is a jsonl: add --sft to fine-tune on its conversations, or `meshtron preprocess` its text")
     return errors
 
 

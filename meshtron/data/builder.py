@@ -10,7 +10,9 @@ import torch
 from meshtron.config import DataConfig
 from meshtron.data.blended import BlendedDataset, build_blending_indices, parse_data_path
 from meshtron.data.gpt_dataset import GPTDataset, MockGPTDataset, split_document_ranges
+from meshtron.data.chat_template import conversation_template
 from meshtron.data.indexed import IndexedDataset
+from meshtron.data.sft_dataset import build_sft_datasets
 
 SPLIT_NAMES = ("train", "valid", "test")
 _BLEND_MARGIN = 1.005  # Megatron asks each blended dataset for this much more than its share
@@ -28,7 +30,8 @@ def build_datasets(
 ):
     """(train, valid, test) for ``model_type`` (``model.model_type``); a split with 0 samples or
     no documents is None. Decoders read documents (``GPTDataset``); the masked-LM families read
-    sentences (``build_masked_datasets``, where ``binary_head`` applies).
+    sentences (``build_masked_datasets``, where ``binary_head`` applies). ``--sft`` reads
+    conversations from a jsonl (``build_sft_datasets``).
 
     Mock data draws ids below ``vocab_size`` (default: the tokenizer's), so it needs no tokenizer.
     """
@@ -44,6 +47,9 @@ def build_datasets(
         )
     if tokenizer is None:
         raise ValueError("--data-path needs a tokenizer for its end-of-document id; set --tokenizer-type")
+    if data_cfg.sft:
+        template = conversation_template(data_cfg.sft_chat_template, data_cfg.tokenizer_type, data_cfg.tokenizer_model)
+        return build_sft_datasets(data_cfg, tokenizer, num_samples, seed, template)
     if data_prefixes:
         prefixes, weights = list(data_prefixes), [1.0 / len(data_prefixes)] * len(data_prefixes)
     else:

@@ -33,6 +33,11 @@ class Tokenizer:
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [self.encode(t) for t in texts]
 
+    def encode_text(self, text: str) -> list[int]:
+        """The ids of ``text`` alone, without the BOS ``encode`` may add: a piece of a longer
+        sequence (a turn of a conversation). Special tokens spelled in the text stay special."""
+        return self.encode(text)
+
     def decode(self, ids: Iterable[int]) -> str:
         raise NotImplementedError
 
@@ -95,6 +100,9 @@ class HuggingFaceTokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
 
+    def encode_text(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(texts)]
 
@@ -140,6 +148,9 @@ class SentencePieceTokenizer(Tokenizer):
 
     def encode(self, text: str) -> list[int]:
         return self._bos + self._sp.encode(text)
+
+    def encode_text(self, text: str) -> list[int]:
+        return self._sp.encode(text)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [self._bos + ids for ids in self._sp.encode(texts)]

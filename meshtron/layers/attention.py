@@ -20,6 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from meshtron.config import ModelConfig
+from meshtron.layers.document_attention import flex_document_attention, uses_flex
 from meshtron.layers.kv_cache import KVCache
 from meshtron.layers.rope import apply_rotary
 
@@ -102,7 +103,8 @@ class CoreAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, dropout: float, document_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         """``mask`` already holds ``document_ids``; they are passed for a replacement core (context
-        parallelism) whose keys span other ranks' tokens.
+        parallelism) whose keys span other ranks' tokens, and, with no mask, for flex attention
+        (``meshtron.layers.document_attention``).
 
         Grouped heads go to SDPA as they are (``enable_gqa``) when there is no mask, as the flash
         and cuDNN kernels read each kv head for its whole group; with a mask they are repeated,
@@ -110,6 +112,8 @@ class CoreAttention(nn.Module):
         """
         if self.backend == "math":
             return math_attention(q, k, v, mask, dropout, self.scale)
+        if mask is None and document_ids is not None:  # the attention module chose flex (``uses_flex``)
+            return flex_document_attention(q, k, v, document_ids, self.scale)
         group_size = q.shape[1] // k.shape[1]
         if group_size > 1 and (mask is not None or not _SDPA_HAS_GQA):
             k, v = k.repeat_interleave(group_size, dim=1), v.repeat_interleave(group_size, dim=1)
@@ -149,11 +153,13 @@ class SelfAttentionBase(nn.Module):
         s = q.shape[1]
         # Plain attention over the chunk itself (causal, or bidirectional without padding) needs
         # no mask tensor: SDPA's is_causal (or nothing) lets the fused (flash, cuDNN) kernels run.
+        # Packed documents on CUDA go to flex attention, which takes their rule without a mask tensor.
         mask = None
-        if document_ids is not None or padding_mask is not None or k.shape[1] != s or self.backend == "math":
+        dropout = self.dropout if self.training else 0.0
+        flex = padding_mask is None and uses_flex(self.backend, self.causal, dropout, q, k, v, document_ids)
+        if not flex and (document_ids is not None or padding_mask is not None or k.shape[1] != s or self.backend == "math"):
             mask = attention_mask(s, k.shape[1], document_ids, q.device, self.causal, padding_mask)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, s, d]
-        dropout = self.dropout if self.training else 0.0
         if self.recompute_core and torch.is_grad_enabled():
             out = checkpoint(self.core_attention, q, k, v, mask, dropout, document_ids, use_reentrant=False)
         else:

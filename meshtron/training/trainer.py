@@ -135,6 +135,8 @@ class Trainer:
             model_type=cfg.model.model_type,
             binary_head=cfg.model.bert_binary_head,
         )
+        if cfg.data.sft:
+            log("; ".join(ds.describe() for ds in (self.train_data, self.valid_data) if ds is not None))
         self.train_batches = self._batches(self.train_data, self.consumed_samples, cfg.data.num_workers)
 
         num_params = parameter_count(cfg.model, self.vocab_size, cfg.data.seq_length)

@@ -179,7 +179,7 @@ def test_meanings_of_translated_flags():
 @pytest.mark.parametrize("argv, message", [
     ("--optimizer sgd", "only adam"),
     ("--fp8-recipe mxfp8", "MXFP8"),
-    ("--train-mode finetune", "--train-mode pretrain"),
+    ("--train-mode finetune", "with --sft"),
     ("--no-position-embedding", "--position-embedding-type rope"),
     ("--profile", "--tensorboard-dir or --save"),
     ("--mock-data --tokenizer-model tok.json", "--tokenizer-type"),
