@@ -181,6 +181,8 @@ def main() -> None:
         memory = f"{held:>6.1f} {r['peak_gib'] - held:>9.1f} {est:>8.1f}" if held is not None else f"{'-':>6} {'-':>9} {'-':>8}"
         print(f"{side:<28} {rate:>10,.0f} {tflops:>8.1f} {mfu:>6} {r['peak_gib']:>9.1f} {memory} "
               f"{r['first_loss']:>8.3f}->{r['last_loss']:<8.3f} {rate / base_rate:>11.2f}x")  # fmt: skip
+    if any(r is None for r in rows.values()):
+        sys.exit(1)  # a side that crashed fails the command, not just its row
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ and runs on a machine without it. ``model.fused_kernels`` picks the path per op:
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 
 import torch
@@ -20,9 +19,13 @@ import torch
 FUSED_KERNEL_MODES = ("auto", "on", "off")
 
 
-@functools.cache
+# Looked up once at import, not behind functools.cache: torch.compile traces ``use_triton`` inside
+# compiled blocks, and a plain function returning a constant is what dynamo inlines cleanly.
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+
+
 def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON_INSTALLED
 
 
 def use_triton(mode: str, x: torch.Tensor) -> bool:
