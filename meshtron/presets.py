@@ -126,11 +126,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         "data.seq_length": 4096,
     },
     "deepseek-v2-lite": _deepseek(27, 2048, 16, 10944, 64, 1408),
-    # V2's router is group-limited: 8 groups of 20 experts, a token's top-6 from its best 3 groups
-    # (scored here as Megatron-Core scores them, by each group's best 6/3 = 2 experts; HF's V2 code
-    # by its best one), weights times routed_scaling_factor 16.
+    # V2's router is group-limited (HF topk_method group_limited_greedy): 8 groups of 20 experts, a
+    # token's top-6 from the 3 groups whose best expert scores highest, weights times
+    # routed_scaling_factor 16.
     "deepseek-v2": _deepseek(60, 5120, 128, 12288, 160, 1536, q_lora_rank=1536, moe_router_num_groups=8,
-                             moe_router_group_topk=3, moe_router_topk_scaling_factor=16.0),  # fmt: skip
+                             moe_router_group_topk=3, moe_router_group_score="max", moe_router_topk_scaling_factor=16.0),  # fmt: skip
     # Tiny shapes for tests and CPU smoke runs; the vocabulary comes from the tokenizer.
     "tiny-gpt": {**_GPT, **_shape(2, 64, 4), "data.seq_length": 64},
     "tiny-llama": {**_LLAMA, **_shape(2, 64, 4, kv_heads=2), "data.seq_length": 64},

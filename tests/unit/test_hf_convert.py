@@ -43,9 +43,12 @@ def _save_llama(tmp_path, **overrides):
     return model, hf_dir
 
 
-def _meshtron_logits(save_dir, tokens):
+def _meshtron_logits(save_dir, tokens, **model_fields):
+    """The logits of the checkpoint in ``save_dir``, its model config changed by ``model_fields``."""
     meta = read_meta(save_dir)
     cfg = Config.from_dict(meta["config"])
+    for name, value in model_fields.items():
+        setattr(cfg.model, name, value)
     model = build_model(cfg.model, meta["vocab_size"], cfg.data.seq_length).eval()
     load_checkpoint(save_dir, model, load_rng=False)
     with torch.no_grad():
