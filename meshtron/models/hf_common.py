@@ -1,7 +1,9 @@
-"""What Hugging Face's Llama-family checkpoints (Llama, DeepSeek-V2) share, mapped once for both:
+"""What Hugging Face's Llama-family checkpoints (Llama, Mixtral, DeepSeek-V2) share, mapped once:
 the embedding, final norm and output head, the two norms of each block, SwiGLU MLPs
 (``gate_proj``/``up_proj``/``down_proj`` <-> the fused ``linear_fc1`` = [gate | up] and
-``linear_fc2``) and the rope settings of ``config.json``.
+``linear_fc2``), routed experts (stacked ``experts.weight1`` / ``weight2``), Llama's attention
+(``q_proj``/``k_proj``/``v_proj`` <-> the fused ``linear_qkv``, see ``fuse_qkv``) and the rope
+settings and Llama shape of ``config.json``.
 
 Importers take tensors from an object with ``take(name, shape)`` (``hf.HFTensors``: each tensor
 handed out once, its shape checked); exporters read a meshtron state dict.
@@ -15,6 +17,9 @@ import torch
 
 from meshtron.checkpoint.checkpoint import CheckpointError
 from meshtron.config import ModelConfig
+from meshtron.layers.attention import head_dim, num_kv_heads
+from meshtron.layers.mlp import ffn_hidden_size
+from meshtron.layers.moe.experts import expert_ffn_hidden_size
 
 
 class TensorSource(Protocol):
@@ -82,3 +87,104 @@ def export_swiglu(state: dict[str, torch.Tensor], mt: str, hf: str) -> dict[str,
     """The inverse of ``import_swiglu``."""
     gate, up = state[mt + "linear_fc1.weight"].chunk(2)
     return {hf + "gate_proj.weight": gate, hf + "up_proj.weight": up, hf + "down_proj.weight": state[mt + "linear_fc2.weight"]}
+
+
+def llama_model_config(hf: dict[str, Any], source: str, refused: dict[str, Any], family: str) -> ModelConfig:
+    """The Llama shape of ``config.json`` (GQA, RMSNorm, SwiGLU, RoPE with optional Llama 3.1
+    scaling, no biases); ``refused`` as ``checked_config`` takes it, beside silu and biases."""
+    refused = {"hidden_act": lambda v: v != "silu", "attention_bias": bool, "mlp_bias": bool, **refused}
+    theta, scaling, rope_type = checked_config(hf, source, refused, ("default", "llama3"), family)
+    heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
+    cfg = ModelConfig(
+        num_layers=hf["num_hidden_layers"], hidden_size=hidden, ffn_hidden_size=hf["intermediate_size"],
+        num_attention_heads=heads, num_query_groups=hf.get("num_key_value_heads") or heads,
+        kv_channels=hf.get("head_dim") or hidden // heads, vocab_size=hf["vocab_size"], make_vocab_size_divisible_by=1,
+        max_position_embeddings=hf.get("max_position_embeddings", 2048), normalization="RMSNorm",
+        norm_epsilon=hf.get("rms_norm_eps", 1e-6), activation="swiglu", position_embedding_type="rope",
+        rotary_base=theta, add_bias_linear=False, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+    )  # fmt: skip
+    if rope_type == "llama3":
+        cfg.rope_scaling = "llama3"
+        cfg.rope_scaling_factor = float(scaling["factor"])
+        cfg.rope_low_freq_factor = float(scaling["low_freq_factor"])
+        cfg.rope_high_freq_factor = float(scaling["high_freq_factor"])
+        cfg.rope_original_max_position_embeddings = int(scaling["original_max_position_embeddings"])
+    return cfg
+
+
+def llama_hf_config(m: ModelConfig, vocab_size: int, max_positions: int, dtype_name: str) -> dict[str, Any]:
+    """config.json of ``LlamaForCausalLM``; Mixtral's adds its experts to it."""
+    rope: dict[str, Any] = {"rope_type": "default"}
+    if m.rope_scaling == "llama3":
+        rope = {
+            "rope_type": "llama3", "factor": m.rope_scaling_factor, "low_freq_factor": m.rope_low_freq_factor,
+            "high_freq_factor": m.rope_high_freq_factor, "original_max_position_embeddings": m.rope_original_max_position_embeddings,
+        }  # fmt: skip
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": m.hidden_size,
+        "intermediate_size": ffn_hidden_size(m), "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_attention_heads, "num_key_value_heads": num_kv_heads(m), "head_dim": head_dim(m),
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "rms_norm_eps": m.norm_epsilon,
+        "max_position_embeddings": max_positions, "vocab_size": vocab_size, "tie_word_embeddings": m.tie_embeddings,
+        "rope_theta": m.rotary_base, "rope_scaling": rope if m.rope_scaling else None,
+        "rope_parameters": {**rope, "rope_theta": m.rotary_base}, "torch_dtype": dtype_name,
+    }  # fmt: skip
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """Separate q [heads*d, ...], k, v [groups*d, ...] -> meshtron's per-group [q heads | k | v] rows."""
+    d = k.shape[0] // groups
+    parts = [q.reshape(groups, -1, d, *q.shape[1:]), k.reshape(groups, 1, d, *k.shape[1:]), v.reshape(groups, 1, d, *v.shape[1:])]
+    return torch.cat(parts, dim=1).reshape(-1, *q.shape[1:])
+
+
+def split_qkv(qkv: torch.Tensor, heads: int, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of ``fuse_qkv``."""
+    per_group = heads // groups + 2
+    grouped = qkv.reshape(groups, per_group, -1, *qkv.shape[1:])
+    q, k, v = grouped[:, :-2], grouped[:, -2], grouped[:, -1]
+    q, k, v = (t.reshape(-1, *qkv.shape[1:]).contiguous() for t in (q, k, v))
+    return q, k, v
+
+
+def import_llama_attention(t: TensorSource, hf: str, mt: str, m: ModelConfig) -> dict[str, torch.Tensor]:
+    """``{hf}self_attn.{q,k,v,o}_proj`` as meshtron's ``{mt}self_attention.linear_qkv`` / ``linear_proj``."""
+    h, d, heads, groups = m.hidden_size, head_dim(m), m.num_attention_heads, num_kv_heads(m)
+    q = t.take(hf + "self_attn.q_proj.weight", [heads * d, h])
+    k, v = (t.take(hf + f"self_attn.{x}_proj.weight", [groups * d, h]) for x in "kv")
+    return {mt + "self_attention.linear_qkv.weight": fuse_qkv(q, k, v, groups),
+            mt + "self_attention.linear_proj.weight": t.take(hf + "self_attn.o_proj.weight", [h, heads * d])}  # fmt: skip
+
+
+def export_llama_attention(state: dict[str, torch.Tensor], mt: str, hf: str, m: ModelConfig) -> dict[str, torch.Tensor]:
+    """The inverse of ``import_llama_attention``."""
+    q, k, v = split_qkv(state[mt + "self_attention.linear_qkv.weight"], m.num_attention_heads, num_kv_heads(m))
+    return {hf + "self_attn.q_proj.weight": q, hf + "self_attn.k_proj.weight": k, hf + "self_attn.v_proj.weight": v,
+            hf + "self_attn.o_proj.weight": state[mt + "self_attention.linear_proj.weight"]}  # fmt: skip
+
+
+# Per-expert tensor names (gate, up, down) under ``experts.{e}.``: DeepSeek's and Qwen's, Mixtral's.
+GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
+W1_W3_W2 = ("w1", "w3", "w2")
+
+
+def import_experts(t: TensorSource, hf: str, mt: str, m: ModelConfig, names: tuple[str, str, str] = GATE_UP_DOWN) -> dict[str, torch.Tensor]:
+    """Stacked ``{mt}weight1`` [E, 2 ffn, h] ([gate; up]) and ``weight2`` [E, h, ffn] from the
+    experts under ``hf``: one module per expert (the Hub's files, ``{hf}{e}.{gate}.weight``) or
+    transformers 5's fused in-memory form (``{hf}gate_up_proj`` [E, 2 ffn, h], ``{hf}down_proj``)."""
+    e, ffn, h = m.num_experts, expert_ffn_hidden_size(m), m.hidden_size
+    if hf + "gate_up_proj" in t.tensors:
+        return {mt + "weight1": t.take(hf + "gate_up_proj", [e, 2 * ffn, h]), mt + "weight2": t.take(hf + "down_proj", [e, h, ffn])}
+    gate, up, down = names
+    fc1 = [torch.cat([t.take(f"{hf}{x}.{gate}.weight", [ffn, h]), t.take(f"{hf}{x}.{up}.weight", [ffn, h])]) for x in range(e)]
+    fc2 = [t.take(f"{hf}{x}.{down}.weight", [h, ffn]) for x in range(e)]
+    return {mt + "weight1": torch.stack(fc1), mt + "weight2": torch.stack(fc2)}
+
+
+def export_experts(state: dict[str, torch.Tensor], mt: str, hf: str, names: tuple[str, str, str] = GATE_UP_DOWN) -> dict[str, torch.Tensor]:
+    """The inverse of ``import_experts``, one module per expert (the form every loader reads)."""
+    out, (gate, up, down) = {}, names
+    for e, (fc1, fc2) in enumerate(zip(state[mt + "weight1"], state[mt + "weight2"])):
+        gate_rows, up_rows = fc1.chunk(2)
+        out.update({f"{hf}{e}.{gate}.weight": gate_rows, f"{hf}{e}.{up}.weight": up_rows, f"{hf}{e}.{down}.weight": fc2})
+    return out

@@ -38,7 +38,9 @@ from meshtron.config import ModelConfig
 from meshtron.layers.mlp import ffn_hidden_size
 from meshtron.layers.moe import moe_layer_pattern
 from meshtron.layers.moe.experts import expert_ffn_hidden_size
-from meshtron.models.hf_common import TensorSource, checked_config, export_body, export_swiglu, import_body, import_swiglu
+from meshtron.models.hf_common import (
+    TensorSource, checked_config, export_body, export_experts, export_swiglu, import_body, import_experts, import_swiglu,
+)  # fmt: skip
 
 _YARN_KEYS = {"factor": "rope_scaling_factor", "original_max_position_embeddings": "rope_original_max_position_embeddings",
               "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow", "mscale": "rope_mscale",
@@ -181,20 +183,10 @@ def deepseek_import(t: TensorSource, m: ModelConfig, vocab: int) -> dict[str, to
             state.update(import_swiglu(t, hf + "mlp.", mt + "mlp.", ffn_hidden_size(m), h))
             continue
         state[mt + "mlp.router.weight"] = t.take(hf + "mlp.gate.weight", [m.num_experts, h])
-        state.update(_import_experts(t, hf + "mlp.experts.", mt + "mlp.experts.", m))
+        state.update(import_experts(t, hf + "mlp.experts.", mt + "mlp.experts.", m))
         if m.moe_shared_expert_intermediate_size:
             state.update(import_swiglu(t, hf + "mlp.shared_experts.", mt + "mlp.shared_experts.", m.moe_shared_expert_intermediate_size, h))
     return state
-
-
-def _import_experts(t: TensorSource, hf: str, mt: str, m: ModelConfig) -> dict[str, torch.Tensor]:
-    """Stacked ``weight1`` [E, 2 ffn, h] ([gate; up]) and ``weight2`` [E, h, ffn] from either HF form."""
-    e, ffn, h = m.num_experts, expert_ffn_hidden_size(m), m.hidden_size
-    if hf + "gate_up_proj" in t.tensors:  # transformers 5's in-memory form
-        return {mt + "weight1": t.take(hf + "gate_up_proj", [e, 2 * ffn, h]), mt + "weight2": t.take(hf + "down_proj", [e, h, ffn])}
-    fc1 = [torch.cat([t.take(f"{hf}{x}.gate_proj.weight", [ffn, h]), t.take(f"{hf}{x}.up_proj.weight", [ffn, h])]) for x in range(e)]
-    fc2 = [t.take(f"{hf}{x}.down_proj.weight", [h, ffn]) for x in range(e)]
-    return {mt + "weight1": torch.stack(fc1), mt + "weight2": torch.stack(fc2)}
 
 
 def deepseek_export(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
@@ -208,10 +200,7 @@ def deepseek_export(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str,
             out.update(export_swiglu(state, mt + "mlp.", hf + "mlp."))
             continue
         out[hf + "mlp.gate.weight"] = state[mt + "mlp.router.weight"]
-        for e, (fc1, fc2) in enumerate(zip(state[mt + "mlp.experts.weight1"], state[mt + "mlp.experts.weight2"])):
-            gate, up = fc1.chunk(2)
-            out.update({f"{hf}mlp.experts.{e}.gate_proj.weight": gate, f"{hf}mlp.experts.{e}.up_proj.weight": up,
-                        f"{hf}mlp.experts.{e}.down_proj.weight": fc2})  # fmt: skip
+        out.update(export_experts(state, mt + "mlp.experts.", hf + "mlp.experts."))
         if m.moe_shared_expert_intermediate_size:
             out.update(export_swiglu(state, mt + "mlp.shared_experts.", hf + "mlp.shared_experts."))
     return out
