@@ -70,7 +70,7 @@ class ModelConfig:
     moe_router_topk_scaling_factor: float = 1.0  # multiplies the top-k routing weights
     moe_router_num_groups: int = 0  # group-limited routing: experts in this many groups; 0: off
     moe_router_group_topk: int = 0  # groups a token may use
-    moe_router_group_score: str = "sum_topk"  # a group's score: sum_topk (its best k / group_topk summed; Megatron-Core, DeepSeek-V3) | max (its best; DeepSeek-V2)
+    moe_router_group_score: str = "sum_topk"  # sum_topk (group's best k/group_topk summed; Megatron) | max (its best; DeepSeek-V2)
     moe_router_dtype: str = ""  # "" (input dtype) | fp32 | fp64: router logits, weights and combine
     moe_router_enable_expert_bias: bool = False  # DeepSeek-V3 auxiliary-loss-free balancing (sigmoid)
     moe_router_bias_update_rate: float = 1e-3  # expert-bias step per iteration (with the expert bias)

@@ -311,7 +311,8 @@ def export_hf(load_dir: str | Path, hf_dir: str | Path, dtype: str = "bf16", ite
     hf_config = hf_config_from_model(m, meta["vocab_size"], model.max_positions, DTYPES[dtype])
     load_checkpoint(load_dir, model, iteration=meta["iteration"], load_rng=False)
     state = {k: v.to(DTYPES[dtype]) for k, v in model.state_dict().items()}
-    export = {"gpt2": _gpt2_export, "llama": _llama_export, "deepseek_v2": deepseek_export, "mixtral": mixtral_export}[hf_config["model_type"]]
+    exporters = {"gpt2": _gpt2_export, "llama": _llama_export, "deepseek_v2": deepseek_export, "mixtral": mixtral_export}
+    export = exporters[hf_config["model_type"]]
     tensors = {k: v.contiguous() for k, v in export(state, m).items()}
     hf_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(hf_dir / WEIGHTS), metadata={"format": "pt"})

@@ -168,7 +168,9 @@ GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
 W1_W3_W2 = ("w1", "w3", "w2")
 
 
-def import_experts(t: TensorSource, hf: str, mt: str, m: ModelConfig, names: tuple[str, str, str] = GATE_UP_DOWN) -> dict[str, torch.Tensor]:
+def import_experts(
+    t: TensorSource, hf: str, mt: str, m: ModelConfig, names: tuple[str, str, str] = GATE_UP_DOWN
+) -> dict[str, torch.Tensor]:
     """Stacked ``{mt}weight1`` [E, 2 ffn, h] ([gate; up]) and ``weight2`` [E, h, ffn] from the
     experts under ``hf``: one module per expert (the Hub's files, ``{hf}{e}.{gate}.weight``) or
     transformers 5's fused in-memory form (``{hf}gate_up_proj`` [E, 2 ffn, h], ``{hf}down_proj``)."""
