@@ -46,6 +46,7 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0  # llama3 scaling: wavelengths below original/this are kept
     rope_original_max_position_embeddings: int = 8192  # llama3/YaRN: the context the model was trained with
     add_bias_linear: bool = True  # biases in the blocks' linear layers
+    add_qkv_bias: bool = False  # biases on the query/key/value projection only (Qwen2); add_bias_linear implies them
     tie_embeddings: bool = True  # the output layer shares the input embedding's weights
     attention_dropout: float = 0.0  # dropout on attention probabilities
     hidden_dropout: float = 0.0  # dropout on each block's attention and MLP outputs

@@ -4,8 +4,9 @@ Reads and writes the files ``save_pretrained`` produces (``config.json``, ``mode
 or shards listed in ``model.safetensors.index.json``, ``tokenizer.json``) with the ``safetensors``
 library alone, so neither direction needs ``transformers`` installed. Llama-style models
 (RMSNorm, SwiGLU, RoPE incl. Llama 3.1 scaling, GQA) go both ways; GPT-2, Mixtral
-(``models/hf_mixtral.py``: Llama with routed experts) and DeepSeek-V2 (``models/hf_deepseek.py``:
-latent attention, YaRN, experts) go both ways too.
+(``models/hf_mixtral.py``: Llama with routed experts), Qwen2-MoE (``models/hf_qwen2_moe.py``: plus
+q/k/v biases and a gated shared expert) and DeepSeek-V2 (``models/hf_deepseek.py``: latent
+attention, YaRN, experts) go both ways too.
 
 What changes between the two layouts:
 
@@ -46,6 +47,7 @@ from meshtron.models.hf_common import (
 )  # fmt: skip
 from meshtron.models.hf_deepseek import deepseek_hf_config, deepseek_import, deepseek_export, deepseek_model_config, is_deepseek
 from meshtron.models.hf_mixtral import mixtral_export, mixtral_hf_config, mixtral_import, mixtral_model_config
+from meshtron.models.hf_qwen2_moe import is_qwen2_moe, qwen2_moe_export, qwen2_moe_hf_config, qwen2_moe_import, qwen2_moe_model_config
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -82,7 +84,10 @@ def model_config_from_hf(hf: dict[str, Any], source: str = CONFIG) -> ModelConfi
         return deepseek_model_config(hf, source)
     if kind == "mixtral":
         return mixtral_model_config(hf, source)
-    raise CheckpointError(f"{source}: model_type '{kind}' is not supported; hf-import reads 'llama', 'gpt2', 'mixtral' and 'deepseek_v2'")
+    if kind == "qwen2_moe":
+        return qwen2_moe_model_config(hf, source)
+    raise CheckpointError(f"{source}: model_type '{kind}' is not supported; hf-import reads 'llama', 'gpt2', 'mixtral', "
+                          "'qwen2_moe' and 'deepseek_v2'")  # fmt: skip
 
 
 def _gpt2_model_config(hf: dict[str, Any], source: str) -> ModelConfig:
@@ -112,8 +117,8 @@ def _is_gpt2(m: ModelConfig) -> bool:
 
 
 def hf_config_from_model(m: ModelConfig, vocab_size: int, max_positions: int, dtype: torch.dtype) -> dict[str, Any]:
-    """config.json for ``LlamaForCausalLM`` / ``MixtralForCausalLM`` / ``GPT2LMHeadModel`` /
-    ``DeepseekV2ForCausalLM`` (transformers 4 and 5 read it)."""
+    """config.json for ``LlamaForCausalLM`` / ``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM`` /
+    ``GPT2LMHeadModel`` / ``DeepseekV2ForCausalLM`` (transformers 4 and 5 read it)."""
     dtype_name = str(dtype).removeprefix("torch.")
     if m.model_type != "gpt" or m.apply_residual_connection_post_layernorm:
         raise CheckpointError("hf-export writes decoders with pre-norm residuals only: BERT export and post-LN "
@@ -130,8 +135,12 @@ def hf_config_from_model(m: ModelConfig, vocab_size: int, max_positions: int, dt
         }  # fmt: skip
     if not _is_llama(m):
         raise CheckpointError("hf-export writes Llama-style (RMSNorm, SwiGLU, RoPE, no biases) or GPT-2 models only")
+    if is_qwen2_moe(m):
+        return qwen2_moe_hf_config(m, vocab_size, max_positions, dtype_name)
     if m.num_experts:
         return mixtral_hf_config(m, vocab_size, max_positions, dtype_name)
+    if m.add_qkv_bias:
+        raise CheckpointError("hf-export: a dense model with --add-qkv-bias (Qwen2) is not implemented; Llama has no q/k/v-only biases")
     return llama_hf_config(m, vocab_size, max_positions, dtype_name)
 
 
@@ -275,6 +284,8 @@ def import_hf(hf_dir: str | Path, save_dir: str | Path, dtype: str = "bf16") -> 
         state = deepseek_import(tensors, m, m.vocab_size)
     elif hf["model_type"] == "mixtral":
         state = mixtral_import(tensors, m, m.vocab_size)
+    elif hf["model_type"] == "qwen2_moe":
+        state = qwen2_moe_import(tensors, m, m.vocab_size)
     else:
         state = _gpt2_import(tensors, m, {k: v.shape for k, v in model.state_dict().items()})
     tensors.check_all_taken()
@@ -311,7 +322,8 @@ def export_hf(load_dir: str | Path, hf_dir: str | Path, dtype: str = "bf16", ite
     hf_config = hf_config_from_model(m, meta["vocab_size"], model.max_positions, DTYPES[dtype])
     load_checkpoint(load_dir, model, iteration=meta["iteration"], load_rng=False)
     state = {k: v.to(DTYPES[dtype]) for k, v in model.state_dict().items()}
-    exporters = {"gpt2": _gpt2_export, "llama": _llama_export, "deepseek_v2": deepseek_export, "mixtral": mixtral_export}
+    exporters = {"gpt2": _gpt2_export, "llama": _llama_export, "deepseek_v2": deepseek_export, "mixtral": mixtral_export,
+                 "qwen2_moe": qwen2_moe_export}  # fmt: skip
     export = exporters[hf_config["model_type"]]
     tensors = {k: v.contiguous() for k, v in export(state, m).items()}
     hf_dir.mkdir(parents=True, exist_ok=True)

@@ -148,19 +148,24 @@ def split_qkv(qkv: torch.Tensor, heads: int, groups: int) -> tuple[torch.Tensor,
 
 
 def import_llama_attention(t: TensorSource, hf: str, mt: str, m: ModelConfig) -> dict[str, torch.Tensor]:
-    """``{hf}self_attn.{q,k,v,o}_proj`` as meshtron's ``{mt}self_attention.linear_qkv`` / ``linear_proj``."""
+    """``{hf}self_attn.{q,k,v,o}_proj`` as meshtron's ``{mt}self_attention.linear_qkv`` / ``linear_proj``,
+    with the q/k/v biases (Qwen2's) under ``--add-qkv-bias``."""
     h, d, heads, groups = m.hidden_size, head_dim(m), m.num_attention_heads, num_kv_heads(m)
-    q = t.take(hf + "self_attn.q_proj.weight", [heads * d, h])
-    k, v = (t.take(hf + f"self_attn.{x}_proj.weight", [groups * d, h]) for x in "kv")
-    return {mt + "self_attention.linear_qkv.weight": fuse_qkv(q, k, v, groups),
-            mt + "self_attention.linear_proj.weight": t.take(hf + "self_attn.o_proj.weight", [h, heads * d])}  # fmt: skip
+    out = {mt + "self_attention.linear_proj.weight": t.take(hf + "self_attn.o_proj.weight", [h, heads * d])}
+    for kind, extra in (("weight", [h]), ("bias", [])) if m.add_qkv_bias else (("weight", [h]),):
+        q = t.take(f"{hf}self_attn.q_proj.{kind}", [heads * d, *extra])
+        k, v = (t.take(f"{hf}self_attn.{x}_proj.{kind}", [groups * d, *extra]) for x in "kv")
+        out[f"{mt}self_attention.linear_qkv.{kind}"] = fuse_qkv(q, k, v, groups)
+    return out
 
 
 def export_llama_attention(state: dict[str, torch.Tensor], mt: str, hf: str, m: ModelConfig) -> dict[str, torch.Tensor]:
     """The inverse of ``import_llama_attention``."""
-    q, k, v = split_qkv(state[mt + "self_attention.linear_qkv.weight"], m.num_attention_heads, num_kv_heads(m))
-    return {hf + "self_attn.q_proj.weight": q, hf + "self_attn.k_proj.weight": k, hf + "self_attn.v_proj.weight": v,
-            hf + "self_attn.o_proj.weight": state[mt + "self_attention.linear_proj.weight"]}  # fmt: skip
+    out = {hf + "self_attn.o_proj.weight": state[mt + "self_attention.linear_proj.weight"]}
+    for kind in ("weight", "bias") if m.add_qkv_bias else ("weight",):
+        q, k, v = split_qkv(state[f"{mt}self_attention.linear_qkv.{kind}"], m.num_attention_heads, num_kv_heads(m))
+        out.update({f"{hf}self_attn.q_proj.{kind}": q, f"{hf}self_attn.k_proj.{kind}": k, f"{hf}self_attn.v_proj.{kind}": v})
+    return out
 
 
 # Per-expert tensor names (gate, up, down) under ``experts.{e}.``: DeepSeek's and Qwen's, Mixtral's.
@@ -189,4 +194,33 @@ def export_experts(state: dict[str, torch.Tensor], mt: str, hf: str, names: tupl
     for e, (fc1, fc2) in enumerate(zip(state[mt + "weight1"], state[mt + "weight2"])):
         gate_rows, up_rows = fc1.chunk(2)
         out.update({f"{hf}{e}.{gate}.weight": gate_rows, f"{hf}{e}.{up}.weight": up_rows, f"{hf}{e}.{down}.weight": fc2})
+    return out
+
+
+def import_moe_mlp(
+    t: TensorSource, hf: str, mt: str, m: ModelConfig, names: tuple[str, str, str] = GATE_UP_DOWN, shared: str = "shared_experts"
+) -> dict[str, torch.Tensor]:
+    """A mixture-of-experts MLP under HF prefix ``hf`` (``model.layers.1.mlp.``) as meshtron's under
+    ``mt``: the router ``{hf}gate``, the experts ``{hf}experts.``, and where ``m`` has them the
+    shared experts ``{hf}{shared}.`` (an MLP) and their sigmoid gate ``{hf}{shared}_gate`` [1, h]."""
+    h, width = m.hidden_size, m.moe_shared_expert_intermediate_size
+    state = {mt + "router.weight": t.take(hf + "gate.weight", [m.num_experts, h])}
+    state.update(import_experts(t, hf + "experts.", mt + "experts.", m, names))
+    if width:
+        state.update(import_swiglu(t, f"{hf}{shared}.", mt + "shared_experts.", width, h))
+    if m.moe_shared_expert_gate:
+        state[mt + "shared_expert_gate.weight"] = t.take(f"{hf}{shared}_gate.weight", [1, h])
+    return state
+
+
+def export_moe_mlp(
+    state: dict[str, torch.Tensor], mt: str, hf: str, m: ModelConfig, names: tuple[str, str, str] = GATE_UP_DOWN,
+    shared: str = "shared_experts",
+) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The inverse of ``import_moe_mlp``."""
+    out = {hf + "gate.weight": state[mt + "router.weight"], **export_experts(state, mt + "experts.", hf + "experts.", names)}
+    if m.moe_shared_expert_intermediate_size:
+        out.update(export_swiglu(state, mt + "shared_experts.", f"{hf}{shared}."))
+    if m.moe_shared_expert_gate:
+        out[f"{hf}{shared}_gate.weight"] = state[mt + "shared_expert_gate.weight"]
     return out

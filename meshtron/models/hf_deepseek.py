@@ -39,7 +39,7 @@ from meshtron.layers.mlp import ffn_hidden_size
 from meshtron.layers.moe import moe_layer_pattern
 from meshtron.layers.moe.experts import expert_ffn_hidden_size
 from meshtron.models.hf_common import (
-    TensorSource, checked_config, export_body, export_experts, export_swiglu, import_body, import_experts, import_swiglu,
+    TensorSource, checked_config, export_body, export_moe_mlp, export_swiglu, import_body, import_moe_mlp, import_swiglu,
 )  # fmt: skip
 
 _YARN_KEYS = {"factor": "rope_scaling_factor", "original_max_position_embeddings": "rope_original_max_position_embeddings",
@@ -182,10 +182,7 @@ def deepseek_import(t: TensorSource, m: ModelConfig, vocab: int) -> dict[str, to
         if not pattern[i]:
             state.update(import_swiglu(t, hf + "mlp.", mt + "mlp.", ffn_hidden_size(m), h))
             continue
-        state[mt + "mlp.router.weight"] = t.take(hf + "mlp.gate.weight", [m.num_experts, h])
-        state.update(import_experts(t, hf + "mlp.experts.", mt + "mlp.experts.", m))
-        if m.moe_shared_expert_intermediate_size:
-            state.update(import_swiglu(t, hf + "mlp.shared_experts.", mt + "mlp.shared_experts.", m.moe_shared_expert_intermediate_size, h))
+        state.update(import_moe_mlp(t, hf + "mlp.", mt + "mlp.", m))
     return state
 
 
@@ -199,8 +196,5 @@ def deepseek_export(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str,
         if not pattern[i]:
             out.update(export_swiglu(state, mt + "mlp.", hf + "mlp."))
             continue
-        out[hf + "mlp.gate.weight"] = state[mt + "mlp.router.weight"]
-        out.update(export_experts(state, mt + "mlp.experts.", hf + "mlp.experts."))
-        if m.moe_shared_expert_intermediate_size:
-            out.update(export_swiglu(state, mt + "mlp.shared_experts.", hf + "mlp.shared_experts."))
+        out.update(export_moe_mlp(state, mt + "mlp.", hf + "mlp.", m))
     return out

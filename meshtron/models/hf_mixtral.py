@@ -31,8 +31,8 @@ from meshtron.layers.moe import moe_layer_pattern
 from meshtron.layers.moe.balancing import aux_loss_coeff
 from meshtron.layers.moe.experts import expert_ffn_hidden_size
 from meshtron.models.hf_common import (
-    W1_W3_W2, TensorSource, export_body, export_experts, export_llama_attention, import_body, import_experts,
-    import_llama_attention, llama_hf_config, llama_model_config,
+    W1_W3_W2, TensorSource, export_body, export_llama_attention, export_moe_mlp, import_body, import_llama_attention,
+    import_moe_mlp, llama_hf_config, llama_model_config,
 )  # fmt: skip
 
 
@@ -51,7 +51,6 @@ def mixtral_hf_config(m: ModelConfig, vocab_size: int, max_positions: int, dtype
     Mixtral's router and blocks cannot express."""
     problems = {
         "dense layers (--moe-layer-freq other than every layer)": not all(moe_layer_pattern(m)),
-        "shared experts": bool(m.moe_shared_expert_intermediate_size),
         "routing other than softmax over the top-k logits (--moe-router-pre-softmax, sigmoid, expert bias)":
             m.moe_router_pre_softmax or m.moe_router_score_function != "softmax" or m.moe_router_enable_expert_bias,
         "a top-k scaling factor": m.moe_router_topk_scaling_factor != 1.0,
@@ -78,8 +77,7 @@ def mixtral_import(t: TensorSource, m: ModelConfig, vocab: int) -> dict[str, tor
         hf, mt = f"model.layers.{i}.", f"layers.{i}."
         state.update(import_llama_attention(t, hf, mt, m))
         moe = hf + ("mlp." if hf + "mlp.gate.weight" in t.tensors else "block_sparse_moe.")
-        state[mt + "mlp.router.weight"] = t.take(moe + "gate.weight", [m.num_experts, m.hidden_size])
-        state.update(import_experts(t, moe + "experts.", mt + "mlp.experts.", m, W1_W3_W2))
+        state.update(import_moe_mlp(t, moe, mt + "mlp.", m, W1_W3_W2))
     return state
 
 
@@ -89,6 +87,5 @@ def mixtral_export(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, 
     for i in range(m.num_layers):
         hf, mt = f"model.layers.{i}.", f"layers.{i}."
         out.update(export_llama_attention(state, mt, hf, m))
-        out[hf + "block_sparse_moe.gate.weight"] = state[mt + "mlp.router.weight"]
-        out.update(export_experts(state, mt + "mlp.experts.", hf + "block_sparse_moe.experts.", W1_W3_W2))
+        out.update(export_moe_mlp(state, mt + "mlp.", hf + "block_sparse_moe.", m, W1_W3_W2))
     return out
