@@ -84,7 +84,7 @@ def deepseek_model_config(hf: dict[str, Any], source: str) -> ModelConfig:
         cfg.moe_router_topk_scaling_factor = float(hf.get("routed_scaling_factor", 1.0))
         cfg.moe_router_load_balancing_type = "seq_aux_loss" if hf.get("seq_aux", True) else "aux_loss"
         cfg.moe_aux_loss_coeff = float(hf.get("aux_loss_alpha", 0.0))
-        if hf.get("topk_method") == "group_limited_greedy" and (hf.get("n_group") or 1) > 1:
+        if hf.get("topk_method") == "group_limited_greedy" and (hf.get("n_group") or 1) > (hf.get("topk_group") or 1):
             cfg.moe_router_num_groups, cfg.moe_router_group_topk = hf["n_group"], hf["topk_group"]
             cfg.moe_router_group_score = "max"
     return cfg

@@ -120,3 +120,13 @@ def test_unknown_topk_method_is_refused(tmp_path):
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "topk_method": "noaux_tc"}))
     with pytest.raises(CheckpointError, match="topk_method='noaux_tc' is not supported"):
         import_hf(tmp_path / "hf", tmp_path / "ckpt", dtype="fp32")
+
+
+def test_group_limited_greedy_keeping_every_group_is_plain_top_k():
+    from meshtron.models.hf import model_config_from_hf
+
+    every = transformers.DeepseekV2Config(**{**TINY, "topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 2})
+    m = model_config_from_hf(every.to_dict())
+    assert (m.moe_router_num_groups, m.moe_router_group_topk) == (0, 0)
+    limited = transformers.DeepseekV2Config(**{**TINY, "topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1})
+    assert model_config_from_hf(limited.to_dict()).moe_router_group_score == "max"

@@ -78,9 +78,11 @@ def _group_errors(m: ModelConfig) -> list[str]:
         return [f"--moe-router-num-groups {groups} must divide --num-experts {m.num_experts}"]
     per_group = m.num_experts // groups
     # sum_topk scores a group by its best k // group_topk experts; the chosen groups must hold k experts.
-    if not (chosen <= min(groups, k) and chosen * per_group >= k):
+    most = min(groups, k) if m.moe_router_group_score == "sum_topk" else groups
+    if not (chosen <= most and chosen * per_group >= k):
+        bound = f"--moe-router-topk {k} and " if m.moe_router_group_score == "sum_topk" else ""
         return [
-            f"--moe-router-group-topk {chosen} must be at most --moe-router-topk {k} and --moe-router-num-groups "
+            f"--moe-router-group-topk {chosen} must be at most {bound}--moe-router-num-groups "
             f"{groups}, and its groups of {per_group} experts must hold the top-{k}"
         ]
     return []
