@@ -46,6 +46,7 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0  # llama3 scaling: wavelengths below original/this are kept
     rope_original_max_position_embeddings: int = 8192  # llama3/YaRN: the context the model was trained with
     add_bias_linear: bool = True  # biases in the blocks' linear layers
+    add_qkv_bias: bool = False  # biases on the query/key/value projection only (Qwen2); add_bias_linear implies them
     tie_embeddings: bool = True  # the output layer shares the input embedding's weights
     attention_dropout: float = 0.0  # dropout on attention probabilities
     hidden_dropout: float = 0.0  # dropout on each block's attention and MLP outputs
@@ -70,6 +71,7 @@ class ModelConfig:
     moe_router_topk_scaling_factor: float = 1.0  # multiplies the top-k routing weights
     moe_router_num_groups: int = 0  # group-limited routing: experts in this many groups; 0: off
     moe_router_group_topk: int = 0  # groups a token may use
+    moe_router_group_score: str = "sum_topk"  # sum_topk (group's best k/group_topk summed; Megatron) | max (its best; DeepSeek-V2)
     moe_router_dtype: str = ""  # "" (input dtype) | fp32 | fp64: router logits, weights and combine
     moe_router_enable_expert_bias: bool = False  # DeepSeek-V3 auxiliary-loss-free balancing (sigmoid)
     moe_router_bias_update_rate: float = 1e-3  # expert-bias step per iteration (with the expert bias)

@@ -32,6 +32,7 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "rope-scaling-factor": "model.rope_scaling_factor",
     "untie-embeddings-and-output-weights": ("model.tie_embeddings", False),
     "disable-bias-linear": ("model.add_bias_linear", False),
+    "add-qkv-bias": ("model.add_qkv_bias", True),
     "attention-dropout": "model.attention_dropout",
     "hidden-dropout": "model.hidden_dropout",
     "init-method-std": "model.init_method_std",

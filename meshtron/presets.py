@@ -91,6 +91,23 @@ _DEEPSEEK_V2 = {
 }
 
 
+# Mixtral 8x7B (HF mistralai/Mixtral-8x7B-v0.1 config.json): Llama blocks whose every MLP is 8
+# SwiGLU experts of 14336, top-2 with the two chosen weights renormalized (meshtron's default
+# top-k-then-softmax routing), rope theta 1e6, 32k context; router_aux_loss_coef 0.02 becomes the
+# layer-averaged --moe-loss-weight 0.02 x k (see models/hf_mixtral.py).
+_MIXTRAL = {
+    **_LLAMA,
+    "model.rotary_base": 1e6,
+    "model.vocab_size": 32000,
+    "model.max_position_embeddings": 32768,
+    "model.num_experts": 8,
+    "model.moe_router_topk": 2,
+    "model.moe_layer_freq": "1",
+    "model.moe_loss_weight": 0.04,
+    "data.seq_length": 32768,
+}
+
+
 def _deepseek(layers: int, hidden: int, heads: int, ffn: int, experts: int, expert_ffn: int, **fields: Any) -> dict[str, Any]:
     return {
         **_DEEPSEEK_V2,
@@ -125,15 +142,25 @@ PRESETS: dict[str, dict[str, Any]] = {
         "model.tie_embeddings": True,
         "data.seq_length": 4096,
     },
+    "mixtral-8x7b": {**_MIXTRAL, **_shape(32, 4096, 32, kv_heads=8, ffn=14336), "model.moe_ffn_hidden_size": 14336},
     "deepseek-v2-lite": _deepseek(27, 2048, 16, 10944, 64, 1408),
-    # V2's router is group-limited: 8 groups of 20 experts, a token's top-6 from its best 3 groups
-    # (scored here as Megatron-Core scores them, by each group's best 6/3 = 2 experts; HF's V2 code
-    # by its best one), weights times routed_scaling_factor 16.
+    # V2's router is group-limited (HF topk_method group_limited_greedy): 8 groups of 20 experts, a
+    # token's top-6 from the 3 groups whose best expert scores highest, weights times
+    # routed_scaling_factor 16.
     "deepseek-v2": _deepseek(60, 5120, 128, 12288, 160, 1536, q_lora_rank=1536, moe_router_num_groups=8,
-                             moe_router_group_topk=3, moe_router_topk_scaling_factor=16.0),  # fmt: skip
+                             moe_router_group_topk=3, moe_router_group_score="max", moe_router_topk_scaling_factor=16.0),  # fmt: skip
     # Tiny shapes for tests and CPU smoke runs; the vocabulary comes from the tokenizer.
     "tiny-gpt": {**_GPT, **_shape(2, 64, 4), "data.seq_length": 64},
     "tiny-llama": {**_LLAMA, **_shape(2, 64, 4, kv_heads=2), "data.seq_length": 64},
+    "tiny-mixtral": {
+        **_MIXTRAL,
+        **_shape(2, 64, 4, kv_heads=2, ffn=128),
+        "model.moe_ffn_hidden_size": 128,
+        "model.num_experts": 4,
+        "model.max_position_embeddings": 256,
+        "model.vocab_size": 0,
+        "data.seq_length": 64,
+    },
     "bert-base": {**_BERT, **_shape(12, 768, 12)},
     "bert-large": {**_BERT, **_shape(24, 1024, 16)},
     "tiny-bert": {**_BERT, **_shape(2, 64, 4), "model.max_position_embeddings": 64, "data.seq_length": 64},

@@ -48,6 +48,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         m.position_embedding_type in ("learned_absolute", "rope"),
         f"--position-embedding-type must be learned_absolute or rope, got '{m.position_embedding_type}'",
     )
+    need(not (m.add_qkv_bias and m.multi_latent_attention),
+         "--add-qkv-bias applies to the fused query/key/value projection; multi-head latent attention has none, drop it")  # fmt: skip
     need(m.rope_scaling in ("", "llama3", "yarn"), f"model.rope_scaling must be '', 'llama3' or 'yarn', got '{m.rope_scaling}'")
     errors.extend(moe_config_errors(m) + mla_config_errors(m) + masked_data_config_errors(d, m.model_type) + checkpoint_config_errors(cfg))
     errors.extend(model_config_errors(cfg))  # the model type's own rules (models/)

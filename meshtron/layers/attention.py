@@ -178,7 +178,7 @@ class Attention(SelfAttentionBase):
         self.head_dim = head_dim(cfg)
         self.use_rope = cfg.position_embedding_type == "rope"
         qkv_out = (heads + 2 * kv_heads) * self.head_dim
-        self.linear_qkv = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.add_bias_linear)
+        self.linear_qkv = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.add_bias_linear or cfg.add_qkv_bias)
         self.linear_proj = nn.Linear(heads * self.head_dim, cfg.hidden_size, bias=cfg.add_bias_linear)
 
     def _local_groups(self, qkv_heads: int) -> tuple[int, int]:

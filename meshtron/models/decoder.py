@@ -285,7 +285,8 @@ def parameter_count(cfg: ModelConfig, vocab_size: int, max_seq_length: int = 0, 
     h, bias = cfg.hidden_size, int(cfg.add_bias_linear)
     norm = h * (2 if cfg.normalization == "LayerNorm" else 1)
     qkv_out = (cfg.num_attention_heads + 2 * num_kv_heads(cfg)) * head_dim(cfg)
-    attention = h * qkv_out + bias * qkv_out + cfg.num_attention_heads * head_dim(cfg) * h + bias * h
+    qkv_bias = int(cfg.add_bias_linear or cfg.add_qkv_bias)
+    attention = h * qkv_out + qkv_bias * qkv_out + cfg.num_attention_heads * head_dim(cfg) * h + bias * h
     if cfg.multi_latent_attention:
         attention = mla_parameter_count(cfg)
 

@@ -3,9 +3,11 @@
 Reads and writes the files ``save_pretrained`` produces (``config.json``, ``model.safetensors``
 or shards listed in ``model.safetensors.index.json``, ``tokenizer.json``) with the ``safetensors``
 library alone, so neither direction needs ``transformers`` installed. Llama-style models
-(RMSNorm, SwiGLU, RoPE incl. Llama 3.1 scaling, GQA) go both ways; GPT-2, DeepSeek-V2
-(``models/hf_deepseek.py``: latent attention, YaRN, experts) and BERT (``models/hf_bert.py``:
-post-LN, token types, masked-LM and next-sentence heads) go both ways too.
+(RMSNorm, SwiGLU, RoPE incl. Llama 3.1 scaling, GQA) go both ways; GPT-2, Mixtral
+(``models/hf_mixtral.py``: Llama with routed experts), Qwen2-MoE (``models/hf_qwen2_moe.py``: plus
+q/k/v biases and a gated shared expert), DeepSeek-V2 (``models/hf_deepseek.py``: latent
+attention, YaRN, experts) and BERT (``models/hf_bert.py``: post-LN, token types, masked-LM and
+next-sentence heads) go both ways too.
 
 What changes between the two layouts:
 
@@ -37,13 +39,18 @@ import yaml
 
 from meshtron.checkpoint.checkpoint import CheckpointError, load_checkpoint, read_meta, save_checkpoint
 from meshtron.config import Config, ModelConfig
-from meshtron.layers.attention import head_dim, num_kv_heads
+from meshtron.layers.attention import num_kv_heads
 from meshtron.layers.mlp import ffn_hidden_size
 from meshtron.models import build_model
-from meshtron.models.hf_common import checked_config, export_body, export_swiglu, fuse_qkv, import_body, import_swiglu, split_qkv
+from meshtron.models.hf_common import (
+    export_body, export_llama_attention, export_swiglu, fuse_qkv, import_body, import_llama_attention, import_swiglu,
+    llama_hf_config, llama_model_config, split_qkv,
+)  # fmt: skip
 from meshtron.models.hf_bert import (bert_export, bert_export_notes, bert_export_tokenizer, bert_export_vocab_size, bert_hf_config, bert_import,
                                      bert_model_config)  # fmt: skip
 from meshtron.models.hf_deepseek import deepseek_hf_config, deepseek_import, deepseek_export, deepseek_model_config, is_deepseek
+from meshtron.models.hf_mixtral import mixtral_export, mixtral_hf_config, mixtral_import, mixtral_model_config
+from meshtron.models.hf_qwen2_moe import is_qwen2_moe, qwen2_moe_export, qwen2_moe_hf_config, qwen2_moe_import, qwen2_moe_model_config
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -78,33 +85,17 @@ def model_config_from_hf(hf: dict[str, Any], source: str = CONFIG, names: set[st
     if kind == "bert":
         return bert_model_config(hf, source, names or set())
     if kind == "llama":
-        return _llama_model_config(hf, source)
+        return llama_model_config(hf, source, {}, "Llama (silu, no biases)")
     if kind == "gpt2":
         return _gpt2_model_config(hf, source)
     if kind == "deepseek_v2":
         return deepseek_model_config(hf, source)
-    raise CheckpointError(f"{source}: model_type '{kind}' is not supported; hf-import reads 'llama', 'gpt2', 'deepseek_v2' and 'bert'")
-
-
-def _llama_model_config(hf: dict[str, Any], source: str) -> ModelConfig:
-    refused = {"hidden_act": lambda v: v != "silu", "attention_bias": bool, "mlp_bias": bool}
-    theta, scaling, rope_type = checked_config(hf, source, refused, ("default", "llama3"), "Llama (silu, no biases)")
-    heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
-    cfg = ModelConfig(
-        num_layers=hf["num_hidden_layers"], hidden_size=hidden, ffn_hidden_size=hf["intermediate_size"],
-        num_attention_heads=heads, num_query_groups=hf.get("num_key_value_heads") or heads,
-        kv_channels=hf.get("head_dim") or hidden // heads, vocab_size=hf["vocab_size"], make_vocab_size_divisible_by=1,
-        max_position_embeddings=hf.get("max_position_embeddings", 2048), normalization="RMSNorm",
-        norm_epsilon=hf.get("rms_norm_eps", 1e-6), activation="swiglu", position_embedding_type="rope",
-        rotary_base=theta, add_bias_linear=False, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-    )  # fmt: skip
-    if rope_type == "llama3":
-        cfg.rope_scaling = "llama3"
-        cfg.rope_scaling_factor = float(scaling["factor"])
-        cfg.rope_low_freq_factor = float(scaling["low_freq_factor"])
-        cfg.rope_high_freq_factor = float(scaling["high_freq_factor"])
-        cfg.rope_original_max_position_embeddings = int(scaling["original_max_position_embeddings"])
-    return cfg
+    if kind == "mixtral":
+        return mixtral_model_config(hf, source)
+    if kind == "qwen2_moe":
+        return qwen2_moe_model_config(hf, source)
+    raise CheckpointError(f"{source}: model_type '{kind}' is not supported; hf-import reads 'llama', 'gpt2', 'mixtral', "
+                          "'qwen2_moe', 'deepseek_v2' and 'bert'")  # fmt: skip
 
 
 def _gpt2_model_config(hf: dict[str, Any], source: str) -> ModelConfig:
@@ -134,8 +125,9 @@ def _is_gpt2(m: ModelConfig) -> bool:
 
 
 def hf_config_from_model(m: ModelConfig, vocab_size: int, max_positions: int, dtype: torch.dtype) -> dict[str, Any]:
-    """config.json for ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` / ``DeepseekV2ForCausalLM`` /
-    ``BertForPreTraining`` / ``BertForMaskedLM`` (transformers 4 and 5 read it)."""
+    """config.json for ``LlamaForCausalLM`` / ``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM`` /
+    ``GPT2LMHeadModel`` / ``DeepseekV2ForCausalLM`` / ``BertForPreTraining`` / ``BertForMaskedLM``
+    (transformers 4 and 5 read it)."""
     dtype_name = str(dtype).removeprefix("torch.")
     if m.model_type == "bert":
         return bert_hf_config(m, vocab_size, max_positions, dtype_name)
@@ -154,21 +146,13 @@ def hf_config_from_model(m: ModelConfig, vocab_size: int, max_positions: int, dt
         }  # fmt: skip
     if not _is_llama(m):
         raise CheckpointError("hf-export writes Llama-style (RMSNorm, SwiGLU, RoPE, no biases) or GPT-2 models only")
-    rope: dict[str, Any] = {"rope_type": "default"}
-    if m.rope_scaling == "llama3":
-        rope = {
-            "rope_type": "llama3", "factor": m.rope_scaling_factor, "low_freq_factor": m.rope_low_freq_factor,
-            "high_freq_factor": m.rope_high_freq_factor, "original_max_position_embeddings": m.rope_original_max_position_embeddings,
-        }  # fmt: skip
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": m.hidden_size,
-        "intermediate_size": ffn_hidden_size(m), "num_hidden_layers": m.num_layers,
-        "num_attention_heads": m.num_attention_heads, "num_key_value_heads": num_kv_heads(m), "head_dim": head_dim(m),
-        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "rms_norm_eps": m.norm_epsilon,
-        "max_position_embeddings": max_positions, "vocab_size": vocab_size, "tie_word_embeddings": m.tie_embeddings,
-        "rope_theta": m.rotary_base, "rope_scaling": rope if m.rope_scaling else None,
-        "rope_parameters": {**rope, "rope_theta": m.rotary_base}, "torch_dtype": dtype_name,
-    }  # fmt: skip
+    if is_qwen2_moe(m):
+        return qwen2_moe_hf_config(m, vocab_size, max_positions, dtype_name)
+    if m.num_experts:
+        return mixtral_hf_config(m, vocab_size, max_positions, dtype_name)
+    if m.add_qkv_bias:
+        raise CheckpointError("hf-export: a dense model with --add-qkv-bias (Qwen2) is not implemented; Llama has no q/k/v-only biases")
+    return llama_hf_config(m, vocab_size, max_positions, dtype_name)
 
 
 # -- tensors --------------------------------------------------------------------------------------
@@ -220,15 +204,11 @@ class HFTensors:
 
 
 def _llama_import(t: HFTensors, m: ModelConfig, vocab: int) -> dict[str, torch.Tensor]:
-    h, d, heads, groups, ffn = m.hidden_size, head_dim(m), m.num_attention_heads, num_kv_heads(m), ffn_hidden_size(m)
     state = import_body(t, m, vocab)
     for i in range(m.num_layers):
         hf, mt = f"model.layers.{i}.", f"layers.{i}."
-        q = t.take(hf + "self_attn.q_proj.weight", [heads * d, h])
-        k, v = (t.take(hf + f"self_attn.{x}_proj.weight", [groups * d, h]) for x in "kv")
-        state[mt + "self_attention.linear_qkv.weight"] = fuse_qkv(q, k, v, groups)
-        state[mt + "self_attention.linear_proj.weight"] = t.take(hf + "self_attn.o_proj.weight", [h, heads * d])
-        state.update(import_swiglu(t, hf + "mlp.", mt + "mlp.", ffn, h))
+        state.update(import_llama_attention(t, hf, mt, m))
+        state.update(import_swiglu(t, hf + "mlp.", mt + "mlp.", ffn_hidden_size(m), m.hidden_size))
     return state
 
 
@@ -236,9 +216,7 @@ def _llama_export(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, t
     out = export_body(state, m)
     for i in range(m.num_layers):
         hf, mt = f"model.layers.{i}.", f"layers.{i}."
-        q, k, v = split_qkv(state[mt + "self_attention.linear_qkv.weight"], m.num_attention_heads, num_kv_heads(m))
-        out.update({hf + "self_attn.q_proj.weight": q, hf + "self_attn.k_proj.weight": k, hf + "self_attn.v_proj.weight": v})
-        out[hf + "self_attn.o_proj.weight"] = state[mt + "self_attention.linear_proj.weight"]
+        out.update(export_llama_attention(state, mt, hf, m))
         out.update(export_swiglu(state, mt + "mlp.", hf + "mlp."))
     return out
 
@@ -320,6 +298,10 @@ def import_hf(hf_dir: str | Path, save_dir: str | Path, dtype: str = "bf16") -> 
         state = deepseek_import(tensors, m, m.vocab_size)
     elif hf["model_type"] == "bert":
         state = bert_import(tensors, m, shapes)
+    elif hf["model_type"] == "mixtral":
+        state = mixtral_import(tensors, m, m.vocab_size)
+    elif hf["model_type"] == "qwen2_moe":
+        state = qwen2_moe_import(tensors, m, m.vocab_size)
     else:
         state = _gpt2_import(tensors, m, shapes)
     tensors.check_all_taken()
@@ -365,7 +347,9 @@ def export_hf(load_dir: str | Path, hf_dir: str | Path, dtype: str = "bf16", ite
     if m.model_type == "bert":
         exported = bert_export(state, m, vocab)
     else:
-        exported = {"gpt2": _gpt2_export, "llama": _llama_export, "deepseek_v2": deepseek_export}[hf_config["model_type"]](state, m)
+        exporters = {"gpt2": _gpt2_export, "llama": _llama_export, "deepseek_v2": deepseek_export, "mixtral": mixtral_export,
+                     "qwen2_moe": qwen2_moe_export}  # fmt: skip
+        exported = exporters[hf_config["model_type"]](state, m)
     tensors = {k: v.contiguous() for k, v in exported.items()}
     hf_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(hf_dir / WEIGHTS), metadata={"format": "pt"})

@@ -18,10 +18,13 @@ What ``hf.py`` reads and writes for Llama (embedding, norms, head, SwiGLU MLPs) 
   n_shared_experts x moe_intermediate_size.
 
 Routing: softmax over all experts, top-k, renormalized only with ``norm_topk_prob``
-(``--moe-router-pre-softmax`` when not), times ``routed_scaling_factor``. HF's
-``group_limited_greedy`` (full V2) scores a group by its best expert while meshtron (as
-Megatron-Core) scores it by its best k / group_topk experts' sum, so such checkpoints are refused
-rather than routed differently; V2-Lite routes greedily.
+(``--moe-router-pre-softmax`` when not), times ``routed_scaling_factor``. ``topk_method``
+``greedy`` (V2-Lite) is plain top-k; ``group_limited_greedy`` (full V2) keeps a token's top-k
+within the ``topk_group`` of ``n_group`` expert groups whose best expert scores highest:
+meshtron's group-limited routing with ``moe_router_group_score = "max"``. Export writes
+``group_limited_greedy`` for that rule, and for Megatron's ``sum_topk`` only where it is the same
+rule (k / group_topk = 1). (transformers 5 ignores ``norm_topk_prob``, never renormalizing;
+DeepSeek's own code honours it, as meshtron does.)
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ from meshtron.config import ModelConfig
 from meshtron.layers.mlp import ffn_hidden_size
 from meshtron.layers.moe import moe_layer_pattern
 from meshtron.layers.moe.experts import expert_ffn_hidden_size
-from meshtron.models.hf_common import TensorSource, checked_config, export_body, export_swiglu, import_body, import_swiglu
+from meshtron.models.hf_common import (
+    TensorSource, checked_config, export_body, export_moe_mlp, export_swiglu, import_body, import_moe_mlp, import_swiglu,
+)  # fmt: skip
 
 _YARN_KEYS = {"factor": "rope_scaling_factor", "original_max_position_embeddings": "rope_original_max_position_embeddings",
               "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow", "mscale": "rope_mscale",
@@ -52,7 +57,7 @@ def is_deepseek(m: ModelConfig) -> bool:
 def deepseek_model_config(hf: dict[str, Any], source: str) -> ModelConfig:
     """meshtron's shape of a ``deepseek_v2`` config.json; what it cannot run raises, naming ``source``."""
     refused = {"hidden_act": lambda v: v != "silu", "attention_bias": bool, "mlp_bias": bool,
-               "scoring_func": lambda v: v != "softmax", "topk_method": lambda v: v not in (None, "greedy"),
+               "scoring_func": lambda v: v != "softmax", "topk_method": lambda v: v not in (None, "greedy", "group_limited_greedy"),
                "moe_layer_freq": lambda v: v != 1}  # fmt: skip
     theta, scaling, rope_type = checked_config(hf, source, refused, ("default", "yarn"), "DeepSeek-V2")
     layers, heads, experts = hf["num_hidden_layers"], hf["num_attention_heads"], hf.get("n_routed_experts") or 0
@@ -79,6 +84,9 @@ def deepseek_model_config(hf: dict[str, Any], source: str) -> ModelConfig:
         cfg.moe_router_topk_scaling_factor = float(hf.get("routed_scaling_factor", 1.0))
         cfg.moe_router_load_balancing_type = "seq_aux_loss" if hf.get("seq_aux", True) else "aux_loss"
         cfg.moe_aux_loss_coeff = float(hf.get("aux_loss_alpha", 0.0))
+        if hf.get("topk_method") == "group_limited_greedy" and (hf.get("n_group") or 1) > (hf.get("topk_group") or 1):
+            cfg.moe_router_num_groups, cfg.moe_router_group_topk = hf["n_group"], hf["topk_group"]
+            cfg.moe_router_group_score = "max"
     return cfg
 
 
@@ -92,6 +100,17 @@ def _first_dense_layers(m: ModelConfig) -> int:
     return dense
 
 
+def _groups_by_best_expert(m: ModelConfig) -> bool:
+    """Whether meshtron's group-limited routing is HF's ``group_limited_greedy`` (a group scored by its best expert)."""
+    return m.moe_router_group_score == "max" or m.moe_router_topk // m.moe_router_group_topk == 1
+
+
+def _topk_method(m: ModelConfig) -> dict[str, Any]:
+    if m.moe_router_group_topk:
+        return {"topk_method": "group_limited_greedy", "n_group": m.moe_router_num_groups, "topk_group": m.moe_router_group_topk}
+    return {"topk_method": "greedy", "n_group": 1, "topk_group": 1}
+
+
 def deepseek_hf_config(m: ModelConfig, vocab_size: int, max_positions: int, dtype_name: str) -> dict[str, Any]:
     """config.json for ``DeepseekV2ForCausalLM``; refuses what that class cannot express."""
     shared, expert_ffn = m.moe_shared_expert_intermediate_size, expert_ffn_hidden_size(m)
@@ -99,7 +118,8 @@ def deepseek_hf_config(m: ModelConfig, vocab_size: int, max_positions: int, dtyp
         "--qk-layernorm off (DeepseekV2 norms both latents)": not m.qk_layernorm,
         "a sigmoid router, expert bias or shared-expert gate": m.moe_router_score_function != "softmax"
         or m.moe_router_enable_expert_bias or m.moe_shared_expert_gate,
-        "group-limited routing (HF scores groups differently, see hf_deepseek.py)": bool(m.moe_router_group_topk),
+        "groups scored by the sum of their best k / group_topk experts (group_limited_greedy takes the best one: "
+        "--model.moe_router_group_score max)": bool(m.moe_router_group_topk) and not _groups_by_best_expert(m),
         "shared experts that are not a whole number of experts wide": bool(m.num_experts and shared % expert_ffn),
         "a non-Llama block (RMSNorm, SwiGLU, RoPE, no biases)": (m.normalization, m.activation, m.add_bias_linear)
         != ("RMSNorm", "swiglu", False),
@@ -118,7 +138,7 @@ def deepseek_hf_config(m: ModelConfig, vocab_size: int, max_positions: int, dtyp
             "n_routed_experts": m.num_experts, "num_experts_per_tok": m.moe_router_topk, "moe_intermediate_size": expert_ffn,
             "n_shared_experts": shared // expert_ffn, "first_k_dense_replace": _first_dense_layers(m), "moe_layer_freq": 1,
             "norm_topk_prob": not m.moe_router_pre_softmax, "routed_scaling_factor": m.moe_router_topk_scaling_factor,
-            "scoring_func": "softmax", "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+            "scoring_func": "softmax", **_topk_method(m),
             "seq_aux": m.moe_router_load_balancing_type == "seq_aux_loss", "aux_loss_alpha": m.moe_aux_loss_coeff,
         }  # fmt: skip
     return {
@@ -162,21 +182,8 @@ def deepseek_import(t: TensorSource, m: ModelConfig, vocab: int) -> dict[str, to
         if not pattern[i]:
             state.update(import_swiglu(t, hf + "mlp.", mt + "mlp.", ffn_hidden_size(m), h))
             continue
-        state[mt + "mlp.router.weight"] = t.take(hf + "mlp.gate.weight", [m.num_experts, h])
-        state.update(_import_experts(t, hf + "mlp.experts.", mt + "mlp.experts.", m))
-        if m.moe_shared_expert_intermediate_size:
-            state.update(import_swiglu(t, hf + "mlp.shared_experts.", mt + "mlp.shared_experts.", m.moe_shared_expert_intermediate_size, h))
+        state.update(import_moe_mlp(t, hf + "mlp.", mt + "mlp.", m))
     return state
-
-
-def _import_experts(t: TensorSource, hf: str, mt: str, m: ModelConfig) -> dict[str, torch.Tensor]:
-    """Stacked ``weight1`` [E, 2 ffn, h] ([gate; up]) and ``weight2`` [E, h, ffn] from either HF form."""
-    e, ffn, h = m.num_experts, expert_ffn_hidden_size(m), m.hidden_size
-    if hf + "gate_up_proj" in t.tensors:  # transformers 5's in-memory form
-        return {mt + "weight1": t.take(hf + "gate_up_proj", [e, 2 * ffn, h]), mt + "weight2": t.take(hf + "down_proj", [e, h, ffn])}
-    fc1 = [torch.cat([t.take(f"{hf}{x}.gate_proj.weight", [ffn, h]), t.take(f"{hf}{x}.up_proj.weight", [ffn, h])]) for x in range(e)]
-    fc2 = [t.take(f"{hf}{x}.down_proj.weight", [h, ffn]) for x in range(e)]
-    return {mt + "weight1": torch.stack(fc1), mt + "weight2": torch.stack(fc2)}
 
 
 def deepseek_export(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
@@ -189,11 +196,5 @@ def deepseek_export(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str,
         if not pattern[i]:
             out.update(export_swiglu(state, mt + "mlp.", hf + "mlp."))
             continue
-        out[hf + "mlp.gate.weight"] = state[mt + "mlp.router.weight"]
-        for e, (fc1, fc2) in enumerate(zip(state[mt + "mlp.experts.weight1"], state[mt + "mlp.experts.weight2"])):
-            gate, up = fc1.chunk(2)
-            out.update({f"{hf}mlp.experts.{e}.gate_proj.weight": gate, f"{hf}mlp.experts.{e}.up_proj.weight": up,
-                        f"{hf}mlp.experts.{e}.down_proj.weight": fc2})  # fmt: skip
-        if m.moe_shared_expert_intermediate_size:
-            out.update(export_swiglu(state, mt + "mlp.shared_experts.", hf + "mlp.shared_experts."))
+        out.update(export_moe_mlp(state, mt + "mlp.", hf + "mlp.", m))
     return out

@@ -78,3 +78,65 @@ def test_recompute_profiling_flash_and_output_knobs(tmp_path):
     assert f"{tmp_path}/output_perf.log only" in proc.stderr
     assert "terminal and" in _run("train_llama3.sh").stderr
     assert build_config(None, _argv(_run("train_llama3.sh"))).model.attention_backend == "auto"  # fused: cuDNN first
+
+
+DEEPSEEK = SCRIPT.parents[1] / "deepseek_v2" / "train_deepseekv2.sh"
+
+
+def _deepseek(*knobs: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(DEEPSEEK), *knobs], env={**os.environ, "DRY_RUN": "1", "GPUS_PER_NODE": "8", **env},
+                          capture_output=True, text=True)  # fmt: skip
+
+
+def test_deepseek_v2_recipe_defaults_and_fp8_full_recompute_validate_on_8_gpus():
+    """ROCm's train_deepseekv2.sh knobs: defaults (bf16, selective recompute, EP 8) and PR=fp8 AC=full."""
+    cfg = build_config(None, _argv(_deepseek()))
+    validate(cfg, world_size=8)
+    m, t = cfg.model, cfg.train
+    assert m.preset == "deepseek-v2-lite" and m.multi_latent_attention and m.num_experts == 64 and m.kv_lora_rank == 512
+    assert (cfg.parallel.expert_parallel, cfg.parallel.tensor_parallel, cfg.parallel.use_distributed_optimizer) == (8, 1, True)
+    assert (t.micro_batch_size, t.global_batch_size, t.train_iters, cfg.data.seq_length) == (4, 256, 50, 2048)
+    assert m.recompute_granularity == "selective" and t.precision == "bf16" and not m.fp8_format and cfg.data.mock
+    assert "--max-padding-length 2048" in " ".join(cfg.logging.noted_flags)
+
+    fp8 = build_config(None, _argv(_deepseek("PR=fp8", "AC=full", "MBS=2", "GBS=64", "SEQ_LEN=4096", "TRAIN_ITERS=7", "GEMM_TUNING=1")))
+    validate(fp8, world_size=8)
+    assert fp8.model.fp8_format == "hybrid" and fp8.train.gemm_tuning and fp8.data.seq_length == 4096
+    assert (fp8.model.recompute_granularity, fp8.model.recompute_method, fp8.model.recompute_num_layers) == ("full", "uniform", 27)
+    assert (fp8.train.micro_batch_size, fp8.train.global_batch_size, fp8.train.train_iters) == (2, 64, 7)
+
+
+def test_deepseek_v2_recipe_layout_data_and_output_knobs(tmp_path):
+    two = build_config(None, _argv(_deepseek("GPUS_PER_NODE=2")))  # EP 8 halved until it divides dp 2
+    validate(two, world_size=2)
+    assert two.parallel.expert_parallel == 2
+    nodes = _deepseek("NNODES=2", "NODE_RANK=1", "MASTER_ADDR=node0", "EP=4", "TP=2", "TEE_OUTPUT=0", f"LOG_DIR={tmp_path}")
+    argv = shlex.split(nodes.stdout)
+    assert argv[argv.index("--nnodes") + 1] == "2" and argv[argv.index("--node-rank") + 1] == "1"
+    assert argv[argv.index("--master-addr") + 1] == "node0" and f"{tmp_path}/output_perf.log only" in nodes.stderr
+    cfg = build_config(None, _argv(nodes))
+    validate(cfg, world_size=16)
+    assert (cfg.parallel.expert_parallel, cfg.parallel.tensor_parallel, cfg.parallel.sequence_parallel) == (4, 2, True)
+    real = build_config(None, _argv(_deepseek("MOCK_DATA=0", f"DATA_DIR={tmp_path}", "TOKENIZER_MODEL=tok.json")))
+    assert real.data.data_path == [f"{tmp_path}/mmap_deepseekv2_datasets_text_document"] and not real.data.mock
+    assert real.data.tokenizer_type == "HuggingFaceTokenizer" and real.data.tokenizer_model == "tok.json"
+    assert "TOKENIZER_MODEL" in _deepseek("MOCK_DATA=0").stderr
+    assert _deepseek("PR=fp16").returncode == 2 and _deepseek("AC=block").returncode == 2
+
+
+def test_megatron_and_pai_mla_flags_spell_the_preset():
+    """Megatron's MLA flags and PAI/ROCm's spellings, given alone, set the deepseek-v2-lite preset's
+    attention fields; through the recipe's EXTRA they leave its model unchanged."""
+    megatron = ("--multi-latent-attention --kv-lora-rank 512 --q-lora-rank 0 --qk-head-dim 128 --qk-pos-emb-head-dim 64 "
+                "--v-head-dim 128 --qk-layernorm --rotary-scaling-factor 40 --mscale 0.707 --mscale-all-dim 0.707")  # fmt: skip
+    pai = "--multi-latent-attention --qk-nope-head-dim 128 --qk-rope-head-dim 64 --v-head-dim 128 --kv-lora-rank 512"
+    fields = ("multi_latent_attention", "kv_lora_rank", "q_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+    preset = build_config(None, _argv(_deepseek())).model
+    for flags in (megatron, pai):
+        alone = build_config(None, shlex.split(flags)).model
+        assert [getattr(alone, f) for f in fields] == [getattr(preset, f) for f in fields]
+        assert build_config(None, _argv(_deepseek(f"EXTRA={flags}"))).model == preset
+    alone = build_config(None, shlex.split(megatron)).model
+    assert (alone.qk_layernorm, alone.rope_scaling_factor, alone.rope_mscale, alone.rope_mscale_all_dim) == (True, 40.0, 0.707, 0.707)
+    shared = build_config(None, shlex.split("--num-experts 64 --moe-ffn-hidden-size 1408 --enable-shared-expert --num-shared-experts 2"))
+    assert shared.model.moe_shared_expert_intermediate_size == preset.moe_shared_expert_intermediate_size == 2816

@@ -43,9 +43,12 @@ def _save_llama(tmp_path, **overrides):
     return model, hf_dir
 
 
-def _meshtron_logits(save_dir, tokens):
+def _meshtron_logits(save_dir, tokens, **model_fields):
+    """The logits of the checkpoint in ``save_dir``, its model config changed by ``model_fields``."""
     meta = read_meta(save_dir)
     cfg = Config.from_dict(meta["config"])
+    for name, value in model_fields.items():
+        setattr(cfg.model, name, value)
     model = build_model(cfg.model, meta["vocab_size"], cfg.data.seq_length).eval()
     load_checkpoint(save_dir, model, load_rng=False)
     with torch.no_grad():
@@ -115,8 +118,8 @@ def test_errors_name_the_file(tmp_path):
     (hf_dir / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
     with pytest.raises(CheckpointError, match=r"model\.safetensors: model\.layers\.0\.mlp\.gate_proj\.weight has shape \[128, 64\]"):
         import_hf(hf_dir, tmp_path / "ckpt")
-    (hf_dir / "config.json").write_text(json.dumps({**config, "model_type": "mixtral"}))
-    with pytest.raises(CheckpointError, match="model_type 'mixtral' is not supported"):
+    (hf_dir / "config.json").write_text(json.dumps({**config, "model_type": "olmoe"}))
+    with pytest.raises(CheckpointError, match="model_type 'olmoe' is not supported"):
         import_hf(hf_dir, tmp_path / "ckpt")
     (hf_dir / "config.json").write_text(json.dumps(config))
     (hf_dir / "model.safetensors").unlink()

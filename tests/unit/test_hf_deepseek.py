@@ -72,12 +72,61 @@ def test_fused_expert_tensors_import(tmp_path):
     torch.testing.assert_close(_meshtron_logits(tmp_path / "ckpt", tokens), _hf_logits(hf_model, tokens), atol=1e-5, rtol=1e-5)
 
 
-def test_group_limited_routing_is_refused(tmp_path):
-    """Full V2 scores expert groups by their best expert; meshtron (as Megatron) by the sum of the
-    best k / group_topk: refused on import rather than routed differently."""
-    hf_model = _hf_model(None, topk_method="group_limited_greedy", n_group=2, topk_group=1)
+def test_group_limited_greedy_routing_matches_transformers(tmp_path):
+    """Full V2's ``group_limited_greedy``: 8 experts in 2 groups, each token's top-2 from the group
+    whose best expert scores highest. Imported as ``moe_router_group_score = "max"``, logits equal
+    transformers'; scoring groups Megatron's way (sum of the best 2) changes them, so the rule
+    matters here; exported, the config names the rule again and transformers' logits are equal."""
+    hf_model = _hf_model(None, n_routed_experts=8, topk_method="group_limited_greedy", n_group=2, topk_group=1)
+    hf_model.save_pretrained(tmp_path / "hf")
+    tokens = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(3))
+    expected = _hf_logits(hf_model, tokens)
+    import_hf(tmp_path / "hf", tmp_path / "ckpt", dtype="fp32")
+    m = read_meta(tmp_path / "ckpt")["config"]["model"]
+    assert (m["moe_router_num_groups"], m["moe_router_group_topk"], m["moe_router_group_score"]) == (2, 1, "max")
+    torch.testing.assert_close(_meshtron_logits(tmp_path / "ckpt", tokens), expected, atol=1e-5, rtol=1e-5)
+    sum_of_best_two = _meshtron_logits(tmp_path / "ckpt", tokens, moe_router_group_score="sum_topk")
+    assert (sum_of_best_two - expected).abs().max() > 1e-2
+
+    assert cli_main(["convert", "hf-export", "--load", str(tmp_path / "ckpt"), "--hf-dir", str(tmp_path / "out"), "--dtype", "fp32"]) == 0
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (config["topk_method"], config["n_group"], config["topk_group"]) == ("group_limited_greedy", 2, 1)
+    reloaded = transformers.DeepseekV2ForCausalLM.from_pretrained(tmp_path / "out").eval()
+    reloaded.config._attn_implementation = "eager"
+    torch.testing.assert_close(_hf_logits(reloaded, tokens), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_export_refuses_group_scores_deepseek_v2_cannot_express():
+    """Megatron's rule (sum of the best k / group_topk) is HF's only when that is one expert."""
+    from meshtron.config import ModelConfig
+    from meshtron.models.hf import hf_config_from_model
+
+    m = ModelConfig(**{"multi_latent_attention": True, "qk_layernorm": True, "normalization": "RMSNorm", "activation": "swiglu",
+                       "add_bias_linear": False, "num_experts": 8, "moe_router_topk": 4, "moe_router_num_groups": 4,
+                       "moe_router_group_topk": 2})  # fmt: skip
+    with pytest.raises(CheckpointError, match="moe_router_group_score max"):
+        hf_config_from_model(m, 128, 256, torch.float32)
+    m.moe_router_group_topk = 4  # best 4 / 4 = 1 expert per group: the sum is the max
+    assert hf_config_from_model(m, 128, 256, torch.float32)["topk_method"] == "group_limited_greedy"
+    m.moe_router_group_score = "max"
+    m.moe_router_group_topk = 2
+    assert hf_config_from_model(m, 128, 256, torch.float32)["n_group"] == 4
+
+
+def test_unknown_topk_method_is_refused(tmp_path):
+    hf_model = _hf_model(None)
     hf_model.save_pretrained(tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert config["topk_method"] == "group_limited_greedy"
-    with pytest.raises(CheckpointError, match="topk_method='group_limited_greedy' is not supported"):
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "topk_method": "noaux_tc"}))
+    with pytest.raises(CheckpointError, match="topk_method='noaux_tc' is not supported"):
         import_hf(tmp_path / "hf", tmp_path / "ckpt", dtype="fp32")
+
+
+def test_group_limited_greedy_keeping_every_group_is_plain_top_k():
+    from meshtron.models.hf import model_config_from_hf
+
+    every = transformers.DeepseekV2Config(**{**TINY, "topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 2})
+    m = model_config_from_hf(every.to_dict())
+    assert (m.moe_router_num_groups, m.moe_router_group_topk) == (0, 0)
+    limited = transformers.DeepseekV2Config(**{**TINY, "topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1})
+    assert model_config_from_hf(limited.to_dict()).moe_router_group_score == "max"

@@ -70,6 +70,11 @@ def test_config_checks_name_the_flag():
     assert "--moe-router-num-groups 3" in _errors(moe_router_num_groups=3, moe_router_group_topk=1)
     assert "--moe-router-group-topk 3" in _errors(moe_router_num_groups=4, moe_router_group_topk=3)
     assert _errors(moe_router_topk=4, moe_router_num_groups=4, moe_router_group_topk=2) == ""
+    # A group scored by its best expert: more groups than k may be kept (6 of 8 groups of 1 for the top-2).
+    assert _errors(moe_router_topk=2, moe_router_num_groups=8, moe_router_group_topk=6, moe_router_group_score="max") == ""
+    assert "--moe-router-topk 2" in _errors(moe_router_topk=2, moe_router_num_groups=8, moe_router_group_topk=6)
+    assert "moe_router_group_score" in _errors(moe_router_topk=4, moe_router_num_groups=4, moe_router_group_topk=2,
+                                               moe_router_group_score="mean")  # fmt: skip
     assert "--moe-pad-expert-input-to-capacity" in _errors(moe_pad_expert_input_to_capacity=True)
     assert "--moe-token-drop-policy" in _errors(moe_token_drop_policy="random")
     assert "--moe-loss-weight" in _errors(moe_aux_loss_coeff=0.01, moe_loss_weight=0.1)

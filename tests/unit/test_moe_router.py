@@ -62,6 +62,15 @@ def test_group_limited_routing_picks_only_from_the_best_groups():
     assert set(experts[0].tolist()) == {2, 3}  # sigmoid: 1.5, 1.995, 1.73
 
 
+def test_group_scored_by_its_best_expert():
+    """DeepSeek-V2's rule: the same scores pick group 0 (best 10) where the sum of the best two picks group 1."""
+    scores = torch.tensor([[10.0, 0.0, 6.0, 6.0, 7.0, 1.0]])
+    _, experts = group_limited_topk(scores, 2, num_groups=3, group_topk=1, group_score="max")
+    assert set(experts[0].tolist()) == {0, 1}
+    _, experts = topk_routing(scores, 2, num_groups=3, group_topk=2, group_score="max")  # groups 0 and 2
+    assert set(experts[0].tolist()) == {0, 4}
+
+
 def _router(**fields) -> Router:
     return Router(ModelConfig(hidden_size=8, num_experts=4, add_bias_linear=False, **fields))
 

@@ -29,6 +29,7 @@ PUBLISHED = {
     "llama3.1-405b": 405_853_388_800,
     "llama3.2-1b": 1_235_814_400,
     "llama3.2-3b": 3_212_749_824,
+    "mixtral-8x7b": 46_702_792_704,
 }
 
 
@@ -55,6 +56,7 @@ def test_presets_reproduce_published_counts(name):
         ("tiny-llama", {}),
         ("tiny-gpt", {"tie_embeddings": False, "num_query_groups": 2, "kv_channels": 8}),
         ("tiny-llama", {"add_bias_linear": True, "tie_embeddings": True, "ffn_hidden_size": 96}),
+        ("tiny-llama", {"add_qkv_bias": True}),
     ],
 )
 def test_parameter_count_matches_built_model(name, fields):

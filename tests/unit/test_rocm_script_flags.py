@@ -6,9 +6,7 @@ repository; the ``*_flags`` functions follow each script's branches for its knob
 node. Each goes through ``build_config`` and ``validate``; flags that meshtron does its own way must
 then be in the start-up notes, each said once.
 
-Left out, owned by the mixture-of-experts work: DeepSeek's ``--expert-model-parallel-size 8``
-(expert parallelism is refused until it is built). Not tested: the FP4, Megatron-FSDP/HSDP and
-real-data (DeepSeek's ``--train-data-path``) knobs.
+Not tested: the FP4, Megatron-FSDP/HSDP and real-data (DeepSeek's ``--train-data-path``) knobs.
 """
 
 from __future__ import annotations
@@ -134,7 +132,7 @@ def deepseek_flags(PR="bf16", AC="sel") -> str:
     ac = {"full": "--recompute-method uniform --recompute-granularity full --recompute-num-layers 27",
           "sel": "--recompute-activations", "none": ""}[AC]  # fmt: skip
     moe = ("--multi-latent-attention --moe-ffn-hidden-size 1408 --enable-shared-expert --moe-layer-freq 1 --num-shared-experts 2 "
-           "--moe-router-topk 6 --num-experts 64 --moe-aux-loss-coeff 1e-2 --kv-lora-rank 512 --qk-nope-head-dim 128 "
+           "--moe-router-topk 6 --num-experts 64 --moe-aux-loss-coeff 1e-2 --expert-model-parallel-size 8 --kv-lora-rank 512 --qk-nope-head-dim 128 "
            "--qk-rope-head-dim 64 --v-head-dim 128 --moe-router-load-balancing-type aux_loss")  # fmt: skip
     return " ".join([megatron, data, pr, ac, "--use-distributed-optimizer", moe, "--train-mode pretrain", "--use-flash-attn"])
 

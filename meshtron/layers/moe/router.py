@@ -33,16 +33,26 @@ class Routing:
     experts: torch.Tensor
 
 
-def group_limited_topk(scores: torch.Tensor, k: int, num_groups: int, group_topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+GROUP_SCORES = ("sum_topk", "max")
+
+
+def group_limited_topk(
+    scores: torch.Tensor, k: int, num_groups: int, group_topk: int, group_score: str = "sum_topk"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k restricted to the ``group_topk`` best of ``num_groups`` equal expert groups.
 
     DeepSeek's device/node-limited routing: with groups = devices (or nodes), a token's experts
     live on at most ``group_topk`` of them, which bounds its all-to-all fan-out. A group's score
-    is the sum of its best k / group_topk scores (Megatron-Core's rule).
+    is the sum of its best k / group_topk scores (``sum_topk``: Megatron-Core's rule, DeepSeek-V3's
+    ``noaux_tc`` at its k 8 / 4 groups) or its best score (``max``: DeepSeek-V2's
+    ``group_limited_greedy``); the two agree when k / group_topk is 1.
     """
     tokens, num_experts = scores.shape
     grouped = scores.view(tokens, num_groups, num_experts // num_groups)
-    group_scores = grouped.topk(k // group_topk, dim=-1).values.sum(dim=-1)
+    if group_score == "max":
+        group_scores = grouped.amax(dim=-1)
+    else:
+        group_scores = grouped.topk(k // group_topk, dim=-1).values.sum(dim=-1)
     best_groups = group_scores.topk(group_topk, dim=-1).indices
     allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, best_groups, True)
     allowed = allowed.unsqueeze(-1).expand_as(grouped).reshape(tokens, num_experts)
@@ -57,6 +67,7 @@ def topk_routing(
     scaling_factor: float = 1.0,
     num_groups: int = 0,
     group_topk: int = 0,
+    group_score: str = "sum_topk",
     expert_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] -> (probs [T, k] in the logits' dtype, expert ids [T, k]); see the module docstring.
@@ -67,7 +78,7 @@ def topk_routing(
 
     def select(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if group_topk:
-            return group_limited_topk(scores, k, num_groups, group_topk)
+            return group_limited_topk(scores, k, num_groups, group_topk, group_score)
         return scores.topk(k, dim=-1)
 
     if score_function == "softmax":
@@ -109,6 +120,7 @@ class Router(nn.Module):
         self.scaling_factor = cfg.moe_router_topk_scaling_factor
         self.num_groups = cfg.moe_router_num_groups
         self.group_topk = cfg.moe_router_group_topk
+        self.group_score = cfg.moe_router_group_score
         self.dtype = ROUTER_DTYPES[cfg.moe_router_dtype]
         self.jitter_eps = cfg.moe_jitter_eps
         self.bias_update_rate = cfg.moe_router_bias_update_rate
@@ -136,7 +148,7 @@ class Router(nn.Module):
         logits = F.linear(tokens.to(dtype), self.weight.to(dtype))
         probs, experts = topk_routing(
             logits, self.topk, self.score_function, self.pre_softmax, self.scaling_factor,
-            self.num_groups, self.group_topk, self.expert_bias,
+            self.num_groups, self.group_topk, self.group_score, self.expert_bias,
         )  # fmt: skip
         if self.expert_bias is not None and self.training and torch.is_grad_enabled():
             self.tokens_since_update += torch.bincount(experts.detach().reshape(-1), minlength=self.expert_bias.numel())

@@ -5,7 +5,7 @@ from __future__ import annotations
 from meshtron.config import ModelConfig
 from meshtron.layers.moe.grouped_gemm import GROUPED_GEMM_BACKENDS
 from meshtron.layers.moe.layer_pattern import parse_layer_freq
-from meshtron.layers.moe.router import ROUTER_DTYPES
+from meshtron.layers.moe.router import GROUP_SCORES, ROUTER_DTYPES
 
 
 def moe_config_errors(m: ModelConfig) -> list[str]:
@@ -70,15 +70,19 @@ def _group_errors(m: ModelConfig) -> list[str]:
     groups, chosen, k = m.moe_router_num_groups, m.moe_router_group_topk, m.moe_router_topk
     if not groups and not chosen:
         return []
+    if m.moe_router_group_score not in GROUP_SCORES:
+        return [f"model.moe_router_group_score must be one of {', '.join(GROUP_SCORES)}, got '{m.moe_router_group_score}'"]
     if groups <= 0 or chosen <= 0:
         return ["--moe-router-num-groups and --moe-router-group-topk must both be positive for group-limited routing"]
     if m.num_experts % groups:
         return [f"--moe-router-num-groups {groups} must divide --num-experts {m.num_experts}"]
     per_group = m.num_experts // groups
-    # A group scores by its best k // group_topk experts, and the chosen groups must hold k experts.
-    if not (chosen <= min(groups, k) and chosen * per_group >= k):
+    # sum_topk scores a group by its best k // group_topk experts; the chosen groups must hold k experts.
+    most = min(groups, k) if m.moe_router_group_score == "sum_topk" else groups
+    if not (chosen <= most and chosen * per_group >= k):
+        bound = f"--moe-router-topk {k} and " if m.moe_router_group_score == "sum_topk" else ""
         return [
-            f"--moe-router-group-topk {chosen} must be at most --moe-router-topk {k} and --moe-router-num-groups "
+            f"--moe-router-group-topk {chosen} must be at most {bound}--moe-router-num-groups "
             f"{groups}, and its groups of {per_group} experts must hold the top-{k}"
         ]
     return []
