@@ -21,6 +21,7 @@ from meshtron.kernels.cross_entropy import linear_cross_entropy
 from meshtron.kernels.norms import layer_norm, rms_norm
 from meshtron.kernels.rope import apply_rotary
 from meshtron.kernels.swiglu import swiglu
+from meshtron.layers.moe.grouped_gemm import grouped_mm
 
 
 @dataclass
@@ -89,6 +90,33 @@ def run_checks(device: torch.device | str, dtype: torch.dtype, large: bool = Fal
     ]  # fmt: skip
 
 
+def grouped_gemm_checks(device: torch.device | str, dtype: torch.dtype, large: bool = False, seed: int = 0) -> list[CaseResult]:
+    """The Triton grouped GEMM against the per-expert loop, forward and backward (x and weight):
+    ragged groups with empty ones, all rows in one group, widths that are no multiple of a tile;
+    ``large``: DeepSeek-V2-Lite's fc1 and fc2 (64 experts, 2048 <-> 2x1408, 49k rows)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    if large:
+        rows, experts = 49152, 64
+        # Ragged (a router's skew), with two empty experts; sums to ``rows``.
+        weights = torch.rand(experts, generator=gen) ** 2
+        weights[[3, 40]] = 0
+        sizes = (weights / weights.sum() * rows).floor().long()
+        sizes[0] += rows - sizes.sum()
+        cases = [("fc1", sizes, 2048, 2 * 1408), ("fc2", sizes, 1408, 2048)]
+    else:
+        cases = [("ragged+empty", torch.tensor([5, 0, 17, 33, 1]), 24, 40),
+                 ("one group", torch.tensor([0, 0, 40, 0]), 32, 16),
+                 ("all empty but one row", torch.tensor([0, 1, 0]), 16, 20)]  # fmt: skip
+    results = []
+    for name, sizes, k, n in cases:
+        x = (torch.randn(int(sizes.sum()), k, generator=gen)).to(device=device, dtype=dtype)
+        weight = (torch.randn(sizes.numel(), n, k, generator=gen) * k**-0.5).to(device=device, dtype=dtype)
+        group_sizes = sizes.to(device)
+        op = lambda mode, t: grouped_mm(t[0], t[1], group_sizes, "triton" if mode == "on" else "loop")  # noqa: E731
+        results.append(_compare(f"grouped gemm {name}", op, (x, weight)))
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
@@ -98,7 +126,7 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"kernel vs reference, {args.dtype} on {device}, relative error |fast - ref| / |ref|")
     print(f"{'op':<22} {'forward':>10} {'backward':>10}")
-    for r in run_checks(device, dtype, args.large):
+    for r in run_checks(device, dtype, args.large) + grouped_gemm_checks(device, dtype, args.large):
         print(f"{r.name:<22} {r.forward:>10.2e} {r.backward:>10.2e}")
 
 
