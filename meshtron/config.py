@@ -170,6 +170,7 @@ class TrainConfig:
     check_for_nan_in_loss_and_grad: bool = True  # a non-finite loss or grad norm stops the run (fp16: see the next field)
     max_consecutive_skipped_steps: int = 10  # this many skipped steps in a row (fp16 overflow) stop the run; 0: no limit
     optimizer: str = "adam"  # adam (AdamW: Megatron's adam, decoupled weight decay); sgd is not implemented
+    optimizer_impl: str = "auto"  # auto (fused on a GPU with Triton) | fused (one Triton kernel per step) | reference
 
 
 @dataclass

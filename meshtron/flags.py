@@ -197,6 +197,7 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "num-shared-experts": "model.moe_num_shared_experts",
     # Parallelism, data, checkpoints, logging, profiling.
     "optimizer": "train.optimizer",
+    "optimizer-impl": "train.optimizer_impl",
     "grad-reduce-in-bf16": ("parallel.grad_reduce_in_bf16", True),
     "distributed-timeout-minutes": "parallel.distributed_timeout_minutes",
     "exit-on-missing-checkpoint": ("checkpoint.exit_on_missing_checkpoint", True),

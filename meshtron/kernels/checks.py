@@ -12,6 +12,8 @@ Errors are norm-wise relative, ``|fast - ref| / |ref|``, with the reference run 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 from dataclasses import dataclass
 from typing import Callable
 
@@ -22,6 +24,7 @@ from meshtron.kernels.norms import layer_norm, rms_norm
 from meshtron.kernels.rope import apply_rotary
 from meshtron.kernels.swiglu import swiglu
 from meshtron.layers.moe.grouped_gemm import grouped_mm
+from meshtron.optim.build import build_optimizer
 
 
 @dataclass
@@ -117,6 +120,44 @@ def grouped_gemm_checks(device: torch.device | str, dtype: torch.dtype, large: b
     return results
 
 
+def fused_adamw_check(device: torch.device | str, dtype: torch.dtype, distributed: bool, steps: int = 4) -> dict[str, float]:
+    """The fused optimizer step against the reference over ``steps`` steps of a small model with
+    decay and no-decay groups, clipping active (clip 0.05), two micro batches, fp16 loss scaling:
+    the largest relative error of masters, moments, model and grad norm over the steps."""
+    from meshtron.config import TrainConfig  # only here: the kernel cases need no config
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.LayerNorm(40), torch.nn.Linear(40, 3)).to(device, dtype)
+    runs = []
+    for impl in ("fused", "reference"):
+        model = copy.deepcopy(base)
+        train = TrainConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.05, initial_loss_scale=1024.0, optimizer_impl=impl)
+        runs.append((model, build_optimizer(model, train, dtype, distributed=distributed)))
+    worst = dict.fromkeys(("master", "exp_avg", "exp_avg_sq", "model", "grad_norm"), 0.0)
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    for step in range(steps):
+        inputs = [torch.randn(9, 24, generator=gen).to(device, dtype) for _ in range(2)]
+        norms = []
+        for model, opt in runs:
+            opt.zero_grad()
+            for i, x in enumerate(inputs):
+                with opt.no_sync() if i == 0 else contextlib.nullcontext():
+                    opt.scale_loss(model(x).float().square().mean()).backward()
+            norms.append(opt.step(1e-2 * (step + 1)).grad_norm)
+        (fused_model, fused_opt), (ref_model, ref_opt) = runs
+        assert fused_opt.fused and not ref_opt.fused
+        fused_state, ref_state = fused_opt.state_dict(), ref_opt.state_dict()
+        for name, ref_master in ref_state["master"].items():
+            errors = {"master": relative_error(fused_state["master"][name], ref_master)}
+            for key in ("exp_avg", "exp_avg_sq"):
+                errors[key] = relative_error(fused_state["state"][name][key], ref_state["state"][name][key])
+            worst.update({k: max(worst[k], v) for k, v in errors.items()})
+        for p, q in zip(fused_model.parameters(), ref_model.parameters()):
+            worst["model"] = max(worst["model"], relative_error(p, q))
+        worst["grad_norm"] = max(worst["grad_norm"], abs(norms[0] - norms[1]) / norms[1])
+    return worst
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
@@ -128,6 +169,9 @@ def main() -> None:
     print(f"{'op':<22} {'forward':>10} {'backward':>10}")
     for r in run_checks(device, dtype, args.large) + grouped_gemm_checks(device, dtype, args.large):
         print(f"{r.name:<22} {r.forward:>10.2e} {r.backward:>10.2e}")
+    for distributed in (False, True):
+        print(f"fused AdamW (distributed={distributed}), largest relative error over 4 steps:",
+              fused_adamw_check(device, dtype, distributed))  # fmt: skip
 
 
 if __name__ == "__main__":
