@@ -72,9 +72,11 @@ def torch_grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return aligned and x.dtype == weight.dtype and _grouped_mm_runs(x.device, x.dtype)
 
 
-def triton_grouped_mm_usable(x: torch.Tensor) -> bool:
-    """Triton is installed and can run on ``x``'s device (a GPU, or the CPU under its interpreter)."""
-    return triton_available() and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+def triton_grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Triton is installed and can run on ``x``'s device (a GPU, or the CPU under its interpreter),
+    and ``x`` and ``weight`` share a dtype (no mixed-dtype tile products)."""
+    on_device = x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return triton_available() and on_device and x.dtype == weight.dtype
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, backend: str = "auto") -> torch.Tensor:
@@ -85,17 +87,17 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor,
         if torch_grouped_mm_usable(x, weight):
             backend = "torch"
         else:
-            backend = "triton" if x.is_cuda and triton_grouped_mm_usable(x) else "loop"
+            backend = "triton" if x.is_cuda and triton_grouped_mm_usable(x, weight) else "loop"
     if backend == "torch" and not torch_grouped_mm_usable(x, weight):
         raise RuntimeError(
             f"--model.moe_grouped_gemm torch: torch._grouped_mm does not run here ({x.device.type}, {x.dtype}, "
             f"widths {weight.shape[2]} -> {weight.shape[1]}; rows must be multiples of 16 bytes); use auto, triton or loop"
         )
     if backend == "triton":
-        if not triton_grouped_mm_usable(x):
+        if not triton_grouped_mm_usable(x, weight):
             raise RuntimeError(
-                f"--model.moe_grouped_gemm triton needs Triton installed and a GPU (on {x.device.type}: "
-                "only under TRITON_INTERPRET=1); use auto or loop"
+                f"--model.moe_grouped_gemm triton needs Triton installed, a GPU (on {x.device.type}: only under "
+                f"TRITON_INTERPRET=1) and one dtype for input and weight ({x.dtype}, {weight.dtype}); use auto or loop"
             )
         from meshtron.kernels.triton_grouped_gemm import grouped_mm_triton  # Triton stays optional
 
