@@ -36,3 +36,32 @@ def test_triton_grouped_gemm_gives_empty_experts_zero_weight_grad():
     out.sum().backward()  # an expanded (stride-0) upstream gradient
     assert torch.equal(weight.grad[1], torch.zeros(8, 16))
     torch.testing.assert_close(weight.grad[0], torch.ones(8, 4) @ x[:4], rtol=1e-5, atol=1e-5)
+
+
+def test_moe_layer_with_triton_experts_equals_loop():
+    """``--model.moe_grouped_gemm triton`` through the MoE layer: output and every gradient as with the loop."""
+    from meshtron.config import ModelConfig
+    from meshtron.layers.moe import MoELayer
+
+    outputs, grads = [], []
+    for backend in ("loop", "triton"):
+        torch.manual_seed(0)
+        cfg = ModelConfig(num_layers=2, hidden_size=20, num_experts=5, moe_router_topk=2, moe_ffn_hidden_size=12,
+                          add_bias_linear=False, activation="swiglu", moe_grouped_gemm=backend, moe_aux_loss_coeff=0.01)  # fmt: skip
+        layer = MoELayer(cfg).train()
+        x = torch.randn(3, 7, 20, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        y = layer(x)
+        (y.square().sum() + layer.last_aux_losses["load_balancing"]).backward()
+        outputs.append(y)
+        grads.append([x.grad] + [p.grad for p in layer.parameters()])
+    torch.testing.assert_close(outputs[0], outputs[1], atol=1e-6, rtol=1e-5)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_triton_grouped_gemm_with_no_rows():
+    weight = torch.randn(3, 8, 16, requires_grad=True)
+    out = grouped_mm(torch.zeros(0, 16), weight, torch.zeros(3, dtype=torch.long), "triton")
+    assert out.shape == (0, 8)
+    out.sum().backward()
+    assert torch.equal(weight.grad, torch.zeros(3, 8, 16))
