@@ -120,9 +120,9 @@ def grouped_gemm_checks(device: torch.device | str, dtype: torch.dtype, large: b
     return results
 
 
-def fused_adamw_check(device: torch.device | str, dtype: torch.dtype, distributed: bool, steps: int = 4) -> dict[str, float]:
+def fused_adamw_check(device: torch.device | str, dtype: torch.dtype, distributed: bool, steps: int = 4, clip: float = 0.05) -> dict[str, float]:
     """The fused optimizer step against the reference over ``steps`` steps of a small model with
-    decay and no-decay groups, clipping active (clip 0.05), two micro batches, fp16 loss scaling,
+    decay and no-decay groups, clipping (active at the default ``clip``; 0: none), two micro batches, fp16 loss scaling,
     several gradient buckets:
     the largest relative error of masters, moments, model and grad norm over the steps."""
     from meshtron.config import TrainConfig  # only here: the kernel cases need no config
@@ -132,7 +132,7 @@ def fused_adamw_check(device: torch.device | str, dtype: torch.dtype, distribute
     runs = []
     for impl in ("fused", "reference"):
         model = copy.deepcopy(base)
-        train = TrainConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.05, initial_loss_scale=1024.0, optimizer_impl=impl)
+        train = TrainConfig(lr=1e-2, weight_decay=0.1, clip_grad=clip, initial_loss_scale=1024.0, optimizer_impl=impl)
         # Small buckets: several flat segments (with padding) in the distributed layout.
         runs.append((model, build_optimizer(model, train, dtype, distributed=distributed, bucket_size=300)))
     worst = dict.fromkeys(("master", "exp_avg", "exp_avg_sq", "model", "grad_norm"), 0.0)

@@ -255,17 +255,18 @@ class MixedPrecisionOptimizer:
         if found_inf:
             return StepResult(grad_norm, True, self.loss_scaler.scale)
 
+        coef = None  # what every gradient is multiplied by: clip coefficient / loss scale, on the device
         if self.clip_grad > 0:
             coef = torch.clamp(self.clip_grad / (norm + _CLIP_EPS), max=1.0)
             coef = coef if scale == 1.0 else coef / scale
-        else:
+        elif scale != 1.0 or self.fused:
             coef = torch.full((), 1.0 / scale, device=norm.device)
         for group in self.adamw.param_groups:
             group["lr"] = lr
         if self.fused:
             self._fused_step(coef, lr)
         else:
-            if self.clip_grad > 0 or scale != 1.0:
+            if coef is not None:
                 torch._foreach_mul_(grads, coef)
             self.adamw.step()
             self._copy_masters_to_model()

@@ -38,6 +38,11 @@ def test_fused_step_matches_reference(dtype, distributed):
     assert worst["model"] < 1e-6 and worst["grad_norm"] < 1e-6, worst
 
 
+def test_fused_step_without_clipping_unscales_fp16():
+    worst = fused_adamw_check("cpu", torch.float16, distributed=False, steps=3, clip=0.0)
+    assert max(worst.values()) < 1e-6, worst
+
+
 def test_fused_state_dict_round_trip_gives_identical_next_steps():
     """A loaded fused optimizer re-reads its step count (bias correction) from the loaded state."""
     c = TrainConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5, optimizer_impl="fused")
