@@ -92,6 +92,13 @@ def main() -> None:
         results["layers"][layer] = row
         for name, r in row.items():
             print(f"{layer:<5} {name:<8} {r['ms']:>8.3f} {r['tflops']:>8.1f} {r.get('of_dense', 1.0):>8.1%}")
+    # The layer's expert compute as a whole: fc1 and fc2, forward and backward.
+    flops = sum(3 * 2 * args.rows * k * n for k, n in LAYERS.values())
+    layers = results["layers"].values()
+    total = {name: sum(row[name]["ms"] for row in layers) for name in next(iter(layers)) if all(name in row for row in layers)}
+    results["total"] = {name: {"ms": ms, "tflops": flops / ms / 1e9, "of_dense": total["dense"] / ms} for name, ms in total.items()}
+    for name, r in results["total"].items():
+        print(f"{'both':<5} {name:<8} {r['ms']:>8.3f} {r['tflops']:>8.1f} {r['of_dense']:>8.1%}")
     if os.environ.get("OUT"):
         path = os.path.join(os.environ["OUT"], "b4_grouped_gemm.json")
         with open(path, "w") as f:
