@@ -205,6 +205,9 @@ class TritonGroupedMM(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
+# Run eagerly inside a compiled block (a graph break) rather than traced: the autotuned launches
+# with grids computed from their configs are simple to run and not worth the tracing risk.
+@torch.compiler.disable
 def grouped_mm_triton(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
     """As ``grouped_mm_loop`` in ``layers/moe/grouped_gemm.py``, with the sizes never read on the host."""
     return TritonGroupedMM.apply(x, weight, group_offsets(group_sizes))
