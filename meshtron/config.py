@@ -82,7 +82,7 @@ class ModelConfig:
     moe_shared_expert_intermediate_size: int = 0  # 0: no shared experts
     moe_shared_expert_gate: bool = False  # scale the shared experts' output by sigmoid(gate(x))
     moe_layer_freq: str = "1"  # N: every N-th layer (from 0) is MoE; or a list like ([0]+[1]*26)
-    moe_grouped_gemm: str = "auto"  # auto | loop (per-expert reference) | torch (torch._grouped_mm)
+    moe_grouped_gemm: str = "auto"  # auto | loop (per-expert reference) | torch (torch._grouped_mm) | triton (our kernels)
     # DeepSeek-V2 multi-head latent attention (meshtron/layers/mla.py; checked by mla_config_errors there)
     # and YaRN (rope_scaling "yarn", which also reads rope_scaling_factor and
     # rope_original_max_position_embeddings). Head dims use Megatron's names; HF's in comments.
@@ -175,6 +175,7 @@ class TrainConfig:
     check_for_nan_in_loss_and_grad: bool = True  # a non-finite loss or grad norm stops the run (fp16: see the next field)
     max_consecutive_skipped_steps: int = 10  # this many skipped steps in a row (fp16 overflow) stop the run; 0: no limit
     optimizer: str = "adam"  # adam (AdamW: Megatron's adam, decoupled weight decay); sgd is not implemented
+    optimizer_impl: str = "auto"  # auto (fused on a GPU with Triton) | fused (one Triton kernel per step) | reference
 
 
 @dataclass

@@ -134,7 +134,7 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "moe-shared-expert-intermediate-size": "model.moe_shared_expert_intermediate_size",
     "moe-shared-expert-gate": ("model.moe_shared_expert_gate", True),
     "moe-layer-freq": "model.moe_layer_freq",
-    "moe-grouped-gemm": ("model.moe_grouped_gemm", "auto"),  # a switch there; --model.moe_grouped_gemm loop|torch picks here
+    "moe-grouped-gemm": ("model.moe_grouped_gemm", "auto"),  # a switch there; --model.moe_grouped_gemm loop|torch|triton picks here
     # ... and the Stanford/MegaBlocks fork's (its --moe-capacity-factor 0 is dropless, as 0 is here;
     # its --moe-loss-weight is the layer-averaged coefficient, a field of its own).
     "moe-num-experts": "model.num_experts",
@@ -198,6 +198,7 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "num-shared-experts": "model.moe_num_shared_experts",
     # Parallelism, data, checkpoints, logging, profiling.
     "optimizer": "train.optimizer",
+    "optimizer-impl": "train.optimizer_impl",
     "grad-reduce-in-bf16": ("parallel.grad_reduce_in_bf16", True),
     "distributed-timeout-minutes": "parallel.distributed_timeout_minutes",
     "exit-on-missing-checkpoint": ("checkpoint.exit_on_missing_checkpoint", True),

@@ -16,6 +16,7 @@ from meshtron.flags import noted_flag_errors
 from meshtron.layers.mla import mla_config_errors
 from meshtron.layers.moe import moe_config_errors
 from meshtron.models import model_config_errors, model_layout_errors
+from meshtron.optim.optimizer import OPTIMIZER_IMPLS
 from meshtron.parallel.pipeline_schedules import split_layers
 
 
@@ -64,6 +65,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     need(not (t.device == "cpu" and (m.fp8_format or t.gemm_tuning)), "--fp8-format and --gemm-tuning need a GPU; drop them for --device cpu")
     # torch.compile would trace the fused linear's backward, which reports to the gradient buffer from Python.
     need(not (t.compile and t.gradient_accumulation_fusion), "--gradient-accumulation-fusion does not combine with --compile; drop one")
+    need(t.optimizer_impl in OPTIMIZER_IMPLS, f"--optimizer-impl must be one of {', '.join(OPTIMIZER_IMPLS)}, got '{t.optimizer_impl}'")
+    need(not (t.optimizer_impl == "fused" and t.device == "cpu"), "--optimizer-impl fused needs a GPU (a Triton kernel); use auto or reference")
     need(m.recompute_num_layers >= 1, f"--recompute-num-layers must be at least 1, got {m.recompute_num_layers}")
     max_pos = m.max_position_embeddings or d.seq_length
     need(d.seq_length > 0, f"--seq-length must be positive, got {d.seq_length}")
@@ -79,6 +82,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         need(p.pipeline_parallel == 1, "--fsdp does not combine with pipeline parallelism; use the distributed optimizer")
         need(p.tensor_parallel == 1, f"--fsdp needs --tensor-model-parallel-size 1 (got {p.tensor_parallel}); use the distributed optimizer with tp")
         need(not p.use_distributed_optimizer, "--fsdp and --use-distributed-optimizer both shard optimizer state; pick one")
+        need(t.optimizer_impl != "fused", "--optimizer-impl fused needs meshtron's flat gradient buffer, which --fsdp replaces; use auto or reference")
     model_parallel = p.tensor_parallel * p.pipeline_parallel * p.context_parallel
     for name in ("tensor_parallel", "pipeline_parallel", "context_parallel", "expert_parallel"):
         need(getattr(p, name) >= 1, f"parallel.{name} must be at least 1")

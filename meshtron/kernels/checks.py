@@ -12,6 +12,8 @@ Errors are norm-wise relative, ``|fast - ref| / |ref|``, with the reference run 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,6 +23,8 @@ from meshtron.kernels.cross_entropy import linear_cross_entropy
 from meshtron.kernels.norms import layer_norm, rms_norm
 from meshtron.kernels.rope import apply_rotary
 from meshtron.kernels.swiglu import swiglu
+from meshtron.layers.moe.grouped_gemm import grouped_mm
+from meshtron.optim.build import build_optimizer
 
 
 @dataclass
@@ -89,6 +93,73 @@ def run_checks(device: torch.device | str, dtype: torch.dtype, large: bool = Fal
     ]  # fmt: skip
 
 
+def grouped_gemm_checks(device: torch.device | str, dtype: torch.dtype, large: bool = False, seed: int = 0) -> list[CaseResult]:
+    """The Triton grouped GEMM against the per-expert loop, forward and backward (x and weight):
+    ragged groups with empty ones, all rows in one group, widths that are no multiple of a tile;
+    ``large``: DeepSeek-V2-Lite's fc1 and fc2 (64 experts, 2048 <-> 2x1408, 49k rows)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    if large:
+        rows, experts = 49152, 64
+        # Ragged (a router's skew), with two empty experts; sums to ``rows``.
+        weights = torch.rand(experts, generator=gen) ** 2
+        weights[[3, 40]] = 0
+        sizes = (weights / weights.sum() * rows).floor().long()
+        sizes[0] += rows - sizes.sum()
+        cases = [("fc1", sizes, 2048, 2 * 1408), ("fc2", sizes, 1408, 2048)]
+    else:
+        cases = [("ragged+empty", torch.tensor([5, 0, 17, 33, 1]), 24, 40),
+                 ("one group", torch.tensor([0, 0, 40, 0]), 32, 16),
+                 ("all empty but one row", torch.tensor([0, 1, 0]), 16, 20)]  # fmt: skip
+    results = []
+    for name, sizes, k, n in cases:
+        x = (torch.randn(int(sizes.sum()), k, generator=gen)).to(device=device, dtype=dtype)
+        weight = (torch.randn(sizes.numel(), n, k, generator=gen) * k**-0.5).to(device=device, dtype=dtype)
+        group_sizes = sizes.to(device)
+        op = lambda mode, t: grouped_mm(t[0], t[1], group_sizes, "triton" if mode == "on" else "loop")  # noqa: E731
+        results.append(_compare(f"grouped gemm {name}", op, (x, weight)))
+    return results
+
+
+def fused_adamw_check(device: torch.device | str, dtype: torch.dtype, distributed: bool, steps: int = 4, clip: float = 0.05) -> dict[str, float]:
+    """The fused optimizer step against the reference over ``steps`` steps of a small model with
+    decay and no-decay groups, clipping (active at the default ``clip``; 0: none), two micro batches, fp16 loss scaling,
+    several gradient buckets:
+    the largest relative error of masters, moments, model and grad norm over the steps."""
+    from meshtron.config import TrainConfig  # only here: the kernel cases need no config
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.LayerNorm(40), torch.nn.Linear(40, 3)).to(device, dtype)
+    runs = []
+    for impl in ("fused", "reference"):
+        model = copy.deepcopy(base)
+        train = TrainConfig(lr=1e-2, weight_decay=0.1, clip_grad=clip, initial_loss_scale=1024.0, optimizer_impl=impl)
+        # Small buckets: several flat segments (with padding) in the distributed layout.
+        runs.append((model, build_optimizer(model, train, dtype, distributed=distributed, bucket_size=300)))
+    worst = dict.fromkeys(("master", "exp_avg", "exp_avg_sq", "model", "grad_norm"), 0.0)
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    for step in range(steps):
+        inputs = [torch.randn(9, 24, generator=gen).to(device, dtype) for _ in range(2)]
+        norms = []
+        for model, opt in runs:
+            opt.zero_grad()
+            for i, x in enumerate(inputs):
+                with opt.no_sync() if i == 0 else contextlib.nullcontext():
+                    opt.scale_loss(model(x).float().square().mean()).backward()
+            norms.append(opt.step(1e-2 * (step + 1)).grad_norm)
+        (fused_model, fused_opt), (ref_model, ref_opt) = runs
+        assert fused_opt.fused and not ref_opt.fused
+        fused_state, ref_state = fused_opt.state_dict(), ref_opt.state_dict()
+        for name, ref_master in ref_state["master"].items():
+            errors = {"master": relative_error(fused_state["master"][name], ref_master)}
+            for key in ("exp_avg", "exp_avg_sq"):
+                errors[key] = relative_error(fused_state["state"][name][key], ref_state["state"][name][key])
+            worst.update({k: max(worst[k], v) for k, v in errors.items()})
+        for p, q in zip(fused_model.parameters(), ref_model.parameters()):
+            worst["model"] = max(worst["model"], relative_error(p, q))
+        worst["grad_norm"] = max(worst["grad_norm"], abs(norms[0] - norms[1]) / norms[1])
+    return worst
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
@@ -98,8 +169,11 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"kernel vs reference, {args.dtype} on {device}, relative error |fast - ref| / |ref|")
     print(f"{'op':<22} {'forward':>10} {'backward':>10}")
-    for r in run_checks(device, dtype, args.large):
+    for r in run_checks(device, dtype, args.large) + grouped_gemm_checks(device, dtype, args.large):
         print(f"{r.name:<22} {r.forward:>10.2e} {r.backward:>10.2e}")
+    for distributed in (False, True):
+        print(f"fused AdamW (distributed={distributed}), largest relative error over 4 steps:",
+              fused_adamw_check(device, dtype, distributed))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from torch import nn
 from meshtron.models.contract import ParamMeta
 from meshtron.optim.distributed_optimizer import DistributedOptimizer
 from meshtron.optim.grad_buffer import DEFAULT_BUCKET_SIZE, GradBuffer
-from meshtron.optim.optimizer import MixedPrecisionOptimizer, build_param_groups, optimizer_settings
+from meshtron.optim.optimizer import MixedPrecisionOptimizer, build_param_groups, fused_step_runs, optimizer_settings
 
 
 def build_optimizer(
@@ -52,6 +52,9 @@ def build_optimizer(
     grads = GradBuffer(trainable, group=dp_group, bucket_size=bucket_size, shard=distributed, own_bucket=own_bucket,
                        groups={"edp": edp_group}, grad_group_of=grad_group_of, reduce_dtype=reduce_dtype)  # fmt: skip
     optimizer_cls = DistributedOptimizer if distributed else MixedPrecisionOptimizer
+    impl = train_cfg.optimizer_impl
+    if impl == "auto":  # the fused step where it runs; a CPU under Triton's interpreter is for tests only
+        impl = "fused" if grads.data.is_cuda and fused_step_runs(grads.data.device) else "reference"
     return optimizer_cls(
         build_param_groups(model, train_cfg.weight_decay, metas),
         **optimizer_settings(train_cfg, param_dtype),
@@ -60,4 +63,5 @@ def build_optimizer(
         tp_group=tp_group,
         pp_group=pp_group,
         ep_group=ep_group,
+        impl=impl,
     )

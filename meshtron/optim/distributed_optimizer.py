@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshtron.optim.optimizer import MixedPrecisionOptimizer, ParamState
+from meshtron.optim.optimizer import FlatSegment, MixedPrecisionOptimizer, ParamState, flatten_params, group_index_of
 from meshtron.optim.grad_buffer import GradBuffer, all_gather_single
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -64,11 +64,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def _build_masters(self, param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         buf = self.grads
-        first = next(iter(buf.ranges))
-        self._param_flat = torch.zeros(buf.numel, dtype=first.dtype, device=first.device)
-        for param, (a, b) in buf.ranges.items():
-            self._param_flat[a:b].copy_(param.detach().reshape(-1))
-            param.data = self._param_flat[a:b].view_as(param)
+        self._param_flat = flatten_params(buf)
 
         # Per bucket, this rank's slice [lo, hi) and its fp32 masters: in fp32 mode the model's own
         # slice (updated in place, then gathered), else an fp32 copy of it.
@@ -78,6 +74,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             own = self._param_flat[lo:hi]
             self._slices.append((lo, hi, own.float().clone() if self.mixed_precision else own))
         self._flat_moments = [{k: torch.zeros_like(m) for k in _MOMENTS} for _, _, m in self._slices]
+        if self.fused:
+            index = group_index_of(buf, param_groups)
+            self._segments = [FlatSegment(buf.data[lo:hi], masters, moments["exp_avg"], moments["exp_avg_sq"],
+                                          self._param_flat[lo:hi] if self.mixed_precision else None, index[lo:hi].clone())
+                              for (lo, hi, masters), moments in zip(self._slices, self._flat_moments)]  # fmt: skip
 
         group_of = {id(param): i for i, group in enumerate(param_groups) for _, param in group["params"]}
         self._pieces: list[_Piece] = []
@@ -118,12 +119,16 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         flat = self._flat_moments[piece.bucket]
         return tuple(flat[k][piece.start - lo : piece.end - lo] for k in _MOMENTS)
 
-    @torch.no_grad()
     def _copy_masters_to_model(self) -> None:
-        """Write this rank's updated slices into the model, then all-gather every bucket in place."""
+        self._publish_model(copy_masters=True)
+
+    @torch.no_grad()
+    def _publish_model(self, copy_masters: bool = False) -> None:
+        """All-gather every bucket of the model in place from this rank's updated slice, first
+        written from the masters with ``copy_masters`` (the fused step wrote it itself)."""
         handles = []
         for bucket, (lo, hi, masters) in zip(self.grads.buckets, self._slices):
-            if self.mixed_precision:
+            if copy_masters and self.mixed_precision:
                 self._param_flat[lo:hi].copy_(masters)
             if bucket.group is not None:
                 out = self._param_flat[bucket.start : bucket.end]

@@ -14,12 +14,20 @@ buffer view, so the step is exactly ``clip_grad_norm_`` + ``torch.optim.AdamW``.
 Where masters live is behind ``_build_masters`` / ``_master_params`` / ``_copy_masters_to_model``
 so that the distributed optimizer (masters sharded over data-parallel ranks) can override
 placement and keep ``step``'s logic.
+
+Two implementations of the update (``--optimizer-impl``): ``reference``, the multiply of the
+gradients by the clip coefficient, ``torch.optim.AdamW`` and the copy into the model; and
+``fused``, one Triton kernel per flat stretch of parameters (``meshtron/kernels/fused_adamw.py``)
+doing all three in one pass. The fused one needs flat tensors, so it lays the model's params,
+the masters and the moments out in the gradient buffer's layout (``FlatSegment``), as the
+distributed optimizer always does.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -27,9 +35,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshtron.kernels import triton_available
 from meshtron.models.contract import ParamMeta, default_meta
 from meshtron.optim.grad_buffer import GradBuffer
 from meshtron.optim.loss_scaler import ConstantLossScaler, DynamicLossScaler
+
+OPTIMIZER_IMPLS = ("auto", "fused", "reference")
 
 # Added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does (keeps fp32 runs identical to it).
 _CLIP_EPS = 1e-6
@@ -51,6 +62,49 @@ class ParamState:
     tensors: dict[str, torch.Tensor]
     step: torch.Tensor
     dp_replicated: bool
+
+
+@dataclass
+class FlatSegment:
+    """Equal-length flat views of one stretch of parameters in the gradient buffer's layout, what
+    the fused step updates: gradient, fp32 master and moments, the model's copy (None where the
+    master is the model's own fp32 parameter) and each element's parameter-group index (uint8)."""
+
+    grad: torch.Tensor
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    model: torch.Tensor | None
+    group_index: torch.Tensor
+
+
+def fused_step_runs(device: torch.device) -> bool:
+    """The fused step can run here: Triton installed, and a GPU (or its interpreter on the CPU)."""
+    return triton_available() and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def flatten_params(buf: GradBuffer) -> torch.Tensor:
+    """One flat tensor of the buffer's params in its layout (padding zero); each param becomes a
+    view of it, so one flat write updates the model."""
+    first = next(iter(buf.ranges))
+    flat = torch.zeros(buf.numel, dtype=first.dtype, device=first.device)
+    for param, (a, b) in buf.ranges.items():
+        flat[a:b].copy_(param.detach().reshape(-1))
+        param.data = flat[a:b].view_as(param)
+    return flat
+
+
+def group_index_of(buf: GradBuffer, param_groups: list[dict[str, Any]]) -> torch.Tensor:
+    """[buffer elements] uint8: the index in ``param_groups`` (at most two: with and without weight
+    decay) of the param each element belongs to."""
+    if len(param_groups) > 2:
+        raise ValueError(f"the fused optimizer step takes at most two parameter groups, got {len(param_groups)}")
+    index = torch.zeros(buf.numel, dtype=torch.uint8, device=buf.data.device)
+    for i, group in enumerate(param_groups):
+        for _, param in group["params"]:
+            a, b = buf.ranges[param]
+            index[a:b] = i
+    return index
 
 
 @dataclass
@@ -105,7 +159,8 @@ class MixedPrecisionOptimizer:
     every tp rank, whole ones on tp rank 0, kv rows copied over tp on their first copy, a weight
     two pipeline stages hold on the first (``ParamMeta.counted_in_norm``, ``replicas``).
     ``ep_group``: routed experts differ over it (``grad_group`` "edp"), so their squares are
-    summed over it before they join the rest.
+    summed over it before they join the rest. ``impl``: "reference" or "fused" (the Triton step;
+    needs a ``GradBuffer`` and a device it runs on).
     """
 
     def __init__(
@@ -122,6 +177,7 @@ class MixedPrecisionOptimizer:
         tp_group: dist.ProcessGroup | None = None,
         pp_group: dist.ProcessGroup | None = None,
         ep_group: dist.ProcessGroup | None = None,
+        impl: str = "reference",
     ) -> None:
         named = [pair for group in param_groups for pair in group["params"]]
         metas = metas if metas is not None else {name: default_meta(name, p) for name, p in named}
@@ -134,6 +190,14 @@ class MixedPrecisionOptimizer:
         self.clip_grad = float(clip_grad)
         self.loss_scaler = loss_scaler
         self.grads = GradBuffer(named) if grads is None else grads
+        if impl not in ("fused", "reference"):
+            raise ValueError(f"--optimizer-impl must be fused or reference here, got '{impl}'")
+        self.fused = impl == "fused"
+        if self.fused and not (isinstance(self.grads, GradBuffer) and fused_step_runs(self.grads.data.device)):
+            raise ValueError("--optimizer-impl fused needs Triton, a GPU and meshtron's gradient buffer (not FSDP); use reference")
+        self._weight_decays = [group["weight_decay"] for group in param_groups]
+        self._segments: list[FlatSegment] = []  # what the fused step updates (filled by _build_masters)
+        self._host_step: int | None = None  # the fused step's count, read from the state once after a load
 
         master_groups = self._build_masters(param_groups)
         fused = True if all(m.is_cuda for m in self._master_params()) else None
@@ -191,16 +255,41 @@ class MixedPrecisionOptimizer:
         if found_inf:
             return StepResult(grad_norm, True, self.loss_scaler.scale)
 
+        coef = None  # what every gradient is multiplied by: clip coefficient / loss scale, on the device
         if self.clip_grad > 0:
             coef = torch.clamp(self.clip_grad / (norm + _CLIP_EPS), max=1.0)
-            torch._foreach_mul_(grads, coef if scale == 1.0 else coef / scale)
-        elif scale != 1.0:
-            torch._foreach_mul_(grads, 1.0 / scale)
+            coef = coef if scale == 1.0 else coef / scale
+        elif scale != 1.0 or self.fused:
+            coef = torch.full((), 1.0 / scale, device=norm.device)
         for group in self.adamw.param_groups:
             group["lr"] = lr
-        self.adamw.step()
-        self._copy_masters_to_model()
+        if self.fused:
+            self._fused_step(coef, lr)
+        else:
+            if coef is not None:
+                torch._foreach_mul_(grads, coef)
+            self.adamw.step()
+            self._copy_masters_to_model()
         return StepResult(grad_norm, False, self.loss_scaler.scale)
+
+    def _fused_step(self, coef: torch.Tensor, lr: float) -> None:
+        """AdamW over every flat segment in one kernel each; the step counters advance as AdamW's would."""
+        from meshtron.kernels.fused_adamw import fused_adamw  # Triton stays optional
+
+        steps = [self.adamw.state[m]["step"] for m in self._master_params()]
+        if self._host_step is None:
+            self._host_step = int(steps[0].item()) if steps else 0
+        self._host_step += 1
+        torch._foreach_add_(steps, 1.0)
+        group = self.adamw.param_groups[0]
+        decay = [1 - lr * wd for wd in self._weight_decays]
+        for s in self._segments:
+            fused_adamw(s.grad, s.master, s.exp_avg, s.exp_avg_sq, s.model, s.group_index, coef=coef,
+                        decay=decay, step=self._host_step, lr=lr, betas=group["betas"], eps=group["eps"])  # fmt: skip
+        self._publish_model()
+
+    def _publish_model(self) -> None:
+        """After the fused step wrote this rank's model copy: make it every rank's (nothing here)."""
 
     @torch.no_grad()
     def reload_model_params(self) -> None:
@@ -246,6 +335,7 @@ class MixedPrecisionOptimizer:
     def finish_load(self, loss_scaler_state: dict[str, float]) -> None:
         """After a checkpoint was read into ``param_states()``' tensors in place: restore the loss
         scaler and write the masters into the model."""
+        self._host_step = None
         self.loss_scaler.load_state_dict(loss_scaler_state)
         self._copy_masters_to_model()
 
@@ -280,15 +370,26 @@ class MixedPrecisionOptimizer:
 
     def _build_masters(self, param_groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Make ``self._params`` [(name, model param, fp32 master)] and return AdamW's groups of
-        masters. In fp32 mode the master is the param; either way its ``.grad`` is the storage's."""
+        masters. In fp32 mode the master is the param; either way its ``.grad`` is the storage's.
+        The fused step's flat layout: params, masters and moments are views of flat tensors."""
         self._params: list[tuple[str, nn.Parameter, torch.Tensor]] = []
+        self._owner_of: dict[int, nn.Parameter] = {}
+        if self.fused:
+            model_flat = flatten_params(self.grads)
+            master_flat = model_flat.float() if self.mixed_precision else model_flat
+            self._segments = [FlatSegment(self.grads.data, master_flat, torch.zeros_like(master_flat), torch.zeros_like(master_flat),
+                                          model_flat if self.mixed_precision else None, group_index_of(self.grads, param_groups))]  # fmt: skip
         master_groups = []
         for group in param_groups:
             pairs = []
             for name, param in group["params"]:
-                master = param.detach().to(torch.float32, copy=True) if self.mixed_precision else param
+                if self.fused and self.mixed_precision:
+                    master = self._flat_view(self._segments[0].master, param)
+                else:
+                    master = param.detach().to(torch.float32, copy=True) if self.mixed_precision else param
                 master.grad = self.grads.grad_of(param)
                 self._params.append((name, param, master))
+                self._owner_of[id(master)] = param
                 pairs.append((name, master))
             master_groups.append({**group, "params": pairs})
         return master_groups
@@ -372,8 +473,17 @@ class MixedPrecisionOptimizer:
                 }
 
     def _new_moments(self, master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Zero first and second moments for ``master`` (AdamW updates them in place)."""
+        """Zero first and second moments for ``master`` (AdamW updates them in place); views of
+        the flat moments for the fused step."""
+        if self.fused:
+            param = self._owner_of[id(master)]
+            return self._flat_view(self._segments[0].exp_avg, param), self._flat_view(self._segments[0].exp_avg_sq, param)
         return tuple(torch.zeros_like(master, memory_format=torch.preserve_format) for _ in range(2))
+
+    def _flat_view(self, flat: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
+        """``param``'s elements of a flat tensor in the gradient buffer's layout, shaped like it."""
+        a, b = self.grads.ranges[param]
+        return flat[a:b].view_as(param)
 
 
 def build_loss_scaler(train_cfg: Any, param_dtype: torch.dtype) -> ConstantLossScaler | DynamicLossScaler:

@@ -10,17 +10,22 @@ parameter all-gather. One spawn runs every case:
 - memory: masters + moments per rank are half of the one-process optimizer's;
 - checkpoint: a DCP save after 3 steps, loaded into a fresh model and optimizer, resumes with
   bit-identical next steps; loaded into the one-process optimizer it continues like the
-  one-process run (the state dict is keyed by parameter name, whatever the dp size).
+  one-process run (the state dict is keyed by parameter name, whatever the dp size);
+- the fused step (``--optimizer-impl fused``, Triton's interpreter; where Triton is installed and
+  no GPU is present), sharded and replicated over dp: fp32, as the first case.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
 
 from launcher import run_distributed
+from meshtron.kernels import triton_available
 from meshtron.optim.build import build_optimizer
 from test_data_parallel import (
     BUCKET,
@@ -38,13 +43,16 @@ from test_data_parallel import (
 
 BF16_RTOL = 2e-2
 RESUME_AT = 3
+# The fused step runs on the CPU only under Triton's interpreter, switched on before the spawn so
+# every rank inherits it (on a GPU machine tests/gpu covers the kernel).
+FUSED = triton_available() and not torch.cuda.is_available()
 
 
 def _dist_opt(model, mesh, dtype=torch.float32):
     return build_optimizer(model, TRAIN, dtype, dp_group=mesh.dp_cp_group, distributed=True, bucket_size=BUCKET)
 
 
-def _worker(rank: int, world_size: int, ckpt_dir: str) -> dict:
+def _worker(rank: int, world_size: int, ckpt_dir: str, fused: bool) -> dict:
     mesh = dp_mesh(rank)
     run = lambda model, opt, steps: train(model, opt, steps, rank, DP, MICRO_BATCHES, mesh.dp_group)  # noqa: E731
     out = {}
@@ -70,14 +78,26 @@ def _worker(rank: int, world_size: int, ckpt_dir: str) -> dict:
     fresh.load_state_dict(state["model"])
     fresh_opt.load_state_dict(state["optimizer"])
     out["resumed"] = run(fresh, fresh_opt, range(RESUME_AT, STEPS))
+
+    if fused:
+        fused_train = dataclasses.replace(TRAIN, optimizer_impl="fused")
+        for distributed in (True, False):
+            model = make_model()
+            opt = build_optimizer(model, fused_train, torch.float32, dp_group=mesh.dp_cp_group, distributed=distributed, bucket_size=BUCKET)
+            assert opt.fused
+            out[f"fused distributed={distributed}"] = run(model, opt, range(STEPS))
     return out
 
 
 def test_distributed_optimizer_matches_one_process(tmp_path):
-    runs = run_distributed(_worker, DP, str(tmp_path))
+    if FUSED:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    runs = run_distributed(_worker, DP, str(tmp_path), FUSED)
     ref = reference()
 
     assert_matches_reference([r["fp32"] for r in runs], ref)
+    for key in ("fused distributed=True", "fused distributed=False") if FUSED else ():
+        assert_matches_reference([r[key] for r in runs], ref)
     assert_matches_reference([r["bf16"] for r in runs], reference(torch.bfloat16), rtol=BF16_RTOL)
 
     total = build_optimizer(make_model(), TRAIN, torch.float32).memory_bytes()

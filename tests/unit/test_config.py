@@ -96,3 +96,13 @@ def test_layout_errors_come_before_any_process_group(monkeypatch):
     cfg = build_config(None, ["--mock-data", "--tp", "2", "--num-attention-heads", "3", "--hidden-size", "96", "--global-batch-size", "16"])
     with pytest.raises(ConfigError, match="--num-attention-heads 3 is not divisible by --tensor-model-parallel-size 2"):
         Trainer(cfg, log=lambda _: None)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--optimizer-impl", "apex"], "--optimizer-impl must be one of auto, fused, reference"),
+    (["--optimizer-impl", "fused", "--device", "cpu"], "--optimizer-impl fused needs a GPU"),
+    (["--optimizer-impl", "fused", "--use-torch-fsdp2"], "--optimizer-impl fused needs meshtron's flat gradient buffer"),
+])  # fmt: skip
+def test_optimizer_impl_is_checked(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(build_config(None, flags + ["--mock-data"]), world_size=2)

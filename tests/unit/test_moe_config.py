@@ -79,7 +79,7 @@ def test_config_checks_name_the_flag():
     assert "--moe-token-drop-policy" in _errors(moe_token_drop_policy="random")
     assert "--moe-loss-weight" in _errors(moe_aux_loss_coeff=0.01, moe_loss_weight=0.1)
     assert "--moe-shared-expert-gate" in _errors(moe_shared_expert_gate=True)
-    assert "moe_grouped_gemm" in _errors(moe_grouped_gemm="triton")
+    assert "moe_grouped_gemm" in _errors(moe_grouped_gemm="cutlass")
     assert "--moe-router-dtype" in _errors(moe_router_dtype="bf16")
 
 

@@ -5,7 +5,10 @@ Backends (``--model.moe_grouped_gemm``; Megatron's ``--moe-grouped-gemm`` switch
 - ``loop``: one matmul per expert, the reference; E kernel launches and a host sync for the
   group sizes, slow on a GPU with many small experts.
 - ``torch``: ``torch._grouped_mm``, one call for all experts, with autograd.
-- ``auto``: ``torch`` where it works for these tensors, else ``loop``.
+- ``triton``: our Triton kernels (``meshtron/kernels/triton_grouped_gemm.py``), forward and
+  backward, any width and dtype alignment, no host sync; on a CPU only under Triton's interpreter.
+- ``auto``: ``torch`` where it works for these tensors, else ``triton`` on a GPU with Triton
+  installed (ROCm, or a build without ``_grouped_mm``), else ``loop``.
 
 ``torch._grouped_mm`` is private and its support differs by build, device and dtype, so it is
 probed once per (device, dtype) with a tiny forward and backward rather than trusted from the
@@ -21,10 +24,13 @@ an H100 ran the same three dtypes under the same alignment rule, at 2.5x the loo
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
-GROUPED_GEMM_BACKENDS = ("auto", "loop", "torch")
+from meshtron.kernels import triton_available
+
+GROUPED_GEMM_BACKENDS = ("auto", "loop", "torch", "triton")
 
 
 def grouped_mm_loop(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
@@ -66,14 +72,34 @@ def torch_grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return aligned and x.dtype == weight.dtype and _grouped_mm_runs(x.device, x.dtype)
 
 
+def triton_grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Triton is installed and can run on ``x``'s device (a GPU, or the CPU under its interpreter),
+    and ``x`` and ``weight`` share a dtype (no mixed-dtype tile products)."""
+    on_device = x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    return triton_available() and on_device and x.dtype == weight.dtype
+
+
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """x [R, K] grouped by ``group_sizes`` [E] (summing to R) times weight [E, N, K] -> [R, N]."""
     if backend not in GROUPED_GEMM_BACKENDS:
         raise ValueError(f"--model.moe_grouped_gemm must be one of {', '.join(GROUPED_GEMM_BACKENDS)}, got '{backend}'")
-    use_torch = backend != "loop" and torch_grouped_mm_usable(x, weight)
-    if backend == "torch" and not use_torch:
+    if backend == "auto":
+        if torch_grouped_mm_usable(x, weight):
+            backend = "torch"
+        else:
+            backend = "triton" if x.is_cuda and triton_grouped_mm_usable(x, weight) else "loop"
+    if backend == "torch" and not torch_grouped_mm_usable(x, weight):
         raise RuntimeError(
             f"--model.moe_grouped_gemm torch: torch._grouped_mm does not run here ({x.device.type}, {x.dtype}, "
-            f"widths {weight.shape[2]} -> {weight.shape[1]}; rows must be multiples of 16 bytes); use auto or loop"
+            f"widths {weight.shape[2]} -> {weight.shape[1]}; rows must be multiples of 16 bytes); use auto, triton or loop"
         )
-    return grouped_mm_torch(x, weight, group_sizes) if use_torch else grouped_mm_loop(x, weight, group_sizes)
+    if backend == "triton":
+        if not triton_grouped_mm_usable(x, weight):
+            raise RuntimeError(
+                f"--model.moe_grouped_gemm triton needs Triton installed, a GPU (on {x.device.type}: only under "
+                f"TRITON_INTERPRET=1) and one dtype for input and weight ({x.dtype}, {weight.dtype}); use auto or loop"
+            )
+        from meshtron.kernels.triton_grouped_gemm import grouped_mm_triton  # Triton stays optional
+
+        return grouped_mm_triton(x, weight, group_sizes)
+    return grouped_mm_torch(x, weight, group_sizes) if backend == "torch" else grouped_mm_loop(x, weight, group_sizes)

@@ -1,0 +1,110 @@
+"""B4's expert compute: the grouped GEMMs of a DeepSeek-V2-Lite MoE layer against a dense matmul.
+
+    python benchmarks/b4_grouped_gemm.py [--rows 49152] [--steps 20] [--backends loop,torch,triton]
+
+At DeepSeek-V2-Lite's expert shapes (64 experts, hidden 2048, expert FFN 1408, SwiGLU so fc1 is
+2048 -> 2x1408 and fc2 1408 -> 2048; 49k routed rows, ragged over the experts as a router
+leaves them, bf16), times forward + backward of fc1 and of fc2 with each grouped-GEMM backend,
+and a dense ``[rows, K] @ [K, N]`` forward + backward of the same FLOPs. Prints TFLOP/s of each
+and each backend's fraction of dense (B4's target: expert compute >= 90 % of dense); writes the
+numbers to ``$OUT/b4_grouped_gemm.json`` when ``OUT`` is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Callable
+
+import torch
+
+from meshtron.layers.moe.grouped_gemm import grouped_mm
+
+EXPERTS, HIDDEN, EXPERT_FFN = 64, 2048, 1408
+LAYERS = {"fc1": (HIDDEN, 2 * EXPERT_FFN), "fc2": (EXPERT_FFN, HIDDEN)}
+
+
+def ragged_sizes(rows: int, experts: int, seed: int = 0) -> torch.Tensor:
+    """Group sizes summing to ``rows``, skewed like a router's (a few experts take several times the mean)."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.rand(experts, generator=gen) + 0.25
+    sizes = (weights / weights.sum() * rows).floor().long()
+    sizes[0] += rows - sizes.sum()
+    return sizes
+
+
+def time_ms(fn, warmup: int, steps: int) -> float:
+    """Median milliseconds of ``fn`` with CUDA events, after warm-up (which also autotunes)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def forward_backward(x: torch.Tensor, weight: torch.Tensor, run) -> Callable[[], None]:
+    """One forward and backward (input and weight gradients) of ``run(x, weight)``."""
+    upstream = torch.randn(x.shape[0], weight.shape[-2], device=x.device, dtype=x.dtype)  # out [R, N]
+
+    def step():
+        x.grad = weight.grad = None
+        run(x, weight).backward(upstream)
+
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=49152, help="routed rows (tokens x top-k) in the layer")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--backends", default="loop,torch,triton")
+    args = parser.parse_args()
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    sizes = ragged_sizes(args.rows, EXPERTS).to(device)
+    results = {"gpu": torch.cuda.get_device_name(), "rows": args.rows, "experts": EXPERTS, "dtype": "bf16",
+               "group_sizes_min_max": [int(sizes.min()), int(sizes.max())], "layers": {}}  # fmt: skip
+    print(f"{results['gpu']}: {EXPERTS} experts, {args.rows} rows (groups {results['group_sizes_min_max']}), bf16, fwd+bwd")
+    print(f"{'layer':<5} {'backend':<8} {'ms':>8} {'TFLOP/s':>8} {'of dense':>9}")
+    for layer, (k, n) in LAYERS.items():
+        flops = 3 * 2 * args.rows * k * n  # forward, input gradient, weight gradient
+        x = torch.randn(args.rows, k, device=device, dtype=dtype, requires_grad=True)
+        dense_w = (torch.randn(n, k, device=device, dtype=dtype) * k**-0.5).requires_grad_()
+        dense_ms = time_ms(forward_backward(x, dense_w, lambda a, w: a @ w.t()), args.warmup, args.steps)
+        row = {"dense": {"ms": dense_ms, "tflops": flops / dense_ms / 1e9}}
+        weight = (torch.randn(EXPERTS, n, k, device=device, dtype=dtype) * k**-0.5).requires_grad_()
+        for backend in args.backends.split(","):
+            run = lambda a, w, b=backend: grouped_mm(a, w, sizes, b)  # noqa: E731
+            try:
+                ms = time_ms(forward_backward(x, weight, run), args.warmup, args.steps)
+            except RuntimeError as exc:  # e.g. torch._grouped_mm missing on this build
+                print(f"{layer:<5} {backend:<8} skipped: {exc}")
+                continue
+            row[backend] = {"ms": ms, "tflops": flops / ms / 1e9, "of_dense": dense_ms / ms}
+        results["layers"][layer] = row
+        for name, r in row.items():
+            print(f"{layer:<5} {name:<8} {r['ms']:>8.3f} {r['tflops']:>8.1f} {r.get('of_dense', 1.0):>8.1%}")
+    # The layer's expert compute as a whole: fc1 and fc2, forward and backward.
+    flops = sum(3 * 2 * args.rows * k * n for k, n in LAYERS.values())
+    layers = results["layers"].values()
+    total = {name: sum(row[name]["ms"] for row in layers) for name in next(iter(layers)) if all(name in row for row in layers)}
+    results["total"] = {name: {"ms": ms, "tflops": flops / ms / 1e9, "of_dense": total["dense"] / ms} for name, ms in total.items()}
+    for name, r in results["total"].items():
+        print(f"{'both':<5} {name:<8} {r['ms']:>8.3f} {r['tflops']:>8.1f} {r['of_dense']:>8.1%}")
+    if os.environ.get("OUT"):
+        path = os.path.join(os.environ["OUT"], "b4_grouped_gemm.json")
+        with open(path, "w") as f:
+            json.dump(results, f, indent=2)
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""Triton grouped GEMM for the MoE experts: rows of ``x`` grouped by expert, each group times its
+expert's weight, forward and backward, for variable-size and empty groups.
+
+Why our own: ``torch._grouped_mm`` is missing or limited on some builds and GPUs (ROCm, older
+CUDA cards, unaligned widths); this runs wherever Triton does.
+
+Why no host sync: the group sizes live on the device. Every kernel finds its work from the group
+offsets itself: a row-tile program takes the cumulative sum of ``ceil(size / BLOCK_M)`` over the
+experts (``tl.cumsum`` on a vector of E) and looks up its group and its first row; the grid is
+sized by the bound ``ceil(R / BLOCK_M) + E`` on the number of row tiles, and the programs past
+the real count return at once. So the lookup needs nothing from the host and follows each
+autotuned ``BLOCK_M``.
+
+- ``_rows_kernel``: out[rows of g] = a[rows of g] @ b[g] for a [R, K] and b [E, K, N] given by
+  strides. Forward uses ``b[g] = W[g]^T`` (W [E, N, K], nn.Linear layout), the input gradient
+  ``b[g] = W[g]``: the same kernel with the weight's strides swapped.
+- ``_weight_grad_kernel``: dW[g] = dy_g^T @ x_g, one program per (expert, N tile, K tile), the
+  reduction running over the group's rows; an empty group gets zeros.
+
+The program order puts N tiles of one row tile next to each other, so programs running at once
+share an expert and its weight stays in L2. Accumulation is fp32; fp32 inputs are multiplied in
+full fp32 (no TF32), like ``torch.matmul``'s default.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Configs for bf16 on an H100 at DeepSeek-V2-Lite's expert shapes (K, N of 2048 and 2816/1408).
+_ROW_CONFIGS = [
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+    for bm, bn, bk, w, s in [
+        (128, 256, 64, 8, 3),
+        (128, 128, 64, 8, 4),
+        (128, 128, 64, 4, 4),
+        (64, 128, 64, 4, 4),
+        (128, 64, 64, 4, 4),
+    ]
+]
+_WEIGHT_GRAD_CONFIGS = [
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+    for bm, bn, bk, w, s in [
+        (64, 128, 128, 8, 3),
+        (64, 128, 128, 4, 4),
+        (32, 128, 128, 4, 4),
+        (64, 64, 128, 4, 4),
+        (64, 256, 128, 8, 3),
+    ]
+]
+# Fixed small tiles for Triton's interpreter (CPU tests), where autotuning cannot time anything.
+_INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
+
+
+@triton.jit
+def _find_row_tile(offsets_ptr, tile, E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Row tile ``tile`` in the order (expert, tile within it) -> (expert, first row, end row);
+    an expert past the last (``g == E``) when ``tile`` is beyond the real tiles."""
+    e = tl.arange(0, BLOCK_E)
+    starts = tl.load(offsets_ptr + e, mask=e < E, other=0)
+    ends = tl.load(offsets_ptr + e + 1, mask=e < E, other=0)
+    tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    last_tile_end = tl.cumsum(tiles, 0)
+    g = tl.sum((last_tile_end <= tile).to(tl.int32), 0)
+    chosen = e == g
+    first_tile = tl.sum(tl.where(chosen, last_tile_end - tiles, 0), 0)
+    row_start = tl.sum(tl.where(chosen, starts, 0), 0) + (tile - first_tile) * BLOCK_M
+    row_end = tl.sum(tl.where(chosen, ends, 0), 0)
+    return g, row_start, row_end
+
+
+@triton.jit
+def _rows_kernel(
+    a_ptr, b_ptr, out_ptr, offsets_ptr,
+    N, K,
+    stride_am, stride_ak, stride_bg, stride_bk, stride_bn, stride_om, stride_on,
+    E: tl.constexpr, BLOCK_E: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """out[r, :] = a[r, :] @ b[g] for every row r of group g."""
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    g, row_start, row_end = _find_row_tile(offsets_ptr, pid // n_tiles, E, BLOCK_E, BLOCK_M)
+    if g < E:
+        rows = row_start + tl.arange(0, BLOCK_M)
+        cols = (pid % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok, col_ok = rows < row_end, cols < N
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :] * stride_ak
+        b_ptrs = b_ptr + g.to(tl.int64) * stride_bg + ks[:, None] * stride_bk + cols[None, :] * stride_bn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = ks + k0 < K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+        out_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :] * stride_on
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _weight_grad_kernel(
+    dy_ptr, x_ptr, dw_ptr, offsets_ptr,
+    N, K,
+    stride_dym, stride_dyn, stride_xm, stride_xk, stride_wg, stride_wn, stride_wk,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """dW[g, n, k] = sum over rows r of group g of dy[r, n] * x[r, k]."""
+    pid = tl.program_id(0)
+    n_tiles, k_tiles = tl.cdiv(N, BLOCK_N), tl.cdiv(K, BLOCK_K)
+    g = pid // (n_tiles * k_tiles)
+    ns = (pid // k_tiles % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = (pid % k_tiles) * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_ok, k_ok = ns < N, ks < K
+    row_start = tl.load(offsets_ptr + g)
+    row_end = tl.load(offsets_ptr + g + 1)
+    rows = row_start + tl.arange(0, BLOCK_M)
+    dy_ptrs = dy_ptr + rows[:, None].to(tl.int64) * stride_dym + ns[None, :] * stride_dyn
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :] * stride_xk
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for r0 in range(row_start, row_end, BLOCK_M):
+        row_ok = rows < row_end - (r0 - row_start)
+        dy = tl.load(dy_ptrs, mask=row_ok[:, None] & n_ok[None, :], other=0.0)
+        x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(tl.trans(dy), x, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(tl.trans(dy), x, acc)
+        dy_ptrs += BLOCK_M * stride_dym
+        x_ptrs += BLOCK_M * stride_xm
+    dw_ptrs = dw_ptr + g.to(tl.int64) * stride_wg + ns[:, None] * stride_wn + ks[None, :] * stride_wk
+    tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
+
+
+_rows_tuned = triton.autotune(configs=_ROW_CONFIGS, key=["N", "K", "E", "IEEE"])(_rows_kernel)
+_weight_grad_tuned = triton.autotune(configs=_WEIGHT_GRAD_CONFIGS, key=["N", "K", "IEEE"])(_weight_grad_kernel)
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def group_offsets(group_sizes: torch.Tensor) -> torch.Tensor:
+    """[E] sizes -> [E + 1] int32 offsets (0, end of group 0, ...), on the sizes' device."""
+    offsets = torch.zeros(group_sizes.numel() + 1, dtype=torch.int32, device=group_sizes.device)
+    torch.cumsum(group_sizes, 0, out=offsets[1:])
+    return offsets
+
+
+def rows_times_group(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """a [R, K] and b [E, K, N] (any strides) -> [R, N]: each group's rows times its b[g]."""
+    rows, k = a.shape
+    experts, _, n = b.shape
+    out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
+    if rows == 0 or n == 0:
+        return out
+    args = (a, b, out, offsets, n, k, a.stride(0), a.stride(1), *b.stride(), out.stride(0), out.stride(1))
+    meta = dict(E=experts, BLOCK_E=triton.next_power_of_2(experts), IEEE=a.dtype == torch.float32)
+    if _interpreted():
+        grid = ((triton.cdiv(rows, 16) + experts) * triton.cdiv(n, 16),)
+        _rows_kernel[grid](*args, **meta, **_INTERPRETER_CONFIG)
+    else:
+        grid = lambda c: ((triton.cdiv(rows, c["BLOCK_M"]) + experts) * triton.cdiv(n, c["BLOCK_N"]),)  # noqa: E731
+        _rows_tuned[grid](*args, **meta)
+    return out
+
+
+def group_weight_grad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, experts: int) -> torch.Tensor:
+    """dy [R, N], x [R, K] -> dW [E, N, K], dW[g] = dy_g^T @ x_g (zeros for an empty group)."""
+    (rows, n), k = dy.shape, x.shape[1]
+    dw = torch.empty(experts, n, k, dtype=x.dtype, device=x.device)
+    args = (dy, x, dw, offsets, n, k, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), *dw.stride())
+    ieee = x.dtype == torch.float32
+    if _interpreted():
+        grid = (experts * triton.cdiv(n, 16) * triton.cdiv(k, 16),)
+        _weight_grad_kernel[grid](*args, IEEE=ieee, **_INTERPRETER_CONFIG)
+    else:
+        grid = lambda c: (experts * triton.cdiv(n, c["BLOCK_N"]) * triton.cdiv(k, c["BLOCK_K"]),)  # noqa: E731
+        _weight_grad_tuned[grid](*args, IEEE=ieee)
+    return dw
+
+
+class TritonGroupedMM(torch.autograd.Function):
+    """x [R, K] grouped by device ``offsets`` [E + 1] times weight [E, N, K] (nn.Linear layout) -> [R, N]."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight, offsets)
+        return rows_times_group(x, weight.transpose(1, 2), offsets)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, weight, offsets = ctx.saved_tensors
+        grad_out = grad_out.contiguous()  # an expanded (stride-0) gradient, e.g. of out.sum()
+        grad_x = rows_times_group(grad_out, weight, offsets) if ctx.needs_input_grad[0] else None
+        grad_w = group_weight_grad(grad_out, x, offsets, weight.shape[0]) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None
+
+
+# Run eagerly inside a compiled block (a graph break) rather than traced: the autotuned launches
+# with grids computed from their configs are simple to run and not worth the tracing risk.
+@torch.compiler.disable
+def grouped_mm_triton(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    """As ``grouped_mm_loop`` in ``layers/moe/grouped_gemm.py``, with the sizes never read on the host."""
+    return TritonGroupedMM.apply(x, weight, group_offsets(group_sizes))
