@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One device call's worth of checks and benchmarks on one GPU. Usage: bash benchmarks/gpu_session.sh PART OUT
+#   tests  every gpu-marked test (kernels vs references, compile in fresh processes, flex, staging), B4 grouped GEMM
+#   moe    B4b: the DeepSeek-V2-Lite shape x 4 layers (MLA), grouped GEMM backends and optimizer paths
+#   b1     B1 A/B: this tree (fused and reference optimizer) and Hugging Face, and OLD's tree (arg 3)
+#   b8     B8: BERT-large (and T5-base where the script has it) against Hugging Face
+set -uo pipefail
+part="$1" out="$2"; mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONPATH="$PWD"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu_$part.txt"
+python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" >> "$out/gpu_$part.txt"
+git rev-parse HEAD >> "$out/gpu_$part.txt" 2>/dev/null
+case "$part" in
+tests)
+  MESHTRON_COMPILE_RUNS=2 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests > "$out/gpu_tests.txt" 2>&1
+  tail -30 "$out/gpu_tests.txt"
+  OUT="$out" python3 benchmarks/b4_grouped_gemm.py 2>&1 | tee "$out/b4.txt" | tail -20 ;;
+moe)
+  common=(--preset deepseek-v2-lite --num-layers 4 --moe-layer-freq "([0]+[1]*3)" --seq-length 4096 --micro-batch-size 2 --global-batch-size 2 --bf16)
+  for variant in "--model.moe_grouped_gemm torch" "--model.moe_grouped_gemm triton" "--model.moe_grouped_gemm torch --optimizer-impl reference"; do
+    # shellcheck disable=SC2086
+    (cd benchmarks && python3 train_bench.py --steps 6 --warmup 3 -- "${common[@]}" $variant 2>>"$out/b4b_stderr.txt") | sed "s|^|$variant: |" | tee -a "$out/b4b.txt"
+  done ;;
+b1)
+  old="$(cd "$3" && pwd)"
+  python3 benchmarks/b1_llama.py --steps 10 --warmup 3 --sides meshtron,meshtron-optref,hf 2>"$out/b1_new_stderr.txt" | tee "$out/b1_new.txt"
+  (cd "$old" && PYTHONPATH="$old" python3 benchmarks/b1_llama.py --steps 10 --warmup 3 --sides meshtron 2>"$out/b1_old_stderr.txt" | tee "$out/b1_old.txt") ;;
+b8)
+  for model in bert t5; do
+    python3 benchmarks/b8_encoders.py --help 2>/dev/null | grep -q "$model" || continue
+    python3 benchmarks/b8_encoders.py --model "$model" --steps 10 --warmup 3 2>"$out/b8_${model}_stderr.txt" | tee "$out/b8_$model.txt"
+  done ;;
+esac
