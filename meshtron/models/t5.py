@@ -8,7 +8,7 @@ cross-attention to the encoder's output (``layers/cross_attention.py``) and the 
 final norm and the LM head: the output projection tied to the embedding, with a vocabulary bias
 (Megatron's ``T5LMHead``). Pre-LN, LayerNorm, GELU and biases as Megatron's T5 (a T5 v1.0-like
 variant with absolute positions, not Hugging Face's T5 with relative position buckets, RMSNorm
-without biases and no embedding scaling, so no Hugging Face import). Relative position buckets
+without biases and its tied logits scaled by 1/sqrt(hidden), so no Hugging Face import). Relative position buckets
 are not built.
 
 The loss is cross-entropy over the decoder's labels where ``loss_mask`` is set, ``total`` /
@@ -229,13 +229,15 @@ def t5_config_errors(cfg: Config) -> list[str]:
     m, d, p = cfg.model, cfg.data, cfg.parallel
     errors = []
     if m.position_embedding_type != "learned_absolute":
-        errors.append(f"T5 is built with learned absolute positions (Megatron's default); drop --position-embedding-type {m.position_embedding_type}")
+        errors.append(f"T5 is built with learned absolute positions (Megatron's default); drop --position-embedding-type "
+                      f"{m.position_embedding_type}")  # fmt: skip
     if m.num_experts or m.multi_latent_attention:
         errors.append("T5 is built with dense MLPs and standard attention; drop --num-experts / --multi-latent-attention")
     if m.num_query_groups and m.num_query_groups != m.num_attention_heads:
         errors.append("T5's attention has as many key/value heads as query heads; drop --num-query-groups")
     if m.encoder_num_layers < 0 or m.decoder_num_layers < 0 or min(encoder_decoder_layers(m)) < 1:
-        errors.append("T5 needs at least one encoder and one decoder block: set --encoder-num-layers / --decoder-num-layers (or --num-layers)")
+        errors.append("T5 needs at least one encoder and one decoder block: set --encoder-num-layers / --decoder-num-layers "
+                      "(or --num-layers)")  # fmt: skip
     enc, dec = d.encoder_seq_length or d.seq_length, d.decoder_seq_length
     positions = m.max_position_embeddings or d.seq_length
     if max(enc, dec) > positions:
@@ -247,7 +249,8 @@ def t5_config_errors(cfg: Config) -> list[str]:
         errors.append(f"--sequence-parallel splits both the encoder ({enc}) and decoder ({dec}) sequences over "
                       f"{p.tensor_parallel} ranks; use lengths that are multiples of it or drop --sequence-parallel")  # fmt: skip
     if p.context_parallel > 1:
-        errors.append("T5 under context parallelism is not implemented (the ring attention is causal self-attention); set --context-parallel-size 1")
+        errors.append("T5 under context parallelism is not implemented (the ring attention is causal self-attention); "
+                      "set --context-parallel-size 1")  # fmt: skip
     if d.mock:
         errors.append("T5 has no mock dataset yet; drop --mock-data (the embedded corpus or --data-path work)")
     if d.data_path and d.tokenizer_type not in ("BertWordPieceLowerCase", "BertWordPieceCase"):

@@ -44,7 +44,8 @@ def test_encoder_ignores_padding_and_decoder_is_causal_and_reads_the_encoder(bac
     enc, dec, mask = _inputs()
     out = model(enc, dec, mask)
     torch.testing.assert_close(model(_changed(enc, 0, slice(7, None)), dec, mask)[0], out[0], rtol=0, atol=0)
-    assert not torch.allclose(model(_changed(enc, 1, slice(-1, None)), dec, mask)[1, 0], out[1, 0])  # the encoder's last token reaches the first decoder token
+    # the encoder's last token reaches the first decoder token
+    assert not torch.allclose(model(_changed(enc, 1, slice(-1, None)), dec, mask)[1, 0], out[1, 0])
     later = model(enc, _changed(dec, 1, slice(5, None)), mask)
     torch.testing.assert_close(later[:, :5], out[:, :5], rtol=0, atol=0)
     assert not torch.allclose(later[1, 5], out[1, 5])
