@@ -54,9 +54,8 @@ def parameter_count(cfg: ModelConfig, vocab_size: int, max_seq_length: int = 0, 
 
 
 def attends_causally(cfg: ModelConfig) -> bool:
-    """Whether a token attends only to earlier ones (decoders), which halves attention FLOPs.
-    T5's encoder attends both ways; its FLOPs are counted as an encoder's (an upper bound)."""
-    return cfg.model_type not in ("bert", "t5")
+    """Whether a token attends only to earlier ones (decoders), which halves attention FLOPs."""
+    return cfg.model_type != "bert"
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int = 1) -> int:

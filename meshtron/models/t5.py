@@ -205,23 +205,31 @@ class T5(c.TokenLossModel):
         return self.embedding_dropout(self.embedding(tokens) + self.position_embedding(positions))
 
 
-def t5_parameter_count(cfg: ModelConfig, vocab_size: int, max_seq_length: int) -> int:
-    """``num_parameters(T5(...))`` without building it: embedding and positions, the encoder's
-    blocks and final norm, the decoder's blocks (each with a cross-attention and its norm), the
-    decoder's final norm, the output bias (and weight when untied)."""
+def t5_parameter_parts(cfg: ModelConfig) -> dict[str, int]:
+    """Parameters of one encoder block (``block``), of what a decoder block adds to it (its
+    cross-attention's ``cross_q`` (query and output projections, on decoder tokens) and
+    ``cross_kv`` (on encoder tokens), and its ``norm``): for counting parameters and FLOPs."""
     h, bias = cfg.hidden_size, int(cfg.add_bias_linear)
     norm = h * (2 if cfg.normalization == "LayerNorm" else 1)
     width, kv = cfg.num_attention_heads * head_dim(cfg), num_kv_heads(cfg) * head_dim(cfg)
     self_attention = h * (width + 2 * kv) + bias * (width + 2 * kv) + width * h + bias * h
-    cross_attention = h * 3 * width + bias * 3 * width + width * h + bias * h
     ffn = ffn_hidden_size(cfg)
     fc1_out = 2 * ffn if cfg.activation == "swiglu" else ffn
     mlp = h * fc1_out + bias * fc1_out + ffn * h + bias * h
-    block = 2 * norm + self_attention + mlp
+    return {"block": 2 * norm + self_attention + mlp, "cross_q": 2 * h * width + bias * (width + h),
+            "cross_kv": 2 * h * width + bias * 2 * width, "norm": norm}  # fmt: skip
+
+
+def t5_parameter_count(cfg: ModelConfig, vocab_size: int, max_seq_length: int) -> int:
+    """``num_parameters(T5(...))`` without building it: embedding and positions, the encoder's
+    blocks and final norm, the decoder's blocks (each with a cross-attention and its norm), the
+    decoder's final norm, the output bias (and weight when untied)."""
+    part, h = t5_parameter_parts(cfg), cfg.hidden_size
     enc, dec = encoder_decoder_layers(cfg)
+    decoder_block = part["block"] + part["norm"] + part["cross_q"] + part["cross_kv"]
     positions = (cfg.max_position_embeddings or max_seq_length) * h
     output = vocab_size + (0 if cfg.tie_embeddings else vocab_size * h)
-    return vocab_size * h + positions + enc * block + norm + dec * (block + norm + cross_attention) + norm + output
+    return vocab_size * h + positions + enc * part["block"] + dec * decoder_block + 2 * part["norm"] + output
 
 
 def t5_config_errors(cfg: Config) -> list[str]:
