@@ -1,8 +1,9 @@
 """T5 on the model contract: under tp2, tp2 with sequence parallelism, pp2 (the encoder's blocks
-on stage 0, the decoder's on stage 1, the encoder's output carried between them) and dp2 with the
-distributed optimizer (world 2, one launch), its loss, every gradient, the gradient norm and the
-parameters after one optimizer step equal one process's (fp32 on the CPU; losses, gradients and
-norms 1e-5 relative, as a norm over each tensor; updated parameters 1e-6 of their size).
+on stage 0, the decoder's on stage 1, the encoder's output carried between them), dp2 with the
+distributed optimizer and dp2 with FSDP2 (world 2, one launch), its loss, the gradient norm, the
+parameters after one optimizer step and (where a rank holds whole summed gradients: tp, pp) every
+gradient equal one process's (fp32 on the CPU; losses, gradients and norms 1e-5 relative, as a
+norm over each tensor; updated parameters within 1e-6 of their size plus 1e-3 of the step).
 
 Two variants: the tied LM head (Megatron's T5), and an untied output layer under full activation
 recompute (every block its own checkpoint). Batches pad both sequences (encoder padding is the
@@ -15,6 +16,7 @@ import functools
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from launcher import by_name, run_distributed
 from meshtron.config import ModelConfig, ParallelConfig, TrainConfig
@@ -37,6 +39,7 @@ LAYOUTS = {
     "tp2_sp": (dict(tp=2), ParallelConfig(tensor_parallel=2, sequence_parallel=True)),
     "pp2": (dict(pp=2), ParallelConfig(pipeline_parallel=2)),
     "dp2_distopt": (dict(dp=2), ParallelConfig(use_distributed_optimizer=True)),
+    "dp2_fsdp": (dict(dp=2), ParallelConfig(fsdp=True)),
 }
 TRAIN = TrainConfig()
 
@@ -89,6 +92,13 @@ def _reference(variant: str) -> dict:
     return {"loss": (total / count).item(), "aux": {}, "grads": grads, "norm": norm, "before": before, "after": _params(model)}
 
 
+def _whole(param: torch.Tensor, meta, mesh: Mesh) -> torch.Tensor:
+    """The one-process tensor of a parameter: gathered over tp, or from FSDP's shards."""
+    if isinstance(param, DTensor):
+        return param.full_tensor().detach().clone()
+    return gather_full(param.detach().clone(), meta, mesh)
+
+
 def _worker(rank: int, world_size: int) -> dict:
     out = {}
     batches = _micro_batches()
@@ -100,11 +110,11 @@ def _worker(rank: int, world_size: int) -> dict:
             runner.optimizer.zero_grad()
             loss = runner.forward_backward([batches[i] for i in range(MICRO_BATCHES)[mesh.dp_rank :: mesh.dp]])
             runner.finalize_grads()
-            # The distributed optimizer holds each summed gradient only in its owner's shard.
-            grads = {} if parallel.use_distributed_optimizer else {
+            # The distributed optimizer and FSDP hold each summed gradient only in its owner's shard.
+            grads = {} if parallel.use_distributed_optimizer or parallel.fsdp else {
                 n: gather_full(p.main_grad.clone(), runner.metas[n], mesh) for n, p in runner.model.named_parameters()}  # fmt: skip
             norm = runner.optimizer.step(LR).grad_norm
-            after = {n: gather_full(p.detach().clone(), runner.metas[n], mesh) for n, p in runner.model.named_parameters()}
+            after = {n: _whole(p, runner.metas[n], mesh) for n, p in runner.model.named_parameters()}
             out[f"{variant}/{name}"] = {"loss": (loss.total / loss.count).item(), "aux": {}, "grads": grads, "norm": norm, "after": after}
     return out
 
