@@ -99,10 +99,12 @@ class ModelConfig:
     rope_mscale_all_dim: float = 0.0  # YaRN: temperature scale applied to all dims (DeepSeek)
     # Model families: meshtron.models.build_model dispatches on model_type (Megatron users pick the
     # pretrain_*.py script, we pick the type); checked by meshtron.models.model_config_errors.
-    model_type: str = "gpt"  # gpt (the decoder: GPT, Llama, MoE) | bert
+    model_type: str = "gpt"  # gpt (the decoder: GPT, Llama, MoE) | bert | t5
     apply_residual_connection_post_layernorm: bool = False  # residuals from the norms' outputs: post-LN (HF BERT)
     bert_binary_head: bool = True  # BERT's sentence-order head and token types (--bert-no-binary-head drops them)
     bert_tokentypes: int = 0  # BERT's token-type rows; 0: 2 with the binary head, else none (Megatron's); HF's type_vocab_size
+    encoder_num_layers: int = 0  # T5's encoder blocks; 0: num_layers (Megatron's rule)
+    decoder_num_layers: int = 0  # T5's decoder blocks; 0: num_layers
     # Expert parallelism (meshtron/parallel/expert_parallel.py). alltoall is the default here, unlike
     # Megatron's allgather: both compute the same, and alltoall moves ep times fewer rows.
     moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather
@@ -446,6 +448,9 @@ def build_config(config_file: str | None = None, overrides: list[str] | None = N
     for dotted, value in parsed.items():
         section, name = dotted.split(".")
         merged.setdefault(section, {})[name] = value
+    explicit_data = {**raw.get("data", {}), **{k.split(".")[1]: v for k, v in parsed.items() if k.startswith("data.")}}
+    if explicit_data.get("encoder_seq_length") and "seq_length" not in explicit_data:
+        merged["data"]["seq_length"] = explicit_data["encoder_seq_length"]  # Megatron's rule: T5's sequence is its encoder's
     model = merged.get("model", {})
     if model.get("position_embedding_type") == "yarn":  # Megatron's spelling of RoPE with YaRN's scaling
         model.update(position_embedding_type="rope", rope_scaling="yarn")
@@ -471,9 +476,20 @@ def data_parallel_size(cfg: Config, world_size: int) -> int:
     return world_size // model_parallel
 
 
+def encoder_decoder_layers(m: ModelConfig) -> tuple[int, int]:
+    """T5's (encoder, decoder) block counts: ``--encoder-num-layers`` / ``--decoder-num-layers``,
+    each ``--num-layers`` when unset (Megatron's rule)."""
+    return m.encoder_num_layers or m.num_layers, m.decoder_num_layers or m.num_layers
+
+
+def num_blocks(m: ModelConfig) -> int:
+    """Blocks the pipeline splits: T5's encoder and decoder blocks in one sequence, else ``num_layers``."""
+    return sum(encoder_decoder_layers(m)) if m.model_type == "t5" else m.num_layers
+
+
 def pipeline_virtual_size(cfg: Config) -> int:
     """Model chunks per pipeline rank, from either of Megatron's two ways to ask for them."""
-    return virtual_stages(cfg.parallel, cfg.model.num_layers)
+    return virtual_stages(cfg.parallel, num_blocks(cfg.model))
 
 
 def virtual_stages(p: ParallelConfig, num_blocks: int) -> int:

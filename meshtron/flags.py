@@ -182,9 +182,11 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "ckpt-fully-parallel-save": ("checkpoint.ckpt_format", None),
     "no-ckpt-fully-parallel-save": ("checkpoint.ckpt_format", None),
     "ckpt-fully-parallel-load": ("checkpoint.ckpt_format", None),
-    # Model families: BERT (pretrain_bert.py's flags); --model-type picks what Megatron's script does.
+    # Model families: BERT and T5 (pretrain_bert.py's, pretrain_t5.py's flags); --model-type picks what Megatron's script does.
     "model-type": "model.model_type",
     "bert-no-binary-head": ("model.bert_binary_head", False),
+    "encoder-num-layers": "model.encoder_num_layers",
+    "decoder-num-layers": "model.decoder_num_layers",
     "apply-residual-connection-post-layernorm": ("model.apply_residual_connection_post_layernorm", True),
     # Expert parallelism (issue 10), Megatron-Core's names; --expert-model-parallel-size is above.
     "moe-token-dispatcher-type": "model.moe_token_dispatcher_type",

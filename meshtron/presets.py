@@ -56,6 +56,9 @@ _LLAMA3_2 = {**_LLAMA3_1, "model.rope_scaling_factor": 32.0, "model.tie_embeddin
 # Megatron's BERT (pretrain_bert.py): pre-LN blocks, GELU, learned positions, tied LM head, 512
 # positions; the vocabulary comes from the WordPiece vocab.txt.
 _BERT = {**_GPT, "model.model_type": "bert", "model.max_position_embeddings": 512, "data.seq_length": 512}
+# Megatron's T5 (pretrain_t5.py, examples/t5/train_t5_220m_distributed.sh): the same blocks, --num-layers
+# encoder and as many decoder blocks, encoder 512 / decoder 128 tokens, 100 sentinels.
+_T5 = {**_BERT, "model.model_type": "t5", "data.decoder_seq_length": 128, "data.vocab_extra_ids": 100}
 # DeepSeek-V2 (MLA + MoE). Numbers from the Hugging Face config.json of deepseek-ai/DeepSeek-V2
 # (revision 3d445e7) and DeepSeek-Coder-V2-Lite-Base (the V2-Lite architecture), cross-checked with
 # Megatron-LM's DeepSeek-V2-Lite example flags (../shared/research/moe.md section 1): RMSNorm 1e-6,
@@ -164,6 +167,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "bert-base": {**_BERT, **_shape(12, 768, 12)},
     "bert-large": {**_BERT, **_shape(24, 1024, 16)},
     "tiny-bert": {**_BERT, **_shape(2, 64, 4), "model.max_position_embeddings": 64, "data.seq_length": 64},
+    "t5-base": {**_T5, **_shape(12, 768, 12, ffn=3072), "model.kv_channels": 64},  # 220M
+    "t5-large": {**_T5, **_shape(24, 1024, 16, ffn=4096), "model.kv_channels": 64},
+    "tiny-t5": {**_T5, **_shape(2, 64, 4), "model.max_position_embeddings": 64, "data.seq_length": 64, "data.decoder_seq_length": 32},
     "tiny-deepseek": {
         **_deepseek(4, 64, 4, 128, 4, 32, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
                     moe_router_topk=2, rope_original_max_position_embeddings=16, max_position_embeddings=256),

@@ -8,7 +8,7 @@ import importlib.util
 from pathlib import Path
 
 from meshtron.checkpoint.checkpoint import checkpoint_config_errors
-from meshtron.config import Config, pipeline_virtual_size, world_size_from_env
+from meshtron.config import Config, num_blocks, pipeline_virtual_size, world_size_from_env
 from meshtron.data.chat_template import TEMPLATE_CHOICES, conversation_template
 from meshtron.data.masked_lm import masked_data_config_errors
 from meshtron.errors import ConfigError
@@ -95,11 +95,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     dp = max(1, world_size // max(1, model_parallel))
     need(p.pipeline_schedule in ("auto", "1f1b", "afab", "interleaved"), f"parallel.pipeline_schedule must be auto, 1f1b, afab or interleaved, got '{p.pipeline_schedule}'")
     if p.num_layers_per_virtual_pipeline_stage and p.pipeline_parallel > 0:
-        per_rank = m.num_layers // max(1, p.pipeline_parallel)
+        blocks = num_blocks(m)  # T5: encoder and decoder blocks
+        per_rank = blocks // max(1, p.pipeline_parallel)
         need(
-            m.num_layers % p.pipeline_parallel == 0 and per_rank % p.num_layers_per_virtual_pipeline_stage == 0,
+            blocks % p.pipeline_parallel == 0 and per_rank % p.num_layers_per_virtual_pipeline_stage == 0,
             f"--num-layers-per-virtual-pipeline-stage {p.num_layers_per_virtual_pipeline_stage} must divide the "
-            f"{m.num_layers} layers / pp {p.pipeline_parallel} of each pipeline rank",
+            f"{blocks} layers / pp {p.pipeline_parallel} of each pipeline rank",
         )
     virtual = pipeline_virtual_size(cfg)
     need(virtual == 1 or p.pipeline_parallel > 1, "virtual pipeline stages need --pipeline-model-parallel-size > 1")
@@ -271,7 +272,7 @@ def layout_errors(cfg: Config) -> list[str]:
         if m.attention_dropout > 0:
             errors.append("attention dropout is not supported with context parallelism; set --attention-dropout 0")
     try:
-        split_layers(m.num_layers, pp, pipeline_virtual_size(cfg), p.first_pipeline_stage_layers or None,
+        split_layers(num_blocks(m), pp, pipeline_virtual_size(cfg), p.first_pipeline_stage_layers or None,
                      p.last_pipeline_stage_layers or None, p.account_for_embedding_in_pipeline_split,
                      p.account_for_loss_in_pipeline_split)  # fmt: skip
     except ValueError as exc:

@@ -1,4 +1,5 @@
-"""Text generation with a KV cache: greedy, or sampled with temperature, top-k and top-p.
+"""Text generation with a KV cache: greedy, or sampled with temperature, top-k and top-p; for
+decoders (the prompt continued) and encoder–decoders (T5: the prompt encoded, the output decoded).
 
 Meant for sanity checks after training and for evaluation, one prompt at a time: the prompt is
 run through the model once (prefill), then each new token costs one single-position forward.
@@ -6,6 +7,7 @@ run through the model once (prefill), then each new token costs one single-posit
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -93,6 +95,65 @@ def generate(
     return out
 
 
+@torch.no_grad()
+def generate_encoder_decoder(
+    model,
+    encoder_ids: list[int],
+    max_new_tokens: int,
+    start: int,
+    end: int | None = None,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    greedy: bool = False,
+    generator: torch.Generator | None = None,
+) -> list[int]:
+    """The decoder's output for encoder input ``encoder_ids`` (T5: text with sentinels), after
+    the ``start`` token; returns the new tokens, stopping at ``end`` (not returned).
+
+    The encoder runs once, and so do the cross-attention's key and value projections of its
+    output; each decoder step is one single-position forward, its self-attention reading the
+    decoder's KV cache.
+    """
+    if not encoder_ids:
+        raise ValueError("generate needs a non-empty prompt")
+    if len(encoder_ids) > model.max_positions:
+        raise ValueError(f"prompt of {len(encoder_ids)} tokens exceeds the model's {model.max_positions} positions")
+    param = next(model.parameters())
+    max_length = min(1 + max_new_tokens, model.max_positions)
+    cache = model.new_kv_cache(1, max_length, param.dtype, param.device)
+    was_training = model.training
+    model.eval()
+    try:
+        memory = model.cross_attention_memory(model.encode(torch.tensor([encoder_ids], device=param.device)))
+        tokens = torch.tensor([[start]], device=param.device)
+        out: list[int] = []
+        while len(out) < max_new_tokens and cache.length < max_length:
+            token = sample_next(model.decode(tokens, memory, kv_cache=cache)[0, -1], temperature, top_k, top_p, greedy, generator)
+            if token == end:
+                break
+            out.append(token)
+            tokens = torch.tensor([[token]], device=param.device)
+    finally:
+        model.train(was_training)
+    return out
+
+
+def encode_with_sentinels(tokenizer, text: str) -> list[int]:
+    """``text`` as ids, each ``<extra_id_N>`` in it as the tokenizer's sentinel N (T5 prompts:
+    WordPiece would otherwise split the marker into pieces)."""
+    sentinels = list(getattr(tokenizer, "additional_special_tokens_ids", []))
+    ids: list[int] = []
+    for i, piece in enumerate(re.split(r"<extra_id_(\d+)>", text)):
+        if i % 2 == 0:
+            ids += tokenizer.encode(piece) if piece.strip() else []
+        elif int(piece) < len(sentinels):
+            ids.append(sentinels[int(piece)])
+        else:
+            raise ValueError(f"<extra_id_{piece}> is beyond the tokenizer's {len(sentinels)} sentinels (--vocab-extra-ids)")
+    return ids
+
+
 def generate_from_checkpoint(
     load_dir: str,
     prompt: str,
@@ -106,7 +167,8 @@ def generate_from_checkpoint(
     iteration: int | None = None,
 ) -> str:
     """``meshtron generate``: rebuild the model and tokenizer a ``--save`` directory describes, and
-    return ``prompt`` followed by its continuation.
+    return ``prompt`` followed by its continuation (T5: the decoder's output for ``prompt``, whose
+    ``<extra_id_N>`` markers are the sentinels).
 
     Everything needed is in the checkpoint's meta (the newest, or ``iteration``'s): the run's config, the padded vocabulary
     size and the tokenizer files copied beside the weights. Weights load in fp32.
@@ -115,13 +177,13 @@ def generate_from_checkpoint(
     meta = read_meta(root, iteration)
     cfg = Config.from_dict(meta["config"])
     files = {key: str(root / path) for key, path in meta["tokenizer"].items() if key != "tokenizer_type"}
-    tokenizer = build_tokenizer(meta["tokenizer"]["tokenizer_type"], **files)
+    tokenizer = build_tokenizer(meta["tokenizer"]["tokenizer_type"], **files, vocab_extra_ids=cfg.data.vocab_extra_ids)
     model = build_model(cfg.model, meta["vocab_size"], cfg.data.seq_length)
     load_checkpoint(root, model, iteration=meta["iteration"], load_rng=False)
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
     model.to(dev)
-    ids = generate(
-        model, tokenizer.encode(prompt), max_new_tokens, temperature, top_k, top_p, greedy,
-        eod=tokenizer.eod, generator=torch.Generator(device=dev).manual_seed(seed),
-    )  # fmt: skip
-    return prompt + tokenizer.decode(ids)
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy, generator=torch.Generator(device=dev).manual_seed(seed))
+    if cfg.model.model_type == "t5":  # the prompt is the encoder's input; the output, the decoder's
+        ids = generate_encoder_decoder(model, encode_with_sentinels(tokenizer, prompt), max_new_tokens, tokenizer.bos, tokenizer.eos, **sampling)
+        return tokenizer.decode(ids)
+    return prompt + tokenizer.decode(generate(model, tokenizer.encode(prompt), max_new_tokens, eod=tokenizer.eod, **sampling))

@@ -1,7 +1,8 @@
 """Model construction: the one place the training loop, checkpoints and tools get a model from.
 
 ``model.model_type`` picks the family (Megatron users pick the ``pretrain_*.py`` script): ``gpt``
-is the decoder (GPT, Llama, mixture of experts), ``bert`` the encoder of ``models/bert.py``.
+is the decoder (GPT, Llama, mixture of experts), ``bert`` the encoder of ``models/bert.py``, ``t5``
+the encoder–decoder of ``models/t5.py``.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ from meshtron.models import decoder
 from meshtron.models.bert import Bert, bert_config_errors, bert_parameter_count
 from meshtron.models.contract import ModelFamily
 from meshtron.models.decoder import Decoder, decoder_layout_errors, num_parameters
+from meshtron.models.t5 import T5, t5_config_errors, t5_parameter_count
 
 __all__ = ["MODEL_TYPES", "attends_causally", "build_model", "model_config_errors", "model_layout_errors", "num_parameters", "padded_vocab_size",
            "parameter_count"]  # fmt: skip
 
-MODEL_TYPES = {"gpt": Decoder, "bert": Bert}
+MODEL_TYPES = {"gpt": Decoder, "bert": Bert, "t5": T5}
 
 
 def build_model(model_cfg: ModelConfig, vocab_size: int, max_seq_length: int) -> ModelFamily:
@@ -32,18 +34,21 @@ def model_config_errors(cfg: Config) -> list[str]:
     kind = cfg.model.model_type
     if kind not in MODEL_TYPES:
         return [f"--model-type must be one of {sorted(MODEL_TYPES)}, got '{kind}'"]
-    return bert_config_errors(cfg) if kind == "bert" else []
+    return {"bert": bert_config_errors, "t5": t5_config_errors}.get(kind, lambda _: [])(cfg)
 
 
 def model_layout_errors(model_cfg: ModelConfig, tp: int) -> list[str]:
     """Why the model's shapes cannot be split over ``tp`` tensor-parallel ranks (empty if they can).
-    Every family splits the decoder's attention and MLP blocks, so their rules are the decoder's."""
+    Every family splits the decoder's attention and MLP blocks, so their rules are the decoder's
+    (T5's cross-attention splits by the same heads)."""
     return decoder_layout_errors(model_cfg, tp)
 
 
 def parameter_count(cfg: ModelConfig, vocab_size: int, max_seq_length: int = 0, active: bool = False) -> int:
     """``num_parameters(build_model(cfg, vocab_size, max_seq_length))`` without building it (``active``:
     a mixture-of-experts layer counts only the experts a token passes); see ``decoder.parameter_count``."""
+    if cfg.model_type == "t5":
+        return t5_parameter_count(cfg, vocab_size, max_seq_length)
     count = decoder.parameter_count(cfg, vocab_size, max_seq_length, active)
     return bert_parameter_count(cfg, vocab_size, count) if cfg.model_type == "bert" else count
 

@@ -25,13 +25,17 @@ def flops_per_token(num_params: int, num_layers: int, seq_length: int, hidden_si
     return 6.0 * num_params + (6.0 if causal else 12.0) * num_layers * seq_length * hidden_size
 
 
-def model_flops_per_token(model_cfg, vocab_size: int, seq_length: int) -> float:
+def model_flops_per_token(model_cfg, vocab_size: int, seq_length: int, decoder_seq_length: int = 0) -> float:
     """``flops_per_token`` of a model config, with ``P`` the parameters that multiply activations:
     all of them except the input embedding table when it is untied and learned position tables
     (lookups, no FLOPs). A tied table counts once, as the output projection. This is the
     convention the peers' figures in ../shared/BENCHMARKS.md use. Mixture-of-experts layers count
-    their active parameters (top-k experts and the shared ones)."""
+    their active parameters (top-k experts and the shared ones). T5: per encoder or decoder token
+    (``encoder_decoder_flops_per_token``)."""
     from meshtron.models import attends_causally, parameter_count
+
+    if model_cfg.model_type == "t5":
+        return encoder_decoder_flops_per_token(model_cfg, vocab_size, seq_length, decoder_seq_length)
 
     params = parameter_count(model_cfg, vocab_size, seq_length, active=True)
     if not model_cfg.tie_embeddings:
@@ -39,6 +43,28 @@ def model_flops_per_token(model_cfg, vocab_size: int, seq_length: int) -> float:
     if model_cfg.position_embedding_type == "learned_absolute":
         params -= (model_cfg.max_position_embeddings or seq_length) * model_cfg.hidden_size
     return flops_per_token(params, model_cfg.num_layers, seq_length, model_cfg.hidden_size, attends_causally(model_cfg))
+
+
+def encoder_decoder_flops_per_token(model_cfg, vocab_size: int, encoder_length: int, decoder_length: int) -> float:
+    """T5's training FLOPs of one sample over its ``encoder_length + decoder_length`` tokens, by
+    the rules of ``flops_per_token``: 6 per parameter and token it multiplies (encoder blocks and
+    the cross-attention's key/value projections on encoder tokens; decoder blocks, the rest of the
+    cross-attention and the output projection on decoder tokens), bidirectional attention in the
+    encoder (12 L t^2 h), causal self-attention (6 L s^2 h) and cross-attention (12 L s t h) in
+    the decoder."""
+    from meshtron.config import encoder_decoder_layers
+    from meshtron.models.t5 import t5_parameter_parts
+
+    part, h = t5_parameter_parts(model_cfg), model_cfg.hidden_size
+    (enc, dec), t, s = encoder_decoder_layers(model_cfg), encoder_length, decoder_length
+    linear = t * (enc * part["block"] + dec * part["cross_kv"]) + s * (dec * (part["block"] + part["cross_q"]) + vocab_size * h)
+    attention = 12.0 * enc * t * t * h + 6.0 * dec * s * s * h + 12.0 * dec * s * t * h
+    return (6.0 * linear + attention) / (t + s)
+
+
+def sample_tokens(cfg) -> int:
+    """Tokens of one training sample: the sequence, and T5's decoder sequence besides."""
+    return cfg.data.seq_length + (cfg.data.decoder_seq_length if cfg.model.model_type == "t5" else 0)
 
 
 def device_ceiling_tflops(device: torch.device) -> tuple[float | None, str]:

@@ -30,7 +30,7 @@ from meshtron.optim.lr_schedule import LRSchedule
 from meshtron.parallel.mesh import init_distributed
 from meshtron.parallel.setup import build_runner
 from meshtron.training.divergence import DivergenceError, DivergenceMonitor
-from meshtron.training.metrics import IntervalMeter, MetricsWriter, device_ceiling_tflops, format_log_line, memory_scalars, model_flops_per_token
+from meshtron.training.metrics import IntervalMeter, MetricsWriter, device_ceiling_tflops, format_log_line, memory_scalars, model_flops_per_token, sample_tokens
 from meshtron.training.profiler import StepProfiler
 from meshtron.training.vocab import model_vocab_size, run_tokenizer
 
@@ -140,14 +140,14 @@ class Trainer:
         self.train_batches = self._batches(self.train_data, self.consumed_samples, cfg.data.num_workers)
 
         num_params = parameter_count(cfg.model, self.vocab_size, cfg.data.seq_length)
-        self.flops_per_token = model_flops_per_token(cfg.model, self.vocab_size, cfg.data.seq_length)
+        self.flops_per_token = model_flops_per_token(cfg.model, self.vocab_size, cfg.data.seq_length, cfg.data.decoder_seq_length)
         ceiling, ceiling_source = device_ceiling_tflops(self.device)
         self.meter = IntervalMeter(self.flops_per_token, ceiling, self.device)
         self.tensorboard = MetricsWriter(cfg if self.mesh.rank == 0 else None)  # TensorBoard and W&B, one writer
         self.profiler = StepProfiler(cfg.logging, cfg.checkpoint.save, self.mesh.rank, log)
         log(
             f"model: {num_params / 1e6:.2f} M parameters, vocab {self.vocab_size}, {self.precision} on {self.device}; "
-            f"{self.num_micro_batches} micro batches of {t.micro_batch_size} x {cfg.data.seq_length} tokens per step; "
+            f"{self.num_micro_batches} micro batches of {t.micro_batch_size} x {sample_tokens(cfg)} tokens per step; "
             f"MFU ceiling: {ceiling_source}"
         )
         if self.mesh.pp > 1:
@@ -281,7 +281,7 @@ class Trainer:
         result = TrainResult(iteration=self.iteration)
         deadline = time.monotonic() + 60 * t.exit_duration_in_mins if t.exit_duration_in_mins > 0 else math.inf
         previous_handler = signal.signal(signal.SIGTERM, self._request_stop) if _main_thread() else None
-        tokens_per_step = t.global_batch_size * cfg.data.seq_length // self.mesh.world_size  # per device
+        tokens_per_step = t.global_batch_size * sample_tokens(cfg) // self.mesh.world_size  # per device
         interval_loss, interval_steps = 0.0, 0
         try:
             while self.iteration < t.train_iters:
