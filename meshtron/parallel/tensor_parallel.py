@@ -313,12 +313,15 @@ class VocabParallelOutputLayer(nn.Module):
         self.bias: nn.Parameter | None = None
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None,
-                tied_weight: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                tied_weight: torch.Tensor | None = None, loss_weights: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """As ``OutputLayer.forward``; ``loss_weights`` only sums the per-token loss here (its
+        gradients are still taken in backward: the in-forward fusion is one-process only)."""
         weight = self.weight if self.weight is not None else tied_weight
         logits_shard = column_parallel_linear(hidden, weight, self.bias, self.group, self.sequence_parallel)
         if labels is None:
             return gather_from_tp_region(logits_shard, self.group)
-        return vocab_parallel_cross_entropy(logits_shard.float(), labels, self.group)
+        loss = vocab_parallel_cross_entropy(logits_shard.float(), labels, self.group)
+        return loss if loss_weights is None else (loss * loss_weights).sum()
 
 
 # ---------------------------------------------------------------------- loss
