@@ -137,7 +137,7 @@ def activation_bytes(cfg: Config, world_size: int = 1) -> int:
 def loss_bytes(cfg: Config) -> int:
     """The output layer's workspace (one rank): the final norm's input and output, a chunk of
     logits (``CHUNK_ELEMENTS``; the whole fp32 logits and their gradient when fused kernels are
-    off; under ``--cross-entropy-loss-fusion`` without tp, the logits of a token block up to
+    off; under ``--cross-entropy-loss-fusion``, the logits of a token block up to
     ``LOGITS_BUDGET_BYTES`` and the weight gradient kept until backward), and the fp32 sum of the
     hidden-state gradient. Counted where pp is 1 (with pp > 1 the last stage holds it and fewer
     micro batches)."""
@@ -149,7 +149,7 @@ def loss_bytes(cfg: Config) -> int:
     vocab = _vocab(cfg) // p.tensor_parallel
     if m.fused_kernels == "off":
         logits = tokens * vocab * 4 * 2
-    elif m.cross_entropy_loss_fusion and p.tensor_parallel == 1:
+    elif m.cross_entropy_loss_fusion:
         logits = min(LOGITS_BUDGET_BYTES, tokens * vocab * a) + vocab * m.hidden_size * a
     else:
         logits = min(CHUNK_ELEMENTS, tokens * vocab) * a

@@ -26,9 +26,13 @@ Scaling by ``1/n`` (n: tokens in the call) keeps the stored gradients at a mean 
 inside fp16's range; backward multiplies by ``n`` again. With one token block the weight
 gradient is the very GEMM of the per-token path's backward, rounded once more by the scalar.
 The elementwise steps are ``cross_entropy``'s chunk functions (Triton or the PyTorch reference).
+Under tensor parallelism each rank runs this on its vocabulary shard, the log-sum-exp and target
+logit combined over tp between the two passes (``parallel/tensor_parallel.py``).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -52,7 +56,7 @@ def block_tokens_for(num_tokens: int, vocab_size: int, element_size: int, budget
 
 class _LinearCrossEntropySum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, token_weights, chunk_size, block_tokens, fused):
+    def forward(ctx, hidden, weight, labels, token_weights, chunk_size, block_tokens, fused, vocab_start, combine_shards):
         if fused:
             from meshtron.kernels.triton_pointwise import ce_chunk_backward as chunk_backward
             from meshtron.kernels.triton_pointwise import ce_chunk_forward as chunk_forward
@@ -77,14 +81,18 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             target = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device)
             for start in starts:
                 logits.append(h @ weight[start : start + chunk_size].t())
-                lse, tgt = chunk_forward(logits[-1], block_labels, start)
+                lse, tgt = chunk_forward(logits[-1], block_labels, vocab_start + start)
                 lse_parts.append(lse)
                 target += tgt
             lse = torch.logsumexp(torch.stack(lse_parts), dim=0)
+            if combine_shards is not None:
+                lse, target = combine_shards(lse, target)
             total += (torch.where(ignored[rows], 0.0, lse - target) * weights[rows]).sum()
+            if not (need_hidden or need_weight):
+                continue
             for i, start in enumerate(starts):
                 cols = slice(start, start + chunk_size)
-                dlogits = chunk_backward(logits[i], block_labels, start, lse, grad_scale[rows])
+                dlogits = chunk_backward(logits[i], block_labels, vocab_start + start, lse, grad_scale[rows])
                 logits[i] = None  # free each chunk once its gradients are taken
                 if need_weight and several_blocks:
                     grad_weight[cols] += dlogits.t() @ h
@@ -106,7 +114,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             grad_hidden = (grad_hidden * factor).to(ctx.hidden_dtype)
         if grad_weight is not None:
             grad_weight = grad_weight.mul_(factor)  # in place: the stored gradient is ours alone, backward runs once
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy_sum(
@@ -117,6 +125,8 @@ def linear_cross_entropy_sum(
     fused_kernels: str = "auto",
     chunk_size: int = 0,
     budget_bytes: int = LOGITS_BUDGET_BYTES,
+    vocab_start: int = 0,
+    combine_shards: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """``sum(token_weights * ce)`` (fp32 scalar; label -100 counts 0) of logits ``hidden @ weight.T``.
 
@@ -125,12 +135,18 @@ def linear_cross_entropy_sum(
     docstring) when autograd needs any; otherwise, and with ``fused_kernels='off'`` (the unfused
     reference), it is the per-token loss summed. ``chunk_size`` (vocabulary rows, 0: automatic)
     and ``budget_bytes`` (logits held at once) are for tests.
+
+    A vocabulary shard (tensor parallelism): ``weight`` holds rows ``vocab_start``.. of the
+    vocabulary, ``hidden`` every token, and ``combine_shards(lse, target)`` turns this shard's fp32
+    log-sum-exp and target logit (0 where the label lies elsewhere) into the whole vocabulary's (a
+    collective); the hidden gradient is then this shard's part, to be summed over shards. Sharded,
+    the function runs even without gradients (the per-token fallback knows no shards).
     """
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    if fused_kernels == "off" or not needs_grad:
+    if combine_shards is None and (fused_kernels == "off" or not needs_grad):
         return (linear_cross_entropy(hidden, weight, labels, fused_kernels, chunk_size) * token_weights).sum()
     flat = hidden.reshape(-1, hidden.shape[-1])
     block = block_tokens_for(flat.shape[0], weight.shape[0], flat.element_size(), budget_bytes)
     chunk = chunk_size or default_chunk_size(block, weight.shape[0])
     return _LinearCrossEntropySum.apply(flat, weight, labels.reshape(-1), token_weights.reshape(-1), chunk, block,
-                                        use_triton(fused_kernels, flat))  # fmt: skip
+                                        use_triton(fused_kernels, flat), vocab_start, combine_shards)  # fmt: skip
