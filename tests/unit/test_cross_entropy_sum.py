@@ -6,8 +6,10 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshtron.config import build_config
+from meshtron.kernels.cross_entropy import linear_cross_entropy
 from meshtron.kernels.cross_entropy_sum import block_tokens_for, linear_cross_entropy_sum
 from meshtron.models import build_model
 
@@ -62,6 +64,36 @@ def test_sum_loss_and_grads_bf16_near_fp32_reference():
     for g, r, name in zip(got, ref, ("loss", "weight grad", "upstream grad")):
         err = (g.float() - r).norm() / r.norm()
         assert err < 1e-2, f"{name}: relative error {err:.2e}"
+
+
+class _CountMatmuls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("budget", [2**30, VOCAB * 4 * 5])
+def test_three_logits_gemms_per_chunk_not_four(budget):
+    """Forward + backward of the loss alone: the per-token path runs 4 GEMMs per vocabulary chunk
+    (logits, recomputed logits, two gradients), the masked sum 3, however many token blocks."""
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(33, HIDDEN, requires_grad=True), torch.randn(VOCAB, HIDDEN, requires_grad=True)
+    labels, mask = torch.randint(0, VOCAB, (33,)), torch.ones(33)
+    counts = []
+    for fused in (False, True):
+        with _CountMatmuls() as counter:
+            if fused:
+                total = linear_cross_entropy_sum(hidden, weight, labels, mask, "auto", chunk_size=100, budget_bytes=budget)
+            else:
+                total = (linear_cross_entropy(hidden, weight, labels, "auto", 100) * mask).sum()
+            torch.autograd.grad(total, (hidden, weight))
+        counts.append(counter.count)
+    blocks = -(-33 // block_tokens_for(33, VOCAB, 4, budget))
+    assert counts == [4 * 3, 3 * 3 * blocks]
 
 
 def test_no_grad_and_frozen_weight():
