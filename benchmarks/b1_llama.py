@@ -7,7 +7,8 @@ Sides: ``meshtron`` (default settings: fused kernels, chunked loss, SDPA backend
 ``hf``, and meshtron variants (``SIDE_FLAGS``): ``meshtron-ref`` (the reference path),
 ``meshtron-fp8`` / ``meshtron-fp8-torchao`` (B2: FP8 linears, hybrid format, our
 ``_scaled_mm`` path or torchao's), ``-compile`` forms of them (torch.compile per block), and
-``meshtron-recompute`` (B7: full activation recompute), ``meshtron-gaf`` (gradient-accumulation fusion). Meshtron sides also report the memory
+``meshtron-recompute`` (B7: full activation recompute), ``meshtron-gaf`` (gradient-accumulation fusion),
+``meshtron-no-ce-fusion`` (the per-token chunked loss: logits recomputed in backward). Meshtron sides also report the memory
 held between steps (parameters, gradients, optimizer), the peak minus it (activations and
 workspaces), and ``meshtron estimate``'s prediction for the same config. With ``--profile-dir``, each meshtron side also profiles two steps after the
 timed ones and writes the GPU kernels that took the time to ``DIR/profile_<side>.txt``.
@@ -57,6 +58,7 @@ SIDE_FLAGS = {
     "meshtron-fp8-torchao-compile": _FP8_TORCHAO + ["--compile"],
     "meshtron-recompute": ["--recompute-granularity", "full"],
     "meshtron-gaf": ["--gradient-accumulation-fusion"],
+    "meshtron-no-ce-fusion": ["--no-cross-entropy-loss-fusion"],
 }
 
 

@@ -22,6 +22,12 @@ function holds the weight gradient ([V, h], compute dtype) and the fp32 hidden g
 backward is still to come (one under 1F1B on the last stage, up to pp under the interleaved
 schedule); they are not pooled across micro batches, as each backward must hand autograd its own.
 
+Alternatives that hold less: recomputing the logits in a second forward pass is again 4 GEMMs;
+an online softmax over vocabulary chunks can rescale the hidden gradient row by row when the
+log-sum-exp grows, but not a weight gradient already summed over tokens, so it needs token chunks
+holding every vocabulary column (Liger's way): the token blocks here, used only past the budget,
+as each costs the fp32 add above and smaller weight-gradient GEMMs.
+
 Scaling by ``1/n`` (n: tokens in the call) keeps the stored gradients at a mean loss's magnitude,
 inside fp16's range; backward multiplies by ``n`` again. With one token block the weight
 gradient is the very GEMM of the per-token path's backward, rounded once more by the scalar.
