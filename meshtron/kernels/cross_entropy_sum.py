@@ -76,8 +76,10 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         several_blocks = block_tokens < n
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_hidden else None
         grad_weight = None
-        if need_weight:
-            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if several_blocks else torch.empty_like(weight)
+        if need_weight and several_blocks:
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        elif need_weight:
+            grad_weight = torch.empty_like(weight)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         starts = range(0, vocab, chunk_size)
         for first in range(0, n, block_tokens):
