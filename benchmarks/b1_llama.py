@@ -8,7 +8,8 @@ Sides: ``meshtron`` (default settings: fused kernels, chunked loss, SDPA backend
 ``meshtron-fp8`` / ``meshtron-fp8-torchao`` (B2: FP8 linears, hybrid format, our
 ``_scaled_mm`` path or torchao's), ``-compile`` forms of them (torch.compile per block), and
 ``meshtron-recompute`` (B7: full activation recompute), ``meshtron-gaf`` (gradient-accumulation fusion),
-``meshtron-optref`` (the reference optimizer step instead of the fused one). Meshtron sides also report the memory
+``meshtron-optref`` (the reference optimizer step instead of the fused one),
+``meshtron-no-ce-fusion`` (the per-token chunked loss: logits recomputed in backward). Meshtron sides also report the memory
 held between steps (parameters, gradients, optimizer), the peak minus it (activations and
 workspaces), and ``meshtron estimate``'s prediction for the same config. With ``--profile-dir``, each meshtron side also profiles two steps after the
 timed ones and writes the GPU kernels that took the time to ``DIR/profile_<side>.txt``.
@@ -59,6 +60,7 @@ SIDE_FLAGS = {
     "meshtron-recompute": ["--recompute-granularity", "full"],
     "meshtron-gaf": ["--gradient-accumulation-fusion"],
     "meshtron-optref": ["--optimizer-impl", "reference"],
+    "meshtron-no-ce-fusion": ["--no-cross-entropy-loss-fusion"],
 }
 
 

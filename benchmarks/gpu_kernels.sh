@@ -14,5 +14,6 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 date -u | tee -a "$out/gpu.txt"
 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu 2>&1 | grep -v "^$" | tail -40 | tee "$out/kernel_checks.txt"
 python3 benchmarks/sdpa_backends.py 2>&1 | tee "$out/sdpa.txt"
+python3 benchmarks/cross_entropy_fusion.py 2>&1 | tee "$out/cross_entropy_fusion.txt"
 python3 benchmarks/b1_llama.py --steps 10 --warmup 3 --sides meshtron,meshtron-ref,hf --profile-dir "$out" \
   2>"$out/b1_stderr.txt" | tee "$out/b1.txt"

@@ -53,6 +53,7 @@ class ModelConfig:
     init_method_std: float = 0.02  # standard deviation of the normal weight init
     attention_backend: str = "auto"  # auto | sdpa | cudnn | flash | efficient | math
     fused_kernels: str = "auto"  # auto (Triton on a GPU where installed) | on | off (PyTorch references, unfused loss)
+    cross_entropy_loss_fusion: bool = True  # masked-sum loss with output gradients in its forward: 3 logits GEMMs, not 4 (off under --no-fused-kernels)
     recompute_granularity: str = ""  # "" | selective (core attention) | full (whole layers)
     recompute_method: str = "uniform"  # full: uniform (groups of N layers) | block (first N layers)
     recompute_num_layers: int = 1  # full recompute: layers per group (uniform) or layers recomputed (block)

@@ -29,6 +29,7 @@ from meshtron.data.default_data import EMBEDDED_VOCAB_SIZE
 from meshtron.training.vocab import model_vocab_size, run_tokenizer
 from meshtron.validation import validate
 from meshtron.kernels.cross_entropy import CHUNK_ELEMENTS
+from meshtron.kernels.cross_entropy_sum import LOGITS_BUDGET_BYTES
 from meshtron.layers.attention import head_dim, num_kv_heads
 from meshtron.layers.mlp import ffn_hidden_size
 from meshtron.models import padded_vocab_size
@@ -136,15 +137,22 @@ def activation_bytes(cfg: Config, world_size: int = 1) -> int:
 def loss_bytes(cfg: Config) -> int:
     """The output layer's workspace (one rank): the final norm's input and output, a chunk of
     logits (``CHUNK_ELEMENTS``; the whole fp32 logits and their gradient when fused kernels are
-    off), and the fp32 sum of the hidden-state gradient. Counted where pp is 1 (with pp > 1 the
-    last stage holds it and fewer micro batches)."""
+    off; under ``--cross-entropy-loss-fusion``, the logits of a token block up to
+    ``LOGITS_BUDGET_BYTES`` and the weight gradient kept until backward), and the fp32 sum of the
+    hidden-state gradient. Counted where pp is 1 (with pp > 1 the last stage holds it and fewer
+    micro batches)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if p.pipeline_parallel > 1:
         return 0
     a = _DTYPE_BYTES[t.precision]
     tokens = t.micro_batch_size * cfg.data.seq_length // p.context_parallel
     vocab = _vocab(cfg) // p.tensor_parallel
-    logits = tokens * vocab * 4 * 2 if m.fused_kernels == "off" else min(CHUNK_ELEMENTS, tokens * vocab) * a
+    if m.fused_kernels == "off":
+        logits = tokens * vocab * 4 * 2
+    elif m.cross_entropy_loss_fusion:
+        logits = min(LOGITS_BUDGET_BYTES, tokens * vocab * a) + vocab * m.hidden_size * a
+    else:
+        logits = min(CHUNK_ELEMENTS, tokens * vocab) * a
     return int(tokens * m.hidden_size * (2 * a + 4) + logits)
 
 

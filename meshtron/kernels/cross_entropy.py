@@ -11,7 +11,8 @@ from it: the weight gradient of that vocabulary slice (complete: it sums over al
 partial hidden-state gradient, summed over chunks in fp32.
 
 The recompute costs one extra logits GEMM; it buys exactness for any upstream gradient (a
-per-token loss may be masked and weighted by the caller after this returns).
+per-token loss may be masked and weighted by the caller after this returns). Where the caller
+only wants the masked sum, ``cross_entropy_sum`` skips the recompute.
 
 The per-chunk elementwise steps are the only part a kernel fuses (``triton_pointwise``); the
 reference does them with PyTorch ops on an fp32 copy of the chunk.

@@ -1,4 +1,5 @@
-"""The output layer of a language model: hidden states -> logits, or straight to per-token loss.
+"""The output layer of a language model: hidden states -> logits, or straight to the loss
+(per token, or summed under per-token weights: the loss mask).
 
 Its own module (rather than a method of the model) so that a parallel plan can swap it for the
 vocabulary-parallel version, and so that a tied model's head holds no weight of its own: the
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtron.kernels.cross_entropy import linear_cross_entropy
+from meshtron.kernels.cross_entropy_sum import linear_cross_entropy_sum
 
 
 class OutputLayer(nn.Module):
@@ -25,14 +27,19 @@ class OutputLayer(nn.Module):
         self.bias = nn.Parameter(torch.zeros(vocab_size)) if bias else None
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None,
-                tied_weight: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                tied_weight: torch.Tensor | None = None, loss_weights: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """Logits [..., V] without ``labels``; with them, per-token cross-entropy in fp32 (label
         -100 gives 0) without holding the [..., V] logits at once (``kernels/cross_entropy``; with a
-        bias, from the whole logits: the chunked kernel takes none)."""
+        bias, from the whole logits: the chunked kernels take none). With ``loss_weights`` (shaped
+        like ``labels``) the fp32 scalar ``sum(loss_weights * loss)`` instead, its gradients taken
+        in the forward (``kernels/cross_entropy_sum``: one logits GEMM fewer)."""
         weight = self.weight if self.weight is not None else tied_weight
         if labels is None or self.bias is not None:
             logits = F.linear(hidden, weight, self.bias)
             if labels is None:
                 return logits
-            return F.cross_entropy(logits.float().flatten(0, -2), labels.reshape(-1), reduction="none").view(labels.shape)
+            loss = F.cross_entropy(logits.float().flatten(0, -2), labels.reshape(-1), reduction="none").view(labels.shape)
+            return loss if loss_weights is None else (loss * loss_weights).sum()
+        if loss_weights is not None:
+            return linear_cross_entropy_sum(hidden, weight, labels, loss_weights, self.fused_kernels)
         return linear_cross_entropy(hidden, weight, labels, self.fused_kernels)

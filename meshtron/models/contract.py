@@ -47,6 +47,15 @@ class LossOutput:
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+@dataclass
+class SummedTokenLoss:
+    """A language-model head's loss already summed over the batch's ``loss_mask`` (fp32 scalar):
+    what the head returns when its output layer takes the gradients in the forward
+    (``--cross-entropy-loss-fusion``), which needs the mask there. Other heads return per-token losses."""
+
+    total: torch.Tensor
+
+
 # ---------------------------------------------------------------------- how a sharded dim maps to ranks
 
 
@@ -384,15 +393,17 @@ class ModelFamily(nn.Module):
 
 
 class TokenLossModel(ModelFamily):
-    """What every language model whose head returns per-token losses shares: the loss is the sum
-    over the batch's ``loss_mask``, normalized by its count, and the carry between stages is the
-    hidden states ``{"hidden": [b, s / seq_shards, hidden_size]}``. Set ``hidden_size``."""
+    """What every language model whose head returns per-token losses (or their ``SummedTokenLoss``)
+    shares: the loss is the sum over the batch's ``loss_mask``, normalized by its count, and the
+    carry between stages is the hidden states ``{"hidden": [b, s / seq_shards, hidden_size]}``.
+    Set ``hidden_size``."""
 
     hidden_size: int = 0
 
-    def loss(self, batch: Batch, outputs: torch.Tensor) -> LossOutput:
+    def loss(self, batch: Batch, outputs: torch.Tensor | SummedTokenLoss) -> LossOutput:
         mask = batch["loss_mask"]
-        return LossOutput(total=(outputs * mask).sum(), count=mask.sum())
+        total = outputs.total if isinstance(outputs, SummedTokenLoss) else (outputs * mask).sum()
+        return LossOutput(total=total, count=mask.sum())
 
     def loss_count(self, batch: Batch) -> torch.Tensor:
         return batch["loss_mask"].sum()

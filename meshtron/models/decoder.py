@@ -239,10 +239,15 @@ class Decoder(c.TokenLossModel):
                 aux.update({f"{kind}/{layer}": value for kind, value in block.mlp.last_aux_losses.items()})
         return {"hidden": hidden}, aux
 
-    def head(self, carry: c.Carry, batch: c.Batch) -> torch.Tensor:
-        """Per-token loss [b, s] in fp32 with labels in the batch, else logits."""
+    def head(self, carry: c.Carry, batch: c.Batch) -> torch.Tensor | c.SummedTokenLoss:
+        """Per-token loss [b, s] in fp32 with labels in the batch, else logits; with labels and a
+        ``loss_mask`` under ``--cross-entropy-loss-fusion``, the masked sum (its gradients taken in
+        the forward)."""
         tied = self.embedding.weight if self.cfg.tie_embeddings else None
-        return self.output(self.final_norm(carry["hidden"]), batch.get("labels"), tied_weight=tied)
+        hidden, labels, mask = self.final_norm(carry["hidden"]), batch.get("labels"), batch.get("loss_mask")
+        if labels is not None and mask is not None and self.cfg.cross_entropy_loss_fusion:
+            return c.SummedTokenLoss(self.output(hidden, labels, tied_weight=tied, loss_weights=mask))
+        return self.output(hidden, labels, tied_weight=tied)
 
     # ------------------------------------------------------------------ helpers
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtron.kernels import grad_accum_fusion
+from meshtron.kernels.cross_entropy_sum import linear_cross_entropy_sum
 
 SEQ_DIM = 1
 
@@ -313,15 +314,31 @@ class VocabParallelOutputLayer(nn.Module):
         self.bias: nn.Parameter | None = None
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None,
-                tied_weight: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                tied_weight: torch.Tensor | None = None, loss_weights: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """As ``OutputLayer.forward``. With ``loss_weights`` (and no bias, fused kernels not off)
+        the masked sum takes its gradients in the forward on this rank's vocabulary shard, the
+        log-sum-exp and target logit summed over tp (``_combine_vocab_shards``)."""
         weight = self.weight if self.weight is not None else tied_weight
+        if labels is not None and loss_weights is not None and self.bias is None and self.fused_kernels != "off":
+            whole = enter_tp_region(hidden, self.group, self.sequence_parallel)
+            start = group_rank(self.group) * weight.shape[0]
+            combine = None if group_size(self.group) == 1 else lambda lse, target: _combine_vocab_shards(lse, target, self.group)
+            return linear_cross_entropy_sum(whole, weight, labels, loss_weights, self.fused_kernels, vocab_start=start,
+                                            combine_shards=combine)  # fmt: skip
         logits_shard = column_parallel_linear(hidden, weight, self.bias, self.group, self.sequence_parallel)
         if labels is None:
             return gather_from_tp_region(logits_shard, self.group)
-        return vocab_parallel_cross_entropy(logits_shard.float(), labels, self.group)
+        loss = vocab_parallel_cross_entropy(logits_shard.float(), labels, self.group)
+        return loss if loss_weights is None else (loss * loss_weights).sum()
 
 
 # ---------------------------------------------------------------------- loss
+
+
+def _combine_vocab_shards(lse: torch.Tensor, target: torch.Tensor, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole vocabulary's fp32 log-sum-exp and target logit from every rank's shard's."""
+    top = _all_reduce(lse, group, dist.ReduceOp.MAX)
+    return top + _all_reduce((lse - top).exp(), group).log(), _all_reduce(target, group)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -64,6 +64,20 @@ def _run(model, batch):
     return losses.detach()
 
 
+def _run_summed(model, batch, optimizer, metas, mesh):
+    """The runner's path: the head given the batch's ``loss_mask`` returns the masked sum
+    (``--cross-entropy-loss-fusion``: the vocabulary-parallel output takes its gradients in the
+    forward); its total and full gradients, from zeroed gradients (lr 0 left the weights as they were)."""
+    optimizer.zero_grad()
+    stage_batch = {**batch, "loss_mask": batch["weights"]}
+    out, _ = model.run_stage(None, stage_batch, list(model.layers), True, True)
+    loss = model.loss(stage_batch, out)
+    loss.total.backward()
+    grads = {n: p.main_grad for n, p in model.named_parameters()}
+    finalize_tensor_parallel_grads(grads, metas, mesh)
+    return loss.total.detach(), {n: gather_full(g.clone(), metas[n], mesh) for n, g in grads.items()}
+
+
 def _reference(name: str) -> dict[str, object]:
     model = _model(CONFIGS[name])
     batch = _batch(name)
@@ -89,6 +103,7 @@ def _tp_worker(rank: int, world_size: int) -> dict[str, dict[str, object]]:
         finalize_tensor_parallel_grads(grads, metas, mesh)
         full_grads = {n: gather_full(g.clone(), metas[n], mesh) for n, g in grads.items()}
         norm = torch.tensor(optimizer.step(lr=0.0).grad_norm)
+        fused_total, fused_grads = _run_summed(model, batch, optimizer, metas, mesh)
         with torch.no_grad():
             logits = model(batch["tokens"], position_ids=batch["position_ids"])
         # Resharding: a model from another seed, loaded with this layout's slices of the full
@@ -97,7 +112,8 @@ def _tp_worker(rank: int, world_size: int) -> dict[str, dict[str, object]]:
         other_metas = parallelize(other, mesh, sequence_parallel=sp)
         load_full_weights(full_weights(model, metas, mesh), other, other_metas)
         out[f"{name}/sp={sp}"] = {"losses": losses, "logits": logits, "grads": full_grads, "norm": norm,
-                                "state": full_weights(other, other_metas, mesh)}  # fmt: skip
+                                "state": full_weights(other, other_metas, mesh), "fused_total": fused_total,
+                                "fused_grads": fused_grads}  # fmt: skip
     return out
 
 
@@ -125,5 +141,10 @@ def test_tp2_matches_one_process(tp_results, name, sp):
             assert want.norm() > 0, f"{n}: reference gradient is zero, the comparison would prove nothing"
             err = _rel_err(got["grads"][n], want)
             assert err < RTOL, f"rank {rank}: gradient of {n} differs by {err:.2e} (relative)"
+        want_total = (ref["losses"] * _batch(name)["weights"]).sum()
+        assert _rel_err(got["fused_total"], want_total) < RTOL, f"rank {rank}: fused masked sum differs"
+        for n, want in ref["grads"].items():
+            err = _rel_err(got["fused_grads"][n], want)
+            assert err < RTOL, f"rank {rank}: fused-loss gradient of {n} differs by {err:.2e} (relative)"
         for n, want in ref["state"].items():
             assert torch.equal(got["state"][n], want), f"rank {rank}: {n} did not survive full -> shard -> full"

@@ -1,0 +1,160 @@
+"""Output projection + masked-sum cross-entropy whose gradients are computed in the forward.
+
+A language model's loss is ``total = sum_i w_i * ce_i`` (``w``: the loss mask), so the upstream
+gradient of every token is ``w_i`` times one scalar that backward brings. That is all the
+chunked per-token loss (``cross_entropy.py``) does not know, and why it recomputes the logits in
+backward. Knowing ``w``, this function takes the gradients while the logits are still there:
+
+- forward, per vocabulary chunk: the logits GEMM (kept, in the compute dtype), folded into a
+  running fp32 log-sum-exp; then, once the log-sum-exp is complete, each kept chunk is turned in
+  place into ``(softmax - onehot) * w / n`` and gives the chunk's weight gradient (one GEMM,
+  summed over every token) and a partial hidden gradient (one GEMM, summed over chunks in fp32);
+- backward: both stored gradients times the scalar (times ``n``), nothing else.
+
+Logits-sized GEMMs per call: 3 (logits, weight gradient, hidden gradient) against the per-token
+path's 4 (its backward recomputes the logits). The price is memory: the [tokens, V] logits are
+held at once in the compute dtype (16 K tokens x 128 K vocabulary: 3.9 GiB in bf16) for the
+span of this forward. Where they exceed ``LOGITS_BUDGET_BYTES`` the tokens are taken in blocks
+that fit; each block is handled as above and the weight gradient is summed over blocks in an
+fp32 buffer (one more [V, h] fp32 add per block; still 3 GEMMs). From forward to backward the
+function holds the weight gradient ([V, h], compute dtype) and the fp32 hidden gradient
+([tokens, h]) instead of the hidden states: one micro batch's worth for each forward whose
+backward is still to come (one under 1F1B on the last stage, up to pp under the interleaved
+schedule); they are not pooled across micro batches, as each backward must hand autograd its own.
+
+Alternatives that hold less: recomputing the logits in a second forward pass is again 4 GEMMs;
+an online softmax over vocabulary chunks can rescale the hidden gradient row by row when the
+log-sum-exp grows, but not a weight gradient already summed over tokens, so it needs token chunks
+holding every vocabulary column (Liger's way): the token blocks here, used only past the budget,
+as each costs the fp32 add above and smaller weight-gradient GEMMs.
+
+Scaling by ``1/n`` (n: tokens in the call) keeps the stored gradients at a mean loss's magnitude,
+inside fp16's range; backward multiplies by ``n`` again. With one token block the weight
+gradient is the very GEMM of the per-token path's backward, rounded once more by the scalar.
+The elementwise steps are ``cross_entropy``'s chunk functions (Triton or the PyTorch reference).
+Under tensor parallelism each rank runs this on its vocabulary shard, the log-sum-exp and target
+logit combined over tp between the two passes (``parallel/tensor_parallel.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from meshtron.kernels import use_triton
+from meshtron.kernels.cross_entropy import (
+    IGNORE_INDEX,
+    chunk_backward_reference,
+    chunk_forward_reference,
+    default_chunk_size,
+    linear_cross_entropy,
+)
+
+# Logits kept at once: 4 GiB holds 16 K tokens of a 128 K vocabulary in bf16 (B1's micro batch).
+LOGITS_BUDGET_BYTES = 4 * 2**30
+
+
+def block_tokens_for(num_tokens: int, vocab_size: int, element_size: int, budget_bytes: int) -> int:
+    """Tokens per block whose [block, V] logits fit ``budget_bytes`` (at least 1, at most all)."""
+    return max(1, min(num_tokens, budget_bytes // max(1, vocab_size * element_size)))
+
+
+class _LinearCrossEntropySum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, token_weights, chunk_size, block_tokens, fused, vocab_start, combine_shards):
+        if fused:
+            from meshtron.kernels.triton_pointwise import ce_chunk_backward as chunk_backward
+            from meshtron.kernels.triton_pointwise import ce_chunk_forward as chunk_forward
+        else:
+            chunk_forward, chunk_backward = chunk_forward_reference, chunk_backward_reference
+        n, vocab = hidden.shape[0], weight.shape[0]
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        ignored = labels == IGNORE_INDEX
+        weights = torch.where(ignored, 0.0, token_weights.float())
+        grad_scale = weights / n
+        several_blocks = block_tokens < n
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_hidden else None
+        grad_weight = None
+        if need_weight and several_blocks:
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        elif need_weight:
+            grad_weight = torch.empty_like(weight)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        starts = range(0, vocab, chunk_size)
+        for first in range(0, n, block_tokens):
+            rows = slice(first, first + block_tokens)
+            h, block_labels = hidden[rows], labels[rows]
+            logits, lse_parts = [], []
+            target = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device)
+            for start in starts:
+                logits.append(h @ weight[start : start + chunk_size].t())
+                lse, tgt = chunk_forward(logits[-1], block_labels, vocab_start + start)
+                lse_parts.append(lse)
+                target += tgt
+            lse = torch.logsumexp(torch.stack(lse_parts), dim=0)
+            if combine_shards is not None:
+                lse, target = combine_shards(lse, target)
+            total += (torch.where(ignored[rows], 0.0, lse - target) * weights[rows]).sum()
+            if not (need_hidden or need_weight):
+                continue
+            for i, start in enumerate(starts):
+                cols = slice(start, start + chunk_size)
+                dlogits = chunk_backward(logits[i], block_labels, vocab_start + start, lse, grad_scale[rows])
+                logits[i] = None  # free each chunk once its gradients are taken
+                if need_weight and several_blocks:
+                    grad_weight[cols] += dlogits.t() @ h
+                elif need_weight:
+                    torch.mm(dlogits.t(), h, out=grad_weight[cols])
+                if need_hidden:
+                    grad_hidden[rows] += dlogits @ weight[cols]
+        if need_weight and several_blocks:
+            grad_weight = grad_weight.to(weight.dtype)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.num_tokens, ctx.hidden_dtype = n, hidden.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        factor = grad_total.float() * ctx.num_tokens
+        if grad_hidden is not None:
+            grad_hidden = (grad_hidden * factor).to(ctx.hidden_dtype)
+        if grad_weight is not None:
+            grad_weight = grad_weight.mul_(factor)  # in place: the stored gradient is ours alone, backward runs once
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+
+
+def linear_cross_entropy_sum(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    token_weights: torch.Tensor,
+    fused_kernels: str = "auto",
+    chunk_size: int = 0,
+    budget_bytes: int = LOGITS_BUDGET_BYTES,
+    vocab_start: int = 0,
+    combine_shards: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> torch.Tensor:
+    """``sum(token_weights * ce)`` (fp32 scalar; label -100 counts 0) of logits ``hidden @ weight.T``.
+
+    ``hidden`` [..., h] in the compute dtype, ``weight`` [V, h], ``labels`` and ``token_weights``
+    shaped like ``hidden[..., 0]``. Gradients are taken in the forward (3 GEMMs, see the module
+    docstring) when autograd needs any; otherwise, and with ``fused_kernels='off'`` (the unfused
+    reference), it is the per-token loss summed. ``chunk_size`` (vocabulary rows, 0: automatic)
+    and ``budget_bytes`` (logits held at once) are for tests.
+
+    A vocabulary shard (tensor parallelism): ``weight`` holds rows ``vocab_start``.. of the
+    vocabulary, ``hidden`` every token, and ``combine_shards(lse, target)`` turns this shard's fp32
+    log-sum-exp and target logit (0 where the label lies elsewhere) into the whole vocabulary's (a
+    collective); the hidden gradient is then this shard's part, to be summed over shards. Sharded,
+    the function runs even without gradients (the per-token fallback knows no shards).
+    """
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    if combine_shards is None and (fused_kernels == "off" or not needs_grad):
+        return (linear_cross_entropy(hidden, weight, labels, fused_kernels, chunk_size) * token_weights).sum()
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    block = block_tokens_for(flat.shape[0], weight.shape[0], flat.element_size(), budget_bytes)
+    chunk = chunk_size or default_chunk_size(block, weight.shape[0])
+    return _LinearCrossEntropySum.apply(flat, weight, labels.reshape(-1), token_weights.reshape(-1), chunk, block,
+                                        use_triton(fused_kernels, flat), vocab_start, combine_shards)  # fmt: skip
