@@ -3,7 +3,7 @@
 #   tests  every gpu-marked test (kernels vs references, compile in fresh processes, flex, staging), B4 grouped GEMM
 #   moe    B4b: the DeepSeek-V2-Lite shape x 4 layers (MLA), grouped GEMM backends and optimizer paths
 #   b1     B1 A/B: this tree (fused and reference optimizer) and Hugging Face, and OLD's tree (arg 3)
-#   b8     B8: BERT-large (and T5-base where the script has it) against Hugging Face
+#   b8     B8: BERT-large and T5-base against Hugging Face, one table
 set -uo pipefail
 part="$1" out="$2"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONPATH="$PWD"
@@ -26,8 +26,5 @@ b1)
   python3 benchmarks/b1_llama.py --steps 10 --warmup 3 --sides meshtron,meshtron-optref,hf 2>"$out/b1_new_stderr.txt" | tee "$out/b1_new.txt"
   (cd "$old" && PYTHONPATH="$old" python3 benchmarks/b1_llama.py --steps 10 --warmup 3 --sides meshtron 2>"$out/b1_old_stderr.txt" | tee "$out/b1_old.txt") ;;
 b8)
-  for model in bert t5; do
-    python3 benchmarks/b8_encoders.py --help 2>/dev/null | grep -q "$model" || continue
-    python3 benchmarks/b8_encoders.py --model "$model" --steps 10 --warmup 3 2>"$out/b8_${model}_stderr.txt" | tee "$out/b8_$model.txt"
-  done ;;
+  python3 benchmarks/b8_encoders.py --model both --steps 10 --warmup 3 2>"$out/b8_stderr.txt" | tee "$out/b8.txt" ;;
 esac
