@@ -193,14 +193,17 @@ class MixedPrecisionOptimizer:
 
         if self.clip_grad > 0:
             coef = torch.clamp(self.clip_grad / (norm + _CLIP_EPS), max=1.0)
-            torch._foreach_mul_(grads, coef if scale == 1.0 else coef / scale)
+            self._scale_grads(grads, coef if scale == 1.0 else coef / scale)
         elif scale != 1.0:
-            torch._foreach_mul_(grads, 1.0 / scale)
+            self._scale_grads(grads, 1.0 / scale)
         for group in self.adamw.param_groups:
             group["lr"] = lr
         self.adamw.step()
         self._copy_masters_to_model()
         return StepResult(grad_norm, False, self.loss_scaler.scale)
+
+    def _scale_grads(self, grads: list[torch.Tensor], factor: torch.Tensor | float) -> None:
+        torch._foreach_mul_(grads, factor)
 
     @torch.no_grad()
     def reload_model_params(self) -> None:
