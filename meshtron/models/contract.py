@@ -239,7 +239,9 @@ class ParamMeta:
     embedding), whose gradients are summed between them and counted once, on "first".
     ``grad_group``: the mesh dimension its gradient is reduced over ("edp" for routed experts).
     ``ep_size`` / ``ep_rank``: a routed expert weight's dim 0 (the global expert id) is cut into
-    ``ep_size`` consecutive runs; this rank holds run ``ep_rank`` (1 / 0: whole).
+    ``ep_size`` consecutive runs; this rank holds run ``ep_rank`` (1 / 0: whole). Under expert
+    tensor parallelism it is also split along ``tp_dim`` (each local expert's fc1 rows or fc2
+    columns): a rank's part is the product of the two.
     """
 
     global_shape: tuple[int, ...]

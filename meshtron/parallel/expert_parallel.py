@@ -153,7 +153,7 @@ class ExpertParallelExperts(nn.Module):
         mine, theirs = [rows.shape[0]] * self.etp, table.sum(1).tolist()
         gathered = _AllToAll.apply(rows.repeat(self.etp, 1), mine, theirs, self.etp_group)
         partial = _by_local_expert(gathered, table, lambda r, sizes: expert_ffn(r, self.weight1, self.weight2, sizes, self.cfg))
-        return _AllToAll.apply(partial, theirs, mine, self.etp_group).view(self.etp, rows.shape[0], -1).sum(0)
+        return _AllToAll.apply(partial, theirs, mine, self.etp_group).view(self.etp, *rows.shape).sum(0)
 
     def _alltoall(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
         counts = group_sizes.to(torch.int64).view(self.ep, self.num_local).contiguous()

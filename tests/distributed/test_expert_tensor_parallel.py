@@ -12,9 +12,12 @@ One spawn of 4 gloo processes (fp32, CPU) runs every case through the same runne
   etp2 x sp (replicated optimizer) and FSDP2 with ep2: the gradient norm (each expert slice
   counted once), the updated weights and the expert bias equal a one-process runner's, and the
   checkpoint each layout saves, loaded into one process, equals the one-process runner's state
-  (weights, masters, Adam moments);
+  (weights, masters, Adam moments) and continues with its next step's loss and gradient norm;
 - one process's checkpoint loaded into a fresh ep2 x etp2 layout and saved again reads back the
-  same: resharding 1 -> ep2 x etp2 -> 1.
+  same: resharding 1 -> ep2 x etp2 -> 1;
+- the alltoall and allgather dispatchers stay bit-identical under etp; and the experts alone
+  (ep2 x etp2, sequence parallel) with an etp rank that sends no row and experts that receive
+  none: outputs and gradients equal one process's experts.
 """
 
 from __future__ import annotations
@@ -23,13 +26,15 @@ import pytest
 import torch
 
 from launcher import by_name, run_distributed
-from meshtron.checkpoint.checkpoint import save_checkpoint
+from meshtron.checkpoint.checkpoint import load_checkpoint, save_checkpoint
 from meshtron.config import ParallelConfig
+from meshtron.models.contract import Halves, ParamMeta
+from meshtron.parallel.expert_parallel import ExpertParallelExperts, expert_tensor_parallel_split
 from meshtron.parallel.mesh import Mesh
 from meshtron.parallel.plan import gather_full
 from meshtron.parallel.setup import runner_for
 from test_expert_parallel import (CONFIGS, MOE_BIAS, TRAIN, _assert_same_state, _bias_runner, _one_process_step, _parallel,
-                                  _reference, _reload, _state_in_one_process)  # fmt: skip
+                                  _reference, _reload, _state_in_one_process, _zero_token_experts, _zero_token_inputs)  # fmt: skip
 from test_model_contract import MICRO_BATCHES, RTOL, _check, _decoder, _micro_batches, _train_step
 
 try:
@@ -91,6 +96,24 @@ def _step(runner, save_dir: str) -> dict:
     return {"grad_norm": result.grad_norm, "params": params, "biases": biases}
 
 
+def _zero_tokens(mesh: Mesh, dispatcher: str) -> dict:
+    """``test_expert_parallel``'s rows (rank 1 sends none, experts 1 and 2 receive none) through
+    ep2 x etp2 experts under sequence parallelism: outputs, input gradients, whole weight gradients."""
+    whole = _zero_token_experts()
+    experts = ExpertParallelExperts(whole, mesh.ep_group, mesh.ep, mesh.ep_rank, dispatcher, mesh.etp_group, Halves(2), True)
+    x, sizes, weighting = _zero_token_inputs(mesh.rank)
+    x.requires_grad_(True)
+    out = experts(x, sizes)
+    (out * weighting).sum().backward()
+    grads = {}
+    for name, param in experts.named_parameters():
+        dim, layout = expert_tensor_parallel_split(name, Halves(2))
+        meta = ParamMeta(tuple(getattr(whole, name).shape), tp_dim=dim, layout=layout, tp_size=mesh.tp, tp_rank=mesh.tp_rank,
+                         ep_size=mesh.ep, ep_rank=mesh.ep_rank)  # fmt: skip
+        grads[name] = gather_full(param.grad, meta, mesh)
+    return {"out": out.detach(), "x_grad": x.grad, "grads": grads}
+
+
 def _mesh(rank: int, sizes: dict) -> Mesh:
     mesh = Mesh(**sizes, rank=rank)
     mesh.init_process_groups()
@@ -111,7 +134,10 @@ def _worker(rank: int, world_size: int, tmp: str) -> dict:
     mesh = _mesh(rank, FSDP_LAYOUTS["fsdp_ep2_dp4"])
     out["step/fsdp_ep2_dp4"] = _step(_fsdp_runner(mesh, MOE_BIAS), f"{tmp}/step_fsdp_ep2_dp4")
     # One process's checkpoint (saved by pytest's process before the spawn) into ep2 x etp2.
-    _reload(_mesh(rank, EP2_TP2), f"{tmp}/one_process", f"{tmp}/reloaded")
+    mesh = _mesh(rank, EP2_TP2)
+    _reload(mesh, f"{tmp}/one_process", f"{tmp}/reloaded")
+    for dispatcher in ("alltoall", "allgather"):
+        out[f"zero/{dispatcher}"] = _zero_tokens(mesh, dispatcher)
     return out
 
 
@@ -162,5 +188,55 @@ def test_optimizer_step_and_checkpoint_match_one_process(runs, tmp, name):
     _assert_same_state(_state_in_one_process(f"{tmp}/step_{name}"), ref["state"], f"{name} checkpoint, loaded in one process")
 
 
+def _continue_in_one_process(load_dir: str) -> tuple[float, float]:
+    """A second step (the same batches again) of a one-process runner from the checkpoint in
+    ``load_dir``: its loss and gradient norm."""
+    runner = _bias_runner(Mesh())
+    load_checkpoint(load_dir, runner.model, runner.optimizer, load_rng=False, metas=runner.metas)
+    runner.optimizer.zero_grad()
+    loss = runner.forward_backward(_micro_batches())
+    runner.finalize_grads()
+    return (loss.total / loss.count).item(), runner.optimizer.step(TRAIN.lr).grad_norm
+
+
+@pytest.mark.parametrize("name", [*STEPS, "fsdp_ep2_dp4"])
+def test_checkpoint_continues_in_one_process(runs, tmp, name):
+    """Resharding to one process continues with the one-process run's next loss and norm."""
+    _one_process_step(tmp)
+    loss, norm = _continue_in_one_process(f"{tmp}/step_{name}")
+    ref_loss, ref_norm = _continue_in_one_process(f"{tmp}/one_process")
+    assert abs(loss - ref_loss) <= RTOL * ref_loss and abs(norm - ref_norm) <= RTOL * ref_norm, (loss, ref_loss, norm, ref_norm)
+
+
 def test_one_process_checkpoint_loads_into_expert_tensor_parallel_layout(runs, tmp):
     _assert_same_state(_state_in_one_process(f"{tmp}/reloaded"), _one_process_step(tmp)["state"], "1 -> ep2 x etp2 -> 1")
+
+
+def test_dispatchers_are_bit_identical_under_expert_tensor_parallelism(runs):
+    for a, b in zip(runs["ep2_etp2"], runs["ep2_etp2_allgather"]):
+        assert a["loss"] == b["loss"] and a["aux"] == b["aux"]
+        for pname, grad in a["grads"].items():
+            assert torch.equal(grad, b["grads"][pname]), f"{pname} differs between dispatchers"
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_ranks_and_experts_without_tokens_under_expert_tensor_parallelism(runs, dispatcher):
+    """Rank 1 (an etp peer of rank 0) sends no row; experts 1 and 2 receive none: each rank's
+    outputs and input gradients, and the weight gradients, equal one process's experts."""
+    experts = _zero_token_experts()
+    total, outputs = torch.zeros(()), []
+    for rank in range(4):
+        x, sizes, weighting = _zero_token_inputs(rank)
+        x.requires_grad_(True)
+        out = experts(x, sizes)
+        total = total + (out * weighting).sum()
+        outputs.append((out, x))
+    total.backward()
+    for rank, r in enumerate(runs[f"zero/{dispatcher}"]):
+        out, x = outputs[rank]
+        torch.testing.assert_close(r["out"], out.detach(), rtol=RTOL, atol=1e-6)
+        if x.numel():
+            torch.testing.assert_close(r["x_grad"], x.grad, rtol=RTOL, atol=1e-6)
+        for pname, grad in r["grads"].items():
+            torch.testing.assert_close(grad, getattr(experts, pname).grad, rtol=RTOL, atol=1e-6)
+            assert not grad[1:3].any(), "experts 1 and 2 received no token but have a gradient"
