@@ -170,4 +170,5 @@ def build_fsdp_optimizer(model: nn.Module, train_cfg: Any, compute_dtype: torch.
     grad_group = {name: metas[name].grad_group for name in metas} if metas is not None else {}
     groups = [{**group, "params": params} for group in build_param_groups(model, train_cfg.weight_decay, metas)
               for _, params in _by_grad_group((grad_group.get(name, "dp_cp"), (name, p)) for name, p in group["params"])]  # fmt: skip
-    return FSDPOptimizer(groups, **optimizer_settings(train_cfg, compute_dtype), grads=FSDPGrads(model), metas=metas, ep_group=ep_group)
+    settings = optimizer_settings(train_cfg, compute_dtype)
+    return FSDPOptimizer(groups, **settings, grads=FSDPGrads(model), metas=metas, ep_group=ep_group)

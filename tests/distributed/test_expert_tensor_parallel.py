@@ -3,9 +3,10 @@ equal to one process.
 
 One spawn of 4 gloo processes (fp32, CPU) runs every case through the same runner as training:
 
-- etp2 (tp2, ep1) with and without sequence parallelism, ep2 x etp2 with both dispatchers and
-  with sequence parallelism (DeepSeek's per-sequence balancing loss, a gated shared expert):
-  the step loss, each balancing term and every gradient equal one process's (1e-5 relative);
+- etp2 (tp2, ep1) with and without sequence parallelism and with pp2, ep2 x etp2 with both
+  dispatchers and with sequence parallelism (DeepSeek's per-sequence balancing loss, a gated
+  shared expert): the step loss, each balancing term and every gradient equal one process's
+  (1e-5 relative);
 - FSDP2 with ep2 (dp4: experts sharded over an edp group of 2) and ep4 (edp 1): loss, balancing
   terms and gradients the same way;
 - one optimizer step under ep2 x etp2 (the distributed optimizer sharding experts over edp),
@@ -48,6 +49,7 @@ EP2_TP2 = dict(tp=2, dp=2, ep=2, etp=2)
 LAYOUTS = {
     "etp2": (TP2, "moe", False),
     "etp2_sp": (TP2, "sequence", True),
+    "etp2_pp2": (dict(tp=2, pp=2, etp=2), "moe", False),
     "ep2_etp2": (EP2_TP2, "moe", False),
     "ep2_etp2_allgather": (EP2_TP2, "allgather", False),
     "ep2_etp2_sp": (EP2_TP2, "sequence", True),
