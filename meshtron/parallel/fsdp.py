@@ -68,7 +68,10 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype = torch.fl
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     if mesh.ep > 1:
         expert_mesh = DeviceMesh.from_group(mesh.edp_group, device_type)
-        for module in _routed_expert_modules(model, metas or {}):
+        experts = _routed_expert_modules(model, metas or {})
+        if not experts:
+            raise ValueError("apply_fsdp under expert parallelism needs the plan's records (metas) to find the routed experts")
+        for module in experts:
             fully_shard(module, mesh=expert_mesh, mp_policy=policy)
     for block in model.blocks():
         fully_shard(block, mesh=device_mesh, mp_policy=policy)
@@ -150,7 +153,8 @@ class FSDPOptimizer(MixedPrecisionOptimizer):
         return total.sqrt()
 
     def _scale_grads(self, grads: list[torch.Tensor], factor: torch.Tensor | float) -> None:
-        """One foreach per gradient group: a foreach op cannot mix DTensors of two meshes."""
+        """One foreach per gradient group: a foreach op cannot mix DTensors of two meshes. ``grads``
+        are every master's gradient; they are taken again from the masters to know their groups."""
         for _, group_grads in _by_grad_group(zip(self._grad_group_of, [m.grad for m in self._master_params()])):
             present = [g for g in group_grads if g is not None]
             if present:
