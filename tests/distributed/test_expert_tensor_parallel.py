@@ -14,8 +14,8 @@ One spawn of 4 gloo processes (fp32, CPU) runs every case through the same runne
   counted once), the updated weights and the expert bias equal a one-process runner's, and the
   checkpoint each layout saves, loaded into one process, equals the one-process runner's state
   (weights, masters, Adam moments) and continues with its next step's loss and gradient norm;
-- one process's checkpoint loaded into a fresh ep2 x etp2 layout and saved again reads back the
-  same: resharding 1 -> ep2 x etp2 -> 1;
+- one process's checkpoint loaded into a fresh ep2 x etp2 layout (and into FSDP2 ep2) and saved
+  again reads back the same: resharding 1 -> ep2 x etp2 -> 1 and 1 -> FSDP2 ep2 -> 1;
 - the alltoall and allgather dispatchers stay bit-identical under etp; and the experts alone
   (ep2 x etp2, sequence parallel) with an etp rank that sends no row and experts that receive
   none: outputs and gradients equal one process's experts.
@@ -135,6 +135,9 @@ def _worker(rank: int, world_size: int, tmp: str) -> dict:
         out[f"step/{name}"] = _step(_bias_runner(mesh, sp, distributed), f"{tmp}/step_{name}")
     mesh = _mesh(rank, FSDP_LAYOUTS["fsdp_ep2_dp4"])
     out["step/fsdp_ep2_dp4"] = _step(_fsdp_runner(mesh, MOE_BIAS), f"{tmp}/step_fsdp_ep2_dp4")
+    runner = _fsdp_runner(mesh, MOE_BIAS)  # one process's checkpoint into FSDP2 ep2, saved again
+    load_checkpoint(f"{tmp}/one_process", runner.model, runner.optimizer, load_rng=False, mesh=mesh, metas=runner.metas)
+    save_checkpoint(f"{tmp}/reloaded_fsdp", 1, runner.model, runner.optimizer, {}, mesh, metas=runner.metas)
     # One process's checkpoint (saved by pytest's process before the spawn) into ep2 x etp2.
     mesh = _mesh(rank, EP2_TP2)
     _reload(mesh, f"{tmp}/one_process", f"{tmp}/reloaded")
@@ -210,8 +213,10 @@ def test_checkpoint_continues_in_one_process(runs, tmp, name):
     assert abs(loss - ref_loss) <= RTOL * ref_loss and abs(norm - ref_norm) <= RTOL * ref_norm, (loss, ref_loss, norm, ref_norm)
 
 
-def test_one_process_checkpoint_loads_into_expert_tensor_parallel_layout(runs, tmp):
-    _assert_same_state(_state_in_one_process(f"{tmp}/reloaded"), _one_process_step(tmp)["state"], "1 -> ep2 x etp2 -> 1")
+@pytest.mark.parametrize("name", ["reloaded", "reloaded_fsdp"])
+def test_one_process_checkpoint_loads_into_expert_layouts(runs, tmp, name):
+    """1 -> ep2 x etp2 (distributed optimizer) or FSDP2 ep2 -> 1 reads back the same state."""
+    _assert_same_state(_state_in_one_process(f"{tmp}/{name}"), _one_process_step(tmp)["state"], f"1 -> {name} -> 1")
 
 
 def test_dispatchers_are_bit_identical_under_expert_tensor_parallelism(runs):
