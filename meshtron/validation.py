@@ -15,6 +15,7 @@ from meshtron.errors import ConfigError
 from meshtron.flags import noted_flag_errors
 from meshtron.layers.mla import mla_config_errors
 from meshtron.layers.moe import moe_config_errors
+from meshtron.layers.moe.experts import expert_ffn_hidden_size
 from meshtron.models import model_config_errors, model_layout_errors
 from meshtron.optim.optimizer import OPTIMIZER_IMPLS
 from meshtron.parallel.pipeline_schedules import split_layers
@@ -228,12 +229,19 @@ def _check_data_path(tokens: list[str]) -> list[str]:
 
 def expert_parallel_errors(cfg: Config, dp: int) -> list[str]:
     """Expert parallelism against the model and the layout (``dp`` data-parallel ranks): experts
-    to split, evenly, over ranks carved out of dp x cp; what is not implemented for it."""
+    to split, evenly, over ranks carved out of dp x cp, and their FFNs over tp with expert tensor
+    parallelism (etp 1 or tp only); what is not implemented for it."""
     m, p = cfg.model, cfg.parallel
-    ep, errors = p.expert_parallel, []
-    if p.expert_tensor_parallel != 1:
-        errors.append(f"--expert-tensor-parallel-size {p.expert_tensor_parallel}: splitting experts over tensor parallelism "
-                      "is not implemented (experts stay whole, replicated over tp); set --expert-tensor-parallel-size 1")  # fmt: skip
+    ep, etp, errors = p.expert_parallel, p.expert_tensor_parallel, []
+    if etp not in (1, p.tensor_parallel):
+        errors.append(f"--expert-tensor-parallel-size {etp} must be 1 (experts whole on every tp rank) or equal to "
+                      f"--tensor-model-parallel-size {p.tensor_parallel} (experts split like the dense MLP); other sizes "
+                      "are not implemented")  # fmt: skip
+    elif etp > 1 and m.num_experts <= 0:
+        errors.append(f"--expert-tensor-parallel-size {etp} needs a mixture-of-experts model (--num-experts); set it to 1")
+    elif etp > 1 and expert_ffn_hidden_size(m) % etp:
+        errors.append(f"--expert-tensor-parallel-size {etp} must divide the experts' FFN width {expert_ffn_hidden_size(m)} "
+                      "(--moe-ffn-hidden-size); change either")  # fmt: skip
     if m.num_experts > 0 and m.moe_token_dispatcher_type not in ("alltoall", "allgather"):
         errors.append(f"--moe-token-dispatcher-type must be alltoall or allgather, got '{m.moe_token_dispatcher_type}'")
     if ep <= 1:
@@ -247,9 +255,6 @@ def expert_parallel_errors(cfg: Config, dp: int) -> list[str]:
     if (dp * p.context_parallel) % ep:
         errors.append(f"--expert-model-parallel-size {ep} must divide data parallel {dp} x --context-parallel-size "
                       f"{p.context_parallel} (expert-parallel ranks are carved out of them); change it or the number of processes")  # fmt: skip
-    if p.fsdp:
-        errors.append("--use-torch-fsdp2 does not shard routed experts over the expert-data-parallel group yet; use "
-                      "--use-distributed-optimizer with --expert-model-parallel-size, or set it to 1")  # fmt: skip
     return errors
 
 

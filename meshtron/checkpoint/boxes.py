@@ -16,7 +16,8 @@ boxes this rank holds and views of its memory for each. A rank's part is rarely 
   rows, a partial last row, recursively over the dims): ``flat_boxes``.
 - expert parallelism: a routed expert weight holds experts ``ParamMeta.expert_index()``, a run of
   dim 0 (the global expert id), so its boxes sit that many experts further along dim 0.
-- FSDP2 parameters are DTensors: their placement gives the one box (``dtensor_box``).
+- FSDP2 parameters are DTensors: their placement gives the one box (``dtensor_box``); routed
+  experts are DTensors over the expert-data-parallel group, that box shifted to their experts.
 
 The box views alias the live tensors: saving reads them, loading writes into them in place.
 """
@@ -111,7 +112,7 @@ def param_boxes(data: torch.Tensor, local_shape: tuple[int, ...], meta: ParamMet
     ``[start, start + numel)`` of this rank's local (tp-sharded) tensor of ``local_shape`` (the
     whole local tensor when ``start`` is 0 and the sizes match)."""
     if isinstance(data, DTensor):
-        return dtensor_box(data)
+        return dtensor_box(data, meta)
     shape = tuple(meta.global_shape) if meta is not None and data.dim() else tuple(local_shape)
     experts = meta.expert_index() if meta is not None and data.dim() else None
     first_expert = int(experts[0]) if experts is not None else 0
@@ -140,12 +141,17 @@ def _shift(offsets: Offsets, first_expert: int) -> Offsets:
     return (offsets[0] + first_expert, *offsets[1:]) if first_expert else offsets
 
 
-def dtensor_box(tensor: DTensor) -> Sharded:
-    """A DTensor's local shard (FSDP2: a run of rows, possibly empty) as a box of its global shape."""
+def dtensor_box(tensor: DTensor, meta: ParamMeta | None = None) -> Sharded:
+    """A DTensor's local shard (FSDP2: a run of rows, possibly empty) as a box of its global
+    shape; for routed experts (sharded over edp) of the global shape of all experts, this ep
+    rank's experts ``meta.expert_index()`` further along dim 0."""
     sizes, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
     local = tensor.to_local().detach()
-    boxes = [Box(tuple(offsets), local.view(sizes))] if math.prod(sizes) else []
-    return Sharded(tuple(tensor.shape), tensor.dtype, boxes)
+    experts = meta.expert_index() if meta is not None and tensor.dim() else None
+    shape = tuple(meta.global_shape) if experts is not None else tuple(tensor.shape)
+    offsets = _shift(tuple(offsets), int(experts[0])) if experts is not None else tuple(offsets)
+    boxes = [Box(offsets, local.view(sizes))] if math.prod(sizes) else []
+    return Sharded(shape, tensor.dtype, boxes)
 
 
 def scalar(value: torch.Tensor, present: bool = True) -> Sharded:

@@ -209,10 +209,16 @@ class ExpertParallel:
     per-expert group sizes -> outputs in the same rows) whose stacked weights' dim 0 is the global
     expert id: each expert-parallel rank keeps ``num_experts / ep`` consecutive experts and the
     rows are exchanged over the ep group by ``dispatcher`` (``alltoall`` or ``allgather``). Their
-    gradients are reduced over the expert-data-parallel group; under sequence parallelism they are
-    partial sums over tp (each tp rank routes its own sequence shard)."""
+    gradients are reduced over the expert-data-parallel group.
+
+    With expert tensor parallelism each expert's FFN is split over tp like the dense MLP:
+    ``weight1`` [E, fc1, h] by its fc1 rows in ``fc1_layout`` (``Halves(2)`` for SwiGLU's [gate;
+    up]), ``weight2`` [E, h, ffn] by its ffn columns. Without it the experts are whole on every tp
+    rank, and under sequence parallelism their gradients are partial sums over tp (each tp rank
+    routes its own sequence shard)."""
 
     dispatcher: str = "alltoall"
+    fc1_layout: Layout = Contiguous()
 
 
 @dataclass(frozen=True)
@@ -242,7 +248,9 @@ class ParamMeta:
     embedding), whose gradients are summed between them and counted once, on "first".
     ``grad_group``: the mesh dimension its gradient is reduced over ("edp" for routed experts).
     ``ep_size`` / ``ep_rank``: a routed expert weight's dim 0 (the global expert id) is cut into
-    ``ep_size`` consecutive runs; this rank holds run ``ep_rank`` (1 / 0: whole).
+    ``ep_size`` consecutive runs; this rank holds run ``ep_rank`` (1 / 0: whole). Under expert
+    tensor parallelism it is also split along ``tp_dim`` (each local expert's fc1 rows or fc2
+    columns): a rank's part is the product of the two.
     """
 
     global_shape: tuple[int, ...]

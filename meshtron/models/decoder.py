@@ -78,12 +78,12 @@ def decoder_plan(cfg: ModelConfig) -> c.Plan:
     Attention: q heads and kv groups split so each rank has whole heads (kv heads replicated when
     fewer than tp), output projection split by the same heads; MLA likewise by heads, its
     down-projections and latent norms replicated (``layers/mla.py``). MLP: fc1 by output features
-    (gate and up separately for SwiGLU), fc2 by input features. Mixture-of-experts layers are
-    replicated over tp. Embedding and output layer: by vocabulary, the loss computed on the
+    (gate and up separately for SwiGLU), fc2 by input features. Embedding and output layer: by vocabulary, the loss computed on the
     shards. Norms (and other replicated token-wise modules) see 1/tp of the tokens under sequence
     parallelism; learned positions are cut to match the embedding's sequence shard.
 
-    Mixture of experts: routed experts split over ep, whole over tp; the router and shared experts
+    Mixture of experts: routed experts split over ep, and over tp like the MLP with expert tensor
+    parallelism (whole on every tp rank without it); the router and shared experts
     whole on every rank (under sequence parallelism each tp rank routes its sequence shard, so
     their gradients are partial over tp like a norm's), the balancing statistics summed over the
     sequence shards.
@@ -107,7 +107,7 @@ def decoder_plan(cfg: ModelConfig) -> c.Plan:
         (attn + "core_attention", c.ContextParallelCore()),
         ("layers.*.mlp.linear_fc1", c.ColumnParallel(fc1)),
         ("layers.*.mlp.linear_fc2", c.RowParallel()),
-        ("layers.*.mlp.experts", c.ExpertParallel(cfg.moe_token_dispatcher_type)),
+        ("layers.*.mlp.experts", c.ExpertParallel(cfg.moe_token_dispatcher_type, fc1)),
         ("layers.*.mlp.token_sum", c.SequenceSum()),
         ("layers.*.mlp.router", c.SequenceParallelNorm()),
         ("layers.*.mlp.shared_experts", c.SequenceParallelNorm()),

@@ -267,7 +267,7 @@ class MixedPrecisionOptimizer:
             self._fused_step(coef, lr)
         else:
             if coef is not None:
-                torch._foreach_mul_(grads, coef)
+                self._scale_grads(grads, coef)
             self.adamw.step()
             self._copy_masters_to_model()
         return StepResult(grad_norm, False, self.loss_scaler.scale)
@@ -290,6 +290,10 @@ class MixedPrecisionOptimizer:
 
     def _publish_model(self) -> None:
         """After the fused step wrote this rank's model copy: make it every rank's (nothing here)."""
+
+    def _scale_grads(self, grads: list[torch.Tensor], factor: torch.Tensor | float) -> None:
+        """Multiply every gradient by ``factor`` (FSDP's optimizer does it per sharding group)."""
+        torch._foreach_mul_(grads, factor)
 
     @torch.no_grad()
     def reload_model_params(self) -> None:

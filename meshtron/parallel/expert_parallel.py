@@ -22,6 +22,16 @@ Both transports are autograd functions whose backward runs the reverse collectiv
 the experts the same rows in the same order, so the two dispatchers compute bit-identical
 results. A rank that sends or receives no row, or an expert that gets none, still takes part in
 every collective with empty buffers (its weights get a zero gradient, as at one process).
+
+Expert tensor parallelism (etp = tp) then splits every local expert's FFN over the tp group as
+the dense MLP is split: ``weight1``'s fc1 rows column-parallel (SwiGLU's gate and up halves kept
+in pairs, ``Halves(2)``), ``weight2``'s ffn columns row-parallel, so each rank computes a partial
+output that the group sums. Without sequence parallelism the tp ranks routed the same tokens and
+hold the same rows: the rows enter as a column-parallel input (gradient all-reduced) and the
+partial outputs are all-reduced. Under sequence parallelism each tp rank routed its own shard:
+the rows of the whole group are gathered (counts first, variable sizes), regrouped by local
+expert, and the partial outputs reduce-scattered back to the ranks they came from, as Megatron-
+Core's dispatcher does over its etp group.
 """
 
 from __future__ import annotations
@@ -33,10 +43,24 @@ from torch import nn
 
 from meshtron.errors import ConfigError
 from meshtron.layers.moe.experts import expert_ffn
+from meshtron.models.contract import Contiguous, Layout
 from meshtron.optim.grad_buffer import all_gather_single
-from meshtron.parallel.tensor_parallel import all_gather_sequence, reduce_scatter_sequence
+from meshtron.parallel.tensor_parallel import (
+    all_gather_sequence,
+    copy_to_tp_region,
+    group_rank,
+    group_size,
+    reduce_from_tp_region,
+    reduce_scatter_sequence,
+)
 
 DISPATCHERS = ("alltoall", "allgather")
+
+
+def expert_tensor_parallel_split(pname: str, fc1_layout: Layout) -> tuple[int, Layout]:
+    """(dim, layout) along which expert tensor parallelism splits the stacked expert weight
+    ``pname``: fc1 rows of ``weight1`` [E, fc1, h], ffn columns of ``weight2`` [E, h, ffn]."""
+    return (1, fc1_layout) if pname == "weight1" else (2, Contiguous())
 
 
 def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
@@ -70,11 +94,22 @@ def source_major_to_expert_major(received: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(chunk_starts, sizes) + offset_in_chunk
 
 
+def _by_local_expert(rows: torch.Tensor, received: torch.Tensor, ffn) -> torch.Tensor:
+    """``ffn(rows grouped by local expert, group sizes)`` for rows ordered [source][local expert]
+    (chunk sizes ``received`` [sources, L]); outputs back in the rows' order."""
+    index = source_major_to_expert_major(received)
+    out = ffn(rows.index_select(0, index), received.sum(0))
+    return out.index_select(0, torch.argsort(index))
+
+
 class ExpertParallelExperts(nn.Module):
     """The routed experts of one layer on one ep rank: experts ``ep_rank * L .. + L`` of ``experts``
-    (L = E / ep), same parameter names, rows exchanged over ``group`` by ``dispatcher``."""
+    (L = E / ep), same parameter names, rows exchanged over ``group`` by ``dispatcher``; with an
+    ``etp_group`` of several ranks, this rank's slice of each expert's FFN (``fc1_layout`` for
+    ``weight1``'s rows), its rows those of ``sequence_parallel`` shards or replicated over it."""
 
-    def __init__(self, experts: nn.Module, group, ep: int, ep_rank: int, dispatcher: str):
+    def __init__(self, experts: nn.Module, group, ep: int, ep_rank: int, dispatcher: str, etp_group=None,
+                 fc1_layout: Layout = Contiguous(), sequence_parallel: bool = False):  # fmt: skip
         super().__init__()
         num_experts = experts.weight1.shape[0]
         if num_experts % ep:
@@ -82,24 +117,43 @@ class ExpertParallelExperts(nn.Module):
         if dispatcher not in DISPATCHERS:
             raise ConfigError(f"--moe-token-dispatcher-type must be one of {', '.join(DISPATCHERS)}, got '{dispatcher}'")
         self.cfg, self.group, self.ep, self.dispatcher = experts.cfg, group, ep, dispatcher
+        self.etp_group, self.etp, self.sequence_parallel = etp_group, group_size(etp_group), sequence_parallel
         self.num_local, self.ep_rank = num_experts // ep, ep_rank
         first = ep_rank * self.num_local
         with torch.no_grad():
             for name, param in experts.named_parameters(recurse=False):
-                local = param[first : first + self.num_local].clone()
-                self.register_parameter(name, nn.Parameter(local, requires_grad=param.requires_grad))
+                local = param[first : first + self.num_local]
+                if self.etp > 1:
+                    dim, layout = expert_tensor_parallel_split(name, fc1_layout)
+                    if not layout.divisible(param.shape[dim], self.etp):
+                        raise ConfigError(f"the experts' {param.shape[dim]}-wide {name} does not split over "
+                                          f"--expert-tensor-parallel-size {self.etp}; change --moe-ffn-hidden-size or etp")  # fmt: skip
+                    local = local.index_select(dim, layout.local_index(param.shape[dim], self.etp, group_rank(etp_group)).to(param.device))
+                self.register_parameter(name, nn.Parameter(local.clone(), requires_grad=param.requires_grad))
 
     def forward(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
         """x [R, h] grouped by global expert (``group_sizes`` [E]) -> their outputs [R, h]."""
+        if self.ep == 1:
+            return self._ffn(x, group_sizes)
         if self.dispatcher == "alltoall":
             return self._alltoall(x, group_sizes)
         return self._allgather(x, group_sizes)
 
-    def _local_experts(self, rows: torch.Tensor, received: torch.Tensor) -> torch.Tensor:
-        """Rows ordered [source][local expert] (chunk sizes ``received`` [ep, L]) -> outputs, same order."""
-        index = source_major_to_expert_major(received)
-        out = expert_ffn(rows.index_select(0, index), self.weight1, self.weight2, received.sum(0), self.cfg)
-        return out.index_select(0, torch.argsort(index))
+    def _ffn(self, rows: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+        """Rows grouped by local expert (``group_sizes`` [L]) -> outputs, whole experts or split over etp."""
+        if self.etp == 1:
+            return expert_ffn(rows, self.weight1, self.weight2, group_sizes, self.cfg)
+        if not self.sequence_parallel:  # every etp rank holds these same rows
+            partial = expert_ffn(copy_to_tp_region(rows, self.etp_group), self.weight1, self.weight2, group_sizes, self.cfg)
+            return reduce_from_tp_region(partial, self.etp_group)
+        counts = group_sizes.to(torch.int64).contiguous()
+        table = counts.new_empty(self.etp * counts.numel())
+        all_gather_single(table, counts, group=self.etp_group)
+        table = table.view(self.etp, -1)  # every etp rank's rows per local expert
+        mine, theirs = [rows.shape[0]] * self.etp, table.sum(1).tolist()
+        gathered = _AllToAll.apply(rows.repeat(self.etp, 1), mine, theirs, self.etp_group)
+        partial = _by_local_expert(gathered, table, lambda r, sizes: expert_ffn(r, self.weight1, self.weight2, sizes, self.cfg))
+        return _AllToAll.apply(partial, theirs, mine, self.etp_group).view(self.etp, *rows.shape).sum(0)
 
     def _alltoall(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
         counts = group_sizes.to(torch.int64).view(self.ep, self.num_local).contiguous()
@@ -107,7 +161,7 @@ class ExpertParallelExperts(nn.Module):
         dist.all_to_all_single(received, counts, group=self.group)
         send, recv = counts.sum(1).tolist(), received.sum(1).tolist()  # the one host sync: split sizes
         rows = _AllToAll.apply(x, send, recv, self.group)
-        return _AllToAll.apply(self._local_experts(rows, received), recv, send, self.group)
+        return _AllToAll.apply(_by_local_expert(rows, received, self._ffn), recv, send, self.group)
 
     def _allgather(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
         counts = group_sizes.to(torch.int64).contiguous()
@@ -122,9 +176,9 @@ class ExpertParallelExperts(nn.Module):
         before_mine = table[:, : mine.start].sum(1)
         source_rows = [torch.arange(int(n), device=x.device) + i * longest + int(b) for i, (b, n) in enumerate(zip(before_mine, received.sum(1)))]
         index = torch.cat(source_rows)
-        out = self._local_experts(gathered.index_select(0, index), received)
+        out = _by_local_expert(gathered.index_select(0, index), received, self._ffn)
         full = out.new_zeros(gathered.shape).index_copy(0, index, out)
         return reduce_scatter_sequence(full, self.group, dim=0)[: x.shape[0]]
 
     def extra_repr(self) -> str:
-        return f"{self.num_local} of {self.num_local * self.ep} experts, ep {self.ep}, {self.dispatcher}"
+        return f"{self.num_local} of {self.num_local * self.ep} experts, ep {self.ep}, etp {self.etp}, {self.dispatcher}"

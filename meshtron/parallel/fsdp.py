@@ -13,6 +13,12 @@ Gradients are summed over the data-parallel ranks, not averaged (the divide fact
 1): the trainer already divides each micro batch's loss by the token count of the whole global
 batch, as for ``GradBuffer``.
 
+With expert parallelism the routed experts are FSDP units of their own, sharded over the
+expert-data-parallel group (a DeviceMesh of its own: the ranks holding the same experts), while
+the rest of each block is sharded over dp x cp as without experts; FSDP then reduce-scatters the
+experts' gradients over edp only, and ``FSDPOptimizer`` sums their squares over ep so the
+gradient norm counts every expert once.
+
 Runs on gloo too (checked with torch 2.13 on the CPU: all-gather, reduce-scatter and bf16
 mixed precision), so the same equivalence tests as the other data-parallel paths hold it.
 """
@@ -23,6 +29,7 @@ import contextlib
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from meshtron.errors import ConfigError
@@ -36,10 +43,11 @@ except ImportError:  # torch 2.4 / 2.5
     from torch.distributed._composable.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 
-def apply_fsdp(
-    model: nn.Module, mesh: Mesh, param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype = torch.float32
-) -> nn.Module:
-    """Shard ``model`` (fp32, on its device) over ``mesh.dp_cp_group``, block by block, in place.
+def apply_fsdp(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype = torch.float32,
+               metas: dict[str, ParamMeta] | None = None) -> nn.Module:  # fmt: skip
+    """Shard ``model`` (fp32, on its device) over ``mesh.dp_cp_group``, block by block, in place;
+    under expert parallelism the modules holding parameters ``metas`` reduce over "edp" (routed
+    experts) over ``mesh.edp_group`` first.
 
     With one data-parallel rank the model is returned as it is (nothing to shard).
     """
@@ -58,6 +66,13 @@ def apply_fsdp(
     device_type = next(model.parameters()).device.type
     device_mesh = DeviceMesh.from_group(mesh.dp_cp_group, device_type)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    if mesh.ep > 1:
+        expert_mesh = DeviceMesh.from_group(mesh.edp_group, device_type)
+        experts = _routed_expert_modules(model, metas or {})
+        if not experts:
+            raise ValueError("apply_fsdp under expert parallelism needs the plan's records (metas) to find the routed experts")
+        for module in experts:
+            fully_shard(module, mesh=expert_mesh, mp_policy=policy)
     for block in model.blocks():
         fully_shard(block, mesh=device_mesh, mp_policy=policy)
     fully_shard(model, mesh=device_mesh, mp_policy=policy)
@@ -72,6 +87,24 @@ def apply_fsdp(
             if hasattr(module, "set_force_sum_reduction_for_comms"):
                 module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def _routed_expert_modules(model: nn.Module, metas: dict[str, ParamMeta]) -> list[nn.Module]:
+    """The modules whose own parameters are routed experts (gradients reduced over "edp")."""
+    found = []
+    for name, module in model.named_modules():
+        own = [f"{name}.{p}" if name else p for p, _ in module.named_parameters(recurse=False)]
+        if own and all(n in metas and metas[n].grad_group == "edp" for n in own):
+            found.append(module)
+    return found
+
+
+def _by_grad_group(pairs) -> list[tuple[str, list]]:
+    """``(gradient group, item)`` pairs -> the items of each group, groups in first-seen order."""
+    out: dict[str, list] = {}
+    for key, item in pairs:
+        out.setdefault(key, []).append(item)
+    return list(out.items())
 
 
 class FSDPGrads:
@@ -103,9 +136,29 @@ class FSDPOptimizer(MixedPrecisionOptimizer):
     """AdamW over the FSDP-sharded fp32 params (DTensors): masters, moments and grads are 1/dp."""
 
     def _total_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """The norm of DTensor shards is a DTensor; ``full_tensor`` completes it over dp."""
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        """The norm of DTensor shards is a DTensor; ``full_tensor`` completes it over the shards'
+        mesh, per gradient group (dense over dp x cp, routed experts over edp); the experts' sum
+        of squares is then completed over ep, where each rank holds other experts."""
+        masters = self._master_params()
+        total = torch.zeros((), dtype=torch.float32, device=masters[0].device)
+        for key, groups in self._partial_norm_groups.items():
+            mine = [m.grad for m, k in zip(masters, self._grad_group_of) if k == key and m.grad is not None]
+            if not mine:
+                continue
+            norm = torch.nn.utils.get_total_norm(mine, norm_type=2.0)
+            squares = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).float().square()
+            for group in groups:
+                dist.all_reduce(squares, group=group)
+            total = total + squares
+        return total.sqrt()
+
+    def _scale_grads(self, grads: list[torch.Tensor], factor: torch.Tensor | float) -> None:
+        """One foreach per gradient group: a foreach op cannot mix DTensors of two meshes. ``grads``
+        are every master's gradient; they are taken again from the masters to know their groups."""
+        for _, group_grads in _by_grad_group(zip(self._grad_group_of, [m.grad for m in self._master_params()])):
+            present = [g for g in group_grads if g is not None]
+            if present:
+                torch._foreach_mul_(present, factor)
 
     def param_states(self) -> list[ParamState]:
         """Masters and moments are DTensor shards: each data-parallel rank holds (and writes) its own."""
@@ -113,8 +166,13 @@ class FSDPOptimizer(MixedPrecisionOptimizer):
 
 
 def build_fsdp_optimizer(model: nn.Module, train_cfg: Any, compute_dtype: torch.dtype = torch.float32,
-                         metas: dict[str, ParamMeta] | None = None) -> FSDPOptimizer:  # fmt: skip
+                         metas: dict[str, ParamMeta] | None = None, ep_group: dist.ProcessGroup | None = None) -> FSDPOptimizer:  # fmt: skip
     """The optimizer for a model that went through ``apply_fsdp`` (same weight-decay groups as
-    ``build_optimizer``; ``compute_dtype``, FSDP's ``param_dtype``, picks the loss scaler)."""
-    groups = build_param_groups(model, train_cfg.weight_decay, metas)
-    return FSDPOptimizer(groups, **optimizer_settings(train_cfg, compute_dtype), grads=FSDPGrads(model), metas=metas)
+    ``build_optimizer``; ``compute_dtype``, FSDP's ``param_dtype``, picks the loss scaler;
+    ``ep_group`` the expert-parallel group, None without expert parallelism)."""
+    # AdamW runs one foreach per parameter group: routed experts (DTensors over edp) get their own.
+    grad_group = {name: metas[name].grad_group for name in metas} if metas is not None else {}
+    groups = [{**group, "params": params} for group in build_param_groups(model, train_cfg.weight_decay, metas)
+              for _, params in _by_grad_group((grad_group.get(name, "dp_cp"), (name, p)) for name, p in group["params"])]  # fmt: skip
+    settings = optimizer_settings(train_cfg, compute_dtype)
+    return FSDPOptimizer(groups, **settings, grads=FSDPGrads(model), metas=metas, ep_group=ep_group)

@@ -14,6 +14,11 @@ Megatron-Core: number those ranks ``k = cp_rank + cp * dp_rank``; an ``ep`` grou
 (expert data parallel) group is the ranks with the same position in their ep group (they hold
 the same experts and reduce those experts' gradients together).
 
+Expert tensor parallelism (``etp``) is either 1 (each expert whole on every tp rank, its rows
+those the tp rank routed) or tp: Megatron-Core's expert grid ``etp x ep x edp x pp`` then has the
+same fastest axis as attention's ``tp x cp x dp x pp``, so the ranks splitting one expert's FFN
+are exactly a tp group and no group of its own is needed (``etp_group`` is the tp group).
+
 The grid itself is pure Python (``group_ranks``, ``coords``) so that it can be printed and tested
 without processes; ``init_process_groups`` turns it into ``torch.distributed`` groups. A mesh of
 one process never touches ``torch.distributed``: every group is None, every size 1, every rank 0.
@@ -57,6 +62,7 @@ class Mesh:
     dp: int = 1
     pp: int = 1
     ep: int = 1
+    etp: int = 1
     rank: int = 0
     local_rank: int = 0
     _groups: dict = field(default_factory=dict, repr=False, compare=False)
@@ -69,6 +75,11 @@ class Mesh:
             raise ConfigError(
                 f"expert parallel size {self.ep} must divide data parallel {self.dp} x context parallel {self.cp} "
                 f"= {self.dp * self.cp}; change --expert-model-parallel-size or the number of processes"
+            )
+        if self.etp not in (1, self.tp):
+            raise ConfigError(
+                f"--expert-tensor-parallel-size {self.etp} must be 1 (experts whole on every tp rank) or equal to "
+                f"--tensor-model-parallel-size {self.tp} (experts split like the dense MLP); other sizes are not implemented"
             )
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank {self.rank} is outside a world of {self.world_size} processes")
@@ -95,6 +106,7 @@ class Mesh:
             dp=world_size // model_parallel,
             pp=p.pipeline_parallel,
             ep=p.expert_parallel,
+            etp=p.expert_tensor_parallel,
             rank=rank,
             local_rank=local_rank,
         )
@@ -150,7 +162,7 @@ class Mesh:
         """The layout in words: sizes, then which global ranks form each group, then this rank."""
         lines = [
             f"mesh: world {self.world_size} = tp {self.tp} x cp {self.cp} x dp {self.dp} x pp {self.pp}"
-            f" (ep {self.ep} inside dp x cp); rank order fastest to slowest: tp, cp, dp, pp"
+            f" (ep {self.ep} inside dp x cp, etp {self.etp}); rank order fastest to slowest: tp, cp, dp, pp"
         ]
         for dim in GROUP_DIMS:
             lines.append(f"  {dim:>5} groups: " + " ".join(str(g) for g in self.group_ranks(dim)))
@@ -203,6 +215,11 @@ class Mesh:
     def dp_cp(self) -> int:
         """Ranks that reduce a dense parameter's gradient together (data x context parallel)."""
         return self.size("dp_cp")
+
+    @property
+    def etp_group(self) -> dist.ProcessGroup | None:
+        """The ranks splitting one expert's FFN (the tp group when etp = tp; None when experts are whole)."""
+        return self.tp_group if self.etp > 1 else None
 
     @property
     def edp(self) -> int:

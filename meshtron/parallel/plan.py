@@ -22,7 +22,7 @@ from torch import nn
 from meshtron.errors import ConfigError
 from meshtron.models import contract as mc
 from meshtron.parallel.context_parallel import ContextParallelAttention
-from meshtron.parallel.expert_parallel import ExpertParallelExperts
+from meshtron.parallel.expert_parallel import ExpertParallelExperts, expert_tensor_parallel_split
 from meshtron.parallel.mesh import Mesh
 from meshtron.parallel.tensor_parallel import (
     ColumnParallelLinear,
@@ -80,7 +80,9 @@ def _replace(module: nn.Module, style: mc.Style, mesh: Mesh, sp: bool, cp_algori
     if isinstance(style, mc.ContextParallelCore):
         return ContextParallelAttention(mesh, cp_algorithm, cp_block_kernel, getattr(module, "scale", None)) if mesh.cp > 1 else None
     if isinstance(style, mc.ExpertParallel):
-        return ExpertParallelExperts(module, mesh.ep_group, mesh.ep, mesh.ep_rank, style.dispatcher) if mesh.ep > 1 else None
+        if mesh.ep == 1 and mesh.etp == 1:
+            return None
+        return ExpertParallelExperts(module, mesh.ep_group, mesh.ep, mesh.ep_rank, style.dispatcher, mesh.etp_group, style.fc1_layout, sp)
     if isinstance(style, mc.SequenceSum):
         return SequenceShardSum(mesh.tp_group) if sp else None
     if tp == 1:
@@ -146,7 +148,11 @@ def _meta(meta: mc.ParamMeta, style: mc.Style, pname: str, mesh: Mesh, sp: bool)
     if isinstance(style, (mc.RowParallel, mc.SequenceParallelNorm)):  # a row-parallel bias is added to the shards
         return dataclasses.replace(meta, sequence_partial=sp, **tp)
     if isinstance(style, mc.ExpertParallel):
-        return dataclasses.replace(meta, grad_group="edp", ep_size=mesh.ep, ep_rank=mesh.ep_rank, sequence_partial=sp, **tp)
+        expert = dict(grad_group="edp", ep_size=mesh.ep, ep_rank=mesh.ep_rank, **tp)
+        if mesh.etp > 1:  # each tp rank's slice sees every tp rank's rows: its gradient is whole
+            dim, layout = expert_tensor_parallel_split(pname, style.fc1_layout)
+            return dataclasses.replace(meta, tp_dim=dim, layout=layout, **expert)
+        return dataclasses.replace(meta, sequence_partial=sp, **expert)
     return dataclasses.replace(meta, **tp)
 
 
@@ -188,19 +194,21 @@ def finalize_tensor_parallel_grads(grads: dict[str, torch.Tensor], metas: ParamM
 
 def gather_full(tensor: torch.Tensor, meta: mc.ParamMeta, mesh: Mesh) -> torch.Tensor:
     """The full tensor from every tp rank's shard of it (a weight, its gradient or an optimizer
-    state of its shape), or from every ep rank's experts. Collective over tp (ep for routed
-    experts); the tensor itself when it is not split."""
-    if meta.ep_size > 1 and tensor.dim() > 0:
+    state of its shape) and, for routed experts, every ep rank's experts. Collective over tp (and
+    ep for routed experts); the tensor itself when it is not split."""
+    if tensor.dim() == 0:
+        return tensor
+    if meta.tp_dim is not None and mesh.tp > 1:
+        parts = [torch.empty_like(tensor) for _ in range(mesh.tp)]
+        dist.all_gather(parts, tensor.contiguous(), group=mesh.tp_group)
+        indices = [meta.layout.local_index(meta.global_shape[meta.tp_dim], mesh.tp, r) for r in range(mesh.tp)]
+        shape = list(meta.global_shape)
+        shape[0] = tensor.shape[0] if meta.ep_size > 1 else shape[0]  # this ep rank's experts only, so far
+        full = tensor.new_empty(shape)
+        # Replicated kv rows arrive from several ranks; their copies are equal.
+        tensor = full.index_copy_(meta.tp_dim, torch.cat(indices).to(tensor.device), torch.cat(parts, dim=meta.tp_dim))
+    if meta.ep_size > 1:
         parts = [torch.empty_like(tensor) for _ in range(meta.ep_size)]
         dist.all_gather(parts, tensor.contiguous(), group=mesh.ep_group)
-        return torch.cat(parts)  # ep rank r holds the r-th run of global expert ids
-    if meta.tp_dim is None or mesh.tp == 1 or tensor.dim() == 0:
-        return tensor
-    parts = [torch.empty_like(tensor) for _ in range(mesh.tp)]
-    dist.all_gather(parts, tensor.contiguous(), group=mesh.tp_group)
-    indices = [meta.layout.local_index(meta.global_shape[meta.tp_dim], mesh.tp, r) for r in range(mesh.tp)]
-    full = tensor.new_empty(meta.global_shape)
-    # Replicated kv rows arrive from several ranks; their copies are equal.
-    full.index_copy_(meta.tp_dim, torch.cat(indices).to(tensor.device), torch.cat(parts, dim=meta.tp_dim))
-    return full
-
+        tensor = torch.cat(parts)  # ep rank r holds the r-th run of global expert ids
+    return tensor

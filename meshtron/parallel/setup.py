@@ -69,8 +69,8 @@ def runner_for(model: ModelFamily, mesh: Mesh, parallel: ParallelConfig, train: 
     reduce_dtype = torch.bfloat16 if parallel.grad_reduce_in_bf16 else torch.float32  # --grad-reduce-in-bf16
     if parallel.fsdp and mesh.dp_cp > 1:
         # FSDP2 keeps fp32 sharded parameters as the master weights and casts to ``dtype`` to compute.
-        model = apply_fsdp(model, mesh, param_dtype=dtype, reduce_dtype=reduce_dtype)
-        optimizer = build_fsdp_optimizer(model, train, dtype, metas)
+        model = apply_fsdp(model, mesh, param_dtype=dtype, reduce_dtype=reduce_dtype, metas=metas)
+        optimizer = build_fsdp_optimizer(model, train, dtype, metas, ep_group=mesh.ep_group if mesh.ep > 1 else None)
     else:
         model.to(dtype=dtype)
         groups = {dim: mesh.group(dim) if mesh.size(dim) > 1 else None for dim in ("dp_cp", "tp", "pp", "ep", "edp")}

@@ -34,6 +34,12 @@ from meshtron.parallel.plan import gather_full
 from meshtron.parallel.setup import runner_for
 from test_model_contract import MOE, MICRO_BATCHES, RTOL, _check, _decoder, _micro_batches, _train_step, one_process_reference
 
+# Parameters after one Adam step: its update is each element's m / sqrt(v), about lr whatever the
+# gradient's size, so an element with a tiny gradient (a large relative rounding difference between
+# layouts) moves as much as any other. Gradients agree to RTOL normwise; the stepped weights and
+# the state checkpointed after the step to this.
+STEP_RTOL = 5e-5
+
 MOE_ALLGATHER = ModelConfig(**{**MOE.__dict__, "moe_token_dispatcher_type": "allgather"})
 MOE_SEQUENCE = ModelConfig(**{**MOE.__dict__, "moe_router_load_balancing_type": "seq_aux_loss",
                               "moe_shared_expert_intermediate_size": 32, "moe_shared_expert_gate": True})  # fmt: skip
@@ -193,7 +199,7 @@ def _assert_same_state(actual: dict, expected: dict, what: str) -> None:
     for key, value in flat_expected.items():
         assert flat_actual[key].shape == value.shape, f"{what}: {key} {tuple(flat_actual[key].shape)} != {tuple(value.shape)}"
         err = (flat_actual[key].double() - value.double()).norm() / value.double().norm().clamp(min=1e-30)
-        assert err <= RTOL, f"{what}: {key} relative error {err:.2e}"
+        assert err <= STEP_RTOL, f"{what}: {key} relative error {err:.2e}"
 
 
 def _flatten(tree, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -213,7 +219,7 @@ def test_optimizer_step_and_expert_bias_match_one_process(runs, tmp, name):
             assert torch.equal(r["biases"][bname], bias), f"{name} rank {rank}: {bname} {r['biases'][bname]} != {bias}"
         for pname, param in r["params"].items():
             err = (param - ref["params"][pname]).norm() / ref["params"][pname].norm()
-            assert err <= RTOL, f"{name} rank {rank}: {pname} after the step, relative error {err:.2e}"
+            assert err <= STEP_RTOL, f"{name} rank {rank}: {pname} after the step, relative error {err:.2e}"
     _assert_same_state(_state_in_one_process(f"{tmp}/step_{name}"), ref["state"], f"{name} checkpoint, loaded in one process")
 
 
