@@ -1,7 +1,8 @@
 """Model construction: the one place the training loop, checkpoints and tools get a model from.
 
 ``model.model_type`` picks the family (Megatron users pick the ``pretrain_*.py`` script): ``gpt``
-is the decoder (GPT, Llama, mixture of experts), ``bert`` the encoder of ``models/bert.py``.
+is the decoder (GPT, Llama, mixture of experts), ``bert`` the encoder of ``models/bert.py``, ``ict``
+the retriever of ``models/ict.py`` (two BERT towers).
 """
 
 from __future__ import annotations
@@ -11,11 +12,14 @@ from meshtron.models import decoder
 from meshtron.models.bert import Bert, bert_config_errors, bert_parameter_count
 from meshtron.models.contract import ModelFamily
 from meshtron.models.decoder import Decoder, decoder_layout_errors, num_parameters
+from meshtron.models.ict import ICT, ict_config_errors, ict_parameter_count
 
 __all__ = ["MODEL_TYPES", "attends_causally", "build_model", "model_config_errors", "model_layout_errors", "num_parameters", "padded_vocab_size",
            "parameter_count"]  # fmt: skip
 
-MODEL_TYPES = {"gpt": Decoder, "bert": Bert}
+MODEL_TYPES = {"gpt": Decoder, "bert": Bert, "ict": ICT}
+_CONFIG_ERRORS = {"bert": bert_config_errors, "ict": ict_config_errors}
+_PARAMETER_COUNTS = {"bert": bert_parameter_count, "ict": ict_parameter_count}
 
 
 def build_model(model_cfg: ModelConfig, vocab_size: int, max_seq_length: int) -> ModelFamily:
@@ -32,7 +36,7 @@ def model_config_errors(cfg: Config) -> list[str]:
     kind = cfg.model.model_type
     if kind not in MODEL_TYPES:
         return [f"--model-type must be one of {sorted(MODEL_TYPES)}, got '{kind}'"]
-    return bert_config_errors(cfg) if kind == "bert" else []
+    return _CONFIG_ERRORS[kind](cfg) if kind in _CONFIG_ERRORS else []
 
 
 def model_layout_errors(model_cfg: ModelConfig, tp: int) -> list[str]:
@@ -45,12 +49,13 @@ def parameter_count(cfg: ModelConfig, vocab_size: int, max_seq_length: int = 0, 
     """``num_parameters(build_model(cfg, vocab_size, max_seq_length))`` without building it (``active``:
     a mixture-of-experts layer counts only the experts a token passes); see ``decoder.parameter_count``."""
     count = decoder.parameter_count(cfg, vocab_size, max_seq_length, active)
-    return bert_parameter_count(cfg, vocab_size, count) if cfg.model_type == "bert" else count
+    extra = _PARAMETER_COUNTS.get(cfg.model_type)
+    return extra(cfg, vocab_size, count) if extra else count
 
 
 def attends_causally(cfg: ModelConfig) -> bool:
     """Whether a token attends only to earlier ones (decoders), which halves attention FLOPs."""
-    return cfg.model_type != "bert"
+    return cfg.model_type not in ("bert", "ict")
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int = 1) -> int:
