@@ -12,9 +12,9 @@ from meshtron.models import decoder
 from meshtron.models.bert import Bert, bert_config_errors, bert_parameter_count
 from meshtron.models.contract import ModelFamily
 from meshtron.models.decoder import Decoder, decoder_layout_errors, num_parameters
-from meshtron.models.ict import ICT, ict_config_errors, ict_parameter_count
+from meshtron.models.ict import ICT, ict_config_errors, ict_flops_shape, ict_parameter_count
 
-__all__ = ["MODEL_TYPES", "attends_causally", "build_model", "model_config_errors", "model_layout_errors", "num_parameters", "padded_vocab_size",
+__all__ = ["MODEL_TYPES", "attends_causally", "build_model", "flops_shape", "model_config_errors", "model_layout_errors", "num_parameters", "padded_vocab_size",
            "parameter_count"]  # fmt: skip
 
 MODEL_TYPES = {"gpt": Decoder, "bert": Bert, "ict": ICT}
@@ -51,6 +51,21 @@ def parameter_count(cfg: ModelConfig, vocab_size: int, max_seq_length: int = 0, 
     count = decoder.parameter_count(cfg, vocab_size, max_seq_length, active)
     extra = _PARAMETER_COUNTS.get(cfg.model_type)
     return extra(cfg, vocab_size, count) if extra else count
+
+
+def flops_shape(cfg: ModelConfig, vocab_size: int, seq_length: int) -> tuple[int, int]:
+    """``(P, L)`` of ``flops_per_token`` for one token of a sample: the parameters that multiply its
+    activations (all but lookups: an untied input embedding, learned positions; MoE layers count
+    their active experts) and the layers it attends through. The retriever runs two sequences per
+    sample through its towers (``ict_flops_shape``)."""
+    if cfg.model_type == "ict":
+        return ict_flops_shape(cfg, vocab_size, seq_length, decoder.parameter_count(cfg, vocab_size, seq_length))
+    params = parameter_count(cfg, vocab_size, seq_length, active=True)
+    if not cfg.tie_embeddings:
+        params -= vocab_size * cfg.hidden_size
+    if cfg.position_embedding_type == "learned_absolute":
+        params -= (cfg.max_position_embeddings or seq_length) * cfg.hidden_size
+    return params, cfg.num_layers
 
 
 def attends_causally(cfg: ModelConfig) -> bool:

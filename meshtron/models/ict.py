@@ -169,6 +169,16 @@ def ict_parameter_count(cfg: ModelConfig, vocab_size: int, decoder_count: int) -
     return towers * (tower + (h * dim + dim if dim else 0))
 
 
+def ict_flops_shape(cfg: ModelConfig, vocab_size: int, seq_length: int, decoder_count: int) -> tuple[int, int]:
+    """``flops_shape`` per token of a sample: the query and the context each pass a tower (shared
+    or not), whose multiplying parameters are the decoder's less its lookups (embedding, positions)
+    and output layer; the projection reads one token per sequence and is left out."""
+    h = cfg.hidden_size
+    output = 0 if cfg.tie_embeddings else vocab_size * h
+    tower = decoder_count - vocab_size * h - (cfg.max_position_embeddings or seq_length) * h - output
+    return 2 * tower, 2 * cfg.num_layers
+
+
 def ict_config_errors(cfg: Config) -> list[str]:
     """What the retriever does not take, each naming the flag to change: BERT's rules, and one stage."""
     m, p = cfg.model, cfg.parallel

@@ -26,19 +26,15 @@ def flops_per_token(num_params: int, num_layers: int, seq_length: int, hidden_si
 
 
 def model_flops_per_token(model_cfg, vocab_size: int, seq_length: int) -> float:
-    """``flops_per_token`` of a model config, with ``P`` the parameters that multiply activations:
-    all of them except the input embedding table when it is untied and learned position tables
-    (lookups, no FLOPs). A tied table counts once, as the output projection. This is the
-    convention the peers' figures in ../shared/BENCHMARKS.md use. Mixture-of-experts layers count
-    their active parameters (top-k experts and the shared ones)."""
-    from meshtron.models import attends_causally, parameter_count
+    """``flops_per_token`` of a model config, with ``P`` the parameters that multiply a token's
+    activations and ``L`` the layers it attends through (``models.flops_shape``: lookups such as
+    an untied input embedding and learned positions carry no FLOPs, a tied table counts once as the
+    output projection, mixture-of-experts layers their active experts; the peers' convention in
+    ../shared/BENCHMARKS.md)."""
+    from meshtron.models import attends_causally, flops_shape
 
-    params = parameter_count(model_cfg, vocab_size, seq_length, active=True)
-    if not model_cfg.tie_embeddings:
-        params -= vocab_size * model_cfg.hidden_size
-    if model_cfg.position_embedding_type == "learned_absolute":
-        params -= (model_cfg.max_position_embeddings or seq_length) * model_cfg.hidden_size
-    return flops_per_token(params, model_cfg.num_layers, seq_length, model_cfg.hidden_size, attends_causally(model_cfg))
+    params, layers = flops_shape(model_cfg, vocab_size, seq_length)
+    return flops_per_token(params, layers, seq_length, model_cfg.hidden_size, attends_causally(model_cfg))
 
 
 def device_ceiling_tflops(device: torch.device) -> tuple[float | None, str]:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from meshtron.checkpoint.checkpoint import save_checkpoint
 from meshtron.checkpoint.pretrained import load_pretrained_encoders
 from meshtron.config import ConfigError, build_config
-from meshtron.models import build_model, num_parameters, parameter_count
+from meshtron.models import build_model, flops_shape, num_parameters, parameter_count
 from meshtron.models.contract import default_meta
 from meshtron.models.ict import topk_accuracies
 from meshtron.downstream.retrieval import retrieval_accuracies
@@ -51,6 +51,14 @@ def test_towers_are_bert_bodies_separate_or_shared():
     assert len(list(separate.blocks())) == 4 and len(list(shared.blocks())) == 2
     for model, flags in ((separate, []), (shared, ["--biencoder-shared-query-context-model"])):
         assert num_parameters(model) == parameter_count(_cfg(*flags).model, VOCAB, SEQ)
+
+
+def test_flops_count_two_tower_passes_per_sample_without_lookups():
+    for flags in ([], ["--biencoder-shared-query-context-model"]):
+        model = _model(*flags)
+        tower = model.towers["shared" if flags else "query"]
+        multiplying = sum(p.numel() for m in (tower.layers, tower.final_norm) for p in m.parameters())
+        assert flops_shape(_cfg(*flags).model, VOCAB, SEQ) == (2 * multiplying, 4)
 
 
 @pytest.mark.parametrize("scaling", [False, True])
