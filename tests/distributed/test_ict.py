@@ -1,7 +1,8 @@
 """The ICT retriever on the model contract: under dp2 its in-batch negatives span both ranks'
 micro batches, so the loss, the top-k accuracies and every gradient equal one process's on the
 concatenated micro batches (fp32 on the CPU, 1e-5 relative as a norm over each tensor), through
-the same runner as training. Under tp2 (the towers' BERT plan) they equal one process's too.
+the same runner as training; with FSDP2 too. Under tp2 (the towers' BERT plan) they equal one
+process's too.
 
 Two variants: separate towers with a projection and scaled scores, and one shared tower without
 a projection. Each step has two micro batches per rank, so the negatives are those of one micro
@@ -32,7 +33,7 @@ VARIANTS = {
     "shared": ModelConfig(**{**ICT.__dict__, "biencoder_shared_query_context_model": True, "biencoder_projection_dim": 0,
                              "retriever_score_scaling": False}),  # fmt: skip
 }
-LAYOUTS = {"dp2": dict(dp=2), "tp2": dict(tp=2)}
+LAYOUTS = {"dp2": dict(dp=2), "tp2": dict(tp=2), "dp2_fsdp": dict(dp=2, fsdp=True)}
 # A vector added to every context adds the same score to a query's every candidate, which the
 # softmax ignores: the context tower's last bias terms have a zero gradient, so their computed
 # values are rounding noise to be checked as ~0, not compared. (A wide init keeps the scores far
@@ -92,15 +93,20 @@ def _reference(variant: str) -> dict:
 
 def _worker(rank: int, world_size: int) -> dict:
     out = {}
-    for name, sizes in LAYOUTS.items():
+    for name, layout in LAYOUTS.items():
+        sizes = {k: v for k, v in layout.items() if k != "fsdp"}
         mesh = Mesh(**sizes, rank=rank)
         mesh.init_process_groups()
         for variant in VARIANTS:
-            runner = runner_for(_model(variant), mesh, ParallelConfig(tensor_parallel=mesh.tp), TrainConfig(), torch.float32)
+            parallel = ParallelConfig(tensor_parallel=mesh.tp, fsdp=layout.get("fsdp", False))
+            runner = runner_for(_model(variant), mesh, parallel, TrainConfig(), torch.float32)
             runner.optimizer.zero_grad()
             loss = runner.forward_backward(_rank_micro_batches(mesh.dp_rank, mesh.dp))
             runner.finalize_grads()
-            grads = {n: gather_full(p.main_grad.clone(), runner.metas[n], mesh) for n, p in runner.model.named_parameters()}
+            if parallel.fsdp:  # the sharded parameters' gradients, gathered
+                grads = {n: p.grad.full_tensor() for n, p in runner.model.named_parameters()}
+            else:
+                grads = {n: gather_full(p.main_grad.clone(), runner.metas[n], mesh) for n, p in runner.model.named_parameters()}
             out[f"{variant}/{name}"] = {"loss": (loss.total / loss.count).item(), "aux": {k: v.item() for k, v in loss.aux.items()},
                                         "metrics": {k: v.item() for k, v in loss.metrics.items()}, "grads": grads}  # fmt: skip
     return out
