@@ -5,7 +5,8 @@ the same runner as training; with FSDP2 too. Under tp2 (the towers' BERT plan) t
 process's too.
 
 Two variants: separate towers with a projection and scaled scores, and one shared tower without
-a projection. Each step has two micro batches per rank, so the negatives are those of one micro
+a projection. And ``--bert-load`` under tp2: each rank's shards of both towers are a BERT
+checkpoint's tensors. Each step has two micro batches per rank, so the negatives are those of one micro
 batch across dp (Megatron's), not of the whole step. Batches have padding on both sides.
 """
 
@@ -17,6 +18,8 @@ import pytest
 import torch
 
 from launcher import by_name, run_distributed
+from meshtron.checkpoint.checkpoint import save_checkpoint
+from meshtron.checkpoint.pretrained import load_pretrained_encoders
 from meshtron.config import ModelConfig, ParallelConfig, TrainConfig
 from meshtron.models import build_model
 from meshtron.models.ict import retrieval_scores
@@ -91,7 +94,12 @@ def _reference(variant: str) -> dict:
     return {"loss": (total / count).item(), "aux": {}, "metrics": metrics, "grads": grads, "local_only": local_only}
 
 
-def _worker(rank: int, world_size: int) -> dict:
+def _bert():
+    torch.manual_seed(SEED + 1)
+    return build_model(ModelConfig(**{**ICT.__dict__, "model_type": "bert"}), VOCAB, SEQ)
+
+
+def _worker(rank: int, world_size: int, bert_dir: str) -> dict:
     out = {}
     for name, layout in LAYOUTS.items():
         sizes = {k: v for k, v in layout.items() if k != "fsdp"}
@@ -109,12 +117,20 @@ def _worker(rank: int, world_size: int) -> dict:
                 grads = {n: gather_full(p.main_grad.clone(), runner.metas[n], mesh) for n, p in runner.model.named_parameters()}
             out[f"{variant}/{name}"] = {"loss": (loss.total / loss.count).item(), "aux": {k: v.item() for k, v in loss.aux.items()},
                                         "metrics": {k: v.item() for k, v in loss.metrics.items()}, "grads": grads}  # fmt: skip
+    # --bert-load under tp2: each rank reads its shards of BERT's tensors into both towers.
+    mesh = Mesh(tp=2, rank=rank)
+    mesh.init_process_groups()
+    runner = runner_for(_model("separate"), mesh, ParallelConfig(tensor_parallel=2), TrainConfig(), torch.float32)
+    load_pretrained_encoders(bert_dir, runner.model, runner.optimizer, mesh, runner.metas, lambda _: None)
+    out["bert_load_tp2"] = {n: gather_full(p.detach().clone(), runner.metas[n], mesh) for n, p in runner.model.named_parameters()}
     return out
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[str, list[dict]]:
-    return by_name(run_distributed(_worker, 2))
+def runs(tmp_path_factory) -> dict[str, list[dict]]:
+    bert_dir = tmp_path_factory.mktemp("bert")
+    save_checkpoint(bert_dir, 1, _bert(), None, {"config": {}, "vocab_size": VOCAB, "tokenizer": {}}, save_optim=False)
+    return by_name(run_distributed(_worker, 2, str(bert_dir)))
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -135,3 +151,11 @@ def test_ict_matches_one_process_on_the_global_batch(runs, variant, layout):
         assert result["metrics"].keys() == {"top1_acc", "top2_acc"}
         for metric, value in ref["metrics"].items():
             assert abs(result["metrics"][metric] - value) <= 1e-6, f"{layout} rank {rank}: {metric} {result['metrics'][metric]} != {value}"
+
+
+def test_bert_load_fills_both_towers_under_tp2(runs):
+    bert, initial = _bert().state_dict(), dict(_model("separate").named_parameters())
+    for rank, params in enumerate(runs["bert_load_tp2"]):
+        for name, tensor in params.items():
+            expected = bert[name.split(".", 2)[2]] if name.startswith("towers.") else initial[name]  # projections keep their init
+            torch.testing.assert_close(tensor, expected, rtol=0, atol=0, msg=f"rank {rank}: {name}")
