@@ -1,4 +1,4 @@
-"""The one entry point: ``meshtron train | preprocess | generate | convert | estimate``."""
+"""The one entry point: ``meshtron train | preprocess | generate | finetune | evaluate-retrieval | convert | estimate``."""
 
 from __future__ import annotations
 
@@ -19,6 +19,11 @@ commands:
                (no arguments: a small GPT on the embedded corpus, then a sample)
   preprocess   jsonl -> Megatron-compatible .bin/.idx (preprocess_data.py's flags)
   generate     sample from a checkpoint: meshtron generate --load DIR --prompt TEXT
+  finetune     fine-tune a BERT checkpoint to classify text: meshtron finetune --load BERT_CKPT
+               --train-data train.jsonl --valid-data valid.jsonl ({"text", "label"} lines) [--epochs N]
+  evaluate-retrieval
+               top-k accuracy of an ICT checkpoint on held-out blocks: meshtron evaluate-retrieval
+               --load ICT_CKPT [--split valid|test] [--topk 1 5 20]
   convert      Hugging Face weights: meshtron convert hf-import --hf-dir DIR --save OUT [--dtype bf16|fp32]
                or meshtron convert hf-export --load CKPT --hf-dir OUT [--dtype bf16|fp32]
                or meshtron convert reshard --load CKPT --save OUT (one process, offline)
@@ -94,6 +99,14 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if command == "generate":
             return generate_main(rest)
+        if command == "finetune":
+            from meshtron.downstream.classification import main as finetune_main
+
+            return finetune_main(rest)
+        if command == "evaluate-retrieval":
+            from meshtron.downstream.retrieval import main as retrieval_main
+
+            return retrieval_main(rest)
         if command == "convert" and rest[:1] == ["reshard"]:
             from meshtron.checkpoint.reshard import main as reshard_main
 

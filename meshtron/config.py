@@ -100,12 +100,16 @@ class ModelConfig:
     rope_mscale_all_dim: float = 0.0  # YaRN: temperature scale applied to all dims (DeepSeek)
     # Model families: meshtron.models.build_model dispatches on model_type (Megatron users pick the
     # pretrain_*.py script, we pick the type); checked by meshtron.models.model_config_errors.
-    model_type: str = "gpt"  # gpt (the decoder: GPT, Llama, MoE) | bert | t5
+    model_type: str = "gpt"  # gpt (the decoder: GPT, Llama, MoE) | bert | t5 | ict (the retriever of models/ict.py)
     apply_residual_connection_post_layernorm: bool = False  # residuals from the norms' outputs: post-LN (HF BERT)
     bert_binary_head: bool = True  # BERT's sentence-order head and token types (--bert-no-binary-head drops them)
     bert_tokentypes: int = 0  # BERT's token-type rows; 0: 2 with the binary head, else none (Megatron's); HF's type_vocab_size
     encoder_num_layers: int = 0  # T5's encoder blocks; 0: num_layers (Megatron's rule)
     decoder_num_layers: int = 0  # T5's decoder blocks; 0: num_layers
+    biencoder_projection_dim: int = 0  # ICT: [CLS] states projected to this width (0: the hidden state itself)
+    biencoder_shared_query_context_model: bool = False  # ICT: one tower encodes queries and contexts
+    retriever_score_scaling: bool = False  # ICT: scores divided by sqrt(hidden size)
+    retriever_report_topk_accuracies: list[int] = field(default_factory=list)  # ICT: in-batch top-k accuracies logged
     # Expert parallelism (meshtron/parallel/expert_parallel.py). alltoall is the default here, unlike
     # Megatron's allgather: both compute the same, and alltoall moves ep times fewer rows.
     moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather
@@ -221,6 +225,7 @@ class CheckpointConfig:
     dist_ckpt_strictness: str = "raise_all"  # raise_all | log_all (checkpoint tensors the run lacks are skipped)
     exit_on_missing_checkpoint: bool = False  # --load finds no checkpoint: stop instead of starting from scratch
     async_save: bool = False  # copy the shards to host and write them in a background thread
+    bert_load: str = ""  # ICT: a BERT checkpoint whose weights start both towers (unless --load finds one)
 
 
 @dataclass
@@ -292,9 +297,8 @@ def _coerce(value: Any, typ: Any, name: str) -> Any:
                 return False
             raise ValueError
         if origin is list:
-            if isinstance(value, str):
-                return value.split()
-            return [str(v) for v in value]
+            item = typing.get_args(typ)[0]
+            return [item(v) for v in (value.split() if isinstance(value, str) else value)]
         if typ is int:
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError
@@ -309,7 +313,7 @@ def _coerce(value: Any, typ: Any, name: str) -> Any:
     raise ConfigError(f"{name} must be {type_name}, got {value!r}")
 
 # Megatron flags that take several values until the next flag.
-_MULTI_VALUE = {"data.data_path"}
+_MULTI_VALUE = {"data.data_path", "model.retriever_report_topk_accuracies"}
 
 
 def _all_flags() -> dict[str, Any]:

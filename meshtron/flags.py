@@ -188,6 +188,9 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "encoder-num-layers": "model.encoder_num_layers",
     "decoder-num-layers": "model.decoder_num_layers",
     "apply-residual-connection-post-layernorm": ("model.apply_residual_connection_post_layernorm", True),
+    # ICT: pretrain_ict.py's flags are the fields' own names; these are their older spellings.
+    "ict-head-size": "model.biencoder_projection_dim",
+    "report-topk-accuracies": "model.retriever_report_topk_accuracies",
     # Expert parallelism (issue 10), Megatron-Core's names; --expert-model-parallel-size is above.
     "moe-token-dispatcher-type": "model.moe_token_dispatcher_type",
     "expert-tensor-parallel-size": "parallel.expert_tensor_parallel",

@@ -59,6 +59,10 @@ _BERT = {**_GPT, "model.model_type": "bert", "model.max_position_embeddings": 51
 # Megatron's T5 (pretrain_t5.py, examples/t5/train_t5_220m_distributed.sh): the same blocks, --num-layers
 # encoder and as many decoder blocks, encoder 512 / decoder 128 tokens, 100 sentinels.
 _T5 = {**_BERT, "model.model_type": "t5", "data.decoder_seq_length": 128, "data.vocab_extra_ids": 100}
+# Megatron's ICT retriever (examples/pretrain_ict.sh, the "217M" bi-encoder): two BERT-base towers,
+# 128-wide embeddings (the ORQA paper's), scaled scores, 256-token blocks.
+_ICT = {**_BERT, "model.model_type": "ict", "model.biencoder_projection_dim": 128, "model.retriever_score_scaling": True,
+        "model.retriever_report_topk_accuracies": [1, 5, 20], "data.seq_length": 256}  # fmt: skip
 # DeepSeek-V2 (MLA + MoE). Numbers from the Hugging Face config.json of deepseek-ai/DeepSeek-V2
 # (revision 3d445e7) and DeepSeek-Coder-V2-Lite-Base (the V2-Lite architecture), cross-checked with
 # Megatron-LM's DeepSeek-V2-Lite example flags (../shared/research/moe.md section 1): RMSNorm 1e-6,
@@ -170,6 +174,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "t5-base": {**_T5, **_shape(12, 768, 12, ffn=3072), "model.kv_channels": 64},  # 220M
     "t5-large": {**_T5, **_shape(24, 1024, 16, ffn=4096), "model.kv_channels": 64},
     "tiny-t5": {**_T5, **_shape(2, 64, 4), "model.max_position_embeddings": 64, "data.seq_length": 64, "data.decoder_seq_length": 32},
+    "ict-base": {**_ICT, **_shape(12, 768, 12)},
+    "tiny-ict": {**_ICT, **_shape(2, 64, 4), "model.biencoder_projection_dim": 32, "model.max_position_embeddings": 64, "data.seq_length": 64},
     "tiny-deepseek": {
         **_deepseek(4, 64, 4, 128, 4, 32, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
                     moe_router_topk=2, rope_original_max_position_embeddings=16, max_position_embeddings=256),

@@ -55,6 +55,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     need(m.rope_scaling in ("", "llama3", "yarn"), f"model.rope_scaling must be '', 'llama3' or 'yarn', got '{m.rope_scaling}'")
     errors.extend(moe_config_errors(m) + mla_config_errors(m) + masked_data_config_errors(d, m.model_type) + checkpoint_config_errors(cfg))
     errors.extend(model_config_errors(cfg))  # the model type's own rules (models/)
+    need(not c.bert_load or m.model_type == "ict", "--bert-load starts the ICT retriever's towers; use it with --model-type ict")
     need(m.attention_backend in ("auto", "sdpa", "cudnn", "flash", "efficient", "math"),
          f"--attention-backend must be auto, sdpa, cudnn, flash, efficient or math, got '{m.attention_backend}'")  # fmt: skip
     need(m.fused_kernels in ("auto", "on", "off"), f"model.fused_kernels must be auto, on or off, got '{m.fused_kernels}'")

@@ -1,7 +1,7 @@
 """The embedded default dataset: the corpus of ``corpus.py`` turned into a tokenizer and a
 Megatron indexed dataset, built once per cache directory and reused.
 
-Decoders read it document by document with a byte-level BPE; BERT and T5 read it sentence by sentence
+Decoders read it document by document with a byte-level BPE; BERT, T5 and ICT read it sentence by sentence
 (``preprocess --split-sentences``) with a WordPiece vocabulary trained on it, in a ``sentences``
 subdirectory of the cache.
 """
@@ -17,7 +17,7 @@ from meshtron.data import preprocess
 from meshtron.data.corpus import embedded_corpus_documents
 from meshtron.data.tokenizers import train_bpe_tokenizer, train_wordpiece_vocab
 
-SENTENCE_MODEL_TYPES = ("bert", "t5")  # model types trained on sentence-split data
+SENTENCE_MODEL_TYPES = ("bert", "t5", "ict")  # model types trained on sentence-split data
 EMBEDDED_VOCAB_SIZE = 4096  # the embedded corpus's vocabulary (BPE, or WordPiece for sentence data)
 
 

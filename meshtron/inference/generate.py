@@ -8,14 +8,10 @@ run through the model once (prefill), then each new token costs one single-posit
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import torch
 
-from meshtron.checkpoint.checkpoint import load_checkpoint, read_meta
-from meshtron.config import Config
-from meshtron.data.tokenizers import build_tokenizer
-from meshtron.models import build_model
+from meshtron.checkpoint.saved_model import load_saved_model
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -166,20 +162,12 @@ def generate_from_checkpoint(
     device: str = "auto",
     iteration: int | None = None,
 ) -> str:
-    """``meshtron generate``: rebuild the model and tokenizer a ``--save`` directory describes, and
-    return ``prompt`` followed by its continuation (T5: the decoder's output for ``prompt``, whose
-    ``<extra_id_N>`` markers are the sentinels).
-
-    Everything needed is in the checkpoint's meta (the newest, or ``iteration``'s): the run's config, the padded vocabulary
-    size and the tokenizer files copied beside the weights. Weights load in fp32.
-    """
-    root = Path(load_dir)
-    meta = read_meta(root, iteration)
-    cfg = Config.from_dict(meta["config"])
-    files = {key: str(root / path) for key, path in meta["tokenizer"].items() if key != "tokenizer_type"}
-    tokenizer = build_tokenizer(meta["tokenizer"]["tokenizer_type"], **files, vocab_extra_ids=cfg.data.vocab_extra_ids)
-    model = build_model(cfg.model, meta["vocab_size"], cfg.data.seq_length)
-    load_checkpoint(root, model, iteration=meta["iteration"], load_rng=False)
+    """``meshtron generate``: rebuild the model and tokenizer a ``--save`` directory describes (its
+    newest checkpoint, or ``iteration``'s; ``checkpoint/saved_model.py``), and return ``prompt``
+    followed by its continuation (T5: the decoder's output for ``prompt``, whose ``<extra_id_N>``
+    markers are the sentinels)."""
+    saved = load_saved_model(load_dir, iteration)
+    model, tokenizer, cfg = saved.model, saved.tokenizer, saved.config
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
     model.to(dev)
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, greedy=greedy, generator=torch.Generator(device=dev).manual_seed(seed))

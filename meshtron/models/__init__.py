@@ -2,7 +2,7 @@
 
 ``model.model_type`` picks the family (Megatron users pick the ``pretrain_*.py`` script): ``gpt``
 is the decoder (GPT, Llama, mixture of experts), ``bert`` the encoder of ``models/bert.py``, ``t5``
-the encoder–decoder of ``models/t5.py``.
+the encoder–decoder of ``models/t5.py``, ``ict`` the retriever of ``models/ict.py`` (two BERT towers).
 """
 
 from __future__ import annotations
@@ -12,12 +12,15 @@ from meshtron.models import decoder
 from meshtron.models.bert import Bert, bert_config_errors, bert_parameter_count
 from meshtron.models.contract import ModelFamily
 from meshtron.models.decoder import Decoder, decoder_layout_errors, num_parameters
+from meshtron.models.ict import ICT, ict_config_errors, ict_flops_shape, ict_parameter_count
 from meshtron.models.t5 import T5, t5_config_errors, t5_parameter_count
 
-__all__ = ["MODEL_TYPES", "attends_causally", "build_model", "model_config_errors", "model_layout_errors", "num_parameters", "padded_vocab_size",
+__all__ = ["MODEL_TYPES", "attends_causally", "build_model", "flops_shape", "model_config_errors", "model_layout_errors", "num_parameters", "padded_vocab_size",
            "parameter_count"]  # fmt: skip
 
-MODEL_TYPES = {"gpt": Decoder, "bert": Bert, "t5": T5}
+MODEL_TYPES = {"gpt": Decoder, "bert": Bert, "t5": T5, "ict": ICT}
+_CONFIG_ERRORS = {"bert": bert_config_errors, "t5": t5_config_errors, "ict": ict_config_errors}
+_PARAMETER_COUNTS = {"bert": bert_parameter_count, "ict": ict_parameter_count}
 
 
 def build_model(model_cfg: ModelConfig, vocab_size: int, max_seq_length: int) -> ModelFamily:
@@ -34,7 +37,7 @@ def model_config_errors(cfg: Config) -> list[str]:
     kind = cfg.model.model_type
     if kind not in MODEL_TYPES:
         return [f"--model-type must be one of {sorted(MODEL_TYPES)}, got '{kind}'"]
-    return {"bert": bert_config_errors, "t5": t5_config_errors}.get(kind, lambda _: [])(cfg)
+    return _CONFIG_ERRORS[kind](cfg) if kind in _CONFIG_ERRORS else []
 
 
 def model_layout_errors(model_cfg: ModelConfig, tp: int) -> list[str]:
@@ -50,12 +53,28 @@ def parameter_count(cfg: ModelConfig, vocab_size: int, max_seq_length: int = 0, 
     if cfg.model_type == "t5":
         return t5_parameter_count(cfg, vocab_size, max_seq_length)
     count = decoder.parameter_count(cfg, vocab_size, max_seq_length, active)
-    return bert_parameter_count(cfg, vocab_size, count) if cfg.model_type == "bert" else count
+    extra = _PARAMETER_COUNTS.get(cfg.model_type)
+    return extra(cfg, vocab_size, count) if extra else count
+
+
+def flops_shape(cfg: ModelConfig, vocab_size: int, seq_length: int) -> tuple[int, int]:
+    """``(P, L)`` of ``flops_per_token`` for one token of a sample: the parameters that multiply its
+    activations (all but lookups: an untied input embedding, learned positions; MoE layers count
+    their active experts) and the layers it attends through. The retriever runs two sequences per
+    sample through its towers (``ict_flops_shape``)."""
+    if cfg.model_type == "ict":
+        return ict_flops_shape(cfg, vocab_size, seq_length, decoder.parameter_count(cfg, vocab_size, seq_length))
+    params = parameter_count(cfg, vocab_size, seq_length, active=True)
+    if not cfg.tie_embeddings:
+        params -= vocab_size * cfg.hidden_size
+    if cfg.position_embedding_type == "learned_absolute":
+        params -= (cfg.max_position_embeddings or seq_length) * cfg.hidden_size
+    return params, cfg.num_layers
 
 
 def attends_causally(cfg: ModelConfig) -> bool:
     """Whether a token attends only to earlier ones (decoders), which halves attention FLOPs."""
-    return cfg.model_type != "bert"
+    return cfg.model_type not in ("bert", "ict")
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int = 1) -> int:

@@ -51,57 +51,36 @@ class LMHead(nn.Module):
         return self.norm(F.gelu(self.dense(hidden), approximate=self.approximate))
 
 
-class Bert(c.TokenLossModel):
-    """BERT over a vocabulary of ``vocab_size`` (already padded by the caller); positions up to
-    ``cfg.max_position_embeddings`` (else ``max_seq_length``)."""
+class BertEncoder(c.ModelFamily):
+    """BERT's body: token + learned position (+ token type) embeddings, ``num_layers`` bidirectional
+    blocks and the final norm. The masked-LM model adds its heads on top; the retriever
+    (``models/ict.py``) runs two of them (or one, shared) as its query and context towers, which
+    therefore take a BERT checkpoint's weights under the same names."""
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int, max_seq_length: int):
+    def __init__(self, cfg: ModelConfig, vocab_size: int, max_seq_length: int, token_types: int):
         super().__init__()
         self.cfg, self.hidden_size = cfg, cfg.hidden_size
         self.vocab_size = vocab_size
         self.max_positions = cfg.max_position_embeddings or max_seq_length
         if cfg.recompute_granularity == "full":
             self.recompute = (cfg.recompute_method, cfg.recompute_num_layers)
-        h, binary = cfg.hidden_size, cfg.bert_binary_head
+        h = cfg.hidden_size
         self.embedding = nn.Embedding(vocab_size, h)
         self.position_embedding = nn.Embedding(self.max_positions, h)
-        types = tokentype_rows(cfg)
-        self.tokentype_embedding = nn.Embedding(types, h) if types else None
+        self.tokentype_embedding = nn.Embedding(token_types, h) if token_types else None
         self.embedding_dropout = nn.Dropout(cfg.hidden_dropout)
         self.layers = nn.ModuleList(TransformerBlock(cfg, i, causal=False) for i in range(cfg.num_layers))
         self.final_norm = build_norm(cfg.normalization, h, cfg.norm_epsilon, cfg.fused_kernels)
-        self.lm_head = LMHead(cfg)
-        self.output = OutputLayer(h, vocab_size, cfg.tie_embeddings, cfg.fused_kernels, bias=True)
-        self.pooler = nn.Linear(h, h) if binary else None
-        self.binary_head = nn.Linear(h, 2) if binary else None
-        self.init_weights()
 
     def init_weights(self, seed: int | None = None) -> None:
         """The decoder's rule: N(0, std), residual outputs std / sqrt(2 * layers), zero biases, unit norms."""
         std = self.cfg.init_method_std
         init_by_name(self, std, std / math.sqrt(2 * self.cfg.num_layers), RESIDUAL_OUTPUTS, seed)
 
-    # ------------------------------------------------------------------ one process: read top to bottom
-
-    def forward(self, tokens: torch.Tensor, types: torch.Tensor | None = None, padding_mask: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
-        """tokens [b, s] -> {"lm": logits [b, s, V] (per-token loss [b, s] with ``labels``),
-        "sop": sentence-order logits [b, 2] (with the binary head)}."""
-        batch = {"tokens": tokens, "types": types, "padding_mask": padding_mask, "labels": labels}
-        out, _ = self.run_stage(None, {k: v for k, v in batch.items() if v is not None}, list(self.layers), True, True)
-        return out
-
-    # ------------------------------------------------------------------ the contract's pieces
-
     def parallel_plan(self) -> c.Plan:
         """The decoder's: the blocks, embedding, positions and output layer are the same modules
         under the same names. The heads before the output projection are small and replicated."""
         return decoder_plan(self.cfg)
-
-    def pipeline_pieces(self) -> c.PipelinePieces:
-        tied = ("embedding",) if self.cfg.tie_embeddings else ()
-        embed = ("embedding", "position_embedding", "tokentype_embedding", "embedding_dropout")
-        return c.PipelinePieces(embed, "layers", ("final_norm", "lm_head", "output", "pooler", "binary_head", *tied))
 
     def embed(self, batch: c.Batch) -> c.Carry:
         tokens = batch["tokens"]
@@ -119,6 +98,38 @@ class Bert(c.TokenLossModel):
         for block in blocks:
             hidden = block(hidden, **inputs)
         return {"hidden": hidden}, {}
+
+
+class Bert(BertEncoder, c.TokenLossModel):
+    """BERT over a vocabulary of ``vocab_size`` (already padded by the caller); positions up to
+    ``cfg.max_position_embeddings`` (else ``max_seq_length``)."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, max_seq_length: int):
+        binary = cfg.bert_binary_head
+        super().__init__(cfg, vocab_size, max_seq_length, token_types=tokentype_rows(cfg))
+        h = cfg.hidden_size
+        self.lm_head = LMHead(cfg)
+        self.output = OutputLayer(h, vocab_size, cfg.tie_embeddings, cfg.fused_kernels, bias=True)
+        self.pooler = nn.Linear(h, h) if binary else None
+        self.binary_head = nn.Linear(h, 2) if binary else None
+        self.init_weights()
+
+    # ------------------------------------------------------------------ one process: read top to bottom
+
+    def forward(self, tokens: torch.Tensor, types: torch.Tensor | None = None, padding_mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+        """tokens [b, s] -> {"lm": logits [b, s, V] (per-token loss [b, s] with ``labels``),
+        "sop": sentence-order logits [b, 2] (with the binary head)}."""
+        batch = {"tokens": tokens, "types": types, "padding_mask": padding_mask, "labels": labels}
+        out, _ = self.run_stage(None, {k: v for k, v in batch.items() if v is not None}, list(self.layers), True, True)
+        return out
+
+    # ------------------------------------------------------------------ the contract's pieces
+
+    def pipeline_pieces(self) -> c.PipelinePieces:
+        tied = ("embedding",) if self.cfg.tie_embeddings else ()
+        embed = ("embedding", "position_embedding", "tokentype_embedding", "embedding_dropout")
+        return c.PipelinePieces(embed, "layers", ("final_norm", "lm_head", "output", "pooler", "binary_head", *tied))
 
     def head(self, carry: c.Carry, batch: c.Batch) -> dict[str, torch.Tensor]:
         """{"lm": per-token loss [b, s] (fp32) with labels in the batch, else logits; "sop": the

@@ -5,7 +5,7 @@ that also says:
 
 - its **parallel plan** (``parallel_plan()``): module-name patterns mapped to the styles below
   (column, row, vocabulary, sequence-parallel norm, sequence scatter, context-parallel core
-  attention, expert parallel, sequence sum). ``meshtron.parallel.plan`` applies any plan by one mechanism, module replacement,
+  attention, expert parallel, sequence sum, gather over data parallel). ``meshtron.parallel.plan`` applies any plan by one mechanism, module replacement,
   and returns one ``ParamMeta`` per parameter;
 - its **pipeline pieces** (``pipeline_pieces()`` plus ``embed``/``block_inputs``/``run_blocks``/
   ``head``): ``embed -> ordered blocks -> head``, with the tensors that travel between stages a
@@ -36,7 +36,7 @@ Carry = dict[str, torch.Tensor]
 class LossOutput:
     """One micro batch's (or a step's) loss: ``total`` summed over what ``count`` counts (tokens,
     queries), ``aux`` terms already weighted (each enters the objective as it is), ``metrics`` to
-    log only. The objective the runner backwards is ``total / global count + sum(aux) / micro batches``,
+    log only (per-micro-batch means, averaged over the global batch as the ``aux`` terms are). The objective the runner backwards is ``total / global count + sum(aux) / micro batches``,
     with ``aux`` both the blocks' terms (``run_blocks``) and these: a second loss normalized per
     sample (BERT's sentence order) is its micro batch's mean here, and so the global batch's mean
     (micro batches are equally large) without a second count."""
@@ -228,8 +228,19 @@ class SequenceSum:
     the whole sequence (a balancing loss's token fractions) equals one process's."""
 
 
+@dataclass(frozen=True)
+class GatherOverDataParallel:
+    """A module mapping this rank's per-sample rows ``[b, ...]`` to the rows of the same micro
+    batch on every data-parallel rank, in rank order, with the index of this rank's first row:
+    ``rows -> (all_rows [dp * b, ...], first)``; in one process ``(rows, 0)``. A loss over the
+    whole data-parallel micro batch (the retriever's in-batch negatives) reads it. Its backward
+    hands each rank the sum of every rank's gradient for its rows, so the parameter gradients
+    summed over dp equal one process's on the concatenated batch."""
+
+
 Style = (ColumnParallel | RowParallel | VocabParallelEmbedding | VocabParallelOutput | SequenceParallelNorm
-         | ScatterToSequence | ContextParallelCore | EnterTensorParallel | ExpertParallel | SequenceSum)  # fmt: skip
+         | ScatterToSequence | ContextParallelCore | EnterTensorParallel | ExpertParallel | SequenceSum
+         | GatherOverDataParallel)  # fmt: skip
 Plan = list[tuple[str, Style]]  # (fnmatch pattern over module names, style); first match wins
 
 
@@ -363,6 +374,11 @@ class ModelFamily(nn.Module):
 
     def blocks(self) -> nn.Module:
         return getattr(self, self.pipeline_pieces().blocks)
+
+    def pretrained_encoders(self) -> tuple[str, ...]:
+        """Submodules (by name) that ``--bert-load`` starts from a BERT checkpoint: each holds
+        BERT's body under BERT's parameter names (the retriever's towers). None by default."""
+        return ()
 
     def run_stage(self, carry: Carry | None, batch: Batch, blocks: list[nn.Module], is_first: bool,
                   is_last: bool) -> tuple[Any, dict[str, torch.Tensor]]:  # fmt: skip

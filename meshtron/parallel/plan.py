@@ -1,5 +1,5 @@
 """Apply a model family's parallel plan: the one way tensor, sequence, context and expert
-parallelism enter a model.
+parallelism (and a loss's view of the data-parallel batch) enter a model.
 
 Every rank builds the same full model from the same seed (initialization is layout-invariant),
 then ``parallelize`` walks ``model.parallel_plan()`` and replaces each matched module by the
@@ -22,6 +22,7 @@ from torch import nn
 from meshtron.errors import ConfigError
 from meshtron.models import contract as mc
 from meshtron.parallel.context_parallel import ContextParallelAttention
+from meshtron.parallel.data_parallel_gather import DataParallelRowGather
 from meshtron.parallel.expert_parallel import ExpertParallelExperts, expert_tensor_parallel_split
 from meshtron.parallel.mesh import Mesh
 from meshtron.parallel.tensor_parallel import (
@@ -85,6 +86,8 @@ def _replace(module: nn.Module, style: mc.Style, mesh: Mesh, sp: bool, cp_algori
         return ExpertParallelExperts(module, mesh.ep_group, mesh.ep, mesh.ep_rank, style.dispatcher, mesh.etp_group, style.fc1_layout, sp)
     if isinstance(style, mc.SequenceSum):
         return SequenceShardSum(mesh.tp_group) if sp else None
+    if isinstance(style, mc.GatherOverDataParallel):
+        return DataParallelRowGather(mesh.dp_group, mesh.dp_rank, mesh.dp) if mesh.dp > 1 else None
     if tp == 1:
         return None
     if isinstance(style, mc.EnterTensorParallel):

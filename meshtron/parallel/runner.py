@@ -45,15 +45,15 @@ class Runner:
     dtype: torch.dtype
     schedule: str = "1f1b"
     sequence_parallel: bool = False
-    # Every stage's auxiliary term names, learnt at the first step.
-    _aux_names: list[str] | None = field(default=None, init=False, repr=False)
+    # Every stage's auxiliary term (and metric) names, learnt at the first step.
+    _names: dict[str, list[str]] = field(default_factory=dict, init=False, repr=False)
 
     def forward_backward(self, micro_batches: list[mc.Batch], forward_only: bool = False) -> mc.LossOutput:
         """Forward (and unless ``forward_only``, backward) every micro batch of this rank's share
         of a global batch; gradients accumulate into the optimizer's storage, reduced over data
         parallel during the last backward. Returns the global batch's loss on every rank: the
         loss sum over all its micro batches and ranks, its count (``total / count`` is the mean),
-        and each auxiliary term's mean."""
+        and each auxiliary term's and metric's mean."""
         mesh, model = self.mesh, self.model
         batches = [shard_batch_for_cp(b, mesh) for b in micro_batches]
         device = next(iter(batches[0].values())).device
@@ -61,6 +61,7 @@ class Runner:
         num_micro_total = len(batches) * mesh.dp_cp
         totals: list[torch.Tensor] = []
         aux_logged: dict[str, torch.Tensor] = {}
+        metrics_logged: dict[str, torch.Tensor] = {}
 
         def step(stage: Stage, carry: mc.Carry | None, mb: int) -> tuple[mc.Carry | None, torch.Tensor | None]:
             out, aux = stage.forward(carry, batches[mb])
@@ -70,6 +71,8 @@ class Runner:
                 totals.append(loss.total.detach())
                 objective = loss.total / count
                 aux = {**aux, **loss.aux}  # the loss's own terms (BERT's sentence order) count as the blocks' do
+                for name, value in loss.metrics.items():
+                    metrics_logged[name] = metrics_logged.get(name, 0.0) + value.detach().float() / num_micro_total
                 out = None
             for name, term in aux.items():
                 share = term / num_micro_total
@@ -86,8 +89,9 @@ class Runner:
         total = torch.stack(totals).sum().float() if totals else torch.zeros((), device=device)
         if mesh.pp > 1:
             dist.broadcast(total, src=pp_ranks(mesh)[-1], group=mesh.pp_group)
-        aux = self._sum_aux(aux_logged, device)
-        return mc.LossOutput(total=self._sum_over_dp(total), count=count, aux=aux)
+        aux = self._sum_terms("aux", aux_logged, device)
+        metrics = self._sum_terms("metrics", metrics_logged, device)
+        return mc.LossOutput(total=self._sum_over_dp(total), count=count, aux=aux, metrics=metrics)
 
     def describe(self, num_micro_batches: int) -> str:
         """The schedule in one line, with its theoretical bubble, for the start-up log."""
@@ -130,17 +134,17 @@ class Runner:
             dist.all_reduce(value, group=self.mesh.dp_cp_group)
         return value
 
-    def _sum_aux(self, logged: dict[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
-        """Each auxiliary term's mean over the global batch, on every rank: terms arise on
-        whichever stage holds their layer, so names are gathered over pp first."""
-        names = self._aux_names
+    def _sum_terms(self, kind: str, logged: dict[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
+        """Each auxiliary term's (or metric's) mean over the global batch, on every rank: terms
+        arise on whichever stage holds their layer, so names are gathered over pp first."""
+        names = self._names.get(kind)
         if names is None:
             names = sorted(logged)
             if self.mesh.pp > 1:  # once: a host round trip the steady state should not pay
                 everyone: list[list[str]] = [[] for _ in range(self.mesh.pp)]
                 dist.all_gather_object(everyone, names, group=self.mesh.pp_group)
                 names = sorted({n for part in everyone for n in part})
-            self._aux_names = names
+            self._names[kind] = names
         if not names:
             return {}
         values = torch.stack([torch.as_tensor(logged.get(n, 0.0), device=device, dtype=torch.float32) for n in names])

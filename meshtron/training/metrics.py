@@ -26,23 +26,17 @@ def flops_per_token(num_params: int, num_layers: int, seq_length: int, hidden_si
 
 
 def model_flops_per_token(model_cfg, vocab_size: int, seq_length: int, decoder_seq_length: int = 0) -> float:
-    """``flops_per_token`` of a model config, with ``P`` the parameters that multiply activations:
-    all of them except the input embedding table when it is untied and learned position tables
-    (lookups, no FLOPs). A tied table counts once, as the output projection. This is the
-    convention the peers' figures in ../shared/BENCHMARKS.md use. Mixture-of-experts layers count
-    their active parameters (top-k experts and the shared ones). T5: per encoder or decoder token
-    (``encoder_decoder_flops_per_token``)."""
-    from meshtron.models import attends_causally, parameter_count
+    """``flops_per_token`` of a model config, with ``P`` the parameters that multiply a token's
+    activations and ``L`` the layers it attends through (``models.flops_shape``: lookups such as
+    an untied input embedding and learned positions carry no FLOPs, a tied table counts once as the
+    output projection, mixture-of-experts layers their active experts; the peers' convention in
+    ../shared/BENCHMARKS.md). T5: per encoder or decoder token (``encoder_decoder_flops_per_token``)."""
+    from meshtron.models import attends_causally, flops_shape
 
     if model_cfg.model_type == "t5":
         return encoder_decoder_flops_per_token(model_cfg, vocab_size, seq_length, decoder_seq_length)
-
-    params = parameter_count(model_cfg, vocab_size, seq_length, active=True)
-    if not model_cfg.tie_embeddings:
-        params -= vocab_size * model_cfg.hidden_size
-    if model_cfg.position_embedding_type == "learned_absolute":
-        params -= (model_cfg.max_position_embeddings or seq_length) * model_cfg.hidden_size
-    return flops_per_token(params, model_cfg.num_layers, seq_length, model_cfg.hidden_size, attends_causally(model_cfg))
+    params, layers = flops_shape(model_cfg, vocab_size, seq_length)
+    return flops_per_token(params, layers, seq_length, model_cfg.hidden_size, attends_causally(model_cfg))
 
 
 def encoder_decoder_flops_per_token(model_cfg, vocab_size: int, encoder_length: int, decoder_length: int) -> float:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from meshtron.checkpoint.checkpoint import CheckpointError, PendingSave, load_for_training, start_save
+from meshtron.checkpoint.pretrained import load_pretrained_encoders
 from meshtron.checkpoint.sharded import save_state
 from meshtron.checkpoint.staging import HostStaging
 from meshtron.config import Config
@@ -112,6 +113,7 @@ class Trainer:
         self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * self.mesh.dp)
 
         self.iteration, self.consumed_samples = 0, 0
+        meta = None
         if cfg.checkpoint.load:
             meta = load_for_training(cfg.checkpoint, self.model, self.optimizer, self.mesh, log, self.runner.metas)
             if meta is None and cfg.checkpoint.exit_on_missing_checkpoint:
@@ -121,6 +123,8 @@ class Trainer:
             else:
                 self.iteration, self.consumed_samples = meta["iteration"], meta["consumed_samples"]
                 log(f"resumed from {cfg.checkpoint.load} at iteration {self.iteration}")
+        if cfg.checkpoint.bert_load and meta is None:  # a run --load found a checkpoint for keeps its weights
+            load_pretrained_encoders(cfg.checkpoint.bert_load, self.model, self.optimizer, self.mesh, self.runner.metas, log)
 
         eval_samples = 0
         if cfg.logging.eval_interval > 0 and cfg.logging.eval_iters > 0:
@@ -161,6 +165,7 @@ class Trainer:
             self.host_staging.reserve(save_state(self.model, self.optimizer, self.mesh, not ckpt.no_save_optim, self.runner.metas))
             log(f"--async-save: {self.host_staging.allocated_bytes / 2**30:.2f} GiB of host memory held for checkpoint copies")
         self.last_aux: dict[str, float] = {}  # the last step's auxiliary terms, for the log line
+        self.last_metrics: dict[str, float] = {}  # and the loss's metrics (the retriever's top-k accuracies)
         self.divergence = DivergenceMonitor.from_config(t, self.precision, self.mesh.rank, self.model)
 
     # ------------------------------------------------------------------ steps
@@ -185,8 +190,10 @@ class Trainer:
         result = self.optimizer.step(self.schedule.lr_at(self.iteration))
         self.runner.after_step()
         # Logged with the interval's last step; one host copy for every term (a MoE model has two per layer).
-        values = torch.stack(list(loss.aux.values())).tolist() if loss.aux else []
-        self.last_aux = dict(zip(loss.aux, values))
+        terms = {**loss.aux, **loss.metrics}
+        values = dict(zip(terms, torch.stack(list(terms.values())).tolist())) if terms else {}
+        self.last_aux = {name: values[name] for name in loss.aux}
+        self.last_metrics = {name: values[name] for name in loss.metrics}
         return (loss.total / loss.count).item(), result
 
     @torch.no_grad()
@@ -300,12 +307,13 @@ class Trainer:
                     stats = self.meter.summary()
                     lr = self.schedule.lr_at(self.iteration - 1)
                     mean_loss = interval_loss / interval_steps
-                    self.log(format_log_line(self.iteration, t.train_iters, self.consumed_samples, lr, mean_loss, step.grad_norm, step.loss_scale, stats, self.last_aux))
+                    self.log(format_log_line(self.iteration, t.train_iters, self.consumed_samples, lr, mean_loss, step.grad_norm, step.loss_scale, stats, {**self.last_aux, **self.last_metrics}))
                     self.tensorboard.scalars(
                         self.iteration,
                         {"train/loss": mean_loss, "train/lr": lr, "train/grad_norm": step.grad_norm, "train/loss_scale": step.loss_scale, "perf/tokens_per_s_per_device": stats["tokens_per_s"], "perf/tflops_per_device": stats["tflops_per_device"],
                          "train/batch_size": t.global_batch_size, "perf/ms_per_iter": stats["ms_per_iter"], **memory_scalars(stats),
-                         **{f"aux/{name}": value for name, value in self.last_aux.items()}},
+                         **{f"aux/{name}": value for name, value in self.last_aux.items()},
+                         **{f"metrics/{name}": value for name, value in self.last_metrics.items()}},
                     )  # fmt: skip
                     interval_loss, interval_steps = 0.0, 0
                 if self.valid_data is not None and logc.eval_interval > 0 and (self.iteration % logc.eval_interval == 0 or self.iteration == t.train_iters):
