@@ -162,10 +162,10 @@ def main(argv: list[str] | None = None) -> list[str]:
         raise FileNotFoundError(f"--input {args.input} does not exist")
     if args.workers < 1 or args.chunk_size < 1:
         raise ValueError("--workers and --chunk-size must be at least 1")
-    _Encoder.init(args)  # fail fast on a bad tokenizer, before any worker starts; forked workers inherit it
+    # Fails fast on a bad tokenizer and learns (and caches) Punkt's statistics once, before any
+    # worker starts; forked workers inherit all of it.
+    _Encoder.init(args)
     tokenizer = _Encoder.tokenizer
-    if args.split_sentences:
-        SentenceSplitter(cache_dir=args.punkt_cache_dir or None)  # learn and cache Punkt's statistics once, before the workers
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     os.makedirs(out_dir, exist_ok=True)
     level = "sentence" if args.split_sentences else "document"
