@@ -173,3 +173,29 @@ def test_gpt2_bpe_byte_identical_to_megatron(tmp_path, split):
         src = write_jsonl(tmp_path / "in.jsonl", rows)
         prefix = preprocess.main(["--input", src, "--output-prefix", str(tmp_path / f"w{workers}"), "--workers", workers, "--quiet", *flags])[0]
         assert (open(prefix + ".bin", "rb").read(), open(prefix + ".idx", "rb").read()) == expected
+
+
+@pytest.mark.parametrize("eod", [None, 7])
+def test_pack_matches_per_document_rule(eod):
+    """The vectorised packing against the rule written out per document: drop empty sequences,
+    end each document that kept any with eod (counted in its last sequence)."""
+    rng = np.random.default_rng(0)
+    seqs_per_doc = rng.integers(0, 4, 200)
+    lengths = rng.integers(0, 3, int(seqs_per_doc.sum())) * rng.integers(0, 2, int(seqs_per_doc.sum()))
+    flat = rng.integers(100, 200, int(lengths.sum()))
+    tokens, kept_lengths, kept_per_doc = preprocess._pack(flat, lengths, seqs_per_doc, eod)
+    ref_tokens, ref_lengths, ref_docs, pos, seq = [], [], [], 0, 0
+    for n in seqs_per_doc:
+        kept = 0
+        for length in lengths[seq : seq + n]:
+            if length:
+                ref_tokens.extend(flat[pos : pos + length].tolist())
+                ref_lengths.append(int(length))
+                kept += 1
+            pos += length
+        seq += n
+        if kept and eod is not None:
+            ref_tokens.append(eod)
+            ref_lengths[-1] += 1
+        ref_docs.append(kept)
+    assert (tokens.tolist(), kept_lengths.tolist(), kept_per_doc.tolist()) == (ref_tokens, ref_lengths, ref_docs)
