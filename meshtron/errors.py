@@ -1,4 +1,5 @@
-"""The error every check of a user's input raises, and how it suggests a fix for a misspelling."""
+"""The errors the CLI turns into one clear line (no torch import needed to name them), and how a
+misspelling gets a suggested fix."""
 
 from __future__ import annotations
 
@@ -7,6 +8,14 @@ import difflib
 
 class ConfigError(ValueError):
     """A config that cannot run; the message says what to change."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be read or written; the message names the file or directory."""
+
+
+class DivergenceError(RuntimeError):
+    """The run diverged; the message names the iteration, the rank and, when found, the module."""
 
 
 def unknown_name(what: str, name: str, known: list[str]) -> str:

@@ -49,6 +49,7 @@ from meshtron.checkpoint.safe_metadata import UnsafeMetadata, read_metadata
 from meshtron.checkpoint.sharded import finish_load, load_state, save_state, state_bytes
 from meshtron.checkpoint.staging import HostStaging
 from meshtron.config import Config, CheckpointConfig
+from meshtron.errors import CheckpointError
 from meshtron.models.contract import ParamMeta
 from meshtron.parallel.mesh import Mesh
 
@@ -58,10 +59,6 @@ FORMAT_VERSION = 1
 # --dist-ckpt-strictness values we honor (Megatron's names): any mismatch is an error / the
 # checkpoint's tensors this run lacks are logged and skipped.
 STRICTNESS = ("raise_all", "log_all")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be read or written; the message names the file or directory."""
 
 
 def checkpoint_dir(save_dir: str | os.PathLike, iteration: int) -> Path:

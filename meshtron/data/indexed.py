@@ -79,15 +79,15 @@ class IndexedDatasetBuilder:
         ``lengths`` are the sequence lengths; ``sequences_per_document`` how many sequences each
         document has (default one each; 0 makes an empty document).
         """
-        lengths = [int(n) for n in lengths]
-        if sum(lengths) != np.size(tokens):
-            raise ValueError(f"{self._bin_path}: lengths sum to {sum(lengths)} but {np.size(tokens)} tokens were given")
+        lengths = np.asarray(lengths, np.int64)
+        if lengths.sum() != np.size(tokens):
+            raise ValueError(f"{self._bin_path}: lengths sum to {lengths.sum()} but {np.size(tokens)} tokens were given")
         per_doc = np.ones(len(lengths), np.int64) if sequences_per_document is None else np.asarray(sequences_per_document, np.int64)
         if per_doc.sum() != len(lengths):
             raise ValueError(f"{self._bin_path}: documents hold {per_doc.sum()} sequences but {len(lengths)} lengths were given")
         self._write(tokens)
         base = len(self._lengths)
-        self._lengths.extend(lengths)
+        self._lengths.extend(lengths.tolist())
         self._doc_indices.extend((base + np.cumsum(per_doc)).tolist())
 
     def end_document(self) -> None:

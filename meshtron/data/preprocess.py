@@ -5,7 +5,9 @@ Takes the flags of Megatron-LM's ``tools/preprocess_data.py`` and writes the sam
 sentences) and the files are ``{prefix}_{key}_sentence.bin/.idx``, the input of BERT, T5 and ICT;
 sentences come from NLTK's Punkt with parameters that need no download (``sentences.py``). Workers
 receive chunks of raw lines and send back packed numpy arrays, so the parent only writes bytes;
-tokenizers with a batch encoder (Hugging Face, sentencepiece) use it on each chunk.
+each chunk is encoded in one batch call straight to a numpy array. GPT-2-style byte-level BPE
+tokenizers run on tiktoken's engine where it provably gives the same ids (``bpe_engine.py``), the
+main source of speed. Text spelling a special token maps to its id unless ``--split-special-tokens``.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--merge-file", default="")
     g.add_argument("--vocab-extra-ids", type=int, default=0, help="T5 sentinels <extra_id_N> added to BERT WordPiece vocabularies")
     g.add_argument("--append-eod", action="store_true", help="append the end-of-document id to every document")
+    g.add_argument("--split-special-tokens", action="store_true",
+                   help="encode text that spells a special token (e.g. <|endoftext|>) as plain text; default: its id, as in "
+                        "current Megatron-LM (its GPT2BPETokenizer before megatron.core.tokenizers split it)")  # fmt: skip
     g = p.add_argument_group("output")
     g.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx (_sentence with --split-sentences)")
     g = p.add_argument_group("runtime")
@@ -61,6 +66,7 @@ class _Encoder:
     def init(cls, args: argparse.Namespace) -> None:
         cls.args = args
         cls.tokenizer = _make_tokenizer(args)
+        cls.tokenizer.encode("")  # builds lazy engines here, once, before forked workers inherit them
         # Reset on every run: in-process runs (one worker) share this class.
         cls.splitter = SentenceSplitter(args.keep_newlines, args.punkt_cache_dir or None) if args.split_sentences else None
 
@@ -93,34 +99,32 @@ class _Encoder:
                 seqs_per_doc[key].append(len(parts))
         out = {}
         for key in args.json_keys:
-            encoded = tok.encode_batch(texts[key]) if texts[key] else []
-            out[key] = _pack(encoded, seqs_per_doc[key], tok.eod if args.append_eod else None)
+            flat, lengths = tok.encode_batch_flat(texts[key])
+            out[key] = _pack(flat, lengths, np.asarray(seqs_per_doc[key], np.int64), tok.eod if args.append_eod else None)
         return out, nbytes
 
 
-def _pack(encoded: list[list[int]], seqs_per_doc: list[int], eod: int | None):
-    """Flatten one chunk. Empty sentences are dropped and eod ends each non-empty document (Megatron's rule)."""
-    flat: list[int] = []
-    lengths: list[int] = []
-    docs: list[int] = []  # sequences in each document
-    pos = 0
-    for n in seqs_per_doc:
-        kept = 0
-        for ids in encoded[pos : pos + n]:
-            if ids:
-                flat.extend(ids)
-                lengths.append(len(ids))
-                kept += 1
-        pos += n
-        if kept and eod is not None:
-            flat.append(eod)
-            lengths[-1] += 1
-        docs.append(kept)
-    return np.asarray(flat, dtype=np.int64), lengths, docs
+def _pack(flat: np.ndarray, lengths: np.ndarray, seqs_per_doc: np.ndarray, eod: int | None):
+    """One chunk's sequences -> (tokens, kept sequence lengths, kept sequences per document).
+
+    Megatron's rule: empty sequences are dropped, and eod ends each document that kept any.
+    """
+    doc_of_seq = np.repeat(np.arange(len(seqs_per_doc)), seqs_per_doc)
+    keep = lengths > 0
+    kept_lengths = lengths[keep]
+    kept_per_doc = np.bincount(doc_of_seq[keep], minlength=len(seqs_per_doc))
+    if eod is not None and len(kept_lengths):
+        last_of_doc = np.cumsum(kept_per_doc)[kept_per_doc > 0] - 1  # in kept_lengths
+        ends = np.cumsum(kept_lengths)[last_of_doc]  # where each document's tokens end in flat
+        flat = np.insert(flat, ends, eod)
+        kept_lengths = kept_lengths.copy()
+        kept_lengths[last_of_doc] += 1
+    return flat, kept_lengths, kept_per_doc
 
 
 def _make_tokenizer(args: argparse.Namespace) -> Tokenizer:
-    return build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file, args.vocab_extra_ids)
+    return build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file, args.vocab_extra_ids,
+                           args.split_special_tokens)  # fmt: skip
 
 
 def _chunks(path: str, size: int):
@@ -158,9 +162,10 @@ def main(argv: list[str] | None = None) -> list[str]:
         raise FileNotFoundError(f"--input {args.input} does not exist")
     if args.workers < 1 or args.chunk_size < 1:
         raise ValueError("--workers and --chunk-size must be at least 1")
-    tokenizer = _make_tokenizer(args)  # fail fast on a bad tokenizer, before any worker starts
-    if args.split_sentences:
-        SentenceSplitter(cache_dir=args.punkt_cache_dir or None)  # learn and cache Punkt's statistics once, before the workers
+    # Fails fast on a bad tokenizer and learns (and caches) Punkt's statistics once, before any
+    # worker starts; forked workers inherit all of it.
+    _Encoder.init(args)
+    tokenizer = _Encoder.tokenizer
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     os.makedirs(out_dir, exist_ok=True)
     level = "sentence" if args.split_sentences else "document"
@@ -181,14 +186,14 @@ def main(argv: list[str] | None = None) -> list[str]:
     finished = False
     try:
         if args.workers == 1:
-            _Encoder.init(args)
             results = map(_Encoder.encode_chunk, _chunks(args.input, args.chunk_size))
         else:
-            ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+            fork = sys.platform.startswith("linux")
+            ctx = multiprocessing.get_context("fork" if fork else "spawn")
             env_before = os.environ.get("TOKENIZERS_PARALLELISM")
             os.environ["TOKENIZERS_PARALLELISM"] = "false"  # each worker is one process of parallelism
             try:
-                pool = ctx.Pool(args.workers, initializer=_Encoder.init, initargs=(args,))
+                pool = ctx.Pool(args.workers, initializer=None if fork else _Encoder.init, initargs=() if fork else (args,))
             finally:
                 if env_before is None:
                     os.environ.pop("TOKENIZERS_PARALLELISM")

@@ -3,6 +3,11 @@
 Every tokenizer has ``encode``, ``encode_batch`` (the preprocessing fast path), ``decode``,
 ``vocab_size`` (every id is below it), ``eod`` (the end-of-document id appended between
 documents) and ``name``.
+
+Text that spells a special token (``<|endoftext|>``) becomes that token's id, as in Megatron-LM's
+tokenizers built on Hugging Face and tiktoken; ``split_special_tokens=True`` encodes it as plain
+text instead, as the GPT-2 tokenizer of Megatron-LM releases before ``megatron.core.tokenizers``
+did. SentencePiece and BERT WordPiece always read such text as text (as Megatron's do).
 """
 
 from __future__ import annotations
@@ -11,7 +16,10 @@ import base64
 import difflib
 import os
 import re
+from functools import cached_property
 from typing import Iterable
+
+import numpy as np
 
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
 LLAMA3_PATTERN = (
@@ -37,6 +45,13 @@ class Tokenizer:
         """The ids of ``text`` alone, without the BOS ``encode`` may add: a piece of a longer
         sequence (a turn of a conversation). Special tokens spelled in the text stay special."""
         return self.encode(text)
+
+    def encode_batch_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """All texts' ids back to back (int64) and each text's id count: what a ``.bin`` needs."""
+        encoded = self.encode_batch(texts)
+        lengths = np.fromiter(map(len, encoded), np.int64, len(encoded))
+        flat = np.fromiter((i for ids in encoded for i in ids), np.int64, int(lengths.sum()))
+        return flat, lengths
 
     def decode(self, ids: Iterable[int]) -> str:
         raise NotImplementedError
@@ -70,8 +85,10 @@ class ByteTokenizer(Tokenizer):
 class HuggingFaceTokenizer(Tokenizer):
     """A ``tokenizer.json`` through the ``tokenizers`` library; its post-processor (e.g. a BOS) applies."""
 
-    def __init__(self, tokenizer, name: str, eod: int | None = None, source: str = ""):
+    def __init__(self, tokenizer, name: str, eod: int | None = None, source: str = "", split_special_tokens: bool = False):
         self._tok = tokenizer
+        self._tok.encode_special_tokens = split_special_tokens
+        self.split_special_tokens = split_special_tokens
         self.name = name
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         if eod is None:
@@ -82,8 +99,20 @@ class HuggingFaceTokenizer(Tokenizer):
             eod = found[0]
         self.eod = eod
 
+    @cached_property
+    def _fast(self):
+        """tiktoken's engine where it encodes exactly as this tokenizer (GPT-2-style BPE), else None."""
+        from meshtron.data.bpe_engine import tiktoken_engine
+
+        return tiktoken_engine(self._tok)
+
+    def _fast_encode(self, text: str) -> list[int]:
+        if self.split_special_tokens:
+            return self._fast.encode_ordinary(text)
+        return self._fast.encode(text, allowed_special="all")
+
     @classmethod
-    def from_file(cls, tokenizer_model: str) -> "HuggingFaceTokenizer":
+    def from_file(cls, tokenizer_model: str, split_special_tokens: bool = False) -> "HuggingFaceTokenizer":
         from tokenizers import Tokenizer as HFTokenizer
 
         path = _need_file(tokenizer_model, "--tokenizer-model", "HuggingFaceTokenizer", "tokenizer.json file or a folder holding one")
@@ -95,22 +124,34 @@ class HuggingFaceTokenizer(Tokenizer):
             tok = HFTokenizer.from_file(path)
         except Exception as exc:
             raise ValueError(f"--tokenizer-model {path}: cannot load as a tokenizer.json: {exc}") from exc
-        return cls(tok, name=f"HuggingFaceTokenizer({path})", source=path)
+        return cls(tok, name=f"HuggingFaceTokenizer({path})", source=path, split_special_tokens=split_special_tokens)
 
     def encode(self, text: str) -> list[int]:
+        if self._fast is not None:
+            return self._fast_encode(text)
         return self._tok.encode(text).ids
 
     def encode_text(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(texts)]
+        if self._fast is not None:
+            return [self._fast_encode(t) for t in texts]
+        return [e.ids for e in self._tok.encode_batch_fast(texts)]
+
+    def encode_batch_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        if self._fast is None:
+            return super().encode_batch_flat(texts)
+        allowed = set() if self.split_special_tokens else "all"
+        arrays = [self._fast.encode_to_numpy(t, allowed_special=allowed, disallowed_special=()) for t in texts]
+        lengths = np.fromiter(map(len, arrays), np.int64, len(arrays))
+        return (np.concatenate(arrays) if arrays else np.zeros(0, np.uint32)), lengths
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
 
-def _gpt2_bpe(vocab_file: str, merge_file: str) -> HuggingFaceTokenizer:
+def _gpt2_bpe(vocab_file: str, merge_file: str, split_special_tokens: bool = False) -> HuggingFaceTokenizer:
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers
 
@@ -125,7 +166,8 @@ def _gpt2_bpe(vocab_file: str, merge_file: str) -> HuggingFaceTokenizer:
     eod = tok.token_to_id("<|endoftext|>")
     if eod is None:
         raise ValueError(f"--vocab-file {vocab_file} has no '<|endoftext|>' token, which GPT2BPETokenizer uses as end of document")
-    return HuggingFaceTokenizer(tok, name=f"GPT2BPETokenizer({vocab_file})", eod=eod)
+    tok.add_special_tokens(["<|endoftext|>"])  # text spelling it maps to its id, as Hugging Face's GPT-2 tokenizer does
+    return HuggingFaceTokenizer(tok, name=f"GPT2BPETokenizer({vocab_file})", eod=eod, split_special_tokens=split_special_tokens)
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -198,7 +240,7 @@ class TikTokenizer(Tokenizer):
     _MAX_RUN = 25_000  # and cuts runs of only (non-)whitespace every this many characters
     _LONG_RUN = re.compile(r"\s{%d,}|\S{%d,}" % (_MAX_RUN + 1, _MAX_RUN + 1))
 
-    def __init__(self, model_file: str):
+    def __init__(self, model_file: str, split_special_tokens: bool = False):
         import tiktoken
 
         _need_file(model_file, "--tokenizer-model", "TikTokenizer", "tiktoken rank file")
@@ -209,6 +251,7 @@ class TikTokenizer(Tokenizer):
         self.name = f"TikTokenizer({model_file})"
         self.vocab_size = base + len(specials)
         self.eod = specials["<|end_of_text|>"]
+        self.split_special_tokens = split_special_tokens
 
     def _pieces(self, text: str) -> list[str]:
         """Llama 3's cut points: every 400k characters, and inside overlong (non-)whitespace runs."""
@@ -227,7 +270,7 @@ class TikTokenizer(Tokenizer):
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []
         for piece in self._pieces(text):
-            ids.extend(self._enc.encode_ordinary(piece))
+            ids.extend(self._enc.encode_ordinary(piece) if self.split_special_tokens else self._enc.encode(piece, allowed_special="all"))
         return ids
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -294,24 +337,30 @@ HF_TOKENIZER_ALIASES = ("HuggingFaceTokenizer", "DeepSeekV2Tokenizer")
 
 
 def build_tokenizer(
-    tokenizer_type: str, tokenizer_model: str = "", vocab_file: str = "", merge_file: str = "", vocab_extra_ids: int = 0
+    tokenizer_type: str,
+    tokenizer_model: str = "",
+    vocab_file: str = "",
+    merge_file: str = "",
+    vocab_extra_ids: int = 0,
+    split_special_tokens: bool = False,
 ) -> Tokenizer:
     """Build the tokenizer a ``--tokenizer-type`` names from the files its flags point at.
 
-    ``vocab_extra_ids`` (``--vocab-extra-ids``, T5's sentinels) applies to the BERT WordPiece types.
+    ``vocab_extra_ids`` (``--vocab-extra-ids``, T5's sentinels) applies to the BERT WordPiece types;
+    ``split_special_tokens`` (module docstring) to the Hugging Face, GPT-2 and tiktoken types.
     """
     if tokenizer_type in ("BertWordPieceLowerCase", "BertWordPieceCase"):
         return BertWordPieceTokenizer(vocab_file, tokenizer_type == "BertWordPieceLowerCase", vocab_extra_ids)
     if tokenizer_type in HF_TOKENIZER_ALIASES:
-        return HuggingFaceTokenizer.from_file(tokenizer_model)
+        return HuggingFaceTokenizer.from_file(tokenizer_model, split_special_tokens)
     if tokenizer_type == "GPT2BPETokenizer":
-        return _gpt2_bpe(vocab_file, merge_file)
+        return _gpt2_bpe(vocab_file, merge_file, split_special_tokens)
     if tokenizer_type == "SentencePieceTokenizer":
         return SentencePieceTokenizer(tokenizer_model)
     if tokenizer_type == "Llama2Tokenizer":
         return SentencePieceTokenizer(tokenizer_model, "Llama2Tokenizer", add_bos=True)
     if tokenizer_type == "TikTokenizer":
-        return TikTokenizer(tokenizer_model)
+        return TikTokenizer(tokenizer_model, split_special_tokens)
     if tokenizer_type == "ByteTokenizer":
         return ByteTokenizer()
     close = difflib.get_close_matches(tokenizer_type or "", TOKENIZER_TYPES, n=1, cutoff=0.4)

@@ -27,10 +27,7 @@ import torch
 from torch import nn
 
 from meshtron.config import TrainConfig
-
-
-class DivergenceError(RuntimeError):
-    """The run diverged; the message names the iteration, the rank and, when found, the module."""
+from meshtron.errors import DivergenceError
 
 
 class DivergenceMonitor:

@@ -116,3 +116,86 @@ def test_bad_input_exits_nonzero_and_leaves_no_files(tmp_path, capsys, content, 
                    "--tokenizer-type", "ByteTokenizer", "--quiet"])  # fmt: skip
     assert rc == 2 and message in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]
+
+
+def _megatron_reference(rows, encode, eod, dtype_code=8):
+    """.bin/.idx bytes as Megatron-LM's preprocess_data.py writes them (its Encoder.encode and
+    IndexedDatasetBuilder.add_document/finalize, with --append-eod), written here independently."""
+    import struct
+
+    tokens, lengths, docs = [], [], [0]
+    for row in rows:
+        doc, sentence_lens = [], []
+        for sentence in row["text"] if isinstance(row["text"], list) else [row["text"]]:
+            ids = encode(sentence)
+            if ids:
+                doc.extend(ids)
+                sentence_lens.append(len(ids))
+        if doc:
+            doc.append(eod)
+            sentence_lens[-1] += 1
+        tokens.extend(doc)
+        lengths.extend(sentence_lens)
+        docs.append(len(lengths))
+    pointers = np.concatenate([[0], np.cumsum(np.asarray(lengths[:-1], np.int64) * 2)]).astype(np.int64)
+    idx = struct.pack("<9sQBQQ", b"MMIDIDX\x00\x00", 1, dtype_code, len(lengths), len(docs))
+    idx += np.asarray(lengths, np.int32).tobytes() + pointers.tobytes() + np.asarray(docs, np.int64).tobytes()
+    return np.asarray(tokens, np.uint16).tobytes(), idx
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_gpt2_bpe_byte_identical_to_megatron(tmp_path, split):
+    """GPT-2 BPE on the tiktoken engine, 1 and 2 workers, special-token text in documents: the files
+    equal Megatron's, encoding with transformers' GPT-2 tokenizer as Megatron-LM does (or, with
+    --split-special-tokens, with the bare merge list as its older GPT2BPETokenizer did)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer
+
+    from meshtron.data.tokenizers import train_bpe_tokenizer
+
+    code = [f"def f{i}(x):\n    return x * {i}  # it's {i}<|endoftext|>\n\n" * (i % 4) for i in range(60)]
+    rows = [{"text": t} for t in code] + [{"text": ["<|endoftext|>", "", "naïve 東京 🙂"]}, {"text": "<|endoftext|>"}]
+    hf = Tokenizer.from_file(train_bpe_tokenizer(code[:20], 400, str(tmp_path / "tokenizer.json")))
+    vocab, merges = hf.model.save(str(tmp_path))
+    (tmp_path / "tokenizer.json").unlink()
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer", "eos_token": "<|endoftext|>"}))
+    if split:
+        plain = Tokenizer(models.BPE.from_file(vocab, merges))
+        plain.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        encode = lambda text: plain.encode(text).ids  # noqa: E731
+    else:
+        reference = AutoTokenizer.from_pretrained(str(tmp_path))
+        encode = lambda text: reference(text).input_ids  # noqa: E731
+    expected = _megatron_reference(rows, encode, eod=hf.token_to_id("<|endoftext|>"))
+    flags = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges, "--append-eod", "--chunk-size", "7"]
+    flags += ["--split-special-tokens"] if split else []
+    for workers in ("1", "2"):
+        src = write_jsonl(tmp_path / "in.jsonl", rows)
+        prefix = preprocess.main(["--input", src, "--output-prefix", str(tmp_path / f"w{workers}"), "--workers", workers, "--quiet", *flags])[0]
+        assert (open(prefix + ".bin", "rb").read(), open(prefix + ".idx", "rb").read()) == expected
+
+
+@pytest.mark.parametrize("eod", [None, 7])
+def test_pack_matches_per_document_rule(eod):
+    """The vectorised packing against the rule written out per document: drop empty sequences,
+    end each document that kept any with eod (counted in its last sequence)."""
+    rng = np.random.default_rng(0)
+    seqs_per_doc = rng.integers(0, 4, 200)
+    lengths = rng.integers(0, 3, int(seqs_per_doc.sum())) * rng.integers(0, 2, int(seqs_per_doc.sum()))
+    flat = rng.integers(100, 200, int(lengths.sum()))
+    tokens, kept_lengths, kept_per_doc = preprocess._pack(flat, lengths, seqs_per_doc, eod)
+    ref_tokens, ref_lengths, ref_docs, pos, seq = [], [], [], 0, 0
+    for n in seqs_per_doc:
+        kept = 0
+        for length in lengths[seq : seq + n]:
+            if length:
+                ref_tokens.extend(flat[pos : pos + length].tolist())
+                ref_lengths.append(int(length))
+                kept += 1
+            pos += length
+        seq += n
+        if kept and eod is not None:
+            ref_tokens.append(eod)
+            ref_lengths[-1] += 1
+        ref_docs.append(kept)
+    assert (tokens.tolist(), kept_lengths.tolist(), kept_per_doc.tolist()) == (ref_tokens, ref_lengths, ref_docs)

@@ -91,7 +91,9 @@ def test_tiktoken_llama3_layout(tmp_path):
     assert len(specials) == 256 and specials[1] == "<|end_of_text|>" and specials[-1] == "<|reserved_special_token_250|>"
     assert tok.vocab_size == 256 + len(merges) + 256
     assert tok.eod == 256 + len(merges) + 1
-    assert tok.encode("<|end_of_text|>") != [tok.eod]  # special tokens in text stay plain text
+    assert tok.encode("a<|end_of_text|>") == [ord("a"), tok.eod]  # as Megatron's TikTokenizer (allowed_special="all")
+    split = build_tokenizer("TikTokenizer", tokenizer_model=_tiktoken_file(tmp_path / "r.tiktoken", merges), split_special_tokens=True)
+    assert tok.eod not in split.encode("a<|end_of_text|>") and split.decode(split.encode("<|end_of_text|>")) == "<|end_of_text|>"
 
 
 def _llama3_cuts(s, max_run):
