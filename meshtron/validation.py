@@ -283,13 +283,6 @@ def layout_errors(cfg: Config) -> list[str]:
                      p.account_for_loss_in_pipeline_split)  # fmt: skip
     except ValueError as exc:
         errors.append(f"the pipeline stage split does not work: {exc}")
-    # Routing is token by token; only the balancing losses would see one rank's chunk alone under cp
-    # (under sequence parallelism their statistics are summed over the shards).
-    balancing = m.num_experts > 0 and (m.moe_z_loss_coeff > 0 or (m.moe_router_load_balancing_type != "none" and
-                                                                (m.moe_aux_loss_coeff > 0 or m.moe_loss_weight > 0)))  # fmt: skip
-    if balancing and cp > 1:
-        errors.append("mixture-of-experts balancing losses under context parallelism would balance each rank's chunk "
-                      "alone; set --context-parallel-size 1 or drop the losses (--moe-aux-loss-coeff, --moe-z-loss-coeff)")  # fmt: skip
     if log.generate_prompt and (tp > 1 or cp > 1 or pp > 1):
         errors.append("--generate-prompt samples after training from the whole model on each rank, which tensor, context "
                       "and pipeline parallelism split; drop it and sample from the saved checkpoint with "

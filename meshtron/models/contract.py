@@ -224,8 +224,9 @@ class ExpertParallel:
 @dataclass(frozen=True)
 class SequenceSum:
     """A module summing per-token statistics over the tokens it sees (identity when it sees the
-    whole micro batch): under sequence parallelism replaced by a sum over tp, so a statistic over
-    the whole sequence (a balancing loss's token fractions) equals one process's."""
+    whole micro batch): under sequence and context parallelism replaced by a sum over the tp and
+    cp ranks holding the other tokens of the same sequences, so a statistic over whole sequences
+    (a balancing loss's token fractions, per sequence too) equals one process's, gradient included."""
 
 
 @dataclass(frozen=True)

@@ -25,12 +25,12 @@ from meshtron.parallel.context_parallel import ContextParallelAttention
 from meshtron.parallel.data_parallel_gather import DataParallelRowGather
 from meshtron.parallel.expert_parallel import ExpertParallelExperts, expert_tensor_parallel_split
 from meshtron.parallel.mesh import Mesh
+from meshtron.parallel.sequence_sum import SequenceShardSum
 from meshtron.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     SequenceScatterEmbedding,
     TensorParallelEntry,
-    SequenceShardSum,
     VocabParallelEmbedding,
     VocabParallelOutputLayer,
 )
@@ -85,7 +85,9 @@ def _replace(module: nn.Module, style: mc.Style, mesh: Mesh, sp: bool, cp_algori
             return None
         return ExpertParallelExperts(module, mesh.ep_group, mesh.ep, mesh.ep_rank, style.dispatcher, mesh.etp_group, style.fc1_layout, sp)
     if isinstance(style, mc.SequenceSum):
-        return SequenceShardSum(mesh.tp_group) if sp else None
+        if not (sp or mesh.cp > 1):
+            return None
+        return SequenceShardSum(mesh.tp_group if sp else None, mesh.cp_group if mesh.cp > 1 else None)
     if isinstance(style, mc.GatherOverDataParallel):
         return DataParallelRowGather(mesh.dp_group, mesh.dp_rank, mesh.dp) if mesh.dp > 1 else None
     if tp == 1:

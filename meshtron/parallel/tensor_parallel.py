@@ -117,6 +117,12 @@ def reduce_from_tp_region(x: torch.Tensor, group) -> torch.Tensor:
     return _paired(x, _sum, _identity, group, -1)
 
 
+def sum_over_loss_shares(x: torch.Tensor, group) -> torch.Tensor:
+    """Forward all-reduce, backward all-reduce: a sum read by a loss each rank of ``group``
+    backwards a share of (context parallelism's ranks), so every share's gradient reaches every part."""
+    return _paired(x, _sum, _sum, group, -1)
+
+
 def gather_from_tp_region(x: torch.Tensor, group) -> torch.Tensor:
     """Concatenate the ranks' last-dim shards; backward keeps this rank's slice of the gradient."""
     return _paired(x, _all_gather, _split, group, -1)
@@ -266,20 +272,6 @@ class VocabParallelEmbedding(nn.Module):
     def extra_repr(self) -> str:
         return (f"{self.num_embeddings}, {self.embedding_dim}, rows {self.vocab_start}.."
                 f"{self.vocab_start + self.weight.shape[0] - 1}, sequence_parallel={self.sequence_parallel}")  # fmt: skip
-
-
-class SequenceShardSum(nn.Module):
-    """Per-token statistics summed over this rank's sequence shard -> summed over the whole
-    sequence (all tp ranks). Backward passes the gradient through unchanged: every rank computes
-    the same function of the sum and backwards its own shard's part, and the sequence-partial
-    gradients of the parameters behind it are added up over tp after backward."""
-
-    def __init__(self, group):
-        super().__init__()
-        self.group = group
-
-    def forward(self, partial_sums: torch.Tensor) -> torch.Tensor:
-        return reduce_from_tp_region(partial_sums, self.group)
 
 
 class SequenceScatterEmbedding(nn.Embedding):

@@ -6,9 +6,13 @@ One spawn of 4 gloo processes (fp32, CPU) runs every case through the same runne
   ep2 x tp2 with sequence parallelism (DeepSeek's per-sequence balancing loss, shared experts
   with a gate): the step loss, each balancing term and every gradient equal one process's
   (1e-5 relative); alltoall and allgather give bit-identical results;
-- one optimizer step (the distributed optimizer sharding experts over edp; and the replicated
-  one under ep2 x tp2 x sp): the gradient norm (each expert counted once), the updated weights
-  and the expert bias after ``Runner.after_step`` equal a one-process runner's;
+- context parallelism, where each rank holds two chunks of every sequence and the balancing
+  statistics are summed over cp: cp2 x dp2 (aux_loss and z-loss; seq_aux_loss), ep2 inside
+  cp2 x dp2 (the ep group is the cp group), ep4 over cp2 x dp2 with the allgather dispatcher, and
+  ep2 x cp2 x tp2 with sequence parallelism (statistics summed over tp, then cp): the same checks;
+- one optimizer step (the distributed optimizer sharding experts over edp, also under ep2 x cp2;
+  and the replicated one under ep2 x tp2 x sp): the gradient norm (each expert counted once), the
+  updated weights and the expert bias after ``Runner.after_step`` equal a one-process runner's;
 - checkpoints, through the sharded checkpoint itself: what an ep layout saves (weights, masters,
   Adam moments, boxes keyed by global expert id), loaded into one process, equals the one-process
   runner's state; and one process's checkpoint loaded into a fresh tp2 x ep2 layout (the
@@ -56,9 +60,15 @@ LAYOUTS = {
     "ep2_pp2": (dict(pp=2, dp=2, ep=2), "moe", False),
     "ep2_tp2_sp": (dict(tp=2, dp=2, ep=2), "sequence", True),
     "tp2_sp": (dict(tp=2, dp=2), "sequence", True),
+    "cp2_dp2": (dict(cp=2, dp=2), "moe", False),
+    "cp2_dp2_sequence": (dict(cp=2, dp=2), "sequence", False),
+    "ep2_cp2_dp2": (dict(cp=2, dp=2, ep=2), "moe", False),
+    "ep4_cp2_dp2_allgather": (dict(cp=2, dp=2, ep=4), "allgather", False),
+    "ep2_cp2_tp2_sp": (dict(tp=2, cp=2, ep=2), "sequence", True),
 }
 # name: (mesh sizes, sequence parallel, distributed optimizer), all with MOE_BIAS
-STEPS = {"ep2_dp4_distopt": (dict(dp=4, ep=2), False, True), "ep2_tp2_sp": (dict(tp=2, dp=2, ep=2), True, False)}
+STEPS = {"ep2_dp4_distopt": (dict(dp=4, ep=2), False, True), "ep2_tp2_sp": (dict(tp=2, dp=2, ep=2), True, False),
+         "ep2_cp2_dp2_distopt": (dict(cp=2, dp=2, ep=2), False, True)}
 TRAIN = TrainConfig(lr=1e-2, clip_grad=0.05, weight_decay=0.1)
 # Rows per global expert that each rank hands its experts: rank 1 sends nothing, experts 1 and 2
 # (ranks 1 and 2 under ep4) receive nothing.
@@ -66,7 +76,7 @@ ZERO_TOKEN_ROWS = [[5, 0, 0, 0], [0, 0, 0, 0], [2, 0, 0, 3], [0, 0, 0, 1]]
 
 
 def _parallel(mesh: Mesh, sequence_parallel: bool, distributed: bool = False) -> ParallelConfig:
-    return ParallelConfig(tensor_parallel=mesh.tp, pipeline_parallel=mesh.pp, expert_parallel=mesh.ep,
+    return ParallelConfig(tensor_parallel=mesh.tp, pipeline_parallel=mesh.pp, context_parallel=mesh.cp, expert_parallel=mesh.ep,
                           sequence_parallel=sequence_parallel, use_distributed_optimizer=distributed)  # fmt: skip
 
 

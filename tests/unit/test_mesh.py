@@ -117,16 +117,18 @@ def test_model_fits_the_layout_before_any_process_group():
 
 def test_expert_parallel_layouts_are_checked():
     """ep > 1 used to build groups and train a dense model: refused. With experts, ep must divide
-    them and dp x cp; expert tensor parallelism must be 1 or tp and divide the expert FFN; MoE
-    balancing under cp is refused; ep, etp = tp, FSDP with ep, sequence parallelism and the
-    expert bias are accepted."""
+    them and dp x cp; expert tensor parallelism must be 1 or tp and divide the expert FFN; ep,
+    etp = tp, FSDP with ep, sequence parallelism, the expert bias and the balancing losses under
+    context parallelism (ep carved out of dp x cp too) are accepted."""
     cfg = build_config(None, ["--mock-data", "--expert-model-parallel-size", "2"])
     with pytest.raises(ConfigError, match="--expert-model-parallel-size 2 needs a mixture-of-experts model"):
         validate(cfg, world_size=2)
     moe = ["--mock-data", "--num-experts", "4", "--disable-bias-linear"]
     for flags in (["--tp", "2"], ["--ep", "2"], ["--tp", "2", "--sequence-parallel"], ["--cp", "2"],
                   ["--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid"],
-                  ["--tp", "2", "--expert-tensor-parallel-size", "2"], ["--ep", "2", "--use-torch-fsdp2"]):  # fmt: skip
+                  ["--tp", "2", "--expert-tensor-parallel-size", "2"], ["--ep", "2", "--use-torch-fsdp2"],
+                  ["--cp", "2", "--ep", "2", "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3"],
+                  ["--cp", "2", "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-3"]):  # fmt: skip
         validate(build_config(None, moe + flags), world_size=2)
     validate(build_config(None, moe + ["--ep", "4", "--moe-token-dispatcher-type", "allgather", "--global-batch-size", "32"]), world_size=4)
     for flags, world, message in ((["--ep", "4"], 2, "must divide data parallel 2"),
@@ -136,8 +138,7 @@ def test_expert_parallel_layouts_are_checked():
                                    "must divide the experts' FFN width 33"),
                                   (["--tp", "2", "--expert-tensor-parallel-size", "2", "--num-experts", "0"], 2,
                                    "--expert-tensor-parallel-size 2 needs a mixture-of-experts model"),
-                                  (["--moe-token-dispatcher-type", "flex"], 2, "alltoall or allgather"),
-                                  (["--cp", "2", "--moe-z-loss-coeff", "1e-3"], 2, "set --context-parallel-size 1")):  # fmt: skip
+                                  (["--moe-token-dispatcher-type", "flex"], 2, "alltoall or allgather")):  # fmt: skip
         with pytest.raises(ConfigError, match=message):
             validate(build_config(None, moe + flags), world_size=world)
 

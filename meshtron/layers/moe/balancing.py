@@ -5,11 +5,11 @@ named auxiliary terms of its loss. That keeps them right under pipeline parallel
 recomputation, where MegaBlocks' global list of per-layer statistics went wrong.
 
 Scales are Megatron-Core's: each MoE layer's loss is ``coeff * E * sum_i f_i * P_i`` over one
-micro-batch on one data-parallel rank (its whole sequences, under sequence parallelism too), the
-layers' losses add up (the total grows with the number of MoE layers), and a micro-batch's terms
-are weighted as its language-model loss is (Megatron scales them by 1/num_micro_batches, as the
-LM loss). MegaBlocks' ``--moe-loss-weight w`` averages over the layers instead: a per-layer
-coefficient of ``w / num_moe_layers`` (``aux_loss_coeff``).
+micro-batch on one data-parallel rank (its whole sequences, under sequence and context
+parallelism too), the layers' losses add up (the total grows with the number of MoE layers), and
+a micro-batch's terms are weighted as its language-model loss is (Megatron scales them by
+1/num_micro_batches, as the LM loss). MegaBlocks' ``--moe-loss-weight w`` averages over the
+layers instead: a per-layer coefficient of ``w / num_moe_layers`` (``aux_loss_coeff``).
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ def switch_aux_loss(score_sums: torch.Tensor, tokens_per_expert: torch.Tensor, n
 
 class TokenSum(nn.Module):
     """Sums over the tokens of the micro batch, from sums over the tokens this layer sees: the
-    same at one process. Under sequence parallelism each tp rank sees a shard of every sequence,
-    and the parallel plan replaces this module by a sum over the shards (``SequenceSum`` style)."""
+    same at one process. Under sequence (context) parallelism each tp (cp) rank sees a part of
+    every sequence, and the parallel plan replaces this module by a sum over the parts
+    (``SequenceSum`` style)."""
 
     def forward(self, partial_sums: torch.Tensor) -> torch.Tensor:
         return partial_sums
