@@ -22,7 +22,7 @@ WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # transformers' "5GB"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-_STALE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json|\.partial)?")
+_STALE = re.compile(r"model(-\d{5}(-of-\d{5})?)?\.safetensors(\.index\.json|\.partial)?")  # ours, finished or not
 
 
 def parse_size(text: str) -> int:
@@ -56,7 +56,7 @@ def write_shards(tensors: Iterable[tuple[str, torch.Tensor]], hf_dir: Path, max_
         shard, shard_bytes = {}, 0
 
     for name, tensor in tensors:
-        if name in where or name in shard:
+        if name in where:
             raise ValueError(f"hf-export: the exporter wrote {name} twice")
         size = tensor.numel() * tensor.element_size()
         if shard and shard_bytes + size > max_shard_size:

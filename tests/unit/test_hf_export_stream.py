@@ -18,11 +18,12 @@ transformers = pytest.importorskip("transformers")
 
 from meshtron.checkpoint import tensor_reader  # noqa: E402
 from meshtron.checkpoint.checkpoint import save_checkpoint  # noqa: E402
+from meshtron.cli import main as cli_main  # noqa: E402
 from meshtron.checkpoint.tensor_reader import CheckpointWeights  # noqa: E402
 from meshtron.config import build_config  # noqa: E402
 from meshtron.models import build_model, padded_vocab_size  # noqa: E402
 from meshtron.models.hf import export_hf  # noqa: E402
-from meshtron.models.hf_shards import parse_size  # noqa: E402
+from meshtron.models.hf_shards import parse_size, write_shards  # noqa: E402
 
 LAYERS = 8
 FLAGS = ["--num-layers", str(LAYERS), "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2", "--swiglu",
@@ -56,9 +57,9 @@ def _logits_agree(hf_dir, model):
 
 def test_sharded_export_loads_in_transformers_with_equal_logits(saved, tmp_path):
     path, model = saved
-    limit = 40_000
-    out = tmp_path / "hf"
-    export_hf(path, out, dtype="fp32", max_shard_size=limit)
+    limit, out = 40_000, tmp_path / "hf"
+    argv = ["convert", "hf-export", "--load", str(path), "--hf-dir", str(out), "--dtype", "fp32", "--max-shard-size", "40KB"]
+    assert cli_main(argv) == 0
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 5 and files == sorted(p.name for p in out.glob("model-*-of-*.safetensors"))
@@ -125,6 +126,11 @@ def test_reader_reads_model_tensors_only(saved, monkeypatch):
     assert keys == ["model.layers.2.mlp.linear_fc1.weight"]
     with pytest.raises(KeyError):
         weights["optimizer.master.embedding.weight"]
+
+
+def test_writer_refuses_a_name_twice(tmp_path):
+    with pytest.raises(ValueError, match="wrote a twice"):
+        write_shards([("a", torch.zeros(2)), ("b", torch.ones(3)), ("a", torch.ones(2))], tmp_path, max_shard_size=8)
 
 
 def test_parse_size():
