@@ -6,7 +6,9 @@ mapping from the model's state-dict names (the checkpoint's ``model.{name}`` key
 to tensors; indexing reads the one tensor as a single full box (``boxes.Sharded``) through
 ``dcp_io.read_boxes``, which stitches it together from whichever ranks' files hold its chunks,
 so a checkpoint written under any layout reads the same. Nothing is cached: a tensor lives as
-long as the caller keeps it. Optimizer state is never read.
+long as the caller keeps it. Optimizer state is never read. Reading one briefly costs about twice
+its stored size (DCP loads each stored chunk, then copies it into the box), plus the cast's copy:
+measured, a 131 MB fp32 embedding exported to bf16 peaked at about 320 MB.
 
 Opening checks every file against the completion marker and reads DCP's index through the
 restricted unpickler (``checkpoint.open_checkpoint``), as every load does.
