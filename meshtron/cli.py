@@ -23,7 +23,7 @@ commands:
                top-k accuracy of an ICT checkpoint on held-out blocks: meshtron evaluate-retrieval
                --load ICT_CKPT [--split valid|test] [--topk 1 5 20]
   convert      Hugging Face weights: meshtron convert hf-import --hf-dir DIR --save OUT [--dtype bf16|fp32]
-               or meshtron convert hf-export --load CKPT --hf-dir OUT [--dtype bf16|fp32]
+               or meshtron convert hf-export --load CKPT --hf-dir OUT [--dtype bf16|fp32] [--max-shard-size 5GB]
                or meshtron convert reshard --load CKPT --save OUT (one process, offline)
   checkpoint   inspect a checkpoint: meshtron checkpoint info DIR [--ckpt-step N]
   plot         a PNG of a run's loss, lr, grad norm, tokens/s and memory: meshtron plot RUN_DIR (its --tensorboard-dir)

@@ -310,34 +310,18 @@ def load_checkpoint(
     fp32 masters must be refreshed from the loaded weights (``reload_model_params``), or the first
     step would write the initial weights back.
     """
-    root = Path(load_dir)
-    if iteration is None:
-        iteration = latest_iteration(root)
-        if iteration is None:
-            if (root / META).is_file():
-                raise CheckpointError(f"{root} is one checkpoint; point --load at its parent {root.parent}, which holds {TRACKER}")
-            return None
-        directory = checkpoint_dir(root, iteration)
-        if not directory.is_dir():
-            raise CheckpointError(f"tracker {root / TRACKER} names iteration {iteration} but {directory} does not exist; {_fallback_hint(root, iteration)}")
-    else:
-        directory = checkpoint_dir(root, iteration)
-        if not directory.is_dir():
-            raise CheckpointError(f"no checkpoint for iteration {iteration}: {directory} does not exist; {_fallback_hint(root, iteration)}")
     mesh = mesh or Mesh()
-    problem = _verify_together(directory, mesh)
-    if problem:
-        raise CheckpointError(f"checkpoint of iteration {iteration} cannot be trusted: {problem}; {_fallback_hint(root, iteration)}")
-
-    record = read_record(directory / META)
-    metadata = read_dcp_metadata(directory)
+    opened = open_checkpoint(load_dir, iteration, mesh)
+    if opened is None:
+        return None
+    directory, record, metadata = opened
     with_optim = optimizer is not None and load_optim
     if with_optim and not record.get("has_optimizer", False):
         raise CheckpointError(f"{directory} was saved without optimizer state (--no-save-optim); resume with --no-load-optim")
     # Each rank names the boxes it holds and reads their overlap with the stored chunks.
     state = load_state(model, optimizer, with_optimizer=with_optim, metas=metas)
     _check_tensors(state, model, metadata, directory, mesh, strict, log)
-    _read(state, directory, metadata)
+    read_state(state, directory, metadata)
     if with_optim:
         finish_load(state, optimizer)
     elif optimizer is not None:
@@ -353,6 +337,34 @@ def load_checkpoint(
             )
         set_rng_state(_read_rng(directory / f"rng_rank{mesh.rank}.pt"))
     return {**record["meta"], "iteration": record["iteration"]}
+
+
+def open_checkpoint(load_dir: str | os.PathLike, iteration: int | None = None,
+                    mesh: Mesh | None = None) -> tuple[Path, dict[str, Any], Any] | None:  # fmt: skip
+    """The directory, ``meta.json`` record and DCP index of the tracker's (or ``iteration``'s)
+    checkpoint, every file checked against the completion marker first (the checksum reading
+    split over ``mesh``'s ranks); None when ``load_dir`` has no tracker and no ``iteration`` was
+    asked for (a fresh start)."""
+    root = Path(load_dir)
+    if iteration is None:
+        iteration = latest_iteration(root)
+        if iteration is None:
+            if (root / META).is_file():
+                raise CheckpointError(f"{root} is one checkpoint; point --load at its parent {root.parent}, which holds {TRACKER}")
+            return None
+        directory = checkpoint_dir(root, iteration)
+        if not directory.is_dir():
+            raise CheckpointError(f"tracker {root / TRACKER} names iteration {iteration} but {directory} does not exist; {_fallback_hint(root, iteration)}")
+    else:
+        directory = checkpoint_dir(root, iteration)
+        if not directory.is_dir():
+            raise CheckpointError(f"no checkpoint for iteration {iteration}: {directory} does not exist; {_fallback_hint(root, iteration)}")
+    problem = _verify_together(directory, mesh or Mesh())
+    if problem:
+        raise CheckpointError(f"checkpoint of iteration {iteration} cannot be trusted: {problem}; {_fallback_hint(root, iteration)}")
+    record = read_record(directory / META)
+    metadata = read_dcp_metadata(directory)
+    return directory, record, metadata
 
 
 def load_for_training(c: CheckpointConfig, model: nn.Module, optimizer: Any, mesh: Mesh, log: Callable[[str], None] = print,
@@ -501,7 +513,7 @@ def _check_tensors(state: dict[str, Any], model: nn.Module, metadata: Any, direc
     log(f"warning: {what}; they are not loaded (--dist-ckpt-strictness log_all)")
 
 
-def _read(state: dict[str, Any], directory: Path, metadata: Any) -> None:
+def read_state(state: dict[str, Any], directory: Path, metadata: Any) -> None:
     """``read_boxes`` with DCP's rank-wrapped failures turned into one CheckpointError naming the directory."""
     try:
         read_boxes(state, directory, metadata)

@@ -165,7 +165,8 @@ def generate_from_checkpoint(
     """``meshtron generate``: rebuild the model and tokenizer a ``--save`` directory describes (its
     newest checkpoint, or ``iteration``'s; ``checkpoint/saved_model.py``), and return ``prompt``
     followed by its continuation (T5: the decoder's output for ``prompt``, whose ``<extra_id_N>``
-    markers are the sentinels)."""
+    markers are the sentinels). Unlike ``hf-export``, which streams the checkpoint tensor by tensor,
+    this loads the whole model into one process: generating needs every weight in memory anyway."""
     saved = load_saved_model(load_dir, iteration)
     model, tokenizer, cfg = saved.model, saved.tokenizer, saved.config
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)

@@ -2,7 +2,11 @@
 
 Reads and writes the files ``save_pretrained`` produces (``config.json``, ``model.safetensors``
 or shards listed in ``model.safetensors.index.json``, ``tokenizer.json``) with the ``safetensors``
-library alone, so neither direction needs ``transformers`` installed. Llama-style models
+library alone, so neither direction needs ``transformers`` installed. The export streams: it
+reads the checkpoint one tensor at a time (``checkpoint/tensor_reader.py``, any saving layout,
+no GPU, no process group), the exporters yield the HF tensors layer by layer, and
+``hf_shards.py`` writes them into shards of ``--max-shard-size``, so it needs about one shard
+plus one layer of memory, not the model's size. Llama-style models
 (RMSNorm, SwiGLU, RoPE incl. Llama 3.1 scaling, GQA) go both ways; GPT-2, Mixtral
 (``models/hf_mixtral.py``: Llama with routed experts), Qwen2-MoE (``models/hf_qwen2_moe.py``: plus
 q/k/v biases and a gated shared expert), DeepSeek-V2 (``models/hf_deepseek.py``: latent
@@ -31,13 +35,15 @@ import argparse
 import contextlib
 import json
 import shutil
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
 
-from meshtron.checkpoint.checkpoint import CheckpointError, load_checkpoint, read_meta, save_checkpoint
+from meshtron.checkpoint.checkpoint import CheckpointError, save_checkpoint
+from meshtron.checkpoint.tensor_reader import CheckpointWeights
 from meshtron.config import Config, ModelConfig
 from meshtron.layers.attention import num_kv_heads
 from meshtron.layers.mlp import ffn_hidden_size
@@ -51,10 +57,9 @@ from meshtron.models.hf_bert import (bert_export, bert_export_notes, bert_export
 from meshtron.models.hf_deepseek import deepseek_hf_config, deepseek_import, deepseek_export, deepseek_model_config, is_deepseek
 from meshtron.models.hf_mixtral import mixtral_export, mixtral_hf_config, mixtral_import, mixtral_model_config
 from meshtron.models.hf_qwen2_moe import is_qwen2_moe, qwen2_moe_export, qwen2_moe_hf_config, qwen2_moe_import, qwen2_moe_model_config
+from meshtron.models.hf_shards import DEFAULT_MAX_SHARD_SIZE, INDEX, WEIGHTS, parse_size, write_shards
 
 CONFIG = "config.json"
-WEIGHTS = "model.safetensors"
-INDEX = "model.safetensors.index.json"
 TOKENIZER = "tokenizer.json"
 # Written beside an imported checkpoint: ``meshtron train --config`` it to fine-tune that model.
 TRAIN_CONFIG = "model_config.yaml"
@@ -212,13 +217,12 @@ def _llama_import(t: HFTensors, m: ModelConfig, vocab: int) -> dict[str, torch.T
     return state
 
 
-def _llama_export(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
-    out = export_body(state, m)
+def _llama_export(state: Mapping[str, torch.Tensor], m: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from export_body(state, m)
     for i in range(m.num_layers):
         hf, mt = f"model.layers.{i}.", f"layers.{i}."
-        out.update(export_llama_attention(state, mt, hf, m))
-        out.update(export_swiglu(state, mt + "mlp.", hf + "mlp."))
-    return out
+        yield from export_llama_attention(state, mt, hf, m).items()
+        yield from export_swiglu(state, mt + "mlp.", hf + "mlp.").items()
 
 
 def _gpt2_pairs(m: ModelConfig) -> list[tuple[str, str, bool]]:
@@ -251,14 +255,14 @@ def _gpt2_import(t: HFTensors, m: ModelConfig, expected: dict[str, torch.Size]) 
     return state
 
 
-def _gpt2_export(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
-    out = {hf: state[mt].T.contiguous() if transposed else state[mt] for hf, mt, transposed in _gpt2_pairs(m)}
+def _gpt2_export(state: Mapping[str, torch.Tensor], m: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    for hf, mt, transposed in _gpt2_pairs(m):
+        yield f"transformer.{hf}", state[mt].T.contiguous() if transposed else state[mt]
     for i in range(m.num_layers):
         for kind in ("weight", "bias"):
             q, k, v = split_qkv(state[f"layers.{i}.self_attention.linear_qkv.{kind}"], m.num_attention_heads, m.num_attention_heads)
             fused = torch.cat([q, k, v])
-            out[f"h.{i}.attn.c_attn.{kind}"] = fused.T.contiguous() if kind == "weight" else fused
-    return {f"transformer.{k}": v for k, v in out.items()}
+            yield f"transformer.h.{i}.attn.c_attn.{kind}", fused.T.contiguous() if kind == "weight" else fused
 
 
 @contextlib.contextmanager
@@ -322,37 +326,40 @@ def import_hf(hf_dir: str | Path, save_dir: str | Path, dtype: str = "bf16") -> 
     return final
 
 
-def export_hf(load_dir: str | Path, hf_dir: str | Path, dtype: str = "bf16", iteration: int | None = None) -> Path:
+def export_hf(load_dir: str | Path, hf_dir: str | Path, dtype: str = "bf16", iteration: int | None = None,
+              max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> Path:  # fmt: skip
     """Write the newest checkpoint in ``load_dir`` (or ``iteration``'s) as a Hugging Face model folder ``hf_dir``.
 
+    Streamed: the checkpoint (saved under any layout) is read one tensor at a time on the CPU and
+    written into safetensors shards of at most ``max_shard_size`` bytes, so memory stays near one
+    shard plus one layer's tensors. The model is built on the ``meta`` device only, for its names
+    and shapes, which the checkpoint must match exactly.
     A decoder's vocabulary keeps every row the checkpoint has (a padded one included: HF models
     may have more rows than their tokenizer, as Llama's do), so the logits are those meshtron
     computes; BERT's is cropped to its tokenizer's (``hf_bert.py``), and what changed is printed.
     """
-    from safetensors.torch import save_file
-
     load_dir, hf_dir = Path(load_dir), Path(hf_dir)
-    meta = read_meta(load_dir, iteration)
+    weights = CheckpointWeights(load_dir, iteration, DTYPES[dtype])
+    meta = weights.meta
     cfg = Config.from_dict(meta["config"])
     m = cfg.model
-    model = build_model(m, meta["vocab_size"], cfg.data.seq_length)
+    with torch.device("meta"):  # names and shapes, no memory
+        model = build_model(m, meta["vocab_size"], cfg.data.seq_length)
+    weights.check_shapes({k: tuple(v.shape) for k, v in model.state_dict().items()})
     vocab = meta["vocab_size"]
     if m.model_type == "bert":
         vocab = bert_export_vocab_size(cfg, vocab, load_dir, meta.get("tokenizer", {}))
         for note in bert_export_notes(m, meta["vocab_size"], vocab):
             print(f"hf-export: {note}")
     hf_config = hf_config_from_model(m, vocab, model.max_positions, DTYPES[dtype])
-    load_checkpoint(load_dir, model, iteration=meta["iteration"], load_rng=False)
-    state = {k: v.to(DTYPES[dtype]) for k, v in model.state_dict().items()}
     if m.model_type == "bert":
-        exported = bert_export(state, m, vocab)
+        exported = bert_export(weights, m, vocab)
     else:
         exporters = {"gpt2": _gpt2_export, "llama": _llama_export, "deepseek_v2": deepseek_export, "mixtral": mixtral_export,
                      "qwen2_moe": qwen2_moe_export}  # fmt: skip
-        exported = exporters[hf_config["model_type"]](state, m)
-    tensors = {k: v.contiguous() for k, v in exported.items()}
+        exported = exporters[hf_config["model_type"]](weights, m)
     hf_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(hf_dir / WEIGHTS), metadata={"format": "pt"})
+    write_shards(exported, hf_dir, max_shard_size)
     (hf_dir / CONFIG).write_text(json.dumps(hf_config, indent=2) + "\n")
     source = meta.get("tokenizer", {}).get("tokenizer_model", "")
     if source and Path(source).name == TOKENIZER and (load_dir / source).is_file():
@@ -371,14 +378,17 @@ def main(argv: list[str]) -> int:
     imp.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     exp = sub.add_parser("hf-export", help="meshtron checkpoint -> Hugging Face folder")
     exp.add_argument("--load", required=True, help="checkpoint directory written by --save")
-    exp.add_argument("--hf-dir", required=True, help="folder to write config.json and model.safetensors into")
+    exp.add_argument("--hf-dir", required=True, help="folder to write config.json and the safetensors shards into")
     exp.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     exp.add_argument("--ckpt-step", type=int, default=None, help="iteration to export (default: the newest)")
+    exp.add_argument("--max-shard-size", type=parse_size, default=DEFAULT_MAX_SHARD_SIZE,
+                     help="largest safetensors file to write, e.g. 5GB (the default, as save_pretrained), 500MB; "
+                          "more shards come with model.safetensors.index.json")  # fmt: skip
     args = parser.parse_args(argv)
     if args.direction == "hf-import":
         final = import_hf(args.hf_dir, args.save, args.dtype)
         print(f"wrote {final}; fine-tune with: meshtron train --config {Path(args.save) / TRAIN_CONFIG} "
               f"--load {args.save} --no-load-optim --no-load-rng ...")  # fmt: skip
     else:
-        print(f"wrote {export_hf(args.load, args.hf_dir, args.dtype, args.ckpt_step)}")
+        print(f"wrote {export_hf(args.load, args.hf_dir, args.dtype, args.ckpt_step, args.max_shard_size)}")
     return 0

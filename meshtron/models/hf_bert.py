@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -191,16 +192,17 @@ def bert_import(t: TensorSource, m: ModelConfig, expected: dict[str, torch.Size]
     return state
 
 
-def bert_export(state: dict[str, torch.Tensor], m: ModelConfig, vocab_size: int) -> dict[str, torch.Tensor]:
+def bert_export(state: Mapping[str, torch.Tensor], m: ModelConfig, vocab_size: int) -> Iterator[tuple[str, torch.Tensor]]:
     """The inverse of ``bert_import`` (``BertForPreTraining``'s / ``BertForMaskedLM``'s names),
-    the vocabulary cropped to ``vocab_size`` rows."""
-    out = {hf: state[mt] for hf, mt in _pairs(m)}
-    out.update({hf: state[mt][:vocab_size].clone() for hf, mt in _vocab_pairs(m)})  # untied: one bias saved twice
-    types = state.get("tokentype_embedding.weight")
-    out["bert.embeddings.token_type_embeddings.weight"] = types if types is not None else state["embedding.weight"].new_zeros(_EXPORT_TYPES, m.hidden_size)
+    the vocabulary cropped to ``vocab_size`` rows, one tensor at a time."""
+    for hf, mt in _pairs(m):
+        yield hf, state[mt]
+    for hf, mt in _vocab_pairs(m):
+        yield hf, state[mt][:vocab_size].clone()  # untied: one bias saved twice; the crop keeps no padded rows alive
+    types = state.get("tokentype_embedding.weight")  # zero rows in the export's dtype, read off a small tensor
+    yield "bert.embeddings.token_type_embeddings.weight", types if types is not None else state["final_norm.weight"].new_zeros(_EXPORT_TYPES, m.hidden_size)
     for i in range(m.num_layers):
         hf, mt = f"bert.encoder.layer.{i}.attention.self.", f"layers.{i}.self_attention.linear_qkv."
         for kind in ("weight", "bias"):
             q, k, v = split_qkv(state[mt + kind], m.num_attention_heads, m.num_attention_heads)
-            out.update({f"{hf}query.{kind}": q, f"{hf}key.{kind}": k, f"{hf}value.{kind}": v})
-    return out
+            yield from {f"{hf}query.{kind}": q, f"{hf}key.{kind}": k, f"{hf}value.{kind}": v}.items()

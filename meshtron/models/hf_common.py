@@ -7,11 +7,15 @@ fused ``linear_fc1`` = [gate | up] and ``linear_fc2``), routed experts (stacked
 ``config.json``.
 
 Importers take tensors from an object with ``take(name, shape)`` (``hf.HFTensors``: each tensor
-handed out once, its shape checked); exporters read a meshtron state dict.
+handed out once, its shape checked). Exporters read a meshtron state dict, a mapping that may read
+each tensor only when indexed (``checkpoint/tensor_reader.py``), and yield ``(HF name, tensor)``
+pairs as they go, so a layer's tensors are needed only while that layer is converted; the helpers
+for one layer's pieces return that layer's dict.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -82,16 +86,16 @@ def import_body(t: TensorSource, m: ModelConfig, vocab: int) -> dict[str, torch.
     return state
 
 
-def export_body(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
+def export_body(state: Mapping[str, torch.Tensor], m: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """The inverse of ``import_body``."""
-    out = {"model.embed_tokens.weight": state["embedding.weight"], "model.norm.weight": state["final_norm.weight"]}
+    yield "model.embed_tokens.weight", state["embedding.weight"]
+    yield "model.norm.weight", state["final_norm.weight"]
     if not m.tie_embeddings:
-        out["lm_head.weight"] = state["output.weight"]
+        yield "lm_head.weight", state["output.weight"]
     for i in range(m.num_layers):
         hf, mt = f"model.layers.{i}.", f"layers.{i}."
-        out[hf + "input_layernorm.weight"] = state[mt + "input_layernorm.weight"]
-        out[hf + "post_attention_layernorm.weight"] = state[mt + "pre_mlp_layernorm.weight"]
-    return out
+        yield hf + "input_layernorm.weight", state[mt + "input_layernorm.weight"]
+        yield hf + "post_attention_layernorm.weight", state[mt + "pre_mlp_layernorm.weight"]
 
 
 def import_swiglu(t: TensorSource, hf: str, mt: str, ffn: int, h: int) -> dict[str, torch.Tensor]:
@@ -100,7 +104,7 @@ def import_swiglu(t: TensorSource, hf: str, mt: str, ffn: int, h: int) -> dict[s
     return {mt + "linear_fc1.weight": torch.cat([gate, up]), mt + "linear_fc2.weight": t.take(hf + "down_proj.weight", [h, ffn])}
 
 
-def export_swiglu(state: dict[str, torch.Tensor], mt: str, hf: str) -> dict[str, torch.Tensor]:
+def export_swiglu(state: Mapping[str, torch.Tensor], mt: str, hf: str) -> dict[str, torch.Tensor]:
     """The inverse of ``import_swiglu``."""
     gate, up = state[mt + "linear_fc1.weight"].chunk(2)
     return {hf + "gate_proj.weight": gate, hf + "up_proj.weight": up, hf + "down_proj.weight": state[mt + "linear_fc2.weight"]}
@@ -176,7 +180,7 @@ def import_llama_attention(t: TensorSource, hf: str, mt: str, m: ModelConfig) ->
     return out
 
 
-def export_llama_attention(state: dict[str, torch.Tensor], mt: str, hf: str, m: ModelConfig) -> dict[str, torch.Tensor]:
+def export_llama_attention(state: Mapping[str, torch.Tensor], mt: str, hf: str, m: ModelConfig) -> dict[str, torch.Tensor]:
     """The inverse of ``import_llama_attention``."""
     out = {hf + "self_attn.o_proj.weight": state[mt + "self_attention.linear_proj.weight"]}
     for kind in ("weight", "bias") if m.add_qkv_bias else ("weight",):
@@ -205,7 +209,7 @@ def import_experts(
     return {mt + "weight1": torch.stack(fc1), mt + "weight2": torch.stack(fc2)}
 
 
-def export_experts(state: dict[str, torch.Tensor], mt: str, hf: str, names: tuple[str, str, str] = GATE_UP_DOWN) -> dict[str, torch.Tensor]:
+def export_experts(state: Mapping[str, torch.Tensor], mt: str, hf: str, names: tuple[str, str, str] = GATE_UP_DOWN) -> dict[str, torch.Tensor]:
     """The inverse of ``import_experts``, one module per expert (the form every loader reads)."""
     out, (gate, up, down) = {}, names
     for e, (fc1, fc2) in enumerate(zip(state[mt + "weight1"], state[mt + "weight2"])):
@@ -231,7 +235,7 @@ def import_moe_mlp(
 
 
 def export_moe_mlp(
-    state: dict[str, torch.Tensor], mt: str, hf: str, m: ModelConfig, names: tuple[str, str, str] = GATE_UP_DOWN,
+    state: Mapping[str, torch.Tensor], mt: str, hf: str, m: ModelConfig, names: tuple[str, str, str] = GATE_UP_DOWN,
     shared: str = "shared_experts",
 ) -> dict[str, torch.Tensor]:  # fmt: skip
     """The inverse of ``import_moe_mlp``."""

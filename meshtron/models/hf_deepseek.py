@@ -29,6 +29,7 @@ DeepSeek's own code honours it, as meshtron does.)
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -186,15 +187,15 @@ def deepseek_import(t: TensorSource, m: ModelConfig, vocab: int) -> dict[str, to
     return state
 
 
-def deepseek_export(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
-    """The inverse of ``deepseek_import``, experts one module each (the Hub's form)."""
-    out, pattern = export_body(state, m), moe_layer_pattern(m)
+def deepseek_export(state: Mapping[str, torch.Tensor], m: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """The inverse of ``deepseek_import``, experts one module each (the Hub's form), one layer at a time."""
+    pattern = moe_layer_pattern(m)
+    yield from export_body(state, m)
     for i in range(m.num_layers):
         hf, mt = f"model.layers.{i}.", f"layers.{i}."
         for hf_name, mt_name, _ in _attention_tensors(m):
-            out[f"{hf}self_attn.{hf_name}.weight"] = state[f"{mt}self_attention.{mt_name}.weight"]
+            yield f"{hf}self_attn.{hf_name}.weight", state[f"{mt}self_attention.{mt_name}.weight"]
         if not pattern[i]:
-            out.update(export_swiglu(state, mt + "mlp.", hf + "mlp."))
+            yield from export_swiglu(state, mt + "mlp.", hf + "mlp.").items()
             continue
-        out.update(export_moe_mlp(state, mt + "mlp.", hf + "mlp.", m))
-    return out
+        yield from export_moe_mlp(state, mt + "mlp.", hf + "mlp.", m).items()

@@ -21,6 +21,7 @@ mixture of ``num_local_experts`` SwiGLU experts of width ``intermediate_size``:
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -81,11 +82,10 @@ def mixtral_import(t: TensorSource, m: ModelConfig, vocab: int) -> dict[str, tor
     return state
 
 
-def mixtral_export(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
-    """The inverse of ``mixtral_import``, in the Hub's names."""
-    out = export_body(state, m)
+def mixtral_export(state: Mapping[str, torch.Tensor], m: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """The inverse of ``mixtral_import``, in the Hub's names, one layer at a time."""
+    yield from export_body(state, m)
     for i in range(m.num_layers):
         hf, mt = f"model.layers.{i}.", f"layers.{i}."
-        out.update(export_llama_attention(state, mt, hf, m))
-        out.update(export_moe_mlp(state, mt + "mlp.", hf + "block_sparse_moe.", m, W1_W3_W2))
-    return out
+        yield from export_llama_attention(state, mt, hf, m).items()
+        yield from export_moe_mlp(state, mt + "mlp.", hf + "block_sparse_moe.", m, W1_W3_W2).items()

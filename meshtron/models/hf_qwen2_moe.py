@@ -18,6 +18,7 @@ Llama (``hf_common``) with biases on q, k and v (``--add-qkv-bias``; ``qkv_bias`
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -95,14 +96,14 @@ def qwen2_moe_import(t: TensorSource, m: ModelConfig, vocab: int) -> dict[str, t
     return state
 
 
-def qwen2_moe_export(state: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
-    """The inverse of ``qwen2_moe_import``, one module per expert (the Hub's form)."""
-    out, pattern = export_body(state, m), moe_layer_pattern(m)
+def qwen2_moe_export(state: Mapping[str, torch.Tensor], m: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """The inverse of ``qwen2_moe_import``, one module per expert (the Hub's form), one layer at a time."""
+    pattern = moe_layer_pattern(m)
+    yield from export_body(state, m)
     for i in range(m.num_layers):
         hf, mt = f"model.layers.{i}.", f"layers.{i}."
-        out.update(export_llama_attention(state, mt, hf, m))
+        yield from export_llama_attention(state, mt, hf, m).items()
         if pattern[i]:
-            out.update(export_moe_mlp(state, mt + "mlp.", hf + "mlp.", m, shared=SHARED))
+            yield from export_moe_mlp(state, mt + "mlp.", hf + "mlp.", m, shared=SHARED).items()
         else:
-            out.update(export_swiglu(state, mt + "mlp.", hf + "mlp."))
-    return out
+            yield from export_swiglu(state, mt + "mlp.", hf + "mlp.").items()

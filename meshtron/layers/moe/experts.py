@@ -32,8 +32,11 @@ def init_expert_weights(param: torch.Tensor, name: str, seed: int, std: float, f
 
     ``param`` [E_local, ...] holds experts ``first_expert ..``; any expert-parallel split of the
     same name and seed thus draws the same weights as one process holding all experts. ``name``
-    is the full parameter name, as for the model's other weights.
+    is the full parameter name, as for the model's other weights. A ``meta`` tensor (a model
+    built for its shapes only) is left undrawn.
     """
+    if param.is_meta:
+        return
     for local, expert in enumerate(range(first_expert, first_expert + param.shape[0])):
         key = (seed * 1_000_003 + zlib.crc32(f"{name}[{expert}]".encode())) % 2**63
         param[local].normal_(0.0, std, generator=torch.Generator(device=param.device).manual_seed(key))
