@@ -24,6 +24,19 @@ def test_mock_data_takes_the_named_tokenizers_vocabulary():
     assert _vocab("--mock-data", "--tokenizer-type", "ByteTokenizer", "--tensor-model-parallel-size", "4") == 512
 
 
+def test_mock_data_takes_a_tokenizer_files_vocabulary(tmp_path):
+    """What the ROCm scripts pass (--tokenizer-model with --mock-data), with the tokenizer on disk."""
+    from tokenizers import Tokenizer
+
+    from meshtron.data.tokenizers import train_bpe_tokenizer
+
+    path = str(tmp_path / "tokenizer.json")
+    train_bpe_tokenizer(["some text to learn merges from, some more text"] * 20, 300, path)
+    size = Tokenizer.from_file(path).get_vocab_size(with_added_tokens=True)
+    rows = _vocab("--mock-data", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", path)
+    assert rows == -(-size // 128) * 128 and rows != 32000
+
+
 def test_a_tokenizer_that_is_not_here_says_how_to_do_without():
     with pytest.raises(FileNotFoundError, match="set --vocab-size instead"):
         _vocab("--mock-data", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "NousResearch/Meta-Llama-3-8B")
