@@ -8,6 +8,8 @@ import pytest
 
 from meshtron.data import masked_lm, sft_dataset
 from meshtron.data.corpus import embedded_corpus_documents
+from meshtron.data.gpt_dataset import GPTDataset
+from meshtron.data.indexed import IndexedDataset, IndexedDatasetBuilder
 from meshtron.data.masked_lm import build_mapping, mt19937_64, shuffle_rows
 from meshtron.data.sft_dataset import pack_documents, tokenize_file
 from meshtron.data.tokenizers import ByteTokenizer
@@ -97,3 +99,19 @@ def test_embedded_corpus_shows_a_bar_and_the_same_documents(monkeypatch, capsys)
     monkeypatch.setenv(ENV, "1")
     assert embedded_corpus_documents(max_bytes=30_000) == quiet
     assert "embedded corpus" in capsys.readouterr().err
+
+
+def test_gpt_indices_count_their_three_steps_and_are_the_same(monkeypatch, capsys, tmp_path):
+    builder = IndexedDatasetBuilder(str(tmp_path / "d.bin"), np.int32)
+    for d in range(40):
+        builder.add_document(list(range(1, 5 + d % 17)) + [0])
+    builder.finalize(str(tmp_path / "d.idx"))
+    indexed = IndexedDataset(str(tmp_path / "d"))
+    built = {}
+    for forced in ("0", "1"):
+        monkeypatch.setenv(ENV, forced)
+        ds = GPTDataset(indexed, (0, 40), 200, 16, 3, str(tmp_path / f"cache{forced}"), 0)
+        built[forced] = (ds.document_index, ds.sample_index, ds.shuffle_index)
+        built[forced + "err"] = capsys.readouterr().err
+    assert built["0err"] == "" and "train indices: 100%" in built["1err"] and "3/3" in built["1err"]
+    assert all(np.array_equal(a, b) for a, b in zip(built["0"], built["1"]))
