@@ -20,9 +20,10 @@ ENV = "MESHTRON_PROGRESS"
 
 
 def _rank() -> int:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
+    """This process's rank: the process group's once there is one, else the launcher's ``RANK``
+    (torch is not imported for this: CPU tools like preprocessing start without it)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     return int(os.environ.get("RANK", "0") or 0)
 
