@@ -68,7 +68,7 @@ def shuffle_rows(rows: np.ndarray, seed: int) -> np.ndarray:
         return rows
     js = (mt19937_64(seed + 1, n - 1) % np.arange(n, 1, -1, dtype=np.uint64)).tolist()
     perm = list(range(n))
-    with progress(n - 1, "shuffling samples") as bar:
+    with progress(n - 1, "shuffling samples", unit="swap", unit_scale=True) as bar:
         for lo in range(0, n - 1, CHUNK):
             top = n - 1 - lo  # swaps i = top, top - 1, ... down to 1, a chunk at a time
             for i, j in zip(range(top, max(top - CHUNK, 0), -1), js[lo : lo + CHUNK]):
