@@ -15,7 +15,7 @@ import tokenize
 from pathlib import Path
 
 from meshtron import config
-from meshtron.flags import MEGATRON_ALIASES, NOTED_FLAGS, VALUE_ALIASES
+from meshtron.flags import MEGATRON_ALIASES, NOTED_FLAGS, NOTED_VALUE_CHOICES, VALUE_ALIASES
 
 
 def field_descriptions() -> dict[str, str]:
@@ -63,5 +63,7 @@ def help_text(cfg: config.Config) -> str:
                 also += f"  (also Megatron's values: {', '.join(translated)})"
             lines.append(f"  {f.name:<34} {typ:<9} {values[f.name]!r:<14} {descriptions.get(dotted, '')}{also}")
     lines.append("\nMegatron flags accepted for what meshtron does its own way (the start-up log repeats the note):")
-    lines.extend(f"  --{flag}{' VALUE' if takes_value else ''}: {note}" for flag, (takes_value, note) in NOTED_FLAGS.items())
+    for flag, (takes_value, note) in NOTED_FLAGS.items():
+        value = f" {'|'.join(NOTED_VALUE_CHOICES[flag])}" if flag in NOTED_VALUE_CHOICES else " VALUE" if takes_value else ""
+        lines.append(f"  --{flag}{value}: {note}")
     return "\n".join(lines)

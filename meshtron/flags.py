@@ -293,8 +293,22 @@ NOTED_FLAGS: dict[str, tuple[bool, str]] = {
     **_MODEL_AND_FUSION_NOTES, **_PARALLELISM_NOTES, **_PRECISION_NOTES, **_DATA_NOTES, **_LOGGING_NOTES, **_OTHER_NOTES,
 }
 
+# Megatron's allowed values of the noted flags that take one from a fixed set; another value is
+# refused as Megatron's argument parser refuses it (a typo must not pass as "noted").
+NOTED_VALUE_CHOICES: dict[str, tuple[str, ...]] = {
+    "rerun-mode": ("disabled", "validate_results", "report_stats"),
+    "transformer-impl": ("local", "transformer_engine", "inference_optimized"),
+    "fp8-recipe": ("tensorwise", "delayed", "mxfp8", "blockwise"),
+    "fp8-amax-compute-algo": ("most_recent", "max"),
+    "dataloader-type": ("single", "cyclic", "external"),
+    "distributed-backend": ("nccl", "gloo"),
+    "cross-entropy-fusion-impl": ("native", "te"),
+    "train-mode": ("pretrain", "finetune"),
+}
+
 # Values of a noted flag that meshtron cannot honour: refused with what to do instead.
 REFUSED_NOTED_VALUES: dict[tuple[str, str], str] = {
+    ("dataloader-type", "external"): "meshtron builds its own loader from --data-path (or --mock-data); drop --dataloader-type external",
     ("fp8-recipe", "mxfp8"): "MXFP8 (block scaling) is not implemented; use --fp8-recipe tensorwise (or delayed, run as tensorwise)",
     ("fp8-recipe", "blockwise"): "blockwise FP8 scaling is not implemented; use --fp8-recipe tensorwise",
     ("train-mode", "finetune"): "fine-tuning reads a chat jsonl with --sft (messages, or prompt/response records); drop --train-mode",
@@ -322,6 +336,8 @@ def noted_flag_errors(noted: list[str]) -> list[str]:
     errors = []
     for given in noted:
         name, _, value = given.removeprefix("--").partition(" ")
-        if (name, value) in REFUSED_NOTED_VALUES:
+        if name in NOTED_VALUE_CHOICES and value not in NOTED_VALUE_CHOICES[name]:
+            errors.append(f"--{name} {value}: not one of Megatron's values ({' | '.join(NOTED_VALUE_CHOICES[name])})")
+        elif (name, value) in REFUSED_NOTED_VALUES:
             errors.append(f"--{name} {value}: {REFUSED_NOTED_VALUES[name, value]}")
     return errors

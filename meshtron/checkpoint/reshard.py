@@ -23,6 +23,7 @@ from meshtron.config import Config, ParallelConfig
 from meshtron.models import build_model
 from meshtron.parallel.mesh import Mesh
 from meshtron.parallel.setup import runner_for
+from meshtron.progress import progress
 
 
 def saved_weight_dtype(directory: Path) -> torch.dtype:
@@ -39,14 +40,23 @@ def reshard(load_dir: str, save_dir: str, iteration: int | None = None) -> Path:
     meta = read_meta(load_dir, iteration)
     cfg = Config.from_dict(meta["config"])
     dtype = saved_weight_dtype(checkpoint_dir(load_dir, meta["iteration"]))
-    torch.manual_seed(cfg.train.seed)
-    model = build_model(cfg.model, meta["vocab_size"], cfg.data.seq_length)
-    runner = runner_for(model, Mesh(), ParallelConfig(), cfg.train, dtype)
-    load_checkpoint(load_dir, runner.model, runner.optimizer, iteration=meta["iteration"], load_rng=False, metas=runner.metas)
-    tokenizer = Path(load_dir) / "tokenizer"
-    if tokenizer.is_dir():  # the files the meta's tokenizer paths name, beside the weights
-        shutil.copytree(tokenizer, Path(save_dir) / "tokenizer", dirs_exist_ok=True)
-    return save_checkpoint(save_dir, meta["iteration"], runner.model, runner.optimizer, meta, Mesh(), metas=runner.metas, save_rng=False)
+    # Each step is one library call with no loop of ours inside, so the bar counts steps and names the one running.
+    with progress(3, "reshard", unit="step") as bar:
+        bar.set_postfix_str("building the model")
+        torch.manual_seed(cfg.train.seed)
+        model = build_model(cfg.model, meta["vocab_size"], cfg.data.seq_length)
+        runner = runner_for(model, Mesh(), ParallelConfig(), cfg.train, dtype)
+        bar.update(1)
+        bar.set_postfix_str(f"loading {load_dir}")
+        load_checkpoint(load_dir, runner.model, runner.optimizer, iteration=meta["iteration"], load_rng=False, metas=runner.metas)
+        tokenizer = Path(load_dir) / "tokenizer"
+        if tokenizer.is_dir():  # the files the meta's tokenizer paths name, beside the weights
+            shutil.copytree(tokenizer, Path(save_dir) / "tokenizer", dirs_exist_ok=True)
+        bar.update(1)
+        bar.set_postfix_str(f"saving {save_dir}")
+        final = save_checkpoint(save_dir, meta["iteration"], runner.model, runner.optimizer, meta, Mesh(), metas=runner.metas, save_rng=False)
+        bar.update(1)
+    return final
 
 
 def main(argv: list[str]) -> int:

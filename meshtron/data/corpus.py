@@ -11,6 +11,8 @@ import os
 import sysconfig
 import warnings
 
+from meshtron.progress import progress
+
 _SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__", "turtledemo"}
 MIN_DOC_CHARS = 200
 
@@ -43,14 +45,17 @@ def _stdlib_files() -> list[str]:
 def embedded_corpus_documents(max_bytes: int = 4_000_000) -> list[str]:
     """Docstrings of the Python standard library, one document per file, up to ``max_bytes`` of UTF-8."""
     out, total = [], 0
-    for path in _stdlib_files():
-        doc = _file_docstrings(path)
-        if len(doc) < MIN_DOC_CHARS:
-            continue
-        out.append(doc)
-        total += len(doc.encode("utf-8"))
-        if total >= max_bytes:
-            break
+    with progress(max_bytes, "embedded corpus", unit="B", unit_scale=True) as bar:
+        for path in _stdlib_files():
+            doc = _file_docstrings(path)
+            if len(doc) < MIN_DOC_CHARS:
+                continue
+            out.append(doc)
+            size = len(doc.encode("utf-8"))
+            total += size
+            bar.update(size)  # one file is one chunk: parsing it costs far more than the update
+            if total >= max_bytes:
+                break
     if not out:
         raise RuntimeError(f"no docstrings found under {sysconfig.get_paths()['stdlib']}; pass --data-path or --mock-data instead")
     return out

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from meshtron.data.indexed import IndexedDataset
+from meshtron.progress import progress
 
 _INDEX_NAMES = ("document_index", "sample_index", "shuffle_index")
 _FINAL_EPOCH_THRESHOLD = 0.80  # a last epoch giving fewer samples than this share is shuffled on its own
@@ -189,10 +190,15 @@ class GPTDataset(torch.utils.data.Dataset):
             per_epoch = (tokens_per_epoch - 1) // seq
             separate_final_epoch = self.num_samples - before_final < int(_FINAL_EPOCH_THRESHOLD * per_epoch)
         rng = np.random.RandomState(seed)
-        document_index = build_document_index(documents, num_epochs, rng, separate_final_epoch)
-        sample_index = build_sample_index(self.indexed.sequence_lengths, document_index, seq)
-        total = len(sample_index) - 1
-        shuffle_index = build_shuffle_index(before_final if separate_final_epoch else total, total, rng)
+        # Each index is one numpy pass with no Python loop to report from, so the bar counts the three.
+        with progress(3, f"{self.name} indices", unit="index") as bar:
+            document_index = build_document_index(documents, num_epochs, rng, separate_final_epoch)
+            bar.update(1)
+            sample_index = build_sample_index(self.indexed.sequence_lengths, document_index, seq)
+            bar.update(1)
+            total = len(sample_index) - 1
+            shuffle_index = build_shuffle_index(before_final if separate_final_epoch else total, total, rng)
+            bar.update(1)
         return {"document_index": document_index, "sample_index": sample_index, "shuffle_index": shuffle_index}
 
     def __len__(self) -> int:

@@ -19,12 +19,14 @@ options, which neither pretraining script turns on, are left out.
 from __future__ import annotations
 
 import os
+from itertools import islice
 
 import numpy as np
 import torch
 
 from meshtron.data.gpt_dataset import cached_indices, default_cache_dir
 from meshtron.data.indexed import IndexedDataset
+from meshtron.progress import CHUNK, progress
 
 LONG_SENTENCE_LEN = 512  # documents with a longer sentence are skipped, as in Megatron
 BERT_MAX_NGRAM = 3  # Megatron's fixed choices for BERT and T5 (no flag sets them)
@@ -66,8 +68,12 @@ def shuffle_rows(rows: np.ndarray, seed: int) -> np.ndarray:
         return rows
     js = (mt19937_64(seed + 1, n - 1) % np.arange(n, 1, -1, dtype=np.uint64)).tolist()
     perm = list(range(n))
-    for i, j in zip(range(n - 1, 0, -1), js):
-        perm[i], perm[j] = perm[j], perm[i]
+    with progress(n - 1, "shuffling samples", unit="swap", unit_scale=True) as bar:
+        for lo in range(0, n - 1, CHUNK):
+            top = n - 1 - lo  # swaps i = top, top - 1, ... down to 1, a chunk at a time
+            for i, j in zip(range(top, max(top - CHUNK, 0), -1), js[lo : lo + CHUNK]):
+                perm[i], perm[j] = perm[j], perm[i]
+            bar.update(min(CHUNK, top))
     return rows[perm]
 
 
@@ -105,12 +111,16 @@ def _epochs(num_samples: int, one_epoch, what: str) -> list[tuple]:
     """Whole epochs of ``one_epoch(epoch)`` rows until ``num_samples`` rows exist (Megatron's rule)."""
     rows: list[tuple] = []
     epoch = 0
-    while len(rows) < num_samples:
-        before = len(rows)
-        rows.extend(one_epoch(epoch))
-        if len(rows) == before:
-            raise ValueError(f"no {what} fits: every document is too short or has a sentence over {LONG_SENTENCE_LEN} tokens")
-        epoch += 1
+    with progress(num_samples, f"{what} mapping", unit=what) as bar:
+        while len(rows) < num_samples:
+            before = len(rows)
+            epoch_rows = one_epoch(epoch)
+            while chunk := list(islice(epoch_rows, CHUNK)):
+                rows.extend(chunk)
+                bar.update(len(chunk))
+            if len(rows) == before:
+                raise ValueError(f"no {what} fits: every document is too short or has a sentence over {LONG_SENTENCE_LEN} tokens")
+            epoch += 1
     return rows
 
 

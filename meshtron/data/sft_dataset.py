@@ -29,6 +29,7 @@ import torch
 
 from meshtron.data.chat_template import ChatTemplate, plain_pieces
 from meshtron.data.gpt_dataset import cached_indices, split_document_ranges
+from meshtron.progress import CHUNK, progress
 
 _TOKEN_ARRAYS = ("tokens", "assistant", "offsets")
 _PACKING_ARRAYS = ("document_order", "sample_starts")
@@ -92,14 +93,19 @@ def tokenize_conversation(messages: list[dict], tokenizer, template: ChatTemplat
 def tokenize_file(path: str, tokenizer, template: ChatTemplate | None) -> dict[str, np.ndarray]:
     """Every conversation of ``path``: flat ``tokens`` and ``assistant`` flags, and ``offsets`` of each conversation."""
     tokens, assistant, offsets = [], [], [0]
-    for line_no, messages in read_conversations(path):
-        try:
-            ids, flags = tokenize_conversation(messages, tokenizer, template)
-        except ValueError as exc:
-            raise ValueError(f"{path}:{line_no}: {exc}") from None
-        tokens += ids
-        assistant += flags
-        offsets.append(len(tokens))
+    conversations = read_conversations(path)
+    with progress(len(conversations), "tokenizing conversations", unit="conv") as bar:
+        for k, (line_no, messages) in enumerate(conversations, 1):
+            try:
+                ids, flags = tokenize_conversation(messages, tokenizer, template)
+            except ValueError as exc:
+                raise ValueError(f"{path}:{line_no}: {exc}") from None
+            tokens += ids
+            assistant += flags
+            offsets.append(len(tokens))
+            if k % CHUNK == 0:
+                bar.update(CHUNK)
+        bar.update(len(conversations) % CHUNK)
     return {
         "tokens": np.asarray(tokens, dtype=np.int32),
         "assistant": np.asarray(assistant, dtype=np.bool_),
@@ -113,17 +119,21 @@ def pack_documents(positions: np.ndarray, documents: np.ndarray, num_samples: in
     sample i are ``document_order[sample_starts[i]:sample_starts[i + 1]]``."""
     rng = np.random.RandomState(seed)
     order, starts, used = [], [0], 0
-    while len(starts) <= num_samples:
-        epoch = documents.copy()
-        rng.shuffle(epoch)
-        for d in epoch.tolist():
-            if used + positions[d] > seq_length:
-                starts.append(len(order))
-                used = 0
-                if len(starts) > num_samples:
-                    break
-            order.append(d)
-            used += positions[d]
+    with progress(num_samples, "packing conversations", unit="sample") as bar:
+        while len(starts) <= num_samples:
+            epoch = documents.copy()
+            rng.shuffle(epoch)
+            for d in epoch.tolist():
+                if used + positions[d] > seq_length:
+                    starts.append(len(order))
+                    used = 0
+                    if (len(starts) - 1) % CHUNK == 0:  # len(starts) - 1 samples are complete
+                        bar.update(CHUNK)
+                    if len(starts) > num_samples:
+                        break
+                order.append(d)
+                used += positions[d]
+        bar.update(len(starts) - 1 - bar.n)
     return {"document_order": np.asarray(order, dtype=np.int64), "sample_starts": np.asarray(starts, dtype=np.int64)}
 
 

@@ -60,6 +60,24 @@ class Tokenizer:
         return f"{type(self).__name__}(name={self.name!r}, vocab_size={self.vocab_size}, eod={self.eod})"
 
 
+_HUB_NAME = re.compile(r"[\w.-]+/[\w.-]+")  # a Hugging Face model name, ``org/model``
+
+
+def _hub_cached_tokenizer(name: str) -> str | None:
+    """The ``tokenizer.json`` of Hugging Face model ``name`` from the local Hugging Face cache,
+    where Megatron's launch scripts (which name e.g. ``NousResearch/Meta-Llama-3-8B``) expect it
+    to come from; meshtron never downloads it. None when ``name`` is a path or not cached."""
+    if os.path.exists(name) or not _HUB_NAME.fullmatch(name):
+        return None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(name, "tokenizer.json")
+    except Exception:  # huggingface_hub missing (it comes with tokenizers), or a name it refuses
+        return None
+    return found if isinstance(found, str) else None
+
+
 def _need_file(path: str, flag: str, tokenizer_type: str, what: str) -> str:
     if not path:
         raise ValueError(f"--tokenizer-type {tokenizer_type} needs {flag} (the {what})")
@@ -115,7 +133,11 @@ class HuggingFaceTokenizer(Tokenizer):
     def from_file(cls, tokenizer_model: str, split_special_tokens: bool = False) -> "HuggingFaceTokenizer":
         from tokenizers import Tokenizer as HFTokenizer
 
-        path = _need_file(tokenizer_model, "--tokenizer-model", "HuggingFaceTokenizer", "tokenizer.json file or a folder holding one")
+        path = _hub_cached_tokenizer(tokenizer_model)
+        if path is None and _HUB_NAME.fullmatch(tokenizer_model) and not os.path.exists(tokenizer_model):
+            raise FileNotFoundError(f"--tokenizer-model {tokenizer_model} is neither a path nor in the local Hugging Face cache "
+                                    f"(meshtron does not download: `huggingface-cli download {tokenizer_model} tokenizer.json` first)")  # fmt: skip
+        path = path or _need_file(tokenizer_model, "--tokenizer-model", "HuggingFaceTokenizer", "tokenizer.json file or a folder holding one")
         if os.path.isdir(path):
             path = os.path.join(path, "tokenizer.json")
             if not os.path.isfile(path):

@@ -58,6 +58,7 @@ from meshtron.models.hf_deepseek import deepseek_hf_config, deepseek_import, dee
 from meshtron.models.hf_mixtral import mixtral_export, mixtral_hf_config, mixtral_import, mixtral_model_config
 from meshtron.models.hf_qwen2_moe import is_qwen2_moe, qwen2_moe_export, qwen2_moe_hf_config, qwen2_moe_import, qwen2_moe_model_config
 from meshtron.models.hf_shards import DEFAULT_MAX_SHARD_SIZE, INDEX, WEIGHTS, parse_size, write_shards
+from meshtron.progress import progress
 
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
@@ -183,15 +184,18 @@ class HFTensors:
             raise CheckpointError(f"{root} has neither {WEIGHTS} nor {INDEX}; hf-import reads safetensors weights only")
         self.tensors: dict[str, torch.Tensor] = {}
         self.origin: dict[str, Path] = {}
-        for name in files:
-            path = root / name
-            if not path.is_file():
-                raise CheckpointError(f"weights file {path} is missing (listed in {index})")
-            for key, tensor in load_file(str(path)).items():
-                key = key.removeprefix("transformer.")  # GPT2LMHeadModel's prefix; GPT2Model has none
-                for old, new in _LEGACY_NORM_NAMES.items():
-                    key = key.removesuffix(old) + new if key.endswith(old) else key
-                self.tensors[key], self.origin[key] = tensor, path
+        missing = [root / name for name in files if not (root / name).is_file()]
+        if missing:
+            raise CheckpointError(f"weights file {missing[0]} is missing (listed in {index})")
+        with progress(sum((root / name).stat().st_size for name in files), "reading safetensors", unit="B", unit_scale=True) as bar:
+            for name in files:  # one file is one chunk
+                path = root / name
+                for key, tensor in load_file(str(path)).items():
+                    key = key.removeprefix("transformer.")  # GPT2LMHeadModel's prefix; GPT2Model has none
+                    for old, new in _LEGACY_NORM_NAMES.items():
+                        key = key.removesuffix(old) + new if key.endswith(old) else key
+                    self.tensors[key], self.origin[key] = tensor, path
+                bar.update(path.stat().st_size)
         self.root = root
 
     def take(self, name: str, shape: list[int]) -> torch.Tensor:

@@ -23,6 +23,7 @@ def test_help_lists_description_aliases_and_values(capsys):
     line = next(l for l in out.splitlines() if l.strip().startswith("attention_backend "))
     assert "auto | sdpa | cudnn | flash | efficient | math" in line and "--use-flash-attn (= flash)" in line and "fused" in line
     assert "--overlap-grad-reduce: always on" in out
+    assert "--rerun-mode disabled|validate_results|report_stats: no re-run engine" in out  # a noted flag's allowed values
 
 
 def test_print_config_shows_the_resolved_values(capsys):

@@ -20,10 +20,12 @@ def _trainer(*flags: str) -> Trainer:
     return Trainer(build_config(None, FLAGS + list(flags)), log=lambda _: None)
 
 
-def test_rewritten_checkpoint_resumes_like_the_original(tmp_path, capsys):
+def test_rewritten_checkpoint_resumes_like_the_original(tmp_path, capsys, monkeypatch):
     original, rewritten = tmp_path / "original", tmp_path / "rewritten"
     _trainer("--train-iters", "3", "--save", str(original)).run()
+    monkeypatch.setenv("MESHTRON_PROGRESS", "1")  # the bar of its three steps, shown though stderr is captured
     assert reshard_main(["--load", str(original), "--save", str(rewritten)]) == 0
+    assert "reshard: 100%" in capsys.readouterr().err
     assert len(list(checkpoint_dir(rewritten, 3).glob("*.distcp"))) == 1
     assert info_main(["info", str(rewritten)]) == 0 and "verified OK" in capsys.readouterr().out
 

@@ -100,14 +100,20 @@ def test_gpt2_import_export_match_transformers(tmp_path):
     torch.testing.assert_close(_hf_logits(reloaded, tokens), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_sharded_weights_import(tmp_path):
+def test_sharded_weights_import(tmp_path, monkeypatch, capsys):
     hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).eval()
     _random_init(hf_model)
     hf_model.save_pretrained(tmp_path / "hf", max_shard_size="100KB")
     assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
     tokens = torch.randint(0, 256, (1, 16))
+    monkeypatch.setenv("MESHTRON_PROGRESS", "1")  # the bar over the shards' bytes, shown though stderr is captured
     import_hf(tmp_path / "hf", tmp_path / "ckpt", dtype="fp32")
+    assert "reading safetensors: 100%" in capsys.readouterr().err
     torch.testing.assert_close(_meshtron_logits(tmp_path / "ckpt", tokens), _hf_logits(hf_model, tokens), atol=1e-5, rtol=1e-5)
+    shard = sorted((tmp_path / "hf").glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=f"weights file .*{shard.name} is missing"):
+        import_hf(tmp_path / "hf", tmp_path / "again", dtype="fp32")
 
 
 def test_errors_name_the_file(tmp_path):

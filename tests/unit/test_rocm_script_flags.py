@@ -181,6 +181,9 @@ def test_meanings_of_translated_flags():
     ("--no-position-embedding", "--position-embedding-type rope"),
     ("--profile", "--tensorboard-dir or --save"),
     ("--mock-data --tokenizer-model tok.json", "--tokenizer-type"),
+    ("--rerun-mode validate-results", "--rerun-mode validate-results: not one of Megatron's values (disabled "),
+    ("--dataloader-type external", "drop --dataloader-type external"),
+    ("--transformer-impl te", "not one of Megatron's values (local "),
 ])  # fmt: skip
 def test_values_meshtron_cannot_honour_are_refused_with_the_fix(argv, message):
     from meshtron.errors import ConfigError

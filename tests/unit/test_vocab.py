@@ -24,9 +24,37 @@ def test_mock_data_takes_the_named_tokenizers_vocabulary():
     assert _vocab("--mock-data", "--tokenizer-type", "ByteTokenizer", "--tensor-model-parallel-size", "4") == 512
 
 
-def test_a_tokenizer_that_is_not_here_says_how_to_do_without():
-    with pytest.raises(FileNotFoundError, match="set --vocab-size instead"):
-        _vocab("--mock-data", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "NousResearch/Meta-Llama-3-8B")
+def test_mock_data_takes_a_tokenizer_files_vocabulary(tmp_path):
+    """What the ROCm scripts pass (--tokenizer-model with --mock-data), with the tokenizer on disk."""
+    from tokenizers import Tokenizer
+
+    from meshtron.data.tokenizers import train_bpe_tokenizer
+
+    path = str(tmp_path / "tokenizer.json")
+    train_bpe_tokenizer(["some text to learn merges from, some more text"] * 20, 300, path)
+    size = Tokenizer.from_file(path).get_vocab_size(with_added_tokens=True)
+    rows = _vocab("--mock-data", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", path)
+    assert rows == -(-size // 128) * 128 and rows != 32000
+
+
+def test_a_hub_name_is_read_from_the_local_cache(tmp_path, monkeypatch):
+    """The ROCm scripts name a Hugging Face model; its cached tokenizer.json sizes the vocabulary
+    (nothing is downloaded), and without one the error says how to get it or do without."""
+    from huggingface_hub import constants
+
+    from meshtron.data.tokenizers import train_bpe_tokenizer
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    flags = ("--mock-data", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "NousResearch/Meta-Llama-3-8B")
+    with pytest.raises(FileNotFoundError, match="huggingface-cli download NousResearch/Meta-Llama-3-8B tokenizer.json.*set --vocab-size instead"):
+        _vocab(*flags)
+    repo = tmp_path / "models--NousResearch--Meta-Llama-3-8B"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123")
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    train_bpe_tokenizer(["cached text, cached merges"] * 20, 400, str(repo / "snapshots" / "abc123" / "tokenizer.json"))
+    assert _vocab(*flags) == _vocab("--mock-data", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                                    str(repo / "snapshots" / "abc123" / "tokenizer.json"))  # fmt: skip
 
 
 @pytest.mark.parametrize("flags, rows", [([], 4096), (["--mock-data", "--tokenizer-type", "ByteTokenizer"], 384),
