@@ -289,6 +289,10 @@ def estimate(cfg: Config, world_size: int = 1) -> MemoryEstimate:
     return MemoryEstimate(params.dense, params.expert, param_bytes, grad_bytes, opt_bytes, activation_bytes(cfg, world_size), loss_bytes(cfg))
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:,.2f} B" if n >= 1e9 else f"{n / 1e6:,.1f} M"
+
+
 def training_vocab_size(cfg: Config) -> int:
     """The padded vocabulary the run would train with: its tokenizer's when it names one (or the
     embedded corpus's when it names no data), else ``--vocab-size`` (32000 by default)."""
@@ -327,10 +331,10 @@ def main(argv: list[str]) -> int:
     print(f"vocabulary: {m.vocab_size} rows (padded)")
     total, active, active_body = model_parameters(cfg)
     if active < total:
-        print(f"model: {total / 1e9:,.2f} B parameters, {active / 1e9:,.2f} B active per token "
-              f"({active_body / 1e9:,.2f} B without the input embedding); {m.num_experts} experts, top-{m.moe_router_topk}, "
+        print(f"model: {_count(total)} parameters, {_count(active)} active per token "
+              f"({_count(active_body)} without the input embedding); {m.num_experts} experts, top-{m.moe_router_topk}, "
               f"{m.num_experts // p.expert_parallel} per ep rank")  # fmt: skip
     else:
-        print(f"model: {total / 1e9:,.2f} B parameters")
+        print(f"model: {_count(total)} parameters")
     print(estimate(cfg, known.world_size).table())
     return 0
