@@ -129,11 +129,13 @@ def _token_shard(cfg: Config) -> int:
 
 def _attention_bytes(cfg: Config, a: int, linear_in: int, keep_core: bool) -> float:
     """Per token, one rank: a standard attention keeps its QKV output (alive because v is a view
-    of it), RoPE'd q and k, the attention output and log-sum-exp (``keep_core``) and the
-    projection's input (a contiguous copy). MLA keeps its down-projections' outputs (whole on every
-    rank, sequence-sharded under sp), the normed latents the up-projections keep (gathered), and
-    per head the query and key/value up-projection outputs, the RoPE'd query and assembled key,
-    the attention output and the projection's input."""
+    of it), RoPE'd q and k (with RoPE), the attention output and log-sum-exp (``keep_core``) and
+    the projection's input (counted as a contiguous copy; a kernel whose output is laid out
+    [b, s, heads, d] makes it a view). MLA keeps its down-projections' outputs (whole on every
+    rank, sequence-sharded under sp; the latent norms keep them), the normed latents the
+    up-projections keep (gathered), and per head the key/value up-projection's output (v is a
+    view of it), the RoPE'd query and the assembled key, the attention output and log-sum-exp
+    and the projection's input."""
     m, tp = cfg.model, cfg.parallel.tensor_parallel
     heads = m.num_attention_heads
 
@@ -143,28 +145,37 @@ def _attention_bytes(cfg: Config, a: int, linear_in: int, keep_core: bool) -> fl
     if m.multi_latent_attention:
         q_width, lora, rank = heads * (m.qk_head_dim + m.qk_pos_emb_head_dim), m.q_lora_rank, m.kv_lora_rank
         down = a * (rank + m.qk_pos_emb_head_dim + lora) / _token_shard(cfg)
-        by_heads = 3 * a * q_width + a * heads * (m.qk_head_dim + m.v_head_dim) + core(heads * m.v_head_dim) + linear_in * heads * m.v_head_dim
+        by_heads = 2 * a * q_width + a * heads * (m.qk_head_dim + m.v_head_dim) + core(heads * m.v_head_dim) + linear_in * heads * m.v_head_dim
         return down + linear_in * (rank + lora) + by_heads / tp
     q, kv = heads * head_dim(m), num_kv_heads(m) * head_dim(m)
-    return (a * (q + 2 * kv) + a * (q + kv) + core(q) + linear_in * q) / tp
+    roped = a * (q + kv) if m.position_embedding_type == "rope" else 0  # learned positions attend q, k, v as views
+    return (a * (q + 2 * kv) + roped + core(q) + linear_in * q) / tp
 
 
 def _moe_bytes(cfg: Config, a: int) -> float:
-    """Per token, one rank, of a mixture-of-experts layer: fp32 router logits and scores, top-k
-    copies of the token into the experts (the grouped GEMM keeps its input rows, gathered over
-    etp), each copy's expert hidden state (fc1's output and the activation's, split over etp or,
-    with sequence parallelism, by the tp rank's own tokens), the experts' outputs (kept to weight
-    them by the routing probabilities) and the shared experts' hidden state, whole on every tp
-    rank. With ``--moe-pad-expert-input-to-capacity`` every expert computes its whole capacity."""
+    """Per token, one rank, of a mixture-of-experts layer (r = bytes of the router dtype):
+
+    the router's softmax outputs (fp32 [E], twice: routing and balancing), int64 expert and token
+    indices (4 k) and the routing weights (r k); per each of the top-k copies of the token the
+    expert input row (kept by the grouped GEMM, gathered over etp), the expert's hidden state
+    (fc1's output and the activation's, split over etp or, with sequence parallelism, by the tp
+    rank's own tokens) and two rows of the combine (the expert output in r bytes, kept to weight
+    it by the routing probability, and the weighted row kept by the scatter-add); the shared
+    experts' hidden state, whole on every tp rank. With ``--moe-pad-expert-input-to-capacity``
+    every expert computes its whole capacity.
+    """
     m, p = cfg.model, cfg.parallel
-    shard, h, ffn = _token_shard(cfg), m.hidden_size, expert_ffn_hidden_size(m)
+    shard, h, ffn, k = _token_shard(cfg), m.hidden_size, expert_ffn_hidden_size(m), m.moe_router_topk
+    r = _DTYPE_BYTES.get(m.moe_router_dtype, 8) if m.moe_router_dtype else a
     kept_per_ffn = (3 if m.activation == "swiglu" else 2) * a
     padded = m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor
-    copies = m.moe_router_topk * (m.moe_expert_capacity_factor if padded else 1)
+    copies = k * (m.moe_expert_capacity_factor if padded else 1)
     experts_split = p.tensor_parallel if p.expert_tensor_parallel > 1 or shard > 1 else 1
-    routed = copies * (a * h / (1 if p.expert_tensor_parallel > 1 else shard) + kept_per_ffn * ffn / experts_split + a * h / shard)
-    shared = kept_per_ffn * m.moe_shared_expert_intermediate_size / shard
-    return 8 * m.num_experts / shard + routed + shared
+    rows_in = a * h / (1 if p.expert_tensor_parallel > 1 else shard)
+    routed = copies * (rows_in + kept_per_ffn * ffn / experts_split + 2 * r * h / shard)
+    router = 2 * 4 * m.num_experts + 4 * 8 * k + r * k + (r * h if r != a else 0)  # the last: the input cast to r
+    shared = kept_per_ffn * m.moe_shared_expert_intermediate_size
+    return (router + shared) / shard + routed
 
 
 def activation_bytes_per_token_layer(cfg: Config, granularity: str | None = None, is_moe: bool = False) -> float:

@@ -7,10 +7,13 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from meshtron.cli import main
 from meshtron.config import build_config
 from meshtron.estimate import (
+    _attention_bytes,
+    _moe_bytes,
     activation_bytes,
     activation_bytes_per_token_layer,
     block_activations,
@@ -18,6 +21,10 @@ from meshtron.estimate import (
     model_parameters,
     stage_parameters,
 )
+from meshtron.layers.attention import Attention, head_dim
+from meshtron.layers.mla import MultiLatentAttention, rope_table_dim
+from meshtron.layers.moe.layer import MoELayer
+from meshtron.layers.rope import rope_tables
 from meshtron.models import build_model, num_parameters
 from meshtron.optim.build import build_optimizer
 
@@ -114,6 +121,101 @@ def test_moe_and_mla_activations():
     assert 6 * 2 * (2 * 2048 + 3 * 1408) < base < 2 * 6 * 2 * (2 * 2048 + 3 * 1408)
     blocks = block_activations(build_config(overrides=["--preset", "deepseek-v2-lite", "--bf16", "--micro-batch-size", "1"]))
     assert len(blocks) == 27 and blocks[0][1] != blocks[1][1] == blocks[26][1]
+
+
+def _saved_bytes_per_token(fn, x: torch.Tensor, skip: list[torch.Tensor]) -> float:
+    """What autograd keeps of ``fn(x)`` per token: saved tensors' storages, each once, less the
+    input's and those of ``skip`` (parameters, tables)."""
+    skip = {t.untyped_storage().data_ptr() for t in [x, *skip]}
+    kept = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in skip:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(x)
+    return sum(kept.values()) / x.shape[:-1].numel()
+
+
+@pytest.mark.parametrize("flags", [["--preset", "tiny-deepseek"], ["--preset", "tiny-mixtral"],
+                                   ["--preset", "tiny-deepseek", "--moe-router-dtype", "fp32"]])  # fmt: skip
+def test_moe_activation_term_equals_what_autograd_keeps(flags):
+    """The MoE layer alone, bf16 on the CPU: its saved tensors equal the estimate's MoE term to 2 %,
+    once the SwiGLU's silu(gate) is left out (the fused GPU kernel recomputes it)."""
+    cfg = build_config(overrides=[*flags, "--bf16"])
+    m = cfg.model
+    torch.manual_seed(0)
+    layer = MoELayer(m).to(torch.bfloat16)
+    measured = _saved_bytes_per_token(layer, torch.randn(2, 64, m.hidden_size, dtype=torch.bfloat16, requires_grad=True), list(layer.parameters()))
+    silu = 2 * (m.moe_router_topk * m.moe_ffn_hidden_size + m.moe_shared_expert_intermediate_size)
+    assert measured - silu == pytest.approx(_moe_bytes(cfg, 2), rel=0.02)
+
+
+class _SavesLikeAKernel(torch.autograd.Function):
+    """Stands in for a fused GPU kernel in a saved-tensor count: computes ``fn(*inputs)`` and keeps
+    what the kernel keeps (the inputs and output; ``extra`` fp32 rows per token such as a
+    log-sum-exp or a norm's rstd). Forward only: the counts need no backward."""
+
+    @staticmethod
+    def forward(ctx, fn, extra, keep_output, *inputs):
+        out = fn(*inputs)
+        stats = torch.zeros(*inputs[0].shape[:-1], extra)
+        ctx.save_for_backward(*inputs, stats, *([out] if keep_output else []))
+        return out
+
+
+class _FlashCore(torch.nn.Module):
+    """Flash attention keeps q, k, v, its output and the log-sum-exp."""
+
+    def forward(self, q, k, v, mask, dropout, document_ids=None):
+        def attention(q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+
+        return _SavesLikeAKernel.apply(attention, 1, True, q, k, v)
+
+
+class _FusedNorm(torch.nn.Module):
+    """The Triton norm keeps its input and rstd."""
+
+    def __init__(self, norm: torch.nn.Module):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x):
+        return _SavesLikeAKernel.apply(lambda t: self.norm(t).detach(), 1, False, x)
+
+
+def test_mla_activation_term_equals_what_autograd_keeps():
+    """DeepSeek's attention alone, bf16 on the CPU with the GPU's kernels stood in for (flash
+    attention, the fused latent norm): its saved tensors equal the estimate's MLA term to 2 %."""
+    cfg = build_config(overrides=["--preset", "tiny-deepseek", "--bf16"])
+    m = cfg.model
+    torch.manual_seed(0)
+    mla = MultiLatentAttention(m, 1).to(torch.bfloat16)
+    mla.core_attention, mla.kv_layernorm = _FlashCore(), _FusedNorm(mla.kv_layernorm)
+    cos, sin = (t.to(torch.bfloat16) for t in rope_tables(m, rope_table_dim(m), 64))
+    x = torch.randn(2, 64, m.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    measured = _saved_bytes_per_token(lambda t: mla(t, cos, sin), x, skip=[cos, sin, *mla.parameters()])
+    assert measured == pytest.approx(_attention_bytes(cfg, 2, 2, keep_core=True), rel=0.02)
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt"])
+def test_attention_activation_term_equals_what_autograd_keeps(preset):
+    """Standard attention (grouped-query with RoPE, and GPT's learned positions), flash stood in
+    for: the saved tensors plus the projection input's copy (which the estimate counts and the
+    CPU's attention layout makes a view) equal the estimate's term to 2 %."""
+    cfg = build_config(overrides=["--preset", preset, "--bf16"])
+    m = cfg.model
+    torch.manual_seed(0)
+    attention = Attention(m, 1).to(torch.bfloat16)
+    attention.core_attention = _FlashCore()
+    tables = [t.to(torch.bfloat16) for t in rope_tables(m, head_dim(m), 64)] if m.position_embedding_type == "rope" else [None, None]
+    x = torch.randn(2, 64, m.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    measured = _saved_bytes_per_token(lambda t: attention(t, *tables), x, [t for t in tables if t is not None] + list(attention.parameters()))
+    projection_input = 2 * m.num_attention_heads * head_dim(m)
+    assert measured + projection_input == pytest.approx(_attention_bytes(cfg, 2, 2, keep_core=True), rel=0.02)
 
 
 def test_t5_and_ict_activations_count_their_sequences():
