@@ -127,7 +127,7 @@ def _token_shard(cfg: Config) -> int:
     return p.tensor_parallel if p.sequence_parallel and p.tensor_parallel > 1 else 1
 
 
-def _attention_bytes(cfg: Config, a: int, linear_in: int, keep_core: bool) -> float:
+def attention_bytes_per_token(cfg: Config, a: int, linear_in: int, keep_core: bool) -> float:
     """Per token, one rank: a standard attention keeps its QKV output (alive because v is a view
     of it), RoPE'd q and k (with RoPE), the attention output and log-sum-exp (``keep_core``) and
     the projection's input (counted as a contiguous copy; a kernel whose output is laid out
@@ -152,7 +152,7 @@ def _attention_bytes(cfg: Config, a: int, linear_in: int, keep_core: bool) -> fl
     return (a * (q + 2 * kv) + roped + core(q) + linear_in * q) / tp
 
 
-def _moe_bytes(cfg: Config, a: int) -> float:
+def moe_bytes_per_token(cfg: Config, a: int) -> float:
     """Per token, one rank, of a mixture-of-experts layer (r = bytes of the router dtype):
 
     the router's softmax outputs (fp32 [E], twice: routing and balancing), int64 expert and token
@@ -182,12 +182,12 @@ def activation_bytes_per_token_layer(cfg: Config, granularity: str | None = None
     """Bytes autograd keeps per token of one block (a = bytes of the compute dtype):
 
     input x and its norm's output (a h each; the norm keeps x, the QKV linear its input), the
-    attention's (``_attention_bytes``), then the same two for the MLP's norm (2 a h), fc1's output
-    (2 a ffn, kept by SwiGLU) and SwiGLU's output (a ffn, kept by fc2), or a mixture of experts'
-    (``_moe_bytes``). Tensor-parallel parts divide by tp; x and the norm outputs do not (with
-    sequence parallelism x does; a linear still keeps its gathered input). FP8 linears keep
-    1-byte copies of their inputs. ``selective`` recompute drops the attention output and
-    log-sum-exp.
+    attention's (``attention_bytes_per_token``), then the same two for the MLP's norm (2 a h),
+    fc1's output (2 a ffn, kept by SwiGLU) and SwiGLU's output (a ffn, kept by fc2), or a
+    mixture of experts' (``moe_bytes_per_token``). Tensor-parallel parts divide by tp; x and the
+    norm outputs do not (with sequence parallelism x does; a linear still keeps its gathered
+    input). FP8 linears keep 1-byte copies of their inputs. ``selective`` recompute drops the
+    attention output and log-sum-exp.
     """
     m, p, t = cfg.model, cfg.parallel, cfg.train
     a = _DTYPE_BYTES[t.precision]
@@ -195,9 +195,9 @@ def activation_bytes_per_token_layer(cfg: Config, granularity: str | None = None
     residual = 2 * a * m.hidden_size / _token_shard(cfg)  # x before each norm
     norm_outputs = 2 * linear_in * m.hidden_size  # kept (gathered, under sp) by the QKV and fc1 linears
     keep_core = (granularity if granularity is not None else m.recompute_granularity) != "selective"
-    attention = _attention_bytes(cfg, a, linear_in, keep_core)
+    attention = attention_bytes_per_token(cfg, a, linear_in, keep_core)
     if is_moe:
-        return residual + norm_outputs + attention + _moe_bytes(cfg, a)
+        return residual + norm_outputs + attention + moe_bytes_per_token(cfg, a)
     ffn = ffn_hidden_size(m)
     mlp = (2 if m.activation == "swiglu" else 1) * a * ffn + linear_in * ffn
     return residual + norm_outputs + attention + mlp / p.tensor_parallel
@@ -291,7 +291,7 @@ def estimate(cfg: Config, world_size: int = 1) -> MemoryEstimate:
         """``per_param`` bytes of every parameter, each part split over the group it reduces over."""
         return per_param * params.dense // (dp_cp if shard else 1) + per_param * params.expert // (edp if shard else 1)
 
-    if p.fsdp:  # fp32 sharded params (the masters), gradients and moments
+    if p.fsdp and dp_cp > 1:  # fp32 sharded params (the masters), gradients and moments; one rank trains plainly
         param_bytes, grad_bytes, opt_bytes = sharded(4), sharded(4), sharded(8)
     else:
         opt = (4 if t.precision != "fp32" else 0) + 8

@@ -17,7 +17,8 @@ import torch
 
 from launcher import by_name, run_distributed
 from meshtron.config import build_config
-from meshtron.estimate import _vocab, estimate
+from meshtron.estimate import estimate
+from meshtron.models import padded_vocab_size
 from meshtron.parallel.mesh import Mesh
 from meshtron.parallel.setup import build_runner
 
@@ -52,7 +53,8 @@ def _worker(rank: int, world_size: int) -> dict:
         cfg = _config(flags)
         mesh = Mesh.from_config(cfg.parallel, world_size=world_size, rank=rank, local_rank=0)
         mesh.init_process_groups()
-        runner = build_runner(cfg, mesh, _vocab(cfg), torch.device("cpu"), torch.bfloat16)
+        vocab = padded_vocab_size(256, cfg.model.make_vocab_size_divisible_by, cfg.parallel.tensor_parallel)
+        runner = build_runner(cfg, mesh, vocab, torch.device("cpu"), torch.bfloat16)
         fsdp = cfg.parallel.fsdp
         out[name] = {
             "first_stage": mesh.pp_rank == 0,

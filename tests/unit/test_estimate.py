@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from meshtron.cli import main
 from meshtron.config import build_config
 from meshtron.estimate import (
-    _attention_bytes,
-    _moe_bytes,
+    attention_bytes_per_token,
+    moe_bytes_per_token,
     activation_bytes,
     activation_bytes_per_token_layer,
     block_activations,
@@ -150,7 +150,7 @@ def test_moe_activation_term_equals_what_autograd_keeps(flags):
     layer = MoELayer(m).to(torch.bfloat16)
     measured = _saved_bytes_per_token(layer, torch.randn(2, 64, m.hidden_size, dtype=torch.bfloat16, requires_grad=True), list(layer.parameters()))
     silu = 2 * (m.moe_router_topk * m.moe_ffn_hidden_size + m.moe_shared_expert_intermediate_size)
-    assert measured - silu == pytest.approx(_moe_bytes(cfg, 2), rel=0.02)
+    assert measured - silu == pytest.approx(moe_bytes_per_token(cfg, 2), rel=0.02)
 
 
 class _SavesLikeAKernel(torch.autograd.Function):
@@ -198,7 +198,7 @@ def test_mla_activation_term_equals_what_autograd_keeps():
     cos, sin = (t.to(torch.bfloat16) for t in rope_tables(m, rope_table_dim(m), 64))
     x = torch.randn(2, 64, m.hidden_size, dtype=torch.bfloat16, requires_grad=True)
     measured = _saved_bytes_per_token(lambda t: mla(t, cos, sin), x, skip=[cos, sin, *mla.parameters()])
-    assert measured == pytest.approx(_attention_bytes(cfg, 2, 2, keep_core=True), rel=0.02)
+    assert measured == pytest.approx(attention_bytes_per_token(cfg, 2, 2, keep_core=True), rel=0.02)
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt"])
@@ -215,7 +215,7 @@ def test_attention_activation_term_equals_what_autograd_keeps(preset):
     x = torch.randn(2, 64, m.hidden_size, dtype=torch.bfloat16, requires_grad=True)
     measured = _saved_bytes_per_token(lambda t: attention(t, *tables), x, [t for t in tables if t is not None] + list(attention.parameters()))
     projection_input = 2 * m.num_attention_heads * head_dim(m)
-    assert measured + projection_input == pytest.approx(_attention_bytes(cfg, 2, 2, keep_core=True), rel=0.02)
+    assert measured + projection_input == pytest.approx(attention_bytes_per_token(cfg, 2, 2, keep_core=True), rel=0.02)
 
 
 def test_t5_and_ict_activations_count_their_sequences():
