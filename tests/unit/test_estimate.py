@@ -1,7 +1,7 @@
 """``meshtron estimate``: parameter and optimizer bytes exact against a built model of every family
 (the multi-process layouts are in ``tests/distributed/test_estimate_layouts.py``), the published
-total and active parameter counts, activation terms ordered as the layouts promise, and the
-command line (with ``--print-mesh``)."""
+total and active parameter counts, the attention, MLA and MoE activation terms against the tensors
+autograd saves, activation terms ordered as the layouts promise, and the command line."""
 
 import dataclasses
 
@@ -12,13 +12,13 @@ import torch.nn.functional as F
 from meshtron.cli import main
 from meshtron.config import build_config
 from meshtron.estimate import (
-    attention_bytes_per_token,
-    moe_bytes_per_token,
     activation_bytes,
     activation_bytes_per_token_layer,
+    attention_bytes_per_token,
     block_activations,
     estimate,
     model_parameters,
+    moe_bytes_per_token,
     stage_parameters,
 )
 from meshtron.layers.attention import Attention, head_dim
