@@ -2,21 +2,24 @@
 
     meshtron estimate --config run.toml [--world-size N] [--print-mesh] [--flag value ...]
 
-Three parts, for the pipeline stage that holds the most (the first: the embedding and the most
-micro batches in flight):
+Three parts, for the first pipeline stage (the embedding and the most micro batches in flight):
 
-- parameters: this rank's share (linears and vocabulary split by tp; norms whole), in the
-  compute dtype;
+- parameters: this rank's share (``models/rank_parameters.py``): the dense part split by tp (and
+  pp), the routed experts by ep and etp; in the compute dtype;
 - gradients and optimizer state: the fp32 gradient buffer (4 bytes/param, never sharded by the
   distributed optimizer, which reduce-scatters out of it), fp32 masters (4, none in fp32 mode, where
-  the master is the param) and Adam's two moments (8), the last two split over dp x cp by the
-  distributed optimizer; FSDP2 shards all three and keeps fp32 params;
-- activations: what autograd keeps per token per layer in the fused GPU path (see
-  ``activation_bytes_per_token_layer``), times tokens, layers and micro batches in flight, plus the
-  output layer's loss workspace.
+  the master is the param) and Adam's two moments (8), the last two split by the distributed
+  optimizer over the group each parameter reduces over: dp x cp for dense parameters, the
+  expert-data-parallel group (dp x cp / ep) for routed experts; FSDP2 shards all three over the
+  same groups and keeps fp32 params;
+- activations: what autograd keeps per token per block in the fused GPU path (see
+  ``activation_bytes_per_token_layer``), times each block's tokens (T5's decoder blocks see the
+  decoder's, the retriever's towers a query and a context each), the stage's blocks and the micro
+  batches in flight, plus the output layer's loss workspace.
 
-Transient buffers of the allocator (fragmentation, cuBLAS workspaces) are not modeled, nor the
-inference path.
+Transient buffers of the allocator (fragmentation, cuBLAS workspaces, all-to-all staging), uneven
+expert loads (the routed-expert terms assume every expert gets its share) and the inference path
+are not modeled.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from meshtron.config import Config, build_config, data_parallel_size
+from meshtron.config import Config, build_config, data_parallel_size, encoder_decoder_layers, num_blocks, virtual_stages
 from meshtron.data.default_data import EMBEDDED_VOCAB_SIZE
 from meshtron.training.vocab import model_vocab_size, run_tokenizer
 from meshtron.validation import validate
@@ -32,9 +35,12 @@ from meshtron.kernels.cross_entropy import CHUNK_ELEMENTS
 from meshtron.kernels.cross_entropy_sum import LOGITS_BUDGET_BYTES
 from meshtron.layers.attention import head_dim, num_kv_heads
 from meshtron.layers.mlp import ffn_hidden_size
-from meshtron.models import padded_vocab_size
-from meshtron.models.decoder import parameter_count
+from meshtron.layers.moe.experts import expert_ffn_hidden_size
+from meshtron.layers.moe.layer_pattern import moe_layer_pattern
+from meshtron.models import padded_vocab_size, parameter_count
+from meshtron.models.rank_parameters import rank_parameters
 from meshtron.parallel.mesh import GROUP_DIMS, Mesh
+from meshtron.parallel.pipeline_schedules import split_layers
 
 GIB = 2**30
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "auto": 2}  # auto: bf16, the GPU default
@@ -42,12 +48,17 @@ _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "auto": 2}  # auto: bf16, the G
 
 @dataclass
 class MemoryEstimate:
-    params: int  # this rank's parameters
+    dense_params: int  # this rank's parameters outside the routed experts
+    expert_params: int  # this rank's routed-expert parameters
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: int
     activation_bytes: int
     loss_bytes: int
+
+    @property
+    def params(self) -> int:
+        return self.dense_params + self.expert_params
 
     @property
     def total_bytes(self) -> int:
@@ -57,9 +68,23 @@ class MemoryEstimate:
         rows = [("parameters", self.param_bytes), ("gradients (fp32 buffer)", self.grad_bytes),
                 ("optimizer (masters + Adam)", self.optimizer_bytes), ("activations", self.activation_bytes),
                 ("loss workspace", self.loss_bytes), ("total", self.total_bytes)]  # fmt: skip
-        lines = [f"parameters on this rank: {self.params / 1e6:,.1f} M"]
+        split = f" (dense {self.dense_params / 1e6:,.1f} M, routed experts {self.expert_params / 1e6:,.1f} M)" if self.expert_params else ""
+        lines = [f"parameters on this rank: {self.params / 1e6:,.1f} M{split}"]
         lines += [f"  {name:<28} {value / GIB:8.2f} GiB" for name, value in rows]
         return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class StageParameters:
+    """One rank's parameters on the first pipeline stage: ``dense`` (reduced over dp x cp) and
+    ``expert`` (routed experts, reduced over the expert-data-parallel group)."""
+
+    dense: int
+    expert: int
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
 
 
 def _vocab(cfg: Config) -> int:
@@ -67,71 +92,168 @@ def _vocab(cfg: Config) -> int:
     return padded_vocab_size(m.vocab_size or 32000, m.make_vocab_size_divisible_by, cfg.parallel.tensor_parallel)
 
 
-def stage_parameters(cfg: Config) -> int:
-    """Parameters of one rank on the first pipeline stage (the largest with tied embeddings)."""
-    m, p, tp = cfg.model, cfg.parallel, cfg.parallel.tensor_parallel
-    vocab, h = _vocab(cfg), m.hidden_size
-    norm = h * (2 if m.normalization == "LayerNorm" else 1)
-    total = parameter_count(m, vocab, cfg.data.seq_length)
-    table = vocab * h * (1 if m.tie_embeddings else 2)
-    positions = 0 if m.position_embedding_type == "rope" else (m.max_position_embeddings or cfg.data.seq_length) * h
-    layer = (total - table - positions - norm) // m.num_layers
-    kv_extra = 2 * head_dim(m) * h * max(0, tp // num_kv_heads(m) - 1) // tp  # kv heads copied when fewer than tp
-    layer_shard = (layer - 2 * norm) // tp + 2 * norm + kv_extra
-    layers = -(-m.num_layers // p.pipeline_parallel)
-    out = 0 if p.pipeline_parallel > 1 or m.tie_embeddings else vocab * h // tp
-    last_norm = norm if p.pipeline_parallel == 1 else 0
-    return vocab * h // tp + positions + layers * layer_shard + out + last_norm
+def first_stage_blocks(cfg: Config, count: int) -> list[int]:
+    """Indices (of ``count`` blocks in model order) that pipeline rank 0 holds, over its virtual chunks."""
+    p = cfg.parallel
+    if p.pipeline_parallel == 1:
+        return list(range(count))
+    virtual = virtual_stages(p, num_blocks(cfg.model))
+    ranges = split_layers(num_blocks(cfg.model), p.pipeline_parallel, virtual, p.first_pipeline_stage_layers or None,
+                          p.last_pipeline_stage_layers or None, p.account_for_embedding_in_pipeline_split,
+                          p.account_for_loss_in_pipeline_split)  # fmt: skip
+    return [i for v in range(virtual) for i in ranges[v * p.pipeline_parallel]]
 
 
-def activation_bytes_per_token_layer(cfg: Config, granularity: str | None = None) -> float:
+def stage_parameters(cfg: Config) -> StageParameters:
+    """Parameters of one rank on the first pipeline stage (the embedding's; with pp 1 the whole model)."""
+    p = cfg.parallel
+    parts = rank_parameters(cfg.model, _vocab(cfg), cfg.data.seq_length, p.tensor_parallel, p.expert_parallel, p.expert_tensor_parallel)
+    blocks = [parts.blocks[i] for i in first_stage_blocks(cfg, len(parts.blocks))]
+    tail = parts.tail if p.pipeline_parallel == 1 else 0
+    return StageParameters(parts.head + tail + sum(b.dense for b in blocks), sum(b.expert for b in blocks))
+
+
+def model_parameters(cfg: Config) -> tuple[int, int, int]:
+    """(total, active per token, active without the input embedding): the whole model's counts,
+    where a mixture-of-experts layer's active parameters are its top-k and shared experts."""
+    m, vocab = cfg.model, _vocab(cfg)
+    active = parameter_count(m, vocab, cfg.data.seq_length, active=True)
+    return parameter_count(m, vocab, cfg.data.seq_length), active, active - vocab * m.hidden_size
+
+
+def _token_shard(cfg: Config) -> int:
+    """How many ranks share a sequence's tokens in the replicated modules (tp under sequence parallelism)."""
+    p = cfg.parallel
+    return p.tensor_parallel if p.sequence_parallel and p.tensor_parallel > 1 else 1
+
+
+def attention_bytes_per_token(cfg: Config, a: int, linear_in: int, keep_core: bool) -> float:
+    """Per token, one rank: a standard attention keeps its QKV output (alive because v is a view
+    of it), RoPE'd q and k (with RoPE), the attention output and log-sum-exp (``keep_core``) and
+    the projection's input (counted as a contiguous copy; a kernel whose output is laid out
+    [b, s, heads, d] makes it a view). MLA keeps its down-projections' outputs (whole on every
+    rank, sequence-sharded under sp; the latent norms keep them), the normed latents the
+    up-projections keep (gathered), and per head the key/value up-projection's output (v is a
+    view of it), the RoPE'd query and the assembled key, the attention output and log-sum-exp
+    and the projection's input."""
+    m, tp = cfg.model, cfg.parallel.tensor_parallel
+    heads = m.num_attention_heads
+
+    def core(width: int) -> float:
+        return a * width + 4 * heads if keep_core else 0
+
+    if m.multi_latent_attention:
+        q_width, lora, rank = heads * (m.qk_head_dim + m.qk_pos_emb_head_dim), m.q_lora_rank, m.kv_lora_rank
+        down = a * (rank + m.qk_pos_emb_head_dim + lora) / _token_shard(cfg)
+        by_heads = 2 * a * q_width + a * heads * (m.qk_head_dim + m.v_head_dim) + core(heads * m.v_head_dim) + linear_in * heads * m.v_head_dim
+        return down + linear_in * (rank + lora) + by_heads / tp
+    q, kv = heads * head_dim(m), num_kv_heads(m) * head_dim(m)
+    roped = a * (q + kv) if m.position_embedding_type == "rope" else 0  # learned positions attend q, k, v as views
+    return (a * (q + 2 * kv) + roped + core(q) + linear_in * q) / tp
+
+
+def moe_bytes_per_token(cfg: Config, a: int) -> float:
+    """Per token, one rank, of a mixture-of-experts layer (r = bytes of the router dtype):
+
+    the router's softmax outputs (fp32 [E], twice: routing and balancing), int64 expert and token
+    indices (4 k) and the routing weights (r k); per each of the top-k copies of the token the
+    expert input row (kept by the grouped GEMM, gathered over etp), the expert's hidden state
+    (fc1's output and the activation's, split over etp or, with sequence parallelism, by the tp
+    rank's own tokens) and two rows of the combine (the expert output in r bytes, kept to weight
+    it by the routing probability, and the weighted row kept by the scatter-add); the shared
+    experts' hidden state, whole on every tp rank. With ``--moe-pad-expert-input-to-capacity``
+    every expert computes its whole capacity.
+    """
+    m, p = cfg.model, cfg.parallel
+    shard, h, ffn, k = _token_shard(cfg), m.hidden_size, expert_ffn_hidden_size(m), m.moe_router_topk
+    r = _DTYPE_BYTES.get(m.moe_router_dtype, 8) if m.moe_router_dtype else a
+    kept_per_ffn = (3 if m.activation == "swiglu" else 2) * a
+    padded = m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor
+    copies = k * (m.moe_expert_capacity_factor if padded else 1)
+    experts_split = p.tensor_parallel if p.expert_tensor_parallel > 1 or shard > 1 else 1
+    rows_in = a * h / (1 if p.expert_tensor_parallel > 1 else shard)
+    routed = copies * (rows_in + kept_per_ffn * ffn / experts_split + 2 * r * h / shard)
+    router = 2 * 4 * m.num_experts + 4 * 8 * k + r * k + (r * h if r != a else 0)  # the last: the input cast to r
+    shared = kept_per_ffn * m.moe_shared_expert_intermediate_size
+    return (router + shared) / shard + routed
+
+
+def activation_bytes_per_token_layer(cfg: Config, granularity: str | None = None, is_moe: bool = False) -> float:
     """Bytes autograd keeps per token of one block (a = bytes of the compute dtype):
 
-    input x and its norm's output (a h each; the norm keeps x, the QKV linear its input), the QKV
-    output (a (h + 2 kv); alive because v is a view of it), RoPE'd q and k (a (h + kv)), attention
-    output and its log-sum-exp (a h + 4 heads), the projection's input (a h, a contiguous copy),
-    then the same two for the MLP's norm (2 a h), fc1's output (2 a ffn, kept by SwiGLU) and
-    SwiGLU's output (a ffn, kept by fc2). Tensor-parallel parts divide by tp; x and the norm
-    outputs do not (with sequence parallelism x does; a linear still keeps its gathered input).
-    FP8 linears keep 1-byte copies of their inputs. ``selective`` recompute drops the attention
-    output and log-sum-exp.
+    input x and its norm's output (a h each; the norm keeps x, the QKV linear its input), the
+    attention's (``attention_bytes_per_token``), then the same two for the MLP's norm (2 a h),
+    fc1's output (2 a ffn, kept by SwiGLU) and SwiGLU's output (a ffn, kept by fc2), or a
+    mixture of experts' (``moe_bytes_per_token``). Tensor-parallel parts divide by tp; x and the
+    norm outputs do not (with sequence parallelism x does; a linear still keeps its gathered
+    input). FP8 linears keep 1-byte copies of their inputs. ``selective`` recompute drops the
+    attention output and log-sum-exp.
     """
     m, p, t = cfg.model, cfg.parallel, cfg.train
     a = _DTYPE_BYTES[t.precision]
-    tp, sp = p.tensor_parallel, p.sequence_parallel and p.tensor_parallel > 1
-    h, kv, ffn = m.hidden_size, num_kv_heads(m) * head_dim(m), ffn_hidden_size(m)
-    q = m.num_attention_heads * head_dim(m)
     linear_in = 1 if m.fp8_format else a  # what a linear keeps of its input
-    swiglu = m.activation == "swiglu"
-    residual = 2 * a * h / (tp if sp else 1)  # x before each norm
-    norm_outputs = 2 * linear_in * h  # kept (gathered, under sp) by the QKV and fc1 linears
-    attention = a * (q + 2 * kv) + a * (q + kv) + linear_in * q
-    if (granularity if granularity is not None else m.recompute_granularity) != "selective":
-        attention += a * q + 4 * m.num_attention_heads
-    mlp = (2 if swiglu else 1) * a * ffn + linear_in * ffn
-    return residual + norm_outputs + (attention + mlp) / tp
+    residual = 2 * a * m.hidden_size / _token_shard(cfg)  # x before each norm
+    norm_outputs = 2 * linear_in * m.hidden_size  # kept (gathered, under sp) by the QKV and fc1 linears
+    keep_core = (granularity if granularity is not None else m.recompute_granularity) != "selective"
+    attention = attention_bytes_per_token(cfg, a, linear_in, keep_core)
+    if is_moe:
+        return residual + norm_outputs + attention + moe_bytes_per_token(cfg, a)
+    ffn = ffn_hidden_size(m)
+    mlp = (2 if m.activation == "swiglu" else 1) * a * ffn + linear_in * ffn
+    return residual + norm_outputs + attention + mlp / p.tensor_parallel
+
+
+def _cross_attention_bytes(cfg: Config) -> tuple[float, float]:
+    """T5's cross-attention, per (decoder token, encoder token) of one rank: its norm's input and
+    output, q, the attention output and log-sum-exp, the projection's input; the encoder
+    tokens' keys and values."""
+    m, tp = cfg.model, cfg.parallel.tensor_parallel
+    a = _DTYPE_BYTES[cfg.train.precision]
+    width, linear_in = m.num_attention_heads * head_dim(m), 1 if m.fp8_format else a
+    per_decoder_token = a * m.hidden_size / _token_shard(cfg) + linear_in * m.hidden_size
+    per_decoder_token += (2 * a * width + 4 * m.num_attention_heads + linear_in * width) / tp
+    return per_decoder_token, 2 * a * width / tp
+
+
+def block_activations(cfg: Config) -> list[tuple[float, float]]:
+    """(tokens, bytes) of one micro batch for every block in model order: its tokens on this
+    rank (for the hidden state full recompute keeps) and what it keeps for backward."""
+    m, t = cfg.model, cfg.train
+    tokens = t.micro_batch_size * cfg.data.seq_length / cfg.parallel.context_parallel
+    if m.model_type == "t5":
+        encoder, decoder = encoder_decoder_layers(m)
+        per_token = activation_bytes_per_token_layer(cfg)
+        decoder_tokens = t.micro_batch_size * cfg.data.decoder_seq_length / cfg.parallel.context_parallel
+        cross_q, cross_kv = _cross_attention_bytes(cfg)
+        return [(tokens, tokens * per_token)] * encoder + [(decoder_tokens, decoder_tokens * (per_token + cross_q) + tokens * cross_kv)] * decoder
+    if m.model_type == "ict":  # every block runs a query and a context (both through the one tower when shared)
+        towers = 1 if m.biencoder_shared_query_context_model else 2
+        tokens *= 2 // towers
+        return [(tokens, tokens * activation_bytes_per_token_layer(cfg))] * (towers * m.num_layers)
+    return [(tokens, tokens * activation_bytes_per_token_layer(cfg, is_moe=is_moe)) for is_moe in moe_layer_pattern(m)]
 
 
 def activation_bytes(cfg: Config, world_size: int = 1) -> int:
-    """Activations of the first pipeline stage: its layers x micro batches in flight (1F1B keeps
+    """Activations of the first pipeline stage: its blocks x micro batches in flight (1F1B keeps
     up to pp of them on the first stage), or under full recompute the checkpointed inputs plus one
     recomputed group."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    tokens = t.micro_batch_size * cfg.data.seq_length / p.context_parallel
-    layers = -(-m.num_layers // p.pipeline_parallel)
+    all_blocks = block_activations(cfg)
+    blocks = [all_blocks[i] for i in first_stage_blocks(cfg, len(all_blocks))]
     micro = t.global_batch_size // (t.micro_batch_size * max(1, data_parallel_size(cfg, world_size)))
     in_flight = min(p.pipeline_parallel, micro) if p.pipeline_parallel > 1 else 1
-    per_layer = activation_bytes_per_token_layer(cfg)
-    if m.recompute_granularity == "full":
-        a, sp = _DTYPE_BYTES[t.precision], p.sequence_parallel and p.tensor_parallel > 1
-        n = min(m.recompute_num_layers, layers)
-        kept = m.hidden_size * a / (p.tensor_parallel if sp else 1)
-        checkpoints = -(-layers // n) if m.recompute_method == "uniform" else n
-        plain = 0 if m.recompute_method == "uniform" else layers - n
-        stage = tokens * (checkpoints * kept + plain * per_layer) * in_flight + tokens * n * per_layer
-    else:
-        stage = tokens * layers * per_layer * in_flight
-    return int(stage)
+    if m.recompute_granularity != "full":
+        return int(sum(kept for _, kept in blocks) * in_flight)
+    kept_per_token = m.hidden_size * _DTYPE_BYTES[t.precision] / _token_shard(cfg)
+    n = min(m.recompute_num_layers, len(blocks))
+    if m.recompute_method == "uniform":  # groups of n blocks, each keeping its input
+        starts = range(0, len(blocks), n)
+        stage = sum(blocks[i][0] * kept_per_token for i in starts)
+        recomputed = max(sum(kept for _, kept in blocks[i : i + n]) for i in starts)
+    else:  # block: the first n blocks keep their inputs, the rest everything
+        stage = sum(tokens * kept_per_token for tokens, _ in blocks[:n]) + sum(kept for _, kept in blocks[n:])
+        recomputed = sum(kept for _, kept in blocks[:n])
+    return int(stage * in_flight + recomputed)
 
 
 def loss_bytes(cfg: Config) -> int:
@@ -139,13 +261,15 @@ def loss_bytes(cfg: Config) -> int:
     logits (``CHUNK_ELEMENTS``; the whole fp32 logits and their gradient when fused kernels are
     off; under ``--cross-entropy-loss-fusion``, the logits of a token block up to
     ``LOGITS_BUDGET_BYTES`` and the weight gradient kept until backward), and the fp32 sum of the
-    hidden-state gradient. Counted where pp is 1 (with pp > 1 the last stage holds it and fewer
-    micro batches)."""
+    hidden-state gradient, over the tokens that have labels (T5's decoder tokens). Counted where
+    pp is 1 (with pp > 1 the last stage holds it and fewer micro batches); the retriever's
+    in-batch scores are negligible."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    if p.pipeline_parallel > 1:
+    if p.pipeline_parallel > 1 or m.model_type == "ict":
         return 0
     a = _DTYPE_BYTES[t.precision]
-    tokens = t.micro_batch_size * cfg.data.seq_length // p.context_parallel
+    seq = cfg.data.decoder_seq_length if m.model_type == "t5" else cfg.data.seq_length
+    tokens = t.micro_batch_size * seq // p.context_parallel
     vocab = _vocab(cfg) // p.tensor_parallel
     if m.fused_kernels == "off":
         logits = tokens * vocab * 4 * 2
@@ -159,16 +283,25 @@ def loss_bytes(cfg: Config) -> int:
 def estimate(cfg: Config, world_size: int = 1) -> MemoryEstimate:
     """The memory of one rank of a ``world_size``-process run of ``cfg``."""
     p, t = cfg.parallel, cfg.train
-    shards = max(1, data_parallel_size(cfg, world_size) * p.context_parallel)
+    dp_cp = max(1, data_parallel_size(cfg, world_size) * p.context_parallel)
+    edp = max(1, dp_cp // p.expert_parallel)
     params = stage_parameters(cfg)
-    mixed = t.precision != "fp32"
-    if p.fsdp:  # fp32 sharded params (the masters), gradients and moments
-        param_bytes, grad_bytes, opt_bytes = 4 * params // shards, 4 * params // shards, 8 * params // shards
+
+    def sharded(per_param: int, shard: bool = True) -> int:
+        """``per_param`` bytes of every parameter, each part split over the group it reduces over."""
+        return per_param * params.dense // (dp_cp if shard else 1) + per_param * params.expert // (edp if shard else 1)
+
+    if p.fsdp and dp_cp > 1:  # fp32 sharded params (the masters), gradients and moments; one rank trains plainly
+        param_bytes, grad_bytes, opt_bytes = sharded(4), sharded(4), sharded(8)
     else:
-        opt = (4 if mixed else 0) + 8
-        param_bytes, grad_bytes = _DTYPE_BYTES[t.precision] * params, 4 * params
-        opt_bytes = opt * params // (shards if p.use_distributed_optimizer else 1)
-    return MemoryEstimate(params, param_bytes, grad_bytes, opt_bytes, activation_bytes(cfg, world_size), loss_bytes(cfg))
+        opt = (4 if t.precision != "fp32" else 0) + 8
+        param_bytes, grad_bytes = _DTYPE_BYTES[t.precision] * params.total, 4 * params.total
+        opt_bytes = sharded(opt, p.use_distributed_optimizer)
+    return MemoryEstimate(params.dense, params.expert, param_bytes, grad_bytes, opt_bytes, activation_bytes(cfg, world_size), loss_bytes(cfg))
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:,.2f} B" if n >= 1e9 else f"{n / 1e6:,.1f} M"
 
 
 def training_vocab_size(cfg: Config) -> int:
@@ -200,10 +333,19 @@ def main(argv: list[str]) -> int:
     cfg.model.vocab_size = training_vocab_size(cfg)
     if known.print_mesh:
         print(mesh_table(cfg, known.world_size))
-    p = cfg.parallel
+    p, m = cfg.parallel, cfg.model
+    dp = data_parallel_size(cfg, known.world_size)
+    experts = f", ep {p.expert_parallel}, etp {p.expert_tensor_parallel}, edp {dp * p.context_parallel // p.expert_parallel}" if m.num_experts else ""
     print(f"layout: world {known.world_size}, tp {p.tensor_parallel}, pp {p.pipeline_parallel}, cp {p.context_parallel}, "
-          f"dp {data_parallel_size(cfg, known.world_size)}, sp {p.sequence_parallel}, distributed optimizer "
-          f"{p.use_distributed_optimizer}, fsdp {p.fsdp}, recompute '{cfg.model.recompute_granularity or 'none'}'")  # fmt: skip
-    print(f"vocabulary: {cfg.model.vocab_size} rows (padded)")
+          f"dp {dp}{experts}, sp {p.sequence_parallel}, distributed optimizer {p.use_distributed_optimizer}, fsdp {p.fsdp}, "
+          f"recompute '{m.recompute_granularity or 'none'}'")  # fmt: skip
+    print(f"vocabulary: {m.vocab_size} rows (padded)")
+    total, active, active_body = model_parameters(cfg)
+    if active < total:
+        print(f"model: {_count(total)} parameters, {_count(active)} active per token "
+              f"({_count(active_body)} without the input embedding); {m.num_experts} experts, top-{m.moe_router_topk}, "
+              f"{m.num_experts // p.expert_parallel} per ep rank")  # fmt: skip
+    else:
+        print(f"model: {_count(total)} parameters")
     print(estimate(cfg, known.world_size).table())
     return 0

@@ -1,19 +1,30 @@
-"""``meshtron estimate``: parameter and optimizer bytes exact against a built model, activation
-terms ordered as the layouts promise, and the command line (with ``--print-mesh``)."""
+"""``meshtron estimate``: parameter and optimizer bytes exact against a built model of every family
+(the multi-process layouts are in ``tests/distributed/test_estimate_layouts.py``), the published
+total and active parameter counts, the attention, MLA and MoE activation terms against the tensors
+autograd saves, activation terms ordered as the layouts promise, and the command line."""
 
 import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from meshtron.cli import main
 from meshtron.config import build_config
 from meshtron.estimate import (
     activation_bytes,
     activation_bytes_per_token_layer,
+    attention_bytes_per_token,
+    block_activations,
     estimate,
+    model_parameters,
+    moe_bytes_per_token,
     stage_parameters,
 )
+from meshtron.layers.attention import Attention, head_dim
+from meshtron.layers.mla import MultiLatentAttention, rope_table_dim
+from meshtron.layers.moe.layer import MoELayer
+from meshtron.layers.rope import rope_tables
 from meshtron.models import build_model, num_parameters
 from meshtron.optim.build import build_optimizer
 
@@ -25,13 +36,15 @@ def _b1(*flags: str):
     return build_config(overrides=B1 + list(flags))
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt"])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt", "tiny-mixtral", "tiny-deepseek", "tiny-bert", "tiny-t5", "tiny-ict"])
 def test_parameters_and_optimizer_match_a_built_model(preset):
     cfg = build_config(overrides=["--preset", preset, "--vocab-size", "256", "--bf16"])
     model = build_model(cfg.model, 256, cfg.data.seq_length).to(torch.bfloat16)
     optimizer = build_optimizer(model, cfg.train, torch.bfloat16)
     est = estimate(cfg)
-    assert est.params == stage_parameters(cfg) == num_parameters(model)
+    experts = sum(p.numel() for name, p in model.named_parameters() if name.endswith(("experts.weight1", "experts.weight2")))
+    assert (est.dense_params, est.expert_params) == (num_parameters(model) - experts, experts)
+    assert est.params == stage_parameters(cfg).total == model_parameters(cfg)[0] == num_parameters(model)
     assert est.param_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
     assert est.optimizer_bytes == optimizer.memory_bytes()
     assert est.grad_bytes == 4 * est.params
@@ -40,7 +53,7 @@ def test_parameters_and_optimizer_match_a_built_model(preset):
 def test_layouts_shrink_what_they_shard():
     base, tp = _b1(), _b1("--tp", "2")
     dist_opt = _b1("--use-distributed-optimizer", "--global-batch-size", "16")
-    assert stage_parameters(tp) < 0.55 * stage_parameters(base)
+    assert stage_parameters(tp).total < 0.55 * stage_parameters(base).total
     assert estimate(dist_opt, world_size=4).optimizer_bytes == estimate(base).optimizer_bytes // 4
     # Sequence parallelism shards the residual stream; the linears' gathered inputs stay whole.
     sp = dataclasses.replace(tp, parallel=dataclasses.replace(tp.parallel, sequence_parallel=True))
@@ -65,3 +78,159 @@ def test_estimate_command(capsys):
     assert out.count("\n     3      1") == 1  # rank 3: tp 1, cp 0, dp 1, ...
     assert main(["estimate", "--tp", "3", "--world-size", "4"]) == 2  # a layout that does not fit: one clear line
     assert "not a multiple" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("preset, total, active", [("mixtral-8x7b", 46.7, 12.9), ("deepseek-v2-lite", 15.7, 2.4)])
+def test_published_total_and_active_counts(preset, total, active):
+    """Mixtral's card counts both embeddings as active, DeepSeek's leaves the input embedding out
+    (2.45 B, which its card gives as 2.4 B; Mixtral's 12.88 B as 12.9 B): equal to 0.06 B."""
+    counts = model_parameters(build_config(overrides=["--preset", preset]))
+    ours = counts[1] if preset.startswith("mixtral") else counts[2]
+    assert abs(counts[0] / 1e9 - total) < 0.06 and abs(ours / 1e9 - active) < 0.06
+
+
+def test_deepseek_v2_lite_on_8_gpus_shards_experts_over_ep_and_their_optimizer_over_edp():
+    """The README's plan: ep8 leaves 8 of 64 experts per MoE layer on a rank; with dp 8 the dense
+    optimizer state splits 8 ways, the experts' not at all (edp 1); at ep4 both split in two."""
+    flags = ["--preset", "deepseek-v2-lite", "--use-distributed-optimizer", "--micro-batch-size", "1", "--global-batch-size", "8", "--bf16"]
+    ep8, ep4, one = (build_config(overrides=[*flags, "--ep", ep]) for ep in ("8", "4", "1"))
+    whole = stage_parameters(one)
+    assert stage_parameters(ep8) == dataclasses.replace(whole, expert=whole.expert // 8)
+    assert estimate(ep8, world_size=8).optimizer_bytes == 12 * whole.dense // 8 + 12 * whole.expert // 8
+    assert estimate(ep4, world_size=8).optimizer_bytes == 12 * whole.dense // 8 + 12 * (whole.expert // 4) // 2
+    # Expert tensor parallelism splits the experts over tp too; without it tp leaves them whole.
+    tp2 = build_config(overrides=[*flags, "--tp", "2", "--ep", "4"])
+    etp2 = build_config(overrides=[*flags, "--tp", "2", "--ep", "4", "--expert-tensor-parallel-size", "2"])
+    assert stage_parameters(tp2).expert == 2 * stage_parameters(etp2).expert == whole.expert // 4
+
+
+def test_moe_and_mla_activations():
+    """A MoE layer keeps top-k copies of each token through its experts: more with a larger k or
+    wider experts, the same per rank under ep (balanced loads), fewer under etp; a dense layer
+    0 and the MoE layers differ; MLA keeps its latents whole on every tp rank."""
+    def per_layer(*flags: str, is_moe: bool = True) -> float:
+        cfg = build_config(overrides=["--preset", "deepseek-v2-lite", "--bf16", *flags])
+        return activation_bytes_per_token_layer(cfg, is_moe=is_moe)
+
+    base = per_layer()
+    assert per_layer("--moe-router-topk", "8") > base and per_layer("--moe-ffn-hidden-size", "2816") > base
+    assert per_layer("--ep", "8") == base
+    assert per_layer("--tp", "2", "--expert-tensor-parallel-size", "2") < per_layer("--tp", "2") < base
+    assert per_layer(is_moe=False) != base
+    # Six copies of 2048 in and out plus their 3 x 1408 hidden state dominate a DeepSeek MoE layer.
+    assert 6 * 2 * (2 * 2048 + 3 * 1408) < base < 2 * 6 * 2 * (2 * 2048 + 3 * 1408)
+    blocks = block_activations(build_config(overrides=["--preset", "deepseek-v2-lite", "--bf16", "--micro-batch-size", "1"]))
+    assert len(blocks) == 27 and blocks[0][1] != blocks[1][1] == blocks[26][1]
+
+
+def _saved_bytes_per_token(fn, x: torch.Tensor, skip: list[torch.Tensor]) -> float:
+    """What autograd keeps of ``fn(x)`` per token: saved tensors' storages, each once, less the
+    input's and those of ``skip`` (parameters, tables)."""
+    skip = {t.untyped_storage().data_ptr() for t in [x, *skip]}
+    kept = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in skip:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(x)
+    return sum(kept.values()) / x.shape[:-1].numel()
+
+
+@pytest.mark.parametrize("flags", [["--preset", "tiny-deepseek"], ["--preset", "tiny-mixtral"],
+                                   ["--preset", "tiny-deepseek", "--moe-router-dtype", "fp32"]])  # fmt: skip
+def test_moe_activation_term_equals_what_autograd_keeps(flags):
+    """The MoE layer alone, bf16 on the CPU: its saved tensors equal the estimate's MoE term to 2 %,
+    once the SwiGLU's silu(gate) is left out (the fused GPU kernel recomputes it)."""
+    cfg = build_config(overrides=[*flags, "--bf16"])
+    m = cfg.model
+    torch.manual_seed(0)
+    layer = MoELayer(m).to(torch.bfloat16)
+    measured = _saved_bytes_per_token(layer, torch.randn(2, 64, m.hidden_size, dtype=torch.bfloat16, requires_grad=True), list(layer.parameters()))
+    silu = 2 * (m.moe_router_topk * m.moe_ffn_hidden_size + m.moe_shared_expert_intermediate_size)
+    assert measured - silu == pytest.approx(moe_bytes_per_token(cfg, 2), rel=0.02)
+
+
+class _SavesLikeAKernel(torch.autograd.Function):
+    """Stands in for a fused GPU kernel in a saved-tensor count: computes ``fn(*inputs)`` and keeps
+    what the kernel keeps (the inputs and output; ``extra`` fp32 rows per token such as a
+    log-sum-exp or a norm's rstd). Forward only: the counts need no backward."""
+
+    @staticmethod
+    def forward(ctx, fn, extra, keep_output, *inputs):
+        out = fn(*inputs)
+        stats = torch.zeros(*inputs[0].shape[:-1], extra)
+        ctx.save_for_backward(*inputs, stats, *([out] if keep_output else []))
+        return out
+
+
+class _FlashCore(torch.nn.Module):
+    """Flash attention keeps q, k, v, its output and the log-sum-exp."""
+
+    def forward(self, q, k, v, mask, dropout, document_ids=None):
+        def attention(q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=k.shape[1] != q.shape[1])
+
+        return _SavesLikeAKernel.apply(attention, 1, True, q, k, v)
+
+
+class _FusedNorm(torch.nn.Module):
+    """The Triton norm keeps its input and rstd."""
+
+    def __init__(self, norm: torch.nn.Module):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x):
+        return _SavesLikeAKernel.apply(lambda t: self.norm(t).detach(), 1, False, x)
+
+
+def test_mla_activation_term_equals_what_autograd_keeps():
+    """DeepSeek's attention alone, bf16 on the CPU with the GPU's kernels stood in for (flash
+    attention, the fused latent norm): its saved tensors equal the estimate's MLA term to 2 %."""
+    cfg = build_config(overrides=["--preset", "tiny-deepseek", "--bf16"])
+    m = cfg.model
+    torch.manual_seed(0)
+    mla = MultiLatentAttention(m, 1).to(torch.bfloat16)
+    mla.core_attention, mla.kv_layernorm = _FlashCore(), _FusedNorm(mla.kv_layernorm)
+    cos, sin = (t.to(torch.bfloat16) for t in rope_tables(m, rope_table_dim(m), 64))
+    x = torch.randn(2, 64, m.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    measured = _saved_bytes_per_token(lambda t: mla(t, cos, sin), x, skip=[cos, sin, *mla.parameters()])
+    assert measured == pytest.approx(attention_bytes_per_token(cfg, 2, 2, keep_core=True), rel=0.02)
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt"])
+def test_attention_activation_term_equals_what_autograd_keeps(preset):
+    """Standard attention (grouped-query with RoPE, and GPT's learned positions), flash stood in
+    for: the saved tensors plus the projection input's copy (which the estimate counts and the
+    CPU's attention layout makes a view) equal the estimate's term to 2 %."""
+    cfg = build_config(overrides=["--preset", preset, "--bf16"])
+    m = cfg.model
+    torch.manual_seed(0)
+    attention = Attention(m, 1).to(torch.bfloat16)
+    attention.core_attention = _FlashCore()
+    tables = [t.to(torch.bfloat16) for t in rope_tables(m, head_dim(m), 64)] if m.position_embedding_type == "rope" else [None, None]
+    x = torch.randn(2, 64, m.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+    measured = _saved_bytes_per_token(lambda t: attention(t, *tables), x, [t for t in tables if t is not None] + list(attention.parameters()))
+    projection_input = 2 * m.num_attention_heads * head_dim(m)
+    assert measured + projection_input == pytest.approx(attention_bytes_per_token(cfg, 2, 2, keep_core=True), rel=0.02)
+
+
+def test_t5_and_ict_activations_count_their_sequences():
+    """T5's decoder blocks see the decoder's tokens (and the encoder's keys); the retriever runs a
+    query and a context through its towers, one shared tower keeping both."""
+    t5 = block_activations(build_config(overrides=["--preset", "tiny-t5", "--micro-batch-size", "2"]))
+    assert [tokens for tokens, _ in t5] == [128, 128, 64, 64]
+    ict = block_activations(build_config(overrides=["--preset", "tiny-ict"]))
+    shared = block_activations(build_config(overrides=["--preset", "tiny-ict", "--biencoder-shared-query-context-model"]))
+    assert len(ict) == 2 * len(shared) and sum(kept for _, kept in ict) == sum(kept for _, kept in shared)
+
+
+def test_estimate_command_prints_total_and_active_parameters(capsys):
+    assert main(["estimate", "--preset", "deepseek-v2-lite", "--ep", "8", "--use-distributed-optimizer", "--bf16",
+                 "--micro-batch-size", "1", "--global-batch-size", "8", "--world-size", "8", "--vocab-size", "102400"]) == 0
+    out = capsys.readouterr().out
+    assert "ep 8, etp 1, edp 1" in out and "15.71 B parameters, 2.66 B active per token (2.45 B without the input embedding)" in out
+    assert "8 per ep rank" in out and "routed experts 1,799.4 M" in out
