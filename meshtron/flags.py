@@ -92,6 +92,7 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "expert-model-parallel-size": "parallel.expert_parallel",
     "ep": "parallel.expert_parallel",
     "sequence-parallel": ("parallel.sequence_parallel", True),
+    "tp-comm-overlap": ("parallel.tp_comm_overlap", True),
     "use-distributed-optimizer": ("parallel.use_distributed_optimizer", True),
     "use-torch-fsdp2": ("parallel.fsdp", True),
     "virtual-pipeline-model-parallel-size": "parallel.virtual_pipeline_parallel",
@@ -257,7 +258,6 @@ _PARALLELISM_NOTES = {
     "distributed-backend": (True, "chosen by device: nccl (rccl on ROCm) on GPUs, gloo on the CPU"),
     "no-async-tensor-model-parallel-allreduce": (False, "always: tensor-parallel linears do not overlap their input-gradient all-reduce with the weight-gradient GEMM"),
     "use-contiguous-parameters-in-local-ddp": (False, "always: gradients live in one contiguous fp32 buffer"),
-    "tp-comm-overlap": (False, "never: tensor-parallel communication is not overlapped with GEMMs"),
 }
 _PRECISION_NOTES = {
     "transformer-impl": (True, "always meshtron's own layers (Megatron's 'local': PyTorch modules, Triton kernels per --fused-kernels); "
