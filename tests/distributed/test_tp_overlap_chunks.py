@@ -9,6 +9,8 @@ weight gradients) are in test_tensor_parallel.py. fp32 on gloo, 1e-5 relative.""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -44,7 +46,9 @@ def _worker(rank: int, world_size: int) -> dict[str, list[tuple[torch.Tensor, to
     w_col, b_col = torch.randn(OUT, IN, generator=g), torch.randn(OUT, generator=g)
     full = torch.randn(BATCH, SEQ, OUT, generator=g)
     w_row = torch.randn(IN, OUT, generator=g)
-    out = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = {"resolved": tp_overlap.resolve_backend("symm_mem", group), "warnings": [str(w.message) for w in caught]}
     for backend in tp_overlap.BACKENDS:
         cases = {
             "column": (
@@ -65,6 +69,8 @@ def _worker(rank: int, world_size: int) -> dict[str, list[tuple[torch.Tensor, to
 
 def test_tp4_overlapped_linears_match_plain_sequence_parallel():
     for rank, results in enumerate(run_distributed(_worker, TP)):
+        # gloo: the fused ops' CUDA kernels cannot serve it, so symm_mem falls back to p2p, saying so
+        assert results.pop("resolved") == "p2p" and "portable p2p backend" in " ".join(results.pop("warnings"))
         for name, pairs in results.items():
             for what, (got, want) in zip(("output", "input grad", "weight grad", "bias grad"), pairs):
                 assert got.shape == want.shape, f"rank {rank} {name}: {what} shape {got.shape} != {want.shape}"
