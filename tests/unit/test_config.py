@@ -116,6 +116,10 @@ def test_tp_comm_overlap_is_a_real_switch():
     validate(cfg, world_size=2)
     assert cfg.parallel.tp_comm_overlap and cfg.parallel.tp_comm_overlap_backend == "p2p"
     assert not cfg.logging.noted_flags
+    # Transformer Engine's userbuffers knobs are accepted and noted (the start-up log says what meshtron does)
+    cfg = build_config(None, base + ["--sequence-parallel", "--tp-comm-overlap", "--tp-comm-overlap-cfg", "ub.yaml",
+                                     "--disable-tp-comm-bulk-wgrad"])  # fmt: skip
+    assert cfg.parallel.tp_comm_overlap and len(cfg.logging.noted_flags) == 2
     for flags, message in [
         (base + ["--tp-comm-overlap"], "--tp-comm-overlap .* needs --tensor-model-parallel-size > 1 and --sequence-parallel"),
         (["--mock-data", "--sequence-parallel", "--tp-comm-overlap"], "needs --tensor-model-parallel-size > 1"),
