@@ -25,7 +25,6 @@ from meshtron.parallel.context_parallel import ContextParallelAttention
 from meshtron.parallel.data_parallel_gather import DataParallelRowGather
 from meshtron.parallel.expert_parallel import ExpertParallelExperts, expert_tensor_parallel_split
 from meshtron.parallel.mesh import Mesh
-from meshtron.parallel.tp_overlap import resolve_backend
 from meshtron.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -35,6 +34,7 @@ from meshtron.parallel.tensor_parallel import (
     VocabParallelEmbedding,
     VocabParallelOutputLayer,
 )
+from meshtron.parallel.tp_overlap import resolve_backend
 
 ParamMetas = dict[str, mc.ParamMeta]
 

@@ -93,7 +93,7 @@ def gather_matmul(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     if backend == "symm_mem":  # the ops want the gathered dim first and contiguous: [s/tp, batch, k] (a view at batch 1)
         seq_first = shard.transpose(0, 1).contiguous()
         gathered, (out,) = torch.ops.symm_mem.fused_all_gather_matmul(seq_first, [b], 0, group.group_name, return_A=True)
-        out = out.transpose(0, 1)
+        out = out.transpose(0, 1).contiguous()  # as the plain path's: consumers view it by heads
         return gathered.transpose(0, 1), out if bias is None else out + bias
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     shard = shard.contiguous()
@@ -136,7 +136,7 @@ def matmul_scatter(a: torch.Tensor, b: torch.Tensor, group, backend: str) -> Pen
     chunk last. ``wait()`` on the result gives this rank's summed chunk."""
     if backend == "symm_mem":  # sequence first, as for gather_matmul
         out = torch.ops.symm_mem.fused_matmul_reduce_scatter(a.transpose(0, 1), b, "sum", 0, group.group_name)
-        return PendingScatter(out.transpose(0, 1))
+        return PendingScatter(out.transpose(0, 1).contiguous())
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     if a.shape[SEQ_DIM] % n:
         raise ValueError(f"cannot reduce-scatter a sequence of {a.shape[SEQ_DIM]} over {n} tensor-parallel ranks")

@@ -17,9 +17,9 @@ import torch.nn.functional as F
 import torch.distributed._symmetric_memory as symm_mem
 
 from launcher import run_distributed
-from meshtron.parallel.mesh import Mesh
 from meshtron.config import ParallelConfig
 from meshtron.parallel import tp_overlap
+from meshtron.parallel.mesh import Mesh
 from meshtron.parallel.tensor_parallel import all_gather_sequence, reduce_scatter_sequence
 
 TP, BATCH, SEQ, IN, OUT = 4, 2, 12, 6, 10
@@ -31,6 +31,7 @@ def _grads(fn, x, weight, bias, seed):
     leaves = [t.clone().requires_grad_() for t in (x, weight, bias) if t is not None]
     out = fn(*leaves)
     out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)))
+    assert out.is_contiguous(), "consumers view the output (by heads): it must be contiguous as the plain path's"
     return [out.detach()] + [t.grad for t in leaves]
 
 
