@@ -1,7 +1,8 @@
-"""A tiny DeepSeek-V2-shaped model (multi-head latent attention with YaRN, layer 0 a dense MLP, then
-mixture-of-experts layers with shared experts) under tp2, tp2 + sequence parallelism (also
-overlapped, --tp-comm-overlap), cp2 (ring and all-gather) and pp2, against one process: step loss, auxiliary terms and every gradient
-within 1e-5 (fp32, CPU, relative norm per tensor), through the runner as training uses it.
+"""A tiny DeepSeek-V2-shaped model (multi-head latent attention with YaRN, layer 0 a dense MLP,
+then mixture-of-experts layers with shared experts) under tp2, tp2 + sequence parallelism (also
+overlapped, --tp-comm-overlap), cp2 (ring and all-gather) and pp2, against one process: step loss,
+auxiliary terms and every gradient within 1e-5 (fp32, CPU, relative norm per tensor), through the
+runner as training uses it.
 
 Both query paths run: the full query projection (V2-Lite) and the low-rank one with its norm
 (V2). Under tp the shared RoPE key is read by each rank's heads, so its gradient must be summed
