@@ -12,7 +12,8 @@ reduce-scatters) comes from a profile of one more step: the share of the NCCL ke
 which a compute kernel ran too (``hidden``; the ``tp2ovsm`` layout's copy-engine transfers are no
 kernels and are not counted); ``comm s`` is the data-parallel collectives' time run alone. The
 ``tp*ov`` layouts add ``--tp-comm-overlap``; for the tp2-vs-dp2 ratio run
-``--layouts dp2,tp2,tp2ov --layers 8 --seq-length 8192 --global-batch 8``. For pipeline
+``--layouts dp2,tp2,tp2ov --layers 8 --seq-length 8192 --global-batch 8``; one pair of linears at a
+time: ``benchmarks/tp_overlap_pairs.py``. For pipeline
 layouts the bubble column is ``measured/theory``: step time over dp1's step time / pp, minus one,
 against the schedule's ``(pp - 1) / (virtual * m)``.
 """
