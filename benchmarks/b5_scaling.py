@@ -7,9 +7,13 @@ Llama-3-8B layer shapes (h4096, 32 heads, 8 KV heads, ffn 14336, 128 K vocabular
 of them), bf16 with fp32 master weights, the same global batch for every layout (so the losses of
 every step are comparable: the bf16 equivalence check), distributed optimizer on for dp > 1.
 Per-GPU tokens/s and TFLOP/s come from CUDA-event timing of whole steps after warm-up. The
-data-parallel communication hidden behind computation comes from a profile of one more step:
-the share of the NCCL kernels' time during which a compute kernel ran too (``hidden``); ``comm s``
-is the same collectives' time run alone. For pipeline
+communication hidden behind computation (data parallel, or tensor parallel's sequence gathers and
+reduce-scatters) comes from a profile of one more step: the share of the NCCL kernels' time during
+which a compute kernel ran too (``hidden``; the ``tp2ovsm`` layout's copy-engine transfers are no
+kernels and are not counted); ``comm s`` is the data-parallel collectives' time run alone. The
+``tp*ov`` layouts add ``--tp-comm-overlap``; for the tp2-vs-dp2 ratio run
+``--layouts dp2,tp2,tp2ov --layers 8 --seq-length 8192 --global-batch 8``; one pair of linears at a
+time: ``benchmarks/tp_overlap_pairs.py``. For pipeline
 layouts the bubble column is ``measured/theory``: step time over dp1's step time / pp, minus one,
 against the schedule's ``(pp - 1) / (virtual * m)``.
 """
@@ -33,6 +37,12 @@ LAYOUT_FLAGS = {
     "tp2": (2, ["--tp", "2", "--sequence-parallel"]),
     "tp4": (4, ["--tp", "4", "--sequence-parallel"]),
     "tp8": (8, ["--tp", "8", "--sequence-parallel"]),
+    # --tp-comm-overlap: sp's gathers and reduce-scatters pipelined with the GEMMs (portable p2p backend),
+    # or through PyTorch's symmetric-memory async-TP ops ("sm"; falls back to p2p with a warning where unusable)
+    "tp2ov": (2, ["--tp", "2", "--sequence-parallel", "--tp-comm-overlap"]),
+    "tp2ovsm": (2, ["--tp", "2", "--sequence-parallel", "--tp-comm-overlap", "--tp-comm-overlap-backend", "symm_mem"]),
+    "tp4ov": (4, ["--tp", "4", "--sequence-parallel", "--tp-comm-overlap"]),
+    "tp8ov": (8, ["--tp", "8", "--sequence-parallel", "--tp-comm-overlap"]),
     # pipeline: the last stage also carries the 128K-vocabulary output layer (~2.4 layers of work),
     # so the plain split gives it fewer layers
     "pp2": (2, ["--pp", "2", "--decoder-first-pipeline-num-layers", "5", "--decoder-last-pipeline-num-layers", "3"]),
@@ -71,8 +81,9 @@ def worker(args) -> None:
             times.append(start.elapsed_time(end) / 1000)
     peak = torch.cuda.max_memory_allocated() / 2**30  # before the benchmark's own buffers below
     mesh = trainer.mesh
-    hidden = _profile_comm_overlap(trainer) if mesh.dp > 1 and mesh.rank == 0 else None
-    if mesh.dp > 1 and mesh.rank != 0:
+    profiled = (mesh.dp > 1 or mesh.tp > 1) and mesh.pp == 1
+    hidden = _profile_comm_overlap(trainer) if profiled and mesh.rank == 0 else None
+    if profiled and mesh.rank != 0:
         trainer.train_step()  # rank 0 profiles one more step; the others take part in it
     comm = None
     if mesh.dp > 1:  # the same bytes the step moves, alone: fp32 grads reduce-scattered + bf16 params all-gathered, or all-reduced
@@ -174,6 +185,10 @@ def main() -> None:
             bubble = f"{100 * measured:.1f}/{100 * theory:.1f}%"
         losses = " ".join(f"{x:.4f}" for x in r["losses"][:4])
         print(f"{r['layout']:<7} {r['world']:>4} {per_gpu:>10,.0f} {tflops:>11.1f} {ratio:>7} {r['peak_gib']:>9.1f} {comm:>7} {hidden:>15} {bubble:>13}  {losses}")
+    dp2 = next((r for r in rows if r["layout"] == "dp2"), None)
+    if dp2:  # the tensor-parallel target is per GPU against data parallelism on as many GPUs
+        per_gpu = {r["layout"]: r["global_batch"] / r["step_s"] / r["world"] for r in rows}
+        print("per GPU vs dp2: " + ", ".join(f"{k} {v / per_gpu['dp2']:.3f}" for k, v in per_gpu.items() if k != "dp2"))
 
 
 if __name__ == "__main__":

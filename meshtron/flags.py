@@ -92,6 +92,7 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "expert-model-parallel-size": "parallel.expert_parallel",
     "ep": "parallel.expert_parallel",
     "sequence-parallel": ("parallel.sequence_parallel", True),
+    "tp-comm-overlap": ("parallel.tp_comm_overlap", True),
     "use-distributed-optimizer": ("parallel.use_distributed_optimizer", True),
     "use-torch-fsdp2": ("parallel.fsdp", True),
     "virtual-pipeline-model-parallel-size": "parallel.virtual_pipeline_parallel",
@@ -257,7 +258,17 @@ _PARALLELISM_NOTES = {
     "distributed-backend": (True, "chosen by device: nccl (rccl on ROCm) on GPUs, gloo on the CPU"),
     "no-async-tensor-model-parallel-allreduce": (False, "always: tensor-parallel linears do not overlap their input-gradient all-reduce with the weight-gradient GEMM"),
     "use-contiguous-parameters-in-local-ddp": (False, "always: gradients live in one contiguous fp32 buffer"),
-    "tp-comm-overlap": (False, "never: tensor-parallel communication is not overlapped with GEMMs"),
+}
+# Transformer Engine's userbuffers knobs around --tp-comm-overlap (a real switch above): meshtron's overlap
+# (parallel/tp_overlap.py) needs no buffers or config, and overlaps every gather and reduce-scatter of the
+# sequence-parallel linears, forward and backward, or none.
+_WHOLE_OVERLAP = "not switchable apart: --tp-comm-overlap overlaps every sequence-parallel gather and reduce-scatter, forward and backward"
+_TP_OVERLAP_NOTES = {
+    "tp-comm-overlap-cfg": (True, "no userbuffers config: --tp-comm-overlap cuts each collective into the tp sequence chunks"),
+    "tp-comm-bootstrap-backend": (True, "no userbuffers to bootstrap: --tp-comm-overlap sends through the tensor-parallel process group"),
+    **{flag: (False, _WHOLE_OVERLAP) for flag in (
+        "disable-tp-comm-overlap-ag", "disable-tp-comm-overlap-rs", "disable-tp-comm-split-ag", "disable-tp-comm-split-rs",
+        "disable-tp-comm-bulk-dgrad", "disable-tp-comm-bulk-wgrad", "tp-comm-overlap-rs-dgrad")},
 }
 _PRECISION_NOTES = {
     "transformer-impl": (True, "always meshtron's own layers (Megatron's 'local': PyTorch modules, Triton kernels per --fused-kernels); "
@@ -290,7 +301,7 @@ _OTHER_NOTES = {
     "use-checkpoint-args": (False, "never: the model comes from this run's flags; a checkpoint of another shape is refused at load"),
 }
 NOTED_FLAGS: dict[str, tuple[bool, str]] = {
-    **_MODEL_AND_FUSION_NOTES, **_PARALLELISM_NOTES, **_PRECISION_NOTES, **_DATA_NOTES, **_LOGGING_NOTES, **_OTHER_NOTES,
+    **_MODEL_AND_FUSION_NOTES, **_PARALLELISM_NOTES, **_TP_OVERLAP_NOTES, **_PRECISION_NOTES, **_DATA_NOTES, **_LOGGING_NOTES, **_OTHER_NOTES,
 }
 
 # Megatron's allowed values of the noted flags that take one from a fixed set; another value is

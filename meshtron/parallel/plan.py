@@ -34,6 +34,7 @@ from meshtron.parallel.tensor_parallel import (
     VocabParallelEmbedding,
     VocabParallelOutputLayer,
 )
+from meshtron.parallel.tp_overlap import resolve_backend
 
 ParamMetas = dict[str, mc.ParamMeta]
 
@@ -49,18 +50,21 @@ def styled_modules(model: nn.Module, plan: mc.Plan) -> dict[str, mc.Style]:
 
 
 def parallelize(model: mc.ModelFamily, mesh: Mesh, sequence_parallel: bool = False, cp_algorithm: str = "p2p",
-                cp_block_kernel: str = "auto") -> ParamMetas:  # fmt: skip
+                cp_block_kernel: str = "auto", tp_comm_overlap: str = "") -> ParamMetas:  # fmt: skip
     """Shard ``model`` (the full model, identical on every rank) over ``mesh.tp`` and route its
     core attention over ``mesh.cp``, in place, by its plan; returns its parameters' records.
 
     With ``sequence_parallel`` the residual stream between tensor-parallel regions holds 1/tp of
-    the tokens on each rank. At tp = cp = 1 nothing is replaced (the records are still returned).
+    the tokens on each rank; ``tp_comm_overlap`` (a ``tp_overlap`` backend, "" for none) then
+    pipelines the column and row linears' gathers and reduce-scatters with their GEMMs. At
+    tp = cp = 1 nothing is replaced (the records are still returned).
     """
     metas = {name: mc.default_meta(name, p) for name, p in model.named_parameters()}
     sp = sequence_parallel and mesh.tp > 1
+    overlap = resolve_backend(tp_comm_overlap, mesh.tp_group) if tp_comm_overlap and sp else ""
     for name, style in styled_modules(model, model.parallel_plan()).items():
         module = model.get_submodule(name)
-        replacement = _replace(module, style, mesh, sp, cp_algorithm, cp_block_kernel)
+        replacement = _replace(module, style, mesh, sp, cp_algorithm, cp_block_kernel, overlap)
         if replacement is not None:
             _set_submodule(model, name, replacement)
         for pname, _ in (replacement or module).named_parameters():
@@ -75,7 +79,7 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def _replace(module: nn.Module, style: mc.Style, mesh: Mesh, sp: bool, cp_algorithm: str,
-             cp_block_kernel: str) -> nn.Module | None:  # fmt: skip
+             cp_block_kernel: str, overlap: str) -> nn.Module | None:  # fmt: skip
     """The module taking ``module``'s place under ``style``, or None when it stays."""
     tp = mesh.tp
     if isinstance(style, mc.ContextParallelCore):
@@ -95,7 +99,7 @@ def _replace(module: nn.Module, style: mc.Style, mesh: Mesh, sp: bool, cp_algori
     if isinstance(style, mc.EnterTensorParallel):
         return TensorParallelEntry(mesh.tp_group, sp)
     if isinstance(style, (mc.ColumnParallel, mc.RowParallel)):
-        return _linear(module, style, mesh, sp)
+        return _linear(module, style, mesh, sp, overlap)
     if isinstance(style, mc.VocabParallelEmbedding):
         return _copy_weight(VocabParallelEmbedding(*module.weight.shape, mesh.tp_group, sp, device=module.weight.device,
                                                    dtype=module.weight.dtype), module, 0, mc.Contiguous(), tp, mesh.tp_rank)  # fmt: skip
@@ -125,7 +129,7 @@ def _copy_weight(new: nn.Module, old: nn.Module, dim: int, layout: mc.Layout, tp
 
 
 @torch.no_grad()
-def _linear(linear: nn.Linear, style: mc.ColumnParallel | mc.RowParallel, mesh: Mesh, sp: bool) -> nn.Module:
+def _linear(linear: nn.Linear, style: mc.ColumnParallel | mc.RowParallel, mesh: Mesh, sp: bool, overlap: str) -> nn.Module:
     tp, rank, w = mesh.tp, mesh.tp_rank, linear.weight
     column = isinstance(style, mc.ColumnParallel)
     size = w.shape[0] if column else w.shape[1]
@@ -135,6 +139,7 @@ def _linear(linear: nn.Linear, style: mc.ColumnParallel | mc.RowParallel, mesh: 
     cls = ColumnParallelLinear if column else RowParallelLinear
     shape = (w.shape[1], local) if column else (local, w.shape[0])
     out = cls(*shape, linear.bias is not None, mesh.tp_group, sp, device=w.device, dtype=w.dtype)
+    out.comm_overlap = overlap
     _copy_weight(out, linear, 0 if column else 1, style.layout, tp, rank)
     if linear.bias is not None:
         out.bias.copy_(_shard(linear.bias, 0, style.layout, tp, rank) if column else linear.bias)

@@ -58,7 +58,8 @@ def runner_for(model: ModelFamily, mesh: Mesh, parallel: ParallelConfig, train: 
     model keeps only their parameters), ``prepare_blocks`` on the blocks this rank kept, and either
     FSDP2 or the (distributed) optimizer with data-parallel gradient buckets."""
     sequence_parallel = parallel.sequence_parallel and mesh.tp > 1
-    metas = parallelize(model, mesh, sequence_parallel, parallel.cp_comm_type, cp_block_kernel)
+    overlap = parallel.tp_comm_overlap_backend if parallel.tp_comm_overlap else ""
+    metas = parallelize(model, mesh, sequence_parallel, parallel.cp_comm_type, cp_block_kernel, overlap)
     virtual = virtual_stages(parallel, len(model.blocks()))
     stages = build_stages(
         model, metas, mesh, virtual, parallel.first_pipeline_stage_layers or None, parallel.last_pipeline_stage_layers or None,

@@ -27,6 +27,7 @@ from torch import nn
 
 from meshtron.kernels import grad_accum_fusion
 from meshtron.kernels.cross_entropy_sum import linear_cross_entropy_sum
+from meshtron.parallel import tp_overlap
 
 SEQ_DIM = 1
 
@@ -159,13 +160,17 @@ def enter_tp_region(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Te
 
 
 def column_parallel_linear(x, weight, bias, group, sequence_parallel: bool, fp8_format: str = "",
-                           fuse_wgrad: bool = False) -> torch.Tensor:  # fmt: skip
+                           fuse_wgrad: bool = False, comm_overlap: str = "") -> torch.Tensor:  # fmt: skip
     """y_shard = x @ W_shard^T (+ b_shard), x replicated (or sequence-sharded with SP); in FP8 when
     ``fp8_format`` is set (``meshtron.kernels.fp8.apply_fp8`` sets it on the layers), with the
-    weight gradient fused into ``main_grad`` when ``fuse_wgrad`` (``grad_accum_fusion``).
+    weight gradient fused into ``main_grad`` when ``fuse_wgrad`` (``grad_accum_fusion``). With SP
+    and a ``comm_overlap`` backend (``--tp-comm-overlap``) the gather is pipelined with the GEMM
+    (``tp_overlap``); FP8 layers keep the plain path.
 
     A function as well as a layer so the tied output head can run it on the embedding's weight.
     """
+    if comm_overlap and sequence_parallel and not fp8_format and group_size(group) > 1:
+        return tp_overlap.gather_linear(x, weight, bias, group, comm_overlap, fuse_wgrad)
     return grad_accum_fusion.linear(enter_tp_region(x, group, sequence_parallel), weight, bias, fp8_format, fuse_wgrad)
 
 
@@ -187,6 +192,7 @@ class ColumnParallelLinear(nn.Module):
 
     ``out_features`` is this rank's share. ``gather_output`` concatenates the shards (for a
     consumer that needs all features); usually a row-parallel layer consumes the shard instead.
+    ``comm_overlap`` (a ``tp_overlap`` backend, set by the plan) pipelines SP's gather with the GEMM.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group, sequence_parallel: bool = False,
@@ -198,10 +204,11 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         self.fp8_format = ""
         self.grad_accum_fusion = False
+        self.comm_overlap = ""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = column_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel, self.fp8_format,
-                                   self.grad_accum_fusion)  # fmt: skip
+                                   self.grad_accum_fusion, self.comm_overlap)  # fmt: skip
         return gather_from_tp_region(y, self.group) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -214,6 +221,7 @@ class RowParallelLinear(nn.Module):
 
     ``in_features`` is this rank's share. The partial products are summed (all-reduce, or
     reduce-scatter into sequence shards with SP) and only then is the bias added, once.
+    ``comm_overlap`` (a ``tp_overlap`` backend, set by the plan) pipelines SP's reduce-scatter with the GEMM.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group, sequence_parallel: bool = False,
@@ -225,12 +233,16 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
         self.fp8_format = ""
         self.grad_accum_fusion = False
+        self.comm_overlap = ""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if group_size(self.group) == 1:  # the plain op, bias fused into the GEMM as nn.Linear does
             return grad_accum_fusion.linear(x, self.weight, self.bias, self.fp8_format, self.grad_accum_fusion)
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.group)
+        if self.comm_overlap and self.sequence_parallel and not self.fp8_format:
+            y = tp_overlap.linear_scatter(x, self.weight, self.group, self.comm_overlap, self.grad_accum_fusion)
+            return y if self.bias is None else y + self.bias
         y = grad_accum_fusion.linear(x, self.weight, None, self.fp8_format, self.grad_accum_fusion)
         y = reduce_scatter_sequence(y, self.group) if self.sequence_parallel else reduce_from_tp_region(y, self.group)
         return y if self.bias is None else y + self.bias

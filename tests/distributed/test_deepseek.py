@@ -1,7 +1,8 @@
-"""A tiny DeepSeek-V2-shaped model (multi-head latent attention with YaRN, layer 0 a dense MLP, then
-mixture-of-experts layers with shared experts) under tp2, tp2 + sequence parallelism, cp2 (ring
-and all-gather) and pp2, against one process: step loss, auxiliary terms and every gradient
-within 1e-5 (fp32, CPU, relative norm per tensor), through the runner as training uses it.
+"""A tiny DeepSeek-V2-shaped model (multi-head latent attention with YaRN, layer 0 a dense MLP,
+then mixture-of-experts layers with shared experts) under tp2, tp2 + sequence parallelism (also
+overlapped, --tp-comm-overlap), cp2 (ring and all-gather) and pp2, against one process: step loss,
+auxiliary terms and every gradient within 1e-5 (fp32, CPU, relative norm per tensor), through the
+runner as training uses it.
 
 Both query paths run: the full query projection (V2-Lite) and the low-rank one with its norm
 (V2). Under tp the shared RoPE key is read by each rank's heads, so its gradient must be summed
@@ -39,6 +40,8 @@ for _name in list(CONFIGS):
 LAYOUTS = {
     "tp2": (dict(tp=2), dict(tensor_parallel=2), ("lite", "full")),
     "tp2_sp": (dict(tp=2), dict(tensor_parallel=2, sequence_parallel=True), ("lite_token_wise", "full_token_wise")),
+    # --tp-comm-overlap through MLA's head-split up-projections (the latents' norms stay replicated)
+    "tp2_sp_overlap": (dict(tp=2), dict(tensor_parallel=2, sequence_parallel=True, tp_comm_overlap=True), ("full_token_wise",)),
     "cp2": (dict(cp=2), dict(context_parallel=2), ("lite_token_wise", "full_token_wise")),
     "cp2_all_gather": (dict(cp=2), dict(context_parallel=2, cp_comm_type="all_gather"), ("lite_token_wise",)),
     "pp2": (dict(pp=2), dict(pipeline_parallel=2), ("lite", "full")),

@@ -1,10 +1,10 @@
-"""T5 on the model contract: under tp2, tp2 with sequence parallelism, pp2 (the encoder's blocks
-on stage 0, the decoder's on stage 1, the encoder's output carried between them; and interleaved,
-one block per model chunk), dp2 with the distributed optimizer and dp2 with FSDP2 (world 2, one
-launch), its loss, the gradient norm, the parameters after one optimizer step and (where a rank
-holds whole summed gradients: tp, pp) every gradient equal one process's (fp32 on the CPU; losses,
-gradients and norms 1e-5 relative, as a norm over each tensor; updated parameters within 1e-6 of
-their size plus 1e-3 of the step).
+"""T5 on the model contract: under tp2, tp2 with sequence parallelism (also overlapped,
+--tp-comm-overlap), pp2 (the encoder's blocks on stage 0, the decoder's on stage 1, the encoder's
+output carried between them; and interleaved, one block per model chunk), dp2 with the distributed
+optimizer and dp2 with FSDP2 (world 2, one launch), its loss, the gradient norm, the parameters
+after one optimizer step and (where a rank holds whole summed gradients: tp, pp) every gradient
+equal one process's (fp32 on the CPU; losses, gradients and norms 1e-5 relative, as a norm over
+each tensor; updated parameters within 1e-6 of their size plus 1e-3 of the step).
 
 Two variants: the tied LM head (Megatron's T5), and an untied output layer under full activation
 recompute (every block its own checkpoint). Batches pad both sequences (encoder padding is the
@@ -38,6 +38,8 @@ VARIANTS = {
 LAYOUTS = {
     "tp2": (dict(tp=2), ParallelConfig(tensor_parallel=2)),
     "tp2_sp": (dict(tp=2), ParallelConfig(tensor_parallel=2, sequence_parallel=True)),
+    # --tp-comm-overlap: the cross-attention's key/value projection gathers the encoder's (shorter-than-decoder) shards
+    "tp2_sp_overlap": (dict(tp=2), ParallelConfig(tensor_parallel=2, sequence_parallel=True, tp_comm_overlap=True)),
     "pp2": (dict(pp=2), ParallelConfig(pipeline_parallel=2)),
     # One block per chunk: encoder 0 | encoder 1 (and its final norm) | decoder 0 | decoder 1, the
     # two streams passing through both ranks twice under the interleaved schedule.

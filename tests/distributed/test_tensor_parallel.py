@@ -1,7 +1,12 @@
 """Tensor (+ sequence) parallelism equals the one-process model: losses, logits and gradients.
 
-Two gloo processes run each case with tp=2 (with and without sequence parallelism); the reference
-is the plain model in this (pytest's) process, built from the same seed and fed the same batch.
+Two gloo processes run each case with tp=2 (with and without sequence parallelism, and with
+sequence parallelism's communication overlapped, ``--tp-comm-overlap``: its chunked gathers and
+reduce-scatters, also with the weight gradients fused into ``main_grad``); the reference is the
+plain model in this (pytest's) process, built from the same seed and fed the same batch; the
+overlapped cases are also held to the plain tp2+sp case. gloo has no streams: what this proves
+is the chunked arithmetic, forward and backward; the overlap itself is timed on GPUs
+(benchmarks/b5_scaling.py, layout tp2ov) and checked in bf16 by tests/gpu/test_tp_overlap_gpu.py.
 Tolerance: fp32 on the CPU, 1e-5 relative (as a norm over the whole tensor).
 """
 
@@ -12,6 +17,7 @@ import torch
 
 from launcher import run_distributed
 from meshtron.config import ModelConfig, ParallelConfig, TrainConfig
+from meshtron.kernels.grad_accum_fusion import apply_gradient_accumulation_fusion
 from meshtron.models import build_model
 from meshtron.optim.build import build_optimizer
 from meshtron.parallel.mesh import Mesh
@@ -33,7 +39,9 @@ CONFIGS = {
                        activation="gelu", position_embedding_type="learned_absolute", add_bias_linear=True,
                        tie_embeddings=True),  # fmt: skip
 }
-CASES = [(name, sp) for name in CONFIGS for sp in (False, True)]
+# Layouts: tp alone, tp + sp, tp + sp overlapped ("ov"), and overlapped with fused weight gradients ("ov+fuse").
+LAYOUTS = {"tp": (False, "", False), "sp": (True, "", False), "ov": (True, "p2p", False), "ov+fuse": (True, "p2p", True)}
+CASES = [(name, layout) for name in CONFIGS for layout in LAYOUTS if layout != "ov+fuse" or name == "llama"]
 
 
 def _model(cfg: ModelConfig, seed: int = SEED):
@@ -92,11 +100,16 @@ def _tp_worker(rank: int, world_size: int) -> dict[str, dict[str, object]]:
     mesh = Mesh.from_config(ParallelConfig(tensor_parallel=world_size))
     mesh.init_process_groups()
     out = {}
-    for name, sp in CASES:
+    for name, layout in CASES:
+        sp, overlap, fuse = LAYOUTS[layout]
         model = _model(CONFIGS[name])
-        metas = parallelize(model, mesh, sequence_parallel=sp)
+        metas = parallelize(model, mesh, sequence_parallel=sp, tp_comm_overlap=overlap)
         # The optimizer's step reports the gradient norm it counts (each value once over tp).
         optimizer = build_optimizer(model, TrainConfig(clip_grad=0.0), torch.float32, metas=metas, tp_group=mesh.tp_group)
+        if fuse:  # after the optimizer, which gives each weight its main_grad
+            apply_gradient_accumulation_fusion(model.layers)
+        linears = [m for m in model.modules() if hasattr(m, "comm_overlap")]
+        assert linears and all(m.comm_overlap == overlap for m in linears), "the plan did not set the overlap backend"
         batch = _batch(name)
         losses = _run(model, batch)
         grads = {n: p.main_grad for n, p in model.named_parameters()}
@@ -111,7 +124,7 @@ def _tp_worker(rank: int, world_size: int) -> dict[str, dict[str, object]]:
         other = _model(CONFIGS[name], seed=SEED + 1)
         other_metas = parallelize(other, mesh, sequence_parallel=sp)
         load_full_weights(full_weights(model, metas, mesh), other, other_metas)
-        out[f"{name}/sp={sp}"] = {"losses": losses, "logits": logits, "grads": full_grads, "norm": norm,
+        out[f"{name}/{layout}"] = {"losses": losses, "logits": logits, "grads": full_grads, "norm": norm,
                                 "state": full_weights(other, other_metas, mesh), "fused_total": fused_total,
                                 "fused_grads": fused_grads}  # fmt: skip
     return out
@@ -126,11 +139,11 @@ def tp_results():
     return run_distributed(_tp_worker, 2)
 
 
-@pytest.mark.parametrize("name,sp", CASES, ids=[f"{n}-sp{int(sp)}" for n, sp in CASES])
-def test_tp2_matches_one_process(tp_results, name, sp):
+@pytest.mark.parametrize("name,layout", CASES, ids=[f"{n}-{layout}" for n, layout in CASES])
+def test_tp2_matches_one_process(tp_results, name, layout):
     ref = _reference(name)
     for rank, results in enumerate(tp_results):
-        got = results[f"{name}/sp={sp}"]
+        got = results[f"{name}/{layout}"]
         assert _rel_err(got["losses"], ref["losses"]) < RTOL, f"rank {rank}: per-token losses differ"
         assert got["losses"][0, :3].eq(0).all(), "ignored labels must give a zero loss"
         assert _rel_err(got["logits"], ref["logits"]) < RTOL, f"rank {rank}: logits differ"
@@ -148,3 +161,17 @@ def test_tp2_matches_one_process(tp_results, name, sp):
             assert err < RTOL, f"rank {rank}: fused-loss gradient of {n} differs by {err:.2e} (relative)"
         for n, want in ref["state"].items():
             assert torch.equal(got["state"][n], want), f"rank {rank}: {n} did not survive full -> shard -> full"
+
+
+@pytest.mark.parametrize("name,layout", [c for c in CASES if c[1].startswith("ov")], ids=lambda v: str(v))
+def test_overlap_matches_plain_sequence_parallel(tp_results, name, layout):
+    """The overlapped path against the plain tp2+sp path of the same rank: per-token losses, the
+    fused masked sum and every full gradient."""
+    for rank, results in enumerate(tp_results):
+        got, plain = results[f"{name}/{layout}"], results[f"{name}/sp"]
+        assert _rel_err(got["losses"], plain["losses"]) < RTOL, f"rank {rank}: losses differ from tp2+sp"
+        assert _rel_err(got["fused_total"], plain["fused_total"]) < RTOL, f"rank {rank}: masked sum differs from tp2+sp"
+        for key in ("grads", "fused_grads"):
+            for n, want in plain[key].items():
+                err = _rel_err(got[key][n], want)
+                assert err < RTOL, f"rank {rank}: {key} of {n} differs from tp2+sp by {err:.2e}"

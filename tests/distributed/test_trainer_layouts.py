@@ -7,7 +7,8 @@ to 1e-5 relative or 2e-5 absolute. AdamW's eps is 1e-4 here: with 1e-8 its first
 sign-like, so a gradient that is 0 in one run and 1e-12 (rounding) in another moves a weight by a
 whole lr in one and not at all in the other.
 Two layouts repeat dp2 (4 micro batches per rank) and tp2 x dp2 with --gradient-accumulation-fusion,
-whose linears write weight gradients into the fp32 buffer themselves and report their buckets ready.
+whose linears write weight gradients into the fp32 buffer themselves and report their buckets ready;
+tp2 + sp with --tp-comm-overlap (fused too) runs the overlapped linears from the flag.
 Then checkpoints saved under FSDP2 dp2, pp4 and pp2 x tp2 x dp2 (distributed optimizer, sequence
 parallel) resume exactly under the same layout, and load into one process (resharding by slicing).
 """
@@ -34,6 +35,8 @@ BASE = [
 LAYOUTS = {  # name: (world size, extra flags)
     "tp2": (2, ["--tp", "2", "--micro-batch-size", "4"]),
     "tp2_sp": (2, ["--tp", "2", "--sequence-parallel", "--micro-batch-size", "2"]),
+    "tp2_sp_tp_comm_overlap": (2, ["--tp", "2", "--sequence-parallel", "--tp-comm-overlap", "--micro-batch-size", "2",
+                                   "--gradient-accumulation-fusion"]),
     "dp2": (2, ["--micro-batch-size", "2"]),
     "dp2_distopt": (2, ["--micro-batch-size", "1", "--use-distributed-optimizer", "--ddp-bucket-size", "5000"]),
     "dp2_grad_accum_fusion": (2, ["--micro-batch-size", "1", "--ddp-bucket-size", "5000", "--gradient-accumulation-fusion"]),

@@ -106,3 +106,25 @@ def test_layout_errors_come_before_any_process_group(monkeypatch):
 def test_optimizer_impl_is_checked(flags, message):
     with pytest.raises(ConfigError, match=message):
         validate(build_config(None, flags + ["--mock-data"]), world_size=2)
+
+
+def test_tp_comm_overlap_is_a_real_switch():
+    """Megatron's --tp-comm-overlap sets the field (no longer a noted flag) and is refused where
+    there is nothing to overlap: no sequence parallelism, tp 1, FP8 linears, an unknown backend."""
+    base = ["--mock-data", "--tp", "2", "--global-batch-size", "16"]
+    cfg = build_config(None, base + ["--sequence-parallel", "--tp-comm-overlap"])
+    validate(cfg, world_size=2)
+    assert cfg.parallel.tp_comm_overlap and cfg.parallel.tp_comm_overlap_backend == "p2p"
+    assert not cfg.logging.noted_flags
+    # Transformer Engine's userbuffers knobs are accepted and noted (the start-up log says what meshtron does)
+    cfg = build_config(None, base + ["--sequence-parallel", "--tp-comm-overlap", "--tp-comm-overlap-cfg", "ub.yaml",
+                                     "--disable-tp-comm-bulk-wgrad"])  # fmt: skip
+    assert cfg.parallel.tp_comm_overlap and len(cfg.logging.noted_flags) == 2
+    for flags, message in [
+        (base + ["--tp-comm-overlap"], "--tp-comm-overlap .* needs --tensor-model-parallel-size > 1 and --sequence-parallel"),
+        (["--mock-data", "--sequence-parallel", "--tp-comm-overlap"], "needs --tensor-model-parallel-size > 1"),
+        (base + ["--sequence-parallel", "--tp-comm-overlap", "--fp8-format", "hybrid"], "does not cover FP8 linears"),
+        (base + ["--sequence-parallel", "--tp-comm-overlap-backend", "ub"], "--tp-comm-overlap-backend must be p2p or symm_mem"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            validate(build_config(None, flags), world_size=2)

@@ -1,0 +1,216 @@
+"""Sequence-parallel communication overlapped with the GEMMs it feeds or drains (``--tp-comm-overlap``).
+
+Under sequence parallelism a column-parallel linear all-gathers its sequence-sharded input before
+its GEMM and a row-parallel linear reduce-scatters its partial output after it; done whole, each
+collective waits for (or holds up) the whole GEMM. Here both are cut into the tp sequence chunks
+the collective moves anyway:
+
+- **gather, then multiply** (column forward, row backward's input gradient): every rank sends its
+  chunk to every other rank at once (one send/recv pair per peer, launched before any GEMM), and
+  multiplies its own chunk first, then each peer's as it arrives;
+- **multiply, then scatter** (row forward, column backward's input gradient): the product rows of
+  peer t's chunk are computed and sent to t while the next chunk's are computed; this rank's own
+  chunk comes last and the received partial sums are added to it. The column backward defers
+  that wait past its weight-gradient GEMM, which then hides the last transfer (as Megatron
+  overlaps the input-gradient reduce-scatter with the wgrad GEMM).
+
+Sends and receives go through ``dist.batch_isend_irecv``: on NCCL and RCCL they run on the process
+group's own stream, ordered after the compute stream's work at launch, and ``Work.wait`` makes the
+compute stream wait for them, so no CUDA-only code is involved; on gloo (the CPU tests) the same
+chunked arithmetic runs synchronously. The gathered input is kept for the weight gradient, as the
+plain path's linear keeps it, so backward moves no more bytes than before.
+
+Backend ``symm_mem`` uses PyTorch's async-TP ops instead (``torch.ops.symm_mem.fused_all_gather_matmul``
+and ``fused_matmul_reduce_scatter``: copy-engine transfers through symmetric memory, no SMs taken
+from the GEMM), where ``symmetric_memory_usable`` finds them: a CUDA build of PyTorch with NCCL.
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from meshtron.kernels.grad_accum_fusion import accumulate_wgrad
+
+SEQ_DIM = 1
+BACKENDS = ("p2p", "symm_mem")
+
+
+def symmetric_memory_usable(group) -> bool:
+    """Whether PyTorch's fused async-TP ops can serve ``group``: CUDA devices in a CUDA (not ROCm)
+    build, an NCCL group, and ``torch.distributed._symmetric_memory`` registering the ops."""
+    if not torch.cuda.is_available() or torch.version.hip is not None or dist.get_backend(group) != "nccl":
+        return False
+    try:  # importing the module defines the torch.ops.symm_mem ops
+        importlib.import_module("torch.distributed._symmetric_memory")
+    except ImportError:
+        return False
+    ops = torch.ops.symm_mem
+    return hasattr(ops, "fused_all_gather_matmul") and hasattr(ops, "fused_matmul_reduce_scatter")
+
+
+def resolve_backend(requested: str, group) -> str:
+    """The backend to run: ``requested``, or ``p2p`` (with a warning) when ``symm_mem`` is asked for
+    where ``symmetric_memory_usable`` says no."""
+    if requested == "symm_mem" and not symmetric_memory_usable(group):
+        warnings.warn("--tp-comm-overlap-backend symm_mem: PyTorch's symmetric-memory async-TP ops are not usable here "
+                      "(they need a CUDA build with NCCL); overlapping with the portable p2p backend instead", stacklevel=2)  # fmt: skip
+        return "p2p"
+    return requested
+
+
+def _exchange(send: torch.Tensor, recv: torch.Tensor, to: int, frm: int, group) -> list[dist.Work]:
+    """Send ``send`` to group rank ``to`` and receive into ``recv`` from ``frm``, as one group of
+    point-to-point calls (so two ranks that send to each other first cannot deadlock)."""
+    ops = [dist.P2POp(dist.isend, send, group=group, group_peer=to), dist.P2POp(dist.irecv, recv, group=group, group_peer=frm)]
+    return dist.batch_isend_irecv(ops)
+
+
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """``out = a @ b (+ bias)`` over the last dim, written in place (``out`` and ``a`` contiguous)."""
+    a2, out2 = a.view(-1, a.shape[-1]), out.view(-1, out.shape[-1])
+    if bias is None:
+        torch.mm(a2, b, out=out2)
+    else:
+        torch.addmm(bias, a2, b, out=out2)
+
+
+def _chunk_major_to_sequence(chunks: torch.Tensor) -> torch.Tensor:
+    """``[tp, b, s/tp, d]`` (chunk j = sequence rows j*s/tp...) -> ``[b, s, d]``; a view at b = 1."""
+    n, b, c, d = chunks.shape
+    return chunks.transpose(0, 1).reshape(b, n * c, d)
+
+
+def gather_matmul(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, group,
+                  backend: str) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(gathered, gathered @ b + bias)`` where ``gathered`` is ``shard`` ([batch, s/tp, k])
+    all-gathered along the sequence and ``b`` is ``[k, n]``: each peer's chunk is multiplied as
+    it arrives, this rank's own first."""
+    if backend == "symm_mem":  # the ops want the gathered dim first and contiguous: [s/tp, batch, k] (a view at batch 1)
+        seq_first = shard.transpose(0, 1).contiguous()
+        gathered, (out,) = torch.ops.symm_mem.fused_all_gather_matmul(seq_first, [b], 0, group.group_name, return_A=True)
+        out = out.transpose(0, 1).contiguous()  # as the plain path's: consumers view it by heads
+        return gathered.transpose(0, 1), out if bias is None else out + bias
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    shard = shard.contiguous()
+    chunks = shard.new_empty((n, *shard.shape))
+    works = [_exchange(shard, chunks[(rank - k) % n], (rank + k) % n, (rank - k) % n, group) for k in range(1, n)]
+    out = shard.new_empty((n, *shard.shape[:-1], b.shape[1]))
+    _mm_into(out[rank], shard, b, bias)
+    chunks[rank].copy_(shard)
+    for k, step in enumerate(works, start=1):
+        for work in step:
+            work.wait()
+        src = (rank - k) % n
+        _mm_into(out[src], chunks[src], b, bias)
+    return _chunk_major_to_sequence(chunks), _chunk_major_to_sequence(out)
+
+
+@dataclass
+class PendingScatter:
+    """A ``matmul_scatter`` in flight: this rank's own partial sums, the peers' partial sums of
+    this rank's chunk being received, and the sends and receives still to wait for."""
+
+    own: torch.Tensor
+    received: list[torch.Tensor] = field(default_factory=list)
+    works: list[dist.Work] = field(default_factory=list)
+    sent: list[torch.Tensor] = field(default_factory=list)  # kept alive until their sends complete
+
+    def wait(self) -> torch.Tensor:
+        """This rank's sequence chunk of the product summed over the group."""
+        for work in self.works:
+            work.wait()
+        for part in self.received:
+            self.own.add_(part)
+        self.sent.clear()
+        return self.own
+
+
+def matmul_scatter(a: torch.Tensor, b: torch.Tensor, group, backend: str) -> PendingScatter:
+    """Start ``reduce_scatter(a @ b)`` along the sequence (``a`` [batch, s, k], ``b`` [k, n]):
+    peer t's chunk of the product is sent to t while the next chunk is computed, this rank's own
+    chunk last. ``wait()`` on the result gives this rank's summed chunk."""
+    if backend == "symm_mem":  # sequence first, as for gather_matmul
+        out = torch.ops.symm_mem.fused_matmul_reduce_scatter(a.transpose(0, 1), b, "sum", 0, group.group_name)
+        return PendingScatter(out.transpose(0, 1).contiguous())
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    if a.shape[SEQ_DIM] % n:
+        raise ValueError(f"cannot reduce-scatter a sequence of {a.shape[SEQ_DIM]} over {n} tensor-parallel ranks")
+    chunks = a.chunk(n, dim=SEQ_DIM)
+    sent, received, works = [], [], []
+    for k in range(1, n):
+        to, frm = (rank + k) % n, (rank - k) % n
+        sent.append(torch.matmul(chunks[to], b))
+        received.append(torch.empty_like(sent[-1]))
+        works += _exchange(sent[-1], received[-1], to, frm, group)
+    return PendingScatter(torch.matmul(chunks[rank], b), received, works, sent)
+
+
+def _weight_grad(weight: torch.Tensor, grad: torch.Tensor, inp: torch.Tensor, fuse: bool) -> torch.Tensor | None:
+    """``grad^T @ inp`` over all tokens; accumulated into ``weight.main_grad`` instead (and None
+    returned) when the layer fuses its weight gradient (``grad_accum_fusion``)."""
+    grad_2d, inp_2d = grad.reshape(-1, grad.shape[-1]), inp.reshape(-1, inp.shape[-1])
+    if fuse:
+        accumulate_wgrad(weight.main_grad, grad_2d, inp_2d)
+        weight.grad_buffer.fused_grad_ready(weight)
+        return None
+    return grad_2d.t() @ inp_2d
+
+
+def _fuses(weight: torch.Tensor, fuse_wgrad: bool) -> bool:
+    return fuse_wgrad and hasattr(weight, "main_grad") and weight.requires_grad
+
+
+class _GatherLinear(torch.autograd.Function):
+    """Column-parallel linear of a sequence-sharded input: ``all_gather(x) @ W^T + b``. Backward:
+    the input gradient ``grad @ W`` reduce-scattered, its transfers overlapping the weight gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, backend, fuse):
+        gathered, y = gather_matmul(x, weight.t(), bias, group, backend)
+        ctx.save_for_backward(gathered, weight)
+        ctx.group, ctx.backend, ctx.fuse, ctx.has_bias = group, backend, fuse, bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        gathered, weight = ctx.saved_tensors
+        pending = matmul_scatter(grad, weight, ctx.group, ctx.backend) if ctx.needs_input_grad[0] else None
+        grad_weight = _weight_grad(weight, grad, gathered, ctx.fuse) if ctx.needs_input_grad[1] else None
+        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return (pending.wait() if pending else None), grad_weight, grad_bias, None, None, None
+
+
+class _LinearScatter(torch.autograd.Function):
+    """Row-parallel linear into sequence shards: ``reduce_scatter(y @ W^T)``. Backward: the output
+    gradient all-gathered chunk by chunk into the input-gradient GEMM, then the weight gradient."""
+
+    @staticmethod
+    def forward(ctx, y, weight, group, backend, fuse):
+        ctx.save_for_backward(y, weight)
+        ctx.group, ctx.backend, ctx.fuse = group, backend, fuse
+        return matmul_scatter(y, weight.t(), group, backend).wait()
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, weight = ctx.saved_tensors
+        gathered_grad, grad_y = gather_matmul(grad, weight, None, ctx.group, ctx.backend)
+        grad_weight = _weight_grad(weight, gathered_grad, y, ctx.fuse) if ctx.needs_input_grad[1] else None
+        return grad_y, grad_weight, None, None, None
+
+
+def gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group, backend: str,
+                  fuse_wgrad: bool = False) -> torch.Tensor:  # fmt: skip
+    """The column-parallel linear of sequence shards ``x`` [batch, s/tp, k], overlapped: the full
+    sequence's ``x @ W_shard^T + b_shard``. ``fuse_wgrad``: the weight gradient goes to ``main_grad``."""
+    return _GatherLinear.apply(x, weight, bias, group, backend, _fuses(weight, fuse_wgrad))
+
+
+def linear_scatter(y: torch.Tensor, weight: torch.Tensor, group, backend: str, fuse_wgrad: bool = False) -> torch.Tensor:
+    """The row-parallel linear of ``y`` [batch, s, k/tp], overlapped: this rank's sequence shard of
+    ``y @ W^T`` summed over the group (no bias: the caller adds it once, after the sum)."""
+    return _LinearScatter.apply(y, weight, group, backend, _fuses(weight, fuse_wgrad))
