@@ -51,6 +51,14 @@ class LMHead(nn.Module):
         return self.norm(F.gelu(self.dense(hidden), approximate=self.approximate))
 
 
+class FirstToken(nn.Module):
+    """Each sequence's [CLS] row, ``[b, s, h] -> [b, h]``: the plan's hook
+    (``FirstTokenOfSequence``) to fetch it from the tp rank holding it under sequence parallelism."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden[:, 0]
+
+
 class BertEncoder(c.ModelFamily):
     """BERT's body: token + learned position (+ token type) embeddings, ``num_layers`` bidirectional
     blocks and the final norm. The masked-LM model adds its heads on top; the retriever
@@ -79,8 +87,8 @@ class BertEncoder(c.ModelFamily):
 
     def parallel_plan(self) -> c.Plan:
         """The decoder's: the blocks, embedding, positions and output layer are the same modules
-        under the same names. The heads before the output projection are small and replicated."""
-        return decoder_plan(self.cfg)
+        under the same names; token types, like positions, cut to the sequence shard under sp."""
+        return [("tokentype_embedding", c.ScatterToSequence()), *decoder_plan(self.cfg)]
 
     def embed(self, batch: c.Batch) -> c.Carry:
         tokens = batch["tokens"]
@@ -110,6 +118,7 @@ class Bert(BertEncoder, c.TokenLossModel):
         h = cfg.hidden_size
         self.lm_head = LMHead(cfg)
         self.output = OutputLayer(h, vocab_size, cfg.tie_embeddings, cfg.fused_kernels, bias=True)
+        self.first_token = FirstToken() if binary else None
         self.pooler = nn.Linear(h, h) if binary else None
         self.binary_head = nn.Linear(h, 2) if binary else None
         self.init_weights()
@@ -126,10 +135,17 @@ class Bert(BertEncoder, c.TokenLossModel):
 
     # ------------------------------------------------------------------ the contract's pieces
 
+    def parallel_plan(self) -> c.Plan:
+        """The body's, plus the heads: the LM head's dense and norm run per token (on the sequence
+        shard under sp, so their gradients are partial over tp, like a norm's); the pooler and the
+        sentence-order head, small and whole on every rank, read [CLS] through ``first_token``."""
+        return [("lm_head", c.SequenceParallelNorm()), ("first_token", c.FirstTokenOfSequence()), *super().parallel_plan()]
+
     def pipeline_pieces(self) -> c.PipelinePieces:
         tied = ("embedding",) if self.cfg.tie_embeddings else ()
         embed = ("embedding", "position_embedding", "tokentype_embedding", "embedding_dropout")
-        return c.PipelinePieces(embed, "layers", ("final_norm", "lm_head", "output", "pooler", "binary_head", *tied))
+        head = ("final_norm", "lm_head", "output", "first_token", "pooler", "binary_head", *tied)
+        return c.PipelinePieces(embed, "layers", head)
 
     def head(self, carry: c.Carry, batch: c.Batch) -> dict[str, torch.Tensor]:
         """{"lm": per-token loss [b, s] (fp32) with labels in the batch, else logits; "sop": the
@@ -138,7 +154,7 @@ class Bert(BertEncoder, c.TokenLossModel):
         tied = self.embedding.weight if self.cfg.tie_embeddings else None
         out = {"lm": self.output(self.lm_head(hidden), batch.get("labels"), tied_weight=tied)}
         if self.binary_head is not None:
-            out["sop"] = self.binary_head(torch.tanh(self.pooler(hidden[:, 0])))
+            out["sop"] = self.binary_head(torch.tanh(self.pooler(self.first_token(hidden))))
         return out
 
     def loss(self, batch: c.Batch, outputs: dict[str, torch.Tensor]) -> c.LossOutput:
@@ -181,9 +197,6 @@ def bert_config_errors(cfg: Config) -> list[str]:
         errors.append("BERT is built with dense MLPs and standard attention; drop --num-experts / --multi-latent-attention")
     if p.context_parallel > 1:
         errors.append("BERT under context parallelism is not implemented (the ring attention is causal); set --context-parallel-size 1")
-    if p.sequence_parallel and p.tensor_parallel > 1:
-        errors.append("BERT under --sequence-parallel is not implemented (the pooler reads token 0 of a sequence-sharded "
-                      "state); drop --sequence-parallel")  # fmt: skip
     if d.mock:
         errors.append("BERT has no mock dataset yet; drop --mock-data (the embedded corpus or --data-path work)")
     if d.data_path and d.tokenizer_type not in ("BertWordPieceLowerCase", "BertWordPieceCase"):

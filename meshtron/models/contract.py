@@ -4,9 +4,10 @@ A family (``models/decoder.py``, the test families, later MoE/BERT/T5) is a plai
 that also says:
 
 - its **parallel plan** (``parallel_plan()``): module-name patterns mapped to the styles below
-  (column, row, vocabulary, sequence-parallel norm, sequence scatter, context-parallel core
-  attention, expert parallel, sequence sum, gather over data parallel). ``meshtron.parallel.plan`` applies any plan by one mechanism, module replacement,
-  and returns one ``ParamMeta`` per parameter;
+  (column, row, vocabulary, sequence-parallel norm, sequence scatter, first token, context-parallel
+  core attention, expert parallel, sequence sum, gather over data parallel).
+  ``meshtron.parallel.plan`` applies any plan by one mechanism, module replacement, and returns
+  one ``ParamMeta`` per parameter;
 - its **pipeline pieces** (``pipeline_pieces()`` plus ``embed``/``block_inputs``/``run_blocks``/
   ``head``): ``embed -> ordered blocks -> head``, with the tensors that travel between stages a
   dict the model names and shapes (``carry_shapes``), so any contiguous run of blocks can be a
@@ -189,6 +190,14 @@ class ScatterToSequence:
 
 
 @dataclass(frozen=True)
+class FirstTokenOfSequence:
+    """A module reading each sequence's first row of the residual stream, ``[b, s, h] -> [b, h]``
+    (BERT's [CLS] for its pooler): under sequence parallelism, where the first tp rank alone holds
+    that row, replaced by a gather of every rank's first row that keeps the first rank's, so what
+    reads it runs whole on every tp rank; its backward hands the gradient to that rank's row only."""
+
+
+@dataclass(frozen=True)
 class ContextParallelCore:
     """A core-attention module (q, k, v, mask, dropout, document_ids -> out on [b, heads, s, d])
     replaced by attention across the cp ranks' sequence chunks, with the core's ``scale``
@@ -240,7 +249,7 @@ class GatherOverDataParallel:
 
 
 Style = (ColumnParallel | RowParallel | VocabParallelEmbedding | VocabParallelOutput | SequenceParallelNorm
-         | ScatterToSequence | ContextParallelCore | EnterTensorParallel | ExpertParallel | SequenceSum
+         | ScatterToSequence | FirstTokenOfSequence | ContextParallelCore | EnterTensorParallel | ExpertParallel | SequenceSum
          | GatherOverDataParallel)  # fmt: skip
 Plan = list[tuple[str, Style]]  # (fnmatch pattern over module names, style); first match wins
 

@@ -180,11 +180,15 @@ def ict_flops_shape(cfg: ModelConfig, vocab_size: int, seq_length: int, decoder_
 
 
 def ict_config_errors(cfg: Config) -> list[str]:
-    """What the retriever does not take, each naming the flag to change: BERT's rules, and one stage."""
+    """What the retriever does not take, each naming the flag to change: BERT's rules, one stage,
+    no sequence parallelism."""
     m, p = cfg.model, cfg.parallel
     errors = [e.replace("BERT", "ICT") for e in bert_config_errors(cfg)]
     if p.pipeline_parallel > 1:
         errors.append("ICT runs its two towers as one pipeline stage; set --pipeline-model-parallel-size 1")
+    if p.sequence_parallel and p.tensor_parallel > 1:
+        errors.append("ICT under --sequence-parallel is not implemented (the towers read [CLS] of a sequence-sharded "
+                      "state); drop --sequence-parallel")  # fmt: skip
     if m.biencoder_projection_dim < 0:
         errors.append(f"--biencoder-projection-dim must be >= 0 (0: no projection), got {m.biencoder_projection_dim}")
     if any(k < 1 for k in m.retriever_report_topk_accuracies):

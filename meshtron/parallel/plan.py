@@ -29,6 +29,7 @@ from meshtron.parallel.sequence_sum import SequenceShardSum
 from meshtron.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
+    SequenceParallelFirstToken,
     SequenceScatterEmbedding,
     TensorParallelEntry,
     VocabParallelEmbedding,
@@ -59,7 +60,10 @@ def parallelize(model: mc.ModelFamily, mesh: Mesh, sequence_parallel: bool = Fal
     pipelines the column and row linears' gathers and reduce-scatters with their GEMMs. At
     tp = cp = 1 nothing is replaced (the records are still returned).
     """
-    metas = {name: mc.default_meta(name, p) for name, p in model.named_parameters()}
+    # A parameter no style touches is whole on every tp rank: its tp position makes the grad
+    # norm count it once (on tp rank 0), not once per rank.
+    whole = dict(tp_size=mesh.tp, tp_rank=mesh.tp_rank)
+    metas = {name: dataclasses.replace(mc.default_meta(name, p), **whole) for name, p in model.named_parameters()}
     sp = sequence_parallel and mesh.tp > 1
     overlap = resolve_backend(tp_comm_overlap, mesh.tp_group) if tp_comm_overlap and sp else ""
     for name, style in styled_modules(model, model.parallel_plan()).items():
@@ -112,6 +116,8 @@ def _replace(module: nn.Module, style: mc.Style, mesh: Mesh, sp: bool, cp_algori
         return out
     if isinstance(style, mc.ScatterToSequence):
         return SequenceScatterEmbedding(module, mesh.tp_group) if sp else None
+    if isinstance(style, mc.FirstTokenOfSequence):
+        return SequenceParallelFirstToken(mesh.tp_group) if sp else None
     return None  # SequenceParallelNorm: the module stays, only its records change
 
 

@@ -305,6 +305,20 @@ class SequenceScatterEmbedding(nn.Embedding):
         return scatter_to_sequence_parallel(out, self.group, dim=out.dim() - 2)
 
 
+class SequenceParallelFirstToken(nn.Module):
+    """Each sequence's first row ``[b, h]`` of a sequence-sharded stream ``[b, s / tp, h]``: every
+    rank's first row gathered, the first rank's kept (it holds token 0), so every rank reads the
+    whole row; the gather's backward keeps each rank's own slot, so only the first rank's row
+    receives the gradient (what reads the row runs whole on every rank, its gradient not partial)."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.group = group
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return _paired(hidden[:, :1], _all_gather, _split, self.group, SEQ_DIM)[:, 0]
+
+
 class VocabParallelOutputLayer(nn.Module):
     """The output layer with the vocabulary split over tp: this rank's rows of the projection
     (its own ``weight`` untied, else the vocabulary-parallel embedding's shard given at call

@@ -1,7 +1,8 @@
-"""BERT on the model contract: under tp2, pp2 and dp2 (world 2) its masked-LM loss, its
-sentence-order loss (an auxiliary term of the loss, arising on the last stage only) and every
-gradient equal one process's (fp32 on the CPU, 1e-5 relative as a norm over each tensor), through
-the same runner as training.
+"""BERT on the model contract: under tp2, tp2 with sequence parallelism (the pooler's [CLS] row
+fetched from the rank holding it), the same under full activation recompute, pp2, dp2 and dp2 with
+FSDP2 (world 2, one launch) its masked-LM loss, its sentence-order loss (an auxiliary term of the
+loss, arising on the last stage only), every gradient and the gradient norm equal one process's
+(fp32 on the CPU, 1e-5 relative, as a norm over each tensor), through the same runner as training.
 
 Two variants: Megatron's pre-LN BERT with the tied LM head, and the post-LN one
 (``--apply-residual-connection-post-layernorm``) with an untied output layer, whose bias is then
@@ -15,6 +16,7 @@ import functools
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 
 from launcher import by_name, run_distributed
 from meshtron.config import ModelConfig, ParallelConfig, TrainConfig
@@ -23,7 +25,7 @@ from meshtron.models.bert import SOP_LOSS
 from meshtron.parallel.mesh import Mesh
 from meshtron.parallel.plan import gather_full
 from meshtron.parallel.setup import runner_for
-from test_model_contract import _check
+from test_model_contract import RTOL, _check
 
 SEED, VOCAB, SEQ, MICRO_BATCH, MICRO_BATCHES = 1234, 128, 16, 2, 4
 BERT = ModelConfig(model_type="bert", num_layers=4, hidden_size=64, num_attention_heads=4, hidden_dropout=0.0)
@@ -31,12 +33,20 @@ VARIANTS = {
     "pre_ln": BERT,
     "post_ln_untied": ModelConfig(**{**BERT.__dict__, "apply_residual_connection_post_layernorm": True, "tie_embeddings": False}),
 }
-LAYOUTS = {"tp2": dict(tp=2), "pp2": dict(pp=2), "dp2": dict(dp=2)}
+SP = ParallelConfig(tensor_parallel=2, sequence_parallel=True)
+LAYOUTS = {  # name: (mesh sizes, parallel config, recompute granularity)
+    "tp2": (dict(tp=2), ParallelConfig(tensor_parallel=2), ""),
+    "tp2_sp": (dict(tp=2), SP, ""),
+    "tp2_sp_recompute": (dict(tp=2), SP, "full"),
+    "pp2": (dict(pp=2), ParallelConfig(pipeline_parallel=2), ""),
+    "dp2": (dict(dp=2), ParallelConfig(), ""),
+    "dp2_fsdp": (dict(dp=2), ParallelConfig(fsdp=True), ""),
+}
 
 
-def _model(variant: str):
+def _model(variant: str, recompute: str = ""):
     torch.manual_seed(SEED)
-    return build_model(VARIANTS[variant], VOCAB, SEQ)
+    return build_model(ModelConfig(**{**VARIANTS[variant].__dict__, "recompute_granularity": recompute}), VOCAB, SEQ)
 
 
 def _micro_batches() -> list[dict[str, torch.Tensor]]:
@@ -74,30 +84,39 @@ def _reference(variant: str) -> dict:
         (loss.total / count + loss.aux[SOP_LOSS] / MICRO_BATCHES).backward()
         total += loss.total.detach()
         sop += loss.aux[SOP_LOSS].item() / MICRO_BATCHES
-    return {"loss": (total / count).item(), "aux": {SOP_LOSS: sop}, "grads": {n: p.grad for n, p in model.named_parameters()}}
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    norm = torch.cat([g.flatten() for g in grads.values()]).double().norm().item()  # fp32 loses 1e-5 here
+    return {"loss": (total / count).item(), "aux": {SOP_LOSS: sop}, "grads": grads, "norm": norm}
+
+
+def _summed_grad(param: torch.Tensor, runner, name: str, mesh: Mesh) -> torch.Tensor:
+    """The one-process gradient of a parameter: gathered over tp, or from FSDP's shards."""
+    if isinstance(param.grad, DTensor):
+        return param.grad.full_tensor()
+    return gather_full(param.main_grad.clone(), runner.metas[name], mesh)
 
 
 def _worker(rank: int, world_size: int) -> dict:
     out = {}
     batches = _micro_batches()
-    for name, sizes in LAYOUTS.items():
+    for name, (sizes, parallel, recompute) in LAYOUTS.items():
         mesh = Mesh(**sizes, rank=rank)
         mesh.init_process_groups()
         for variant in VARIANTS:
-            runner = runner_for(_model(variant), mesh, ParallelConfig(tensor_parallel=mesh.tp, pipeline_parallel=mesh.pp),
-                                TrainConfig(), torch.float32)  # fmt: skip
+            runner = runner_for(_model(variant, recompute), mesh, parallel, TrainConfig(), torch.float32)
             runner.optimizer.zero_grad()
             loss = runner.forward_backward([batches[i] for i in range(MICRO_BATCHES)[mesh.dp_rank :: mesh.dp]])
             runner.finalize_grads()
-            grads = {n: gather_full(p.main_grad.clone(), runner.metas[n], mesh) for n, p in runner.model.named_parameters()}
+            grads = {n: _summed_grad(p, runner, n, mesh) for n, p in runner.model.named_parameters()}
+            norm = runner.optimizer.step(1e-3).grad_norm
             out[f"{variant}/{name}"] = {"loss": (loss.total / loss.count).item(), "aux": {k: v.item() for k, v in loss.aux.items()},
-                                        "grads": grads}  # fmt: skip
+                                        "grads": grads, "norm": norm}  # fmt: skip
     return out
 
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, list[dict]]:
-    return by_name(run_distributed(_worker, 2))
+    return by_name(run_distributed(_worker, 2, timeout=300.0))
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -105,4 +124,7 @@ def runs() -> dict[str, list[dict]]:
 def test_bert_matches_one_process(runs, variant, layout):
     ref = _reference(variant)
     assert ref["aux"][SOP_LOSS] > 0 and "output.bias" in ref["grads"] and "pooler.weight" in ref["grads"]
-    _check(runs[f"{variant}/{layout}"], ref, f"bert {variant} {layout}")
+    name = f"bert {variant} {layout}"
+    _check(runs[f"{variant}/{layout}"], ref, name)
+    for rank, r in enumerate(runs[f"{variant}/{layout}"]):
+        assert abs(r["norm"] - ref["norm"]) <= RTOL * ref["norm"], f"{name} rank {rank}: grad norm {r['norm']} != {ref['norm']}"

@@ -93,7 +93,6 @@ def test_parameter_count_equals_hugging_face_bert_for_pretraining():
 
 @pytest.mark.parametrize("flags, message", [
     (["--model-type", "t6"], "--model-type must be one of"),
-    (["--sequence-parallel", "--tp", "2"], "drop --sequence-parallel"),
     (["--cp", "2"], "--context-parallel-size 1"),
     (["--mock-data"], "drop --mock-data"),
     (["--position-embedding-type", "rope"], "learned absolute positions"),
@@ -104,6 +103,10 @@ def test_parameter_count_equals_hugging_face_bert_for_pretraining():
 def test_config_rules_name_the_flag(flags, message):
     with pytest.raises(ConfigError, match=message):
         validate(build_config(overrides=[*TINY, *flags]), world_size=2)
+
+
+def test_sequence_parallel_is_accepted():
+    validate(build_config(overrides=[*TINY, "--sequence-parallel", "--tp", "2"]), world_size=2)
 
 
 def test_presets_are_bert():
