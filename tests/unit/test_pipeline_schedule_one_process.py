@@ -13,7 +13,7 @@ import torch
 from meshtron.config import ModelConfig, ParallelConfig, TrainConfig
 from meshtron.models import build_model
 from meshtron.parallel.mesh import Mesh
-from meshtron.parallel.pipeline import build_stages, forward_backward
+from meshtron.parallel.pipeline import build_stages, forward_backward, releasable
 from meshtron.parallel.plan import parallelize
 from meshtron.parallel.setup import runner_for
 
@@ -81,3 +81,20 @@ def test_runner_at_one_process_is_the_model():
     grads = {n: p.grad for n, p in ref.named_parameters()}
     for name, param in runner.model.named_parameters():
         torch.testing.assert_close(param.main_grad, grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_released_after_send_only_what_nothing_else_reads():
+    """``releasable``: a stage's fresh output is freed once sent; not an input passed through (the
+    previous stage's buffer), a view, or a tensor the chunk also fed to another output's ops (T5's
+    encoder stream read by decoder blocks of the same chunk), which saved it for their backward."""
+    x = torch.randn(2, 4, requires_grad=True)
+    weight = torch.randn(4, 4, requires_grad=True)
+    encoder = x * 2.0
+    decoder = encoder @ weight  # saves ``encoder`` for the weight's gradient
+    assert releasable({"encoder": encoder, "decoder": decoder}, None) == {"decoder"}
+    assert releasable({"encoder": x, "decoder": decoder}, None) == {"decoder"}
+    assert releasable({"hidden": (x * 3.0).view(8)}, None) == set()
+    hidden = x * 3.0
+    aux = (hidden**2).sum()  # an auxiliary term of the same chunk read the output
+    assert releasable({"hidden": hidden}, aux) == set()
+    assert releasable({"hidden": hidden}, (x**2).sum()) == {"hidden"}
