@@ -54,7 +54,7 @@ def test_one_stage_pipeline_is_the_model(kind):
     def step(stage, carry, mb):
         out, aux = stage.forward(carry, batches[mb])
         assert stage.is_last and not aux
-        losses.append(_loss_fn(out, batches[mb]))
+        losses.append(stage.model.loss(batches[mb], out).total / 40.0)  # the head may sum the masked loss itself
         return None, losses[-1] * 2.0
 
     forward_backward(kind, stages, batches, mesh, step, torch.float32)
