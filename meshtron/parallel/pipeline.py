@@ -190,10 +190,12 @@ class _Run:
                 if msg.send and msg.kind == "act":
                     v = msg.chunk // self.pp
                     carry, objective = self.outputs[(msg.mb, v)]
-                    if v not in self.releasable:  # the same for every micro batch of a chunk
+                    if v not in self.releasable:  # a chunk's graph has the same shape for every micro batch
                         self.releasable[v] = releasable(carry, objective)
                     for name in self.releasable[v]:
-                        carry[name].data = torch.empty((1,), dtype=carry[name].dtype, device=carry[name].device)
+                        t = carry[name]
+                        if t.grad_fn is not None and t._base is None:
+                            t.data = torch.empty((1,), dtype=t.dtype, device=t.device)
 
     def _expected(self, mb: int, v: int) -> dict[str, tuple[int, ...]]:
         return self.stages[v].model.carry_shapes(self.micro_batches[mb], self.seq_shards)
