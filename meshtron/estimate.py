@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from meshtron.config import Config, build_config, data_parallel_size
+from meshtron.config import Config, build_config, data_parallel_size, num_blocks, pipeline_virtual_size
 from meshtron.data.default_data import EMBEDDED_VOCAB_SIZE
 from meshtron.training.vocab import model_vocab_size, run_tokenizer
 from meshtron.validation import validate
@@ -35,6 +35,7 @@ from meshtron.layers.mlp import ffn_hidden_size
 from meshtron.models import padded_vocab_size
 from meshtron.models.decoder import parameter_count
 from meshtron.parallel.mesh import GROUP_DIMS, Mesh
+from meshtron.parallel.pipeline_balance import modeled_costs, pipeline_split
 
 GIB = 2**30
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "auto": 2}  # auto: bf16, the GPU default
@@ -67,7 +68,7 @@ def _vocab(cfg: Config) -> int:
     return padded_vocab_size(m.vocab_size or 32000, m.make_vocab_size_divisible_by, cfg.parallel.tensor_parallel)
 
 
-def stage_parameters(cfg: Config) -> int:
+def stage_parameters(cfg: Config, world_size: int = 1) -> int:
     """Parameters of one rank on the first pipeline stage (the largest with tied embeddings)."""
     m, p, tp = cfg.model, cfg.parallel, cfg.parallel.tensor_parallel
     vocab, h = _vocab(cfg), m.hidden_size
@@ -78,10 +79,25 @@ def stage_parameters(cfg: Config) -> int:
     layer = (total - table - positions - norm) // m.num_layers
     kv_extra = 2 * head_dim(m) * h * max(0, tp // num_kv_heads(m) - 1) // tp  # kv heads copied when fewer than tp
     layer_shard = (layer - 2 * norm) // tp + 2 * norm + kv_extra
-    layers = -(-m.num_layers // p.pipeline_parallel)
+    layers = first_rank_layers(cfg, world_size)
     out = 0 if p.pipeline_parallel > 1 or m.tie_embeddings else vocab * h // tp
     last_norm = norm if p.pipeline_parallel == 1 else 0
     return vocab * h // tp + positions + layers * layer_shard + out + last_norm
+
+
+def first_rank_layers(cfg: Config, world_size: int = 1) -> int:
+    """Layers on pipeline rank 0 under the split training uses (``pipeline_split``, refined for
+    the micro batches a data-parallel rank runs out of ``world_size``)."""
+    from meshtron.parallel.setup import schedule_kind
+
+    p, t = cfg.parallel, cfg.train
+    if p.pipeline_parallel == 1:
+        return cfg.model.num_layers
+    virtual = pipeline_virtual_size(cfg)
+    micro = t.global_batch_size // max(1, t.micro_batch_size * data_parallel_size(cfg, world_size))
+    costs = modeled_costs(cfg.model, _vocab(cfg), cfg.data.seq_length)
+    split = pipeline_split(p, num_blocks(cfg.model), virtual, costs, schedule_kind(p, virtual), micro)
+    return sum(len(r) for r in split[:: p.pipeline_parallel])
 
 
 def activation_bytes_per_token_layer(cfg: Config, granularity: str | None = None) -> float:
@@ -118,7 +134,7 @@ def activation_bytes(cfg: Config, world_size: int = 1) -> int:
     recomputed group."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     tokens = t.micro_batch_size * cfg.data.seq_length / p.context_parallel
-    layers = -(-m.num_layers // p.pipeline_parallel)
+    layers = first_rank_layers(cfg, world_size)
     micro = t.global_batch_size // (t.micro_batch_size * max(1, data_parallel_size(cfg, world_size)))
     in_flight = min(p.pipeline_parallel, micro) if p.pipeline_parallel > 1 else 1
     per_layer = activation_bytes_per_token_layer(cfg)
@@ -160,7 +176,7 @@ def estimate(cfg: Config, world_size: int = 1) -> MemoryEstimate:
     """The memory of one rank of a ``world_size``-process run of ``cfg``."""
     p, t = cfg.parallel, cfg.train
     shards = max(1, data_parallel_size(cfg, world_size) * p.context_parallel)
-    params = stage_parameters(cfg)
+    params = stage_parameters(cfg, world_size)
     mixed = t.precision != "fp32"
     if p.fsdp:  # fp32 sharded params (the masters), gradients and moments
         param_bytes, grad_bytes, opt_bytes = 4 * params // shards, 4 * params // shards, 8 * params // shards
