@@ -14,8 +14,11 @@ kernels and are not counted); ``comm s`` is the data-parallel collectives' time 
 ``tp*ov`` layouts add ``--tp-comm-overlap``; for the tp2-vs-dp2 ratio run
 ``--layouts dp2,tp2,tp2ov --layers 8 --seq-length 8192 --global-batch 8``; one pair of linears at a
 time: ``benchmarks/tp_overlap_pairs.py``. For pipeline
-layouts the bubble column is ``measured/theory``: step time over dp1's step time / pp, minus one,
-against the schedule's ``(pp - 1) / (virtual * m)``.
+layouts the bubble column is ``measured/modeled/theory [layers per chunk]``: step time over dp1's
+step time / pp, minus one; the same on the schedule's clock with the split's modeled chunk costs
+(``pipeline_schedules.modeled_bubble``); the schedule's ``(pp - 1) / (virtual * m)`` for equal
+chunks. ``pp2v2`` (split by modeled cost) against ``pp2v2even`` (``--pipeline-split uniform``)
+measures what balancing buys.
 """
 
 from __future__ import annotations
@@ -43,11 +46,15 @@ LAYOUT_FLAGS = {
     "tp2ovsm": (2, ["--tp", "2", "--sequence-parallel", "--tp-comm-overlap", "--tp-comm-overlap-backend", "symm_mem"]),
     "tp4ov": (4, ["--tp", "4", "--sequence-parallel", "--tp-comm-overlap"]),
     "tp8ov": (8, ["--tp", "8", "--sequence-parallel", "--tp-comm-overlap"]),
-    # pipeline: the last stage also carries the 128K-vocabulary output layer (~2.4 layers of work),
-    # so the plain split gives it fewer layers
-    "pp2": (2, ["--pp", "2", "--decoder-first-pipeline-num-layers", "5", "--decoder-last-pipeline-num-layers", "3"]),
+    # pipeline: the last stage also carries the 128K-vocabulary output layer (~2 layers of work);
+    # the default split by modeled cost gives it fewer layers (8 layers: pp2 5|3, pp2v2 2|3|3|0),
+    # the *even layouts split the layers evenly (--pipeline-split uniform) for comparison
+    "pp2": (2, ["--pp", "2"]),
+    "pp2even": (2, ["--pp", "2", "--pipeline-split", "uniform"]),
     "pp2v2": (2, ["--pp", "2", "--virtual-pipeline-model-parallel-size", "2"]),
-    "pp4": (4, ["--pp", "4", "--decoder-first-pipeline-num-layers", "3", "--decoder-last-pipeline-num-layers", "1"]),
+    "pp2v2even": (2, ["--pp", "2", "--virtual-pipeline-model-parallel-size", "2", "--pipeline-split", "uniform"]),
+    "pp4": (4, ["--pp", "4"]),
+    "pp4v2": (4, ["--pp", "4", "--virtual-pipeline-model-parallel-size", "2"]),
 }
 
 
@@ -110,8 +117,14 @@ def worker(args) -> None:
         comm = statistics.median(samples)
     if mesh.rank == 0:
         from meshtron.config import pipeline_virtual_size
+        from meshtron.parallel.pipeline_schedules import modeled_bubble
 
-        report(dict(layout=args.layout, world=mesh.world_size, global_batch=global_batch, dp=mesh.dp, pp=mesh.pp, virtual=pipeline_virtual_size(trainer.cfg),
+        runner = trainer.runner
+        modeled = None
+        if mesh.pp > 1 and runner.costs is not None:
+            modeled = modeled_bubble(runner.schedule, mesh.pp, trainer.num_micro_batches, runner.costs.chunk_costs(runner.split))
+        report(dict(split=[len(r) for r in runner.split], modeled_bubble=modeled,
+                    layout=args.layout, world=mesh.world_size, global_batch=global_batch, dp=mesh.dp, pp=mesh.pp, virtual=pipeline_virtual_size(trainer.cfg),
                                           micro_per_rank=trainer.num_micro_batches,
                                           step_s=statistics.median(times), losses=losses, peak_gib=peak, comm_s=comm, hidden=hidden,
                                           flops_per_token=trainer.flops_per_token, device=torch.cuda.get_device_name()))
@@ -182,7 +195,8 @@ def main() -> None:
         if base and r["pp"] > 1:  # step time over the ideal split of dp1's work, against (pp-1)/(v m)
             measured = r["step_s"] / (base["step_s"] * r["global_batch"] / base["global_batch"] / r["pp"]) - 1
             theory = (r["pp"] - 1) / (r["virtual"] * r["micro_per_rank"])
-            bubble = f"{100 * measured:.1f}/{100 * theory:.1f}%"
+            modeled = f"{100 * r['modeled_bubble']:.1f}/" if r.get("modeled_bubble") is not None else ""
+            bubble = f"{100 * measured:.1f}/{modeled}{100 * theory:.1f}% {r['split']}"
         losses = " ".join(f"{x:.4f}" for x in r["losses"][:4])
         print(f"{r['layout']:<7} {r['world']:>4} {per_gpu:>10,.0f} {tflops:>11.1f} {ratio:>7} {r['peak_gib']:>9.1f} {comm:>7} {hidden:>15} {bubble:>13}  {losses}")
     dp2 = next((r for r in rows if r["layout"] == "dp2"), None)

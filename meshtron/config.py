@@ -200,8 +200,9 @@ class ParallelConfig:
     virtual_pipeline_parallel: int = 1  # model chunks per pipeline rank (interleaved 1F1B when > 1)
     num_layers_per_virtual_pipeline_stage: int = 0  # Megatron's way to set the above: layers / pp / this
     pipeline_schedule: str = "auto"  # auto (1f1b, interleaved with virtual stages) | 1f1b | afab | interleaved
-    first_pipeline_stage_layers: int = 0  # 0: even split; fewer balance the embedding
-    last_pipeline_stage_layers: int = 0  # 0: even split; fewer balance the output layer and loss
+    pipeline_split: str = "cost"  # cost (layers balanced by modeled FLOPs, output layer included) | uniform; explicit counts below override
+    first_pipeline_stage_layers: int = 0  # 0: by --pipeline-split; fewer balance the embedding
+    last_pipeline_stage_layers: int = 0  # 0: by --pipeline-split; fewer balance the output layer and loss
     account_for_embedding_in_pipeline_split: bool = False  # the embedding counts as a layer of the first chunk
     account_for_loss_in_pipeline_split: bool = False  # the output layer + loss counts as a layer of the last chunk
     cp_comm_type: str = "p2p"  # context parallel attention: p2p (ring) | all_gather (of keys and values)

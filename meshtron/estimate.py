@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from meshtron.config import Config, build_config, data_parallel_size, encoder_decoder_layers, num_blocks, virtual_stages
+from meshtron.config import Config, build_config, data_parallel_size, encoder_decoder_layers, num_blocks, pipeline_virtual_size
 from meshtron.data.default_data import EMBEDDED_VOCAB_SIZE
 from meshtron.training.vocab import model_vocab_size, run_tokenizer
 from meshtron.validation import validate
@@ -40,7 +40,7 @@ from meshtron.layers.moe.layer_pattern import moe_layer_pattern
 from meshtron.models import padded_vocab_size, parameter_count
 from meshtron.models.rank_parameters import rank_parameters
 from meshtron.parallel.mesh import GROUP_DIMS, Mesh
-from meshtron.parallel.pipeline_schedules import split_layers
+from meshtron.parallel.pipeline_balance import modeled_costs, pipeline_split
 
 GIB = 2**30
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "auto": 2}  # auto: bf16, the GPU default
@@ -92,23 +92,27 @@ def _vocab(cfg: Config) -> int:
     return padded_vocab_size(m.vocab_size or 32000, m.make_vocab_size_divisible_by, cfg.parallel.tensor_parallel)
 
 
-def first_stage_blocks(cfg: Config, count: int) -> list[int]:
-    """Indices (of ``count`` blocks in model order) that pipeline rank 0 holds, over its virtual chunks."""
-    p = cfg.parallel
+def first_stage_blocks(cfg: Config, count: int, world_size: int = 1) -> list[int]:
+    """Indices (of ``count`` blocks in model order) that pipeline rank 0 holds, over its virtual
+    chunks, under the split training uses (``pipeline_split``, refined for the micro batches a
+    data-parallel rank runs out of ``world_size``)."""
+    from meshtron.parallel.setup import schedule_kind
+
+    p, t = cfg.parallel, cfg.train
     if p.pipeline_parallel == 1:
         return list(range(count))
-    virtual = virtual_stages(p, num_blocks(cfg.model))
-    ranges = split_layers(num_blocks(cfg.model), p.pipeline_parallel, virtual, p.first_pipeline_stage_layers or None,
-                          p.last_pipeline_stage_layers or None, p.account_for_embedding_in_pipeline_split,
-                          p.account_for_loss_in_pipeline_split)  # fmt: skip
+    virtual = pipeline_virtual_size(cfg)
+    micro = t.global_batch_size // max(1, t.micro_batch_size * data_parallel_size(cfg, world_size))
+    costs = modeled_costs(cfg.model, _vocab(cfg), cfg.data.seq_length)
+    ranges = pipeline_split(p, num_blocks(cfg.model), virtual, costs, schedule_kind(p, virtual), micro)
     return [i for v in range(virtual) for i in ranges[v * p.pipeline_parallel]]
 
 
-def stage_parameters(cfg: Config) -> StageParameters:
+def stage_parameters(cfg: Config, world_size: int = 1) -> StageParameters:
     """Parameters of one rank on the first pipeline stage (the embedding's; with pp 1 the whole model)."""
     p = cfg.parallel
     parts = rank_parameters(cfg.model, _vocab(cfg), cfg.data.seq_length, p.tensor_parallel, p.expert_parallel, p.expert_tensor_parallel)
-    blocks = [parts.blocks[i] for i in first_stage_blocks(cfg, len(parts.blocks))]
+    blocks = [parts.blocks[i] for i in first_stage_blocks(cfg, len(parts.blocks), world_size)]
     tail = parts.tail if p.pipeline_parallel == 1 else 0
     return StageParameters(parts.head + tail + sum(b.dense for b in blocks), sum(b.expert for b in blocks))
 
@@ -239,7 +243,7 @@ def activation_bytes(cfg: Config, world_size: int = 1) -> int:
     recomputed group."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     all_blocks = block_activations(cfg)
-    blocks = [all_blocks[i] for i in first_stage_blocks(cfg, len(all_blocks))]
+    blocks = [all_blocks[i] for i in first_stage_blocks(cfg, len(all_blocks), world_size)]
     micro = t.global_batch_size // (t.micro_batch_size * max(1, data_parallel_size(cfg, world_size)))
     in_flight = min(p.pipeline_parallel, micro) if p.pipeline_parallel > 1 else 1
     if m.recompute_granularity != "full":
@@ -285,7 +289,7 @@ def estimate(cfg: Config, world_size: int = 1) -> MemoryEstimate:
     p, t = cfg.parallel, cfg.train
     dp_cp = max(1, data_parallel_size(cfg, world_size) * p.context_parallel)
     edp = max(1, dp_cp // p.expert_parallel)
-    params = stage_parameters(cfg)
+    params = stage_parameters(cfg, world_size)
 
     def sharded(per_param: int, shard: bool = True) -> int:
         """``per_param`` bytes of every parameter, each part split over the group it reduces over."""

@@ -18,7 +18,7 @@ from meshtron.layers.moe import moe_config_errors
 from meshtron.layers.moe.experts import expert_ffn_hidden_size
 from meshtron.models import model_config_errors, model_layout_errors
 from meshtron.optim.optimizer import OPTIMIZER_IMPLS
-from meshtron.parallel.pipeline_schedules import split_layers
+from meshtron.parallel.pipeline_balance import modeled_costs, pipeline_split
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:
@@ -102,6 +102,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             f"cp {p.context_parallel} = {model_parallel}; change the parallel sizes or the number of processes",
         )
     dp = max(1, world_size // max(1, model_parallel))
+    need(p.pipeline_split in ("cost", "uniform"), f"--pipeline-split must be cost or uniform, got '{p.pipeline_split}'")
     need(p.pipeline_schedule in ("auto", "1f1b", "afab", "interleaved"), f"parallel.pipeline_schedule must be auto, 1f1b, afab or interleaved, got '{p.pipeline_schedule}'")
     if p.num_layers_per_virtual_pipeline_stage and p.pipeline_parallel > 0:
         blocks = num_blocks(m)  # T5: encoder and decoder blocks
@@ -285,9 +286,8 @@ def layout_errors(cfg: Config) -> list[str]:
         if m.attention_dropout > 0:
             errors.append("attention dropout is not supported with context parallelism; set --attention-dropout 0")
     try:
-        split_layers(num_blocks(m), pp, pipeline_virtual_size(cfg), p.first_pipeline_stage_layers or None,
-                     p.last_pipeline_stage_layers or None, p.account_for_embedding_in_pipeline_split,
-                     p.account_for_loss_in_pipeline_split)  # fmt: skip
+        # The vocabulary and the micro batches change which split is best, not whether one exists.
+        pipeline_split(p, num_blocks(m), pipeline_virtual_size(cfg), modeled_costs(m, 0, d.seq_length))
     except ValueError as exc:
         errors.append(f"the pipeline stage split does not work: {exc}")
     if log.generate_prompt and (tp > 1 or cp > 1 or pp > 1):

@@ -11,12 +11,12 @@ from meshtron.config import Config, ModelConfig
 from meshtron.models import decoder
 from meshtron.models.bert import Bert, bert_config_errors, bert_parameter_count
 from meshtron.models.contract import ModelFamily
-from meshtron.models.decoder import Decoder, decoder_layout_errors, num_parameters
+from meshtron.models.decoder import Decoder, decoder_layout_errors, layer_parameter_counts, num_parameters
 from meshtron.models.ict import ICT, ict_config_errors, ict_flops_shape, ict_parameter_count
 from meshtron.models.t5 import T5, t5_config_errors, t5_parameter_count
 
-__all__ = ["MODEL_TYPES", "attends_causally", "build_model", "flops_shape", "model_config_errors", "model_layout_errors", "num_parameters", "padded_vocab_size",
-           "parameter_count"]  # fmt: skip
+__all__ = ["MODEL_TYPES", "attends_causally", "build_model", "flops_shape", "layer_parameter_counts", "model_config_errors", "model_layout_errors",
+           "num_parameters", "padded_vocab_size", "parameter_count"]  # fmt: skip
 
 MODEL_TYPES = {"gpt": Decoder, "bert": Bert, "t5": T5, "ict": ICT}
 _CONFIG_ERRORS = {"bert": bert_config_errors, "t5": t5_config_errors, "ict": ict_config_errors}

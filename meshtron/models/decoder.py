@@ -287,6 +287,16 @@ def parameter_count(cfg: ModelConfig, vocab_size: int, max_seq_length: int = 0, 
 
     For sizing models that do not fit in memory (presets, the memory estimator) and FLOP counts.
     """
+    h = cfg.hidden_size
+    norm = h * (2 if cfg.normalization == "LayerNorm" else 1)
+    positions = 0 if cfg.position_embedding_type == "rope" else (cfg.max_position_embeddings or max_seq_length) * h
+    output = 0 if cfg.tie_embeddings else vocab_size * h
+    return vocab_size * h + positions + sum(layer_parameter_counts(cfg, active)) + norm + output
+
+
+def layer_parameter_counts(cfg: ModelConfig, active: bool = False) -> list[int]:
+    """Parameters of each transformer block in order (``active``: as in ``parameter_count``); the
+    pipeline's cost model weighs blocks by them, so a mixture-of-experts layer is not a dense one."""
     h, bias = cfg.hidden_size, int(cfg.add_bias_linear)
     norm = h * (2 if cfg.normalization == "LayerNorm" else 1)
     qkv_out = (cfg.num_attention_heads + 2 * num_kv_heads(cfg)) * head_dim(cfg)
@@ -303,8 +313,4 @@ def parameter_count(cfg: ModelConfig, vocab_size: int, max_seq_length: int = 0, 
     shared = cfg.moe_shared_expert_intermediate_size
     moe = cfg.num_experts * h + experts * mlp(expert_ffn_hidden_size(cfg), 0) + (mlp(shared, bias) if shared else 0)
     moe += h if shared and cfg.moe_shared_expert_gate else 0
-    pattern = moe_layer_pattern(cfg)
-    layers = sum(2 * norm + attention + (moe if is_moe else mlp(ffn_hidden_size(cfg), bias)) for is_moe in pattern)
-    positions = 0 if cfg.position_embedding_type == "rope" else (cfg.max_position_embeddings or max_seq_length) * h
-    output = 0 if cfg.tie_embeddings else vocab_size * h
-    return vocab_size * h + positions + layers + norm + output
+    return [2 * norm + attention + (moe if is_moe else mlp(ffn_hidden_size(cfg), bias)) for is_moe in moe_layer_pattern(cfg)]

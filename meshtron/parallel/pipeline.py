@@ -44,18 +44,19 @@ class Stage:
         return self.model.run_stage(carry, batch, self.blocks, self.is_first, self.is_last)
 
 
-def build_stages(model: mc.ModelFamily, metas: dict[str, mc.ParamMeta], mesh: Mesh, virtual_size: int = 1,
-                 first_stage_layers: int | None = None, last_stage_layers: int | None = None,
-                 account_for_embedding: bool = False, account_for_loss: bool = False) -> list[Stage]:  # fmt: skip
+def build_stages(model: mc.ModelFamily, metas: dict[str, mc.ParamMeta], mesh: Mesh, split: list[range] | None = None) -> list[Stage]:
     """This rank's model chunks (chunk ``v`` of rank ``r`` is model chunk ``v * pp + r``), with
-    ``model`` cut down in place to their parameters and ``metas`` to their records.
+    ``model`` cut down in place to their parameters and ``metas`` to their records. ``split``: the
+    blocks of every model chunk in model order (``pipeline_balance.pipeline_split``), any sizes;
+    None: one chunk per rank, even.
 
     A piece both the first and the last stage need (a tied embedding, used as the output
     projection) is kept on both: its record says which copy is the first (``pipeline_copy``), so
     its gradient is counted once and the copies are summed after backward.
     """
     pp, pieces, all_blocks = mesh.pp, model.pipeline_pieces(), model.blocks()
-    ranges = split_layers(len(all_blocks), pp, virtual_size, first_stage_layers, last_stage_layers, account_for_embedding, account_for_loss)
+    ranges = split if split is not None else split_layers(len(all_blocks), pp)
+    virtual_size = len(ranges) // pp
     last_chunk = pp * virtual_size - 1
     chunks = [v * pp + mesh.pp_rank for v in range(virtual_size)]
     stages = [Stage(model, [all_blocks[i] for i in ranges[c]], c == 0, c == last_chunk) for c in chunks]
@@ -134,8 +135,8 @@ def forward_backward(
 
 class _Run:
     """The tensors of one schedule run, keyed by (micro batch, local chunk): received inputs (until
-    their gradient is sent), outputs (until their backward; forward-only, until sent) and received
-    output gradients (until their backward)."""
+    their gradient is sent), outputs (until their backward, their values released once sent;
+    forward-only, until sent) and received output gradients (until their backward)."""
 
     def __init__(self, stages: list[Stage], micro_batches: list[mc.Batch], mesh: Mesh, dtype: torch.dtype,
                  seq_shards: int, keep_graph: bool):  # fmt: skip
@@ -145,6 +146,7 @@ class _Run:
         self.inputs: dict[tuple[int, int], mc.Carry] = {}
         self.outputs: dict[tuple[int, int], tuple[mc.Carry | None, torch.Tensor | None]] = {}
         self.out_grads: dict[tuple[int, int], mc.Carry] = {}
+        self.releasable: dict[int, set[str]] = {}  # by local chunk: carry names freed once sent
 
     def take_input(self, mb: int, v: int) -> mc.Carry | None:
         carry = self.inputs.get((mb, v)) if self.keep_graph else self.inputs.pop((mb, v), None)
@@ -165,7 +167,11 @@ class _Run:
             tensors.append(objective)
             grad_tensors.append(None)
         if tensors:
-            torch.autograd.backward(tensors, grad_tensors=grad_tensors)
+            # The autograd engine itself: ``torch.autograd.backward`` would refuse a gradient whose
+            # shape differs from an output released after its send.
+            grad_tensors = [torch.ones_like(t) if g is None else g for t, g in zip(tensors, grad_tensors)]
+            torch.autograd.Variable._execution_engine.run_backward(
+                tuple(tensors), tuple(grad_tensors), False, False, (), allow_unreachable=True, accumulate_grad=True)
 
     def exchange(self, batch: list[Message]) -> None:
         """Post ``batch`` as one group of transfers (one per carry tensor) and wait for all of them."""
@@ -179,6 +185,17 @@ class _Run:
                 ops.append(dist.P2POp(op, carry[name], peer=self.pp_ranks[msg.peer], group=self.mesh.pp_group))
         for request in dist.batch_isend_irecv(ops):
             request.wait()
+        if self.keep_graph:
+            for msg in batch:
+                if msg.send and msg.kind == "act":
+                    v = msg.chunk // self.pp
+                    carry, objective = self.outputs[(msg.mb, v)]
+                    if v not in self.releasable:  # a chunk's graph has the same shape for every micro batch
+                        self.releasable[v] = releasable(carry, objective)
+                    for name in self.releasable[v]:
+                        t = carry[name]
+                        if t.grad_fn is not None and t._base is None:
+                            t.data = torch.empty((1,), dtype=t.dtype, device=t.device)
 
     def _expected(self, mb: int, v: int) -> dict[str, tuple[int, ...]]:
         return self.stages[v].model.carry_shapes(self.micro_batches[mb], self.seq_shards)
@@ -206,6 +223,39 @@ class _Run:
         buffers = {name: torch.empty(shape, dtype=self.dtype, device=device) for name, shape in self._expected(*key).items()}
         (self.inputs if msg.kind == "act" else self.out_grads)[key] = buffers
         return buffers
+
+
+def releasable(carry: mc.Carry, objective: torch.Tensor | None) -> set[str]:
+    """The carry tensors whose memory can be freed once sent while keeping their place in the graph
+    (Megatron's ``deallocate_output_tensor``): their backward needs only their ``grad_fn`` and the
+    gradient the next stage sends back, never their values, so until then each holds one element
+    instead of ``[b, s, h]``. Not: an input passed through unchanged (no ``grad_fn``: the previous
+    stage's buffer), a view (its storage is its base's), or a tensor this chunk also fed to an op
+    that may have saved it (T5's encoder output read by the decoder blocks of the same chunk),
+    found by walking the graph of the other outputs."""
+    names = set()
+    for name, t in carry.items():
+        if t.grad_fn is None or t._base is not None:
+            continue
+        others = [u.grad_fn for other, u in carry.items() if other != name and u.grad_fn is not None]
+        if objective is not None and objective.grad_fn is not None:
+            others.append(objective.grad_fn)
+        if not _reaches(others, t.grad_fn):
+            names.add(name)
+    return names
+
+
+def _reaches(roots: list, target) -> bool:
+    seen, stack = set(), list(roots)
+    while stack:
+        node = stack.pop()
+        if node is target:
+            return True
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack.extend(fn for fn, _ in node.next_functions)
+    return False
 
 
 # ---------------------------------------------------------------------- after the schedule

@@ -2,7 +2,8 @@
 forward and backward passes, and which messages it exchanges around each of them.
 
 Nothing here touches tensors or processes, so every schedule can be printed, reasoned about and
-tested for ordering and deadlock-freedom in one process; ``pipeline.py`` only walks the lists.
+tested for ordering and deadlock-freedom in one process (``run_plans`` runs every rank's plan
+together, on a clock when given each op's cost); ``pipeline.py`` only walks the lists.
 
 Vocabulary: ``pp`` pipeline ranks each hold ``virtual`` model chunks (interleaving); local chunk
 ``v`` of rank ``r`` is model chunk ``v * pp + r``, so model chunks go round the ranks as a ring and
@@ -12,7 +13,8 @@ An op is ``(kind, micro_batch, v)`` with kind ``"F"`` or ``"B"`` and ``v`` the l
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections import deque
+from typing import Callable, NamedTuple
 
 KINDS = ("afab", "1f1b", "interleaved")
 
@@ -217,3 +219,84 @@ def communication_plan(kind: str, pp: int, pp_rank: int, num_micro_batches: int,
             steps.append(Step(batch, unit))
         sends = [msg for msg in (_output_message(op, pp, pp_rank, virtual) for op in unit) if msg is not None]
     return steps
+
+
+# ---------------------------------------------------------------------- all ranks together
+
+
+class Timeline(NamedTuple):
+    """``run_plans``' account: the ops each rank ran in order, each rank's busy time, and when the
+    last rank finished."""
+
+    ops: list[list[Op]]
+    busy: list[float]
+    makespan: float
+
+
+def run_plans(plans: list[list[Step]], op_cost: Callable[[int, Op], float] = lambda rank, op: 1.0) -> Timeline:
+    """Run every rank's plan (rank ``r``'s is ``plans[r]``) together, as NCCL's grouped calls do:
+    a rank posts a step's batch when it has run the previous step, runs the step's ops once every
+    message of the batch has matched, and messages between two ranks match first-posted with
+    first-posted (no tags). Communication is free: a message matches when both ends have posted.
+    ``op_cost(rank, op)``: how long ``op`` takes on ``rank``.
+
+    Raises ``RuntimeError`` on a deadlock or when a receive would get another message than the one
+    it expects; what completes here also completes on gloo, whose sends are no stricter.
+    """
+    pp = len(plans)
+    position, posted_at, busy = [0] * pp, [0.0] * pp, [0.0] * pp
+    open_msgs: list[dict[int, float]] = [{} for _ in range(pp)]  # unmatched -> inf; matched -> when
+    queues: dict[tuple[int, int, bool], deque] = {}  # (sender, receiver, is the send side)
+    ran: list[list[Op]] = [[] for _ in range(pp)]
+
+    def post(rank: int) -> None:
+        if position[rank] < len(plans[rank]):
+            for i, msg in enumerate(plans[rank][position[rank]].batch):
+                channel = (rank, msg.peer, True) if msg.send else (msg.peer, rank, False)
+                queues.setdefault(channel, deque()).append((rank, i, msg))
+                open_msgs[rank][i] = float("inf")
+
+    for rank in range(pp):
+        post(rank)
+    while any(position[r] < len(plans[r]) for r in range(pp)):
+        progress = False
+        for (sender, receiver, is_send), sends in queues.items():
+            recvs = queues.get((sender, receiver, False), deque()) if is_send else deque()
+            while sends and recvs:
+                (s_rank, s_i, sent), (r_rank, r_i, wanted) = sends.popleft(), recvs.popleft()
+                if (sent.kind, sent.mb, sent.chunk) != (wanted.kind, wanted.mb, wanted.chunk):
+                    raise RuntimeError(f"rank {r_rank} expected {wanted} from rank {s_rank} but got {sent}")
+                matched = max(posted_at[s_rank], posted_at[r_rank])
+                open_msgs[s_rank][s_i] = open_msgs[r_rank][r_i] = matched
+                progress = True
+        for rank in range(pp):
+            while position[rank] < len(plans[rank]) and all(t < float("inf") for t in open_msgs[rank].values()):
+                clock = max([posted_at[rank], *open_msgs[rank].values()])
+                for op in plans[rank][position[rank]].ops:
+                    cost = op_cost(rank, op)
+                    clock, busy[rank] = clock + cost, busy[rank] + cost
+                ran[rank] += plans[rank][position[rank]].ops
+                position[rank], posted_at[rank], open_msgs[rank] = position[rank] + 1, clock, {}
+                post(rank)
+                progress = True
+        if not progress:
+            raise RuntimeError(f"deadlock: ranks stuck at steps {position} of {[len(p) for p in plans]}")
+    if any(queues.values()):
+        raise RuntimeError("unmatched messages left over")
+    return Timeline(ran, busy, max(posted_at))
+
+
+def modeled_bubble(kind: str, pp: int, num_micro_batches: int, chunk_costs: list[float]) -> float:
+    """The bubble of ``kind`` run on the clock when model chunk ``c`` costs ``chunk_costs[c]`` per
+    micro batch (a third forward, two thirds backward, communication free): the step's time over
+    the perfectly split work (all chunks' cost over ``pp``), minus one. Equal chunk costs give
+    ``bubble_fraction``; unequal ones show what an unbalanced split costs."""
+    virtual = len(chunk_costs) // pp
+    plans = [communication_plan(kind, pp, r, num_micro_batches, virtual) for r in range(pp)]
+
+    def cost(rank: int, op: Op) -> float:
+        share = 1 / 3 if op[0] == "F" else 2 / 3
+        return share * chunk_costs[op[2] * pp + rank]
+
+    ideal = num_micro_batches * sum(chunk_costs) / pp
+    return run_plans(plans, cost).makespan / ideal - 1 if ideal > 0 else 0.0

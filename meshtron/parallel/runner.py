@@ -27,6 +27,7 @@ from meshtron.models import contract as mc
 from meshtron.parallel.context_parallel import shard_batch_for_cp
 from meshtron.parallel.mesh import Mesh
 from meshtron.parallel.pipeline import Stage, forward_backward, pp_ranks, sum_stage_copies
+from meshtron.parallel.pipeline_balance import PipelineCosts, describe_split
 from meshtron.parallel.pipeline_schedules import bubble_fraction
 from meshtron.parallel.plan import ParamMetas, finalize_tensor_parallel_grads
 
@@ -35,7 +36,8 @@ from meshtron.parallel.plan import ParamMetas, finalize_tensor_parallel_grads
 class Runner:
     """A parallel model ready to train: ``model`` (this rank's part, one-process parameter
     names), its records ``metas``, its pipeline ``stages`` (one when pp is 1), ``optimizer``,
-    the layout, the compute ``dtype`` and the ``schedule`` (``setup.schedule_kind``)."""
+    the layout, the compute ``dtype``, the ``schedule`` (``setup.schedule_kind``), and the
+    pipeline ``split`` (every model chunk's blocks) with the modeled ``costs`` it balanced."""
 
     model: mc.ModelFamily
     metas: ParamMetas
@@ -45,6 +47,8 @@ class Runner:
     dtype: torch.dtype
     schedule: str = "1f1b"
     sequence_parallel: bool = False
+    split: list[range] = field(default_factory=list)
+    costs: PipelineCosts | None = None
     # Every stage's auxiliary term (and metric) names, learnt at the first step.
     _names: dict[str, list[str]] = field(default_factory=dict, init=False, repr=False)
 
@@ -94,11 +98,13 @@ class Runner:
         return mc.LossOutput(total=self._sum_over_dp(total), count=count, aux=aux, metrics=metrics)
 
     def describe(self, num_micro_batches: int) -> str:
-        """The schedule in one line, with its theoretical bubble, for the start-up log."""
+        """The schedule, with its theoretical bubble, and the split with its modeled costs, for
+        the start-up log."""
         virtual = len(self.stages)
         bubble = bubble_fraction(self.schedule, self.mesh.pp, num_micro_batches, virtual)
         return (f"pipeline: {self.schedule} schedule, pp {self.mesh.pp} x {virtual} virtual stages, "
-                f"{num_micro_batches} micro batches: theoretical bubble {100 * bubble:.1f}%")  # fmt: skip
+                f"{num_micro_batches} micro batches: theoretical bubble {100 * bubble:.1f}%\n"
+                + describe_split(self.split, self.costs, self.schedule, self.mesh.pp, num_micro_batches))  # fmt: skip
 
     def finalize_grads(self) -> None:
         """Wait for the data-parallel reduction, then complete what tp and pp leave partial:

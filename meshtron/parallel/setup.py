@@ -18,6 +18,7 @@ from meshtron.optim.build import build_optimizer
 from meshtron.parallel.fsdp import apply_fsdp, build_fsdp_optimizer
 from meshtron.parallel.mesh import Mesh
 from meshtron.parallel.pipeline import build_stages
+from meshtron.parallel.pipeline_balance import PipelineCosts, modeled_costs, pipeline_split
 from meshtron.parallel.plan import parallelize
 from meshtron.parallel.runner import Runner
 
@@ -48,23 +49,26 @@ def build_runner(cfg: Config, mesh: Mesh, vocab_size: int, device: torch.device,
 
     # The ring's per-block kernel follows --attention-backend where it names one of its kernels.
     block_kernel = m.attention_backend if m.attention_backend in ("math", "flash", "cudnn") else "auto"
-    return runner_for(model, mesh, cfg.parallel, cfg.train, dtype, block_kernel, prepare_blocks)
+    costs = modeled_costs(m, vocab_size, cfg.data.seq_length)
+    return runner_for(model, mesh, cfg.parallel, cfg.train, dtype, block_kernel, prepare_blocks, costs)
 
 
 def runner_for(model: ModelFamily, mesh: Mesh, parallel: ParallelConfig, train: TrainConfig, dtype: torch.dtype,
-               cp_block_kernel: str = "auto", prepare_blocks: Callable[[nn.Module], None] | None = None) -> Runner:  # fmt: skip
+               cp_block_kernel: str = "auto", prepare_blocks: Callable[[nn.Module], None] | None = None,
+               costs: PipelineCosts | None = None) -> Runner:  # fmt: skip
     """Make ``model`` (any model family, the same full model on every rank) train on ``mesh``, in
     order: its parallel plan over tp (and sp) and cp, the pipeline split (this rank's stages; the
     model keeps only their parameters), ``prepare_blocks`` on the blocks this rank kept, and either
-    FSDP2 or the (distributed) optimizer with data-parallel gradient buckets."""
+    FSDP2 or the (distributed) optimizer with data-parallel gradient buckets. ``costs``: the
+    pieces' modeled costs the split balances (``pipeline_balance``); None splits evenly unless
+    ``parallel`` gives counts."""
     sequence_parallel = parallel.sequence_parallel and mesh.tp > 1
     overlap = parallel.tp_comm_overlap_backend if parallel.tp_comm_overlap else ""
     metas = parallelize(model, mesh, sequence_parallel, parallel.cp_comm_type, cp_block_kernel, overlap)
     virtual = virtual_stages(parallel, len(model.blocks()))
-    stages = build_stages(
-        model, metas, mesh, virtual, parallel.first_pipeline_stage_layers or None, parallel.last_pipeline_stage_layers or None,
-        parallel.account_for_embedding_in_pipeline_split, parallel.account_for_loss_in_pipeline_split,
-    )  # fmt: skip
+    kind, micro_batches = schedule_kind(parallel, virtual), train.global_batch_size // max(1, train.micro_batch_size * mesh.dp)
+    split = pipeline_split(parallel, len(model.blocks()), virtual, costs, kind, micro_batches if mesh.pp > 1 else 0)
+    stages = build_stages(model, metas, mesh, split)
     if prepare_blocks is not None:
         prepare_blocks(model.blocks())
     reduce_dtype = torch.bfloat16 if parallel.grad_reduce_in_bf16 else torch.float32  # --grad-reduce-in-bf16
@@ -78,7 +82,7 @@ def runner_for(model: ModelFamily, mesh: Mesh, parallel: ParallelConfig, train: 
         optimizer = build_optimizer(model, train, dtype, metas=metas, dp_group=groups["dp_cp"], tp_group=groups["tp"],
                                     pp_group=groups["pp"], ep_group=groups["ep"], edp_group=groups["edp"],
                                     distributed=parallel.use_distributed_optimizer, bucket_size=parallel.ddp_bucket_size, reduce_dtype=reduce_dtype)  # fmt: skip
-    return Runner(model, metas, stages, optimizer, mesh, dtype, schedule_kind(parallel, virtual), sequence_parallel)
+    return Runner(model, metas, stages, optimizer, mesh, dtype, kind, sequence_parallel, split, costs)
 
 
 def schedule_kind(parallel: ParallelConfig, virtual: int) -> str:

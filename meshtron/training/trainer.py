@@ -155,7 +155,8 @@ class Trainer:
             f"MFU ceiling: {ceiling_source}"
         )
         if self.mesh.pp > 1:
-            log(self.runner.describe(self.num_micro_batches))
+            for line in self.runner.describe(self.num_micro_batches).splitlines():
+                log(line)
         log(f"optimizer state on this rank: {self.optimizer.memory_bytes() / 2**20:.1f} MiB" if hasattr(self.optimizer, "memory_bytes") else "optimizer state: sharded by FSDP2")
         self._stop_requested = False
         self._pending_save: PendingSave | None = None  # an --async-save checkpoint still being written

@@ -17,6 +17,7 @@ from meshtron.estimate import (
     attention_bytes_per_token,
     block_activations,
     estimate,
+    first_stage_blocks,
     model_parameters,
     moe_bytes_per_token,
     stage_parameters,
@@ -58,9 +59,13 @@ def test_layouts_shrink_what_they_shard():
     # Sequence parallelism shards the residual stream; the linears' gathered inputs stay whole.
     sp = dataclasses.replace(tp, parallel=dataclasses.replace(tp.parallel, sequence_parallel=True))
     assert activation_bytes_per_token_layer(sp) < activation_bytes_per_token_layer(tp) < activation_bytes_per_token_layer(base)
-    # 1F1B on the first of pp stages: 1/pp of the layers, pp micro batches in flight.
-    pp = _b1("--pp", "4", "--global-batch-size", "16")
+    # 1F1B on the first of pp stages: 1/pp of the layers (split evenly), pp micro batches in flight.
+    pp = _b1("--pp", "4", "--global-batch-size", "16", "--pipeline-split", "uniform")
     assert activation_bytes(pp, world_size=4) == activation_bytes(base)
+    # Split by cost, the first stage holds more layers (the last also holds the output layer).
+    by_cost = _b1("--pp", "4", "--global-batch-size", "16")
+    assert len(first_stage_blocks(by_cost, 16, 4)) == 5 and len(first_stage_blocks(pp, 16, 4)) == 4
+    assert activation_bytes(by_cost, world_size=4) == activation_bytes(base) * 5 // 4
 
 
 def test_recompute_meets_b7_on_paper():

@@ -2,15 +2,14 @@
 order, and every rank's communication plan run together to prove it neither deadlocks nor hands a
 receive the wrong message.
 
-The simulation is the strict model of NCCL's grouped point-to-point calls: a rank posts a step's
-batch, may not run the step's op (nor post later batches) until every message of the batch has
-matched, and messages between two ranks match first-posted with first-posted (no tags). Anything
-that completes here also completes on gloo, whose sends are no stricter.
+The simulation (``run_plans``) is the strict model of NCCL's grouped point-to-point calls: a rank
+posts a step's batch, may not run the step's op (nor post later batches) until every message of
+the batch has matched, and messages between two ranks match first-posted with first-posted (no
+tags). Anything that completes here also completes on gloo, whose sends are no stricter. Run on
+the clock with equal costs, the schedules give their theoretical bubble.
 """
 
 from __future__ import annotations
-
-from collections import deque
 
 import pytest
 
@@ -22,6 +21,8 @@ from meshtron.parallel.pipeline_schedules import (
     bubble_fraction,
     communication_plan,
     forward_only_order,
+    modeled_bubble,
+    run_plans,
     schedule_order,
     split_layers,
 )
@@ -30,46 +31,23 @@ from meshtron.parallel.pipeline_schedules import (
 def simulate(plans: list[list]) -> list[list]:
     """Run every rank's plan together; return the ops each rank ran, in the order it ran them.
     Fails on a deadlock or on a receive matched with a message other than the one it expects."""
-    pp = len(plans)
-    position = [0] * pp  # the step whose batch each rank has posted and waits on
-    open_msgs: list[set[int]] = [set() for _ in range(pp)]
-    sends: dict[tuple[int, int], deque] = {}
-    recvs: dict[tuple[int, int], deque] = {}
-    ran: list[list] = [[] for _ in range(pp)]
-
-    def post(rank: int) -> None:
-        if position[rank] < len(plans[rank]):
-            for i, msg in enumerate(plans[rank][position[rank]].batch):
-                channel = (rank, msg.peer) if msg.send else (msg.peer, rank)
-                (sends if msg.send else recvs).setdefault(channel, deque()).append((rank, i, msg))
-                open_msgs[rank].add(i)
-
-    for rank in range(pp):
-        post(rank)
-    while any(position[r] < len(plans[r]) for r in range(pp)):
-        progress = False
-        for channel, queue in sends.items():
-            waiting = recvs.get(channel, deque())
-            while queue and waiting:
-                (s_rank, s_i, sent), (r_rank, r_i, wanted) = queue.popleft(), waiting.popleft()
-                assert (sent.kind, sent.mb, sent.chunk) == (wanted.kind, wanted.mb, wanted.chunk), (
-                    f"channel {channel}: rank {r_rank} expected {wanted} but got {sent}")  # fmt: skip
-                open_msgs[s_rank].discard(s_i)
-                open_msgs[r_rank].discard(r_i)
-                progress = True
-        for rank in range(pp):
-            while position[rank] < len(plans[rank]) and not open_msgs[rank]:
-                ran[rank] += plans[rank][position[rank]].ops
-                position[rank] += 1
-                post(rank)
-                progress = True
-        assert progress, f"deadlock: ranks stuck at steps {position} of {[len(p) for p in plans]}"
-    assert not any(sends.values()) and not any(recvs.values()), "unmatched messages left over"
-    return ran
+    return run_plans(plans).ops
 
 
 def plans_for(kind: str, pp: int, m: int, v: int, forward_only: bool = False) -> list[list]:
     return [communication_plan(kind, pp, r, m, v, forward_only) for r in range(pp)]
+
+
+def per_op_plan(order: list, pp: int, rank: int, v: int) -> list[Step]:
+    """A plan for any ``order``: before each op, one batch with the previous op's output and this
+    op's input (what ``communication_plan`` does outside the interleaved steady state)."""
+    plan, sends = [], []
+    for op in order + [None]:
+        recv = None if op is None else _input_message(op, pp, rank, v)
+        plan.append(Step(sends + [recv] * (recv is not None), [op] if op else []))
+        out = None if op is None else _output_message(op, pp, rank, v)
+        sends = [out] * (out is not None)
+    return plan
 
 
 def test_1f1b_pp4_m8_by_hand():
@@ -146,22 +124,14 @@ def test_simulator_catches_deadlock_and_mismatch():
     """The checker can fail: per-op batches (the previous op's output with the next op's input)
     deadlock the interleaved schedule, and micro batches taken in another order on one rank
     arrive as the wrong message."""
-    per_op = []
-    for rank in range(2):
-        plan, sends = [], []
-        for op in schedule_order("interleaved", 2, rank, 4, 2) + [None]:
-            recv = None if op is None else _input_message(op, 2, rank, 2)
-            plan.append(Step(sends + [recv] * (recv is not None), [op] if op else []))
-            out = None if op is None else _output_message(op, 2, rank, 2)
-            sends = [out] * (out is not None)
-        per_op.append(plan)
-    with pytest.raises(AssertionError, match="deadlock"):
+    per_op = [per_op_plan(schedule_order("interleaved", 2, rank, 4, 2), 2, rank, 2) for rank in range(2)]
+    with pytest.raises(RuntimeError, match="deadlock"):
         simulate(per_op)
     plans = plans_for("1f1b", 2, 2, 1)
     plans[1] = [Step([Message(False, "act", 0, 1, 0)], [("F", 1, 0), ("B", 1, 0)]),
                 Step([Message(True, "grad", 0, 1, 1), Message(False, "act", 0, 0, 0)], [("F", 0, 0), ("B", 0, 0)]),
                 Step([Message(True, "grad", 0, 0, 1)], [])]  # fmt: skip
-    with pytest.raises(AssertionError, match="expected"):
+    with pytest.raises(RuntimeError, match="expected"):
         simulate(plans)
 
 
@@ -207,3 +177,29 @@ def test_bubble_fraction():
     assert bubble_fraction("afab", 4, 8) == pytest.approx(3 / 8)
     assert bubble_fraction("interleaved", 4, 8, 2) == pytest.approx(3 / 16)
     assert bubble_fraction("1f1b", 1, 8) == 0.0
+
+
+@pytest.mark.parametrize("kind,pp,m,v", [c for c in CASES if c[1] > 1])
+def test_equal_costs_on_the_clock_give_the_theoretical_bubble(kind, pp, m, v):
+    """Each rank's own step list, every forward 1 and backward 2 (and, separately, both 1): the
+    idle share of the step is (pp - 1) / (v m + pp - 1), i.e. the bubble over useful time is
+    ``bubble_fraction``. A schedule that ran a backward late, or a warm-up one forward short,
+    would idle longer here."""
+    for backward in (1.0, 2.0):
+        timeline = run_plans(plans_for(kind, pp, m, v), lambda rank, op: 1.0 if op[0] == "F" else backward)
+        assert timeline.busy == [m * v * (1 + backward)] * pp
+        idle = 1 - timeline.busy[0] / timeline.makespan
+        assert idle == pytest.approx((pp - 1) / (v * m + pp - 1), abs=1e-12)
+    assert modeled_bubble(kind, pp, m, [1.0] * (pp * v)) == pytest.approx(bubble_fraction(kind, pp, m, v), abs=1e-12)
+
+
+def test_the_clock_sees_a_short_warm_up_and_an_unbalanced_split():
+    """The check can fail: 1F1B whose rank 0 skips its warm-up forward (the last rank's order)
+    idles more than theory, and an uneven chunk (the last one carrying an output layer worth two
+    layers, the even split of 8 Llama-3-8B layers) adds bubble."""
+    plans = plans_for("1f1b", 2, 8, 1)
+    plans[0] = per_op_plan(schedule_order("1f1b", 2, 1, 8), 2, 0, 1)
+    timeline = run_plans(plans, lambda rank, op: 1.0)
+    assert 1 - timeline.busy[0] / timeline.makespan > 1 / 9 + 0.1
+    assert run_plans(plans_for("1f1b", 2, 8, 1), lambda rank, op: 1.0).makespan == 18
+    assert modeled_bubble("interleaved", 2, 8, [2, 2, 2, 4.09]) > 0.25 > bubble_fraction("interleaved", 2, 8, 2)

@@ -14,7 +14,7 @@ from meshtron.config import ModelConfig, ParallelConfig, TrainConfig
 from meshtron.models import build_model
 from meshtron.models.contract import SummedTokenLoss
 from meshtron.parallel.mesh import Mesh
-from meshtron.parallel.pipeline import build_stages, forward_backward
+from meshtron.parallel.pipeline import build_stages, forward_backward, releasable
 from meshtron.parallel.plan import parallelize
 from meshtron.parallel.setup import runner_for
 
@@ -57,7 +57,7 @@ def test_one_stage_pipeline_is_the_model(kind):
     def step(stage, carry, mb):
         out, aux = stage.forward(carry, batches[mb])
         assert stage.is_last and not aux
-        losses.append(_loss_fn(out, batches[mb]))
+        losses.append(stage.model.loss(batches[mb], out).total / 40.0)  # the head may sum the masked loss itself
         return None, losses[-1] * 2.0
 
     forward_backward(kind, stages, batches, mesh, step, torch.float32)
@@ -84,3 +84,20 @@ def test_runner_at_one_process_is_the_model():
     grads = {n: p.grad for n, p in ref.named_parameters()}
     for name, param in runner.model.named_parameters():
         torch.testing.assert_close(param.main_grad, grads[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_released_after_send_only_what_nothing_else_reads():
+    """``releasable``: a stage's fresh output is freed once sent; not an input passed through (the
+    previous stage's buffer), a view, or a tensor the chunk also fed to another output's ops (T5's
+    encoder stream read by decoder blocks of the same chunk), which saved it for their backward."""
+    x = torch.randn(2, 4, requires_grad=True)
+    weight = torch.randn(4, 4, requires_grad=True)
+    encoder = x * 2.0
+    decoder = encoder @ weight  # saves ``encoder`` for the weight's gradient
+    assert releasable({"encoder": encoder, "decoder": decoder}, None) == {"decoder"}
+    assert releasable({"encoder": x, "decoder": decoder}, None) == {"decoder"}
+    assert releasable({"hidden": (x * 3.0).view(8)}, None) == set()
+    hidden = x * 3.0
+    aux = (hidden**2).sum()  # an auxiliary term of the same chunk read the output
+    assert releasable({"hidden": hidden}, aux) == set()
+    assert releasable({"hidden": hidden}, (x**2).sum()) == {"hidden"}
