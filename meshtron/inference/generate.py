@@ -8,6 +8,7 @@ run through the model once (prefill), then each new token costs one single-posit
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 import torch
 
@@ -67,28 +68,10 @@ def generate(
     position tables are full. The model runs in eval mode (no dropout) and is put back after.
     ``generator`` (on the model's device) makes sampling reproducible.
     """
-    if not prompt_ids:
-        raise ValueError("generate needs a non-empty prompt")
-    if len(prompt_ids) > model.max_positions:
-        raise ValueError(f"prompt of {len(prompt_ids)} tokens exceeds the model's {model.max_positions} positions")
-    param = next(model.parameters())
-    max_length = min(len(prompt_ids) + max_new_tokens, model.max_positions)
-    cache = model.new_kv_cache(1, max_length, param.dtype, param.device)
-    was_training = model.training
-    model.eval()
-    try:
-        tokens = torch.tensor([prompt_ids], device=param.device)
-        out: list[int] = []
-        while len(out) < max_new_tokens and cache.length < max_length:
-            logits = model(tokens, kv_cache=cache)[0, -1]
-            token = sample_next(logits, temperature, top_k, top_p, greedy, generator)
-            if token == eod:
-                break
-            out.append(token)
-            tokens = torch.tensor([[token]], device=param.device)
-    finally:
-        model.train(was_training)
-    return out
+    _check_prompt(model, prompt_ids)
+    sampling = (temperature, top_k, top_p, greedy, generator)
+    return _decode(model, prompt_ids, len(prompt_ids) + max_new_tokens, max_new_tokens, eod, sampling,
+                   lambda tokens, cache: model(tokens, kv_cache=cache))  # fmt: skip
 
 
 @torch.no_grad()
@@ -111,22 +94,42 @@ def generate_encoder_decoder(
     output; each decoder step is one single-position forward, its self-attention reading the
     decoder's KV cache.
     """
-    if not encoder_ids:
+    _check_prompt(model, encoder_ids)
+    sampling = (temperature, top_k, top_p, greedy, generator)
+    memory = {}  # the encoder's output, projected once: computed in eval mode inside _decode
+
+    def step(tokens: torch.Tensor, cache) -> torch.Tensor:
+        if not memory:
+            memory["kv"] = model.cross_attention_memory(model.encode(torch.tensor([encoder_ids], device=tokens.device)))
+        return model.decode(tokens, memory["kv"], kv_cache=cache)
+
+    return _decode(model, [start], 1 + max_new_tokens, max_new_tokens, end, sampling, step)
+
+
+def _check_prompt(model, ids: list[int]) -> None:
+    if not ids:
         raise ValueError("generate needs a non-empty prompt")
-    if len(encoder_ids) > model.max_positions:
-        raise ValueError(f"prompt of {len(encoder_ids)} tokens exceeds the model's {model.max_positions} positions")
+    if len(ids) > model.max_positions:
+        raise ValueError(f"prompt of {len(ids)} tokens exceeds the model's {model.max_positions} positions")
+
+
+def _decode(model, first: list[int], length: int, max_new_tokens: int, stop: int | None, sampling: tuple,
+            step: Callable[[torch.Tensor, object], torch.Tensor]) -> list[int]:  # fmt: skip
+    """The sampling loop both generators share: ``step(tokens, cache)`` gives logits [1, t, V] for
+    the new positions; ``first`` goes in at once, then one sampled token per step until
+    ``max_new_tokens``, ``stop`` (not returned) or ``length`` positions (capped by the model's).
+    The model runs in eval mode and is put back after."""
     param = next(model.parameters())
-    max_length = min(1 + max_new_tokens, model.max_positions)
+    max_length = min(length, model.max_positions)
     cache = model.new_kv_cache(1, max_length, param.dtype, param.device)
     was_training = model.training
     model.eval()
     try:
-        memory = model.cross_attention_memory(model.encode(torch.tensor([encoder_ids], device=param.device)))
-        tokens = torch.tensor([[start]], device=param.device)
+        tokens = torch.tensor([first], device=param.device)
         out: list[int] = []
         while len(out) < max_new_tokens and cache.length < max_length:
-            token = sample_next(model.decode(tokens, memory, kv_cache=cache)[0, -1], temperature, top_k, top_p, greedy, generator)
-            if token == end:
+            token = sample_next(step(tokens, cache)[0, -1], *sampling)
+            if token == stop:
                 break
             out.append(token)
             tokens = torch.tensor([[token]], device=param.device)

@@ -152,22 +152,6 @@ def llama_hf_config(m: ModelConfig, vocab_size: int, max_positions: int, dtype_n
     }  # fmt: skip
 
 
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
-    """Separate q [heads*d, ...], k, v [groups*d, ...] -> meshtron's per-group [q heads | k | v] rows."""
-    d = k.shape[0] // groups
-    parts = [q.reshape(groups, -1, d, *q.shape[1:]), k.reshape(groups, 1, d, *k.shape[1:]), v.reshape(groups, 1, d, *v.shape[1:])]
-    return torch.cat(parts, dim=1).reshape(-1, *q.shape[1:])
-
-
-def split_qkv(qkv: torch.Tensor, heads: int, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The inverse of ``fuse_qkv``."""
-    per_group = heads // groups + 2
-    grouped = qkv.reshape(groups, per_group, -1, *qkv.shape[1:])
-    q, k, v = grouped[:, :-2], grouped[:, -2], grouped[:, -1]
-    q, k, v = (t.reshape(-1, *qkv.shape[1:]).contiguous() for t in (q, k, v))
-    return q, k, v
-
-
 def import_llama_attention(t: TensorSource, hf: str, mt: str, m: ModelConfig) -> dict[str, torch.Tensor]:
     """``{hf}self_attn.{q,k,v,o}_proj`` as meshtron's ``{mt}self_attention.linear_qkv`` / ``linear_proj``,
     with the q/k/v biases (Qwen2's) under ``--add-qkv-bias``."""
