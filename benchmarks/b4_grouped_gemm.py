@@ -15,9 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 from typing import Callable
 
 import torch
+from b1_llama import time_steps  # CUDA-event timing after warm-up
 
 from meshtron.layers.moe.grouped_gemm import grouped_mm
 
@@ -36,18 +38,7 @@ def ragged_sizes(rows: int, experts: int, seed: int = 0) -> torch.Tensor:
 
 def time_ms(fn, warmup: int, steps: int) -> float:
     """Median milliseconds of ``fn`` with CUDA events, after warm-up (which also autotunes)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    return statistics.median(time_steps(fn, warmup, steps)) * 1000
 
 
 def forward_backward(x: torch.Tensor, weight: torch.Tensor, run) -> Callable[[], None]:

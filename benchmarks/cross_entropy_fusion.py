@@ -14,6 +14,7 @@ import argparse
 import statistics
 
 import torch
+from b1_llama import time_steps  # CUDA-event timing after warm-up
 
 from meshtron.kernels.cross_entropy import linear_cross_entropy
 from meshtron.kernels.cross_entropy_sum import LOGITS_BUDGET_BYTES, linear_cross_entropy_sum
@@ -26,15 +27,8 @@ def time_ms(fn, repeats: int) -> tuple[float, float]:
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times), (torch.cuda.max_memory_allocated() - base) / 2**30
+    ms = statistics.median(time_steps(fn, 0, repeats)) * 1000
+    return ms, (torch.cuda.max_memory_allocated() - base) / 2**30
 
 
 def main() -> None:

@@ -17,6 +17,7 @@ import argparse
 import statistics
 
 import torch
+from b1_llama import time_steps  # CUDA-event timing after warm-up
 
 from meshtron.config import build_config
 from meshtron.kernels import grad_accum_fusion
@@ -38,17 +39,7 @@ def main_grads(cfg, dtype: torch.dtype, fuse: bool, batches: list[torch.Tensor])
 
 
 def time_ms(fn) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(time_steps(fn, 3, 20)) * 1000
 
 
 def main() -> None:
