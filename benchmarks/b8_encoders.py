@@ -191,7 +191,16 @@ def run_meshtron(model: str, args, shape: dict, device: torch.device) -> dict:
         losses.append(loss)
 
     times = seconds_per_step(step, args.warmup, args.steps, device)
+    _profile(step, args, model, "meshtron")
     return dict(times=times, first_loss=losses[0], last_loss=losses[-1], vocab=trainer.vocab_size)
+
+
+def _profile(step, args, model: str, side: str) -> None:
+    """With ``--profile-dir``: two more steps under the profiler, GPU time by kernel to a table."""
+    if args.profile_dir:
+        from b1_llama import profile_steps
+
+        profile_steps(step, f"{args.profile_dir}/profile_b8_{model}_{side}.txt")
 
 
 def run_hf(model_name: str, args, shape: dict, device: torch.device) -> dict:
@@ -213,6 +222,7 @@ def run_hf(model_name: str, args, shape: dict, device: torch.device) -> dict:
         losses.append(loss.item())
 
     times = seconds_per_step(step, args.warmup, args.steps, device)
+    _profile(step, args, model_name, "hf")
     return dict(times=times, first_loss=losses[0], last_loss=losses[-1], vocab=shape["vocab"])
 
 
@@ -273,6 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dropout", type=float, default=0.1, help="hidden and attention dropout on both sides")
     parser.add_argument("--sides", default="meshtron,hf", help="comma-separated: meshtron, hf")
     parser.add_argument("--tiny", action="store_true", help="tiny models that run on the CPU (smoke test)")
+    parser.add_argument("--profile-dir", default="", help="profile two steps of each side into this directory (GPU)")
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
     parser.add_argument("meshtron_args", nargs="*", help="extra meshtron flags after --")
     args = parser.parse_args(argv)
@@ -287,7 +298,8 @@ def main(argv: list[str] | None = None) -> None:
         for side in args.sides.split(","):
             cmd = [sys.executable, __file__, "--child", side, "--model", model, "--steps", str(args.steps),
                    "--warmup", str(args.warmup), "--micro-batch-size", str(shape["batch"]), "--seq-length", str(shape["seq"]),
-                   "--dropout", str(args.dropout), *(["--tiny"] if args.tiny else []), "--", *args.meshtron_args]  # fmt: skip
+                   "--dropout", str(args.dropout), *(["--tiny"] if args.tiny else []), "--profile-dir", args.profile_dir,
+                   "--", *args.meshtron_args]  # fmt: skip
             results.setdefault(model, {})[side] = run_child(cmd, f"{model} {side}")
 
     device = next((r["device"] for sides in results.values() for r in sides.values() if r), "-")
