@@ -25,22 +25,15 @@
 # --use-flash-attn. Set any of them through EXTRA.
 set -euo pipefail
 
-for ARGUMENT in "$@"; do
-  case "$ARGUMENT" in
-    *=*) export "${ARGUMENT%%=*}=${ARGUMENT#*=}" ;;
-    *) echo "$(basename "$0"): arguments are KEY=VALUE knobs (got '$ARGUMENT'); meshtron flags go in EXTRA" >&2; exit 2 ;;
-  esac
-done
+# shellcheck source=../launch_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../launch_common.sh"
+read_knobs "$@"
 
 PRESET=deepseek-v2-lite
 PR=${PR:-bf16}; AC=${AC:-sel}
 case "$PR" in bf16|fp8) ;; *) echo "train_deepseekv2.sh: PR must be bf16 or fp8 (got '$PR')" >&2; exit 2 ;; esac
 case "$AC" in none|sel|full) ;; *) echo "train_deepseekv2.sh: AC must be none, sel or full (got '$AC')" >&2; exit 2 ;; esac
 
-if [ -z "${GPUS_PER_NODE:-}" ]; then
-  GPUS_PER_NODE=$(python3 -c "import torch; print(max(1, torch.cuda.device_count()))")
-fi
-NNODES=${NNODES:-1}
 TP=${TP:-1}; PP=${PP:-1}
 WORLD=$((NNODES * GPUS_PER_NODE))
 DP=$((WORLD / (TP * PP)))
@@ -81,21 +74,4 @@ fi
 [ "$TP" -gt 1 ] && args+=(--sequence-parallel)
 [ "$DP" -gt 1 ] && args+=(--use-distributed-optimizer)
 [ "${GEMM_TUNING:-0}" = 1 ] && args+=(--gemm-tuning)
-[ -n "${SAVE:-}" ] && args+=(--save "$SAVE")
-[ -n "${LOAD:-}" ] && args+=(--load "$LOAD")
-# shellcheck disable=SC2206
-[ -n "${EXTRA:-}" ] && args+=($EXTRA)
-
-cmd=(torchrun --nnodes "$NNODES" --node-rank "${NODE_RANK:-0}" --master-addr "${MASTER_ADDR:-localhost}"
-     --master-port "${MASTER_PORT:-29500}" --nproc-per-node "$GPUS_PER_NODE" -m meshtron "${args[@]}")
-if [ "${DRY_RUN:-0}" = 1 ]; then
-  printf '%q ' "${cmd[@]}"; echo
-  echo "# output: $([ "${TEE_OUTPUT:-1}" = 1 ] && echo "terminal and $TRAIN_LOG" || echo "$TRAIN_LOG only")" >&2
-  exit 0
-fi
-mkdir -p "$LOG_DIR"
-if [ "${TEE_OUTPUT:-1}" = 1 ]; then
-  "${cmd[@]}" 2>&1 | tee "$TRAIN_LOG"
-  exit "${PIPESTATUS[0]}"
-fi
-exec "${cmd[@]}" > "$TRAIN_LOG" 2>&1
+launch

@@ -23,12 +23,9 @@
 # USE_FLASH_ATTN 1 in train_llama2.sh): they fit one 8-GPU node without tuning; set the knobs to get ROCm's.
 set -euo pipefail
 
-for ARGUMENT in "$@"; do
-  case "$ARGUMENT" in
-    *=*) export "${ARGUMENT%%=*}=${ARGUMENT#*=}" ;;
-    *) echo "$(basename "$0"): arguments are KEY=VALUE knobs (got '$ARGUMENT'); meshtron flags go in EXTRA" >&2; exit 2 ;;
-  esac
-done
+# shellcheck source=../launch_common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../launch_common.sh"
+read_knobs "$@"
 
 MODEL=${MODEL:-llama3}
 MODEL_SIZE=${MODEL_SIZE:-8}
@@ -37,10 +34,6 @@ case "$MODEL-$MODEL_SIZE" in
   *) echo "train_llama.sh: no preset for MODEL=$MODEL MODEL_SIZE=$MODEL_SIZE (llama2: 7 13 70; llama3: 8 70; llama3.1: 8 70 405)" >&2; exit 2 ;;
 esac
 
-if [ -z "${GPUS_PER_NODE:-}" ]; then
-  GPUS_PER_NODE=$(python3 -c "import torch; print(max(1, torch.cuda.device_count()))")
-fi
-NNODES=${NNODES:-1}
 TP=${TP:-1}; PP=${PP:-1}; CP=${CP:-1}
 SEQ_PARALLEL=1
 if [ "${FSDP:-0}" = 1 ]; then
@@ -83,21 +76,4 @@ fi
 [ "${ENABLE_PROFILING:-0}" = 1 ] && args+=(--profile --profile-step-start "${PROFILE_STEP_START:-3}" --profile-step-end "${PROFILE_STEP_END:-5}")
 [ "${GEMM_TUNING:-0}" = 1 ] && args+=(--gemm-tuning)
 [ "${COMPILE:-0}" = 1 ] && args+=(--compile)
-[ -n "${SAVE:-}" ] && args+=(--save "$SAVE")
-[ -n "${LOAD:-}" ] && args+=(--load "$LOAD")
-# shellcheck disable=SC2206
-[ -n "${EXTRA:-}" ] && args+=($EXTRA)
-
-cmd=(torchrun --nnodes "$NNODES" --node-rank "${NODE_RANK:-0}" --master-addr "${MASTER_ADDR:-localhost}"
-     --master-port "${MASTER_PORT:-29500}" --nproc-per-node "$GPUS_PER_NODE" -m meshtron "${args[@]}")
-if [ "${DRY_RUN:-0}" = 1 ]; then
-  printf '%q ' "${cmd[@]}"; echo
-  echo "# output: $([ "${TEE_OUTPUT:-1}" = 1 ] && echo "terminal and $TRAIN_LOG" || echo "$TRAIN_LOG only")" >&2
-  exit 0
-fi
-mkdir -p "$LOG_DIR"
-if [ "${TEE_OUTPUT:-1}" = 1 ]; then
-  "${cmd[@]}" 2>&1 | tee "$TRAIN_LOG"
-  exit "${PIPESTATUS[0]}"
-fi
-exec "${cmd[@]}" > "$TRAIN_LOG" 2>&1
+launch
