@@ -15,9 +15,11 @@ The loss is each query's cross-entropy against its own block, summed over this r
 and normalized by the global batch's query count (``loss_count``) as a token loss is; in-batch
 top-k accuracies (``--retriever-report-topk-accuracies``) are its metrics.
 
-Layouts: dp (the gather) and tp (each tower's blocks, embedding and positions under the
-decoder's plan; the projections are replicated). One pipeline stage only, and no context or
-sequence parallelism (the [CLS] state of a sharded sequence): ``ict_config_errors`` says so.
+Layouts: dp (the gather) and tp (each tower's blocks, embeddings and final norm under BERT's
+plan; the projections are replicated), with sequence parallelism too: the final norm runs on
+every token of the rank's sequence shard, then ``first_token`` (the plan's ``FirstTokenOfSequence``)
+fetches [CLS] from the tp rank holding it. One pipeline stage only, and no context parallelism:
+``ict_config_errors`` says so.
 
 Batch: ``data/ict_dataset.py``'s ``query_tokens``, ``query_padding_mask``, ``context_tokens``,
 ``context_padding_mask`` (its ``block_indices`` are for evidence indexing, not read here).
@@ -34,8 +36,8 @@ from torch import nn
 
 from meshtron.config import Config, ModelConfig
 from meshtron.models import contract as c
-from meshtron.models.bert import BertEncoder, bert_config_errors, tokentype_rows
-from meshtron.models.decoder import RESIDUAL_OUTPUTS, decoder_plan
+from meshtron.models.bert import BertEncoder, FirstToken, bert_config_errors, tokentype_rows
+from meshtron.models.decoder import RESIDUAL_OUTPUTS
 from meshtron.models.init import init_by_name
 
 SIDES = ("query", "context")
@@ -63,6 +65,7 @@ class ICT(c.ModelFamily):
         self.towers = nn.ModuleDict({n: BertEncoder(cfg, vocab_size, max_seq_length, tokentype_rows(cfg)) for n in names})
         dim = cfg.biencoder_projection_dim
         self.projections = nn.ModuleDict({n: nn.Linear(cfg.hidden_size, dim) for n in names}) if dim else None
+        self.first_token = FirstToken()
         self.candidates = InBatchCandidates()
         std = cfg.init_method_std
         init_by_name(self, std, std / math.sqrt(2 * cfg.num_layers), RESIDUAL_OUTPUTS)
@@ -79,20 +82,23 @@ class ICT(c.ModelFamily):
 
     def _embedding(self, side: str, hidden: torch.Tensor) -> torch.Tensor:
         name = self.tower_name(side)
-        cls = self.towers[name].final_norm(hidden[:, 0])  # a token-wise norm: [CLS]'s row is all we need
+        # The norm runs on every token (the sequence shard under sp, as the plan's
+        # SequenceParallelNorm expects); it is token-wise, so [CLS]'s row is the one of [CLS] alone.
+        cls = self.first_token(self.towers[name].final_norm(hidden))
         return self.projections[name](cls) if self.projections is not None else cls
 
     # ------------------------------------------------------------------ the contract's pieces
 
     def parallel_plan(self) -> c.Plan:
-        """Each tower's BERT (decoder) plan under its prefix, and the gather of the candidates."""
-        towers = [(f"towers.{n}.{pattern}", style) for n in self.towers for pattern, style in decoder_plan(self.cfg)]
-        return [*towers, ("candidates", c.GatherOverDataParallel())]
+        """Each tower's BERT plan under its prefix, [CLS] fetched from its tp rank under sp, and
+        the gather of the candidates."""
+        towers = [(f"towers.{n}.{pattern}", style) for n, tower in self.towers.items() for pattern, style in tower.parallel_plan()]
+        return [*towers, ("first_token", c.FirstTokenOfSequence()), ("candidates", c.GatherOverDataParallel())]
 
     def pipeline_pieces(self) -> c.PipelinePieces:
         """One stage holds everything (``ict_config_errors`` refuses pp): the towers hold their
         embeddings and norms beside their blocks."""
-        return c.PipelinePieces(("towers",), "towers", ("towers", "projections", "candidates"))
+        return c.PipelinePieces(("towers",), "towers", ("towers", "first_token", "projections", "candidates"))
 
     def blocks(self) -> nn.Module:
         """Every tower's transformer blocks, query tower's first: what recompute, compile, FP8 and
@@ -180,15 +186,11 @@ def ict_flops_shape(cfg: ModelConfig, vocab_size: int, seq_length: int, decoder_
 
 
 def ict_config_errors(cfg: Config) -> list[str]:
-    """What the retriever does not take, each naming the flag to change: BERT's rules, one stage,
-    no sequence parallelism."""
+    """What the retriever does not take, each naming the flag to change: BERT's rules, one stage."""
     m, p = cfg.model, cfg.parallel
     errors = [e.replace("BERT", "ICT") for e in bert_config_errors(cfg)]
     if p.pipeline_parallel > 1:
         errors.append("ICT runs its two towers as one pipeline stage; set --pipeline-model-parallel-size 1")
-    if p.sequence_parallel and p.tensor_parallel > 1:
-        errors.append("ICT under --sequence-parallel is not implemented (the towers read [CLS] of a sequence-sharded "
-                      "state); drop --sequence-parallel")  # fmt: skip
     if m.biencoder_projection_dim < 0:
         errors.append(f"--biencoder-projection-dim must be >= 0 (0: no projection), got {m.biencoder_projection_dim}")
     if any(k < 1 for k in m.retriever_report_topk_accuracies):

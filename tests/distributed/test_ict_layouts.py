@@ -2,7 +2,8 @@
 micro batches, so the loss, the top-k accuracies and every gradient equal one process's on the
 concatenated micro batches (fp32 on the CPU, 1e-5 relative as a norm over each tensor), through
 the same runner as training; with FSDP2 too. Under tp2 (the towers' BERT plan) they equal one
-process's too.
+process's too, and under tp2 with sequence parallelism (each tower's final norm on the sequence
+shard, [CLS] fetched from the tp rank holding token 0).
 
 Two variants: separate towers with a projection and scaled scores, and one shared tower without
 a projection. And ``--bert-load`` under tp2: each rank's shards of both towers are a BERT
@@ -36,7 +37,7 @@ VARIANTS = {
     "shared": ModelConfig(**{**ICT.__dict__, "biencoder_shared_query_context_model": True, "biencoder_projection_dim": 0,
                              "retriever_score_scaling": False}),  # fmt: skip
 }
-LAYOUTS = {"dp2": dict(dp=2), "tp2": dict(tp=2), "dp2_fsdp": dict(dp=2, fsdp=True)}
+LAYOUTS = {"dp2": dict(dp=2), "tp2": dict(tp=2), "tp2_sp": dict(tp=2, sp=True), "dp2_fsdp": dict(dp=2, fsdp=True)}
 # A vector added to every context adds the same score to a query's every candidate, which the
 # softmax ignores: the context tower's last bias terms have a zero gradient, so their computed
 # values are rounding noise to be checked as ~0, not compared. (A wide init keeps the scores far
@@ -102,11 +103,11 @@ def _bert():
 def _worker(rank: int, world_size: int, bert_dir: str) -> dict:
     out = {}
     for name, layout in LAYOUTS.items():
-        sizes = {k: v for k, v in layout.items() if k != "fsdp"}
+        sizes = {k: v for k, v in layout.items() if k in ("dp", "tp")}
         mesh = Mesh(**sizes, rank=rank)
         mesh.init_process_groups()
         for variant in VARIANTS:
-            parallel = ParallelConfig(tensor_parallel=mesh.tp, fsdp=layout.get("fsdp", False))
+            parallel = ParallelConfig(tensor_parallel=mesh.tp, sequence_parallel=layout.get("sp", False), fsdp=layout.get("fsdp", False))
             runner = runner_for(_model(variant), mesh, parallel, TrainConfig(), torch.float32)
             runner.optimizer.zero_grad()
             loss = runner.forward_backward(_rank_micro_batches(mesh.dp_rank, mesh.dp))

@@ -130,8 +130,9 @@ def test_config_rules():
     assert _cfg("--ict-head-size", "8").model.biencoder_projection_dim == 8
     with pytest.raises(ConfigError, match="--pipeline-model-parallel-size 1"):
         validate(_cfg("--pipeline-model-parallel-size", "2"), world_size=2)
-    with pytest.raises(ConfigError, match="ICT under --sequence-parallel"):
-        validate(_cfg("--sequence-parallel", "--tp", "2"), world_size=2)
+    validate(_cfg("--sequence-parallel", "--tp", "2"), world_size=2)
+    with pytest.raises(ConfigError, match="--context-parallel-size 1"):
+        validate(_cfg("--context-parallel-size", "2"), world_size=2)
     with pytest.raises(ConfigError, match="--retriever-report-topk-accuracies"):
         validate(_cfg("--retriever-report-topk-accuracies", "0"))
     with pytest.raises(ConfigError, match="--bert-load"):
