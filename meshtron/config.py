@@ -38,7 +38,9 @@ class ModelConfig:
     normalization: str = "LayerNorm"  # LayerNorm | RMSNorm
     norm_epsilon: float = 1e-5  # epsilon of every LayerNorm/RMSNorm
     activation: str = "gelu"  # gelu | gelu_tanh | swiglu
-    position_embedding_type: str = "learned_absolute"  # learned_absolute | rope
+    position_embedding_type: str = "learned_absolute"  # learned_absolute | rope | relative (T5's buckets)
+    relative_attention_num_buckets: int = 32  # relative: distance buckets of each stack's table
+    relative_attention_max_distance: int = 128  # relative: distances beyond this share the last bucket
     rotary_base: float = 10000.0  # RoPE theta
     rope_scaling: str = ""  # "" | llama3
     rope_scaling_factor: float = 8.0  # llama3/YaRN: context extension factor

@@ -27,6 +27,8 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "swiglu": ("model.activation", "swiglu"),
     "openai-gelu": ("model.activation", "gelu_tanh"),
     "position-embedding-type": "model.position_embedding_type",
+    "relative-attention-num-buckets": "model.relative_attention_num_buckets",
+    "relative-attention-max-distance": "model.relative_attention_max_distance",
     "rotary-base": "model.rotary_base",
     "use-rope-scaling": ("model.rope_scaling", "llama3"),
     "rope-scaling-factor": "model.rope_scaling_factor",

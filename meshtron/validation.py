@@ -47,9 +47,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     need(m.normalization in ("LayerNorm", "RMSNorm"), f"--normalization must be LayerNorm or RMSNorm, got '{m.normalization}'")
     need(m.activation in ("gelu", "gelu_tanh", "swiglu"), f"model.activation must be gelu, gelu_tanh or swiglu, got '{m.activation}'")
     need(
-        m.position_embedding_type in ("learned_absolute", "rope"),
-        f"--position-embedding-type must be learned_absolute or rope, got '{m.position_embedding_type}'",
+        m.position_embedding_type in ("learned_absolute", "rope", "relative"),
+        f"--position-embedding-type must be learned_absolute, rope or relative (T5), got '{m.position_embedding_type}'",
     )
+    need(m.position_embedding_type != "relative" or m.model_type == "t5",
+         "--position-embedding-type relative is T5's relative position buckets; use it with --model-type t5")  # fmt: skip
     need(not (m.add_qkv_bias and m.multi_latent_attention),
          "--add-qkv-bias applies to the fused query/key/value projection; multi-head latent attention has none, drop it")  # fmt: skip
     need(m.rope_scaling in ("", "llama3", "yarn"), f"model.rope_scaling must be '', 'llama3' or 'yarn', got '{m.rope_scaling}'")

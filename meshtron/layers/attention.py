@@ -62,8 +62,11 @@ def attention_mask(
     device: torch.device | None = None,
     causal: bool = True,
     padding_mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Boolean mask (True = may attend), broadcastable to [b, 1, q_len, kv_len].
+    """Boolean mask (True = may attend), broadcastable to [b, 1, q_len, kv_len]; with ``bias``
+    (additive scores [1, heads, q_len, kv_len], T5's relative positions) that bias instead, -inf
+    where the boolean mask forbids a key: the float mask SDPA adds to the scaled scores.
 
     Causal: the queries are the last ``q_len`` of ``kv_len`` positions (a chunk after a cached
     prefix), so query ``i`` sees keys up to ``kv_len - q_len + i``. With ``document_ids`` [b, s]
@@ -81,6 +84,8 @@ def attention_mask(
     if padding_mask is not None:
         real_keys = padding_mask[:, None, None, :].bool()
         mask = real_keys if mask is None else mask & real_keys
+    if bias is not None:
+        return bias if mask is None else torch.where(mask, bias, float("-inf"))
     return torch.ones((1, 1, q_len, kv_len), dtype=torch.bool, device=device) if mask is None else mask
 
 
@@ -144,11 +149,12 @@ class SelfAttentionBase(nn.Module):
         self.core_attention = CoreAttention(cfg.attention_backend, softmax_scale, causal)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None,
-               padding_mask: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+               padding_mask: torch.Tensor | None = None, position_bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """q [b, s, heads, d], k [b, t, kv_heads, d], v [b, t, kv_heads, dv] -> [b, s, heads * dv].
 
         The queries are the last s of t positions (t > s after a KV-cache prefix). ``padding_mask``
-        [b, t]: True at the real tokens, the only keys a query sees.
+        [b, t]: True at the real tokens, the only keys a query sees. ``position_bias`` [1, heads,
+        s, t]: added to the scaled scores (T5's relative positions), so the mask becomes a float one.
         """
         s = q.shape[1]
         # Plain attention over the chunk itself (causal, or bidirectional without padding) needs
@@ -156,9 +162,11 @@ class SelfAttentionBase(nn.Module):
         # Packed documents on CUDA go to flex attention, which takes their rule without a mask tensor.
         mask = None
         dropout = self.dropout if self.training else 0.0
-        flex = padding_mask is None and uses_flex(self.backend, self.causal, dropout, q, k, v, document_ids)
-        if not flex and (document_ids is not None or padding_mask is not None or k.shape[1] != s or self.backend == "math"):
-            mask = attention_mask(s, k.shape[1], document_ids, q.device, self.causal, padding_mask)
+        flex = padding_mask is None and position_bias is None and uses_flex(self.backend, self.causal, dropout, q, k, v, document_ids)
+        bias = None if position_bias is None else position_bias.to(q.dtype)
+        if not flex and (document_ids is not None or padding_mask is not None or bias is not None or k.shape[1] != s
+                         or self.backend == "math"):  # fmt: skip
+            mask = attention_mask(s, k.shape[1], document_ids, q.device, self.causal, padding_mask, bias)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [b, heads, s, d]
         if self.recompute_core and torch.is_grad_enabled():
             out = checkpoint(self.core_attention, q, k, v, mask, dropout, document_ids, use_reentrant=False)
@@ -202,9 +210,11 @@ class Attention(SelfAttentionBase):
         document_ids: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
         padding_mask: torch.Tensor | None = None,
+        position_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [b, s, hidden] -> [b, s, hidden]. ``cos``/``sin`` are the RoPE tables (unused without RoPE);
-        ``padding_mask`` [b, s] marks the real tokens of padded sequences (encoders).
+        ``padding_mask`` [b, s] marks the real tokens of padded sequences (encoders);
+        ``position_bias`` is added to the attention scores (``attend``).
 
         With ``kv_cache``, x is the next chunk of a sequence whose earlier keys/values are cached:
         its k/v are stored and its queries attend to the whole prefix.
@@ -222,18 +232,19 @@ class Attention(SelfAttentionBase):
             k = apply_rotary(k, cos, sin, position_ids, self.fused_kernels)
         if kv_cache is not None:
             k, v = kv_cache.update(self.layer_number, k, v)
-        return self.linear_proj(self.attend(q, k, v, document_ids, padding_mask))
+        return self.linear_proj(self.attend(q, k, v, document_ids, padding_mask, position_bias))
 
 
 def math_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, dropout: float = 0.0, scale: float | None = None
 ) -> torch.Tensor:
     """softmax(q k^T * scale, masked) v in fp32 (scale 1/sqrt(d) by default): the reference every
-    faster backend must match."""
+    faster backend must match. A float ``mask`` is added to the scaled scores (SDPA's rule)."""
     group_size = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group_size, dim=1), v.repeat_interleave(group_size, dim=1)
     scores = q.float() @ k.float().transpose(-2, -1)
     scores = scores / math.sqrt(q.shape[-1]) if scale is None else scores * scale
-    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    scores = scores + mask.float() if mask.is_floating_point() else scores.masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(dim=-1)
     probs = F.dropout(probs, dropout)
     return (probs @ v.float()).to(q.dtype)

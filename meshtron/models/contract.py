@@ -177,6 +177,16 @@ class VocabParallelOutput:
 
 
 @dataclass(frozen=True)
+class HeadParallelTable:
+    """A module whose ``weight`` has one entry per attention head along ``dim`` and whose heads
+    are read only by those heads' attention (T5's relative position table [buckets, heads]): each
+    tp rank keeps its heads' slice, split contiguously as the attention splits its heads, and the
+    module runs unchanged on it (no communication)."""
+
+    dim: int
+
+
+@dataclass(frozen=True)
 class SequenceParallelNorm:
     """A module every tp rank holds whole which, under sequence parallelism, sees 1/tp of the
     tokens (norms; MLA's down-projections and latent norms): its gradients are partial sums,
@@ -248,7 +258,7 @@ class GatherOverDataParallel:
     summed over dp equal one process's on the concatenated batch."""
 
 
-Style = (ColumnParallel | RowParallel | VocabParallelEmbedding | VocabParallelOutput | SequenceParallelNorm
+Style = (ColumnParallel | RowParallel | VocabParallelEmbedding | VocabParallelOutput | HeadParallelTable | SequenceParallelNorm
          | ScatterToSequence | FirstTokenOfSequence | ContextParallelCore | EnterTensorParallel | ExpertParallel | SequenceSum
          | GatherOverDataParallel)  # fmt: skip
 Plan = list[tuple[str, Style]]  # (fnmatch pattern over module names, style); first match wins

@@ -64,9 +64,12 @@ class TransformerBlock(nn.Module):
         document_ids: torch.Tensor | None = None,
         kv_cache: KVCacheBase | None = None,
         padding_mask: torch.Tensor | None = None,
+        position_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``position_bias``: added to the attention scores (T5's relative positions; standard attention only)."""
         normed = self.input_layernorm(x)
-        attn = self.self_attention(normed, cos, sin, position_ids, document_ids, kv_cache, padding_mask)
+        bias = {} if position_bias is None else {"position_bias": position_bias}
+        attn = self.self_attention(normed, cos, sin, position_ids, document_ids, kv_cache, padding_mask, **bias)
         x = (normed if self.residual_after_norm else x) + self.dropout(attn)
         normed = self.pre_mlp_layernorm(x)
         return (normed if self.residual_after_norm else x) + self.dropout(self.mlp(normed))

@@ -8,8 +8,13 @@ cross-attention to the encoder's output (``layers/cross_attention.py``) and the 
 final norm and the LM head: the output projection tied to the embedding, with a vocabulary bias
 (Megatron's ``T5LMHead``). Pre-LN, LayerNorm, GELU and biases as Megatron's T5 (a T5 v1.0-like
 variant with absolute positions, not Hugging Face's T5 with relative position buckets, RMSNorm
-without biases and its tied logits scaled by 1/sqrt(hidden), so no Hugging Face import). Relative position buckets
-are not built.
+without biases and its tied logits scaled by 1/sqrt(hidden), so no Hugging Face import).
+
+``--position-embedding-type relative`` replaces the absolute positions by T5's relative position
+buckets (``layers/relative_position.py``): one learned table [buckets, heads] per stack,
+bidirectional buckets in the encoder, causal ones in the decoder's self-attention (none in
+cross-attention), each stack's bias added to the scores of all its blocks. The encoder's table is
+a piece of the first pipeline stage, the decoder's of the last, so pp 2 runs encoder | decoder.
 
 The loss is cross-entropy over the decoder's labels where ``loss_mask`` is set, ``total`` /
 ``count`` as every token-loss model's. Its batch is ``meshtron.data.t5_dataset``'s:
@@ -40,6 +45,7 @@ from meshtron.layers.kv_cache import KVCache
 from meshtron.layers.mlp import ffn_hidden_size
 from meshtron.layers.norms import build_norm
 from meshtron.layers.output import OutputLayer
+from meshtron.layers.relative_position import RelativePositionBias
 from meshtron.models import contract as c
 from meshtron.models.decoder import RESIDUAL_OUTPUTS, TransformerBlock, decoder_plan
 from meshtron.models.init import init_by_name
@@ -55,8 +61,8 @@ class T5EncoderBlock(TransformerBlock):
         super().__init__(cfg, layer_number, causal=False)
         self.final_norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, cfg.fused_kernels) if last else None
 
-    def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Tensor:
-        x = super().forward(x, None, None, padding_mask=padding_mask)
+    def forward(self, x: torch.Tensor, padding_mask: torch.Tensor | None, position_bias: torch.Tensor | None = None) -> torch.Tensor:
+        x = super().forward(x, None, None, padding_mask=padding_mask, position_bias=position_bias)
         return x if self.final_norm is None else self.final_norm(x)
 
 
@@ -70,11 +76,14 @@ class T5DecoderBlock(TransformerBlock):
         self.cross_attention = CrossAttention(cfg, layer_number)
 
     def forward(self, x: torch.Tensor, encoder_output: torch.Tensor | None, encoder_padding_mask: torch.Tensor | None,
-                kv_cache: KVCache | None = None, memory: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+                kv_cache: KVCache | None = None, memory: tuple[torch.Tensor, torch.Tensor] | None = None,
+                position_bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """``kv_cache``: x continues the cached decoder sequence; ``memory``: the cross-attention's
-        keys and values, computed once per prompt (generation)."""
+        keys and values, computed once per prompt (generation); ``position_bias``: the
+        self-attention's relative position bias."""
         normed = self.input_layernorm(x)
-        x = self._residual(x, normed) + self.dropout(self.self_attention(normed, None, None, kv_cache=kv_cache))
+        attn = self.self_attention(normed, None, None, kv_cache=kv_cache, position_bias=position_bias)
+        x = self._residual(x, normed) + self.dropout(attn)
         normed = self.pre_cross_attn_layernorm(x)
         x = self._residual(x, normed) + self.dropout(self.cross_attention(normed, encoder_output, encoder_padding_mask, memory))
         normed = self.pre_mlp_layernorm(x)
@@ -85,8 +94,8 @@ class T5DecoderBlock(TransformerBlock):
 
 
 class T5(c.TokenLossModel):
-    """T5 over a vocabulary of ``vocab_size`` (already padded by the caller); positions up to
-    ``cfg.max_position_embeddings`` (else ``max_seq_length``) for both stacks."""
+    """T5 over a vocabulary of ``vocab_size`` (already padded by the caller); learned positions up
+    to ``cfg.max_position_embeddings`` (else ``max_seq_length``) for both stacks, or relative ones."""
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, max_seq_length: int):
         super().__init__()
@@ -97,7 +106,11 @@ class T5(c.TokenLossModel):
             self.recompute = (cfg.recompute_method, cfg.recompute_num_layers)
         h, enc = cfg.hidden_size, self.num_encoder_layers
         self.embedding = nn.Embedding(vocab_size, h)
-        self.position_embedding = nn.Embedding(self.max_positions, h)
+        self.relative = cfg.position_embedding_type == "relative"
+        self.position_embedding = None if self.relative else nn.Embedding(self.max_positions, h)
+        tables = (cfg.relative_attention_num_buckets, cfg.relative_attention_max_distance, cfg.num_attention_heads)
+        self.encoder_relative_position = RelativePositionBias(*tables, bidirectional=True) if self.relative else None
+        self.decoder_relative_position = RelativePositionBias(*tables, bidirectional=False) if self.relative else None
         self.embedding_dropout = nn.Dropout(cfg.hidden_dropout)
         encoder = [T5EncoderBlock(cfg, i, last=i == enc - 1) for i in range(enc)]
         self.layers = nn.ModuleList([*encoder, *(T5DecoderBlock(cfg, i) for i in range(self.num_decoder_layers))])
@@ -127,8 +140,9 @@ class T5(c.TokenLossModel):
     def encode(self, encoder_tokens: torch.Tensor, encoder_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The encoder's normed output [b, t, h]."""
         hidden = self._embed_tokens(encoder_tokens, 0)
+        bias = self._position_bias(self.encoder_relative_position, hidden.shape[1], hidden.shape[1])
         for block in self.layers[: self.num_encoder_layers]:
-            hidden = block(hidden, encoder_padding_mask)
+            hidden = block(hidden, encoder_padding_mask, bias)
         return hidden
 
     def cross_attention_memory(self, encoder_output: torch.Tensor) -> Memory:
@@ -141,8 +155,10 @@ class T5(c.TokenLossModel):
         when one is given (positions follow it)."""
         start = kv_cache.length if kv_cache is not None else 0
         hidden = self._embed_tokens(decoder_tokens, start)
+        # The new positions' bias against every cached key as well as their own.
+        bias = self._position_bias(self.decoder_relative_position, decoder_tokens.shape[1], start + decoder_tokens.shape[1])
         for block, block_memory in zip(self.layers[self.num_encoder_layers :], memory):
-            hidden = block(hidden, None, encoder_padding_mask, kv_cache, block_memory)
+            hidden = block(hidden, None, encoder_padding_mask, kv_cache, block_memory, bias)
         if kv_cache is not None:
             kv_cache.advance(decoder_tokens.shape[1])
         return self.head({"decoder": hidden}, {})
@@ -157,9 +173,11 @@ class T5(c.TokenLossModel):
     def parallel_plan(self) -> c.Plan:
         """The decoder's plan (the same names for both stacks' blocks, embedding, positions and
         output), plus the cross-attention split by heads like self-attention (q and the per-head
-        [k, v] rows by output, the projection by input) and the extra norms."""
+        [k, v] rows by output, the projection by input), the relative position tables by their
+        heads' columns and the extra norms."""
         cross = "layers.*.cross_attention."
         return [
+            ("*_relative_position", c.HeadParallelTable(dim=1)),
             (cross + "linear_q", c.ColumnParallel()),
             (cross + "linear_kv", c.ColumnParallel()),
             (cross + "linear_proj", c.RowParallel()),
@@ -169,24 +187,37 @@ class T5(c.TokenLossModel):
         ]
 
     def pipeline_pieces(self) -> c.PipelinePieces:
+        """The encoder's relative position table goes with the embedding (first stage), the
+        decoder's with the head (last stage)."""
         tied = ("embedding",) if self.cfg.tie_embeddings else ()
-        return c.PipelinePieces(("embedding", "position_embedding", "embedding_dropout"), "layers", ("final_norm", "output", *tied))
+        positions = "encoder_relative_position" if self.relative else "position_embedding"
+        head = ("decoder_relative_position",) if self.relative else ()
+        return c.PipelinePieces(("embedding", positions, "embedding_dropout"), "layers", ("final_norm", "output", *head, *tied))
 
     def embed(self, batch: c.Batch) -> c.Carry:
         return {"encoder": self._embed_tokens(batch["encoder_tokens"], 0), "decoder": self._embed_tokens(batch["decoder_tokens"], 0)}
 
     def block_inputs(self, batch: c.Batch) -> dict[str, Any]:
-        return {"encoder_padding_mask": batch.get("encoder_padding_mask")}
+        """The encoder's padding mask, and each relative position bias this stage holds the table of."""
+        t, s = batch["encoder_tokens"].shape[1], batch["decoder_tokens"].shape[1]
+        return {"encoder_padding_mask": batch.get("encoder_padding_mask"),
+                "encoder_bias": self._position_bias(self.encoder_relative_position, t, t),
+                "decoder_bias": self._position_bias(self.decoder_relative_position, s, s)}  # fmt: skip
 
     def run_blocks(self, carry: c.Carry, inputs: dict[str, Any], blocks: list[nn.Module]) -> tuple[c.Carry, dict[str, torch.Tensor]]:
         """Encoder blocks advance the encoder stream, decoder blocks the decoder stream reading
         the encoder's (by then normed) output; a stream no block of this run touches passes on."""
         encoder, decoder, mask = carry["encoder"], carry["decoder"], inputs["encoder_padding_mask"]
         for block in blocks:
-            if isinstance(block, T5DecoderBlock):
-                decoder = block(decoder, encoder, mask)
+            decoding = isinstance(block, T5DecoderBlock)
+            bias = inputs["decoder_bias" if decoding else "encoder_bias"]
+            if self.relative and bias is None:
+                raise RuntimeError(f"this pipeline stage runs {'decoder' if decoding else 'encoder'} blocks without that stack's "
+                                   "relative position table: split the stages encoder | decoder (validation says how)")  # fmt: skip
+            if decoding:
+                decoder = block(decoder, encoder, mask, position_bias=bias)
             else:
-                encoder = block(encoder, mask)
+                encoder = block(encoder, mask, bias)
         return {"encoder": encoder, "decoder": decoder}, {}
 
     def head(self, carry: c.Carry, batch: c.Batch) -> torch.Tensor:
@@ -201,8 +232,15 @@ class T5(c.TokenLossModel):
     # ------------------------------------------------------------------ helpers
 
     def _embed_tokens(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
-        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
-        return self.embedding_dropout(self.embedding(tokens) + self.position_embedding(positions))
+        embedded = self.embedding(tokens)
+        if self.position_embedding is not None:
+            embedded = embedded + self.position_embedding(torch.arange(start, start + tokens.shape[1], device=tokens.device))
+        return self.embedding_dropout(embedded)
+
+    @staticmethod
+    def _position_bias(table: RelativePositionBias | None, q_len: int, kv_len: int) -> torch.Tensor | None:
+        """A stack's relative position bias; None with absolute positions or on a stage without the table."""
+        return None if table is None else table(q_len, kv_len)
 
 
 def t5_parameter_parts(cfg: ModelConfig) -> dict[str, int]:
@@ -221,13 +259,17 @@ def t5_parameter_parts(cfg: ModelConfig) -> dict[str, int]:
 
 
 def t5_parameter_count(cfg: ModelConfig, vocab_size: int, max_seq_length: int) -> int:
-    """``num_parameters(T5(...))`` without building it: embedding and positions, the encoder's
+    """``num_parameters(T5(...))`` without building it: embedding and positions (learned, or two
+    relative tables [buckets, heads]), the encoder's
     blocks and final norm, the decoder's blocks (each with a cross-attention and its norm), the
     decoder's final norm, the output bias (and weight when untied)."""
     part, h = t5_parameter_parts(cfg), cfg.hidden_size
     enc, dec = encoder_decoder_layers(cfg)
     decoder_block = part["block"] + part["norm"] + part["cross_q"] + part["cross_kv"]
-    positions = (cfg.max_position_embeddings or max_seq_length) * h
+    if cfg.position_embedding_type == "relative":
+        positions = 2 * cfg.relative_attention_num_buckets * cfg.num_attention_heads
+    else:
+        positions = (cfg.max_position_embeddings or max_seq_length) * h
     output = vocab_size + (0 if cfg.tie_embeddings else vocab_size * h)
     return vocab_size * h + positions + enc * part["block"] + dec * decoder_block + 2 * part["norm"] + output
 
@@ -236,9 +278,11 @@ def t5_config_errors(cfg: Config) -> list[str]:
     """What T5 does not take (yet), each naming the flag to change."""
     m, d, p = cfg.model, cfg.data, cfg.parallel
     errors = []
-    if m.position_embedding_type != "learned_absolute":
-        errors.append(f"T5 is built with learned absolute positions (Megatron's default); drop --position-embedding-type "
+    if m.position_embedding_type not in ("learned_absolute", "relative"):
+        errors.append(f"T5 takes learned absolute positions (Megatron's default) or relative ones; drop --position-embedding-type "
                       f"{m.position_embedding_type}")  # fmt: skip
+    if m.position_embedding_type == "relative":
+        errors.extend(_relative_position_errors(cfg))
     if m.num_experts or m.multi_latent_attention:
         errors.append("T5 is built with dense MLPs and standard attention; drop --num-experts / --multi-latent-attention")
     if m.num_query_groups and m.num_query_groups != m.num_attention_heads:
@@ -248,7 +292,7 @@ def t5_config_errors(cfg: Config) -> list[str]:
                       "(or --num-layers)")  # fmt: skip
     enc, dec = d.encoder_seq_length or d.seq_length, d.decoder_seq_length
     positions = m.max_position_embeddings or d.seq_length
-    if max(enc, dec) > positions:
+    if m.position_embedding_type == "learned_absolute" and max(enc, dec) > positions:
         errors.append(f"T5's encoder ({enc}) and decoder ({dec}) lengths must fit --max-position-embeddings {positions}; raise it")
     if d.encoder_seq_length and d.encoder_seq_length != d.seq_length:
         errors.append(f"--encoder-seq-length {d.encoder_seq_length} and --seq-length {d.seq_length} differ; T5's sequence "
@@ -266,4 +310,20 @@ def t5_config_errors(cfg: Config) -> list[str]:
                       f"BertWordPieceCase (got '{d.tokenizer_type}')")  # fmt: skip
     if cfg.logging.generate_prompt:
         errors.append("T5 does not sample during training; drop --generate-prompt and use `meshtron generate --load DIR --prompt ...`")
+    return errors
+
+
+def _relative_position_errors(cfg: Config) -> list[str]:
+    """The relative tables' sizes, and the pipeline split they need (each stack's table sits on one stage)."""
+    m, p = cfg.model, cfg.parallel
+    errors = []
+    if m.relative_attention_num_buckets < 4 or m.relative_attention_max_distance <= m.relative_attention_num_buckets // 2:
+        errors.append(f"--relative-attention-max-distance {m.relative_attention_max_distance} must exceed half of "
+                      f"--relative-attention-num-buckets {m.relative_attention_num_buckets} (at least 4), where the "
+                      f"logarithmic buckets start; change either")  # fmt: skip
+    enc = encoder_decoder_layers(m)[0]
+    if p.pipeline_parallel > 1 and (p.pipeline_parallel != 2 or p.virtual_pipeline_parallel > 1 or p.num_layers_per_virtual_pipeline_stage
+                                    or p.first_pipeline_stage_layers != enc):  # fmt: skip
+        errors.append(f"T5's relative position tables sit with the encoder on the first stage and the decoder on the last: "
+                      f"use --pipeline-model-parallel-size 2 without virtual stages and --decoder-first-pipeline-num-layers {enc}")  # fmt: skip
     return errors
