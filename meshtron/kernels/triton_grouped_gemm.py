@@ -30,27 +30,15 @@ import torch
 import triton
 import triton.language as tl
 
-# Configs for bf16 on an H100 at DeepSeek-V2-Lite's expert shapes (K, N of 2048 and 2816/1408).
-_ROW_CONFIGS = [
-    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-    for bm, bn, bk, w, s in [
-        (128, 256, 64, 8, 3),
-        (128, 128, 64, 8, 4),
-        (128, 128, 64, 4, 4),
-        (64, 128, 64, 4, 4),
-        (128, 64, 64, 4, 4),
-    ]
-]
-_WEIGHT_GRAD_CONFIGS = [
-    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-    for bm, bn, bk, w, s in [
-        (64, 128, 128, 8, 3),
-        (64, 128, 128, 4, 4),
-        (32, 128, 128, 4, 4),
-        (64, 64, 128, 4, 4),
-        (64, 256, 128, 8, 3),
-    ]
-]
+def _configs(tiles: list[tuple[int, int, int, int, int]]) -> list:
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s) for bm, bn, bk, w, s in tiles]
+
+
+# Tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for bf16 on an H100 at DeepSeek-V2-Lite's expert
+# shapes (K, N of 2048 and 2816/1408).
+_ROW_CONFIGS = _configs([(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4)])
+_WEIGHT_GRAD_CONFIGS = _configs([(64, 128, 128, 8, 3), (64, 128, 128, 4, 4), (32, 128, 128, 4, 4), (64, 64, 128, 4, 4), (64, 256, 128, 8, 3)])
+
 # Fixed small tiles for Triton's interpreter (CPU tests), where autotuning cannot time anything.
 _INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
 

@@ -15,8 +15,8 @@ from meshtron.layers.attention import CoreAttention, attention_mask, math_attent
 from meshtron.layers.relative_position import RelativePositionBias, relative_position_bucket
 from meshtron.models import build_model, num_parameters, parameter_count
 from meshtron.validation import validate
+from tests.unit.test_t5 import DEC, ENC, VOCAB, _inputs  # the same tiny inputs as the learned-position tests
 
-VOCAB, ENC, DEC = 96, 12, 8
 RELATIVE = ["--model-type", "t5", "--preset", "tiny-t5", "--num-layers", "2", "--hidden-size", "32",
             "--position-embedding-type", "relative"]  # fmt: skip
 
@@ -85,15 +85,6 @@ def _model(*flags: str):
         model.encoder_relative_position.weight.normal_()
         model.decoder_relative_position.weight.normal_()
     return model
-
-
-def _inputs():
-    g = torch.Generator().manual_seed(3)
-    enc = torch.randint(0, VOCAB, (2, ENC), generator=g)
-    dec = torch.randint(0, VOCAB, (2, DEC), generator=g)
-    mask = torch.ones(2, ENC, dtype=torch.bool)
-    mask[0, 7:] = False
-    return enc, dec, mask
 
 
 def test_every_block_gets_its_stacks_bias_and_no_absolute_positions():
