@@ -22,8 +22,9 @@ def test_tiny_ict_trains_evaluates_retrieval_and_starts_from_bert(tmp_path):
     assert len(top1) == len(top5) == 4 and all(0 <= a <= b <= 1 for a, b in zip(top1, top5)), out
     valid = [float(line.split("| loss ")[1].split()[0]) for line in out.splitlines() if line.startswith("validation")]
     chance = math.log(8)  # 8 candidates per query: a micro batch's blocks
-    # From scratch the loss sits at chance for 20-40 iterations, then falls (1.90-1.99 at 80 seen): below chance, no margin.
-    assert len(valid) == 2 and valid[-1] < min(valid[0], chance), out
+    # From scratch the loss sits near chance for 20-40 iterations, then falls and flattens (1.90-1.99 at 80 seen;
+    # the iteration-40 value may already be as low): the last validation below chance, not below the first.
+    assert len(valid) == 2 and valid[-1] < chance - 0.05, out
 
     retrieval = meshtron("evaluate-retrieval", "--load", str(tmp_path / "ict"), "--topk", "1", "20", "--device", "cpu", cwd=tmp_path).stdout
     line = next(ln for ln in retrieval.splitlines() if ln.startswith("retrieval over"))
