@@ -4,6 +4,8 @@
 #   moe    B4b: the DeepSeek-V2-Lite shape x 4 layers (MLA), grouped GEMM backends and optimizer paths
 #   b1     B1 A/B: this tree (fused and reference optimizer) and Hugging Face, and OLD's tree (arg 3)
 #   b8     B8: BERT-large and T5-base against Hugging Face, one table
+#   probe  GPU tests of T5/estimate/grouped GEMM, B4 layer split and tile sweep, BERT-large profiled against HF
+#   b1tune B1 eager / --compile / HF, then B1 with --gemm-tuning twice (the tuning run, then a run reading its file)
 set -uo pipefail
 part="$1" out="$2"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONPATH="$PWD"
@@ -27,4 +29,16 @@ b1)
   (cd "$old" && PYTHONPATH="$old" python3 benchmarks/b1_llama.py --steps 10 --warmup 3 --sides meshtron 2>"$out/b1_old_stderr.txt" | tee "$out/b1_old.txt") ;;
 b8)
   python3 benchmarks/b8_encoders.py --model both --steps 10 --warmup 3 2>"$out/b8_stderr.txt" | tee "$out/b8.txt" ;;
+probe)
+  python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_t5_gpu.py tests/gpu/test_estimate_gpu.py tests/gpu/test_grouped_gemm_gpu.py > "$out/gpu_tests_probe.txt" 2>&1
+  tail -5 "$out/gpu_tests_probe.txt"
+  for backend in torch triton; do python3 benchmarks/b4_moe_layer.py --grouped-gemm $backend 2>&1 | tee -a "$out/b4_layer.txt"; done
+  python3 benchmarks/b4_grouped_sweep.py 2>&1 | tee "$out/b4_sweep.txt"
+  python3 benchmarks/b8_encoders.py --model bert --steps 6 --warmup 3 --profile-dir "$out" 2>"$out/b8_stderr.txt" | tee "$out/b8_bert.txt" ;;
+b1tune)
+  python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,meshtron-compile,hf 2>"$out/b1_stderr.txt" | tee "$out/b1_compile.txt"
+  for run in tuning reading; do
+    python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron -- --gemm-tuning --data-cache-path "$out/tunableop" 2>>"$out/b1_tune_stderr.txt" | tee "$out/b1_tune_$run.txt"
+  done
+  ls -la "$out/tunableop" ;;
 esac

@@ -225,8 +225,10 @@ class Attention(SelfAttentionBase):
         b, s = qkv.shape[:2]
         groups, group_size = self._local_groups(qkv.shape[-1] // self.head_dim)
         qkv = qkv.view(b, s, groups, group_size + 2, self.head_dim)
-        q = qkv[:, :, :, :group_size].flatten(2, 3)
-        k, v = qkv[:, :, :, group_size], qkv[:, :, :, group_size + 1]
+        # One split (its backward writes the three gradients into one buffer with a single cat),
+        # not slices and selects, whose backwards each zero-fill a whole qkv-sized gradient.
+        q, k, v = qkv.split([group_size, 1, 1], dim=3)
+        q, k, v = q.flatten(2, 3), k.squeeze(3), v.squeeze(3)
         if self.use_rope:
             q = apply_rotary(q, cos, sin, position_ids, self.fused_kernels)
             k = apply_rotary(k, cos, sin, position_ids, self.fused_kernels)

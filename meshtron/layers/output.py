@@ -15,6 +15,22 @@ from torch import nn
 from meshtron.kernels.cross_entropy import linear_cross_entropy
 from meshtron.kernels.cross_entropy_sum import linear_cross_entropy_sum
 
+IGNORE_INDEX = -100
+
+
+def labelled_rows(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows of ``hidden`` [..., h] whose label is not -100: ([n, h], their labels [n], their
+    flat index [n]). A masked LM labels ~15 % of its positions: the logits of the others are
+    never needed (their loss and gradient are zero), so skipping them is exact. Costs one host
+    sync (the count)."""
+    index = (labels.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
+    return hidden.reshape(-1, hidden.shape[-1]).index_select(0, index), labels.reshape(-1).index_select(0, index), index
+
+
+def spread_to_tokens(loss: torch.Tensor, index: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-row losses [n] back to ``labels``' shape, zero at the rows ``labelled_rows`` skipped."""
+    return loss.new_zeros(labels.numel()).index_copy(0, index, loss).view(labels.shape)
+
 
 class OutputLayer(nn.Module):
     """``weight`` [V, h] of its own (untied), or none when the embedding is tied to it; with
@@ -30,15 +46,16 @@ class OutputLayer(nn.Module):
                 tied_weight: torch.Tensor | None = None, loss_weights: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """Logits [..., V] without ``labels``; with them, per-token cross-entropy in fp32 (label
         -100 gives 0) without holding the [..., V] logits at once (``kernels/cross_entropy``; with a
-        bias, from the whole logits: the chunked kernels take none). With ``loss_weights`` (shaped
+        bias, from the logits of the labelled rows only: the chunked kernels take no bias). With ``loss_weights`` (shaped
         like ``labels``) the fp32 scalar ``sum(loss_weights * loss)`` instead, its gradients taken
         in the forward (``kernels/cross_entropy_sum``: one logits GEMM fewer)."""
         weight = self.weight if self.weight is not None else tied_weight
-        if labels is None or self.bias is not None:
-            logits = F.linear(hidden, weight, self.bias)
-            if labels is None:
-                return logits
-            loss = F.cross_entropy(logits.float().flatten(0, -2), labels.reshape(-1), reduction="none").view(labels.shape)
+        if labels is None:
+            return F.linear(hidden, weight, self.bias)
+        if self.bias is not None:
+            rows, row_labels, index = labelled_rows(hidden, labels)
+            logits = F.linear(rows, weight, self.bias)
+            loss = spread_to_tokens(F.cross_entropy(logits.float(), row_labels, reduction="none"), index, labels)
             return loss if loss_weights is None else (loss * loss_weights).sum()
         if loss_weights is not None:
             return linear_cross_entropy_sum(hidden, weight, labels, loss_weights, self.fused_kernels)

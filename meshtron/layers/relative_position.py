@@ -46,7 +46,8 @@ class RelativePositionBias(nn.Module):
         keys = torch.arange(kv_len, device=self.weight.device)
         relative = keys[None, :] - keys[kv_len - q_len :, None]
         buckets = relative_position_bucket(relative, self.bidirectional, self.num_buckets, self.max_distance)
-        return self.weight[buckets].permute(2, 0, 1)[None]
+        # Contiguous: the GPU's fused SDPA kernels take a float mask only with a unit last stride.
+        return self.weight[buckets].permute(2, 0, 1).contiguous()[None]
 
     def extra_repr(self) -> str:
         return f"buckets={self.num_buckets}, max_distance={self.max_distance}, heads={self.weight.shape[1]}, bidirectional={self.bidirectional}"

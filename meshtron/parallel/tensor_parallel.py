@@ -27,6 +27,7 @@ from torch import nn
 
 from meshtron.kernels import grad_accum_fusion
 from meshtron.kernels.cross_entropy_sum import linear_cross_entropy_sum
+from meshtron.layers.output import labelled_rows, spread_to_tokens
 from meshtron.parallel import tp_overlap
 
 SEQ_DIM = 1
@@ -343,6 +344,11 @@ class VocabParallelOutputLayer(nn.Module):
             combine = None if group_size(self.group) == 1 else lambda lse, target: _combine_vocab_shards(lse, target, self.group)
             return linear_cross_entropy_sum(whole, weight, labels, loss_weights, self.fused_kernels, vocab_start=start,
                                             combine_shards=combine)  # fmt: skip
+        if labels is not None and self.bias is not None:  # the labelled rows only, as OutputLayer's
+            rows, row_labels, index = labelled_rows(enter_tp_region(hidden, self.group, self.sequence_parallel), labels)
+            loss = vocab_parallel_cross_entropy(F.linear(rows, weight, self.bias).float(), row_labels, self.group)
+            loss = spread_to_tokens(loss, index, labels)
+            return loss if loss_weights is None else (loss * loss_weights).sum()
         logits_shard = column_parallel_linear(hidden, weight, self.bias, self.group, self.sequence_parallel)
         if labels is None:
             return gather_from_tp_region(logits_shard, self.group)

@@ -15,7 +15,7 @@ import torch
 from meshtron.config import build_config
 from meshtron.estimate import estimate, training_vocab_size
 
-STEP = ["--mock-data", "--bf16", "--train-iters", "10", "--log-interval", "1000000", "--eval-interval", "0", "--lr", "1e-4",
+STEP = ["--mock-data", "--bf16", "--train-iters", "10", "--log-interval", "1000000", "--eval-interval", "0", "--lr", "1e-4", "--min-lr", "1e-5",
         "--micro-batch-size", "1", "--global-batch-size", "1"]  # fmt: skip
 CASES = {
     "deepseek-v2-lite-3-layers": ["--preset", "deepseek-v2-lite", "--num-layers", "3", "--moe-layer-freq", "([0]+[1]*2)",

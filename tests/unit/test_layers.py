@@ -246,3 +246,29 @@ def test_attention_runs_on_whole_groups_of_its_projections():
             shard.linear_proj.weight.copy_(attn.linear_proj.weight[:, g * cols : (g + 1) * cols])
         partial.append(shard(x, cos, sin))
     torch.testing.assert_close(partial[0] + partial[1], attn(x, cos, sin))
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_output_layer_with_bias_computes_only_labelled_rows_exactly(weighted):
+    """BERT's LM head (a bias: the full-logits path) takes the logits of the labelled rows only;
+    loss and gradients equal the cross-entropy of the whole logits, with nothing labelled too."""
+    from meshtron.layers.output import OutputLayer
+
+    g = torch.Generator().manual_seed(0)
+    layer = OutputLayer(16, 40, tied=False, bias=True)
+    with torch.no_grad():
+        layer.weight.normal_(generator=g)
+        layer.bias.normal_(generator=g)
+    for labelled in (0.3, 0.0):
+        hidden = torch.randn(3, 7, 16, generator=g, requires_grad=True)
+        labels = torch.randint(0, 40, (3, 7), generator=g).masked_fill(torch.rand(3, 7, generator=g) >= labelled, -100)
+        weights = torch.rand(3, 7, generator=g) if weighted else None
+        got = layer(hidden, labels, loss_weights=weights)
+        got_grads = torch.autograd.grad(got.sum(), [hidden, layer.weight, layer.bias])
+        logits = torch.nn.functional.linear(hidden, layer.weight, layer.bias)
+        want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.reshape(-1), reduction="none").view(3, 7)
+        want = want if weights is None else (want * weights).sum()
+        want_grads = torch.autograd.grad(want.sum(), [hidden, layer.weight, layer.bias])
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        for a, b in zip(got_grads, want_grads):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

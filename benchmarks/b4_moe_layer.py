@@ -1,0 +1,139 @@
+"""B4's whole layer: one DeepSeek-V2-Lite MoE layer, forward + backward, against a dense chain of
+the same work, with the time split into its parts.
+
+    python benchmarks/b4_moe_layer.py [--tokens 8192] [--grouped-gemm torch|triton] [--steps 20] [--tiny]
+
+The layer is meshtron's ``MoELayer`` (64 routed experts top-6, 2 shared experts, expert FFN 1408,
+hidden 2048, SwiGLU, softmax router in fp32, dropless), bf16, 8192 tokens (B4b's micro batch of
+2 x 4096). The dense chain is one SwiGLU MLP whose FFN width is the active experts' together
+((6 + 2) x 1408 = 11,264): the same GEMM FLOPs per token. B4's target: the layer >= 75 % of the
+dense chain's TFLOP/s.
+
+The parts are timed the same way, each forward + backward on its own inputs, so their sum is
+close to, not equal to, the layer: router (gate GEMM, softmax, top-k, the balancing loss),
+dispatch (the plan's sort and counts, the permutation and the weighted unpermutation), routed
+experts (the grouped GEMMs and the activation) and shared experts. ``--tiny``: a 4-expert,
+64-wide layer on the CPU in fp32 (a smoke test of the script; its timings mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from meshtron.config import ModelConfig
+from meshtron.layers.mlp import MLP
+from meshtron.layers.moe import MoELayer
+from meshtron.layers.moe.balancing import balancing_losses
+from meshtron.layers.moe.dispatch import permute, plan_dispatch, unpermute
+
+DEEPSEEK_V2_LITE = dict(hidden_size=2048, num_experts=64, moe_router_topk=6, moe_ffn_hidden_size=1408,
+                        moe_shared_expert_intermediate_size=2 * 1408)  # fmt: skip
+TINY = dict(hidden_size=64, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32)
+
+
+def time_ms(fn, device: torch.device, warmup: int, steps: int) -> float:
+    """Median milliseconds of ``fn`` after warm-up (CUDA events on the GPU, wall clock on the CPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times)
+
+
+def backward_of(make_output, leaves: list[torch.Tensor]):
+    """A step: ``make_output()`` then its backward with a fixed random upstream gradient."""
+    upstream = {}
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        out = make_output()
+        if "g" not in upstream:
+            upstream["g"] = torch.randn_like(out)
+        out.backward(upstream["g"])
+
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--grouped-gemm", default="auto")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--tiny", action="store_true")
+    args = parser.parse_args()
+    device = torch.device("cpu" if args.tiny else "cuda")
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    shape, tokens = (TINY, 64) if args.tiny else (DEEPSEEK_V2_LITE, args.tokens)
+    cfg = ModelConfig(num_layers=1, add_bias_linear=False, activation="swiglu", moe_router_dtype="fp32",
+                      moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-3,
+                      moe_grouped_gemm=args.grouped_gemm, **shape)  # fmt: skip
+    torch.manual_seed(0)
+    layer = MoELayer(cfg).to(device, dtype)
+    active_ffn = (cfg.moe_router_topk * cfg.moe_ffn_hidden_size) + cfg.moe_shared_expert_intermediate_size
+    dense = MLP(cfg, width=active_ffn).to(device, dtype)
+    h = cfg.hidden_size
+    x = torch.randn(1, tokens, h, device=device, dtype=dtype, requires_grad=True)
+    flat = x.detach().reshape(tokens, h).requires_grad_()
+    routing = layer.router(flat.detach())
+    plan = plan_dispatch(routing.probs.detach(), routing.experts, cfg.num_experts)
+    expert_in = permute(flat.detach(), plan).requires_grad_()
+    params = list(layer.parameters()) + list(dense.parameters())
+
+    def layer_out():
+        out = layer(x)
+        return out + sum(layer.last_aux_losses.values())
+
+    def router_out():
+        r = layer.router(flat)
+        losses = balancing_losses(r.logits, 1, cfg.moe_router_topk, cfg.moe_router_score_function,
+                                  cfg.moe_router_load_balancing_type, layer.aux_loss_coeff, 0.0, layer.token_sum)  # fmt: skip
+        return r.probs.sum() + sum(losses.values())
+
+    def dispatch_out():
+        p = plan_dispatch(routing.probs.detach(), routing.experts, cfg.num_experts)
+        return unpermute(permute(flat, p), p, tokens)
+
+    parts = {
+        "MoE layer (whole)": backward_of(layer_out, [x, *params]),
+        "dense chain (same FLOPs)": backward_of(lambda: dense(x), [x, *params]),
+        "  router + balancing loss": backward_of(router_out, [flat, *params]),
+        "  dispatch (plan, permute, unpermute)": backward_of(dispatch_out, [flat]),
+        "  routed experts (grouped GEMMs)": backward_of(lambda: layer.experts(expert_in, plan.group_sizes), [expert_in, *params]),
+        "  shared experts": backward_of(lambda: layer.shared_experts(flat), [flat, *params]),
+    }
+    flops = 3 * 2 * tokens * h * active_ffn * 3  # fwd + 2 bwd GEMMs; SwiGLU: fc1 is 2 x width, fc2 1 x width
+    expert_flops = 3 * 2 * plan.num_rows * h * cfg.moe_ffn_hidden_size * 3
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"{name}: {tokens} tokens, {cfg.num_experts} experts top-{cfg.moe_router_topk}, ffn {cfg.moe_ffn_hidden_size}, "
+          f"shared {cfg.moe_shared_expert_intermediate_size}, {dtype}, grouped GEMM {args.grouped_gemm}, fwd+bwd")  # fmt: skip
+    results = {}
+    for part, step in parts.items():
+        results[part] = time_ms(step, device, args.warmup, args.steps)
+    print(f"{'part':<40} {'ms':>8} {'TFLOP/s':>8} {'share':>7}")
+    whole = results["MoE layer (whole)"]
+    for part, ms in results.items():
+        work = {"MoE layer (whole)": flops, "dense chain (same FLOPs)": flops, "  routed experts (grouped GEMMs)": expert_flops}
+        tflops = f"{work[part] / ms / 1e9:8.1f}" if part in work else f"{'':>8}"
+        print(f"{part:<40} {ms:>8.3f} {tflops} {ms / whole:>7.1%}")
+    print(f"layer / dense chain TFLOP/s: {results['dense chain (same FLOPs)'] / whole:.1%} (B4 target >= 75 %)")
+
+
+if __name__ == "__main__":
+    main()
