@@ -77,6 +77,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--profile-dir", default="", help="also profile the whole layer and the router into this directory (GPU)")
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -133,6 +134,11 @@ def main() -> None:
         tflops = f"{work[part] / ms / 1e9:8.1f}" if part in work else f"{'':>8}"
         print(f"{part:<40} {ms:>8.3f} {tflops} {ms / whole:>7.1%}")
     print(f"layer / dense chain TFLOP/s: {results['dense chain (same FLOPs)'] / whole:.1%} (B4 target >= 75 %)")
+    if args.profile_dir:
+        from b1_llama import profile_steps
+
+        profile_steps(parts["MoE layer (whole)"], f"{args.profile_dir}/profile_moe_layer_{args.grouped_gemm}.txt")
+        profile_steps(parts["  router + balancing loss"], f"{args.profile_dir}/profile_moe_router.txt")
 
 
 if __name__ == "__main__":

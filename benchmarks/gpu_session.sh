@@ -5,6 +5,7 @@
 #   b1     B1 A/B: this tree (fused and reference optimizer) and Hugging Face, and OLD's tree (arg 3)
 #   b8     B8: BERT-large and T5-base against Hugging Face, one table
 #   probe  GPU tests of T5/estimate/grouped GEMM, B4 layer split and tile sweep, BERT-large profiled against HF
+#   round2 the failed GPU tests again, BERT against HF, the B4 tile sweep and the layer profiled
 #   b1tune B1 eager / --compile / HF, then B1 with --gemm-tuning twice (the tuning run, then a run reading its file)
 set -uo pipefail
 part="$1" out="$2"; mkdir -p "$out"
@@ -35,6 +36,13 @@ probe)
   for backend in torch triton; do python3 benchmarks/b4_moe_layer.py --grouped-gemm $backend 2>&1 | tee -a "$out/b4_layer.txt"; done
   python3 benchmarks/b4_grouped_sweep.py 2>&1 | tee "$out/b4_sweep.txt"
   python3 benchmarks/b8_encoders.py --model bert --steps 6 --warmup 3 --profile-dir "$out" 2>"$out/b8_stderr.txt" | tee "$out/b8_bert.txt" ;;
+round2)
+  python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_t5_gpu.py tests/gpu/test_estimate_gpu.py -k "relative or deepseek or mixtral" > "$out/gpu_tests_round2.txt" 2>&1
+  tail -3 "$out/gpu_tests_round2.txt"
+  python3 benchmarks/b8_encoders.py --model bert --steps 8 --warmup 3 --profile-dir "$out" 2>"$out/b8_stderr.txt" | tee "$out/b8_bert.txt"
+  python3 benchmarks/b4_moe_layer.py --grouped-gemm torch --profile-dir "$out" 2>&1 | tee "$out/b4_layer.txt"
+  python3 benchmarks/b4_moe_layer.py --grouped-gemm triton 2>&1 | tee -a "$out/b4_layer.txt"
+  python3 benchmarks/b4_grouped_sweep.py 2>&1 | grep -v "OutOfResources\|CompilationError" | tee "$out/b4_sweep.txt" ;;
 b1tune)
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,meshtron-compile,hf 2>"$out/b1_stderr.txt" | tee "$out/b1_compile.txt"
   for run in tuning reading; do
