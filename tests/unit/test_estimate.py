@@ -120,7 +120,9 @@ def test_moe_and_mla_activations():
     base = per_layer()
     assert per_layer("--moe-router-topk", "8") > base and per_layer("--moe-ffn-hidden-size", "2816") > base
     assert per_layer("--ep", "8") == base
-    assert per_layer("--tp", "2", "--expert-tensor-parallel-size", "2") < per_layer("--tp", "2") < base
+    # Without sequence parallelism etp 1 keeps each tp rank's 1/tp of the shared rows, etp = tp all
+    # of them with half of each expert; both fewer than one rank.
+    assert per_layer("--tp", "2") < per_layer("--tp", "2", "--expert-tensor-parallel-size", "2") < base
     assert per_layer(is_moe=False) != base
     # Six copies of 2048 in and out plus their 3 x 1408 hidden state dominate a DeepSeek MoE layer.
     assert 6 * 2 * (2 * 2048 + 3 * 1408) < base < 2 * 6 * 2 * (2 * 2048 + 3 * 1408)
