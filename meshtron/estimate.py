@@ -322,10 +322,10 @@ def training_vocab_size(cfg: Config) -> int:
 def mesh_table(cfg: Config, world_size: int) -> str:
     """Every rank's coordinates, then the groups (``Mesh.describe``)."""
     mesh = Mesh.from_config(cfg.parallel, world_size=world_size, rank=0, local_rank=0)
-    lines = [mesh.describe(), "  rank  " + " ".join(f"{d:>5}" for d in GROUP_DIMS)]
+    lines = [mesh.describe(), "  rank  " + " ".join(f"{d:>6}" for d in GROUP_DIMS)]
     for r in range(world_size):
         c = mesh.coords(r)
-        lines.append(f"  {r:>4}  " + " ".join(f"{c[d]:>5}" for d in GROUP_DIMS))
+        lines.append(f"  {r:>4}  " + " ".join(f"{c[d]:>6}" for d in GROUP_DIMS))
     return "\n".join(lines)
 
 

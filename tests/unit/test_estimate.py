@@ -80,7 +80,7 @@ def test_estimate_command(capsys):
     assert main(["estimate", *B1, "--global-batch-size", "8", "--world-size", "4", "--tp", "2", "--print-mesh"]) == 0
     out = capsys.readouterr().out
     assert "tp groups: [0, 1] [2, 3]" in out and "activations" in out and "total" in out
-    assert out.count("\n     3      1") == 1  # rank 3: tp 1, cp 0, dp 1, ...
+    assert out.count("\n     3       1") == 1  # rank 3: tp 1, cp 0, dp 1, ...
     assert main(["estimate", "--tp", "3", "--world-size", "4"]) == 2  # a layout that does not fit: one clear line
     assert "not a multiple" in capsys.readouterr().err
 
