@@ -9,7 +9,8 @@ One spawn of 4 gloo processes (fp32, CPU) runs every case through the same runne
   shared expert); etp other than tp: tp1 x etp2 x ep2 (etp from dp ranks, both dispatchers),
   tp4 x etp2 (etp half of a tp group) and tp2 x etp4 (etp across two tp groups), each with and
   without sequence parallelism (without it the tp ranks' shared rows are split among them first),
-  and tp2 x etp1 x ep4 x sp (Megatron's fine-grained layout: ep across the tp ranks): the step
+  tp2 x etp1 x ep4 x sp (Megatron's fine-grained layout: ep across the tp ranks), etp2 over the
+  cp ranks (cp2 x dp2) and etp2 inside each pipeline stage (pp2 x dp2): the step
   loss, each balancing term and every gradient equal one process's (1e-5 relative);
 - FSDP2 with ep2 (dp4: experts sharded over an edp group of 2), ep4 (edp 1) and etp2 (dp4, edp
   2): loss, balancing terms and gradients the same way;
@@ -68,6 +69,8 @@ LAYOUTS = {
     "tp2_etp4": (dict(tp=2, dp=2, etp=4), "moe", False),
     "tp2_etp4_sp": (dict(tp=2, dp=2, etp=4), "sequence", True),
     "tp2_etp1_ep4_sp": (dict(tp=2, dp=2, ep=4), "sequence", True),
+    "cp2_etp2": (dict(cp=2, dp=2, etp=2), "moe", False),
+    "pp2_etp2": (dict(pp=2, dp=2, etp=2), "moe", False),
 }
 # world 2: name -> (mesh sizes, config, sequence parallel)
 LAYOUTS_WORLD2 = {"tp1_etp2": (dict(dp=2, etp=2), "moe", False)}
