@@ -210,7 +210,7 @@ class ParallelConfig:
     cp_comm_type: str = "p2p"  # context parallel attention: p2p (ring) | all_gather (of keys and values)
     fsdp: bool = False  # PyTorch FSDP2 (fully_shard) instead of the distributed optimizer; needs tp = 1
     ddp_bucket_size: int = 40_000_000  # gradient elements per data-parallel reduction bucket
-    expert_tensor_parallel: int = 1  # 1: experts whole on every tp rank; tp: each expert's FFN split over tp like the MLP
+    expert_tensor_parallel: int = 1  # ranks splitting each expert's FFN (the expert grid's etp x ep x edp); 1: whole
     grad_reduce_in_bf16: bool = False  # reduce a bf16 copy of each gradient bucket; accumulation stays fp32
     distributed_timeout_minutes: int = 10  # how long a collective may wait before the process group fails
 

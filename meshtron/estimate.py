@@ -161,9 +161,10 @@ def moe_bytes_per_token(cfg: Config, a: int) -> float:
 
     the router's softmax outputs (fp32 [E], twice: routing and balancing), int64 expert and token
     indices (4 k) and the routing weights (r k); per each of the top-k copies of the token the
-    expert input row (kept by the grouped GEMM, gathered over etp), the expert's hidden state
-    (fc1's output and the activation's, split over etp or, with sequence parallelism, by the tp
-    rank's own tokens) and two rows of the combine (the expert output in r bytes, kept to weight
+    expert input row (kept by the grouped GEMM; a tp rank's own rows, which it has alone under
+    sequence parallelism and keeps 1/tp of otherwise, unless etp = tp shares them; gathered over
+    etp), the expert's hidden state (fc1's output and the activation's, of those rows, split over
+    etp) and two rows of the combine (the expert output in r bytes, kept to weight
     it by the routing probability, and the weighted row kept by the scatter-add); the shared
     experts' hidden state, whole on every tp rank. With ``--moe-pad-expert-input-to-capacity``
     every expert computes its whole capacity.
@@ -174,9 +175,11 @@ def moe_bytes_per_token(cfg: Config, a: int) -> float:
     kept_per_ffn = (3 if m.activation == "swiglu" else 2) * a
     padded = m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor
     copies = k * (m.moe_expert_capacity_factor if padded else 1)
-    experts_split = p.tensor_parallel if p.expert_tensor_parallel > 1 or shard > 1 else 1
-    rows_in = a * h / (1 if p.expert_tensor_parallel > 1 else shard)
-    routed = copies * (rows_in + kept_per_ffn * ffn / experts_split + 2 * r * h / shard)
+    tp, etp = p.tensor_parallel, p.expert_tensor_parallel
+    shared_by_etp = shard == 1 and etp == tp  # the etp group is the tp group and holds the same rows
+    own = 1 if shared_by_etp else 1 / tp  # this rank's share of the copies: its sequence shard, or its 1/tp of shared rows
+    rows = own if shared_by_etp else own * etp  # gathered over etp
+    routed = copies * (a * h * rows + kept_per_ffn * ffn * rows / etp + 2 * r * h / shard)
     router = 2 * 4 * m.num_experts + 4 * 8 * k + r * k + (r * h if r != a else 0)  # the last: the input cast to r
     shared = kept_per_ffn * m.moe_shared_expert_intermediate_size
     return (router + shared) / shard + routed
@@ -288,7 +291,7 @@ def estimate(cfg: Config, world_size: int = 1) -> MemoryEstimate:
     """The memory of one rank of a ``world_size``-process run of ``cfg``."""
     p, t = cfg.parallel, cfg.train
     dp_cp = max(1, data_parallel_size(cfg, world_size) * p.context_parallel)
-    edp = max(1, dp_cp // p.expert_parallel)
+    edp = max(1, dp_cp * p.tensor_parallel // (p.expert_parallel * p.expert_tensor_parallel))
     params = stage_parameters(cfg, world_size)
 
     def sharded(per_param: int, shard: bool = True) -> int:
@@ -319,10 +322,10 @@ def training_vocab_size(cfg: Config) -> int:
 def mesh_table(cfg: Config, world_size: int) -> str:
     """Every rank's coordinates, then the groups (``Mesh.describe``)."""
     mesh = Mesh.from_config(cfg.parallel, world_size=world_size, rank=0, local_rank=0)
-    lines = [mesh.describe(), "  rank  " + " ".join(f"{d:>5}" for d in GROUP_DIMS)]
+    lines = [mesh.describe(), "  rank  " + " ".join(f"{d:>6}" for d in GROUP_DIMS)]
     for r in range(world_size):
         c = mesh.coords(r)
-        lines.append(f"  {r:>4}  " + " ".join(f"{c[d]:>5}" for d in GROUP_DIMS))
+        lines.append(f"  {r:>4}  " + " ".join(f"{c[d]:>6}" for d in GROUP_DIMS))
     return "\n".join(lines)
 
 
@@ -339,7 +342,8 @@ def main(argv: list[str]) -> int:
         print(mesh_table(cfg, known.world_size))
     p, m = cfg.parallel, cfg.model
     dp = data_parallel_size(cfg, known.world_size)
-    experts = f", ep {p.expert_parallel}, etp {p.expert_tensor_parallel}, edp {dp * p.context_parallel // p.expert_parallel}" if m.num_experts else ""
+    edp = p.tensor_parallel * p.context_parallel * dp // (p.expert_parallel * p.expert_tensor_parallel)
+    experts = f", ep {p.expert_parallel}, etp {p.expert_tensor_parallel}, edp {edp}" if m.num_experts else ""
     print(f"layout: world {known.world_size}, tp {p.tensor_parallel}, pp {p.pipeline_parallel}, cp {p.context_parallel}, "
           f"dp {dp}{experts}, sp {p.sequence_parallel}, distributed optimizer {p.use_distributed_optimizer}, fsdp {p.fsdp}, "
           f"recompute '{m.recompute_granularity or 'none'}'")  # fmt: skip

@@ -95,7 +95,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         need(not p.use_distributed_optimizer, "--fsdp and --use-distributed-optimizer both shard optimizer state; pick one")
         need(t.optimizer_impl != "fused", "--optimizer-impl fused needs meshtron's flat gradient buffer, which --fsdp replaces; use auto or reference")
     model_parallel = p.tensor_parallel * p.pipeline_parallel * p.context_parallel
-    for name in ("tensor_parallel", "pipeline_parallel", "context_parallel", "expert_parallel"):
+    for name in ("tensor_parallel", "pipeline_parallel", "context_parallel", "expert_parallel", "expert_tensor_parallel"):
         need(getattr(p, name) >= 1, f"parallel.{name} must be at least 1")
     if model_parallel >= 1:
         need(
@@ -240,14 +240,14 @@ def _check_data_path(tokens: list[str]) -> list[str]:
 
 def expert_parallel_errors(cfg: Config, dp: int) -> list[str]:
     """Expert parallelism against the model and the layout (``dp`` data-parallel ranks): experts
-    to split, evenly, over ranks carved out of dp x cp, and their FFNs over tp with expert tensor
-    parallelism (etp 1 or tp only); what is not implemented for it."""
+    to split, evenly, over the expert grid etp x ep x edp that folds each pipeline stage's
+    tp x cp x dp ranks, and their FFNs over etp; what is not implemented for it."""
     m, p = cfg.model, cfg.parallel
     ep, etp, errors = p.expert_parallel, p.expert_tensor_parallel, []
-    if etp not in (1, p.tensor_parallel):
-        errors.append(f"--expert-tensor-parallel-size {etp} must be 1 (experts whole on every tp rank) or equal to "
-                      f"--tensor-model-parallel-size {p.tensor_parallel} (experts split like the dense MLP); other sizes "
-                      "are not implemented")  # fmt: skip
+    stage = p.tensor_parallel * p.context_parallel * dp  # the ranks of one pipeline stage
+    if etp >= 1 and stage % etp:  # below 1: reported with the sizes
+        errors.append(f"--expert-tensor-parallel-size {etp} must divide the {stage} ranks of a pipeline stage (tp "
+                      f"{p.tensor_parallel} x cp {p.context_parallel} x dp {dp}); change it or the number of processes")  # fmt: skip
     elif etp > 1 and m.num_experts <= 0:
         errors.append(f"--expert-tensor-parallel-size {etp} needs a mixture-of-experts model (--num-experts); set it to 1")
     elif etp > 1 and expert_ffn_hidden_size(m) % etp:
@@ -263,9 +263,10 @@ def expert_parallel_errors(cfg: Config, dp: int) -> list[str]:
     if m.num_experts % ep:
         errors.append(f"--expert-model-parallel-size {ep} must divide --num-experts {m.num_experts} (each rank holds "
                       "an equal share of the experts); change either")  # fmt: skip
-    if (dp * p.context_parallel) % ep:
-        errors.append(f"--expert-model-parallel-size {ep} must divide data parallel {dp} x --context-parallel-size "
-                      f"{p.context_parallel} (expert-parallel ranks are carved out of them); change it or the number of processes")  # fmt: skip
+    if etp >= 1 and stage % etp == 0 and stage % (ep * etp):  # an etp not dividing is reported above
+        errors.append(f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} = {ep * etp} must divide the "
+                      f"{stage} ranks of a pipeline stage (tp {p.tensor_parallel} x cp {p.context_parallel} x dp {dp}; the "
+                      "expert grid folds them); change either or the number of processes")  # fmt: skip
     return errors
 
 

@@ -17,7 +17,8 @@ boxes this rank holds and views of its memory for each. A rank's part is rarely 
 - expert parallelism: a routed expert weight holds experts ``ParamMeta.expert_index()``, a run of
   dim 0 (the global expert id), so its boxes sit that many experts further along dim 0.
 - FSDP2 parameters are DTensors: their placement gives the one box (``dtensor_box``); routed
-  experts are DTensors over the expert-data-parallel group, that box shifted to their experts.
+  experts are DTensors over the expert-data-parallel group, that box shifted to their experts
+  (and cut into this rank's etp runs under expert tensor parallelism).
 
 The box views alias the live tensors: saving reads them, loading writes into them in place.
 """
@@ -144,13 +145,21 @@ def _shift(offsets: Offsets, first_expert: int) -> Offsets:
 def dtensor_box(tensor: DTensor, meta: ParamMeta | None = None) -> Sharded:
     """A DTensor's local shard (FSDP2: a run of rows, possibly empty) as a box of its global
     shape; for routed experts (sharded over edp) of the global shape of all experts, this ep
-    rank's experts ``meta.expert_index()`` further along dim 0."""
+    rank's experts ``meta.expert_index()`` further along dim 0, and under expert tensor
+    parallelism cut into this etp rank's runs along ``meta.tp_dim`` (FSDP shards dim 0 only)."""
     sizes, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
     local = tensor.to_local().detach()
     experts = meta.expert_index() if meta is not None and tensor.dim() else None
-    shape = tuple(meta.global_shape) if experts is not None else tuple(tensor.shape)
+    runs = tp_runs(meta, writing=False) if tensor.dim() else None
+    shape = tuple(meta.global_shape) if experts is not None or runs is not None else tuple(tensor.shape)
     offsets = _shift(tuple(offsets), int(experts[0])) if experts is not None else tuple(offsets)
-    boxes = [Box(offsets, local.view(sizes))] if math.prod(sizes) else []
+    if not math.prod(sizes):
+        return Sharded(shape, tensor.dtype, [])
+    view = local.view(sizes)
+    if runs is None:
+        return Sharded(shape, tensor.dtype, [Box(offsets, view)])
+    d = meta.tp_dim
+    boxes = [Box((*offsets[:d], start, *offsets[d + 1 :]), view.narrow(d, local_start, length)) for local_start, start, length in runs]
     return Sharded(shape, tensor.dtype, boxes)
 
 

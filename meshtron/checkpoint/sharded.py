@@ -40,13 +40,13 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _writes(meta: ParamMeta | None, position: int, mesh: Mesh, dp_replicated: bool) -> bool:
-    """Whether this rank writes its copy of a parameter-shaped tensor. Copies exist over tp when
-    the tensor is not split there, and over its gradient group when ``dp_replicated``; the
+    """Whether this rank writes its copy of a parameter-shaped tensor. Copies exist over tp (etp
+    for routed experts, ``ParamMeta.split_over``) when the tensor is not split there, and over its gradient group when ``dp_replicated``; the
     parameter's ``position`` picks one rank of that grid of copies (round-robin, so the ranks
     share the writing)."""
     if meta is not None and meta.pipeline_copy == "other":
         return False
-    copies = ["tp"] if meta is None or meta.tp_dim is None else []
+    copies = [] if meta is not None and meta.tp_dim is not None else [meta.split_over if meta is not None else "tp"]
     if dp_replicated:
         copies.append(meta.grad_group if meta is not None else "dp_cp")
     coords = mesh.coords()

@@ -282,6 +282,8 @@ class ParamMeta:
     ``ep_size`` consecutive runs; this rank holds run ``ep_rank`` (1 / 0: whole). Under expert
     tensor parallelism it is also split along ``tp_dim`` (each local expert's fc1 rows or fc2
     columns): a rank's part is the product of the two.
+    ``split_over``: the mesh dimension ``tp_size`` / ``tp_rank`` count (``tp_dim`` is split over it,
+    whole copies repeat over it): "tp", or "etp" for routed experts, whose grid is the expert one.
     """
 
     global_shape: tuple[int, ...]
@@ -295,6 +297,7 @@ class ParamMeta:
     weight_decay: bool = True
     ep_size: int = 1
     ep_rank: int = 0
+    split_over: str = "tp"
 
     def expert_index(self) -> torch.Tensor | None:
         """Global expert ids (positions along dim 0) this rank holds (None when whole)."""

@@ -24,7 +24,7 @@ def build_optimizer(
     dp_group: dist.ProcessGroup | None = None,
     tp_group: dist.ProcessGroup | None = None,
     pp_group: dist.ProcessGroup | None = None,
-    ep_group: dist.ProcessGroup | None = None,
+    expert_group: dist.ProcessGroup | None = None,
     edp_group: dist.ProcessGroup | None = None,
     distributed: bool = False,
     bucket_size: int = DEFAULT_BUCKET_SIZE,
@@ -37,7 +37,7 @@ def build_optimizer(
     (``--use-distributed-optimizer``) shards masters and Adam state over those ranks instead of
     replicating them. The grad norm is completed over ``tp_group`` and ``pp_group`` (None: one rank).
     Parameters whose record says ``grad_group`` "edp" (routed experts) are reduced and sharded
-    over ``edp_group`` instead, and their norm summed over ``ep_group``.
+    over ``edp_group`` instead, and their norm summed over ``expert_group`` (etp x ep) instead of tp.
     """
     dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
     if dtypes != {param_dtype}:
@@ -62,6 +62,6 @@ def build_optimizer(
         metas=metas,
         tp_group=tp_group,
         pp_group=pp_group,
-        ep_group=ep_group,
+        expert_group=expert_group,
         impl=impl,
     )

@@ -158,8 +158,9 @@ class MixedPrecisionOptimizer:
     the groups over which the grad norm is completed, each value counted once: split params on
     every tp rank, whole ones on tp rank 0, kv rows copied over tp on their first copy, a weight
     two pipeline stages hold on the first (``ParamMeta.counted_in_norm``, ``replicas``).
-    ``ep_group``: routed experts differ over it (``grad_group`` "edp"), so their squares are
-    summed over it before they join the rest. ``impl``: "reference" or "fused" (the Triton step;
+    ``expert_group``: the ranks holding the other slices of the routed experts (``grad_group``
+    "edp"; the mesh's etp x ep group), over which their squares are summed instead of over tp
+    (their grid is the expert one), before they join the rest over pp. ``impl``: "reference" or "fused" (the Triton step;
     needs a ``GradBuffer`` and a device it runs on).
     """
 
@@ -176,7 +177,7 @@ class MixedPrecisionOptimizer:
         metas: dict[str, ParamMeta] | None = None,
         tp_group: dist.ProcessGroup | None = None,
         pp_group: dist.ProcessGroup | None = None,
-        ep_group: dist.ProcessGroup | None = None,
+        expert_group: dist.ProcessGroup | None = None,
         impl: str = "reference",
     ) -> None:
         named = [pair for group in param_groups for pair in group["params"]]
@@ -203,11 +204,11 @@ class MixedPrecisionOptimizer:
         fused = True if all(m.is_cuda for m in self._master_params()) else None
         self.adamw = torch.optim.AdamW(master_groups, lr=lr, betas=betas, eps=eps, fused=fused)
         self._init_adam_state()
-        self._norm_groups = [g for g in (tp_group, pp_group) if g is not None]
+        self._norm_groups = [pp_group] if pp_group is not None else []
         # Per gradient group, the groups completing its partial sum of squares; keys from every
         # parameter (not only this rank's shards), so all ranks issue the same collectives.
         keys = sorted({metas[name].grad_group for name, _ in named})
-        self._partial_norm_groups = {k: [ep_group] if k == "edp" and ep_group is not None else [] for k in keys}
+        self._partial_norm_groups = {k: [g] if (g := expert_group if k == "edp" else tp_group) is not None else [] for k in keys}
         names = self._master_names()
         self._grad_group_of = [metas[name].grad_group for name in names]
         self._in_norm = [metas[name].counted_in_norm() for name in names]
@@ -434,8 +435,8 @@ class MixedPrecisionOptimizer:
         With reduction groups (tensor parallel; the data-parallel shards of the distributed
         optimizer; expert parallel) each rank sums the squares of the gradients it counts and the
         sums are all-reduced; a param replicated over tp counts on tp rank 0 only. Each gradient
-        group's sum is completed over its own groups first (routed experts over ep, and over edp
-        when sharded; the rest over dp x cp when sharded).
+        group's sum is completed over its own groups (routed experts over etp x ep, and over edp
+        when sharded; the rest over tp, and over dp x cp when sharded), then the total over pp.
         """
         if not self._norm_groups and not any(self._partial_norm_groups.values()):
             return torch.nn.utils.get_total_norm(grads, norm_type=2.0)

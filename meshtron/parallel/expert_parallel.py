@@ -23,15 +23,21 @@ the experts the same rows in the same order, so the two dispatchers compute bit-
 results. A rank that sends or receives no row, or an expert that gets none, still takes part in
 every collective with empty buffers (its weights get a zero gradient, as at one process).
 
-Expert tensor parallelism (etp = tp) then splits every local expert's FFN over the tp group as
-the dense MLP is split: ``weight1``'s fc1 rows column-parallel (SwiGLU's gate and up halves kept
-in pairs, ``Halves(2)``), ``weight2``'s ffn columns row-parallel, so each rank computes a partial
-output that the group sums. Without sequence parallelism the tp ranks routed the same tokens and
-hold the same rows: the rows enter as a column-parallel input (gradient all-reduced) and the
-partial outputs are all-reduced. Under sequence parallelism each tp rank routed its own shard:
-the rows of the whole group are gathered (counts first, variable sizes), regrouped by local
-expert, and the partial outputs reduce-scattered back to the ranks they came from, as Megatron-
-Core's dispatcher does over its etp group.
+Expert tensor parallelism (etp) then splits every local expert's FFN over the mesh's etp group
+(``Mesh``: the expert grid etp x ep x edp, Megatron-Core's, over the same ranks as tp x cp x dp):
+``weight1``'s fc1 rows column-parallel (SwiGLU's gate and up halves kept in pairs, ``Halves(2)``),
+``weight2``'s ffn columns row-parallel, so each rank computes a partial output that the group
+sums. The ranks of an etp group routed different tokens (other sequence shards, batches or
+chunks): after the ep exchange the rows of the whole group are gathered (counts first, variable
+sizes), regrouped by local expert, and the partial outputs reduce-scattered back to the ranks
+they came from, as Megatron-Core's dispatcher does over its etp group.
+
+The expert grid wants every rank's rows to be its own. Under sequence parallelism (or tp 1) they
+are. Without it the tp ranks routed the same tokens: when etp = tp (the etp group is the tp
+group) the shared rows enter as a column-parallel input (gradient all-reduced) and the partial
+outputs are all-reduced, with no gather; otherwise each tp rank first keeps its 1/tp of the rows
+and the outputs are gathered back over tp at the end (gradients: the adjoints), so that ep, etp
+and edp see each row once whatever they have in common with tp.
 """
 
 from __future__ import annotations
@@ -45,13 +51,16 @@ from meshtron.errors import ConfigError
 from meshtron.layers.moe.experts import expert_ffn
 from meshtron.models.contract import Contiguous, Layout
 from meshtron.optim.grad_buffer import all_gather_single
+from meshtron.parallel.mesh import Mesh
 from meshtron.parallel.tensor_parallel import (
     all_gather_sequence,
     copy_to_tp_region,
+    gather_from_sequence_parallel,
     group_rank,
     group_size,
     reduce_from_tp_region,
     reduce_scatter_sequence,
+    scatter_to_sequence_parallel,
 )
 
 DISPATCHERS = ("alltoall", "allgather")
@@ -102,37 +111,63 @@ def _by_local_expert(rows: torch.Tensor, received: torch.Tensor, ffn) -> torch.T
     return out.index_select(0, torch.argsort(index))
 
 
-class ExpertParallelExperts(nn.Module):
-    """The routed experts of one layer on one ep rank: experts ``ep_rank * L .. + L`` of ``experts``
-    (L = E / ep), same parameter names, rows exchanged over ``group`` by ``dispatcher``; with an
-    ``etp_group`` of several ranks, this rank's slice of each expert's FFN (``fc1_layout`` for
-    ``weight1``'s rows), its rows those of ``sequence_parallel`` shards or replicated over it."""
+def experts_communicate(mesh: Mesh, sequence_parallel: bool) -> bool:
+    """Whether the routed experts need ``ExpertParallelExperts`` on ``mesh``: experts split (ep,
+    etp) or rows the tp ranks share (no sequence parallelism) to split among them; otherwise
+    every rank holds every expert whole and its own rows."""
+    return mesh.ep > 1 or mesh.etp > 1 or (mesh.tp > 1 and not sequence_parallel)
 
-    def __init__(self, experts: nn.Module, group, ep: int, ep_rank: int, dispatcher: str, etp_group=None,
-                 fc1_layout: Layout = Contiguous(), sequence_parallel: bool = False):  # fmt: skip
+
+class ExpertParallelExperts(nn.Module):
+    """The routed experts of one layer on one rank of ``mesh``'s expert grid: experts ``ep_rank *
+    L .. + L`` of ``experts`` (L = E / ep), same parameter names, rows exchanged over the ep group
+    by ``dispatcher``; with etp > 1, this rank's slice of each expert's FFN (``fc1_layout`` for
+    ``weight1``'s rows). The rows are this rank's own under ``sequence_parallel``, else shared by
+    the tp group (see the module docstring)."""
+
+    def __init__(self, experts: nn.Module, mesh: Mesh, dispatcher: str = "alltoall", fc1_layout: Layout = Contiguous(),
+                 sequence_parallel: bool = False):  # fmt: skip
         super().__init__()
         num_experts = experts.weight1.shape[0]
+        ep, etp = mesh.ep, mesh.etp
         if num_experts % ep:
             raise ConfigError(f"--num-experts {num_experts} does not split over --expert-model-parallel-size {ep}; change either")
         if dispatcher not in DISPATCHERS:
             raise ConfigError(f"--moe-token-dispatcher-type must be one of {', '.join(DISPATCHERS)}, got '{dispatcher}'")
-        self.cfg, self.group, self.ep, self.dispatcher = experts.cfg, group, ep, dispatcher
-        self.etp_group, self.etp, self.sequence_parallel = etp_group, group_size(etp_group), sequence_parallel
-        self.num_local, self.ep_rank = num_experts // ep, ep_rank
-        first = ep_rank * self.num_local
+        self.cfg, self.group, self.ep, self.dispatcher = experts.cfg, mesh.ep_group, ep, dispatcher
+        self.etp, self.etp_group = etp, mesh.etp_group
+        shared_over_tp = mesh.tp > 1 and not sequence_parallel
+        self.rows_shared_by_etp = shared_over_tp and etp == mesh.tp  # the etp group is then the tp group
+        self.split_group = mesh.tp_group if shared_over_tp and etp != mesh.tp else None
+        self.num_local, self.ep_rank = num_experts // ep, mesh.ep_rank
+        first = self.ep_rank * self.num_local
         with torch.no_grad():
             for name, param in experts.named_parameters(recurse=False):
                 local = param[first : first + self.num_local]
-                if self.etp > 1:
+                if etp > 1:
                     dim, layout = expert_tensor_parallel_split(name, fc1_layout)
-                    if not layout.divisible(param.shape[dim], self.etp):
+                    if not layout.divisible(param.shape[dim], etp):
                         raise ConfigError(f"the experts' {param.shape[dim]}-wide {name} does not split over "
-                                          f"--expert-tensor-parallel-size {self.etp}; change --moe-ffn-hidden-size or etp")  # fmt: skip
-                    local = local.index_select(dim, layout.local_index(param.shape[dim], self.etp, group_rank(etp_group)).to(param.device))
+                                          f"--expert-tensor-parallel-size {etp}; change --moe-ffn-hidden-size or etp")  # fmt: skip
+                    local = local.index_select(dim, layout.local_index(param.shape[dim], etp, mesh.etp_rank).to(param.device))
                 self.register_parameter(name, nn.Parameter(local.clone(), requires_grad=param.requires_grad))
 
     def forward(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
         """x [R, h] grouped by global expert (``group_sizes`` [E]) -> their outputs [R, h]."""
+        if self.split_group is None:
+            return self._dispatch(x, group_sizes)
+        # Rows every tp rank holds: each keeps a run of 1/tp of them (padded to equal runs of at
+        # least one row), computes those, and the outputs are gathered back.
+        tp, rank, total = group_size(self.split_group), group_rank(self.split_group), x.shape[0]
+        run = max(1, -(-total // tp))
+        lo, hi = min(rank * run, total), min((rank + 1) * run, total)
+        mine = scatter_to_sequence_parallel(F.pad(x, (0, 0, 0, run * tp - total)), self.split_group, dim=0)[: hi - lo]
+        ends = torch.cumsum(group_sizes, 0)
+        my_sizes = (ends.clamp(max=hi) - (ends - group_sizes).clamp(min=lo)).clamp(min=0)
+        out = self._dispatch(mine, my_sizes)
+        return gather_from_sequence_parallel(F.pad(out, (0, 0, 0, run - (hi - lo))), self.split_group, dim=0)[:total]
+
+    def _dispatch(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
         if self.ep == 1:
             return self._ffn(x, group_sizes)
         if self.dispatcher == "alltoall":
@@ -143,7 +178,7 @@ class ExpertParallelExperts(nn.Module):
         """Rows grouped by local expert (``group_sizes`` [L]) -> outputs, whole experts or split over etp."""
         if self.etp == 1:
             return expert_ffn(rows, self.weight1, self.weight2, group_sizes, self.cfg)
-        if not self.sequence_parallel:  # every etp rank holds these same rows
+        if self.rows_shared_by_etp:  # every etp rank holds these same rows
             partial = expert_ffn(copy_to_tp_region(rows, self.etp_group), self.weight1, self.weight2, group_sizes, self.cfg)
             return reduce_from_tp_region(partial, self.etp_group)
         counts = group_sizes.to(torch.int64).contiguous()

@@ -16,8 +16,9 @@ batch, as for ``GradBuffer``.
 With expert parallelism the routed experts are FSDP units of their own, sharded over the
 expert-data-parallel group (a DeviceMesh of its own: the ranks holding the same experts), while
 the rest of each block is sharded over dp x cp as without experts; FSDP then reduce-scatters the
-experts' gradients over edp only, and ``FSDPOptimizer`` sums their squares over ep so the
-gradient norm counts every expert once.
+experts' gradients over edp only, and ``FSDPOptimizer`` sums their squares over etp x ep so the
+gradient norm counts every expert slice once. (FSDP2 excludes tp, not etp: with etp > 1 the
+experts' slices are etp shards of the expert grid, each sharded again over its edp group.)
 
 Runs on gloo too (checked with torch 2.13 on the CPU: all-gather, reduce-scatter and bf16
 mixed precision), so the same equivalence tests as the other data-parallel paths hold it.
@@ -66,7 +67,7 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype = torch.fl
     device_type = next(model.parameters()).device.type
     device_mesh = DeviceMesh.from_group(mesh.dp_cp_group, device_type)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    if mesh.ep > 1:
+    if mesh.ep * mesh.etp > 1:  # experts reduce over edp, not dp x cp
         expert_mesh = DeviceMesh.from_group(mesh.edp_group, device_type)
         experts = _routed_expert_modules(model, metas or {})
         if not experts:
@@ -138,7 +139,7 @@ class FSDPOptimizer(MixedPrecisionOptimizer):
     def _total_grad_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """The norm of DTensor shards is a DTensor; ``full_tensor`` completes it over the shards'
         mesh, per gradient group (dense over dp x cp, routed experts over edp); the experts' sum
-        of squares is then completed over ep, where each rank holds other experts."""
+        of squares is then completed over etp x ep, where each rank holds other expert slices."""
         masters = self._master_params()
         total = torch.zeros((), dtype=torch.float32, device=masters[0].device)
         for key, groups in self._partial_norm_groups.items():
@@ -166,13 +167,13 @@ class FSDPOptimizer(MixedPrecisionOptimizer):
 
 
 def build_fsdp_optimizer(model: nn.Module, train_cfg: Any, compute_dtype: torch.dtype = torch.float32,
-                         metas: dict[str, ParamMeta] | None = None, ep_group: dist.ProcessGroup | None = None) -> FSDPOptimizer:  # fmt: skip
+                         metas: dict[str, ParamMeta] | None = None, expert_group: dist.ProcessGroup | None = None) -> FSDPOptimizer:  # fmt: skip
     """The optimizer for a model that went through ``apply_fsdp`` (same weight-decay groups as
     ``build_optimizer``; ``compute_dtype``, FSDP's ``param_dtype``, picks the loss scaler;
-    ``ep_group`` the expert-parallel group, None without expert parallelism)."""
+    ``expert_group`` the ranks holding other expert slices (etp x ep), None without them)."""
     # AdamW runs one foreach per parameter group: routed experts (DTensors over edp) get their own.
     grad_group = {name: metas[name].grad_group for name in metas} if metas is not None else {}
     groups = [{**group, "params": params} for group in build_param_groups(model, train_cfg.weight_decay, metas)
               for _, params in _by_grad_group((grad_group.get(name, "dp_cp"), (name, p)) for name, p in group["params"])]  # fmt: skip
     settings = optimizer_settings(train_cfg, compute_dtype)
-    return FSDPOptimizer(groups, **settings, grads=FSDPGrads(model), metas=metas, ep_group=ep_group)
+    return FSDPOptimizer(groups, **settings, grads=FSDPGrads(model), metas=metas, expert_group=expert_group)

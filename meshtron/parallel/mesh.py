@@ -8,16 +8,18 @@ so a tensor-parallel group (the chattiest, one collective per layer) is made of 
 which launchers place on one node. Gradients of dense parameters are reduced over dp and cp
 together (``dp_cp``): each context-parallel rank saw a different part of the sequences.
 
-Expert parallelism is folded inside the ``dp_cp`` ranks of a (tp, pp) position, as in
-Megatron-Core: number those ranks ``k = cp_rank + cp * dp_rank``; an ``ep`` group is a run of
-``ep`` consecutive ``k`` (each rank holds a different slice of the experts), and an ``edp``
-(expert data parallel) group is the ranks with the same position in their ep group (they hold
-the same experts and reduce those experts' gradients together).
+Experts have a grid of their own over the same ranks, as in Megatron-Core ("MoE parallel
+folding"): inside one pipeline stage (its ``tp * cp * dp`` ranks, numbered ``j = rank mod
+tp*cp*dp``) the coordinates vary, fastest to slowest, as etp, ep, edp::
 
-Expert tensor parallelism (``etp``) is either 1 (each expert whole on every tp rank, its rows
-those the tp rank routed) or tp: Megatron-Core's expert grid ``etp x ep x edp x pp`` then has the
-same fastest axis as attention's ``tp x cp x dp x pp``, so the ranks splitting one expert's FFN
-are exactly a tp group and no group of its own is needed (``etp_group`` is the tp group).
+    j = etp_rank + etp * (ep_rank + ep * edp_rank)
+
+An ``etp`` group splits each expert's FFN, an ``ep`` group holds the experts in slices (each rank
+``E / ep`` of them), an ``edp`` (expert data parallel) group holds the same expert slices and
+reduces their gradients together, and ``etp_ep`` is the ranks holding the other slices (over which
+an expert gradient norm is completed). The two grids share only pp: with etp = tp an etp group is
+a tp group and ep / edp are carved out of dp x cp; with etp < tp the etp groups are runs of a tp
+group, with etp > tp they take tp groups of neighbouring dp (or cp) ranks.
 
 The grid itself is pure Python (``group_ranks``, ``coords``) so that it can be printed and tested
 without processes; ``init_process_groups`` turns it into ``torch.distributed`` groups. A mesh of
@@ -39,9 +41,17 @@ from meshtron.config import ParallelConfig
 from meshtron.errors import ConfigError
 
 # Every group the mesh builds, in the order every rank creates them (new_group is collective).
-GROUP_DIMS = ("tp", "cp", "dp", "pp", "dp_cp", "ep", "edp")
+GROUP_DIMS = ("tp", "cp", "dp", "pp", "dp_cp", "etp", "ep", "edp", "etp_ep")
 # The grid's own axes, fastest-varying first.
 GRID_DIMS = ("tp", "cp", "dp", "pp")
+# The expert grid's axes inside one pipeline stage, fastest-varying first.
+EXPERT_DIMS = ("etp", "ep", "edp")
+# Per dimension, the coordinates its members share (a group is the ranks agreeing on them).
+_FIXED = {
+    "tp": ("cp", "dp", "pp"), "cp": ("tp", "dp", "pp"), "dp": ("tp", "cp", "pp"), "pp": ("tp", "cp", "dp"),
+    "dp_cp": ("tp", "pp"), "etp": ("ep", "edp", "pp"), "ep": ("etp", "edp", "pp"), "edp": ("etp", "ep", "pp"),
+    "etp_ep": ("edp", "pp"),
+}  # fmt: skip
 
 
 def _accessors(dim: str):
@@ -68,18 +78,15 @@ class Mesh:
     _groups: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for dim in ("tp", "cp", "dp", "pp", "ep"):
+        for dim in ("tp", "cp", "dp", "pp", "ep", "etp"):
             if getattr(self, dim) < 1:
                 raise ConfigError(f"parallel size {dim} must be at least 1, got {getattr(self, dim)}")
-        if (self.dp * self.cp) % self.ep:
+        stage = self.tp * self.cp * self.dp
+        if stage % (self.ep * self.etp):
             raise ConfigError(
-                f"expert parallel size {self.ep} must divide data parallel {self.dp} x context parallel {self.cp} "
-                f"= {self.dp * self.cp}; change --expert-model-parallel-size or the number of processes"
-            )
-        if self.etp not in (1, self.tp):
-            raise ConfigError(
-                f"--expert-tensor-parallel-size {self.etp} must be 1 (experts whole on every tp rank) or equal to "
-                f"--tensor-model-parallel-size {self.tp} (experts split like the dense MLP); other sizes are not implemented"
+                f"expert parallel size {self.ep} x expert tensor parallel size {self.etp} must divide the {stage} ranks "
+                f"of a pipeline stage (tp x cp x dp); change --expert-model-parallel-size, --expert-tensor-parallel-size "
+                "or the number of processes"
             )
         if not 0 <= self.rank < self.world_size:
             raise ConfigError(f"rank {self.rank} is outside a world of {self.world_size} processes")
@@ -125,10 +132,12 @@ class Mesh:
         for dim in GRID_DIMS:
             out[dim] = rest % getattr(self, dim)
             rest //= getattr(self, dim)
-        k = out["cp"] + self.cp * out["dp"]
-        out["dp_cp"] = k
-        out["ep"] = k % self.ep
-        out["edp"] = k // self.ep
+        out["dp_cp"] = out["cp"] + self.cp * out["dp"]
+        rest = rank % (self.tp * self.cp * self.dp)  # place inside the pipeline stage
+        for dim in EXPERT_DIMS:
+            out[dim] = rest % self.size(dim)
+            rest //= self.size(dim)
+        out["etp_ep"] = out["etp"] + self.etp * out["ep"]
         return out
 
     def group_ranks(self, dim: str) -> list[list[int]]:
@@ -138,34 +147,29 @@ class Mesh:
         groups: dict[tuple, list[tuple[int, int]]] = {}
         for r in range(self.world_size):
             c = self.coords(r)
-            if dim in GRID_DIMS:
-                key = tuple(c[d] for d in GRID_DIMS if d != dim)
-            elif dim == "dp_cp":
-                key = (c["tp"], c["pp"])
-            elif dim == "ep":
-                key = (c["tp"], c["pp"], c["edp"])
-            else:  # edp
-                key = (c["tp"], c["pp"], c["ep"])
-            groups.setdefault(key, []).append((c[dim], r))
+            groups.setdefault(tuple(c[d] for d in _FIXED[dim]), []).append((c[dim], r))
         return sorted([r for _, r in sorted(members)] for members in groups.values())
 
     def size(self, dim: str) -> int:
-        if dim in ("tp", "cp", "dp", "pp", "ep"):
+        if dim in ("tp", "cp", "dp", "pp", "ep", "etp"):
             return getattr(self, dim)
         if dim == "dp_cp":
             return self.dp * self.cp
         if dim == "edp":
-            return self.dp * self.cp // self.ep
+            return self.tp * self.cp * self.dp // (self.ep * self.etp)
+        if dim == "etp_ep":
+            return self.etp * self.ep
         raise ValueError(f"unknown mesh dimension '{dim}': use one of {GROUP_DIMS}")
 
     def describe(self) -> str:
         """The layout in words: sizes, then which global ranks form each group, then this rank."""
         lines = [
             f"mesh: world {self.world_size} = tp {self.tp} x cp {self.cp} x dp {self.dp} x pp {self.pp}"
-            f" (ep {self.ep} inside dp x cp, etp {self.etp}); rank order fastest to slowest: tp, cp, dp, pp"
+            f" (experts: etp {self.etp} x ep {self.ep} x edp {self.edp} x pp {self.pp});"
+            " rank order fastest to slowest: tp, cp, dp, pp and etp, ep, edp, pp"
         ]
         for dim in GROUP_DIMS:
-            lines.append(f"  {dim:>5} groups: " + " ".join(str(g) for g in self.group_ranks(dim)))
+            lines.append(f"  {dim:>6} groups: " + " ".join(str(g) for g in self.group_ranks(dim)))
         c = self.coords()
         lines.append(f"  rank {self.rank} (local {self.local_rank}): " + ", ".join(f"{d} {c[d]}" for d in GROUP_DIMS))
         return "\n".join(lines)
@@ -207,19 +211,16 @@ class Mesh:
     cp_rank, cp_group = _accessors("cp")
     dp_rank, dp_group = _accessors("dp")
     pp_rank, pp_group = _accessors("pp")
+    etp_rank, etp_group = _accessors("etp")
     ep_rank, ep_group = _accessors("ep")
     edp_rank, edp_group = _accessors("edp")
+    etp_ep_rank, etp_ep_group = _accessors("etp_ep")
     dp_cp_rank, dp_cp_group = _accessors("dp_cp")
 
     @property
     def dp_cp(self) -> int:
         """Ranks that reduce a dense parameter's gradient together (data x context parallel)."""
         return self.size("dp_cp")
-
-    @property
-    def etp_group(self) -> dist.ProcessGroup | None:
-        """The ranks splitting one expert's FFN (the tp group when etp = tp; None when experts are whole)."""
-        return self.tp_group if self.etp > 1 else None
 
     @property
     def edp(self) -> int:

@@ -23,7 +23,7 @@ from meshtron.errors import ConfigError
 from meshtron.models import contract as mc
 from meshtron.parallel.context_parallel import ContextParallelAttention
 from meshtron.parallel.data_parallel_gather import DataParallelRowGather
-from meshtron.parallel.expert_parallel import ExpertParallelExperts, expert_tensor_parallel_split
+from meshtron.parallel.expert_parallel import ExpertParallelExperts, experts_communicate, expert_tensor_parallel_split
 from meshtron.parallel.mesh import Mesh
 from meshtron.parallel.sequence_sum import SequenceShardSum
 from meshtron.parallel.tensor_parallel import (
@@ -89,9 +89,7 @@ def _replace(module: nn.Module, style: mc.Style, mesh: Mesh, sp: bool, cp_algori
     if isinstance(style, mc.ContextParallelCore):
         return ContextParallelAttention(mesh, cp_algorithm, cp_block_kernel, getattr(module, "scale", None)) if mesh.cp > 1 else None
     if isinstance(style, mc.ExpertParallel):
-        if mesh.ep == 1 and mesh.etp == 1:
-            return None
-        return ExpertParallelExperts(module, mesh.ep_group, mesh.ep, mesh.ep_rank, style.dispatcher, mesh.etp_group, style.fc1_layout, sp)
+        return ExpertParallelExperts(module, mesh, style.dispatcher, style.fc1_layout, sp) if experts_communicate(mesh, sp) else None
     if isinstance(style, mc.SequenceSum):
         if not (sp or mesh.cp > 1):
             return None
@@ -171,11 +169,14 @@ def _meta(meta: mc.ParamMeta, style: mc.Style, pname: str, mesh: Mesh, sp: bool)
     if isinstance(style, (mc.RowParallel, mc.SequenceParallelNorm)):  # a row-parallel bias is added to the shards
         return dataclasses.replace(meta, sequence_partial=sp, **tp)
     if isinstance(style, mc.ExpertParallel):
-        expert = dict(grad_group="edp", ep_size=mesh.ep, ep_rank=mesh.ep_rank, **tp)
-        if mesh.etp > 1:  # each tp rank's slice sees every tp rank's rows: its gradient is whole
+        # Every rank's expert rows are its own (replicated rows are split first): a gradient is
+        # whole for this rank's tokens and completed over the ranks holding the same slice (edp).
+        expert = dict(grad_group="edp", ep_size=mesh.ep, ep_rank=mesh.ep_rank, tp_size=mesh.etp, tp_rank=mesh.etp_rank,
+                      split_over="etp")  # fmt: skip
+        if mesh.etp > 1:
             dim, layout = expert_tensor_parallel_split(pname, style.fc1_layout)
             return dataclasses.replace(meta, tp_dim=dim, layout=layout, **expert)
-        return dataclasses.replace(meta, sequence_partial=sp, **expert)
+        return dataclasses.replace(meta, **expert)
     return dataclasses.replace(meta, **tp)
 
 
@@ -217,14 +218,14 @@ def finalize_tensor_parallel_grads(grads: dict[str, torch.Tensor], metas: ParamM
 
 def gather_full(tensor: torch.Tensor, meta: mc.ParamMeta, mesh: Mesh) -> torch.Tensor:
     """The full tensor from every tp rank's shard of it (a weight, its gradient or an optimizer
-    state of its shape) and, for routed experts, every ep rank's experts. Collective over tp (and
-    ep for routed experts); the tensor itself when it is not split."""
+    state of its shape) and, for routed experts, every etp rank's slice and ep rank's experts.
+    Collective over tp (etp and ep for routed experts); the tensor itself when it is not split."""
     if tensor.dim() == 0:
         return tensor
-    if meta.tp_dim is not None and mesh.tp > 1:
-        parts = [torch.empty_like(tensor) for _ in range(mesh.tp)]
-        dist.all_gather(parts, tensor.contiguous(), group=mesh.tp_group)
-        indices = [meta.layout.local_index(meta.global_shape[meta.tp_dim], mesh.tp, r) for r in range(mesh.tp)]
+    if meta.tp_dim is not None and meta.tp_size > 1:
+        parts = [torch.empty_like(tensor) for _ in range(meta.tp_size)]
+        dist.all_gather(parts, tensor.contiguous(), group=mesh.group(meta.split_over))
+        indices = [meta.layout.local_index(meta.global_shape[meta.tp_dim], meta.tp_size, r) for r in range(meta.tp_size)]
         shape = list(meta.global_shape)
         shape[0] = tensor.shape[0] if meta.ep_size > 1 else shape[0]  # this ep rank's experts only, so far
         full = tensor.new_empty(shape)

@@ -75,12 +75,12 @@ def runner_for(model: ModelFamily, mesh: Mesh, parallel: ParallelConfig, train: 
     if parallel.fsdp and mesh.dp_cp > 1:
         # FSDP2 keeps fp32 sharded parameters as the master weights and casts to ``dtype`` to compute.
         model = apply_fsdp(model, mesh, param_dtype=dtype, reduce_dtype=reduce_dtype, metas=metas)
-        optimizer = build_fsdp_optimizer(model, train, dtype, metas, ep_group=mesh.ep_group if mesh.ep > 1 else None)
+        optimizer = build_fsdp_optimizer(model, train, dtype, metas, expert_group=mesh.etp_ep_group if mesh.size("etp_ep") > 1 else None)
     else:
         model.to(dtype=dtype)
-        groups = {dim: mesh.group(dim) if mesh.size(dim) > 1 else None for dim in ("dp_cp", "tp", "pp", "ep", "edp")}
+        groups = {dim: mesh.group(dim) if mesh.size(dim) > 1 else None for dim in ("dp_cp", "tp", "pp", "etp_ep", "edp")}
         optimizer = build_optimizer(model, train, dtype, metas=metas, dp_group=groups["dp_cp"], tp_group=groups["tp"],
-                                    pp_group=groups["pp"], ep_group=groups["ep"], edp_group=groups["edp"],
+                                    pp_group=groups["pp"], expert_group=groups["etp_ep"], edp_group=groups["edp"],
                                     distributed=parallel.use_distributed_optimizer, bucket_size=parallel.ddp_bucket_size, reduce_dtype=reduce_dtype)  # fmt: skip
     return Runner(model, metas, stages, optimizer, mesh, dtype, kind, sequence_parallel, split, costs)
 

@@ -151,6 +151,12 @@ def scatter_to_sequence_parallel(x: torch.Tensor, group, dim: int = SEQ_DIM) -> 
     return _paired(x, _split, _all_gather, group, dim)
 
 
+def gather_from_sequence_parallel(x: torch.Tensor, group, dim: int = SEQ_DIM) -> torch.Tensor:
+    """Shards -> the full tensor, which every rank then uses whole (as a replicated tensor);
+    backward keeps this rank's slice of the (replicated) gradient. The adjoint of the above."""
+    return _paired(x, _all_gather, _split, group, dim)
+
+
 def enter_tp_region(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
     """The input of tensor-parallel compute: replicated (copy, gradient all-reduced) or, under
     sequence parallelism, the sequence shards gathered (gradient reduce-scattered)."""

@@ -136,7 +136,7 @@ def _zero_token_experts() -> Experts:
 
 
 def _zero_tokens(mesh: Mesh, dispatcher: str) -> dict:
-    experts = ExpertParallelExperts(_zero_token_experts(), mesh.ep_group, mesh.ep, mesh.ep_rank, dispatcher)
+    experts = ExpertParallelExperts(_zero_token_experts(), mesh, dispatcher)
     x, sizes, weighting = _zero_token_inputs(mesh.rank)
     x.requires_grad_(True)
     out = experts(x, sizes)

@@ -1,19 +1,25 @@
-"""Expert tensor parallelism (each expert's FFN split over tp) and FSDP2 with expert parallelism,
-equal to one process.
+"""Expert tensor parallelism (each expert's FFN split over the expert grid's etp group, of any
+size against tp) and FSDP2 with expert parallelism, equal to one process.
 
-One spawn of 4 gloo processes (fp32, CPU) runs every case through the same runner as training:
+One spawn of 4 gloo processes (fp32, CPU) runs every case through the same runner as training
+(and one of 2 processes, tp1 x etp2: each expert split over two data-parallel ranks):
 
-- etp2 (tp2, ep1) with and without sequence parallelism and with pp2, ep2 x etp2 with both
-  dispatchers and with sequence parallelism (DeepSeek's per-sequence balancing loss, a gated
-  shared expert): the step loss, each balancing term and every gradient equal one process's
-  (1e-5 relative);
-- FSDP2 with ep2 (dp4: experts sharded over an edp group of 2) and ep4 (edp 1): loss, balancing
-  terms and gradients the same way;
+- etp = tp: etp2 (tp2, ep1) with and without sequence parallelism and with pp2, ep2 x etp2 with
+  both dispatchers and with sequence parallelism (DeepSeek's per-sequence balancing loss, a gated
+  shared expert); etp other than tp: tp1 x etp2 x ep2 (etp from dp ranks, both dispatchers),
+  tp4 x etp2 (etp half of a tp group) and tp2 x etp4 (etp across two tp groups), each with and
+  without sequence parallelism (without it the tp ranks' shared rows are split among them first),
+  tp2 x etp1 x ep4 x sp (Megatron's fine-grained layout: ep across the tp ranks), etp2 over the
+  cp ranks (cp2 x dp2) and etp2 inside each pipeline stage (pp2 x dp2): the step
+  loss, each balancing term and every gradient equal one process's (1e-5 relative);
+- FSDP2 with ep2 (dp4: experts sharded over an edp group of 2), ep4 (edp 1) and etp2 (dp4, edp
+  2): loss, balancing terms and gradients the same way;
 - one optimizer step under ep2 x etp2 (the distributed optimizer sharding experts over edp),
-  etp2 x sp (replicated optimizer) and FSDP2 with ep2: the gradient norm (each expert slice
-  counted once), the updated weights and the expert bias equal a one-process runner's, and the
-  checkpoint each layout saves, loaded into one process, equals the one-process runner's state
-  (weights, masters, Adam moments) and continues with its next step's loss and gradient norm;
+  etp2 x sp (replicated optimizer), tp1 x etp2 x ep2 (distributed optimizer), tp4 x etp2 x sp
+  and FSDP2 with ep2 and with etp2: the gradient norm (each expert slice counted once), the
+  updated weights and the expert bias equal a one-process runner's, and the checkpoint each
+  layout saves, loaded into one process, equals the one-process runner's state (weights,
+  masters, Adam moments) and continues with its next step's loss and gradient norm;
 - one process's checkpoint loaded into a fresh ep2 x etp2 layout (and into FSDP2 ep2) and saved
   again reads back the same: resharding 1 -> ep2 x etp2 -> 1 and 1 -> FSDP2 ep2 -> 1;
 - the alltoall and allgather dispatchers stay bit-identical under etp; and the experts alone
@@ -47,6 +53,8 @@ except ImportError:  # pragma: no cover - torch < 2.5
 TP2 = dict(tp=2, dp=2, etp=2)
 EP2_TP2 = dict(tp=2, dp=2, ep=2, etp=2)
 # name: (mesh sizes, config, sequence parallel)
+ETP2_EP2_DP4 = dict(dp=4, ep=2, etp=2)
+TP4_ETP2 = dict(tp=4, etp=2)
 LAYOUTS = {
     "etp2": (TP2, "moe", False),
     "etp2_sp": (TP2, "sequence", True),
@@ -54,10 +62,23 @@ LAYOUTS = {
     "ep2_etp2": (EP2_TP2, "moe", False),
     "ep2_etp2_allgather": (EP2_TP2, "allgather", False),
     "ep2_etp2_sp": (EP2_TP2, "sequence", True),
+    "tp1_etp2_ep2": (ETP2_EP2_DP4, "moe", False),
+    "tp1_etp2_ep2_allgather": (ETP2_EP2_DP4, "allgather", False),
+    "tp4_etp2": (TP4_ETP2, "moe", False),
+    "tp4_etp2_sp": (TP4_ETP2, "sequence", True),
+    "tp2_etp4": (dict(tp=2, dp=2, etp=4), "moe", False),
+    "tp2_etp4_sp": (dict(tp=2, dp=2, etp=4), "sequence", True),
+    "tp2_etp1_ep4_sp": (dict(tp=2, dp=2, ep=4), "sequence", True),
+    "cp2_etp2": (dict(cp=2, dp=2, etp=2), "moe", False),
+    "pp2_etp2": (dict(pp=2, dp=2, etp=2), "moe", False),
 }
-FSDP_LAYOUTS = {"fsdp_ep2_dp4": dict(dp=4, ep=2), "fsdp_ep4_dp4": dict(dp=4, ep=4)}
+# world 2: name -> (mesh sizes, config, sequence parallel)
+LAYOUTS_WORLD2 = {"tp1_etp2": (dict(dp=2, etp=2), "moe", False)}
+FSDP_LAYOUTS = {"fsdp_ep2_dp4": dict(dp=4, ep=2), "fsdp_ep4_dp4": dict(dp=4, ep=4), "fsdp_etp2_dp4": dict(dp=4, etp=2)}
+FSDP_STEPS = ("fsdp_ep2_dp4", "fsdp_etp2_dp4")
 # name: (mesh sizes, sequence parallel, distributed optimizer), all with MOE_BIAS
-STEPS = {"ep2_etp2_distopt": (EP2_TP2, False, True), "etp2_sp": (TP2, True, False)}
+STEPS = {"ep2_etp2_distopt": (EP2_TP2, False, True), "etp2_sp": (TP2, True, False),
+         "tp1_etp2_ep2_distopt": (ETP2_EP2_DP4, False, True), "tp4_etp2_sp": (TP4_ETP2, True, False)}  # fmt: skip
 
 
 def _full(tensor: torch.Tensor, meta, mesh: Mesh) -> torch.Tensor:
@@ -103,7 +124,7 @@ def _zero_tokens(mesh: Mesh, dispatcher: str) -> dict:
     """``test_expert_parallel``'s rows (rank 1 sends none, experts 1 and 2 receive none) through
     ep2 x etp2 experts under sequence parallelism: outputs, input gradients, whole weight gradients."""
     whole = _zero_token_experts()
-    experts = ExpertParallelExperts(whole, mesh.ep_group, mesh.ep, mesh.ep_rank, dispatcher, mesh.etp_group, Halves(2), True)
+    experts = ExpertParallelExperts(whole, mesh, dispatcher, Halves(2), sequence_parallel=True)
     x, sizes, weighting = _zero_token_inputs(mesh.rank)
     x.requires_grad_(True)
     out = experts(x, sizes)
@@ -111,8 +132,8 @@ def _zero_tokens(mesh: Mesh, dispatcher: str) -> dict:
     grads = {}
     for name, param in experts.named_parameters():
         dim, layout = expert_tensor_parallel_split(name, Halves(2))
-        meta = ParamMeta(tuple(getattr(whole, name).shape), tp_dim=dim, layout=layout, tp_size=mesh.tp, tp_rank=mesh.tp_rank,
-                         ep_size=mesh.ep, ep_rank=mesh.ep_rank)  # fmt: skip
+        meta = ParamMeta(tuple(getattr(whole, name).shape), tp_dim=dim, layout=layout, tp_size=mesh.etp, tp_rank=mesh.etp_rank,
+                         ep_size=mesh.ep, ep_rank=mesh.ep_rank, split_over="etp")  # fmt: skip
         grads[name] = gather_full(param.grad, meta, mesh)
     return {"out": out.detach(), "x_grad": x.grad, "grads": grads}
 
@@ -134,8 +155,10 @@ def _worker(rank: int, world_size: int, tmp: str) -> dict:
     for name, (sizes, sp, distributed) in STEPS.items():
         mesh = _mesh(rank, sizes)
         out[f"step/{name}"] = _step(_bias_runner(mesh, sp, distributed), f"{tmp}/step_{name}")
+    for name in FSDP_STEPS:
+        mesh = _mesh(rank, FSDP_LAYOUTS[name])
+        out[f"step/{name}"] = _step(_fsdp_runner(mesh, MOE_BIAS), f"{tmp}/step_{name}")
     mesh = _mesh(rank, FSDP_LAYOUTS["fsdp_ep2_dp4"])
-    out["step/fsdp_ep2_dp4"] = _step(_fsdp_runner(mesh, MOE_BIAS), f"{tmp}/step_fsdp_ep2_dp4")
     runner = _fsdp_runner(mesh, MOE_BIAS)  # one process's checkpoint into FSDP2 ep2, saved again
     load_checkpoint(f"{tmp}/one_process", runner.model, runner.optimizer, load_rng=False, mesh=mesh, metas=runner.metas)
     save_checkpoint(f"{tmp}/reloaded_fsdp", 1, runner.model, runner.optimizer, {}, mesh, metas=runner.metas)
@@ -145,6 +168,19 @@ def _worker(rank: int, world_size: int, tmp: str) -> dict:
     for dispatcher in ("alltoall", "allgather"):
         out[f"zero/{dispatcher}"] = _zero_tokens(mesh, dispatcher)
     return out
+
+
+def _worker_world2(rank: int, world_size: int) -> dict:
+    out = {}
+    for name, (sizes, config, sp) in LAYOUTS_WORLD2.items():
+        runner, out[name] = _train_step(_decoder(CONFIGS[config]), (mesh := _mesh(rank, sizes)), _parallel(mesh, sp))
+        out[name]["local_shapes"] = {n: tuple(p.shape) for n, p in runner.model.named_parameters()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs_world2() -> dict[str, list[dict]]:
+    return by_name(run_distributed(_worker_world2, 2, timeout=120.0))
 
 
 @pytest.fixture(scope="module")
@@ -164,23 +200,34 @@ def test_expert_tensor_parallel_and_fsdp_match_one_process(runs, name):
     _check(runs[name], _reference(config), f"{name} ({config})")
 
 
-@pytest.mark.parametrize("name", ["etp2", "ep2_etp2"])
-def test_experts_are_split_over_tensor_parallel(runs, name):
-    """What the comparison above is about: each rank holds half of every expert's fc1 rows
-    ([gate | up] halves) and fc2 columns, and under ep2 half of the experts."""
+@pytest.mark.parametrize("name", sorted(LAYOUTS_WORLD2))
+def test_expert_tensor_parallel_over_data_parallel_ranks_matches_one_process(runs_world2, name):
+    sizes, config, _ = LAYOUTS_WORLD2[name]
+    _check(runs_world2[name], _reference(config), f"{name} ({config})")
+    _assert_expert_shapes(runs_world2[name], name, sizes)
+
+
+@pytest.mark.parametrize("name", ["etp2", "ep2_etp2", "tp1_etp2_ep2", "tp4_etp2", "tp2_etp4", "tp2_etp1_ep4_sp"])
+def test_experts_are_split_over_expert_tensor_parallel(runs, name):
+    """What the comparison above is about: each rank holds 1/etp of every expert's fc1 rows
+    ([gate | up] halves) and fc2 columns, and 1/ep of the experts, whatever tp is."""
+    _assert_expert_shapes(runs[name], name, LAYOUTS[name][0])
+
+
+def _assert_expert_shapes(results: list[dict], name: str, sizes: dict) -> None:
     ref = _reference("moe")["grads"]
-    experts = 2 if name.startswith("ep2") else 1
-    for rank, r in enumerate(runs[name]):
+    experts, etp = sizes.get("ep", 1), sizes.get("etp", 1)
+    for rank, r in enumerate(results):
         for pname, shape in r["local_shapes"].items():
             e, rows, cols = ref[pname].shape if pname.endswith("experts.weight1") else (0, 0, 0)
             if pname.endswith("experts.weight1"):
-                assert shape == (e // experts, rows // 2, cols), f"{name} rank {rank}: {pname} {shape}"
+                assert shape == (e // experts, rows // etp, cols), f"{name} rank {rank}: {pname} {shape}"
             elif pname.endswith("experts.weight2"):
                 e, rows, cols = ref[pname].shape
-                assert shape == (e // experts, rows, cols // 2), f"{name} rank {rank}: {pname} {shape}"
+                assert shape == (e // experts, rows, cols // etp), f"{name} rank {rank}: {pname} {shape}"
 
 
-@pytest.mark.parametrize("name", [*STEPS, "fsdp_ep2_dp4"])
+@pytest.mark.parametrize("name", [*STEPS, *FSDP_STEPS])
 def test_optimizer_step_and_checkpoint_match_one_process(runs, tmp, name):
     ref = _one_process_step(tmp)
     assert ref["grad_norm"] > TRAIN.clip_grad  # clipping is active: the norm matters
@@ -205,7 +252,7 @@ def _continue_in_one_process(load_dir: str) -> tuple[float, float]:
     return (loss.total / loss.count).item(), runner.optimizer.step(TRAIN.lr).grad_norm
 
 
-@pytest.mark.parametrize("name", [*STEPS, "fsdp_ep2_dp4"])
+@pytest.mark.parametrize("name", [*STEPS, *FSDP_STEPS])
 def test_checkpoint_continues_in_one_process(runs, tmp, name):
     """Resharding to one process continues with the one-process run's next loss and norm."""
     _one_process_step(tmp)
@@ -220,11 +267,12 @@ def test_one_process_checkpoint_loads_into_expert_layouts(runs, tmp, name):
     _assert_same_state(_state_in_one_process(f"{tmp}/{name}"), _one_process_step(tmp)["state"], f"1 -> {name} -> 1")
 
 
-def test_dispatchers_are_bit_identical_under_expert_tensor_parallelism(runs):
-    for a, b in zip(runs["ep2_etp2"], runs["ep2_etp2_allgather"]):
+@pytest.mark.parametrize("layout", ["ep2_etp2", "tp1_etp2_ep2"])
+def test_dispatchers_are_bit_identical_under_expert_tensor_parallelism(runs, layout):
+    for a, b in zip(runs[layout], runs[f"{layout}_allgather"]):
         assert a["loss"] == b["loss"] and a["aux"] == b["aux"]
         for pname, grad in a["grads"].items():
-            assert torch.equal(grad, b["grads"][pname]), f"{pname} differs between dispatchers"
+            assert torch.equal(grad, b["grads"][pname]), f"{layout}: {pname} differs between dispatchers"
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])

@@ -80,7 +80,7 @@ def test_estimate_command(capsys):
     assert main(["estimate", *B1, "--global-batch-size", "8", "--world-size", "4", "--tp", "2", "--print-mesh"]) == 0
     out = capsys.readouterr().out
     assert "tp groups: [0, 1] [2, 3]" in out and "activations" in out and "total" in out
-    assert out.count("\n     3      1") == 1  # rank 3: tp 1, cp 0, dp 1, ...
+    assert out.count("\n     3       1") == 1  # rank 3: tp 1, cp 0, dp 1, ...
     assert main(["estimate", "--tp", "3", "--world-size", "4"]) == 2  # a layout that does not fit: one clear line
     assert "not a multiple" in capsys.readouterr().err
 
@@ -120,7 +120,9 @@ def test_moe_and_mla_activations():
     base = per_layer()
     assert per_layer("--moe-router-topk", "8") > base and per_layer("--moe-ffn-hidden-size", "2816") > base
     assert per_layer("--ep", "8") == base
-    assert per_layer("--tp", "2", "--expert-tensor-parallel-size", "2") < per_layer("--tp", "2") < base
+    # Without sequence parallelism etp 1 keeps each tp rank's 1/tp of the shared rows, etp = tp all
+    # of them with half of each expert; both fewer than one rank.
+    assert per_layer("--tp", "2") < per_layer("--tp", "2", "--expert-tensor-parallel-size", "2") < base
     assert per_layer(is_moe=False) != base
     # Six copies of 2048 in and out plus their 3 x 1408 hidden state dominate a DeepSeek MoE layer.
     assert 6 * 2 * (2 * 2048 + 3 * 1408) < base < 2 * 6 * 2 * (2 * 2048 + 3 * 1408)

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from meshtron.checkpoint.sharded import save_state
 from meshtron.config import ConfigError, ModelConfig, ParallelConfig, build_config
 from meshtron.models import build_model
-from meshtron.parallel.mesh import Mesh, launch_env
+from meshtron.parallel.mesh import GROUP_DIMS, Mesh, launch_env
 from meshtron.parallel.plan import parallelize
 from meshtron.validation import validate
 from meshtron.parallel.tensor_parallel import (
@@ -45,26 +45,57 @@ def test_cp_and_ep_fold_inside_dp():
     assert mesh.group_ranks("ep") == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert mesh.group_ranks("edp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert (mesh.ep_rank, mesh.edp_rank, mesh.ep, mesh.edp) == (2, 1, 4, 2)
-    # With tp 2 the same blocks are formed among ranks of equal tp rank.
-    mesh = Mesh.from_config(ParallelConfig(tensor_parallel=2, expert_parallel=2), world_size=8)
+    # With tp 2 and etp 2 the same blocks are formed among ranks of equal tp rank.
+    mesh = Mesh.from_config(ParallelConfig(tensor_parallel=2, expert_parallel=2, expert_tensor_parallel=2), world_size=8)
+    assert mesh.group_ranks("etp") == mesh.group_ranks("tp")
     assert mesh.group_ranks("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert mesh.group_ranks("edp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
 
 
-def test_every_dimension_partitions_the_world():
-    mesh = Mesh(tp=2, cp=2, dp=3, pp=2, ep=3)
-    for dim in ("tp", "cp", "dp", "pp", "dp_cp", "ep", "edp"):
+@pytest.mark.parametrize("etp", [1, 2, 4])
+def test_every_dimension_partitions_the_world(etp):
+    mesh = Mesh(tp=2, cp=2, dp=3, pp=2, ep=3, etp=etp)
+    for dim in GROUP_DIMS:
         groups = mesh.group_ranks(dim)
         assert sorted(r for g in groups for r in g) == list(range(24)), dim
         assert {len(g) for g in groups} == {mesh.size(dim)}, dim
         for g in groups:
             assert [mesh.coords(r)[dim] for r in g] == list(range(len(g))), dim
+    # Both grids share pp: a pipeline stage's ranks are the same for dense layers and experts.
+    for dim in ("etp", "ep", "edp", "etp_ep"):
+        assert all(len({mesh.coords(r)["pp"] for r in g}) == 1 for g in mesh.group_ranks(dim)), dim
+
+
+def test_expert_grid_written_out():
+    """Megatron-Core's expert grid (etp fastest, then ep, then edp, pp slowest) by hand."""
+    # world 8, tp 2, etp 1, ep 4: ep takes runs of 4 ranks across tp pairs; edp pairs the runs.
+    mesh = Mesh(tp=2, dp=4, ep=4, etp=1, rank=6)
+    assert mesh.group_ranks("etp") == [[r] for r in range(8)]
+    assert mesh.group_ranks("ep") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert mesh.group_ranks("edp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert (mesh.etp_rank, mesh.ep_rank, mesh.edp_rank) == (0, 2, 1)
+    # tp 1, etp 2 (world 2): the experts' FFN split over two data-parallel ranks.
+    mesh = Mesh(tp=1, dp=2, etp=2)
+    assert mesh.group_ranks("etp") == mesh.group_ranks("dp") == [[0, 1]] and mesh.edp == 1
+    # tp 4, etp 2: etp groups are halves of the tp group; edp joins the other half.
+    mesh = Mesh(tp=4, etp=2, rank=3)
+    assert mesh.group_ranks("etp") == [[0, 1], [2, 3]] and mesh.group_ranks("edp") == [[0, 2], [1, 3]]
+    assert (mesh.etp_rank, mesh.edp_rank) == (1, 1)
+    # tp 2, etp 4, ep 2, pp 2 (world 16): etp spans two tp groups, ep the next two, per stage.
+    mesh = Mesh(tp=2, dp=4, pp=2, ep=2, etp=4)
+    assert mesh.group_ranks("etp") == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert mesh.group_ranks("ep") == [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]]
+    assert mesh.group_ranks("edp") == [[r] for r in range(16)]
+    assert mesh.group_ranks("etp_ep") == [list(range(8)), list(range(8, 16))]
+    assert "experts: etp 4 x ep 2 x edp 1 x pp 2" in mesh.describe()
+    with pytest.raises(ConfigError, match="expert parallel size 2 x expert tensor parallel size 4 must divide the 4 ranks"):
+        Mesh(tp=4, ep=2, etp=4)
 
 
 def test_layout_errors_say_what_to_change():
     with pytest.raises(ConfigError, match="world size 6 is not a multiple of tp 4"):
         Mesh.from_config(ParallelConfig(tensor_parallel=4), world_size=6, rank=0)
-    with pytest.raises(ConfigError, match="expert parallel size 3 must divide"):
+    with pytest.raises(ConfigError, match="expert parallel size 3 x expert tensor parallel size 1 must divide the 4 ranks"):
         Mesh.from_config(ParallelConfig(expert_parallel=3), world_size=4, rank=0)
 
 
@@ -117,8 +148,8 @@ def test_model_fits_the_layout_before_any_process_group():
 
 def test_expert_parallel_layouts_are_checked():
     """ep > 1 used to build groups and train a dense model: refused. With experts, ep must divide
-    them and dp x cp; expert tensor parallelism must be 1 or tp and divide the expert FFN; ep,
-    etp = tp, FSDP with ep, sequence parallelism, the expert bias and the balancing losses under
+    them, ep x etp the ranks of a pipeline stage; etp must divide those ranks and the expert FFN;
+    ep, etp below, equal to and above tp, FSDP with ep, sequence parallelism, the expert bias and the balancing losses under
     context parallelism (ep carved out of dp x cp too) are accepted."""
     cfg = build_config(None, ["--mock-data", "--expert-model-parallel-size", "2"])
     with pytest.raises(ConfigError, match="--expert-model-parallel-size 2 needs a mixture-of-experts model"):
@@ -126,14 +157,21 @@ def test_expert_parallel_layouts_are_checked():
     moe = ["--mock-data", "--num-experts", "4", "--disable-bias-linear"]
     for flags in (["--tp", "2"], ["--ep", "2"], ["--tp", "2", "--sequence-parallel"], ["--cp", "2"],
                   ["--moe-router-enable-expert-bias", "--moe-router-score-function", "sigmoid"],
-                  ["--tp", "2", "--expert-tensor-parallel-size", "2"], ["--ep", "2", "--use-torch-fsdp2"],
+                  ["--tp", "2", "--expert-tensor-parallel-size", "2"], ["--expert-tensor-parallel-size", "2"],
+                  ["--tp", "2", "--expert-tensor-parallel-size", "1", "--ep", "2"], ["--ep", "2", "--use-torch-fsdp2"],
                   ["--cp", "2", "--ep", "2", "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3"],
                   ["--cp", "2", "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-3"]):  # fmt: skip
         validate(build_config(None, moe + flags), world_size=2)
     validate(build_config(None, moe + ["--ep", "4", "--moe-token-dispatcher-type", "allgather", "--global-batch-size", "32"]), world_size=4)
-    for flags, world, message in ((["--ep", "4"], 2, "must divide data parallel 2"),
+    for flags in (["--tp", "4", "--expert-tensor-parallel-size", "2"], ["--tp", "2", "--expert-tensor-parallel-size", "4"],
+                  ["--ep", "2", "--expert-tensor-parallel-size", "2", "--global-batch-size", "32"]):  # fmt: skip
+        validate(build_config(None, moe + flags), world_size=4)
+    for flags, world, message in ((["--ep", "4"], 2, "--expert-model-parallel-size 4 x --expert-tensor-parallel-size 1 = 4 must "
+                                   "divide the 2 ranks of a pipeline stage"),
+                                  (["--ep", "2", "--expert-tensor-parallel-size", "2"], 2, "= 4 must divide the 2 ranks"),
                                   (["--ep", "3"], 3, "must divide --num-experts 4"),
-                                  (["--expert-tensor-parallel-size", "2"], 2, "must be 1 .* or equal to --tensor-model-parallel-size 1"),
+                                  (["--expert-tensor-parallel-size", "3"], 2, "--expert-tensor-parallel-size 3 must divide the 2 ranks"),
+                                  (["--expert-tensor-parallel-size", "0"], 2, "expert_tensor_parallel must be at least 1"),
                                   (["--tp", "2", "--expert-tensor-parallel-size", "2", "--moe-ffn-hidden-size", "33"], 2,
                                    "must divide the experts' FFN width 33"),
                                   (["--tp", "2", "--expert-tensor-parallel-size", "2", "--num-experts", "0"], 2,
@@ -141,14 +179,6 @@ def test_expert_parallel_layouts_are_checked():
                                   (["--moe-token-dispatcher-type", "flex"], 2, "alltoall or allgather")):  # fmt: skip
         with pytest.raises(ConfigError, match=message):
             validate(build_config(None, moe + flags), world_size=world)
-
-
-def test_expert_tensor_parallel_mesh_is_one_or_tp():
-    """etp = tp shares attention's tp groups (Megatron's expert grid then has the same fastest axis)."""
-    mesh = Mesh(tp=2, dp=2, ep=2, etp=2)
-    assert mesh.etp == 2 and "etp 2" in mesh.describe()
-    with pytest.raises(ConfigError, match="--expert-tensor-parallel-size 2 must be 1"):
-        Mesh(tp=4, dp=1, etp=2)
 
 
 def test_sampling_after_a_sharded_run_is_refused_before_training():
