@@ -36,7 +36,7 @@ def rows_launch(a, b, out, offsets, tile):
     n, k = out.shape[1], a.shape[1]
     grid = ((triton.cdiv(a.shape[0], bm) + EXPERTS) * triton.cdiv(n, bn),)
     return lambda: _rows_kernel[grid](a, b, out, offsets, n, k, a.stride(0), a.stride(1), *b.stride(), out.stride(0), out.stride(1),
-                                      E=EXPERTS, BLOCK_E=triton.next_power_of_2(EXPERTS), IEEE=False, B_K_MAJOR=b.stride(1) == 1,
+                                      E=EXPERTS, BLOCK_E=triton.next_power_of_2(EXPERTS), IEEE=False,
                                       BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s)  # fmt: skip
 
 

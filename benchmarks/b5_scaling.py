@@ -18,7 +18,10 @@ layouts the bubble column is ``measured/modeled/theory [layers per chunk]``: ste
 step time / pp, minus one; the same on the schedule's clock with the split's modeled chunk costs
 (``pipeline_schedules.modeled_bubble``); the schedule's ``(pp - 1) / (virtual * m)`` for equal
 chunks. ``pp2v2`` (split by modeled cost) against ``pp2v2even`` (``--pipeline-split uniform``)
-measures what balancing buys.
+measures what balancing buys. ``--model deepseek-v2-lite --micro-batch-size 2 --seq-length 4096``
+runs its MoE shape instead (layer 0 dense, the rest 64 experts top-6 + 2 shared): ``ep2`` (experts
+split over the two ranks, tokens exchanged all-to-all; ``ep2ag``: all-gathered) against ``dp2``;
+``hidden`` then includes the all-to-all's NCCL kernels.
 """
 
 from __future__ import annotations
@@ -53,6 +56,9 @@ LAYOUT_FLAGS = {
     "pp2even": (2, ["--pp", "2", "--pipeline-split", "uniform"]),
     "pp2v2": (2, ["--pp", "2", "--virtual-pipeline-model-parallel-size", "2"]),
     "pp2v2even": (2, ["--pp", "2", "--virtual-pipeline-model-parallel-size", "2", "--pipeline-split", "uniform"]),
+    # mixture of experts (--model deepseek-v2-lite): experts split over 2 ranks, tokens exchanged all-to-all or all-gathered
+    "ep2": (2, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]),
+    "ep2ag": (2, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer", "--moe-token-dispatcher-type", "allgather"]),
     "pp4": (4, ["--pp", "4"]),
     "pp4v2": (4, ["--pp", "4", "--virtual-pipeline-model-parallel-size", "2"]),
 }
@@ -65,9 +71,12 @@ def worker(args) -> None:
     from meshtron.config import build_config, data_parallel_size
     from meshtron.training.trainer import Trainer
 
+    model = ["--preset", args.model, "--num-layers", str(args.layers)]
+    if args.model.startswith("deepseek"):  # DeepSeek's layer 0 is dense, the rest MoE
+        model += ["--moe-layer-freq", f"([0]+[1]*{args.layers - 1})"]
     flags = [
-        "--preset", "llama3-8b", "--num-layers", str(args.layers), "--mock-data", "--seq-length", str(args.seq_length),
-        "--micro-batch-size", "1", "--train-iters", "1000", "--bf16",
+        *model, "--mock-data", "--seq-length", str(args.seq_length),
+        "--micro-batch-size", str(args.micro_batch_size), "--train-iters", "1000", "--bf16",
         "--log-interval", "1000000", "--eval-interval", "0", "--lr", "1e-4", "--min-lr", "1e-5", "--lr-warmup-iters", "2",
     ] + LAYOUT_FLAGS[args.layout][1]
     global_batch = args.global_batch
@@ -160,6 +169,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layouts", default="dp1,dp2,tp2")
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--model", default="llama3-8b", help="preset: llama3-8b, or deepseek-v2-lite (layer 0 dense, the rest MoE)")
+    parser.add_argument("--micro-batch-size", type=int, default=1)
     parser.add_argument("--seq-length", type=int, default=8192)
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--weak", action="store_true", help="global batch x data-parallel size (weak scaling)")
@@ -176,14 +187,15 @@ def main() -> None:
         nproc = LAYOUT_FLAGS[layout][0]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__,
                "--worker", layout, "--layers", str(args.layers), "--seq-length", str(args.seq_length),
-               "--global-batch", str(args.global_batch), "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--weak"] if args.weak else [])
+               "--global-batch", str(args.global_batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--model", args.model, "--micro-batch-size", str(args.micro_batch_size)] + (["--weak"] if args.weak else [])
         result = run_child(cmd, layout)
         if result is not None:
             rows.append(result)
     if not rows:
         return
     base = next((r for r in rows if r["layout"] == "dp1"), None)
-    print(f"\nB5: Llama-3-8B layer shapes x {args.layers} layers + 128K vocab, seq {args.seq_length}, global batch {args.global_batch}{' x dp (weak scaling)' if args.weak else ''}, bf16, {rows[0]['device']}")
+    print(f"\nB5: {args.model} x {args.layers} layers, micro batch {args.micro_batch_size}, seq {args.seq_length}, global batch {args.global_batch}{' x dp (weak scaling)' if args.weak else ''}, bf16, {rows[0]['device']}")
     print(f"{'layout':<7} {'GPUs':>4} {'tok/s/GPU':>10} {'TFLOP/s/GPU':>11} {'vs dp1':>7} {'peak GiB':>9} {'comm s':>7} {'hidden':>15} {'bubble':>13}  losses")
     for r in rows:
         per_gpu = r["global_batch"] * args.seq_length / r["step_s"] / r["world"]

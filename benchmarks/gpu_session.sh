@@ -6,6 +6,7 @@
 #   b8     B8: BERT-large and T5-base against Hugging Face, one table
 #   probe  GPU tests of T5/estimate/grouped GEMM, B4 layer split and tile sweep, BERT-large profiled against HF
 #   round2 the failed GPU tests again, BERT against HF, the B4 tile sweep and the layer profiled
+#   x2     (2 GPUs) tp2 overlap backends against dp2; DeepSeek-V2-Lite x 4 layers dp2 vs ep2; the deepest ep2 that fits
 #   b1tune B1 eager / --compile / HF, then B1 with --gemm-tuning twice (the tuning run, then a run reading its file)
 set -uo pipefail
 part="$1" out="$2"; mkdir -p "$out"
@@ -43,6 +44,11 @@ round2)
   python3 benchmarks/b4_moe_layer.py --grouped-gemm torch --profile-dir "$out" 2>&1 | tee "$out/b4_layer.txt"
   python3 benchmarks/b4_moe_layer.py --grouped-gemm triton 2>&1 | tee -a "$out/b4_layer.txt"
   python3 benchmarks/b4_grouped_sweep.py 2>&1 | grep -v "OutOfResources\|CompilationError" | tee "$out/b4_sweep.txt" ;;
+x2)
+  timeout 120 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_tp_overlap_gpu.py > "$out/tp_overlap_gpu_test.txt" 2>&1; tail -2 "$out/tp_overlap_gpu_test.txt"
+  python3 benchmarks/b5_scaling.py --layouts dp2,tp2,tp2ov,tp2ovsm --layers 8 --seq-length 8192 --global-batch 8 --steps 4 --warmup 2 2>"$out/b5_tp_stderr.txt" | tee "$out/b5_tp.txt"
+  python3 benchmarks/b5_scaling.py --model deepseek-v2-lite --layers 4 --micro-batch-size 2 --seq-length 4096 --global-batch 8 --layouts dp1,dp2,ep2,ep2ag --steps 4 --warmup 2 2>"$out/b5_moe_stderr.txt" | tee "$out/b5_moe.txt"
+  python3 benchmarks/b5_scaling.py --model deepseek-v2-lite --layers "${DEEPEST:-20}" --micro-batch-size 2 --seq-length 4096 --global-batch 8 --layouts ep2 --steps 3 --warmup 2 2>"$out/b5_deep_stderr.txt" | tee "$out/b5_deep.txt" ;;
 b1tune)
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,meshtron-compile,hf 2>"$out/b1_stderr.txt" | tee "$out/b1_compile.txt"
   for run in tuning reading; do

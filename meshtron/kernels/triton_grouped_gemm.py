@@ -65,7 +65,7 @@ def _rows_kernel(
     a_ptr, b_ptr, out_ptr, offsets_ptr,
     N, K,
     stride_am, stride_ak, stride_bg, stride_bk, stride_bn, stride_om, stride_on,
-    E: tl.constexpr, BLOCK_E: tl.constexpr, IEEE: tl.constexpr, B_K_MAJOR: tl.constexpr,
+    E: tl.constexpr, BLOCK_E: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """out[r, :] = a[r, :] @ b[g] for every row r of group g."""
@@ -78,18 +78,12 @@ def _rows_kernel(
         row_ok, col_ok = rows < row_end, cols < N
         ks = tl.arange(0, BLOCK_K)
         a_ptrs = a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :] * stride_ak
-        if B_K_MAJOR:  # b[g] stored with K contiguous (the forward's W^T): load [N, K] tiles, transpose in registers
-            b_ptrs = b_ptr + g.to(tl.int64) * stride_bg + cols[:, None] * stride_bn + ks[None, :] * stride_bk
-        else:
-            b_ptrs = b_ptr + g.to(tl.int64) * stride_bg + ks[:, None] * stride_bk + cols[None, :] * stride_bn
+        b_ptrs = b_ptr + g.to(tl.int64) * stride_bg + ks[:, None] * stride_bk + cols[None, :] * stride_bn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_ok = ks + k0 < K
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            if B_K_MAJOR:
-                b = tl.trans(tl.load(b_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0))
-            else:
-                b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             if IEEE:
                 acc = tl.dot(a, b, acc, input_precision="ieee")
             else:
@@ -134,7 +128,7 @@ def _weight_grad_kernel(
     tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
 
 
-_rows_tuned = triton.autotune(configs=_ROW_CONFIGS, key=["N", "K", "E", "IEEE", "B_K_MAJOR"])(_rows_kernel)
+_rows_tuned = triton.autotune(configs=_ROW_CONFIGS, key=["N", "K", "E", "IEEE"])(_rows_kernel)
 _weight_grad_tuned = triton.autotune(configs=_WEIGHT_GRAD_CONFIGS, key=["N", "K", "IEEE"])(_weight_grad_kernel)
 
 
@@ -157,7 +151,7 @@ def rows_times_group(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) ->
     if rows == 0 or n == 0:
         return out
     args = (a, b, out, offsets, n, k, a.stride(0), a.stride(1), *b.stride(), out.stride(0), out.stride(1))
-    meta = dict(E=experts, BLOCK_E=triton.next_power_of_2(experts), IEEE=a.dtype == torch.float32, B_K_MAJOR=b.stride(1) == 1 and n > 1)
+    meta = dict(E=experts, BLOCK_E=triton.next_power_of_2(experts), IEEE=a.dtype == torch.float32)
     if _interpreted():
         grid = ((triton.cdiv(rows, 16) + experts) * triton.cdiv(n, 16),)
         _rows_kernel[grid](*args, **meta, **_INTERPRETER_CONFIG)
