@@ -64,11 +64,11 @@ def _cast_kernel(
         y = tl.minimum(tl.maximum(y, -fmax), fmax)
         if ROUND_FIRST:
             y = _round_to_grid(y, MANTISSA, MIN_EXPONENT)
-        q = y.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
         if WRITE_ROWS:
-            tl.store(q_ptr + r2 * cols + c2, q, mask=mask)
-        if WRITE_TRANSPOSED:
-            tl.store(qt_ptr + tl.trans(c2 * rows + r2), tl.trans(q), mask=tl.trans(mask))
+            tl.store(q_ptr + r2 * cols + c2, y.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+        if WRITE_TRANSPOSED:  # the tile transposed in fp32, then cast: no layout change of FP8 values
+            qt = tl.trans(y).to(qt_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+            tl.store(qt_ptr + tl.trans(c2 * rows + r2), qt, mask=tl.trans(mask))
 
 
 def cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, write_rows: bool, write_transposed: bool,

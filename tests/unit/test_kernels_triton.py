@@ -72,3 +72,24 @@ def test_fp8_linear_with_kernels_equals_reference(recipe):
     for a, b in zip(fast, ref):
         assert torch.equal(a, b)
     assert torch.equal(fast_history, ref_history)
+
+
+def test_fp8_cast_op_traces_under_compile():
+    """``torch.compile`` keeps the cast kernel as the opaque ``meshtron::fp8_cast`` op (its fake
+    gives the shapes): the compiled FP8 linear equals the eager one."""
+    from meshtron.kernels import fp8
+    from meshtron.kernels.fp8_scaling import Fp8Recipe
+
+    torch._dynamo.reset()
+    outs = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(32, 16, bias=False).bfloat16()
+        fp8.apply_fp8(torch.nn.Sequential(layer), Fp8Recipe("hybrid", "tensorwise", fused_kernels="on"), "meshtron")
+        run = torch.compile(layer, backend="aot_eager", fullgraph=True) if compiled else layer
+        x = torch.randn(48, 32, generator=torch.Generator().manual_seed(1)).bfloat16().requires_grad_()
+        y = run(x)
+        y.backward(torch.ones_like(y))
+        outs.append((y.detach(), x.grad, layer.weight.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
