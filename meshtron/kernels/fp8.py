@@ -87,22 +87,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8
     tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if fp8 is None or not fp8_shapes_ok(weight.shape[1], weight.shape[0], tokens):
         return F.linear(x, weight, bias)
-    apply = _delayed_apply if fp8.recipe.recipe == "delayed" else _stateful_apply
-    y = apply(x, weight, fp8)
-    return y if bias is None else y + bias
-
-
-def _stateful_apply(x: torch.Tensor, weight: torch.Tensor, fp8: Fp8Scaling) -> torch.Tensor:
     update = torch.is_grad_enabled()  # evaluation forwards leave the amax histories alone
     y = _Fp8Linear.apply(x, weight, fp8, fp8.seeded, update)
     if update:
         fp8.seeded = True
-    return y
-
-
-# Delayed scaling runs outside compiled graphs (a graph break per linear; its casts are one-pass
-# kernels either way): traced, the amax-history update of the backward went stale.
-_delayed_apply = torch.compiler.disable(_stateful_apply)
+    return y if bias is None else y + bias
 
 
 class Fp8Linear(nn.Linear):

@@ -94,44 +94,65 @@ class Fp8Scaling(nn.Module):
             return grad_dtype(self.recipe.format)
         return E4M3
 
-    def history_scale(self, role: str) -> torch.Tensor:
-        """The delayed scale of ``role`` from its history (before this call)."""
-        history = self.amax_history[ROLES.index(role)]
-        amax = history.max() if self.recipe.amax_compute_algo == "max" else history[0]
-        return _scale(amax, torch.finfo(self.dtype(role)).max, self.recipe.margin)
-
-    @torch.no_grad()
-    def push_amax(self, role: str, amax: torch.Tensor) -> None:
-        history = self.amax_history[ROLES.index(role)]
-        if history.numel() > 1:
-            history.copy_(torch.roll(history, 1))
-        history[0] = amax
-
     def quantize(self, t: torch.Tensor, role: str, rows: bool, transposed: bool, seeded: bool, update: bool) -> Quantized:
         """``t`` [n, k] as ``role``: the row-major copy (for GEMMs reducing over k) and/or the
         transposed one (reducing over n), as the recipe scales them. ``seeded``: the histories
         hold amaxes (else the current amax scales); ``update``: this call's amax enters them."""
         dtype, kernels = self.dtype(role), self.recipe.fused_kernels
-        fmax = torch.finfo(dtype).max
         if self.recipe.recipe == "rowwise":
-            q = qt = q_inv = qt_inv = None
+            fmax, q, qt, q_inv, qt_inv = torch.finfo(dtype).max, None, None, None, None
             if rows:  # per row of t: amax over k
                 scale = _scale(torch.linalg.vector_norm(t, float("inf"), dim=1, keepdim=True).float(), fmax)
                 q, q_inv = fp8_cast(t, scale, dtype, True, False, fused_kernels=kernels).rows, scale.reciprocal()
             if transposed:  # per column of t: amax over n; one scale per row of the transposed copy
                 scale = _scale(torch.linalg.vector_norm(t, float("inf"), dim=0, keepdim=True).float(), fmax)
-                qt, qt_inv = fp8_cast(t, scale, dtype, False, True, fused_kernels=kernels).transposed, scale.reciprocal().reshape(-1, 1)
+                qt = fp8_cast(t, scale, dtype, False, True, fused_kernels=kernels).transposed
+                qt_inv = scale.reciprocal().reshape(-1, 1)
             return Quantized(q, q_inv, qt, qt_inv)
-        delayed = self.recipe.recipe == "delayed"
-        if delayed and seeded:
-            scale = self.history_scale(role)
-            cast = fp8_cast(t, scale, dtype, rows, transposed, compute_amax=update, fused_kernels=kernels)
-            amax = cast.amax
-        else:
-            amax = fp8_cast(t, None, dtype, False, False, compute_amax=True, fused_kernels=kernels).amax
-            scale = _scale(amax, fmax)
-            cast = fp8_cast(t, scale, dtype, rows, transposed, fused_kernels=kernels)
-        if delayed and update:
-            self.push_amax(role, amax)
+        if self.recipe.recipe == "delayed":
+            history = self.amax_history[ROLES.index(role)]
+            use_max = self.recipe.amax_compute_algo == "max"
+            q, qt, inv = torch.ops.meshtron.fp8_delayed_cast(t, history, dtype, self.recipe.margin, use_max, seeded, update,
+                                                             rows, transposed, kernels)  # fmt: skip
+            return Quantized(q if rows else None, inv, qt if transposed else None, inv)
+        cast, scale, _ = _current_cast(t, dtype, rows, transposed, kernels)
         inv = scale.reciprocal()
         return Quantized(cast.rows, inv, cast.transposed, inv)
+
+
+def _current_cast(t: torch.Tensor, dtype: torch.dtype, rows: bool, transposed: bool, fused_kernels: str):
+    """Current per-tensor scaling: the amax pass, then the cast -> (Cast, scale, amax)."""
+    amax = fp8_cast(t, None, dtype, False, False, compute_amax=True, fused_kernels=fused_kernels).amax
+    scale = _scale(amax, torch.finfo(dtype).max)
+    return fp8_cast(t, scale, dtype, rows, transposed, fused_kernels=fused_kernels), scale, amax
+
+
+@torch.library.custom_op("meshtron::fp8_delayed_cast", mutates_args=("history",))
+def _delayed_cast(t: torch.Tensor, history: torch.Tensor, dtype: torch.dtype, margin: int, use_max: bool, seeded: bool,
+                  update: bool, rows: bool, transposed: bool, fused_kernels: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Delayed scaling of one operand as one op: the scale from ``history`` (this role's row; or
+    the current amax when not ``seeded``), the cast with this call's amax, the amax pushed into
+    ``history`` (``update``); -> (rows copy, transposed copy, inverse scale), empty where not asked.
+
+    One op, declared to mutate the history, because traced as plain ops under ``torch.compile``
+    the partitioner recomputed the saved FP8 copies in backward from the history the forward had
+    already updated (another scale)."""
+    if seeded:
+        scale = _scale(history.max() if use_max else history[0], torch.finfo(dtype).max, margin)
+        cast = fp8_cast(t, scale, dtype, rows, transposed, compute_amax=update, fused_kernels=fused_kernels)
+        amax = cast.amax
+    else:
+        cast, scale, amax = _current_cast(t, dtype, rows, transposed, fused_kernels)
+    if update:
+        if history.numel() > 1:
+            history.copy_(torch.roll(history, 1))
+        history[0] = amax
+    empty = t.new_empty((0,), dtype=dtype)
+    return (cast.rows if rows else empty, cast.transposed if transposed else empty, scale.reciprocal())
+
+
+@_delayed_cast.register_fake
+def _delayed_cast_shapes(t, history, dtype, margin, use_max, seeded, update, rows, transposed, fused_kernels):
+    n, m = t.shape
+    return (t.new_empty((n, m) if rows else (0,), dtype=dtype), t.new_empty((m, n) if transposed else (0,), dtype=dtype),
+            t.new_empty((), dtype=torch.float32))

@@ -74,22 +74,29 @@ def test_fp8_linear_with_kernels_equals_reference(recipe):
     assert torch.equal(fast_history, ref_history)
 
 
-def test_fp8_cast_op_traces_under_compile():
-    """``torch.compile`` keeps the cast kernel as the opaque ``meshtron::fp8_cast`` op (its fake
-    gives the shapes): the compiled FP8 linear equals the eager one."""
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_fp8_cast_ops_trace_under_compile(recipe):
+    """``torch.compile`` keeps the casts as the opaque ops ``meshtron::fp8_cast`` and (delayed,
+    mutating the amax history) ``meshtron::fp8_delayed_cast``, with no graph break: over three
+    calls the compiled FP8 linear equals the eager one, histories included."""
     from meshtron.kernels import fp8
     from meshtron.kernels.fp8_scaling import Fp8Recipe
 
     torch._dynamo.reset()
-    outs = []
+    runs = []
     for compiled in (False, True):
         torch.manual_seed(0)
         layer = torch.nn.Linear(32, 16, bias=False).bfloat16()
-        fp8.apply_fp8(torch.nn.Sequential(layer), Fp8Recipe("hybrid", "tensorwise", fused_kernels="on"), "meshtron")
+        recipe_ = Fp8Recipe("hybrid", recipe, amax_history_len=2, amax_compute_algo="max", fused_kernels="on")
+        fp8.apply_fp8(torch.nn.Sequential(layer), recipe_, "meshtron")
         run = torch.compile(layer, backend="aot_eager", fullgraph=True) if compiled else layer
-        x = torch.randn(48, 32, generator=torch.Generator().manual_seed(1)).bfloat16().requires_grad_()
-        y = run(x)
-        y.backward(torch.ones_like(y))
-        outs.append((y.detach(), x.grad, layer.weight.grad))
-    for a, b in zip(*outs):
+        gen, outs = torch.Generator().manual_seed(1), []
+        for step in range(3):
+            x = (torch.randn(48, 32, generator=gen) * (step + 1)).bfloat16().requires_grad_()
+            y = run(x)
+            y.backward(torch.randn(48, 16, generator=gen).bfloat16())
+            outs += [y.detach(), x.grad, layer.weight.grad.clone(), layer.fp8.amax_history.clone()]
+            layer.weight.grad = None
+        runs.append(outs)
+    for a, b in zip(*runs):
         assert torch.equal(a, b)
