@@ -6,7 +6,9 @@
 Sides: ``meshtron`` (default settings: fused kernels, chunked loss, SDPA backend ``auto``),
 ``hf``, and meshtron variants (``SIDE_FLAGS``): ``meshtron-ref`` (the reference path),
 ``meshtron-fp8`` / ``meshtron-fp8-torchao`` (B2: FP8 linears, hybrid format, our
-``_scaled_mm`` path or torchao's), ``-compile`` forms of them (torch.compile per block), and
+``_scaled_mm`` path with the default recipe, delayed scaling, or torchao's tensorwise one),
+``meshtron-fp8-delayed`` / ``-tensorwise`` / ``-rowwise`` (our path per ``--fp8-recipe``),
+``-compile`` forms of them (torch.compile per block), and
 ``meshtron-recompute`` (B7: full activation recompute), ``meshtron-gaf`` (gradient-accumulation fusion),
 ``meshtron-optref`` (the reference optimizer step instead of the fused one),
 ``meshtron-no-ce-fusion`` (the per-token chunked loss: logits recomputed in backward). Meshtron sides also report the memory
@@ -47,14 +49,20 @@ def time_steps(step, warmup: int, steps: int) -> list[float]:
     return times
 
 
-_FP8 = ["--fp8-format", "hybrid", "--fp8-backend", "meshtron"]
-_FP8_TORCHAO = ["--fp8-format", "hybrid", "--fp8-backend", "torchao"]
+_FP8 = ["--fp8-format", "hybrid", "--fp8-backend", "meshtron"]  # the default recipe: delayed
+_FP8_TORCHAO = ["--fp8-format", "hybrid", "--fp8-backend", "torchao", "--fp8-recipe", "tensorwise"]
 SIDE_FLAGS = {
     "meshtron": [],
     "meshtron-ref": ["--no-fused-kernels", "--attention-backend", "sdpa"],
     "meshtron-compile": ["--compile"],
     "meshtron-fp8": _FP8,
     "meshtron-fp8-compile": _FP8 + ["--compile"],
+    "meshtron-fp8-delayed": _FP8 + ["--fp8-recipe", "delayed"],
+    "meshtron-fp8-delayed-compile": _FP8 + ["--fp8-recipe", "delayed", "--compile"],
+    "meshtron-fp8-tensorwise": _FP8 + ["--fp8-recipe", "tensorwise"],
+    "meshtron-fp8-tensorwise-compile": _FP8 + ["--fp8-recipe", "tensorwise", "--compile"],
+    "meshtron-fp8-rowwise": _FP8 + ["--fp8-recipe", "rowwise"],
+    "meshtron-fp8-rowwise-compile": _FP8 + ["--fp8-recipe", "rowwise", "--compile"],
     "meshtron-fp8-torchao": _FP8_TORCHAO,
     "meshtron-fp8-torchao-compile": _FP8_TORCHAO + ["--compile"],
     "meshtron-recompute": ["--recompute-granularity", "full"],

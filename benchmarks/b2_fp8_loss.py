@@ -1,11 +1,13 @@
 """B2's accuracy half: the same training run in bf16 and with FP8 linears, on real text.
 
-    python benchmarks/b2_fp8_loss.py [--steps 200] [--fp8-backend meshtron] [-- extra meshtron flags]
+    python benchmarks/b2_fp8_loss.py [--steps 200] [--seeds 1,2,3] [--fp8-recipe delayed]
+        [--fp8-backend meshtron] [-- extra meshtron flags]
 
-Both runs share the seed, data order and config (the embedded corpus with its byte-level BPE
-tokenizer, a Llama-style model of 8 blocks at h2048); the table gives the training loss
-(mean of 10 steps) at a few points and the validation loss at the end, FP8 against bf16.
-Each run is its own process so neither sees the other's compiled or cached state.
+Per seed, both runs share the seed, data order and config (the embedded corpus with its
+byte-level BPE tokenizer, a Llama-style model of 8 blocks at h2048); the table gives the
+training loss (mean of 10 steps) at a few points and the validation loss at the end, FP8 against
+bf16, and the last lines the final losses' ratio per seed (one early instability can move one
+seed's ratio by percents). Each run is its own process so none sees another's compiled or cached state.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ def child(args) -> None:
     from meshtron.config import build_config
     from meshtron.training.trainer import Trainer
 
-    flags = MODEL + ["--train-iters", str(args.steps), "--eval-interval", str(args.steps), "--log-interval", "50"]
+    flags = MODEL + ["--train-iters", str(args.steps), "--eval-interval", str(args.steps), "--log-interval", "50",
+                     "--seed", str(args.seeds)]  # fmt: skip
     if args.child == "fp8":
-        flags += ["--fp8-format", args.fp8_format, "--fp8-backend", args.fp8_backend]
+        flags += ["--fp8-format", args.fp8_format, "--fp8-backend", args.fp8_backend, "--fp8-recipe", args.fp8_recipe]
     result = Trainer(build_config(None, flags + args.extra), log=lambda s: print(s, file=sys.stderr)).run()
     report({"losses": result.losses, "valid": result.valid_losses[-1][1]})
 
@@ -38,29 +41,43 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--fp8-format", default="hybrid")
+    parser.add_argument("--fp8-recipe", default="delayed", choices=["delayed", "tensorwise", "rowwise"])
     parser.add_argument("--fp8-backend", default="meshtron")
+    parser.add_argument("--seeds", default="1234", help="comma-separated seeds, one bf16 and one FP8 run each")
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
     parser.add_argument("extra", nargs="*", help="extra meshtron flags after --")
     args = parser.parse_args()
     if args.child:
         child(args)
         return
-    runs = {}
-    for side in ("bf16", "fp8"):
-        cmd = [sys.executable, __file__, "--child", side, "--steps", str(args.steps), "--fp8-format", args.fp8_format,
-               "--fp8-backend", args.fp8_backend, "--", *args.extra]  # fmt: skip
-        runs[side] = run_child(cmd, side)
-    if not all(runs.values()):
-        print("a run failed:", {k: v is not None for k, v in runs.items()})
-        return
+    ratios = {}
+    for seed in args.seeds.split(","):
+        runs = {}
+        for side in ("bf16", "fp8"):
+            cmd = [sys.executable, __file__, "--child", side, "--steps", str(args.steps), "--seeds", seed, "--fp8-format",
+                   args.fp8_format, "--fp8-recipe", args.fp8_recipe, "--fp8-backend", args.fp8_backend, "--", *args.extra]  # fmt: skip
+            runs[side] = run_child(cmd, f"{side} seed {seed}")
+        if not all(runs.values()):
+            print(f"seed {seed}: a run failed:", {k: v is not None for k, v in runs.items()})
+            continue
+        ratios[seed] = print_table(args, seed, runs)
+    print(f"\nfinal training loss (mean of the last 10 steps), fp8 {args.fp8_recipe} / bf16, per seed:")
+    for seed, ratio in ratios.items():
+        print(f"  seed {seed}: {ratio:.4f}")
+
+
+def print_table(args, seed: str, runs: dict) -> float:
+    """The seed's table; returns its final training-loss ratio, fp8 / bf16."""
     points = sorted({min(args.steps, p) for p in (10, 50, 100, 150, args.steps)})
-    print(f"\nB2 loss: embedded corpus, {args.steps} steps of 8 x 1024 tokens, fp8 {args.fp8_format} ({args.fp8_backend}) vs bf16")
+    print(f"\nB2 loss: embedded corpus, {args.steps} steps of 8 x 1024 tokens, seed {seed}, "
+          f"fp8 {args.fp8_format} {args.fp8_recipe} ({args.fp8_backend}) vs bf16")  # fmt: skip
     print(f"{'step':>6} {'bf16':>8} {'fp8':>8} {'fp8/bf16':>9}")
     for p in points:
         b, f = (sum(runs[s]["losses"][p - 10 : p]) / 10 for s in ("bf16", "fp8"))
         print(f"{p:>6} {b:>8.4f} {f:>8.4f} {f / b:>9.4f}")
     b, f = runs["bf16"]["valid"], runs["fp8"]["valid"]
     print(f"{'valid':>6} {b:>8.4f} {f:>8.4f} {f / b:>9.4f}")
+    return sum(runs["fp8"]["losses"][-10:]) / sum(runs["bf16"]["losses"][-10:])
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   python3 -c "import torchao; print('torchao', torchao.__version__)" 2>&1 | tail -1
   date -u; } | tee "$out/gpu.txt"
-timeout 40 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_gpu.py tests/unit/test_fp8.py 2>&1 \
-  | grep -v "^$" | tail -20 | tee "$out/fp8_checks.txt"
+timeout 120 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_gpu.py tests/unit/test_fp8.py 2>&1 \
+  | grep -v "^$" | tail -40 | tee "$out/fp8_checks.txt"
 timeout "${B1_LIMIT:-80}" python3 benchmarks/b1_llama.py --steps "$steps" --warmup 3 --sides "$sides" \
   2>"$out/b1_stderr.txt" | tee "$out/b1.txt"
 timeout "${B2_LIMIT:-60}" python3 benchmarks/b2_fp8_loss.py --steps 200 2>"$out/b2_stderr.txt" | tee "$out/b2_loss.txt"

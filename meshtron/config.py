@@ -61,6 +61,10 @@ class ModelConfig:
     recompute_num_layers: int = 1  # full recompute: layers per group (uniform) or layers recomputed (block)
     fp8_format: str = ""  # "" (off) | hybrid (e4m3 forward, e5m2 gradients) | e4m3: the blocks' linears in FP8
     fp8_backend: str = "auto"  # auto (torchao when installed and usable) | torchao | meshtron
+    fp8_recipe: str = "delayed"  # delayed (amax history) | tensorwise (current amax) | rowwise (per-row scales, all e4m3)
+    fp8_amax_history_len: int = 1  # delayed: amaxes kept per tensor (Megatron's default 1)
+    fp8_amax_compute_algo: str = "most_recent"  # delayed: most_recent | max of the history
+    fp8_margin: int = 0  # delayed: scale = fmax / amax / 2**margin
     # Mixture of experts (meshtron/layers/moe/; checks in moe_config_errors). Names are Megatron-Core's.
     num_experts: int = 0  # routed experts per MoE layer; 0: dense MLPs only
     moe_router_topk: int = 2  # experts each token is sent to

@@ -275,11 +275,7 @@ _TP_OVERLAP_NOTES = {
 _PRECISION_NOTES = {
     "transformer-impl": (True, "always meshtron's own layers (Megatron's 'local': PyTorch modules, Triton kernels per --fused-kernels); "
                                "Transformer Engine is never used, FP8 comes from --fp8-format (torchao or meshtron's kernels)"),
-    "fp8-recipe": (True, "FP8 is scaled per tensor from the current amax (Transformer Engine's tensorwise); no amax history is kept"),
-    "fp8-margin": (True, "delayed scaling's knob; meshtron scales from the current amax with no margin"),
-    "fp8-interval": (True, "delayed scaling's knob; meshtron rescales every GEMM"),
-    "fp8-amax-history-len": (True, "delayed scaling's knob; meshtron keeps no amax history"),
-    "fp8-amax-compute-algo": (True, "delayed scaling's knob; meshtron uses the current tensor's amax"),
+    "fp8-interval": (True, "deprecated and ignored by Megatron too: delayed scaling updates its amax history every call"),
     "fp8-param-gather": (False, "never: parameters are gathered in the compute dtype"),
     "keep-fp8-transpose-cache": (False, "never: FP8 copies are made per GEMM and not cached"),
     "keep-fp8-weight-transpose-cache-te": (False, "never: FP8 copies are made per GEMM and not cached"),
@@ -311,8 +307,6 @@ NOTED_FLAGS: dict[str, tuple[bool, str]] = {
 NOTED_VALUE_CHOICES: dict[str, tuple[str, ...]] = {
     "rerun-mode": ("disabled", "validate_results", "report_stats"),
     "transformer-impl": ("local", "transformer_engine", "inference_optimized"),
-    "fp8-recipe": ("tensorwise", "delayed", "mxfp8", "blockwise"),
-    "fp8-amax-compute-algo": ("most_recent", "max"),
     "dataloader-type": ("single", "cyclic", "external"),
     "distributed-backend": ("nccl", "gloo"),
     "cross-entropy-fusion-impl": ("native", "te"),
@@ -322,8 +316,6 @@ NOTED_VALUE_CHOICES: dict[str, tuple[str, ...]] = {
 # Values of a noted flag that meshtron cannot honour: refused with what to do instead.
 REFUSED_NOTED_VALUES: dict[tuple[str, str], str] = {
     ("dataloader-type", "external"): "meshtron builds its own loader from --data-path (or --mock-data); drop --dataloader-type external",
-    ("fp8-recipe", "mxfp8"): "MXFP8 (block scaling) is not implemented; use --fp8-recipe tensorwise (or delayed, run as tensorwise)",
-    ("fp8-recipe", "blockwise"): "blockwise FP8 scaling is not implemented; use --fp8-recipe tensorwise",
     ("train-mode", "finetune"): "fine-tuning reads a chat jsonl with --sft (messages, or prompt/response records); drop --train-mode",
     ("transformer-impl", "inference_optimized"): "there is no inference-optimized implementation; drop --transformer-impl",
 }

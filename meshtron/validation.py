@@ -13,6 +13,7 @@ from meshtron.data.chat_template import TEMPLATE_CHOICES, conversation_template
 from meshtron.data.masked_lm import masked_data_config_errors
 from meshtron.errors import ConfigError
 from meshtron.flags import noted_flag_errors
+from meshtron.kernels.fp8_scaling import AMAX_COMPUTE_ALGOS, FP8_RECIPES
 from meshtron.layers.mla import mla_config_errors
 from meshtron.layers.moe import moe_config_errors
 from meshtron.layers.moe.experts import expert_ffn_hidden_size
@@ -66,6 +67,15 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     need(m.recompute_method in ("uniform", "block"), f"--recompute-method must be uniform or block, got '{m.recompute_method}'")
     need(m.fp8_format in ("", "hybrid", "e4m3"), f"--fp8-format must be hybrid or e4m3 (or empty for off), got '{m.fp8_format}'")
     need(m.fp8_backend in ("auto", "torchao", "meshtron"), f"--fp8-backend must be auto, torchao or meshtron, got '{m.fp8_backend}'")
+    unbuilt = {"mxfp8": "MXFP8 (block scaling) is not implemented", "blockwise": "blockwise FP8 scaling is not implemented"}
+    need(m.fp8_recipe in FP8_RECIPES,
+         f"--fp8-recipe {m.fp8_recipe}: {unbuilt.get(m.fp8_recipe, 'unknown recipe')}; use delayed, tensorwise or rowwise")  # fmt: skip
+    need(m.fp8_amax_history_len >= 1, f"--fp8-amax-history-len must be at least 1, got {m.fp8_amax_history_len}")
+    need(m.fp8_amax_compute_algo in AMAX_COMPUTE_ALGOS,
+         f"--fp8-amax-compute-algo must be most_recent or max, got '{m.fp8_amax_compute_algo}'")  # fmt: skip
+    need(m.fp8_margin >= 0, f"--fp8-margin must be 0 or more, got {m.fp8_margin}")
+    need(not (m.fp8_format and m.fp8_backend == "torchao" and (m.fp8_recipe != "tensorwise" or m.fp8_format != "hybrid")),
+         "--fp8-backend torchao runs only --fp8-format hybrid --fp8-recipe tensorwise; use --fp8-backend meshtron")  # fmt: skip
     need(not (t.device == "cpu" and (m.fp8_format or t.gemm_tuning)), "--fp8-format and --gemm-tuning need a GPU; drop them for --device cpu")
     # torch.compile would trace the fused linear's backward, which reports to the gradient buffer from Python.
     need(not (t.compile and t.gradient_accumulation_fusion), "--gradient-accumulation-fusion does not combine with --compile; drop one")

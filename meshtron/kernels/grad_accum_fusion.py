@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshtron.kernels import fp8
+from meshtron.kernels.fp8 import linear as fp8_linear
+from meshtron.kernels.fp8_scaling import Fp8Scaling
 
 
 @functools.cache
@@ -73,12 +74,13 @@ class _LinearIntoMainGrad(torch.autograd.Function):
         return grad_x, None, grad_bias
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8_format: str = "", fuse: bool = False) -> torch.Tensor:
-    """``fp8.linear`` (``F.linear`` unless ``fp8_format``), with the weight gradient fused into
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: Fp8Scaling | None = None,
+           fuse: bool = False) -> torch.Tensor:  # fmt: skip
+    """``fp8.linear`` (``F.linear`` unless ``fp8`` scaling is given), with the weight gradient fused into
     ``weight.main_grad`` when ``fuse`` is set and the weight has one and will get a gradient."""
-    if fuse and not fp8_format and hasattr(weight, "main_grad") and weight.requires_grad and torch.is_grad_enabled():
+    if fuse and fp8 is None and hasattr(weight, "main_grad") and weight.requires_grad and torch.is_grad_enabled():
         return _LinearIntoMainGrad.apply(x, weight, bias)
-    return fp8.linear(x, weight, bias, fp8_format)
+    return fp8_linear(x, weight, bias, fp8)
 
 
 class FusedWgradLinear(nn.Linear):

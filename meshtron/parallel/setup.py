@@ -11,6 +11,7 @@ from torch import nn
 
 from meshtron.config import Config, ParallelConfig, TrainConfig, virtual_stages
 from meshtron.kernels.fp8 import apply_fp8, check_fp8_device
+from meshtron.kernels.fp8_scaling import Fp8Recipe
 from meshtron.kernels.grad_accum_fusion import apply_gradient_accumulation_fusion
 from meshtron.models import build_model
 from meshtron.models.contract import ModelFamily
@@ -41,7 +42,9 @@ def build_runner(cfg: Config, mesh: Mesh, vocab_size: int, device: torch.device,
         # FP8 first (on the sharded layers), fusion on the linears FP8 left, compile last so it
         # traces the final modules (compilation itself waits for the first call).
         if m.fp8_format:
-            apply_fp8(blocks, m.fp8_format, m.fp8_backend)
+            recipe = Fp8Recipe(m.fp8_format, m.fp8_recipe, m.fp8_amax_history_len, m.fp8_amax_compute_algo, m.fp8_margin,
+                               m.fused_kernels)  # fmt: skip
+            apply_fp8(blocks, recipe, m.fp8_backend)
         if cfg.train.gradient_accumulation_fusion:
             apply_gradient_accumulation_fusion(blocks)
         if cfg.train.compile:

@@ -27,6 +27,7 @@ from torch import nn
 
 from meshtron.kernels import grad_accum_fusion
 from meshtron.kernels.cross_entropy_sum import linear_cross_entropy_sum
+from meshtron.kernels.fp8_scaling import Fp8Scaling
 from meshtron.layers.output import labelled_rows, spread_to_tokens
 from meshtron.parallel import tp_overlap
 
@@ -166,19 +167,19 @@ def enter_tp_region(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Te
 # ---------------------------------------------------------------------- layers
 
 
-def column_parallel_linear(x, weight, bias, group, sequence_parallel: bool, fp8_format: str = "",
+def column_parallel_linear(x, weight, bias, group, sequence_parallel: bool, fp8: Fp8Scaling | None = None,
                            fuse_wgrad: bool = False, comm_overlap: str = "") -> torch.Tensor:  # fmt: skip
     """y_shard = x @ W_shard^T (+ b_shard), x replicated (or sequence-sharded with SP); in FP8 when
-    ``fp8_format`` is set (``meshtron.kernels.fp8.apply_fp8`` sets it on the layers), with the
+    ``fp8`` is given (``meshtron.kernels.fp8.apply_fp8`` gives the layers their scaling state), with the
     weight gradient fused into ``main_grad`` when ``fuse_wgrad`` (``grad_accum_fusion``). With SP
     and a ``comm_overlap`` backend (``--tp-comm-overlap``) the gather is pipelined with the GEMM
     (``tp_overlap``); FP8 layers keep the plain path.
 
     A function as well as a layer so the tied output head can run it on the embedding's weight.
     """
-    if comm_overlap and sequence_parallel and not fp8_format and group_size(group) > 1:
+    if comm_overlap and sequence_parallel and fp8 is None and group_size(group) > 1:
         return tp_overlap.gather_linear(x, weight, bias, group, comm_overlap, fuse_wgrad)
-    return grad_accum_fusion.linear(enter_tp_region(x, group, sequence_parallel), weight, bias, fp8_format, fuse_wgrad)
+    return grad_accum_fusion.linear(enter_tp_region(x, group, sequence_parallel), weight, bias, fp8, fuse_wgrad)
 
 
 class TensorParallelEntry(nn.Module):
@@ -209,12 +210,12 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.sequence_parallel, self.gather_output = group, sequence_parallel, gather_output
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
-        self.fp8_format = ""
+        self.fp8: Fp8Scaling | None = None
         self.grad_accum_fusion = False
         self.comm_overlap = ""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = column_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel, self.fp8_format,
+        y = column_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel, self.fp8,
                                    self.grad_accum_fusion, self.comm_overlap)  # fmt: skip
         return gather_from_tp_region(y, self.group) if self.gather_output else y
 
@@ -238,19 +239,19 @@ class RowParallelLinear(nn.Module):
         self.group, self.sequence_parallel, self.input_is_parallel = group, sequence_parallel, input_is_parallel
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
-        self.fp8_format = ""
+        self.fp8: Fp8Scaling | None = None
         self.grad_accum_fusion = False
         self.comm_overlap = ""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if group_size(self.group) == 1:  # the plain op, bias fused into the GEMM as nn.Linear does
-            return grad_accum_fusion.linear(x, self.weight, self.bias, self.fp8_format, self.grad_accum_fusion)
+            return grad_accum_fusion.linear(x, self.weight, self.bias, self.fp8, self.grad_accum_fusion)
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.group)
-        if self.comm_overlap and self.sequence_parallel and not self.fp8_format:
+        if self.comm_overlap and self.sequence_parallel and self.fp8 is None:
             y = tp_overlap.linear_scatter(x, self.weight, self.group, self.comm_overlap, self.grad_accum_fusion)
             return y if self.bias is None else y + self.bias
-        y = grad_accum_fusion.linear(x, self.weight, None, self.fp8_format, self.grad_accum_fusion)
+        y = grad_accum_fusion.linear(x, self.weight, None, self.fp8, self.grad_accum_fusion)
         y = reduce_scatter_sequence(y, self.group) if self.sequence_parallel else reduce_from_tp_region(y, self.group)
         return y if self.bias is None else y + self.bias
 

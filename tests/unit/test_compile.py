@@ -1,6 +1,7 @@
 """``--compile`` compiles each block in place: same names, same numbers (checked with the
 ``aot_eager`` backend, which traces forward and backward like inductor without generating code),
-also through the FP8 linear's autograd function."""
+also through the FP8 linear's autograd function, each recipe, delayed scaling past its first call
+(the amax histories updated inside the compiled forward and backward)."""
 
 import dataclasses
 
@@ -9,32 +10,38 @@ import torch
 
 from meshtron.config import build_config
 from meshtron.kernels import fp8
+from meshtron.kernels.fp8_scaling import Fp8Recipe
 from meshtron.models import build_model
 from meshtron.parallel.setup import compile_blocks
 
 
-def _loss_and_grads(compiled: bool, fp8_format: str = ""):
+def _loss_and_grads(compiled: bool, fp8_recipe: str = ""):
     cfg = build_config(overrides=["--model.preset", "tiny-llama", "--num-layers", "2"]).model
     cfg = dataclasses.replace(cfg, hidden_size=64, ffn_hidden_size=128)
     torch.manual_seed(0)
     model = build_model(cfg, 128, 16)
-    if fp8_format:
-        fp8.apply_fp8(model.layers, fp8_format, "meshtron")
+    if fp8_recipe:
+        fp8.apply_fp8(model.layers, Fp8Recipe("hybrid", fp8_recipe, amax_history_len=2, amax_compute_algo="max"), "meshtron")
     if compiled:
         compile_blocks(model.blocks(), backend="aot_eager")
-    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
-    loss = model(tokens, labels=torch.roll(tokens, -1, 1)).mean()
-    loss.backward()
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(2):  # the second call scales from the histories the first one filled
+        model.zero_grad()
+        tokens = torch.randint(0, 128, (2, 16), generator=gen)
+        loss = model(tokens, labels=torch.roll(tokens, -1, 1)).mean()
+        loss.backward()
     return model, loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("fp8_format", ["", "hybrid"])
-def test_compiled_blocks_match_eager(fp8_format):
+@pytest.mark.parametrize("fp8_recipe", ["", "delayed", "rowwise"])
+def test_compiled_blocks_match_eager(fp8_recipe):
     torch._dynamo.reset()
-    _, ref_loss, ref_grads = _loss_and_grads(False, fp8_format)
-    model, loss, grads = _loss_and_grads(True, fp8_format)
+    ref_model, ref_loss, ref_grads = _loss_and_grads(False, fp8_recipe)
+    model, loss, grads = _loss_and_grads(True, fp8_recipe)
     assert all(getattr(b, "_compiled_call_impl", None) is not None for b in model.layers)
     assert list(grads) == list(ref_grads)  # parameter names unchanged: checkpoints are unaffected
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     for name, g in ref_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    for ref_buffer, buffer in zip(ref_model.buffers(), model.buffers()):  # the amax histories too
+        torch.testing.assert_close(buffer, ref_buffer, rtol=1e-5, atol=0)

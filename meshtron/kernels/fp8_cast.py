@@ -1,0 +1,64 @@
+"""The FP8 cast of a 2-D operand: its scaled FP8 copy row-major and/or transposed, and its amax.
+
+Two paths with the same numbers: the reference in torch ops (the CPU, and GPUs without Triton),
+and ``meshtron.kernels.triton_fp8_cast``'s one-pass kernel, run as the custom op
+``meshtron::fp8_cast`` so that ``torch.compile`` keeps it as one opaque call instead of tracing
+into Triton. Both compute ``t * scale`` rounded to ``t``'s dtype, clamp it to the format's range
+(e4m3fn has no infinity) and round it to FP8; the amax is the largest ``|t|``, in fp32.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from meshtron.kernels import use_triton
+
+
+class Cast(NamedTuple):
+    rows: torch.Tensor | None  # [rows, cols] FP8, when asked for
+    transposed: torch.Tensor | None  # [cols, rows] FP8, when asked for
+    amax: torch.Tensor | None  # fp32 0-d, when asked for
+
+
+def amax_reference(t: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(t, ord=float("inf")).float()
+
+
+def cast_reference(t: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype, rows: bool, transposed: bool,
+                   compute_amax: bool) -> Cast:  # fmt: skip
+    amax = amax_reference(t) if compute_amax else None
+    if not (rows or transposed):
+        return Cast(None, None, amax)
+    fmax = torch.finfo(dtype).max
+    # A 0-d fp32 scale keeps t's dtype (no fp32 copy); a per-row or per-column one promotes, so round back.
+    q = (t * scale).to(t.dtype).clamp_(-fmax, fmax).to(dtype)
+    return Cast(q if rows else None, q.t().contiguous() if transposed else None, amax)
+
+
+@torch.library.custom_op("meshtron::fp8_cast", mutates_args=())
+def _fp8_cast_op(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rows: bool, transposed: bool,
+                 compute_amax: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    from meshtron.kernels.triton_fp8_cast import cast
+
+    return cast(t.contiguous(), scale, dtype, rows, transposed, compute_amax)
+
+
+@_fp8_cast_op.register_fake
+def _fp8_cast_shapes(t, scale, dtype, rows, transposed, compute_amax):
+    n, m = t.shape
+    return (t.new_empty((n, m) if rows else (0,), dtype=dtype), t.new_empty((m, n) if transposed else (0,), dtype=dtype),
+            t.new_empty((), dtype=torch.float32))  # fmt: skip
+
+
+def fp8_cast(t: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype, rows: bool = True, transposed: bool = False,
+             compute_amax: bool = False, fused_kernels: str = "auto") -> Cast:  # fmt: skip
+    """``t`` [rows, cols] scaled by ``scale`` (0-d, [rows, 1] or [1, cols] fp32; None when only the
+    amax is asked for) and cast to ``dtype``: the copies asked for, and ``amax(|t|)`` if asked."""
+    if not use_triton(fused_kernels, t):
+        return cast_reference(t, scale, dtype, rows, transposed, compute_amax)
+    if scale is None:
+        scale = torch.ones((), dtype=torch.float32, device=t.device)
+    q, qt, amax = torch.ops.meshtron.fp8_cast(t, scale, dtype, rows, transposed, compute_amax)
+    return Cast(q if rows else None, qt if transposed else None, amax if compute_amax else None)

@@ -1,0 +1,94 @@
+"""Triton kernel for FP8 casts: one pass over a 2-D tensor that writes its scaled FP8 copy
+row-major, transposed, or both, and max-reduces its amax into a device fp32 scalar.
+
+The FP8 linear needs each operand twice, once per GEMM layout (``_scaled_mm`` reads its second
+operand column-major): casting both copies from one read of the bf16 tensor, with the amax of
+delayed scaling computed on the way, replaces an amax pass, a cast pass and a transposed copy.
+Scales are broadcast by strides, so one kernel serves a per-tensor scale (strides 0, 0), a
+scale per row (1, 0) and a scale per column (0, 1). Imported only when a kernel runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+_BLOCK = 64  # a 64 x 64 tile: the transposed store stays coalesced after Triton's layout change
+# Mantissa bits and smallest normal exponent of each format the kernel rounds to, for the interpreter.
+_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14), torch.bfloat16: (7, -126), torch.float16: (10, -14)}
+
+
+@triton.jit
+def _round_to_grid(y, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr):
+    """``y`` (fp32, within the format's range) rounded to nearest-even on a narrower float's grid.
+
+    Only under Triton's interpreter, whose numpy conversions to FP8 and bf16 do not round to
+    nearest-even (carries into the exponent, subnormals, ties) but convert representable values
+    exactly; compiled kernels convert with the hardware's round-to-nearest-even.
+    """
+    exponent = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    exponent = tl.maximum(exponent, MIN_EXPONENT)
+    quantum = ((exponent - MANTISSA + 127) << 23).to(tl.float32, bitcast=True)
+    steps = tl.abs(y) / quantum  # exact: a power-of-two quantum
+    whole = tl.floor(steps)
+    rest = steps - whole
+    odd = (whole - 2.0 * tl.floor(whole * 0.5)) == 1.0
+    rounded = tl.where((rest > 0.5) | ((rest == 0.5) & odd), whole + 1.0, whole) * quantum
+    return tl.where(y.to(tl.int32, bitcast=True) < 0, -rounded, rounded)  # the sign bit: -0.0 stays negative
+
+
+@triton.jit
+def _cast_kernel(
+    x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, rows, cols, scale_row_stride, scale_col_stride, fmax,
+    WRITE_ROWS: tl.constexpr, WRITE_TRANSPOSED: tl.constexpr, AMAX: tl.constexpr, ROUND_FIRST: tl.constexpr,
+    MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr, IN_MANTISSA: tl.constexpr, IN_MIN_EXPONENT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    r2, c2 = r.to(tl.int64)[:, None], c.to(tl.int64)[None, :]
+    mask = (r2 < rows) & (c2 < cols)
+    x = tl.load(x_ptr + r2 * cols + c2, mask=mask, other=0.0)
+    if AMAX:
+        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x.to(tl.float32)), 1), 0))
+    if WRITE_ROWS or WRITE_TRANSPOSED:
+        scale = tl.load(scale_ptr + r2 * scale_row_stride + c2 * scale_col_stride, mask=mask, other=1.0)
+        # The product rounded to the input's dtype first, as the reference's ``t * scale`` does.
+        y = x.to(tl.float32) * scale
+        if ROUND_FIRST and IN_MANTISSA > 0:
+            y = _round_to_grid(y, IN_MANTISSA, IN_MIN_EXPONENT)
+        y = y.to(x.dtype, fp_downcast_rounding="rtne").to(tl.float32)
+        y = tl.minimum(tl.maximum(y, -fmax), fmax)
+        if ROUND_FIRST:
+            y = _round_to_grid(y, MANTISSA, MIN_EXPONENT)
+        if WRITE_ROWS:
+            tl.store(q_ptr + r2 * cols + c2, y.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+        if WRITE_TRANSPOSED:  # the tile transposed in fp32, then cast: no layout change of FP8 values
+            qt = tl.trans(y).to(qt_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+            tl.store(qt_ptr + tl.trans(c2 * rows + r2), qt, mask=tl.trans(mask))
+
+
+def cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, write_rows: bool, write_transposed: bool,
+         compute_amax: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """x [rows, cols] contiguous -> (FP8 copy [rows, cols], FP8 transpose [cols, rows], amax fp32 0-d);
+    copies not asked for come back empty, the amax as zero. ``scale`` is 0-d, [rows, 1] or [1, cols]."""
+    rows, cols = x.shape
+    q = torch.empty((rows, cols) if write_rows else (0,), dtype=dtype, device=x.device)
+    qt = torch.empty((cols, rows) if write_transposed else (0,), dtype=dtype, device=x.device)
+    amax = torch.zeros((), dtype=torch.float32, device=x.device)
+    scale = scale.float()
+    row_stride, col_stride = scale.expand(rows, cols).stride()
+    mantissa, min_exponent = _GRID[dtype]
+    in_mantissa, in_min_exponent = _GRID.get(x.dtype, (0, 0))  # fp32 input: the product needs no rounding
+    grid = (triton.cdiv(rows, _BLOCK), triton.cdiv(cols, _BLOCK))
+    spare = torch.empty(1, dtype=dtype, device=x.device)  # stands for a copy not written
+    _cast_kernel[grid](
+        x, q if write_rows else spare, qt if write_transposed else spare, scale, amax, rows, cols,
+        row_stride, col_stride, torch.finfo(dtype).max, WRITE_ROWS=write_rows, WRITE_TRANSPOSED=write_transposed,
+        AMAX=compute_amax, ROUND_FIRST=os.environ.get("TRITON_INTERPRET") == "1", MANTISSA=mantissa,
+        MIN_EXPONENT=min_exponent, IN_MANTISSA=in_mantissa, IN_MIN_EXPONENT=in_min_exponent, BLOCK=_BLOCK,
+    )  # fmt: skip
+    return q, qt, amax
