@@ -101,29 +101,7 @@ def worker(args) -> None:
     hidden = _profile_comm_overlap(trainer) if profiled and mesh.rank == 0 else None
     if profiled and mesh.rank != 0:
         trainer.train_step()  # rank 0 profiles one more step; the others take part in it
-    comm = None
-    if mesh.dp > 1:  # the same bytes the step moves, alone: fp32 grads reduce-scattered + bf16 params all-gathered, or all-reduced
-        numel = sum(p.numel() for p in trainer.model.parameters())
-        numel -= numel % mesh.dp
-        grads = torch.randn(numel, device="cuda")
-        params = torch.randn(numel, device="cuda", dtype=torch.bfloat16)
-        shard_g = torch.empty(numel // mesh.dp, device="cuda")
-        shard_p = torch.empty(numel // mesh.dp, device="cuda", dtype=torch.bfloat16)
-        samples = []
-        for i in range(4):
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            if trainer.cfg.parallel.use_distributed_optimizer:
-                dist.reduce_scatter_tensor(shard_g, grads, group=mesh.dp_group)
-                dist.all_gather_into_tensor(params, shard_p, group=mesh.dp_group)
-            else:
-                dist.all_reduce(grads, group=mesh.dp_group)
-            end.record()
-            torch.cuda.synchronize()
-            if i:
-                samples.append(start.elapsed_time(end) / 1000)
-        comm = statistics.median(samples)
+    comm = _time_gradient_collectives(trainer) if mesh.dp > 1 else None
     if mesh.rank == 0:
         from meshtron.config import pipeline_virtual_size
         from meshtron.parallel.pipeline_schedules import modeled_bubble
@@ -137,6 +115,41 @@ def worker(args) -> None:
                                           micro_per_rank=trainer.num_micro_batches,
                                           step_s=statistics.median(times), losses=losses, peak_gib=peak, comm_s=comm, hidden=hidden,
                                           flops_per_token=trainer.flops_per_token, device=torch.cuda.get_device_name()))
+
+
+def _time_gradient_collectives(trainer) -> float:
+    """The bytes a data-parallel step moves, alone: fp32 grads reduce-scattered + bf16 params
+    all-gathered (distributed optimizer), or all-reduced. Seconds, median of 3; None (on every
+    rank) where a model that fills the GPU leaves no room for these buffers."""
+    import torch
+    import torch.distributed as dist
+
+    mesh = trainer.mesh
+    numel = sum(p.numel() for p in trainer.model.parameters())
+    numel -= numel % mesh.dp
+    fits = torch.tensor([float(torch.cuda.mem_get_info()[0] > 1.2 * 6 * numel)], device="cuda")
+    dist.all_reduce(fits, op=dist.ReduceOp.MIN)
+    if not fits.item():
+        return None
+    grads = torch.randn(numel, device="cuda")
+    params = torch.randn(numel, device="cuda", dtype=torch.bfloat16)
+    shard_g = torch.empty(numel // mesh.dp, device="cuda")
+    shard_p = torch.empty(numel // mesh.dp, device="cuda", dtype=torch.bfloat16)
+    samples = []
+    for i in range(4):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        if trainer.cfg.parallel.use_distributed_optimizer:
+            dist.reduce_scatter_tensor(shard_g, grads, group=mesh.dp_group)
+            dist.all_gather_into_tensor(params, shard_p, group=mesh.dp_group)
+        else:
+            dist.all_reduce(grads, group=mesh.dp_group)
+        end.record()
+        torch.cuda.synchronize()
+        if i:
+            samples.append(start.elapsed_time(end) / 1000)
+    return statistics.median(samples)
 
 
 def _profile_comm_overlap(trainer) -> dict:
