@@ -163,10 +163,11 @@ def moe_bytes_per_token(cfg: Config, a: int) -> float:
     indices (4 k) and the routing weights (r k); per each of the top-k copies of the token the
     expert input row (kept by the grouped GEMM, gathered over etp), the expert's hidden state
     (fc1's output and the activation's, split over etp or, with sequence parallelism, by the tp
-    rank's own tokens) and two rows of the combine (the expert output in r bytes, kept to weight
-    it by the routing probability, and the weighted row kept by the scatter-add); the shared
-    experts' hidden state, whole on every tp rank. With ``--moe-pad-expert-input-to-capacity``
-    every expert computes its whole capacity.
+    rank's own tokens) and the combine's copy of the expert output, kept to weight it by the
+    routing probability: dropless with fused kernels one row in the compute dtype (the gather
+    kernel's input), else two rows in r bytes (the reference's upcast, and the weighted row kept
+    by its scatter-add); the shared experts' hidden state, whole on every tp rank. With
+    ``--moe-pad-expert-input-to-capacity`` every expert computes its whole capacity.
     """
     m, p = cfg.model, cfg.parallel
     shard, h, ffn, k = _token_shard(cfg), m.hidden_size, expert_ffn_hidden_size(m), m.moe_router_topk
@@ -176,7 +177,9 @@ def moe_bytes_per_token(cfg: Config, a: int) -> float:
     copies = k * (m.moe_expert_capacity_factor if padded else 1)
     experts_split = p.tensor_parallel if p.expert_tensor_parallel > 1 or shard > 1 else 1
     rows_in = a * h / (1 if p.expert_tensor_parallel > 1 else shard)
-    routed = copies * (rows_in + kept_per_ffn * ffn / experts_split + 2 * r * h / shard)
+    fused_combine = m.fused_kernels != "off" and m.moe_expert_capacity_factor <= 0 and r != 8
+    combine = (a if fused_combine else 2 * r) * h / shard
+    routed = copies * (rows_in + kept_per_ffn * ffn / experts_split + combine)
     router = 2 * 4 * m.num_experts + 4 * 8 * k + r * k + (r * h if r != a else 0)  # the last: the input cast to r
     shared = kept_per_ffn * m.moe_shared_expert_intermediate_size
     return (router + shared) / shard + routed
