@@ -100,3 +100,21 @@ def test_moe_layer_with_kernels_equals_reference(capacity_factor):
         results.append([y, x.grad, *(p.grad for p in layer.parameters())])
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, **TOL)
+
+
+def test_moe_layer_with_kernels_under_torch_compile():
+    """torch.compile runs the kernels eagerly (a graph break, not traced): same output and input
+    gradient as eager. GELU experts: the SwiGLU kernel is traced by dynamo, which the interpreter
+    cannot be (a GPU compiles it)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(num_layers=2, hidden_size=24, num_experts=6, moe_router_topk=3, moe_ffn_hidden_size=16,
+                      add_bias_linear=False, activation="gelu", moe_router_dtype="fp32", fused_kernels="on",
+                      moe_grouped_gemm="loop")  # fmt: skip
+    layer = MoELayer(cfg)
+    x = torch.randn(2, 5, 24, requires_grad=True)
+    outputs = []
+    for run in (layer, torch.compile(layer, backend="aot_eager")):
+        y = run(x)
+        outputs.append((y, *torch.autograd.grad(y.square().sum(), x)))
+    for got, want in zip(*outputs):
+        torch.testing.assert_close(got, want, **TOL)
