@@ -88,9 +88,9 @@ def plan_dispatch(
 def _sort_by_expert(flat_experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(copies per expert [E], copy indices sorted by expert, stable) without a host sync.
 
-    The ids are sorted as the narrowest integer that holds them (one radix pass for uint8 rather
-    than eight for int64) and counted by binary search in the sorted ids (``bincount`` on a GPU
-    reads its maximum back to the host).
+    The ids are sorted as uint8 where they fit (one radix pass rather than int64's eight), else
+    int32, and counted by binary search in the sorted ids (``bincount`` on a GPU reads its
+    maximum back to the host).
     """
     key_dtype = torch.uint8 if num_experts <= 256 else torch.int32
     sorted_experts, order = torch.sort(flat_experts.to(key_dtype), stable=True)
