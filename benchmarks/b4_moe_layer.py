@@ -109,7 +109,7 @@ def main() -> None:
 
     def dispatch_out():
         p = plan_dispatch(routing.probs.detach(), routing.experts, cfg.num_experts)
-        return unpermute(permute(flat, p), p, tokens)
+        return unpermute(permute(flat, p, cfg.fused_kernels), p, tokens, flat.dtype, cfg.fused_kernels)
 
     parts = {
         "MoE layer (whole)": backward_of(layer_out, [x, *params]),

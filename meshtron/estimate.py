@@ -164,10 +164,11 @@ def moe_bytes_per_token(cfg: Config, a: int) -> float:
     expert input row (kept by the grouped GEMM; a tp rank's own rows, which it has alone under
     sequence parallelism and keeps 1/tp of otherwise, unless etp = tp shares them; gathered over
     etp), the expert's hidden state (fc1's output and the activation's, of those rows, split over
-    etp) and two rows of the combine (the expert output in r bytes, kept to weight
-    it by the routing probability, and the weighted row kept by the scatter-add); the shared
-    experts' hidden state, whole on every tp rank. With ``--moe-pad-expert-input-to-capacity``
-    every expert computes its whole capacity.
+    etp) and the combine's copy of the expert output, kept to weight it by the routing
+    probability: dropless with fused kernels one row in the compute dtype (the gather kernel's
+    input), else two rows in r bytes (the reference's upcast, and the weighted row kept by its
+    scatter-add); the shared experts' hidden state, whole on every tp rank. With
+    ``--moe-pad-expert-input-to-capacity`` every expert computes its whole capacity.
     """
     m, p = cfg.model, cfg.parallel
     shard, h, ffn, k = _token_shard(cfg), m.hidden_size, expert_ffn_hidden_size(m), m.moe_router_topk
@@ -179,7 +180,9 @@ def moe_bytes_per_token(cfg: Config, a: int) -> float:
     shared_by_etp = shard == 1 and etp == tp  # the etp group is the tp group and holds the same rows
     own = 1 if shared_by_etp else 1 / tp  # this rank's share of the copies: its sequence shard, or its 1/tp of shared rows
     rows = own if shared_by_etp else own * etp  # gathered over etp
-    routed = copies * (a * h * rows + kept_per_ffn * ffn * rows / etp + 2 * r * h / shard)
+    fused_combine = m.fused_kernels != "off" and m.moe_expert_capacity_factor <= 0 and r != 8
+    combine = (a if fused_combine else 2 * r) * h / shard
+    routed = copies * (a * h * rows + kept_per_ffn * ffn * rows / etp + combine)
     router = 2 * 4 * m.num_experts + 4 * 8 * k + r * k + (r * h if r != a else 0)  # the last: the input cast to r
     shared = kept_per_ffn * m.moe_shared_expert_intermediate_size
     return (router + shared) / shard + routed

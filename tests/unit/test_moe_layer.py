@@ -106,6 +106,22 @@ def test_grouped_mm_probe_from_inference_mode_still_finds_it():
     assert _grouped_mm_runs(y.device, y.dtype)
 
 
+@pytest.mark.parametrize("num_experts", [8, 300])  # uint8 and int32 sort keys
+def test_dropless_plan_sorts_copies_stably_and_inverts_the_sort(num_experts):
+    gen = torch.Generator().manual_seed(2)
+    experts = torch.rand(50, num_experts, generator=gen).topk(3, dim=1).indices
+    experts[:10] = torch.tensor([0, 5, 7])  # ties: ten tokens on the same three experts
+    probs = torch.rand(50, 3, generator=gen)
+    plan = plan_dispatch(probs, experts, num_experts)
+    flat = experts.reshape(-1)
+    assert plan.group_sizes.tolist() == torch.bincount(flat, minlength=num_experts).tolist()
+    order = torch.argsort(flat, stable=True)
+    assert torch.equal(plan.token_index, order // 3) and torch.equal(plan.weights, probs.reshape(-1)[order])
+    # inverse[t, j]: the row holding token t's j-th copy
+    assert torch.equal(plan.token_index[plan.inverse], torch.arange(50)[:, None].expand(50, 3))
+    assert torch.equal(plan.weights[plan.inverse], probs) and plan.token_weights is probs
+
+
 def test_capacity_drops_by_probability_or_by_position():
     # 2 sequences of 3 tokens, top-1; capacity = ceil(6 * 1 / 2 * 1.0) = 3.
     experts = torch.tensor([[0], [0], [0], [0], [0], [1]])

@@ -10,6 +10,12 @@ capacity factor (Megatron-Core's ``--moe-expert-capacity-factor``) an expert kee
 unchanged). ``--moe-pad-expert-input-to-capacity`` then gives every expert exactly that many rows,
 zero rows as filler, so shapes stay static (CUDA graphs); a zero row produces zero output in a
 bias-free expert and is never read back.
+
+Dropless, on a GPU with Triton (``model.fused_kernels``), both directions run as gather-form
+kernels (``kernels/triton_moe_permute.py``): every row and every token written by one program,
+no atomics, fp32 sums, the combine's output directly in the layer's dtype. The plan gives them
+``inverse`` [T, k], the row of each token's copy. The ops below are the reference, the CPU's
+path and that of the capacity modes.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from meshtron.kernels import use_triton
 
 
 @dataclass
@@ -30,6 +38,8 @@ class DispatchPlan:
     num_rows: int  # R
     group_sizes: torch.Tensor  # [E] expert-input rows per expert (padding included)
     tokens_per_expert: torch.Tensor  # [E] kept copies per expert
+    inverse: torch.Tensor | None = None  # [T, k] row of token t's j-th copy; dropless only
+    token_weights: torch.Tensor | None = None  # [T, k] the combine weights in token order; dropless only
 
 
 def expert_capacity(num_tokens: int, topk: int, num_experts: int, capacity_factor: float) -> int:
@@ -54,12 +64,11 @@ def plan_dispatch(
     """
     num_tokens, topk = experts.shape
     flat_experts = experts.reshape(-1)
-    flat_tokens = torch.arange(num_tokens, device=experts.device).repeat_interleave(topk)
-    flat_probs = probs.reshape(-1)
+    flat_probs = probs.reshape(-1)  # copy i is token i // topk's
     if capacity_factor <= 0:
-        order = torch.argsort(flat_experts, stable=True)
-        counts = torch.bincount(flat_experts, minlength=num_experts)
-        return DispatchPlan(flat_tokens[order], flat_probs[order], None, order.numel(), counts, counts)
+        counts, order = _sort_by_expert(flat_experts, num_experts)
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        return DispatchPlan(order // topk, flat_probs[order], None, order.numel(), counts, counts, inverse.view(num_tokens, topk), probs)
 
     priority = _drop_priority(probs, num_tokens, drop_policy, seq_length or num_tokens)
     order = priority[torch.argsort(flat_experts[priority], stable=True)]
@@ -72,8 +81,21 @@ def plan_dispatch(
     if pad_to_capacity:
         row_index = sorted_experts[keep] * capacity + rank_in_expert[keep]
         group_sizes = torch.full_like(counts, capacity)
-        return DispatchPlan(flat_tokens[order], flat_probs[order], row_index, num_experts * capacity, group_sizes, kept_counts)
-    return DispatchPlan(flat_tokens[order], flat_probs[order], None, order.numel(), kept_counts, kept_counts)
+        return DispatchPlan(order // topk, flat_probs[order], row_index, num_experts * capacity, group_sizes, kept_counts)
+    return DispatchPlan(order // topk, flat_probs[order], None, order.numel(), kept_counts, kept_counts)
+
+
+def _sort_by_expert(flat_experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(copies per expert [E], copy indices sorted by expert, stable) without a host sync.
+
+    The ids are sorted as uint8 where they fit (one radix pass rather than int64's eight), else
+    int32, and counted by binary search in the sorted ids (``bincount`` on a GPU reads its
+    maximum back to the host).
+    """
+    key_dtype = torch.uint8 if num_experts <= 256 else torch.int32
+    sorted_experts, order = torch.sort(flat_experts.to(key_dtype), stable=True)
+    ends = torch.searchsorted(sorted_experts, torch.arange(num_experts, device=flat_experts.device, dtype=key_dtype), right=True)
+    return torch.diff(ends, prepend=ends.new_zeros(1)), order
 
 
 def _drop_priority(probs: torch.Tensor, num_tokens: int, drop_policy: str, seq_length: int) -> torch.Tensor:
@@ -88,20 +110,34 @@ def _drop_priority(probs: torch.Tensor, num_tokens: int, drop_policy: str, seq_l
     raise ValueError(f"unknown --moe-token-drop-policy '{drop_policy}'")
 
 
-def permute(tokens: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
+def permute(tokens: torch.Tensor, plan: DispatchPlan, fused_kernels: str = "auto") -> torch.Tensor:
     """tokens [T, h] -> expert input [R, h], rows grouped by expert."""
+    if plan.inverse is not None and use_triton(fused_kernels, tokens):
+        from meshtron.kernels.triton_moe_permute import permute_copies  # Triton stays optional
+
+        return permute_copies(tokens, plan.inverse)
     rows = tokens.index_select(0, plan.token_index)
     if plan.row_index is None:
         return rows
     return rows.new_zeros(plan.num_rows, rows.shape[1]).index_copy(0, plan.row_index, rows)
 
 
-def unpermute(expert_output: torch.Tensor, plan: DispatchPlan, num_tokens: int) -> torch.Tensor:
-    """expert output [R, h] -> [T, h]: each token's copies times their weights, summed.
+def unpermute(
+    expert_output: torch.Tensor, plan: DispatchPlan, num_tokens: int, out_dtype: torch.dtype | None = None, fused_kernels: str = "auto"
+) -> torch.Tensor:
+    """expert output [R, h] -> [T, h] in ``out_dtype`` (default the weights'): each token's copies
+    times their weights, summed.
 
-    Computed in the weights' dtype (the router dtype, fp32 with ``--moe-router-dtype fp32``) so
-    a token's k contributions add up without bf16 rounding between them.
+    The reference computes in the weights' dtype (the router dtype, fp32 with ``--moe-router-dtype
+    fp32``) so a token's k contributions add up without bf16 rounding between them; the kernel
+    always sums in fp32 and rounds once to ``out_dtype`` (fp64 weights keep the reference).
     """
+    out_dtype = out_dtype or plan.weights.dtype
+    weights = plan.token_weights
+    if plan.inverse is not None and weights.dtype != torch.float64 and use_triton(fused_kernels, expert_output):
+        from meshtron.kernels.triton_moe_permute import combine_copies  # Triton stays optional
+
+        return combine_copies(expert_output, weights, plan.inverse, out_dtype)
     rows = expert_output if plan.row_index is None else expert_output.index_select(0, plan.row_index)
     weighted = rows.to(plan.weights.dtype) * plan.weights[:, None]
-    return weighted.new_zeros(num_tokens, weighted.shape[1]).index_add(0, plan.token_index, weighted)
+    return weighted.new_zeros(num_tokens, weighted.shape[1]).index_add(0, plan.token_index, weighted).to(out_dtype)

@@ -59,8 +59,8 @@ class MoELayer(nn.Module):
             cfg.moe_token_drop_policy, cfg.moe_pad_expert_input_to_capacity, seq_length=s,
         )  # fmt: skip
         self.last_tokens_per_expert = plan.tokens_per_expert.detach()
-        expert_output = self.experts(permute(tokens, plan), plan.group_sizes)
-        out = unpermute(expert_output, plan, b * s).to(x.dtype)
+        expert_output = self.experts(permute(tokens, plan, cfg.fused_kernels), plan.group_sizes)
+        out = unpermute(expert_output, plan, b * s, x.dtype, cfg.fused_kernels)
         if self.shared_experts is not None:
             shared = self.shared_experts(tokens)
             if self.shared_expert_gate is not None:

@@ -1,0 +1,168 @@
+"""Triton kernels for the dropless MoE permutation and combine, in gather form: no atomics.
+
+``inverse`` [T, k] names the expert-input row holding token t's j-th copy (a permutation of the
+T*k rows, from the dispatch plan's sort). One program per token walks the hidden dimension in
+column blocks and touches its k rows as one [k, BLOCK] tile, so every row is written by exactly
+one program: deterministic results, fp32 sums in registers, and each byte read or written once.
+
+- permute forward: each token read once, written to its k rows (``scatter_copies``);
+- permute backward and combine forward: a token's k rows gathered and summed, weighted or not,
+  in fp32, rounded once to the output dtype (``gather_sum``);
+- combine backward: the output gradient times each copy's weight written to that copy's row,
+  and the weight's gradient as the dot product of output gradient and row (``combine_backward``).
+
+The PyTorch reference is ``permute`` / ``unpermute`` in ``layers/moe/dispatch.py``. Imported only
+when a kernel runs, so Triton stays optional.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _scatter_copies_kernel(tokens_ptr, inverse_ptr, rows_ptr, n_cols, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """rows[inverse[t, j]] = tokens[t] for each of the k copies j."""
+    t = tl.program_id(0).to(tl.int64)
+    copies = tl.arange(0, K_PAD)
+    valid = copies < K
+    row = tl.load(inverse_ptr + t * K + copies, mask=valid, other=0).to(tl.int64)
+    for off in range(0, n_cols, BLOCK):
+        cols = off + tl.arange(0, BLOCK)
+        x = tl.load(tokens_ptr + t * n_cols + cols, mask=cols < n_cols, other=0.0)
+        tile = tl.broadcast_to(x[None, :], (K_PAD, BLOCK))
+        tl.store(rows_ptr + row[:, None] * n_cols + cols[None, :], tile, mask=valid[:, None] & (cols[None, :] < n_cols))
+
+
+@triton.jit
+def _gather_sum_kernel(
+    rows_ptr, inverse_ptr, weights_ptr, out_ptr, n_cols,
+    K: tl.constexpr, K_PAD: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """out[t] = sum_j w[t, j] * rows[inverse[t, j]] (w = 1 unless WEIGHTED), summed in fp32."""
+    t = tl.program_id(0).to(tl.int64)
+    copies = tl.arange(0, K_PAD)
+    valid = copies < K
+    row = tl.load(inverse_ptr + t * K + copies, mask=valid, other=0).to(tl.int64)
+    if WEIGHTED:
+        w = tl.load(weights_ptr + t * K + copies, mask=valid, other=0.0).to(tl.float32)
+    else:
+        w = tl.where(valid, 1.0, 0.0)
+    for off in range(0, n_cols, BLOCK):
+        cols = off + tl.arange(0, BLOCK)
+        mask = valid[:, None] & (cols[None, :] < n_cols)
+        tile = tl.load(rows_ptr + row[:, None] * n_cols + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        total = tl.sum(tile * w[:, None], axis=0)
+        tl.store(out_ptr + t * n_cols + cols, total.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
+
+
+@triton.jit
+def _combine_backward_kernel(
+    grad_ptr, rows_ptr, inverse_ptr, weights_ptr, grad_rows_ptr, grad_weights_ptr, n_cols,
+    K: tl.constexpr, K_PAD: tl.constexpr, WEIGHT_GRAD: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """grad_rows[inverse[t, j]] = w[t, j] * g[t]; grad_w[t, j] = <g[t], rows[inverse[t, j]]> (fp32)."""
+    t = tl.program_id(0).to(tl.int64)
+    copies = tl.arange(0, K_PAD)
+    valid = copies < K
+    row = tl.load(inverse_ptr + t * K + copies, mask=valid, other=0).to(tl.int64)
+    w = tl.load(weights_ptr + t * K + copies, mask=valid, other=0.0).to(tl.float32)
+    dots = tl.zeros((K_PAD,), dtype=tl.float32)
+    for off in range(0, n_cols, BLOCK):
+        cols = off + tl.arange(0, BLOCK)
+        mask = valid[:, None] & (cols[None, :] < n_cols)
+        g = tl.load(grad_ptr + t * n_cols + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        at_rows = row[:, None] * n_cols + cols[None, :]
+        tl.store(grad_rows_ptr + at_rows, (w[:, None] * g[None, :]).to(grad_rows_ptr.dtype.element_ty), mask=mask)
+        if WEIGHT_GRAD:
+            tile = tl.load(rows_ptr + at_rows, mask=mask, other=0.0).to(tl.float32)
+            dots += tl.sum(tile * g[None, :], axis=1)
+    if WEIGHT_GRAD:
+        tl.store(grad_weights_ptr + t * K + copies, dots.to(grad_weights_ptr.dtype.element_ty), mask=valid)
+
+
+def _meta(n_cols: int, topk: int) -> dict:
+    """Column block and padded copy count; at least 2 copies wide (no 1-wide tile dimension)."""
+    return dict(K=topk, K_PAD=max(2, triton.next_power_of_2(topk)), BLOCK=min(512, triton.next_power_of_2(max(n_cols, 16))), num_warps=4)
+
+
+def scatter_copies(tokens: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """tokens [T, h] contiguous, inverse [T, k] -> rows [T*k, h]."""
+    (num_tokens, topk), n_cols = inverse.shape, tokens.shape[1]
+    rows = torch.empty(num_tokens * topk, n_cols, dtype=tokens.dtype, device=tokens.device)
+    if rows.numel():
+        _scatter_copies_kernel[(num_tokens,)](tokens, inverse, rows, n_cols, **_meta(n_cols, topk))
+    return rows
+
+
+def gather_sum(rows: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """rows [T*k, h] contiguous, inverse [T, k], weights [T, k] or None -> [T, h] in ``out_dtype``."""
+    (num_tokens, topk), n_cols = inverse.shape, rows.shape[1]
+    out = torch.empty(num_tokens, n_cols, dtype=out_dtype, device=rows.device)
+    if out.numel():
+        placeholder = inverse  # an unused pointer when unweighted
+        _gather_sum_kernel[(num_tokens,)](rows, inverse, placeholder if weights is None else weights, out, n_cols,
+                                          WEIGHTED=weights is not None, **_meta(n_cols, topk))  # fmt: skip
+    return out
+
+
+def combine_backward(
+    grad: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor, weight_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """grad [T, h], rows [T*k, h], inverse and weights [T, k], all contiguous -> (grad_rows [T*k, h]
+    in the rows' dtype, grad_weights [T, k] in the weights' dtype, or None without ``weight_grad``)."""
+    (num_tokens, topk), n_cols = inverse.shape, rows.shape[1]
+    grad_rows = torch.empty_like(rows)
+    grad_weights = torch.empty_like(weights) if weight_grad else None
+    if grad_rows.numel():
+        _combine_backward_kernel[(num_tokens,)](
+            grad, rows, inverse, weights, grad_rows, grad_weights if weight_grad else weights, n_cols,
+            WEIGHT_GRAD=weight_grad, **_meta(n_cols, topk),
+        )  # fmt: skip
+    return grad_rows, grad_weights
+
+
+class PermuteCopies(torch.autograd.Function):
+    """tokens [T, h] -> rows [T*k, h], row ``inverse[t, j]`` a copy of token t; the backward sums
+    each token's k row gradients (fp32, in the tokens' dtype)."""
+
+    @staticmethod
+    def forward(ctx, tokens: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse)
+        ctx.dtype = tokens.dtype
+        return scatter_copies(tokens.contiguous(), inverse.contiguous())
+
+    @staticmethod
+    def backward(ctx, grad_rows: torch.Tensor):
+        (inverse,) = ctx.saved_tensors
+        return gather_sum(grad_rows.contiguous(), inverse.contiguous(), None, ctx.dtype), None
+
+
+class CombineCopies(torch.autograd.Function):
+    """rows [T*k, h], weights [T, k] -> [T, h] in ``out_dtype``: each token's copies weighted and
+    summed in fp32."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        rows, weights, inverse = rows.contiguous(), weights.contiguous(), inverse.contiguous()
+        ctx.save_for_backward(rows, weights, inverse)
+        return gather_sum(rows, inverse, weights, out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        rows, weights, inverse = ctx.saved_tensors
+        grad_rows, grad_weights = combine_backward(grad.contiguous(), rows, inverse, weights, ctx.needs_input_grad[1])
+        return grad_rows, grad_weights, None, None
+
+
+# Run eagerly inside a compiled block (a graph break), as the grouped GEMM's kernels do.
+@torch.compiler.disable
+def permute_copies(tokens: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    return PermuteCopies.apply(tokens, inverse)
+
+
+@torch.compiler.disable
+def combine_copies(rows: torch.Tensor, weights: torch.Tensor, inverse: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    return CombineCopies.apply(rows, weights, inverse, out_dtype)
