@@ -7,6 +7,8 @@
 #   probe  GPU tests of T5/estimate/grouped GEMM, B4 layer split and tile sweep, BERT-large profiled against HF
 #   round2 the failed GPU tests again, BERT against HF, the B4 tile sweep and the layer profiled
 #   x2     (2 GPUs) tp2 overlap backends against dp2; DeepSeek-V2-Lite x 4 layers dp2 vs ep2; the deepest ep2 that fits
+#   final1 FP8 / MoE dispatch / estimate / grouped GEMM GPU tests, B4 layer, B4b, B1 against the FP8 recipes
+#   final2 B2's loss: bf16 against FP8 (delayed, then rowwise) over 200 steps of real text, three seeds
 #   b1tune B1 eager / --compile / HF, then B1 with --gemm-tuning twice (the tuning run, then a run reading its file)
 set -uo pipefail
 part="$1" out="$2"; mkdir -p "$out"
@@ -49,6 +51,18 @@ x2)
   python3 benchmarks/b5_scaling.py --layouts dp2,tp2,tp2ov,tp2ovsm --layers 8 --seq-length 8192 --global-batch 8 --steps 4 --warmup 2 2>"$out/b5_tp_stderr.txt" | tee "$out/b5_tp.txt"
   python3 benchmarks/b5_scaling.py --model deepseek-v2-lite --layers 4 --micro-batch-size 2 --seq-length 4096 --global-batch 8 --layouts dp1,dp2,ep2,ep2ag --steps 4 --warmup 2 2>"$out/b5_moe_stderr.txt" | tee "$out/b5_moe.txt"
   python3 benchmarks/b5_scaling.py --model deepseek-v2-lite --layers "${DEEPEST:-20}" --micro-batch-size 2 --seq-length 4096 --global-batch 8 --layouts ep2 --steps 3 --warmup 2 2>"$out/b5_deep_stderr.txt" | tee "$out/b5_deep.txt" ;;
+final1)
+  python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fp8_gpu.py tests/gpu/test_moe_permute_gpu.py tests/gpu/test_grouped_gemm_gpu.py \
+    tests/gpu/test_kernels_gpu.py "tests/gpu/test_estimate_gpu.py" > "$out/gpu_tests_final.txt" 2>&1
+  grep -v "^$" "$out/gpu_tests_final.txt" | tail -12
+  python3 benchmarks/b4_moe_layer.py --grouped-gemm torch 2>&1 | tee "$out/b4_layer.txt"
+  common=(--preset deepseek-v2-lite --num-layers 4 --moe-layer-freq "([0]+[1]*3)" --seq-length 4096 --micro-batch-size 2 --global-batch-size 2 --bf16)
+  (cd benchmarks && python3 train_bench.py --steps 6 --warmup 3 -- "${common[@]}" 2>>"$out/b4b_stderr.txt") | tee "$out/b4b.txt"
+  python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,meshtron-fp8-delayed,meshtron-fp8-tensorwise,meshtron-fp8-rowwise,meshtron-fp8-delayed-compile 2>"$out/b1_fp8_stderr.txt" | tee "$out/b1_fp8.txt" ;;
+final2)
+  for recipe in delayed rowwise; do
+    python3 benchmarks/b2_fp8_loss.py --steps 200 --seeds 1,2,3 --fp8-recipe $recipe 2>"$out/b2_${recipe}_stderr.txt" | tee "$out/b2_$recipe.txt"
+  done ;;
 b1tune)
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,meshtron-compile,hf 2>"$out/b1_stderr.txt" | tee "$out/b1_compile.txt"
   for run in tuning reading; do
