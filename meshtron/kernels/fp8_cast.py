@@ -3,8 +3,10 @@
 Two paths with the same numbers: the reference in torch ops (the CPU, and GPUs without Triton),
 and ``meshtron.kernels.triton_fp8_cast``'s one-pass kernel, run as the custom op
 ``meshtron::fp8_cast`` so that ``torch.compile`` keeps it as one opaque call instead of tracing
-into Triton. Both compute ``t * scale`` rounded to ``t``'s dtype, clamp it to the format's range
-(e4m3fn has no infinity) and round it to FP8; the amax is the largest ``|t|``, in fp32.
+into Triton. Both compute ``t * scale`` in fp32, round it to ``t``'s dtype, clamp it to the
+format's range (e4m3fn has no infinity) and round it to FP8; the amax is the largest ``|t|``, in
+fp32. (Not ``t * scale`` in ``t``'s dtype: a 0-d CUDA scale would be rounded to bf16 before the
+multiply, scaling by up to 0.4 % off the inverse scale the GEMM later applies.)
 """
 
 from __future__ import annotations
@@ -32,8 +34,7 @@ def cast_reference(t: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dty
     if not (rows or transposed):
         return Cast(None, None, amax)
     fmax = torch.finfo(dtype).max
-    # A 0-d fp32 scale keeps t's dtype (no fp32 copy); a per-row or per-column one promotes, so round back.
-    q = (t * scale).to(t.dtype).clamp_(-fmax, fmax).to(dtype)
+    q = (t.float() * scale.float()).to(t.dtype).clamp_(-fmax, fmax).to(dtype)
     return Cast(q if rows else None, q.t().contiguous() if transposed else None, amax)
 
 

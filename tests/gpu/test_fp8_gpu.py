@@ -15,7 +15,7 @@ def _simulated(t, dtype, dim=None):
     fmax = torch.finfo(dtype).max
     amax = t.abs().amax() if dim is None else t.abs().amax(dim, keepdim=True)
     scale = fmax / amax.float().clamp(min=1e-12)
-    return (t * scale).to(t.dtype).clamp(-fmax, fmax).to(dtype).float() / scale
+    return (t.float() * scale).to(t.dtype).clamp(-fmax, fmax).to(dtype).float() / scale
 
 
 def _rel(a, b):

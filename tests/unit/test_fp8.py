@@ -19,7 +19,7 @@ from meshtron.validation import validate
 
 def _simulated(t: torch.Tensor, dtype: torch.dtype, dim: int | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """What a GEMM sees of ``t``, in fp32: scaled (from its amax over ``dim``, all of it when None,
-    or by ``scale``), rounded to ``t``'s dtype, clamped, cast to FP8, and scaled back."""
+    or by ``scale``) in fp32, rounded to ``t``'s dtype, clamped, cast to FP8, and scaled back."""
     fmax = torch.finfo(dtype).max
     if scale is None:
         amax = t.abs().amax() if dim is None else t.abs().amax(dim, keepdim=True)
