@@ -59,10 +59,6 @@ LAYOUT_FLAGS = {
     # mixture of experts (--model deepseek-v2-lite): experts split over 2 ranks, tokens exchanged all-to-all or all-gathered
     "ep2": (2, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]),
     "ep2ag": (2, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer", "--moe-token-dispatcher-type", "allgather"]),
-    # ... and with the shared experts on a side stream, beside the router, dispatch and all-to-alls
-    "dp1so": (1, ["--moe-shared-expert-overlap"]),
-    "dp2so": (2, ["--use-distributed-optimizer", "--moe-shared-expert-overlap"]),
-    "ep2so": (2, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer", "--moe-shared-expert-overlap"]),
     "pp4": (4, ["--pp", "4"]),
     "pp4v2": (4, ["--pp", "4", "--virtual-pipeline-model-parallel-size", "2"]),
 }

@@ -88,7 +88,6 @@ class ModelConfig:
     moe_pad_expert_input_to_capacity: bool = False  # every expert computes exactly capacity rows
     moe_shared_expert_intermediate_size: int = 0  # 0: no shared experts
     moe_shared_expert_gate: bool = False  # scale the shared experts' output by sigmoid(gate(x))
-    moe_shared_expert_overlap: bool = False  # GPU: shared experts on a side stream, beside the router, dispatch and routed experts
     moe_layer_freq: str = "1"  # N: every N-th layer (from 0) is MoE; or a list like ([0]+[1]*26)
     moe_grouped_gemm: str = "auto"  # auto | loop (per-expert reference) | torch (torch._grouped_mm) | triton (our kernels)
     # DeepSeek-V2 multi-head latent attention (meshtron/layers/mla.py; checked by mla_config_errors there)

@@ -136,7 +136,6 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "moe-pad-expert-input-to-capacity": ("model.moe_pad_expert_input_to_capacity", True),
     "moe-shared-expert-intermediate-size": "model.moe_shared_expert_intermediate_size",
     "moe-shared-expert-gate": ("model.moe_shared_expert_gate", True),
-    "moe-shared-expert-overlap": ("model.moe_shared_expert_overlap", True),
     "moe-layer-freq": "model.moe_layer_freq",
     "moe-grouped-gemm": ("model.moe_grouped_gemm", "auto"),  # a switch there; --model.moe_grouped_gemm loop|torch|triton picks here
     # ... and the Stanford/MegaBlocks fork's (its --moe-capacity-factor 0 is dropless, as 0 is here;

@@ -79,8 +79,6 @@ def test_config_checks_name_the_flag():
     assert "--moe-token-drop-policy" in _errors(moe_token_drop_policy="random")
     assert "--moe-loss-weight" in _errors(moe_aux_loss_coeff=0.01, moe_loss_weight=0.1)
     assert "--moe-shared-expert-gate" in _errors(moe_shared_expert_gate=True)
-    assert "--moe-shared-expert-overlap needs shared experts" in _errors(moe_shared_expert_overlap=True)
-    assert _errors(moe_shared_expert_overlap=True, moe_shared_expert_intermediate_size=128) == ""
     assert "moe_grouped_gemm" in _errors(moe_grouped_gemm="cutlass")
     assert "--moe-router-dtype" in _errors(moe_router_dtype="bf16")
 
@@ -90,14 +88,13 @@ def test_megatron_and_megablocks_flags():
         "--num-experts", "64", "--moe-router-topk", "6", "--moe-ffn-hidden-size", "1408", "--moe-grouped-gemm",
         "--moe-router-pre-softmax", "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-3",
         "--moe-layer-freq", "([0]+[1]*26)", "--moe-shared-expert-intermediate-size", "2816",
-        "--moe-expert-capacity-factor", "1.25", "--moe-token-drop-policy", "position", "--moe-shared-expert-overlap",
+        "--moe-expert-capacity-factor", "1.25", "--moe-token-drop-policy", "position",
     ]).model  # fmt: skip
     assert (megatron.num_experts, megatron.moe_router_topk, megatron.moe_ffn_hidden_size) == (64, 6, 1408)
     assert megatron.moe_grouped_gemm == "auto" and megatron.moe_router_pre_softmax
     assert megatron.moe_router_load_balancing_type == "seq_aux_loss" and megatron.moe_aux_loss_coeff == 1e-3
     assert megatron.moe_layer_freq == "([0]+[1]*26)" and megatron.moe_shared_expert_intermediate_size == 2816
     assert (megatron.moe_expert_capacity_factor, megatron.moe_token_drop_policy) == (1.25, "position")
-    assert megatron.moe_shared_expert_overlap
     megablocks = build_config(overrides=[
         "--moe-num-experts", "8", "--moe-top-k", "1", "--moe-capacity-factor", "0", "--moe-loss-weight", "0.1",
         "--moe-jitter-eps", "0.01",

@@ -36,7 +36,6 @@ class MoELayer(nn.Module):
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if shared and cfg.moe_shared_expert_gate else None
         self.last_aux_losses: dict[str, torch.Tensor] = {}
         self.last_tokens_per_expert: torch.Tensor | None = None
-        self._stream: torch.cuda.Stream | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Also sets ``last_aux_losses`` and ``last_tokens_per_expert`` for the model to collect.
@@ -49,11 +48,6 @@ class MoELayer(nn.Module):
         """
         b, s, h = x.shape
         tokens = x.reshape(b * s, h)
-        side = self._side_stream(tokens)
-        if side is not None:  # the shared experts start first, on their own stream
-            side.wait_stream(torch.cuda.current_stream(tokens.device))
-            with torch.cuda.stream(side):
-                shared = self._shared(tokens)
         routing = self.router(tokens)
         cfg = self.cfg
         self.last_aux_losses = balancing_losses(
@@ -67,29 +61,9 @@ class MoELayer(nn.Module):
         self.last_tokens_per_expert = plan.tokens_per_expert.detach()
         expert_output = self.experts(permute(tokens, plan, cfg.fused_kernels), plan.group_sizes)
         out = unpermute(expert_output, plan, b * s, x.dtype, cfg.fused_kernels)
-        if side is not None:
-            main = torch.cuda.current_stream(tokens.device)
-            main.wait_stream(side)
-            tokens.record_stream(side)  # made on the main stream, read on the side one: not reused before it is done
-            shared.record_stream(main)
+        if self.shared_experts is not None:
+            shared = self.shared_experts(tokens)
+            if self.shared_expert_gate is not None:
+                shared = shared * torch.sigmoid(self.shared_expert_gate(tokens))
             out = out + shared
-        elif self.shared_experts is not None:
-            out = out + self._shared(tokens)
         return out.view(b, s, h)
-
-    def _shared(self, tokens: torch.Tensor) -> torch.Tensor:
-        shared = self.shared_experts(tokens)
-        if self.shared_expert_gate is not None:
-            shared = shared * torch.sigmoid(self.shared_expert_gate(tokens))
-        return shared
-
-    def _side_stream(self, tokens: torch.Tensor) -> torch.cuda.Stream | None:
-        """With ``--moe-shared-expert-overlap`` on a GPU, the stream the shared experts run on (one
-        per layer, made once): their GEMMs then fill the GPU beside the router's and the dispatch's
-        small kernels and the expert-parallel all-to-alls, forward and backward (autograd runs each
-        op's backward on the stream its forward ran on, and joins the streams where gradients meet)."""
-        if not (self.cfg.moe_shared_expert_overlap and tokens.is_cuda and self.shared_experts is not None):
-            return None
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(tokens.device)
-        return self._stream

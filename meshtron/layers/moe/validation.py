@@ -53,8 +53,6 @@ def moe_config_errors(m: ModelConfig) -> list[str]:
          "--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor (dropless has no capacity to pad to)")  # fmt: skip
     need(m.moe_shared_expert_intermediate_size >= 0,
          f"--moe-shared-expert-intermediate-size must not be negative, got {m.moe_shared_expert_intermediate_size}")  # fmt: skip
-    need(not (m.moe_shared_expert_overlap and m.moe_shared_expert_intermediate_size <= 0),
-         "--moe-shared-expert-overlap needs shared experts (--moe-shared-expert-intermediate-size or --num-shared-experts); drop it")
     need(not (m.moe_shared_expert_gate and m.moe_shared_expert_intermediate_size <= 0),
          "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")  # fmt: skip
     need(m.moe_grouped_gemm in GROUPED_GEMM_BACKENDS,
