@@ -252,6 +252,8 @@ _MODEL_AND_FUSION_NOTES = {
     "attention-softmax-in-fp32": (False, "always: SDPA's fused kernels accumulate the softmax in fp32"),
     "enable-shared-expert": (False, "shared experts are on when --num-shared-experts or --moe-shared-expert-intermediate-size is set"),
     "moe-use-legacy-grouped-gemm": (False, "meshtron's grouped GEMM per --moe-grouped-gemm; there is no legacy one"),
+    "moe-shared-expert-overlap": (False, "shared experts run in order after the routed ones: a side stream for them measured no gain "
+                                         "(DeepSeek-V2-Lite, 1 and 2 H200, ep2) and is not kept"),
 }
 _PARALLELISM_NOTES = {
     "overlap-grad-reduce": (False, "always on (gradient buckets are reduced during backward)"),
