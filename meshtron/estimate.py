@@ -304,7 +304,10 @@ def estimate(cfg: Config, world_size: int = 1) -> MemoryEstimate:
     if p.fsdp and dp_cp > 1:  # fp32 sharded params (the masters), gradients and moments; one rank trains plainly
         param_bytes, grad_bytes, opt_bytes = sharded(4), sharded(4), sharded(8)
     else:
-        opt = (4 if t.precision != "fp32" else 0) + 8
+        # fp32 masters, two Adam moments, and the fused step's uint8 parameter-group index per element
+        # (the step is fused wherever it runs on a GPU, unless --optimizer-impl reference).
+        fused = t.optimizer_impl == "fused" or (t.optimizer_impl == "auto" and t.device != "cpu")
+        opt = (4 if t.precision != "fp32" else 0) + 8 + (1 if fused else 0)
         param_bytes, grad_bytes = _DTYPE_BYTES[t.precision] * params.total, 4 * params.total
         opt_bytes = sharded(opt, p.use_distributed_optimizer)
     return MemoryEstimate(params.dense, params.expert, param_bytes, grad_bytes, opt_bytes, activation_bytes(cfg, world_size), loss_bytes(cfg))

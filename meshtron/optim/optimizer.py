@@ -307,9 +307,11 @@ class MixedPrecisionOptimizer:
 
     def memory_bytes(self) -> int:
         """Bytes of fp32 masters and Adam moments this rank holds (masters counted even where they
-        are the model's own fp32 params; the 4-byte step counters left out)."""
+        are the model's own fp32 params; the 4-byte step counters left out), and the fused step's
+        per-element parameter-group index."""
         moments = [s[k] for s in self.adamw.state.values() for k in ("exp_avg", "exp_avg_sq")]
-        return sum(t.numel() * t.element_size() for t in self._master_params() + moments)
+        index = [s.group_index for s in self._segments] if self.fused else []
+        return sum(t.numel() * t.element_size() for t in self._master_params() + moments + index)
 
     # -- checkpointing -----------------------------------------------------------------------
 

@@ -39,10 +39,13 @@ def _b1(*flags: str):
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt", "tiny-mixtral", "tiny-deepseek", "tiny-bert", "tiny-t5", "tiny-ict"])
 def test_parameters_and_optimizer_match_a_built_model(preset):
-    cfg = build_config(overrides=["--preset", preset, "--vocab-size", "256", "--bf16"])
+    cfg = build_config(overrides=["--preset", preset, "--vocab-size", "256", "--bf16", "--device", "cpu"])
     model = build_model(cfg.model, 256, cfg.data.seq_length).to(torch.bfloat16)
-    optimizer = build_optimizer(model, cfg.train, torch.bfloat16)
+    optimizer = build_optimizer(model, cfg.train, torch.bfloat16)  # the reference step: the CPU's
     est = estimate(cfg)
+    # On a GPU the step is fused: one more byte per parameter (its uint8 parameter-group index).
+    on_gpu = estimate(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, device="auto")))
+    assert on_gpu.optimizer_bytes == est.optimizer_bytes + est.params
     experts = sum(p.numel() for name, p in model.named_parameters() if name.endswith(("experts.weight1", "experts.weight2")))
     assert (est.dense_params, est.expert_params) == (num_parameters(model) - experts, experts)
     assert est.params == stage_parameters(cfg).total == model_parameters(cfg)[0] == num_parameters(model)
@@ -101,8 +104,9 @@ def test_deepseek_v2_lite_on_8_gpus_shards_experts_over_ep_and_their_optimizer_o
     ep8, ep4, one = (build_config(overrides=[*flags, "--ep", ep]) for ep in ("8", "4", "1"))
     whole = stage_parameters(one)
     assert stage_parameters(ep8) == dataclasses.replace(whole, expert=whole.expert // 8)
-    assert estimate(ep8, world_size=8).optimizer_bytes == 12 * whole.dense // 8 + 12 * whole.expert // 8
-    assert estimate(ep4, world_size=8).optimizer_bytes == 12 * whole.dense // 8 + 12 * (whole.expert // 4) // 2
+    # 12 bytes a parameter (fp32 master, two moments) and the fused step's 1-byte group index
+    assert estimate(ep8, world_size=8).optimizer_bytes == 13 * whole.dense // 8 + 13 * whole.expert // 8
+    assert estimate(ep4, world_size=8).optimizer_bytes == 13 * whole.dense // 8 + 13 * (whole.expert // 4) // 2
     # Expert tensor parallelism splits the experts over tp too; without it tp leaves them whole.
     tp2 = build_config(overrides=[*flags, "--tp", "2", "--ep", "4"])
     etp2 = build_config(overrides=[*flags, "--tp", "2", "--ep", "4", "--expert-tensor-parallel-size", "2"])
