@@ -68,6 +68,7 @@ class Bucket:
     handle: object = None  # the in-flight collective
     launched_in_backward: bool = False
     reduced_copy: tuple[torch.Tensor, torch.Tensor] | None = None  # (bf16 result, fp32 elements it goes back to)
+    sent: torch.Tensor | None = None  # the low-precision copy being reduced: held until the wait, not freed under gloo's thread
 
 
 @dataclass
@@ -216,7 +217,7 @@ class GradBuffer:
         waited = [b for b in self.buckets if b.handle is not None]
         for bucket in waited:
             bucket.handle.wait()
-            bucket.handle = None
+            bucket.handle, bucket.sent = None, None
             if bucket.reduced_copy is not None:
                 reduced, target = bucket.reduced_copy
                 target.copy_(reduced)
@@ -281,7 +282,7 @@ class GradBuffer:
         if self.reduce_dtype != region.dtype:  # reduce a low-precision copy, written back after the wait
             region = region.to(self.reduce_dtype)
             out = torch.empty_like(target, dtype=self.reduce_dtype) if self.shard else region
-            bucket.reduced_copy, target = (out, target), out
+            bucket.reduced_copy, bucket.sent, target = (out, target), region, out
         if self.shard:
             bucket.handle = reduce_scatter_single(target, region, group=bucket.group, async_op=True)
         else:

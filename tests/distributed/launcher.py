@@ -41,6 +41,9 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         torch.save(result, out / f"{rank}.pt")
+        # Tear down together: a gloo rank whose peer has already closed its connections can abort
+        # in its own teardown ("terminate called without an active exception").
+        dist.barrier()
     except BaseException:
         (out / f"{rank}.err").write_text(traceback.format_exc())
         raise SystemExit(1)
