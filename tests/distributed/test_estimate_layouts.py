@@ -39,7 +39,9 @@ LAYOUTS = {
 
 
 def _config(flags: list[str]):
-    return build_config(overrides=[*flags, "--vocab-size", "256", "--bf16", "--micro-batch-size", "1", "--global-batch-size", "4"])
+    # --device cpu: the runners are built on the CPU, whose optimizer step is the reference one (no fused-step index)
+    return build_config(overrides=[*flags, "--vocab-size", "256", "--bf16", "--micro-batch-size", "1", "--global-batch-size", "4",
+                                   "--device", "cpu"])  # fmt: skip
 
 
 def _local_bytes(tensor: torch.Tensor) -> int:
