@@ -23,12 +23,20 @@ import triton.language as tl
 
 
 @triton.jit
-def _scatter_copies_kernel(tokens_ptr, inverse_ptr, rows_ptr, n_cols, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr):
-    """rows[inverse[t, j]] = tokens[t] for each of the k copies j."""
+def _token_rows(inverse_ptr, K: tl.constexpr, K_PAD: tl.constexpr):
+    """This program's token ``t``, its copy slots (K padded to a power of two), which are real, and
+    the expert-input row of each copy."""
     t = tl.program_id(0).to(tl.int64)
     copies = tl.arange(0, K_PAD)
     valid = copies < K
     row = tl.load(inverse_ptr + t * K + copies, mask=valid, other=0).to(tl.int64)
+    return t, copies, valid, row
+
+
+@triton.jit
+def _scatter_copies_kernel(tokens_ptr, inverse_ptr, rows_ptr, n_cols, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """rows[inverse[t, j]] = tokens[t] for each of the k copies j."""
+    t, copies, valid, row = _token_rows(inverse_ptr, K, K_PAD)
     for off in range(0, n_cols, BLOCK):
         cols = off + tl.arange(0, BLOCK)
         x = tl.load(tokens_ptr + t * n_cols + cols, mask=cols < n_cols, other=0.0)
@@ -42,10 +50,7 @@ def _gather_sum_kernel(
     K: tl.constexpr, K_PAD: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """out[t] = sum_j w[t, j] * rows[inverse[t, j]] (w = 1 unless WEIGHTED), summed in fp32."""
-    t = tl.program_id(0).to(tl.int64)
-    copies = tl.arange(0, K_PAD)
-    valid = copies < K
-    row = tl.load(inverse_ptr + t * K + copies, mask=valid, other=0).to(tl.int64)
+    t, copies, valid, row = _token_rows(inverse_ptr, K, K_PAD)
     if WEIGHTED:
         w = tl.load(weights_ptr + t * K + copies, mask=valid, other=0.0).to(tl.float32)
     else:
@@ -64,10 +69,7 @@ def _combine_backward_kernel(
     K: tl.constexpr, K_PAD: tl.constexpr, WEIGHT_GRAD: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """grad_rows[inverse[t, j]] = w[t, j] * g[t]; grad_w[t, j] = <g[t], rows[inverse[t, j]]> (fp32)."""
-    t = tl.program_id(0).to(tl.int64)
-    copies = tl.arange(0, K_PAD)
-    valid = copies < K
-    row = tl.load(inverse_ptr + t * K + copies, mask=valid, other=0).to(tl.int64)
+    t, copies, valid, row = _token_rows(inverse_ptr, K, K_PAD)
     w = tl.load(weights_ptr + t * K + copies, mask=valid, other=0.0).to(tl.float32)
     dots = tl.zeros((K_PAD,), dtype=tl.float32)
     for off in range(0, n_cols, BLOCK):
