@@ -130,6 +130,28 @@ def _zero_token_inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return torch.randn(rows, MOE.hidden_size, generator=g), sizes, torch.randn(rows, MOE.hidden_size, generator=g)
 
 
+def _zero_token_reference() -> tuple[torch.nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """One process's experts fed every rank's rows of ``_zero_token_inputs``, backward through the
+    ranks' weighted sums: (the experts with their gradients, [(output, input with its grad)] per rank)."""
+    experts = _zero_token_experts()
+    total, outputs = torch.zeros(()), []
+    for rank in range(4):
+        x, sizes, weighting = _zero_token_inputs(rank)
+        x.requires_grad_(True)
+        out = experts(x, sizes)
+        total = total + (out * weighting).sum()
+        outputs.append((out, x))
+    total.backward()
+    return experts, outputs
+
+
+def _assert_rows_match(result: dict, out: torch.Tensor, x: torch.Tensor) -> None:
+    """A rank's outputs and input gradients equal the one-process reference's for its rows."""
+    torch.testing.assert_close(result["out"], out.detach(), rtol=RTOL, atol=1e-6)
+    if x.numel():
+        torch.testing.assert_close(result["x_grad"], x.grad, rtol=RTOL, atol=1e-6)
+
+
 def _zero_token_experts() -> Experts:
     torch.manual_seed(5)
     return Experts(MOE)
@@ -243,21 +265,9 @@ def test_one_process_checkpoint_loads_into_expert_parallel_layout(runs, tmp):
 def test_ranks_and_experts_without_tokens(runs, dispatcher):
     """Rank 1 sends no row; experts 1 and 2 (ranks 1 and 2) receive none: outputs, input and
     weight gradients equal one process's experts on every rank's rows."""
-    experts = _zero_token_experts()
-    total = torch.zeros(())
-    outputs = []
-    for rank in range(4):
-        x, sizes, weighting = _zero_token_inputs(rank)
-        x.requires_grad_(True)
-        out = experts(x, sizes)
-        total = total + (out * weighting).sum()
-        outputs.append((out, x))
-    total.backward()
+    experts, outputs = _zero_token_reference()
     for rank, r in enumerate(runs[f"zero/{dispatcher}"]):
-        out, x = outputs[rank]
-        torch.testing.assert_close(r["out"], out.detach(), rtol=RTOL, atol=1e-6)
-        if x.numel():
-            torch.testing.assert_close(r["x_grad"], x.grad, rtol=RTOL, atol=1e-6)
+        _assert_rows_match(r, *outputs[rank])
         for pname, grad in r["grads"].items():
             expected = getattr(experts, pname).grad[rank : rank + 1]
             torch.testing.assert_close(grad, expected, rtol=RTOL, atol=1e-6)

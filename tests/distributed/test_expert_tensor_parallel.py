@@ -41,7 +41,8 @@ from meshtron.parallel.mesh import Mesh
 from meshtron.parallel.plan import gather_full
 from meshtron.parallel.setup import runner_for
 from test_expert_parallel import (CONFIGS, MOE_BIAS, STEP_RTOL, TRAIN, _assert_same_state, _bias_runner, _one_process_step, _parallel,
-                                  _reference, _reload, _state_in_one_process, _zero_token_experts, _zero_token_inputs)  # fmt: skip
+                                  _assert_rows_match, _reference, _reload, _state_in_one_process, _zero_token_experts, _zero_token_inputs,
+                                  _zero_token_reference)  # fmt: skip
 from test_model_contract import MICRO_BATCHES, RTOL, _check, _decoder, _micro_batches, _train_step
 
 
@@ -279,20 +280,9 @@ def test_dispatchers_are_bit_identical_under_expert_tensor_parallelism(runs, lay
 def test_ranks_and_experts_without_tokens_under_expert_tensor_parallelism(runs, dispatcher):
     """Rank 1 (an etp peer of rank 0) sends no row; experts 1 and 2 receive none: each rank's
     outputs and input gradients, and the weight gradients, equal one process's experts."""
-    experts = _zero_token_experts()
-    total, outputs = torch.zeros(()), []
-    for rank in range(4):
-        x, sizes, weighting = _zero_token_inputs(rank)
-        x.requires_grad_(True)
-        out = experts(x, sizes)
-        total = total + (out * weighting).sum()
-        outputs.append((out, x))
-    total.backward()
+    experts, outputs = _zero_token_reference()
     for rank, r in enumerate(runs[f"zero/{dispatcher}"]):
-        out, x = outputs[rank]
-        torch.testing.assert_close(r["out"], out.detach(), rtol=RTOL, atol=1e-6)
-        if x.numel():
-            torch.testing.assert_close(r["x_grad"], x.grad, rtol=RTOL, atol=1e-6)
+        _assert_rows_match(r, *outputs[rank])
         for pname, grad in r["grads"].items():
             torch.testing.assert_close(grad, getattr(experts, pname).grad, rtol=RTOL, atol=1e-6)
             assert not grad[1:3].any(), "experts 1 and 2 received no token but have a gradient"
