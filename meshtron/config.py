@@ -189,6 +189,9 @@ class TrainConfig:
     max_consecutive_skipped_steps: int = 10  # this many skipped steps in a row (fp16 overflow) stop the run; 0: no limit
     optimizer: str = "adam"  # adam (AdamW: Megatron's adam, decoupled weight decay); sgd is not implemented
     optimizer_impl: str = "auto"  # auto (fused on a GPU with Triton) | fused (one Triton kernel per step) | reference
+    use_precision_aware_optimizer: bool = False  # Megatron's: lets --exp-avg-dtype / --exp-avg-sq-dtype take effect
+    exp_avg_dtype: str = "fp32"  # fp32 | bf16 | fp16: the Adam first moment's storage (math stays fp32; fused step only)
+    exp_avg_sq_dtype: str = "fp32"  # fp32 | bf16 | fp16: the second moment's storage
 
 
 @dataclass

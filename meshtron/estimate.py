@@ -307,7 +307,8 @@ def estimate(cfg: Config, world_size: int = 1) -> MemoryEstimate:
         # fp32 masters, two Adam moments, and the fused step's uint8 parameter-group index per element
         # (the step is fused wherever it runs on a GPU, unless --optimizer-impl reference).
         fused = t.optimizer_impl == "fused" or (t.optimizer_impl == "auto" and t.device != "cpu")
-        opt = (4 if t.precision != "fp32" else 0) + 8 + (1 if fused else 0)
+        moments = sum(_DTYPE_BYTES[d] for d in (t.exp_avg_dtype, t.exp_avg_sq_dtype))  # 8 in fp32
+        opt = (4 if t.precision != "fp32" else 0) + moments + (1 if fused else 0)
         param_bytes, grad_bytes = _DTYPE_BYTES[t.precision] * params.total, 4 * params.total
         opt_bytes = sharded(opt, p.use_distributed_optimizer)
     return MemoryEstimate(params.dense, params.expert, param_bytes, grad_bytes, opt_bytes, activation_bytes(cfg, world_size), loss_bytes(cfg))

@@ -45,6 +45,9 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "recompute-num-layers": "model.recompute_num_layers",
     "fp8-format": "model.fp8_format",
     "compile": "train.compile",
+    "use-precision-aware-optimizer": ("train.use_precision_aware_optimizer", True),
+    "exp-avg-dtype": "train.exp_avg_dtype",
+    "exp-avg-sq-dtype": "train.exp_avg_sq_dtype",
     "gemm-tuning": "train.gemm_tuning",
     "gradient-accumulation-fusion": ("train.gradient_accumulation_fusion", True),
     "no-gradient-accumulation-fusion": ("train.gradient_accumulation_fusion", False),  # Megatron's spelling (on there by default)
@@ -282,6 +285,8 @@ _PRECISION_NOTES = {
     "keep-fp8-transpose-cache": (False, "never: FP8 copies are made per GEMM and not cached"),
     "keep-fp8-weight-transpose-cache-te": (False, "never: FP8 copies are made per GEMM and not cached"),
     "reuse-grad-buf-for-mxfp8-param-ag": (False, "not applicable: meshtron has no MXFP8"),
+    "main-grads-dtype": (True, "fp32: gradients accumulate in the fp32 gradient buffer"),
+    "main-params-dtype": (True, "fp32: the optimizer's master weights"),
 }
 _DATA_NOTES = {
     "dataloader-type": (True, "samples come in the dataset's own shuffled order, each once per epoch, resumed at the consumed-sample count"),
@@ -312,6 +317,8 @@ NOTED_VALUE_CHOICES: dict[str, tuple[str, ...]] = {
     "dataloader-type": ("single", "cyclic", "external"),
     "distributed-backend": ("nccl", "gloo"),
     "cross-entropy-fusion-impl": ("native", "te"),
+    "main-grads-dtype": ("fp32", "bf16"),
+    "main-params-dtype": ("fp32", "fp16"),
     "train-mode": ("pretrain", "finetune"),
 }
 
@@ -320,6 +327,8 @@ REFUSED_NOTED_VALUES: dict[tuple[str, str], str] = {
     ("dataloader-type", "external"): "meshtron builds its own loader from --data-path (or --mock-data); drop --dataloader-type external",
     ("train-mode", "finetune"): "fine-tuning reads a chat jsonl with --sft (messages, or prompt/response records); drop --train-mode",
     ("transformer-impl", "inference_optimized"): "there is no inference-optimized implementation; drop --transformer-impl",
+    ("main-grads-dtype", "bf16"): "gradients accumulate in the fp32 buffer; drop --main-grads-dtype bf16 (--grad-reduce-in-bf16 reduces them in bf16)",
+    ("main-params-dtype", "fp16"): "master weights stay fp32; drop --main-params-dtype fp16",
 }
 
 

@@ -18,7 +18,7 @@ from meshtron.layers.mla import mla_config_errors
 from meshtron.layers.moe import moe_config_errors
 from meshtron.layers.moe.experts import expert_ffn_hidden_size
 from meshtron.models import model_config_errors, model_layout_errors
-from meshtron.optim.optimizer import OPTIMIZER_IMPLS
+from meshtron.optim.optimizer import MOMENT_DTYPES, OPTIMIZER_IMPLS
 from meshtron.parallel.pipeline_balance import modeled_costs, pipeline_split
 
 
@@ -81,6 +81,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     need(not (t.compile and t.gradient_accumulation_fusion), "--gradient-accumulation-fusion does not combine with --compile; drop one")
     need(t.optimizer_impl in OPTIMIZER_IMPLS, f"--optimizer-impl must be one of {', '.join(OPTIMIZER_IMPLS)}, got '{t.optimizer_impl}'")
     need(not (t.optimizer_impl == "fused" and t.device == "cpu"), "--optimizer-impl fused needs a GPU (a Triton kernel); use auto or reference")
+    for flag, dtype in (("--exp-avg-dtype", t.exp_avg_dtype), ("--exp-avg-sq-dtype", t.exp_avg_sq_dtype)):
+        need(dtype in MOMENT_DTYPES, f"{flag} must be one of {', '.join(MOMENT_DTYPES)}, got '{dtype}'")
+        need(dtype == "fp32" or t.use_precision_aware_optimizer, f"{flag} {dtype} takes effect with --use-precision-aware-optimizer; add it")
+        need(dtype == "fp32" or (t.optimizer_impl != "reference" and t.device != "cpu"),
+             f"{flag} {dtype} needs the fused optimizer step (a GPU with Triton, --optimizer-impl auto or fused)")  # fmt: skip
     need(m.recompute_num_layers >= 1, f"--recompute-num-layers must be at least 1, got {m.recompute_num_layers}")
     max_pos = m.max_position_embeddings or d.seq_length
     need(d.seq_length > 0, f"--seq-length must be positive, got {d.seq_length}")
@@ -104,6 +109,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         need(p.tensor_parallel == 1, f"--fsdp needs --tensor-model-parallel-size 1 (got {p.tensor_parallel}); use the distributed optimizer with tp")
         need(not p.use_distributed_optimizer, "--fsdp and --use-distributed-optimizer both shard optimizer state; pick one")
         need(t.optimizer_impl != "fused", "--optimizer-impl fused needs meshtron's flat gradient buffer, which --fsdp replaces; use auto or reference")
+        need(t.exp_avg_dtype == t.exp_avg_sq_dtype == "fp32", "--fsdp keeps fp32 Adam moments (the fused step that stores them narrower "
+             "needs meshtron's flat gradient buffer); drop --exp-avg-dtype / --exp-avg-sq-dtype")  # fmt: skip
     model_parallel = p.tensor_parallel * p.pipeline_parallel * p.context_parallel
     for name in ("tensor_parallel", "pipeline_parallel", "context_parallel", "expert_parallel", "expert_tensor_parallel"):
         need(getattr(p, name) >= 1, f"parallel.{name} must be at least 1")

@@ -166,6 +166,40 @@ def fused_adamw_check(device: torch.device | str, dtype: torch.dtype, distribute
     return worst
 
 
+def narrow_moments_check(device: torch.device | str, moment_dtype: str, distributed: bool, steps: int = 4) -> bool:
+    """Precision-aware moments (``--exp-avg-dtype`` / ``--exp-avg-sq-dtype`` ``moment_dtype``): the
+    fused step that stores them narrow equals, bit for bit, the fp32-moment fused step whose
+    moments are rounded to ``moment_dtype`` after every step (the kernel reads them into fp32 and
+    rounds once on store). True when masters and moments all agree and the moments are narrow."""
+    from meshtron.config import TrainConfig  # only here: the kernel cases need no config
+    from meshtron.optim.optimizer import MOMENT_DTYPES
+
+    narrow_dtype = MOMENT_DTYPES[moment_dtype]
+    runs = []
+    for stored in (moment_dtype, "fp32"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 4)).to(device, torch.float16)
+        train = TrainConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5, optimizer_impl="fused", use_precision_aware_optimizer=True,
+                            exp_avg_dtype=stored, exp_avg_sq_dtype=stored)  # fmt: skip
+        opt = build_optimizer(model, train, torch.float16, distributed=distributed, bucket_size=100)  # several flat segments
+        for i in range(steps):
+            opt.zero_grad()
+            x = torch.randn(5, 8, generator=torch.Generator().manual_seed(i)).to(device, torch.float16)
+            model(x).float().square().sum().backward()
+            opt.step(1e-2)
+            if stored == "fp32":
+                for seg in opt._segments:
+                    for moment in (seg.exp_avg, seg.exp_avg_sq):
+                        moment.copy_(moment.to(narrow_dtype))
+        runs.append(opt)
+    narrow, wide = runs
+    return all(
+        a.exp_avg.dtype == a.exp_avg_sq.dtype == narrow_dtype and torch.equal(a.master, b.master)
+        and torch.equal(a.exp_avg.float(), b.exp_avg) and torch.equal(a.exp_avg_sq.float(), b.exp_avg_sq)
+        for a, b in zip(narrow._segments, wide._segments)
+    ) and narrow.memory_bytes() < wide.memory_bytes()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])

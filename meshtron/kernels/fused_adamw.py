@@ -38,8 +38,8 @@ def _adamw_kernel(
     coef = tl.load(coef_ptr)
     grad = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32) * coef
     master = tl.load(master_ptr + offs, mask=mask, other=0.0)
-    exp_avg = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
-    exp_avg_sq = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
+    exp_avg = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # stored fp32, or bf16/fp16 (precision-aware)
+    exp_avg_sq = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     decay = tl.where(tl.load(group_ptr + offs, mask=mask, other=0) == 0, decay0, decay1)
     master = master * decay
     exp_avg = exp_avg + (1.0 - beta1) * (grad - exp_avg)  # torch.lerp's form for a weight below 0.5
@@ -47,8 +47,8 @@ def _adamw_kernel(
     denom = tl.sqrt(exp_avg_sq) / bias_correction2_sqrt + eps
     master = master + step_size * (exp_avg / denom)
     tl.store(master_ptr + offs, master, mask=mask)
-    tl.store(exp_avg_ptr + offs, exp_avg, mask=mask)
-    tl.store(exp_avg_sq_ptr + offs, exp_avg_sq, mask=mask)
+    tl.store(exp_avg_ptr + offs, exp_avg.to(exp_avg_ptr.dtype.element_ty), mask=mask)
+    tl.store(exp_avg_sq_ptr + offs, exp_avg_sq.to(exp_avg_sq_ptr.dtype.element_ty), mask=mask)
     if WRITE_MODEL:
         tl.store(model_ptr + offs, master.to(model_ptr.dtype.element_ty), mask=mask)
 
@@ -70,8 +70,8 @@ def fused_adamw(
 ) -> None:
     """One AdamW step (``step`` counted from 1) over equal-length flat tensors, in place.
 
-    ``grad`` (fp32 or low precision) is multiplied by the 0-d ``coef`` first; ``master`` and the
-    moments are fp32; ``model`` receives the master rounded to its dtype (None: ``master`` is the
+    ``grad`` (fp32 or low precision) is multiplied by the 0-d ``coef`` first; ``master`` is fp32,
+    the moments fp32 or (precision-aware) bf16/fp16, read into fp32 and rounded back when stored; ``model`` receives the master rounded to its dtype (None: ``master`` is the
     model's own fp32 parameter); ``group_index`` (uint8, 0 or 1) picks each element's entry of
     ``decay``, its group's ``1 - lr * weight_decay``. Scalars are formed on the host in double, as
     ``torch.optim.AdamW`` forms them, then rounded to fp32 once.

@@ -12,7 +12,7 @@ from torch import nn
 from meshtron.models.contract import ParamMeta
 from meshtron.optim.distributed_optimizer import DistributedOptimizer
 from meshtron.optim.grad_buffer import DEFAULT_BUCKET_SIZE, GradBuffer
-from meshtron.optim.optimizer import MixedPrecisionOptimizer, build_param_groups, fused_step_runs, optimizer_settings
+from meshtron.optim.optimizer import MOMENT_DTYPES, MixedPrecisionOptimizer, build_param_groups, fused_step_runs, optimizer_settings
 
 
 def build_optimizer(
@@ -64,4 +64,5 @@ def build_optimizer(
         pp_group=pp_group,
         expert_group=expert_group,
         impl=impl,
+        moment_dtypes=(MOMENT_DTYPES[train_cfg.exp_avg_dtype], MOMENT_DTYPES[train_cfg.exp_avg_sq_dtype]),
     )

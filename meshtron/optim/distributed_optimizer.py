@@ -73,7 +73,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             lo, hi = buf.shard_range(bucket)
             own = self._param_flat[lo:hi]
             self._slices.append((lo, hi, own.float().clone() if self.mixed_precision else own))
-        self._flat_moments = [{k: torch.zeros_like(m) for k in _MOMENTS} for _, _, m in self._slices]
+        self._flat_moments = [{k: torch.zeros_like(m, dtype=d) for k, d in zip(_MOMENTS, self.moment_dtypes)} for _, _, m in self._slices]
         if self.fused:
             index = group_index_of(buf, param_groups)
             self._segments = [FlatSegment(buf.data[lo:hi], masters, moments["exp_avg"], moments["exp_avg_sq"],

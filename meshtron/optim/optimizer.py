@@ -41,6 +41,9 @@ from meshtron.optim.grad_buffer import GradBuffer
 from meshtron.optim.loss_scaler import ConstantLossScaler, DynamicLossScaler
 
 OPTIMIZER_IMPLS = ("auto", "fused", "reference")
+# Storage of the Adam moments (``--exp-avg-dtype`` / ``--exp-avg-sq-dtype``, with Megatron's
+# --use-precision-aware-optimizer): the fused step reads them, updates in fp32 and rounds back.
+MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # Added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does (keeps fp32 runs identical to it).
 _CLIP_EPS = 1e-6
@@ -179,6 +182,7 @@ class MixedPrecisionOptimizer:
         pp_group: dist.ProcessGroup | None = None,
         expert_group: dist.ProcessGroup | None = None,
         impl: str = "reference",
+        moment_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32),
     ) -> None:
         named = [pair for group in param_groups for pair in group["params"]]
         metas = metas if metas is not None else {name: default_meta(name, p) for name, p in named}
@@ -196,6 +200,9 @@ class MixedPrecisionOptimizer:
         self.fused = impl == "fused"
         if self.fused and not (isinstance(self.grads, GradBuffer) and fused_step_runs(self.grads.data.device)):
             raise ValueError("--optimizer-impl fused needs Triton, a GPU and meshtron's gradient buffer (not FSDP); use reference")
+        self.moment_dtypes = moment_dtypes
+        if not self.fused and moment_dtypes != (torch.float32, torch.float32):
+            raise ValueError("--exp-avg-dtype / --exp-avg-sq-dtype other than fp32 need the fused optimizer step (a GPU with Triton)")
         self._weight_decays = [group["weight_decay"] for group in param_groups]
         self._segments: list[FlatSegment] = []  # what the fused step updates (filled by _build_masters)
         self._host_step: int | None = None  # the fused step's count, read from the state once after a load
@@ -384,7 +391,8 @@ class MixedPrecisionOptimizer:
         if self.fused:
             model_flat = flatten_params(self.grads)
             master_flat = model_flat.float() if self.mixed_precision else model_flat
-            self._segments = [FlatSegment(self.grads.data, master_flat, torch.zeros_like(master_flat), torch.zeros_like(master_flat),
+            exp_avg, exp_avg_sq = (torch.zeros_like(master_flat, dtype=d) for d in self.moment_dtypes)
+            self._segments = [FlatSegment(self.grads.data, master_flat, exp_avg, exp_avg_sq,
                                           model_flat if self.mixed_precision else None, group_index_of(self.grads, param_groups))]  # fmt: skip
         master_groups = []
         for group in param_groups:

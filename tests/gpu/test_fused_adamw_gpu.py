@@ -7,7 +7,7 @@ last bit for the low-precision model copy."""
 import pytest
 import torch
 
-from meshtron.kernels.checks import fused_adamw_check
+from meshtron.kernels.checks import fused_adamw_check, narrow_moments_check
 
 
 @pytest.mark.gpu
@@ -18,3 +18,11 @@ def test_fused_step_matches_reference_gpu(dtype, model_tol, distributed):
     print(f"{dtype} distributed={distributed}: {worst}")
     assert max(worst["master"], worst["exp_avg"], worst["exp_avg_sq"]) < 1e-5, worst
     assert worst["model"] < model_tol and worst["grad_norm"] < 1e-4, worst
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("moment_dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("distributed", [False, True])
+def test_narrow_moments_gpu(moment_dtype, distributed):
+    """--exp-avg-dtype / --exp-avg-sq-dtype: narrow moments equal fp32 ones rounded after each step, bit for bit."""
+    assert narrow_moments_check("cuda", moment_dtype, distributed)

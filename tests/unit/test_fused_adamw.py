@@ -27,7 +27,7 @@ if triton_available() and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from meshtron.optim.build import build_optimizer  # noqa: E402
-from meshtron.kernels.checks import fused_adamw_check  # noqa: E402
+from meshtron.kernels.checks import fused_adamw_check, narrow_moments_check  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -65,5 +65,41 @@ def test_fused_state_dict_round_trip_gives_identical_next_steps():
     other_opt.load_state_dict(saved_opt)
     steps(other, other_opt, 2)
     assert other_opt.fused and int(other_opt.state_dict()["state"]["0.weight"]["step"]) == 4
+    for p, q in zip(model.parameters(), other.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_narrow_moments_equal_fp32_moments_rounded_after_each_step(distributed):
+    """Precision-aware moments (``kernels/checks.narrow_moments_check``), fp16 here: Triton's
+    interpreter rounds fp32 to fp16 correctly (to bf16 it truncates; the GPU test covers bf16)."""
+    assert narrow_moments_check("cpu", "fp16", distributed)
+
+
+def test_narrow_moments_state_dict_round_trip():
+    """Saved and loaded in their narrow dtype, the next steps are identical."""
+    c = TrainConfig(lr=1e-2, weight_decay=0.1, optimizer_impl="fused", use_precision_aware_optimizer=True,
+                    exp_avg_dtype="fp16", exp_avg_sq_dtype="fp16")  # fmt: skip
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)).to(torch.float16)
+    other = copy.deepcopy(model)
+    opt, other_opt = build_optimizer(model, c, torch.float16), build_optimizer(other, c, torch.float16)
+
+    def step(m, o, i):
+        o.zero_grad()
+        m(torch.randn(5, 8, generator=torch.Generator().manual_seed(i)).to(torch.float16)).float().square().sum().backward()
+        o.step(1e-2)
+
+    for i in range(2):
+        step(model, opt, i)
+    saved = opt.state_dict()
+    assert saved["state"]["0.weight"]["exp_avg"].dtype == torch.float16
+    other_opt.load_state_dict(saved)
+    with torch.no_grad():
+        for p, q in zip(other.parameters(), model.parameters()):
+            p.copy_(q)
+    for i in range(2, 4):
+        step(model, opt, i)
+        step(other, other_opt, i)
     for p, q in zip(model.parameters(), other.parameters()):
         assert torch.equal(p, q)

@@ -233,3 +233,32 @@ def test_load_state_dict_rejects_another_model():
 def test_build_optimizer_checks_the_model_was_cast():
     with pytest.raises(ValueError, match="cast the model"):
         build_optimizer(make_model(), cfg(), torch.bfloat16)
+
+
+def test_precision_aware_moment_flags_are_checked_and_estimated():
+    """Megatron's --use-precision-aware-optimizer / --exp-avg-dtype / --exp-avg-sq-dtype: narrow
+    moments need the flag and the fused step (a GPU), the reference step refuses them, bf16 main
+    grads and fp16 main params are refused, and the estimate counts 2-byte moments."""
+    from meshtron.config import ConfigError, build_config
+    from meshtron.estimate import estimate
+    from meshtron.validation import validate
+
+    def errors(*flags: str) -> str:
+        try:
+            validate(build_config(overrides=["--preset", "tiny-llama", "--mock-data", *flags]))
+        except ConfigError as e:
+            return str(e)
+        return ""
+
+    assert "takes effect with --use-precision-aware-optimizer" in errors("--exp-avg-dtype", "bf16")
+    assert "needs the fused optimizer step" in errors("--use-precision-aware-optimizer", "--exp-avg-sq-dtype", "bf16", "--device", "cpu")
+    assert "must be one of fp32, bf16, fp16" in errors("--use-precision-aware-optimizer", "--exp-avg-dtype", "fp8")
+    assert "--main-grads-dtype bf16" in errors("--main-grads-dtype", "bf16")
+    assert "--main-params-dtype fp16" in errors("--main-params-dtype", "fp16")
+    assert errors("--main-grads-dtype", "fp32", "--device", "cpu") == ""
+    gpu = ["--preset", "tiny-llama", "--bf16", "--device", "cuda"]
+    wide, narrow = (estimate(build_config(overrides=[*gpu, *f])) for f in ([], ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]))
+    assert wide.optimizer_bytes - narrow.optimizer_bytes == 4 * wide.params
+    with pytest.raises(ValueError, match="need the fused optimizer step"):
+        model = nn.Linear(4, 4).to(torch.bfloat16)
+        build_optimizer(model, TrainConfig(optimizer_impl="reference", exp_avg_dtype="bf16", use_precision_aware_optimizer=True), torch.bfloat16)
