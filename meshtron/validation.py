@@ -18,6 +18,7 @@ from meshtron.layers.mla import mla_config_errors
 from meshtron.layers.moe import moe_config_errors
 from meshtron.layers.moe.experts import expert_ffn_hidden_size
 from meshtron.models import model_config_errors, model_layout_errors
+from meshtron.kernels import triton_available
 from meshtron.optim.optimizer import MOMENT_DTYPES, OPTIMIZER_IMPLS
 from meshtron.parallel.pipeline_balance import modeled_costs, pipeline_split
 
@@ -84,7 +85,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     for flag, dtype in (("--exp-avg-dtype", t.exp_avg_dtype), ("--exp-avg-sq-dtype", t.exp_avg_sq_dtype)):
         need(dtype in MOMENT_DTYPES, f"{flag} must be one of {', '.join(MOMENT_DTYPES)}, got '{dtype}'")
         need(dtype == "fp32" or t.use_precision_aware_optimizer, f"{flag} {dtype} takes effect with --use-precision-aware-optimizer; add it")
-        need(dtype == "fp32" or (t.optimizer_impl != "reference" and t.device != "cpu"),
+        need(dtype == "fp32" or (t.optimizer_impl != "reference" and t.device != "cpu" and triton_available()),
              f"{flag} {dtype} needs the fused optimizer step (a GPU with Triton, --optimizer-impl auto or fused)")  # fmt: skip
     need(m.recompute_num_layers >= 1, f"--recompute-num-layers must be at least 1, got {m.recompute_num_layers}")
     max_pos = m.max_position_embeddings or d.seq_length
