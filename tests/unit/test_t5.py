@@ -76,14 +76,20 @@ def test_loss_is_the_masked_decoder_cross_entropy():
     assert model.output.bias is not None and model.output.weight is None  # Megatron's T5LMHead: tied, with a bias
 
 
-def test_cached_decoding_equals_the_full_forward():
-    model = _model()
+def assert_cached_decoding_equals_the_full_forward(model, first_chunk: int = 1) -> None:
+    """Decoding with the kv cache, a first chunk of ``first_chunk`` tokens then one at a time,
+    gives the full forward's logits."""
     enc, dec, mask = _inputs()
     full = model(enc, dec, mask)
     memory = model.cross_attention_memory(model.encode(enc, mask))
     cache = model.new_kv_cache(2, DEC, torch.float32, torch.device("cpu"))
-    steps = torch.cat([model.decode(dec[:, i : i + 1], memory, mask, kv_cache=cache) for i in range(DEC)], dim=1)
+    first = model.decode(dec[:, :first_chunk], memory, mask, kv_cache=cache)
+    steps = torch.cat([first, *(model.decode(dec[:, i : i + 1], memory, mask, kv_cache=cache) for i in range(first_chunk, DEC))], dim=1)
     torch.testing.assert_close(steps, full, rtol=1e-5, atol=1e-5)
+
+
+def test_cached_decoding_equals_the_full_forward():
+    assert_cached_decoding_equals_the_full_forward(_model())
 
 
 def test_greedy_generation_is_the_argmax_of_full_forwards_step_by_step():

@@ -15,7 +15,7 @@ from meshtron.layers.attention import CoreAttention, attention_mask, math_attent
 from meshtron.layers.relative_position import RelativePositionBias, relative_position_bucket
 from meshtron.models import build_model, num_parameters, parameter_count
 from meshtron.validation import validate
-from tests.unit.test_t5 import DEC, ENC, VOCAB, _inputs  # the same tiny inputs as the learned-position tests
+from tests.unit.test_t5 import DEC, ENC, VOCAB, _inputs, assert_cached_decoding_equals_the_full_forward  # the same tiny inputs
 
 RELATIVE = ["--model-type", "t5", "--preset", "tiny-t5", "--num-layers", "2", "--hidden-size", "32",
             "--position-embedding-type", "relative"]  # fmt: skip
@@ -122,14 +122,7 @@ def test_encoder_ignores_padding_and_decoder_is_causal_and_positions_matter(back
 
 
 def test_cached_decoding_equals_the_full_forward():
-    model = _model()
-    enc, dec, mask = _inputs()
-    full = model(enc, dec, mask)
-    memory = model.cross_attention_memory(model.encode(enc, mask))
-    cache = model.new_kv_cache(2, DEC, torch.float32, torch.device("cpu"))
-    first = model.decode(dec[:, :3], memory, mask, kv_cache=cache)  # a chunk, then one token at a time
-    steps = torch.cat([first, *(model.decode(dec[:, i : i + 1], memory, mask, kv_cache=cache) for i in range(3, DEC))], dim=1)
-    torch.testing.assert_close(steps, full, rtol=1e-5, atol=1e-5)
+    assert_cached_decoding_equals_the_full_forward(_model(), first_chunk=3)  # a chunk, then one token at a time
 
 
 @pytest.mark.parametrize("flags", [[], ["--relative-attention-num-buckets", "16", "--untie-embeddings-and-output-weights"]])
