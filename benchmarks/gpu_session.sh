@@ -9,6 +9,7 @@
 #   x2     (2 GPUs) tp2 overlap backends against dp2; DeepSeek-V2-Lite x 4 layers dp2 vs ep2; the deepest ep2 that fits
 #   final1 FP8 / MoE dispatch / estimate / grouped GEMM GPU tests, B4 layer, B4b, B1 against the FP8 recipes
 #   final2 B2's loss: bf16 against FP8 (delayed, then rowwise) over 200 steps of real text, three seeds
+#   s3a    narrow-moment optimizer / permute / estimate GPU tests; B4b profiled, with bf16 moments, compiled; B4 router profile
 #   b1tune B1 eager / --compile / HF, then B1 with --gemm-tuning twice (the tuning run, then a run reading its file)
 set -uo pipefail
 part="$1" out="$2"; mkdir -p "$out"
@@ -63,6 +64,15 @@ final2)
   for recipe in delayed rowwise; do
     python3 benchmarks/b2_fp8_loss.py --steps 200 --seeds 1,2,3 --fp8-recipe $recipe 2>"$out/b2_${recipe}_stderr.txt" | tee "$out/b2_$recipe.txt"
   done ;;
+s3a)
+  python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fused_adamw_gpu.py tests/gpu/test_moe_permute_gpu.py > "$out/gpu_tests_s3a.txt" 2>&1
+  python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_estimate_gpu.py -k "mixtral or deepseek" >> "$out/gpu_tests_s3a.txt" 2>&1
+  grep -E "passed|failed|Error" "$out/gpu_tests_s3a.txt" | tail -8
+  common=(--preset deepseek-v2-lite --num-layers 4 --moe-layer-freq "([0]+[1]*3)" --seq-length 4096 --micro-batch-size 2 --global-batch-size 2 --bf16)
+  (cd benchmarks && python3 train_bench.py --steps 6 --warmup 3 --profile "$out/profile_b4b.txt" -- "${common[@]}" 2>>"$out/b4b_stderr.txt") | sed "s|^|default: |" | tee "$out/b4b.txt"
+  (cd benchmarks && python3 train_bench.py --steps 6 --warmup 3 -- "${common[@]}" --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 2>>"$out/b4b_stderr.txt") | sed "s|^|bf16 moments: |" | tee -a "$out/b4b.txt"
+  (cd benchmarks && timeout 300 python3 train_bench.py --steps 6 --warmup 3 -- "${common[@]}" --compile 2>>"$out/b4b_stderr.txt") | sed "s|^|compile: |" | tee -a "$out/b4b.txt"
+  python3 benchmarks/b4_moe_layer.py --grouped-gemm torch --profile-dir "$out" 2>&1 | tee "$out/b4_layer.txt" ;;
 b1tune)
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,meshtron-compile,hf 2>"$out/b1_stderr.txt" | tee "$out/b1_compile.txt"
   for run in tuning reading; do

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import torch
-from b1_llama import time_steps
+from b1_llama import profile_steps, time_steps
 
 
 def _bytes_on_disk(root: Path) -> int:
@@ -85,6 +85,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--checkpoint", default="", help="directory to time checkpoint save/load in")
+    parser.add_argument("--profile", default="", help="also profile two steps: GPU time by kernel, and how busy the GPU was, to this file")
     parser.add_argument("flags", nargs="*", help="meshtron train flags, after --")
     args = parser.parse_args()
     from meshtron.config import build_config
@@ -112,6 +113,8 @@ def main() -> None:
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "losses": [round(x, 4) for x in losses],
     }
+    if args.profile:
+        result["gpu_busy_ms_per_step"] = profile_steps(step, args.profile) / 2
     if args.checkpoint:
         result.update(checkpoint_costs(trainer, Path(args.checkpoint), step, step_s))
     if trainer.mesh.rank == 0:
