@@ -42,16 +42,28 @@ def _fp32_addmm_in_place(device_index: int) -> bool:
     return bool((acc == 4.0).all())
 
 
-def accumulate_wgrad(main_grad: torch.Tensor, grad_2d: torch.Tensor, x_2d: torch.Tensor) -> None:
-    """``main_grad += grad_2d^T @ x_2d`` ([out, tokens] @ [tokens, in]), accumulating in ``main_grad``'s dtype."""
+def accumulate_wgrad(main_grad: torch.Tensor, grad_2d: torch.Tensor, x_2d: torch.Tensor, overwrite: bool = False) -> None:
+    """``main_grad += grad_2d^T @ x_2d`` ([out, tokens] @ [tokens, in]), accumulating in ``main_grad``'s
+    dtype; ``overwrite``: ``main_grad = ...`` (its first gradient of the step: beta 0, nothing read)."""
+    beta = 0.0 if overwrite else 1.0
     if grad_2d.dtype == main_grad.dtype:
-        main_grad.addmm_(grad_2d.t(), x_2d)
+        main_grad.addmm_(grad_2d.t(), x_2d, beta=beta)
     elif main_grad.is_cuda and _fp32_addmm_in_place(main_grad.device.index):
-        torch.addmm(main_grad, grad_2d.t(), x_2d, out_dtype=main_grad.dtype, out=main_grad)
+        torch.addmm(main_grad, grad_2d.t(), x_2d, beta=beta, out_dtype=main_grad.dtype, out=main_grad)
+    elif main_grad.is_cuda and overwrite:
+        main_grad.copy_(grad_2d.t() @ x_2d)
     elif main_grad.is_cuda:
         main_grad.add_(grad_2d.t() @ x_2d)
     else:
-        main_grad.addmm_(grad_2d.t().to(main_grad.dtype), x_2d.to(main_grad.dtype))
+        main_grad.addmm_(grad_2d.t().to(main_grad.dtype), x_2d.to(main_grad.dtype), beta=beta)
+
+
+def accumulate_wgrad_of(weight: torch.Tensor, grad_2d: torch.Tensor, x_2d: torch.Tensor) -> None:
+    """``weight``'s gradient ``grad_2d^T @ x_2d`` into its ``main_grad`` (written if it is the step's
+    first, else added), then reported to its buffer as landed."""
+    buffer = weight.grad_buffer
+    accumulate_wgrad(weight.main_grad, grad_2d, x_2d, overwrite=buffer.take_first_write(weight))
+    buffer.fused_grad_ready(weight)
 
 
 class _LinearIntoMainGrad(torch.autograd.Function):
@@ -68,8 +80,7 @@ class _LinearIntoMainGrad(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_2d = grad.reshape(-1, grad.shape[-1])
         grad_x = grad @ weight if ctx.needs_input_grad[0] else None
-        accumulate_wgrad(weight.main_grad, grad_2d, x.reshape(-1, x.shape[-1]))
-        weight.grad_buffer.fused_grad_ready(weight)
+        accumulate_wgrad_of(weight, grad_2d, x.reshape(-1, x.shape[-1]))
         grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, None, grad_bias
 

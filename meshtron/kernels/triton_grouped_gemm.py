@@ -15,7 +15,8 @@ autotuned ``BLOCK_M``.
   strides. Forward uses ``b[g] = W[g]^T`` (W [E, N, K], nn.Linear layout), the input gradient
   ``b[g] = W[g]``: the same kernel with the weight's strides swapped.
 - ``_weight_grad_kernel``: dW[g] = dy_g^T @ x_g, one program per (expert, N tile, K tile), the
-  reduction running over the group's rows; an empty group gets zeros.
+  reduction running over the group's rows; an empty group gets zeros. With ``ACCUMULATE`` it adds
+  into dW instead: gradient-accumulation fusion writes the experts' fp32 ``main_grad`` directly.
 
 The program order puts N tiles of one row tile next to each other, so programs running at once
 share an expert and its weight stays in L2. Accumulation is fp32; fp32 inputs are multiplied in
@@ -99,9 +100,9 @@ def _weight_grad_kernel(
     dy_ptr, x_ptr, dw_ptr, offsets_ptr,
     N, K,
     stride_dym, stride_dyn, stride_xm, stride_xk, stride_wg, stride_wn, stride_wk,
-    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr, ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """dW[g, n, k] = sum over rows r of group g of dy[r, n] * x[r, k]."""
+    """dW[g, n, k] (+)= sum over rows r of group g of dy[r, n] * x[r, k]."""
     pid = tl.program_id(0)
     n_tiles, k_tiles = tl.cdiv(N, BLOCK_N), tl.cdiv(K, BLOCK_K)
     g = pid // (n_tiles * k_tiles)
@@ -125,11 +126,16 @@ def _weight_grad_kernel(
         dy_ptrs += BLOCK_M * stride_dym
         x_ptrs += BLOCK_M * stride_xm
     dw_ptrs = dw_ptr + g.to(tl.int64) * stride_wg + ns[:, None] * stride_wn + ks[None, :] * stride_wk
+    if ACCUMULATE:
+        acc += tl.load(dw_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
     tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
 
 
 _rows_tuned = triton.autotune(configs=_ROW_CONFIGS, key=["N", "K", "E", "IEEE"])(_rows_kernel)
-_weight_grad_tuned = triton.autotune(configs=_WEIGHT_GRAD_CONFIGS, key=["N", "K", "IEEE"])(_weight_grad_kernel)
+# Autotuning times each config on the real output: restore_value keeps an accumulating dW from
+# collecting every trial's product.
+_weight_grad_tuned = triton.autotune(configs=_WEIGHT_GRAD_CONFIGS, key=["N", "K", "IEEE", "ACCUMULATE"],
+                                     restore_value=["dw_ptr"])(_weight_grad_kernel)
 
 
 def _interpreted() -> bool:
@@ -161,18 +167,20 @@ def rows_times_group(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) ->
     return out
 
 
-def group_weight_grad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, experts: int) -> torch.Tensor:
-    """dy [R, N], x [R, K] -> dW [E, N, K], dW[g] = dy_g^T @ x_g (zeros for an empty group)."""
+def group_weight_grad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, experts: int,
+                      out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:  # fmt: skip
+    """dy [R, N], x [R, K] -> dW [E, N, K], dW[g] = dy_g^T @ x_g (zeros for an empty group), new in
+    x's dtype or written (``accumulate``: added) into ``out`` (e.g. an fp32 ``main_grad``)."""
     (rows, n), k = dy.shape, x.shape[1]
-    dw = torch.empty(experts, n, k, dtype=x.dtype, device=x.device)
+    dw = torch.empty(experts, n, k, dtype=x.dtype, device=x.device) if out is None else out
     args = (dy, x, dw, offsets, n, k, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), *dw.stride())
-    ieee = x.dtype == torch.float32
+    meta = dict(IEEE=x.dtype == torch.float32, ACCUMULATE=accumulate)
     if _interpreted():
         grid = (experts * triton.cdiv(n, 16) * triton.cdiv(k, 16),)
-        _weight_grad_kernel[grid](*args, IEEE=ieee, **_INTERPRETER_CONFIG)
+        _weight_grad_kernel[grid](*args, **meta, **_INTERPRETER_CONFIG)
     else:
         grid = lambda c: (experts * triton.cdiv(n, c["BLOCK_N"]) * triton.cdiv(k, c["BLOCK_K"]),)  # noqa: E731
-        _weight_grad_tuned[grid](*args, IEEE=ieee)
+        _weight_grad_tuned[grid](*args, **meta)
     return dw
 
 

@@ -140,6 +140,7 @@ class ExpertParallelExperts(nn.Module):
         self.rows_shared_by_etp = shared_over_tp and etp == mesh.tp  # the etp group is then the tp group
         self.split_group = mesh.tp_group if shared_over_tp and etp != mesh.tp else None
         self.num_local, self.ep_rank = num_experts // ep, mesh.ep_rank
+        self.grad_accum_fusion = experts.grad_accum_fusion  # set later by apply_gradient_accumulation_fusion
         first = self.ep_rank * self.num_local
         with torch.no_grad():
             for name, param in experts.named_parameters(recurse=False):
@@ -177,9 +178,10 @@ class ExpertParallelExperts(nn.Module):
     def _ffn(self, rows: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
         """Rows grouped by local expert (``group_sizes`` [L]) -> outputs, whole experts or split over etp."""
         if self.etp == 1:
-            return expert_ffn(rows, self.weight1, self.weight2, group_sizes, self.cfg)
+            return expert_ffn(rows, self.weight1, self.weight2, group_sizes, self.cfg, self.grad_accum_fusion)
         if self.rows_shared_by_etp:  # every etp rank holds these same rows
-            partial = expert_ffn(copy_to_tp_region(rows, self.etp_group), self.weight1, self.weight2, group_sizes, self.cfg)
+            partial = expert_ffn(copy_to_tp_region(rows, self.etp_group), self.weight1, self.weight2, group_sizes, self.cfg,
+                                 self.grad_accum_fusion)
             return reduce_from_tp_region(partial, self.etp_group)
         counts = group_sizes.to(torch.int64).contiguous()
         table = counts.new_empty(self.etp * counts.numel())
@@ -187,7 +189,8 @@ class ExpertParallelExperts(nn.Module):
         table = table.view(self.etp, -1)  # every etp rank's rows per local expert
         mine, theirs = [rows.shape[0]] * self.etp, table.sum(1).tolist()
         gathered = _AllToAll.apply(rows.repeat(self.etp, 1), mine, theirs, self.etp_group)
-        partial = _by_local_expert(gathered, table, lambda r, sizes: expert_ffn(r, self.weight1, self.weight2, sizes, self.cfg))
+        ffn = lambda r, sizes: expert_ffn(r, self.weight1, self.weight2, sizes, self.cfg, self.grad_accum_fusion)  # noqa: E731
+        partial = _by_local_expert(gathered, table, ffn)
         return _AllToAll.apply(partial, theirs, mine, self.etp_group).view(self.etp, *rows.shape).sum(0)
 
     def _alltoall(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from meshtron.kernels.grad_accum_fusion import accumulate_wgrad
+from meshtron.kernels.grad_accum_fusion import accumulate_wgrad_of
 
 SEQ_DIM = 1
 BACKENDS = ("p2p", "symm_mem")
@@ -155,8 +155,7 @@ def _weight_grad(weight: torch.Tensor, grad: torch.Tensor, inp: torch.Tensor, fu
     returned) when the layer fuses its weight gradient (``grad_accum_fusion``)."""
     grad_2d, inp_2d = grad.reshape(-1, grad.shape[-1]), inp.reshape(-1, inp.shape[-1])
     if fuse:
-        accumulate_wgrad(weight.main_grad, grad_2d, inp_2d)
-        weight.grad_buffer.fused_grad_ready(weight)
+        accumulate_wgrad_of(weight, grad_2d, inp_2d)
         return None
     return grad_2d.t() @ inp_2d
 

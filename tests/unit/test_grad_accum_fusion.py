@@ -63,6 +63,37 @@ def test_bf16_weight_gradients_accumulate_in_fp32():
     assert _rel(grads[True], exact) < 1e-6 < 1e-4 < _rel(grads[False], exact)
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["hook", "fused"])
+def test_a_step_never_reads_the_last_steps_gradients(fuse):
+    """The buffer is not cleared between steps (bf16 params: the first gradient of a step is
+    written, not added). Stale values, here NaN, must not reach the step's gradients: the used
+    params get exactly this step's micro-batch sum, the unused one zeros after finish_grad_sync;
+    an fp32 param (autograd adds into its view in place) is cleared at the step's start."""
+    torch.manual_seed(0)
+    used, unused = nn.Linear(24, 40, bias=False).bfloat16(), nn.Linear(24, 40, bias=False).bfloat16()
+    scale = nn.Parameter(torch.ones(40))  # fp32
+    if fuse:
+        used.__class__ = unused.__class__ = FusedWgradLinear
+    buffer = GradBuffer([("used", used.weight), ("unused", unused.weight), ("scale", scale)])
+    xs = [torch.randn(16, 24, generator=torch.Generator().manual_seed(i)).bfloat16() for i in range(MICRO_BATCHES)]
+
+    def backward_all():
+        for x in xs:
+            (used(x).float() * scale).square().sum().backward()
+
+    backward_all()
+    buffer.finish_grad_sync()
+    expected = used.weight.main_grad.clone(), scale.grad.clone()
+    buffer.zero_()
+    buffer.data.fill_(float("nan"))  # what an earlier step left, as far as the new one may know
+    scale.grad.zero_()  # ... except in fp32 views, which zero_() clears (emulated after the fill)
+    backward_all()
+    buffer.finish_grad_sync()
+    torch.testing.assert_close(used.weight.main_grad, expected[0], rtol=0, atol=0)
+    torch.testing.assert_close(scale.grad, expected[1], rtol=0, atol=0)
+    assert torch.equal(unused.weight.main_grad, torch.zeros_like(unused.weight.main_grad))
+
+
 def test_without_a_buffer_the_fused_layer_is_a_plain_linear():
     model = _mlp(torch.float32)
     apply_gradient_accumulation_fusion(model)

@@ -53,13 +53,16 @@ class Experts(nn.Module):
         # Drawn from the global RNG like nn.Linear's; the model re-draws them with init_expert_weights.
         self.weight1 = nn.Parameter(torch.randn(cfg.num_experts, fc1_out, cfg.hidden_size) * cfg.init_method_std)
         self.weight2 = nn.Parameter(torch.randn(cfg.num_experts, cfg.hidden_size, ffn) * cfg.init_method_std)
+        self.grad_accum_fusion = False  # set by apply_gradient_accumulation_fusion
 
     def forward(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-        return expert_ffn(x, self.weight1, self.weight2, group_sizes, self.cfg)
+        return expert_ffn(x, self.weight1, self.weight2, group_sizes, self.cfg, self.grad_accum_fusion)
 
 
-def expert_ffn(x: torch.Tensor, weight1: torch.Tensor, weight2: torch.Tensor, group_sizes: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+def expert_ffn(x: torch.Tensor, weight1: torch.Tensor, weight2: torch.Tensor, group_sizes: torch.Tensor, cfg: ModelConfig,
+               fuse_wgrad: bool = False) -> torch.Tensor:  # fmt: skip
     """Rows [R, h] grouped by ``group_sizes`` [E'] through the E' experts stacked in ``weight1`` /
-    ``weight2`` (all of them, or an expert-parallel rank's slice) -> [R, h]."""
-    hidden = mlp_activation(grouped_mm(x, weight1, group_sizes, cfg.moe_grouped_gemm), cfg)
-    return grouped_mm(hidden, weight2, group_sizes, cfg.moe_grouped_gemm)
+    ``weight2`` (all of them, or an expert-parallel rank's slice) -> [R, h]. Call it once per
+    forward per weight when ``fuse_wgrad`` (each call reports its weight's gradient as landed)."""
+    hidden = mlp_activation(grouped_mm(x, weight1, group_sizes, cfg.moe_grouped_gemm, fuse_wgrad), cfg)
+    return grouped_mm(hidden, weight2, group_sizes, cfg.moe_grouped_gemm, fuse_wgrad)

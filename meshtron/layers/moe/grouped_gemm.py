@@ -10,6 +10,12 @@ Backends (``--model.moe_grouped_gemm``; Megatron's ``--moe-grouped-gemm`` switch
 - ``auto``: ``torch`` where it works for these tensors, else ``triton`` on a GPU with Triton
   installed (ROCm, or a build without ``_grouped_mm``), else ``loop``.
 
+With gradient-accumulation fusion (``--gradient-accumulation-fusion``, ``fuse_wgrad``) the weight
+gradient skips the bf16 tensor and the buffer's add: the Triton weight-gradient kernel writes (or
+adds) it in fp32 into ``weight.main_grad`` while the forward and input gradient still run on the
+chosen backend. The experts hold most of a MoE model's parameters, so this is most of the
+gradient traffic.
+
 ``torch._grouped_mm`` is private and its support differs by build, device and dtype, so it is
 probed once per (device, dtype) with a tiny forward and backward rather than trusted from the
 version. In torch 2.13's CPU build it exists and runs fp32, bf16 and fp16 (forward and
@@ -79,27 +85,75 @@ def triton_grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return triton_available() and on_device and x.dtype == weight.dtype
 
 
-def grouped_mm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, backend: str = "auto") -> torch.Tensor:
-    """x [R, K] grouped by ``group_sizes`` [E] (summing to R) times weight [E, N, K] -> [R, N]."""
+def _resolved(x: torch.Tensor, weight: torch.Tensor, backend: str) -> str:
+    """The backend ``backend`` means for these tensors, or a clear error where it cannot run."""
     if backend not in GROUPED_GEMM_BACKENDS:
         raise ValueError(f"--model.moe_grouped_gemm must be one of {', '.join(GROUPED_GEMM_BACKENDS)}, got '{backend}'")
     if backend == "auto":
         if torch_grouped_mm_usable(x, weight):
-            backend = "torch"
-        else:
-            backend = "triton" if x.is_cuda and triton_grouped_mm_usable(x, weight) else "loop"
+            return "torch"
+        return "triton" if x.is_cuda and triton_grouped_mm_usable(x, weight) else "loop"
     if backend == "torch" and not torch_grouped_mm_usable(x, weight):
         raise RuntimeError(
             f"--model.moe_grouped_gemm torch: torch._grouped_mm does not run here ({x.device.type}, {x.dtype}, "
             f"widths {weight.shape[2]} -> {weight.shape[1]}; rows must be multiples of 16 bytes); use auto, triton or loop"
         )
+    if backend == "triton" and not triton_grouped_mm_usable(x, weight):
+        raise RuntimeError(
+            f"--model.moe_grouped_gemm triton needs Triton installed, a GPU (on {x.device.type}: only under "
+            f"TRITON_INTERPRET=1) and one dtype for input and weight ({x.dtype}, {weight.dtype}); use auto or loop"
+        )
+    return backend
+
+
+def _rows_times(x: torch.Tensor, b: torch.Tensor, group_sizes: torch.Tensor, backend: str) -> torch.Tensor:
+    """x [R, K] grouped, times b [E, K, N] per group (any strides) -> [R, N], on ``torch`` or ``triton``."""
+    if backend == "torch":
+        return torch._grouped_mm(x, b, offs=torch.cumsum(group_sizes, 0, dtype=torch.int32))
+    from meshtron.kernels.triton_grouped_gemm import group_offsets, rows_times_group
+
+    return rows_times_group(x, b, group_offsets(group_sizes))
+
+
+class _GroupedMMIntoMainGrad(torch.autograd.Function):
+    """``grouped_mm`` whose weight gradient goes into ``weight.main_grad`` (written if it is the
+    step's first, else added) and is reported to the gradient buffer; autograd gets none."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, backend: str) -> torch.Tensor:
+        ctx.save_for_backward(x, weight, group_sizes)
+        ctx.backend = backend
+        return _rows_times(x, weight.transpose(1, 2), group_sizes, backend)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        from meshtron.kernels.triton_grouped_gemm import group_offsets, group_weight_grad
+
+        x, weight, group_sizes = ctx.saved_tensors
+        grad_out = grad_out.contiguous()  # an expanded (stride-0) gradient, e.g. of out.sum()
+        grad_x = _rows_times(grad_out, weight, group_sizes, ctx.backend) if ctx.needs_input_grad[0] else None
+        buffer = weight.grad_buffer
+        first = buffer.take_first_write(weight)
+        group_weight_grad(grad_out, x, group_offsets(group_sizes), weight.shape[0], out=weight.main_grad, accumulate=not first)
+        buffer.fused_grad_ready(weight)
+        return grad_x, None, None, None
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, backend: str = "auto",
+               fuse_wgrad: bool = False) -> torch.Tensor:  # fmt: skip
+    """x [R, K] grouped by ``group_sizes`` [E] (summing to R) times weight [E, N, K] -> [R, N];
+    ``fuse_wgrad``: the weight gradient into ``weight.main_grad`` where it has one (see module doc)."""
+    backend = _resolved(x, weight, backend)
+    fuse = fuse_wgrad and backend != "loop" and hasattr(weight, "main_grad") and weight.requires_grad and torch.is_grad_enabled()
+    if fuse and triton_grouped_mm_usable(x, weight):
+        return _fused_grouped_mm(x, weight, group_sizes, backend)
     if backend == "triton":
-        if not triton_grouped_mm_usable(x, weight):
-            raise RuntimeError(
-                f"--model.moe_grouped_gemm triton needs Triton installed, a GPU (on {x.device.type}: only under "
-                f"TRITON_INTERPRET=1) and one dtype for input and weight ({x.dtype}, {weight.dtype}); use auto or loop"
-            )
         from meshtron.kernels.triton_grouped_gemm import grouped_mm_triton  # Triton stays optional
 
         return grouped_mm_triton(x, weight, group_sizes)
     return grouped_mm_torch(x, weight, group_sizes) if backend == "torch" else grouped_mm_loop(x, weight, group_sizes)
+
+
+@torch.compiler.disable  # as grouped_mm_triton: run eagerly inside a compiled block
+def _fused_grouped_mm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, backend: str) -> torch.Tensor:
+    return _GroupedMMIntoMainGrad.apply(x, weight, group_sizes, backend)
