@@ -27,7 +27,7 @@ import torch
 from meshtron.config import ModelConfig
 from meshtron.layers.mlp import MLP
 from meshtron.layers.moe import MoELayer
-from meshtron.layers.moe.balancing import balancing_losses
+from meshtron.layers.moe.balancing import losses_from_statistics
 from meshtron.layers.moe.dispatch import permute, plan_dispatch, unpermute
 
 DEEPSEEK_V2_LITE = dict(hidden_size=2048, num_experts=64, moe_router_topk=6, moe_ffn_hidden_size=1408,
@@ -102,9 +102,8 @@ def main() -> None:
         return out + sum(layer.last_aux_losses.values())
 
     def router_out():
-        r = layer.router(flat)
-        losses = balancing_losses(r.logits, 1, cfg.moe_router_topk, cfg.moe_router_score_function,
-                                  cfg.moe_router_load_balancing_type, layer.aux_loss_coeff, 0.0, layer.token_sum)  # fmt: skip
+        r = layer.router(flat, 1, layer.needed)
+        losses = losses_from_statistics(r.statistics, cfg.moe_router_topk, layer.aux_loss_coeff, 0.0, layer.token_sum)
         return r.probs.sum() + sum(losses.values())
 
     def dispatch_out():

@@ -120,6 +120,47 @@ def grouped_gemm_checks(device: torch.device | str, dtype: torch.dtype, large: b
     return results
 
 
+# (name, score function, pre-softmax, k, experts, balancing type, z coeff, scaling, sequences, tokens per sequence)
+# Loss coefficients far above a real run's (1e-3 ... 1e-2), so the losses' gradients weigh as much
+# as the combine weights' in the compared input gradients.
+_ROUTER_CASES = [("softmax top-k first, aux + z", "softmax", False, 2, 6, "aux_loss", 0.3, 1.0, 3, 25),
+                 ("softmax pre-softmax, seq aux", "softmax", True, 3, 6, "seq_aux_loss", 0.0, 2.5, 2, 64),
+                 ("sigmoid k=1", "sigmoid", False, 1, 5, "aux_loss", 0.0, 1.0, 1, 40),
+                 ("sigmoid k=3, seq aux + z", "sigmoid", False, 3, 8, "seq_aux_loss", 0.3, 1.5, 2, 64)]  # fmt: skip
+_LARGE_ROUTER_CASES = [("DeepSeek-V2-Lite (64, top-6)", "softmax", True, 6, 64, "seq_aux_loss", 0.0, 1.0, 2, 4096),
+                       ("Mixtral (8, top-2, z)", "softmax", False, 2, 8, "aux_loss", 0.3, 1.0, 2, 4096),
+                       ("DeepSeek-V3-like (256 sigmoid, top-8)", "sigmoid", False, 8, 256, "aux_loss", 0.0, 2.5, 1, 8192)]  # fmt: skip
+
+
+def router_checks(device: torch.device | str, dtype: torch.dtype, large: bool = False, seed: int = 0) -> list[CaseResult]:
+    """The fused router kernel against ``topk_routing`` + ``token_statistics``: the combine weights,
+    the chosen experts and the balancing / z losses as one output, the gradients of the tokens and
+    the gate weight; ``large``: DeepSeek-V2-Lite's, Mixtral's and a DeepSeek-V3-like router."""
+    from meshtron.layers.moe.balancing import losses_from_statistics, statistics_needed, token_statistics
+    from meshtron.layers.moe.router import _fused_routing, topk_routing
+
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    results = []
+    for name, score, pre, k, experts, balancing, z_coeff, scaling, batch, seq in _LARGE_ROUTER_CASES if large else _ROUTER_CASES:
+        needed = statistics_needed(balancing, 1.0, z_coeff)
+
+        def op(mode, t, score=score, pre=pre, k=k, experts=experts, z_coeff=z_coeff, scaling=scaling, batch=batch, needed=needed):
+            logits = torch.nn.functional.linear(t[0], t[1])
+            if mode == "on":
+                rows = batch if needed.per_sequence else 1
+                probs, chosen, stats = _fused_routing(logits, k, score == "softmax", pre, scaling, rows, needed)
+            else:
+                probs, chosen = topk_routing(logits, k, score, pre, scaling)
+                stats = token_statistics(logits, batch, k, score, needed)
+            losses = losses_from_statistics(stats, k, 1.0, z_coeff)
+            return torch.cat([probs.float().reshape(-1), chosen.float().reshape(-1), torch.stack(list(losses.values())).float()])
+
+        tokens = torch.randn(batch * seq, 32, generator=gen).to(device=device, dtype=dtype)
+        gate = (torch.randn(experts, 32, generator=gen) * 0.5).to(device=device, dtype=dtype)
+        results.append(_compare(f"router {name}", op, (tokens, gate)))
+    return results
+
+
 def fused_adamw_check(device: torch.device | str, dtype: torch.dtype, distributed: bool, steps: int = 4, clip: float = 0.05) -> dict[str, float]:
     """The fused optimizer step against the reference over ``steps`` steps of a small model with
     decay and no-decay groups, clipping (active at the default ``clip``; 0: none), two micro batches, fp16 loss scaling,
@@ -209,7 +250,7 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     print(f"kernel vs reference, {args.dtype} on {device}, relative error |fast - ref| / |ref|")
     print(f"{'op':<22} {'forward':>10} {'backward':>10}")
-    for r in run_checks(device, dtype, args.large) + grouped_gemm_checks(device, dtype, args.large):
+    for r in run_checks(device, dtype, args.large) + grouped_gemm_checks(device, dtype, args.large) + router_checks(device, dtype, args.large):
         print(f"{r.name:<22} {r.forward:>10.2e} {r.backward:>10.2e}")
     for distributed in (False, True):
         print(f"fused AdamW (distributed={distributed}), largest relative error over 4 steps:",

@@ -14,6 +14,8 @@ layers instead: a per-layer coefficient of ``w / num_moe_layers`` (``aux_loss_co
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -56,6 +58,61 @@ class TokenSum(nn.Module):
         return partial_sums
 
 
+class StatisticsNeeded(NamedTuple):
+    """Which per-token sums a layer's losses read: balancing (its scores and chosen counts, per
+    sequence for ``seq_aux_loss``) and the z-loss."""
+
+    balanced: bool = False
+    per_sequence: bool = False
+    z: bool = False
+
+
+def statistics_needed(balancing_type: str, aux_coeff: float, z_coeff: float) -> StatisticsNeeded:
+    balanced = balancing_type != "none" and aux_coeff > 0
+    return StatisticsNeeded(balanced, balanced and balancing_type == "seq_aux_loss", z_coeff > 0)
+
+
+def token_statistics(logits: torch.Tensor, batch_size: int, topk: int, score_function: str, needed: StatisticsNeeded) -> dict[str, torch.Tensor]:
+    """The sums over this layer's tokens the losses need (the reference of the router's fused kernel).
+
+    ``logits`` [T, E] with T = batch_size * seq tokens in batch-major order (this layer's share of
+    the sequence under sequence parallelism). The counts f_i come from the plain top-k of the
+    balancing scores, not from the router's final choice (groups, bias and dropping left out), as
+    Megatron-Core computes them; ``seq_aux_loss`` keeps one row of sums per sequence.
+    """
+    parts: dict[str, torch.Tensor] = {"tokens": logits.new_full((1,), logits.shape[0], dtype=torch.float32)}
+    if needed.balanced:
+        scores = balancing_scores(logits, score_function)
+        chosen = scores.topk(topk, dim=-1).indices
+        rows = batch_size if needed.per_sequence else 1
+        parts["scores"] = scores.view(rows, -1, scores.shape[-1]).sum(dim=1)
+        parts["counts"] = F.one_hot(chosen.view(rows, -1), scores.shape[-1]).sum(dim=1).float()
+    if needed.z:
+        parts["z"] = torch.logsumexp(logits.float(), dim=-1).square().sum().reshape(1)
+    return parts
+
+
+def losses_from_statistics(parts: dict[str, torch.Tensor], topk: int, aux_coeff: float, z_coeff: float,
+                           token_sum: nn.Module | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The layer's named losses, each already times its coefficient, from ``token_statistics``'
+    sums; ``token_sum`` completes them over the whole sequence in one call (packed into one vector).
+
+    The z-loss (ST-MoE) is the mean over tokens of logsumexp(logits)^2: it keeps logits small so
+    the router's softmax stays in a range where bf16 rounding does not flip the top-k.
+    """
+    token_sum = token_sum or TokenSum()
+    sums = token_sum(torch.cat([p.reshape(-1) for p in parts.values()])).split([p.numel() for p in parts.values()])
+    total = {name: summed.view_as(part) for (name, part), summed in zip(parts.items(), sums)}
+    num_tokens = total["tokens"][0]
+    losses: dict[str, torch.Tensor] = {}
+    if "scores" in total:
+        per_row = num_tokens / total["scores"].shape[0]
+        losses["load_balancing"] = aux_coeff * switch_aux_loss(total["scores"], total["counts"], per_row, topk).mean()
+    if "z" in total:
+        losses["z_loss"] = z_coeff * total["z"][0] / num_tokens
+    return losses
+
+
 def balancing_losses(
     logits: torch.Tensor,
     batch_size: int,
@@ -66,36 +123,6 @@ def balancing_losses(
     z_coeff: float,
     token_sum: nn.Module | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The layer's named losses, each already times its coefficient; a zero coefficient omits it.
-
-    ``logits`` [T, E] with T = batch_size * seq tokens in batch-major order (this layer's share of
-    the sequence under sequence parallelism). The counts f_i come from the plain top-k of the
-    balancing scores, not from the router's final choice (groups, bias and dropping left out), as
-    Megatron-Core computes them. Every statistic is a sum over tokens, packed into one vector that
-    ``token_sum`` completes over the whole sequence in one call; seq_aux_loss keeps one per sequence.
-
-    The z-loss (ST-MoE) is the mean over tokens of logsumexp(logits)^2: it keeps logits small so
-    the router's softmax stays in a range where bf16 rounding does not flip the top-k.
-    """
-    token_sum = token_sum or TokenSum()
-    parts: dict[str, torch.Tensor] = {"tokens": logits.new_full((1,), logits.shape[0], dtype=torch.float32)}
-    balanced = balancing_type != "none" and aux_coeff > 0
-    if balanced:
-        scores = balancing_scores(logits, score_function)
-        chosen = scores.topk(topk, dim=-1).indices
-        per_sequence = balancing_type == "seq_aux_loss"
-        rows = batch_size if per_sequence else 1
-        parts["scores"] = scores.view(rows, -1, scores.shape[-1]).sum(dim=1)
-        parts["counts"] = F.one_hot(chosen.view(rows, -1), scores.shape[-1]).sum(dim=1).float()
-    if z_coeff > 0:
-        parts["z"] = torch.logsumexp(logits.float(), dim=-1).square().sum().reshape(1)
-    sums = token_sum(torch.cat([p.reshape(-1) for p in parts.values()])).split([p.numel() for p in parts.values()])
-    total = {name: summed.view_as(part) for (name, part), summed in zip(parts.items(), sums)}
-    num_tokens = total["tokens"][0]
-    losses: dict[str, torch.Tensor] = {}
-    if balanced:
-        per_row = num_tokens / total["scores"].shape[0]
-        losses["load_balancing"] = aux_coeff * switch_aux_loss(total["scores"], total["counts"], per_row, topk).mean()
-    if z_coeff > 0:
-        losses["z_loss"] = z_coeff * total["z"][0] / num_tokens
-    return losses
+    """The layer's named losses from its router logits [T, E]; a zero coefficient omits a loss."""
+    needed = statistics_needed(balancing_type, aux_coeff, z_coeff)
+    return losses_from_statistics(token_statistics(logits, batch_size, topk, score_function, needed), topk, aux_coeff, z_coeff, token_sum)

@@ -12,7 +12,7 @@ from torch import nn
 
 from meshtron.config import ModelConfig
 from meshtron.layers.mlp import MLP
-from meshtron.layers.moe.balancing import TokenSum, aux_loss_coeff, balancing_losses
+from meshtron.layers.moe.balancing import TokenSum, aux_loss_coeff, losses_from_statistics, statistics_needed
 from meshtron.layers.moe.dispatch import permute, plan_dispatch, unpermute
 from meshtron.layers.moe.experts import Experts
 from meshtron.layers.moe.layer_pattern import moe_layer_pattern
@@ -28,6 +28,7 @@ class MoELayer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.aux_loss_coeff = aux_loss_coeff(cfg, sum(moe_layer_pattern(cfg)))
+        self.needed = statistics_needed(cfg.moe_router_load_balancing_type, self.aux_loss_coeff, cfg.moe_z_loss_coeff)
         self.router = Router(cfg)
         self.token_sum = TokenSum()
         self.experts = Experts(cfg)
@@ -48,12 +49,10 @@ class MoELayer(nn.Module):
         """
         b, s, h = x.shape
         tokens = x.reshape(b * s, h)
-        routing = self.router(tokens)
+        routing = self.router(tokens, b, self.needed)
         cfg = self.cfg
-        self.last_aux_losses = balancing_losses(
-            routing.logits, b, cfg.moe_router_topk, cfg.moe_router_score_function,
-            cfg.moe_router_load_balancing_type, self.aux_loss_coeff, cfg.moe_z_loss_coeff, self.token_sum,
-        )  # fmt: skip
+        self.last_aux_losses = losses_from_statistics(routing.statistics, cfg.moe_router_topk, self.aux_loss_coeff,
+                                                      cfg.moe_z_loss_coeff, self.token_sum)  # fmt: skip
         plan = plan_dispatch(
             routing.probs, routing.experts, cfg.num_experts, cfg.moe_expert_capacity_factor,
             cfg.moe_token_drop_policy, cfg.moe_pad_expert_input_to_capacity, seq_length=s,

@@ -9,28 +9,37 @@ the same tokens to the same experts:
 - sigmoid: top-k of sigmoid scores (plus the expert bias, for selection only), the chosen scores
   renormalized to sum 1 when k > 1 (DeepSeek-V3);
 - then every weight times ``--moe-router-topk-scaling-factor``.
+
+The router also measures what the layer's balancing losses need (``token_statistics``). Without
+groups or expert bias, on a GPU with ``model.fused_kernels`` (auto), all of it after the gate GEMM is one
+Triton kernel each way (``meshtron/kernels/triton_router.py``); ``topk_routing`` and
+``token_statistics`` are its reference.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from meshtron.config import ModelConfig
+from meshtron.kernels import use_triton
+from meshtron.layers.moe.balancing import StatisticsNeeded, token_statistics
 
 ROUTER_DTYPES = {"": None, "fp32": torch.float32, "fp64": torch.float64}
 
 
 @dataclass
 class Routing:
-    """One layer's routing of T tokens: ``experts`` [T, k] ids, ``probs`` [T, k] combine weights."""
+    """One layer's routing of T tokens: ``experts`` [T, k] ids, ``probs`` [T, k] combine weights,
+    ``statistics`` the sums over tokens its losses need (``token_statistics``)."""
 
-    logits: torch.Tensor  # [T, E], in the router dtype; the balancing losses read it
+    logits: torch.Tensor  # [T, E], in the router dtype
     probs: torch.Tensor
     experts: torch.Tensor
+    statistics: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 GROUP_SCORES = ("sum_topk", "max")
@@ -124,6 +133,7 @@ class Router(nn.Module):
         self.dtype = ROUTER_DTYPES[cfg.moe_router_dtype]
         self.jitter_eps = cfg.moe_jitter_eps
         self.bias_update_rate = cfg.moe_router_bias_update_rate
+        self.fused_kernels = cfg.fused_kernels
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
         nn.init.normal_(self.weight, std=cfg.init_method_std)
         if cfg.moe_router_enable_expert_bias:
@@ -140,19 +150,38 @@ class Router(nn.Module):
             self.expert_bias = self.expert_bias.float()
         return self
 
-    def forward(self, tokens: torch.Tensor) -> Routing:
-        """tokens [T, h] -> Routing. Input jitter (MegaBlocks, Switch) applies in training only."""
+    def forward(self, tokens: torch.Tensor, batch_size: int = 1, needed: StatisticsNeeded = StatisticsNeeded()) -> Routing:
+        """tokens [T, h] (``batch_size`` sequences, batch-major) -> Routing with the ``needed``
+        statistics. Input jitter (MegaBlocks, Switch) applies in training only."""
         if self.training and self.jitter_eps > 0:
             tokens = tokens * torch.empty_like(tokens).uniform_(1.0 - self.jitter_eps, 1.0 + self.jitter_eps)
         dtype = self.dtype or tokens.dtype
         logits = F.linear(tokens.to(dtype), self.weight.to(dtype))
-        probs, experts = topk_routing(
-            logits, self.topk, self.score_function, self.pre_softmax, self.scaling_factor,
-            self.num_groups, self.group_topk, self.group_score, self.expert_bias,
-        )  # fmt: skip
+        rows = batch_size if needed.per_sequence else 1
+        if self._fusable(logits, rows):
+            probs, experts, statistics = _fused_routing(logits, self.topk, self.score_function == "softmax", self.pre_softmax,
+                                                        self.scaling_factor, rows, needed)  # fmt: skip
+        else:
+            probs, experts = topk_routing(
+                logits, self.topk, self.score_function, self.pre_softmax, self.scaling_factor,
+                self.num_groups, self.group_topk, self.group_score, self.expert_bias,
+            )  # fmt: skip
+            statistics = token_statistics(logits, batch_size, self.topk, self.score_function, needed)
         if self.expert_bias is not None and self.training and torch.is_grad_enabled():
             self.tokens_since_update += torch.bincount(experts.detach().reshape(-1), minlength=self.expert_bias.numel())
-        return Routing(logits, probs, experts)
+        return Routing(logits, probs, experts, statistics)
+
+    def _fusable(self, logits: torch.Tensor, rows: int) -> bool:
+        """Whether the fused kernel computes this routing: no groups or bias, Triton for this tensor
+        (``model.fused_kernels``), and each program's tokens within one sequence (``FusedRouting``)."""
+        if not use_triton(self.fused_kernels, logits):
+            return False
+        from meshtron.kernels.triton_router import block_tokens
+
+        tokens, experts = logits.shape
+        one_sequence_per_program = rows == 1 or (tokens // rows) % block_tokens(experts) == 0
+        plain = not self.group_topk and self.expert_bias is None and self.score_function in ("softmax", "sigmoid")
+        return plain and one_sequence_per_program and self.topk <= experts <= 4096
 
     def step_statistics(self) -> torch.Tensor | None:
         """This rank's routed copies per expert since the last update ([E], summed over the step's
@@ -177,3 +206,19 @@ class Router(nn.Module):
         """
         load = tokens_per_expert.to(self.expert_bias.device, torch.float32)
         self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
+
+
+@torch.compiler.disable  # a graph break: the kernels run eagerly inside a compiled block
+def _fused_routing(logits: torch.Tensor, k: int, softmax: bool, pre_softmax: bool, scaling: float, rows: int,
+                   needed: StatisticsNeeded) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
+    """``topk_routing`` and ``token_statistics`` through ``FusedRouting``."""
+    from meshtron.kernels.triton_router import FusedRouting
+
+    stats = needed.balanced or needed.z
+    probs, experts, scores, counts, z = FusedRouting.apply(logits, k, softmax, pre_softmax, scaling, rows, stats)
+    statistics = {"tokens": logits.new_full((1,), logits.shape[0], dtype=torch.float32)}
+    if needed.balanced:
+        statistics["scores"], statistics["counts"] = scores, counts
+    if needed.z:
+        statistics["z"] = z
+    return probs, experts, statistics
