@@ -10,6 +10,7 @@
 #   final1 FP8 / MoE dispatch / estimate / grouped GEMM GPU tests, B4 layer, B4b, B1 against the FP8 recipes
 #   final2 B2's loss: bf16 against FP8 (delayed, then rowwise) over 200 steps of real text, three seeds
 #   s3a    narrow-moment optimizer / permute / estimate GPU tests; B4b profiled, with bf16 moments, compiled; B4 router profile
+#   s3b    fused router / expert wgrad / optimizer GPU tests; B4 layer; B4b with and without gradient-accumulation fusion; B1 with and without it
 #   b1tune B1 eager / --compile / HF, then B1 with --gemm-tuning twice (the tuning run, then a run reading its file)
 set -uo pipefail
 part="$1" out="$2"; mkdir -p "$out"
@@ -73,6 +74,18 @@ s3a)
   (cd benchmarks && python3 train_bench.py --steps 6 --warmup 3 -- "${common[@]}" --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 2>>"$out/b4b_stderr.txt") | sed "s|^|bf16 moments: |" | tee -a "$out/b4b.txt"
   (cd benchmarks && timeout 300 python3 train_bench.py --steps 6 --warmup 3 -- "${common[@]}" --compile 2>>"$out/b4b_stderr.txt") | sed "s|^|compile: |" | tee -a "$out/b4b.txt"
   python3 benchmarks/b4_moe_layer.py --grouped-gemm torch --profile-dir "$out" 2>&1 | tee "$out/b4_layer.txt" ;;
+s3b)
+  python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe_router_gpu.py tests/gpu/test_grouped_gemm_gpu.py tests/gpu/test_fused_adamw_gpu.py \
+    tests/gpu/test_moe_permute_gpu.py > "$out/gpu_tests_s3b.txt" 2>&1
+  grep -E "passed|failed|Error|relative error|router" "$out/gpu_tests_s3b.txt" | tail -14
+  python3 benchmarks/b4_moe_layer.py --grouped-gemm torch --profile-dir "$out" 2>&1 | tee "$out/b4_layer.txt"
+  common=(--preset deepseek-v2-lite --num-layers 4 --moe-layer-freq "([0]+[1]*3)" --seq-length 4096 --micro-batch-size 2 --global-batch-size 2 --bf16)
+  for variant in "" "--gradient-accumulation-fusion" "--gradient-accumulation-fusion --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16"; do
+    prof=(); [ "$variant" = "--gradient-accumulation-fusion" ] && prof=(--profile "$out/profile_b4b_gaf.txt")
+    # shellcheck disable=SC2086
+    (cd benchmarks && python3 train_bench.py --steps 6 --warmup 3 "${prof[@]}" -- "${common[@]}" $variant 2>>"$out/b4b_stderr.txt") | sed "s|^|[$variant]: |" | tee -a "$out/b4b.txt"
+  done
+  python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,meshtron-gaf,hf 2>"$out/b1_stderr.txt" | tee "$out/b1.txt" ;;
 b1tune)
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,meshtron-compile,hf 2>"$out/b1_stderr.txt" | tee "$out/b1_compile.txt"
   for run in tuning reading; do
