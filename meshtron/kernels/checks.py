@@ -155,9 +155,17 @@ def router_checks(device: torch.device | str, dtype: torch.dtype, large: bool = 
             losses = losses_from_statistics(stats, k, 1.0, z_coeff)
             return torch.cat([probs.float().reshape(-1), chosen.float().reshape(-1), torch.stack(list(losses.values())).float()])
 
-        tokens = torch.randn(batch * seq, 32, generator=gen).to(device=device, dtype=dtype)
-        gate = (torch.randn(experts, 32, generator=gen) * 0.5).to(device=device, dtype=dtype)
-        results.append(_compare(f"router {name}", op, (tokens, gate)))
+        if large or dtype != torch.float32:
+            # No two logits of a token equal or within rounding of each other after the score
+            # function (both sides would then be right to pick either): one-hot tokens read one
+            # gate column, a permutation of values 1/8 apart, exact in bf16.
+            tokens = torch.eye(32)[torch.arange(batch * seq) % 32]
+            gate = torch.stack([torch.randperm(experts, generator=gen) for _ in range(32)], dim=1) / 8.0 - experts / 16
+        else:
+            tokens = torch.randn(batch * seq, 32, generator=gen)
+            gate = torch.randn(experts, 32, generator=gen) * 0.5
+        inputs = (tokens.to(device=device, dtype=dtype), gate.to(device=device, dtype=dtype))
+        results.append(_compare(f"router {name}", op, inputs))
     return results
 
 
