@@ -184,7 +184,7 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     compile: bool = False  # torch.compile each transformer block
     gemm_tuning: bool = False  # PyTorch TunableOp GEMM tuning (GPU); results kept in the save or cache dir
-    gradient_accumulation_fusion: bool = False  # the blocks' linears compute weight gradients straight into the fp32 buffer
+    gradient_accumulation_fusion: bool = True  # weight gradients of the blocks' linears and experts straight into the fp32 buffer (not under compile)
     check_for_nan_in_loss_and_grad: bool = True  # a non-finite loss or grad norm stops the run (fp16: see the next field)
     max_consecutive_skipped_steps: int = 10  # this many skipped steps in a row (fp16 overflow) stop the run; 0: no limit
     optimizer: str = "adam"  # adam (AdamW: Megatron's adam, decoupled weight decay); sgd is not implemented

@@ -158,9 +158,11 @@ def router_checks(device: torch.device | str, dtype: torch.dtype, large: bool = 
         if large or dtype != torch.float32:
             # No two logits of a token equal or within rounding of each other after the score
             # function (both sides would then be right to pick either): one-hot tokens read one
-            # gate column, a permutation of values 1/8 apart, exact in bf16.
+            # gate column, a permutation of values a power of 2 apart within +-2 (exact in bf16,
+            # and far from where a sigmoid rounds to 1).
+            step = 2.0 ** -max(3, (experts // 8).bit_length())
             tokens = torch.eye(32)[torch.arange(batch * seq) % 32]
-            gate = torch.stack([torch.randperm(experts, generator=gen) for _ in range(32)], dim=1) / 8.0 - experts / 16
+            gate = (torch.stack([torch.randperm(experts, generator=gen) for _ in range(32)], dim=1) - experts // 2) * step
         else:
             tokens = torch.randn(batch * seq, 32, generator=gen)
             gate = torch.randn(experts, 32, generator=gen) * 0.5

@@ -105,7 +105,7 @@ class FusedWgradLinear(nn.Linear):
 def apply_gradient_accumulation_fusion(blocks: nn.Module) -> None:
     """Fuse the weight gradients of the linears under ``blocks`` (the transformer blocks; not the
     output head, whose tied weight also gets the embedding's gradient): plain ``nn.Linear`` become
-    ``FusedWgradLinear``, the tensor-parallel linears get ``grad_accum_fusion = True``."""
+    ``FusedWgradLinear``, the tensor-parallel linears and the MoE experts get ``grad_accum_fusion = True``."""
     for module in blocks.modules():
         if type(module) is nn.Linear:
             module.__class__ = FusedWgradLinear

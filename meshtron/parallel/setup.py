@@ -45,7 +45,8 @@ def build_runner(cfg: Config, mesh: Mesh, vocab_size: int, device: torch.device,
             recipe = Fp8Recipe(m.fp8_format, m.fp8_recipe, m.fp8_amax_history_len, m.fp8_amax_compute_algo, m.fp8_margin,
                                m.fused_kernels)  # fmt: skip
             apply_fp8(blocks, recipe, m.fp8_backend)
-        if cfg.train.gradient_accumulation_fusion:
+        # Not under compile: it would trace the fused backward, which reports to the gradient buffer from Python.
+        if cfg.train.gradient_accumulation_fusion and not cfg.train.compile:
             apply_gradient_accumulation_fusion(blocks)
         if cfg.train.compile:
             compile_blocks(blocks)

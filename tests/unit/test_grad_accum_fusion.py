@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from meshtron.config import ConfigError, build_config
+from meshtron.config import build_config
 from meshtron.validation import validate
 from meshtron.kernels.grad_accum_fusion import FusedWgradLinear, apply_gradient_accumulation_fusion
 from meshtron.models import build_model
@@ -116,8 +116,8 @@ def test_swap_covers_plain_and_tensor_parallel_linears_of_the_blocks():
     assert all(m.grad_accum_fusion for m in parallel)
 
 
-def test_flag_and_refusal_with_compile():
-    assert build_config(None, ["--gradient-accumulation-fusion"]).train.gradient_accumulation_fusion
-    assert not build_config(None, ["--gradient-accumulation-fusion", "--no-gradient-accumulation-fusion"]).train.gradient_accumulation_fusion
-    with pytest.raises(ConfigError, match="--compile"):
-        validate(build_config(None, ["--gradient-accumulation-fusion", "--compile"]))
+def test_flag_is_on_by_default_and_combines_with_compile():
+    """On by default, as Megatron's; --compile is accepted with it (the setup then leaves the blocks unfused)."""
+    assert build_config(None, []).train.gradient_accumulation_fusion
+    assert not build_config(None, ["--no-gradient-accumulation-fusion"]).train.gradient_accumulation_fusion
+    validate(build_config(None, ["--gradient-accumulation-fusion", "--compile"]))

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from meshtron.config import ModelConfig
+from meshtron.kernels import use_triton
 from meshtron.layers.mlp import ffn_hidden_size, mlp_activation
 from meshtron.layers.moe.grouped_gemm import grouped_mm
 
@@ -64,5 +65,6 @@ def expert_ffn(x: torch.Tensor, weight1: torch.Tensor, weight2: torch.Tensor, gr
     """Rows [R, h] grouped by ``group_sizes`` [E'] through the E' experts stacked in ``weight1`` /
     ``weight2`` (all of them, or an expert-parallel rank's slice) -> [R, h]. Call it once per
     forward per weight when ``fuse_wgrad`` (each call reports its weight's gradient as landed)."""
+    fuse_wgrad = fuse_wgrad and use_triton(cfg.fused_kernels, x)  # the fused weight gradient is a Triton kernel
     hidden = mlp_activation(grouped_mm(x, weight1, group_sizes, cfg.moe_grouped_gemm, fuse_wgrad), cfg)
     return grouped_mm(hidden, weight2, group_sizes, cfg.moe_grouped_gemm, fuse_wgrad)
