@@ -72,10 +72,26 @@ SIDE_FLAGS = {
 }
 
 
+def _idle_gaps(events, top: int = 12) -> tuple[float, list[str]]:
+    """The GPU's idle time between consecutive kernels (ms) and the ``top`` longest gaps, each with
+    the kernels on either side: where the GPU waited for the host (launches, syncs)."""
+    from torch.autograd import DeviceType
+
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events if e.device_type == DeviceType.CUDA)
+    gaps, busy_until, last = [], None, ""
+    for start, end, name in spans:
+        if busy_until is not None and start > busy_until:
+            gaps.append((start - busy_until, last, name))
+        if busy_until is None or end > busy_until:
+            busy_until, last = end, name
+    lines = [f"{g / 1000:8.3f} ms  after {a[:60]}  before {b[:60]}" for g, a, b in sorted(gaps, reverse=True)[:top]]
+    return sum(g for g, _, _ in gaps) / 1000, lines
+
+
 def profile_steps(step, path: str) -> float:
-    """Two steps under the profiler; the table of GPU time by kernel goes to ``path``. Returns the
-    GPU's busy milliseconds over both steps (the kernels' own time): well below the steps' wall
-    time means the GPU waited on the host."""
+    """Two steps under the profiler; the table of GPU time by kernel, the GPU's idle time and its
+    longest idle gaps go to ``path``. Returns the GPU's busy milliseconds over both steps (the
+    kernels' own time): well below the steps' wall time means the GPU waited on the host."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -85,8 +101,10 @@ def profile_steps(step, path: str) -> float:
         torch.cuda.synchronize()
     averages = prof.key_averages()
     busy_ms = sum(e.self_device_time_total for e in averages if e.device_type == DeviceType.CUDA) / 1000  # kernels, memcpy
+    idle_ms, gaps = _idle_gaps(prof.events())
     with open(path, "w") as f:
-        f.write(f"GPU busy over the two steps: {busy_ms:.1f} ms\n")
+        f.write(f"GPU busy over the two steps: {busy_ms:.1f} ms; idle between its first and last kernel: {idle_ms:.1f} ms\n")
+        f.write("longest idle gaps:\n" + "\n".join(gaps) + "\n")
         f.write(averages.table(sort_by="self_cuda_time_total", row_limit=60, max_name_column_width=90))
     return busy_ms
 

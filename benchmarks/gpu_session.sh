@@ -11,6 +11,7 @@
 #   final2 B2's loss: bf16 against FP8 (delayed, then rowwise) over 200 steps of real text, three seeds
 #   s3a    narrow-moment optimizer / permute / estimate GPU tests; B4b profiled, with bf16 moments, compiled; B4 router profile
 #   s3b    fused router / expert wgrad / optimizer GPU tests; B4 layer; B4b with and without gradient-accumulation fusion; B1 with and without it
+#   s3c    fused router GPU test; B4b (fusion on by default: against off, and with bf16 moments), profiled; B4 layer; B1 against HF
 #   b1tune B1 eager / --compile / HF, then B1 with --gemm-tuning twice (the tuning run, then a run reading its file)
 set -uo pipefail
 part="$1" out="$2"; mkdir -p "$out"
@@ -85,6 +86,17 @@ s3b)
     (cd benchmarks && python3 train_bench.py --steps 6 --warmup 3 "${prof[@]}" -- "${common[@]}" $variant 2>>"$out/b4b_stderr.txt") | sed "s|^|[$variant]: |" | tee -a "$out/b4b.txt"
   done
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,meshtron-gaf,hf 2>"$out/b1_stderr.txt" | tee "$out/b1.txt" ;;
+s3c)
+  timeout 120 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe_router_gpu.py > "$out/gpu_tests_s3c.txt" 2>&1
+  grep -E "passed|failed|Error|router" "$out/gpu_tests_s3c.txt" | tail -9
+  common=(--preset deepseek-v2-lite --num-layers 4 --moe-layer-freq "([0]+[1]*3)" --seq-length 4096 --micro-batch-size 2 --global-batch-size 2 --bf16)
+  for variant in "--no-gradient-accumulation-fusion" "" "--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16"; do
+    prof=(); [ -z "$variant" ] && prof=(--profile "$out/profile_b4b.txt")
+    # shellcheck disable=SC2086
+    (cd benchmarks && python3 train_bench.py --steps 6 --warmup 3 "${prof[@]}" -- "${common[@]}" $variant 2>>"$out/b4b_stderr.txt") | sed "s|^|[$variant]: |" | tee -a "$out/b4b.txt"
+  done
+  python3 benchmarks/b4_moe_layer.py --grouped-gemm torch 2>&1 | tee "$out/b4_layer.txt"
+  python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,hf 2>"$out/b1_stderr.txt" | tee "$out/b1.txt" ;;
 b1tune)
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,meshtron-compile,hf 2>"$out/b1_stderr.txt" | tee "$out/b1_compile.txt"
   for run in tuning reading; do
