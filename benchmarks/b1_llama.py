@@ -88,10 +88,11 @@ def _idle_gaps(events, top: int = 12) -> tuple[float, list[str]]:
     return sum(g for g, _, _ in gaps) / 1000, lines
 
 
-def profile_steps(step, path: str) -> float:
+def profile_steps(step, path: str, trace: str = "") -> float:
     """Two steps under the profiler; the table of GPU time by kernel, the GPU's idle time and its
-    longest idle gaps go to ``path``. Returns the GPU's busy milliseconds over both steps (the
-    kernels' own time): well below the steps' wall time means the GPU waited on the host."""
+    longest idle gaps go to ``path``, the timeline to ``trace`` (Chrome trace JSON, gzipped when it
+    ends in .gz) if given. Returns the GPU's busy milliseconds over both steps (the kernels' own
+    time): well below the steps' wall time means the GPU waited on the host."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -99,6 +100,8 @@ def profile_steps(step, path: str) -> float:
         step()
         step()
         torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
     averages = prof.key_averages()
     busy_ms = sum(e.self_device_time_total for e in averages if e.device_type == DeviceType.CUDA) / 1000  # kernels, memcpy
     idle_ms, gaps = _idle_gaps(prof.events())

@@ -12,6 +12,7 @@
 #   s3a    narrow-moment optimizer / permute / estimate GPU tests; B4b profiled, with bf16 moments, compiled; B4 router profile
 #   s3b    fused router / expert wgrad / optimizer GPU tests; B4 layer; B4b with and without gradient-accumulation fusion; B1 with and without it
 #   s3c    fused router GPU test; B4b (fusion on by default: against off, and with bf16 moments), profiled; B4 layer; B1 against HF
+#   s3d    B4b profiled with its timeline (Chrome trace): where the GPU waits for the host
 #   b1tune B1 eager / --compile / HF, then B1 with --gemm-tuning twice (the tuning run, then a run reading its file)
 set -uo pipefail
 part="$1" out="$2"; mkdir -p "$out"
@@ -97,6 +98,11 @@ s3c)
   done
   python3 benchmarks/b4_moe_layer.py --grouped-gemm torch 2>&1 | tee "$out/b4_layer.txt"
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,hf 2>"$out/b1_stderr.txt" | tee "$out/b1.txt" ;;
+s3d)
+  common=(--preset deepseek-v2-lite --num-layers 4 --moe-layer-freq "([0]+[1]*3)" --seq-length 4096 --micro-batch-size 2 --global-batch-size 2 --bf16)
+  (cd benchmarks && python3 train_bench.py --steps 4 --warmup 3 --profile "$out/profile_b4b.txt" --trace "$out/trace_b4b.json.gz" -- "${common[@]}" \
+    2>>"$out/b4b_stderr.txt") | tee "$out/b4b.txt"
+  ls -la "$out" ;;
 b1tune)
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,meshtron-compile,hf 2>"$out/b1_stderr.txt" | tee "$out/b1_compile.txt"
   for run in tuning reading; do

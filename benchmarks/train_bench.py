@@ -86,6 +86,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--checkpoint", default="", help="directory to time checkpoint save/load in")
     parser.add_argument("--profile", default="", help="also profile two steps: GPU time by kernel, and how busy the GPU was, to this file")
+    parser.add_argument("--trace", default="", help="with --profile: the two steps' timeline as a Chrome trace (.json or .json.gz)")
     parser.add_argument("flags", nargs="*", help="meshtron train flags, after --")
     args = parser.parse_args()
     from meshtron.config import build_config
@@ -114,7 +115,7 @@ def main() -> None:
         "losses": [round(x, 4) for x in losses],
     }
     if args.profile:
-        result["gpu_busy_ms_per_step"] = profile_steps(step, args.profile) / 2
+        result["gpu_busy_ms_per_step"] = profile_steps(step, args.profile, args.trace) / 2
     if args.checkpoint:
         result.update(checkpoint_costs(trainer, Path(args.checkpoint), step, step_s))
     if trainer.mesh.rank == 0:
