@@ -77,8 +77,13 @@ def device_ceiling_tflops(device: torch.device) -> tuple[float | None, str]:
 
 @dataclass
 class IntervalMeter:
-    """Accumulates steps between two log lines; times whole steps with a host clock after a sync.
-    Tokens are counted per device (the global batch's tokens over the world size)."""
+    """Accumulates steps between two log lines and times them with a host clock.
+
+    The clock is read after a device sync only when the interval's steps end (``pause``, called by
+    ``summary`` and before evaluation or a save), not after every step: a sync per step would
+    make the host wait for the optimizer's kernels at every step's end, and the GPU then wait for
+    the next step's first launches. Tokens are counted per device (the global batch's tokens
+    over the world size)."""
 
     flops_per_token: float
     ceiling_tflops: float | None
@@ -87,20 +92,28 @@ class IntervalMeter:
     tokens: int = 0
     seconds: float = 0.0
     skipped: int = 0
-    _start: float = field(default=0.0, repr=False)
+    _start: float | None = field(default=None, repr=False)  # when the running stretch of steps began
 
     def start_step(self) -> None:
-        self._start = time.perf_counter()
+        if self._start is None:
+            self._start = time.perf_counter()
 
-    def end_step(self, tokens: int, skipped: bool) -> None:
+    def pause(self) -> None:
+        """Count the time of the steps so far (their device work included): what follows is not training."""
+        if self._start is None:
+            return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.seconds += time.perf_counter() - self._start
+        self._start = None
+
+    def end_step(self, tokens: int, skipped: bool) -> None:
         self.steps += 1
         self.tokens += tokens
         self.skipped += int(skipped)
 
     def summary(self) -> dict[str, float]:
+        self.pause()
         seconds = max(self.seconds, 1e-9)
         tokens_per_s = self.tokens / seconds
         tflops = tokens_per_s * self.flops_per_token / 1e12

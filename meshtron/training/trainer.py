@@ -186,19 +186,24 @@ class Trainer:
         self._last_batches = batches  # for the divergence check's re-run
         self.optimizer.zero_grad()
         loss = self.runner.forward_backward(batches)
+        # The loss and every logged term (a MoE model has two per layer) go to the host in one copy
+        # started now and read after the optimizer step, whose gradient-norm read has waited for
+        # it: no host sync of its own, so the host runs on into the next step while the GPU
+        # still updates the weights.
+        terms = {**loss.aux, **loss.metrics}
+        host = _start_host_copy([loss.total / loss.count, *terms.values()])
         self.runner.finalize_grads()
         self.host_staging.before_state_changes()  # an async save's copies of the weights are done first
         result = self.optimizer.step(self.schedule.lr_at(self.iteration))
         self.runner.after_step()
-        # Logged with the interval's last step; one host copy for every term (a MoE model has two per layer).
-        terms = {**loss.aux, **loss.metrics}
-        values = dict(zip(terms, torch.stack(list(terms.values())).tolist())) if terms else {}
-        self.last_aux = {name: values[name] for name in loss.aux}
-        self.last_metrics = {name: values[name] for name in loss.metrics}
-        return (loss.total / loss.count).item(), result
+        mean_loss, *values = _read_host_copy(host)
+        self.last_aux = {name: values[i] for i, name in enumerate(terms) if name in loss.aux}
+        self.last_metrics = {name: values[i] for i, name in enumerate(terms) if name in loss.metrics}
+        return mean_loss, result
 
     @torch.no_grad()
     def evaluate(self) -> float:
+        self.meter.pause()
         """Mean loss over ``eval_iters`` global batches of the validation split (same batches each time)."""
         self.model.eval()
         batches = self._batches(self.valid_data, 0)
@@ -226,6 +231,7 @@ class Trainer:
         ckpt = self.cfg.checkpoint
         if not ckpt.save:
             return
+        self.meter.pause()
         save_dir = Path(ckpt.save)
         meta = {
             "iteration": self.iteration,
@@ -365,3 +371,24 @@ def _main_thread() -> bool:
     import threading
 
     return threading.current_thread() is threading.main_thread()
+
+
+def _start_host_copy(scalars: list[torch.Tensor]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Device scalars -> a pinned host vector being filled asynchronously (and the event that marks
+    it done); on the CPU, the values at once."""
+    flat = torch.stack([s.detach().float().reshape(()) for s in scalars])
+    if not flat.is_cuda:
+        return flat, None
+    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+    host.copy_(flat, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done
+
+
+def _read_host_copy(copy: tuple[torch.Tensor, torch.cuda.Event | None]) -> list[float]:
+    host, done = copy
+    if done is not None:
+        done.synchronize()
+    return host.tolist()
+

@@ -114,3 +114,24 @@ def test_plot_without_matplotlib_or_events_says_what_to_do(tiny_run, tmp_path, m
     assert main(["plot", str(tmp_path)]) == 2 and "train with --tensorboard-dir" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert main(["plot", str(tiny_run[0])]) == 2 and "pip install 'meshtron[plot]'" in capsys.readouterr().err
+
+
+def test_interval_meter_counts_steps_not_what_runs_between(monkeypatch):
+    """Step time is read once per stretch of steps (no sync per step); ``pause`` before evaluation or
+    a save keeps their time out of the next log line's throughput."""
+    import torch
+
+    from meshtron.training import metrics
+
+    clock = iter([0.0, 3.0, 10.0, 12.0])  # start, pause (evaluation follows), start again, summary
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
+    meter = metrics.IntervalMeter(flops_per_token=1.0, ceiling_tflops=None, device=torch.device("cpu"))
+    for _ in range(3):
+        meter.start_step()
+        meter.end_step(tokens=100, skipped=False)
+    meter.pause()
+    meter.pause()  # nothing running: no clock read
+    meter.start_step()
+    meter.end_step(tokens=100, skipped=True)
+    stats = meter.summary()
+    assert stats["ms_per_iter"] == 1000.0 * (3.0 + 2.0) / 4 and stats["tokens_per_s"] == 400 / 5.0 and stats["skipped"] == 1
