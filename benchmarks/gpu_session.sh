@@ -13,6 +13,7 @@
 #   s3b    fused router / expert wgrad / optimizer GPU tests; B4 layer; B4b with and without gradient-accumulation fusion; B1 with and without it
 #   s3c    fused router GPU test; B4b (fusion on by default: against off, and with bf16 moments), profiled; B4 layer; B1 against HF
 #   s3d    B4b profiled with its timeline (Chrome trace): where the GPU waits for the host
+#   s3e    B4b and B1 (with HF) of this tree against OLD's tree (arg 3), each with its own harness
 #   b1tune B1 eager / --compile / HF, then B1 with --gemm-tuning twice (the tuning run, then a run reading its file)
 set -uo pipefail
 part="$1" out="$2"; mkdir -p "$out"
@@ -103,6 +104,14 @@ s3d)
   (cd benchmarks && python3 train_bench.py --steps 4 --warmup 3 --profile "$out/profile_b4b.txt" --trace "$out/trace_b4b.json.gz" -- "${common[@]}" \
     2>>"$out/b4b_stderr.txt") | tee "$out/b4b.txt"
   ls -la "$out" ;;
+s3e)
+  old="$(cd "$3" && pwd)"
+  common=(--preset deepseek-v2-lite --num-layers 4 --moe-layer-freq "([0]+[1]*3)" --seq-length 4096 --micro-batch-size 2 --global-batch-size 2 --bf16)
+  for tree in "$PWD" "$old" "$PWD"; do
+    (cd "$tree/benchmarks" && PYTHONPATH="$tree" python3 train_bench.py --steps 8 --warmup 3 -- "${common[@]}" 2>>"$out/b4b_stderr.txt") | sed "s|^|[$tree]: |" | tee -a "$out/b4b.txt"
+  done
+  python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,hf 2>"$out/b1_new_stderr.txt" | tee "$out/b1_new.txt"
+  (cd "$old" && PYTHONPATH="$old" python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,hf 2>"$out/b1_old_stderr.txt" | tee "$out/b1_old.txt") ;;
 b1tune)
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,meshtron-compile,hf 2>"$out/b1_stderr.txt" | tee "$out/b1_compile.txt"
   for run in tuning reading; do
