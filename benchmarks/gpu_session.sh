@@ -14,6 +14,7 @@
 #   s3c    fused router GPU test; B4b (fusion on by default: against off, and with bf16 moments), profiled; B4 layer; B1 against HF
 #   s3d    B4b profiled with its timeline (Chrome trace): where the GPU waits for the host
 #   s3e    B4b and B1 (with HF) of this tree against OLD's tree (arg 3), each with its own harness
+#   s3f    MoE / optimizer / compile GPU tests; B4 layer (back-to-back timing, both grouped GEMMs); B4b default and with bf16 moments
 #   b1tune B1 eager / --compile / HF, then B1 with --gemm-tuning twice (the tuning run, then a run reading its file)
 set -uo pipefail
 part="$1" out="$2"; mkdir -p "$out"
@@ -112,6 +113,17 @@ s3e)
   done
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,hf 2>"$out/b1_new_stderr.txt" | tee "$out/b1_new.txt"
   (cd "$old" && PYTHONPATH="$old" python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,hf 2>"$out/b1_old_stderr.txt" | tee "$out/b1_old.txt") ;;
+s3f)
+  timeout 300 python3 -m pytest -q -s -p no:cacheprovider --durations=5 tests/gpu/test_moe_router_gpu.py tests/gpu/test_moe_permute_gpu.py \
+    tests/gpu/test_fused_adamw_gpu.py tests/gpu/test_compile_gpu.py "tests/gpu/test_grouped_gemm_gpu.py::test_fused_expert_weight_gradient_gpu" \
+    > "$out/gpu_tests_s3f.txt" 2>&1
+  grep -E "passed|failed|Error|call " "$out/gpu_tests_s3f.txt" | tail -9
+  for backend in torch triton; do python3 benchmarks/b4_moe_layer.py --grouped-gemm $backend 2>&1 | tee -a "$out/b4_layer.txt"; done
+  common=(--preset deepseek-v2-lite --num-layers 4 --moe-layer-freq "([0]+[1]*3)" --seq-length 4096 --micro-batch-size 2 --global-batch-size 2 --bf16)
+  for variant in "" "--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16"; do
+    # shellcheck disable=SC2086
+    (cd benchmarks && python3 train_bench.py --steps 8 --warmup 3 -- "${common[@]}" $variant 2>>"$out/b4b_stderr.txt") | sed "s|^|[$variant]: |" | tee -a "$out/b4b.txt"
+  done ;;
 b1tune)
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,meshtron-compile,hf 2>"$out/b1_stderr.txt" | tee "$out/b1_compile.txt"
   for run in tuning reading; do
