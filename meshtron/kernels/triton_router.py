@@ -36,16 +36,20 @@ import triton.language as tl
 
 
 @triton.jit
-def _scores(logits_ptr, rows, stride_t, T, E, BLOCK_E: tl.constexpr):
-    """A block of logits in fp32 (padding experts at -inf, padding tokens at 0), with the softmax
-    pieces: max m, the exponentials p = exp(x - m) and their sum."""
+def _scores(logits_ptr, stride_t, T, E, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """This program's block of tokens: their logits in fp32 (padding experts at -inf, padding
+    tokens at 0) and the scores: softmax pieces (max m, p = exp(x - m), its sum), softmax, sigmoid."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, BLOCK_E)
     row_ok, col_ok = rows < T, cols < E
     x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_t + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
     x = tl.where(col_ok[None, :], x.to(tl.float32), float("-inf"))
     m = tl.max(x, 1)
     p = tl.exp(x - m[:, None])
-    return x, cols, row_ok, m, p, tl.sum(p, 1)
+    s = tl.sum(p, 1)
+    sig = tl.where(col_ok[None, :], tl.sigmoid(x), 0.0)
+    return pid, rows, row_ok, cols, x, m, p, s, p / s[:, None], sig
 
 
 @triton.jit
@@ -63,11 +67,7 @@ def _route_forward_kernel(
     K: tl.constexpr, SOFTMAX: tl.constexpr, PRE_SOFTMAX: tl.constexpr, STATS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    x, cols, row_ok, m, p, s = _scores(logits_ptr, rows, stride_t, T, E, BLOCK_E)
-    soft = p / s[:, None]
-    sig = tl.where(cols[None, :] < E, tl.sigmoid(x), 0.0)
+    pid, rows, row_ok, cols, x, m, p, s, soft, sig = _scores(logits_ptr, stride_t, T, E, BLOCK_T, BLOCK_E)
     # Pass 1: which experts are chosen, so the combine weights' normalizers are known.
     chosen = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int1)
     work = x
@@ -112,12 +112,8 @@ def _route_backward_kernel(
     K: tl.constexpr, SOFTMAX: tl.constexpr, PRE_SOFTMAX: tl.constexpr, STATS: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    x, cols, row_ok, m, p, s = _scores(logits_ptr, rows, stride_t, T, E, BLOCK_E)
+    _, rows, row_ok, cols, x, m, p, s, soft, sig = _scores(logits_ptr, stride_t, T, E, BLOCK_T, BLOCK_E)
     col_ok = cols < E
-    soft = p / s[:, None]
-    sig = tl.where(col_ok[None, :], tl.sigmoid(x), 0.0)
     # The combine weights' gradient, scattered to the chosen experts' columns (times the scaling).
     grad_w = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
     chosen = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int1)
