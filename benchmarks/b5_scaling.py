@@ -32,6 +32,7 @@ import os
 import statistics
 import sys
 
+from b1_llama import time_steps
 from child import report, run_child  # benchmarks/child.py: the child-process protocol
 
 LAYOUT_FLAGS = {
@@ -84,17 +85,14 @@ def worker(args) -> None:
         global_batch *= data_parallel_size(build_config(None, flags), int(os.environ["WORLD_SIZE"]))
     flags += ["--global-batch-size", str(global_batch)]
     trainer = Trainer(build_config(None, flags), log=lambda s: print("[meshtron]", s, file=sys.stderr) if int(os.environ.get("RANK", 0)) == 0 else None)
-    losses, times = [], []
-    for step in range(args.warmup + args.steps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+    losses = []
+
+    def step() -> None:
         loss, _ = trainer.train_step()
-        end.record()
-        torch.cuda.synchronize()
         trainer.iteration += 1
         losses.append(loss)
-        if step >= args.warmup:
-            times.append(start.elapsed_time(end) / 1000)
+
+    times = time_steps(step, args.warmup, args.steps)  # back to back, as training runs
     peak = torch.cuda.max_memory_allocated() / 2**30  # before the benchmark's own buffers below
     mesh = trainer.mesh
     profiled = (mesh.dp > 1 or mesh.tp > 1) and mesh.pp == 1
