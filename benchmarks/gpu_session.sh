@@ -16,6 +16,7 @@
 #   s3e    B4b and B1 (with HF) of this tree against OLD's tree (arg 3), each with its own harness
 #   s3f    MoE / optimizer / compile GPU tests; B4 layer (back-to-back timing, both grouped GEMMs); B4b default and with bf16 moments
 #   s3x2   (2 GPUs) tp overlap GPU test; tp2 layouts against dp2; DeepSeek-V2-Lite x 4 dp1/dp2/ep2; the fused router GPU test
+#   s3tt   B4b against torchtitan 0.2.2 compiled in one call (peer script and wheels carried in .whl/)
 #   b1tune B1 eager / --compile / HF, then B1 with --gemm-tuning twice (the tuning run, then a run reading its file)
 set -uo pipefail
 part="$1" out="$2"; mkdir -p "$out"
@@ -129,6 +130,15 @@ s3x2)
   timeout 120 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_tp_overlap_gpu.py tests/gpu/test_moe_router_gpu.py > "$out/gpu_tests_x2.txt" 2>&1; tail -2 "$out/gpu_tests_x2.txt"
   python3 benchmarks/b5_scaling.py --layouts dp2,tp2,tp2ovsm --layers 8 --seq-length 8192 --global-batch 8 --steps 4 --warmup 2 2>"$out/b5_tp_stderr.txt" | tee "$out/b5_tp.txt"
   python3 benchmarks/b5_scaling.py --model deepseek-v2-lite --layers 4 --micro-batch-size 2 --seq-length 4096 --global-batch 8 --layouts dp1,dp2,ep2 --steps 4 --warmup 2 2>"$out/b5_moe_stderr.txt" | tee "$out/b5_moe.txt" ;;
+s3tt)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl > /dev/null 2>&1
+  PYTHONPATH="$PWD:/tmp/site" timeout 400 python3 .whl/bench_tt_moe.py --layers 4 --compile 2>"$out/tt_stderr.txt" | tee "$out/tt.txt"
+  tail -3 "$out/tt_stderr.txt"
+  common=(--preset deepseek-v2-lite --num-layers 4 --moe-layer-freq "([0]+[1]*3)" --seq-length 4096 --micro-batch-size 2 --global-batch-size 2 --bf16)
+  for variant in "" "--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16"; do
+    # shellcheck disable=SC2086
+    (cd benchmarks && python3 train_bench.py --steps 8 --warmup 3 -- "${common[@]}" $variant 2>>"$out/b4b_stderr.txt") | sed "s|^|[$variant]: |" | tee -a "$out/b4b.txt"
+  done ;;
 b1tune)
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,meshtron-compile,hf 2>"$out/b1_stderr.txt" | tee "$out/b1_compile.txt"
   for run in tuning reading; do
