@@ -17,6 +17,7 @@
 #   s3f    MoE / optimizer / compile GPU tests; B4 layer (back-to-back timing, both grouped GEMMs); B4b default and with bf16 moments
 #   s3x2   (2 GPUs) tp overlap GPU test; tp2 layouts against dp2; DeepSeek-V2-Lite x 4 dp1/dp2/ep2; the fused router GPU test
 #   s3tt   B4b against torchtitan 0.2.2 compiled in one call (peer script and wheels carried in .whl/)
+#   s3g    MoE permute / router / fused-adamw GPU tests; B4 layer (torch grouped GEMM), profiled
 #   b1tune B1 eager / --compile / HF, then B1 with --gemm-tuning twice (the tuning run, then a run reading its file)
 set -uo pipefail
 part="$1" out="$2"; mkdir -p "$out"
@@ -139,6 +140,11 @@ s3tt)
     # shellcheck disable=SC2086
     (cd benchmarks && python3 train_bench.py --steps 8 --warmup 3 -- "${common[@]}" $variant 2>>"$out/b4b_stderr.txt") | sed "s|^|[$variant]: |" | tee -a "$out/b4b.txt"
   done ;;
+s3g)
+  timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe_permute_gpu.py tests/gpu/test_moe_router_gpu.py tests/gpu/test_fused_adamw_gpu.py \
+    > "$out/gpu_tests_s3g.txt" 2>&1
+  grep -E "passed|failed|Error|dispatch" "$out/gpu_tests_s3g.txt" | tail -5
+  python3 benchmarks/b4_moe_layer.py --grouped-gemm torch --profile-dir "$out" 2>&1 | tee "$out/b4_layer.txt" ;;
 b1tune)
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,meshtron-compile,hf 2>"$out/b1_stderr.txt" | tee "$out/b1_compile.txt"
   for run in tuning reading; do
