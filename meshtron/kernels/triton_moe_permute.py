@@ -1,11 +1,9 @@
 """Triton kernels for the dropless MoE permutation and combine, in gather form: no atomics.
 
 ``inverse`` [T, k] names the expert-input row holding token t's j-th copy (a permutation of the
-T*k rows, from the dispatch plan's sort). One program per (token, column block) touches the
-token's k rows as one [k, BLOCK] tile, so every element is written by exactly one program:
-deterministic results, fp32 sums in registers, and each byte read or written once. A program per
-column block rather than one walking the row: the gathers are latency-bound, and more programs
-in flight hide more of that latency.
+T*k rows, from the dispatch plan's sort). One program per token walks the hidden dimension in
+column blocks and touches its k rows as one [k, BLOCK] tile, so every row is written by exactly
+one program: deterministic results, fp32 sums in registers, and each byte read or written once.
 
 - permute forward: each token read once, written to its k rows (``scatter_copies``);
 - permute backward and combine forward: a token's k rows gathered and summed, weighted or not,
@@ -25,24 +23,25 @@ import triton.language as tl
 
 
 @triton.jit
-def _token_rows(inverse_ptr, n_cols, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr):
-    """This program's token ``t``, its copy slots (K padded to a power of two), which are real, the
-    expert-input row of each copy, and its column block (``cols``, ``col_ok``)."""
+def _token_rows(inverse_ptr, K: tl.constexpr, K_PAD: tl.constexpr):
+    """This program's token ``t``, its copy slots (K padded to a power of two), which are real, and
+    the expert-input row of each copy."""
     t = tl.program_id(0).to(tl.int64)
     copies = tl.arange(0, K_PAD)
     valid = copies < K
     row = tl.load(inverse_ptr + t * K + copies, mask=valid, other=0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    return t, copies, valid, row, cols, cols < n_cols
+    return t, copies, valid, row
 
 
 @triton.jit
 def _scatter_copies_kernel(tokens_ptr, inverse_ptr, rows_ptr, n_cols, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK: tl.constexpr):
     """rows[inverse[t, j]] = tokens[t] for each of the k copies j."""
-    t, copies, valid, row, cols, col_ok = _token_rows(inverse_ptr, n_cols, K, K_PAD, BLOCK)
-    x = tl.load(tokens_ptr + t * n_cols + cols, mask=col_ok, other=0.0)
-    tile = tl.broadcast_to(x[None, :], (K_PAD, BLOCK))
-    tl.store(rows_ptr + row[:, None] * n_cols + cols[None, :], tile, mask=valid[:, None] & col_ok[None, :])
+    t, copies, valid, row = _token_rows(inverse_ptr, K, K_PAD)
+    for off in range(0, n_cols, BLOCK):
+        cols = off + tl.arange(0, BLOCK)
+        x = tl.load(tokens_ptr + t * n_cols + cols, mask=cols < n_cols, other=0.0)
+        tile = tl.broadcast_to(x[None, :], (K_PAD, BLOCK))
+        tl.store(rows_ptr + row[:, None] * n_cols + cols[None, :], tile, mask=valid[:, None] & (cols[None, :] < n_cols))
 
 
 @triton.jit
@@ -51,40 +50,44 @@ def _gather_sum_kernel(
     K: tl.constexpr, K_PAD: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """out[t] = sum_j w[t, j] * rows[inverse[t, j]] (w = 1 unless WEIGHTED), summed in fp32."""
-    t, copies, valid, row, cols, col_ok = _token_rows(inverse_ptr, n_cols, K, K_PAD, BLOCK)
+    t, copies, valid, row = _token_rows(inverse_ptr, K, K_PAD)
     if WEIGHTED:
         w = tl.load(weights_ptr + t * K + copies, mask=valid, other=0.0).to(tl.float32)
     else:
         w = tl.where(valid, 1.0, 0.0)
-    tile = tl.load(rows_ptr + row[:, None] * n_cols + cols[None, :], mask=valid[:, None] & col_ok[None, :], other=0.0)
-    total = tl.sum(tile.to(tl.float32) * w[:, None], axis=0)
-    tl.store(out_ptr + t * n_cols + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
+    for off in range(0, n_cols, BLOCK):
+        cols = off + tl.arange(0, BLOCK)
+        mask = valid[:, None] & (cols[None, :] < n_cols)
+        tile = tl.load(rows_ptr + row[:, None] * n_cols + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        total = tl.sum(tile * w[:, None], axis=0)
+        tl.store(out_ptr + t * n_cols + cols, total.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
 
 
 @triton.jit
 def _combine_backward_kernel(
-    grad_ptr, rows_ptr, inverse_ptr, weights_ptr, grad_rows_ptr, partial_dots_ptr, n_cols,
+    grad_ptr, rows_ptr, inverse_ptr, weights_ptr, grad_rows_ptr, grad_weights_ptr, n_cols,
     K: tl.constexpr, K_PAD: tl.constexpr, WEIGHT_GRAD: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """grad_rows[inverse[t, j]] = w[t, j] * g[t]; this column block's part of <g[t], rows[inverse[t, j]]>
-    (fp32, [T, blocks, K]: the caller sums the blocks)."""
-    t, copies, valid, row, cols, col_ok = _token_rows(inverse_ptr, n_cols, K, K_PAD, BLOCK)
+    """grad_rows[inverse[t, j]] = w[t, j] * g[t]; grad_w[t, j] = <g[t], rows[inverse[t, j]]> (fp32)."""
+    t, copies, valid, row = _token_rows(inverse_ptr, K, K_PAD)
     w = tl.load(weights_ptr + t * K + copies, mask=valid, other=0.0).to(tl.float32)
-    mask = valid[:, None] & col_ok[None, :]
-    g = tl.load(grad_ptr + t * n_cols + cols, mask=col_ok, other=0.0).to(tl.float32)
-    at_rows = row[:, None] * n_cols + cols[None, :]
-    tl.store(grad_rows_ptr + at_rows, (w[:, None] * g[None, :]).to(grad_rows_ptr.dtype.element_ty), mask=mask)
+    dots = tl.zeros((K_PAD,), dtype=tl.float32)
+    for off in range(0, n_cols, BLOCK):
+        cols = off + tl.arange(0, BLOCK)
+        mask = valid[:, None] & (cols[None, :] < n_cols)
+        g = tl.load(grad_ptr + t * n_cols + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+        at_rows = row[:, None] * n_cols + cols[None, :]
+        tl.store(grad_rows_ptr + at_rows, (w[:, None] * g[None, :]).to(grad_rows_ptr.dtype.element_ty), mask=mask)
+        if WEIGHT_GRAD:
+            tile = tl.load(rows_ptr + at_rows, mask=mask, other=0.0).to(tl.float32)
+            dots += tl.sum(tile * g[None, :], axis=1)
     if WEIGHT_GRAD:
-        tile = tl.load(rows_ptr + at_rows, mask=mask, other=0.0).to(tl.float32)
-        part = (t * tl.num_programs(1) + tl.program_id(1)) * K
-        tl.store(partial_dots_ptr + part + copies, tl.sum(tile * g[None, :], axis=1), mask=valid)
+        tl.store(grad_weights_ptr + t * K + copies, dots.to(grad_weights_ptr.dtype.element_ty), mask=valid)
 
 
-def _launch(n_cols: int, topk: int, num_tokens: int) -> tuple[tuple[int, int], dict]:
-    """Grid (token, column block) and meta: the block, the copy count padded to a power of two, at
-    least 2 wide (no 1-wide tile dimension)."""
-    block = min(512, triton.next_power_of_2(max(n_cols, 16)))
-    return (num_tokens, triton.cdiv(n_cols, block)), dict(K=topk, K_PAD=max(2, triton.next_power_of_2(topk)), BLOCK=block, num_warps=4)
+def _meta(n_cols: int, topk: int) -> dict:
+    """Column block and padded copy count; at least 2 copies wide (no 1-wide tile dimension)."""
+    return dict(K=topk, K_PAD=max(2, triton.next_power_of_2(topk)), BLOCK=min(512, triton.next_power_of_2(max(n_cols, 16))), num_warps=4)
 
 
 def scatter_copies(tokens: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
@@ -92,8 +95,7 @@ def scatter_copies(tokens: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
     (num_tokens, topk), n_cols = inverse.shape, tokens.shape[1]
     rows = torch.empty(num_tokens * topk, n_cols, dtype=tokens.dtype, device=tokens.device)
     if rows.numel():
-        grid, meta = _launch(n_cols, topk, num_tokens)
-        _scatter_copies_kernel[grid](tokens, inverse, rows, n_cols, **meta)
+        _scatter_copies_kernel[(num_tokens,)](tokens, inverse, rows, n_cols, **_meta(n_cols, topk))
     return rows
 
 
@@ -103,9 +105,8 @@ def gather_sum(rows: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor 
     out = torch.empty(num_tokens, n_cols, dtype=out_dtype, device=rows.device)
     if out.numel():
         placeholder = inverse  # an unused pointer when unweighted
-        grid, meta = _launch(n_cols, topk, num_tokens)
-        _gather_sum_kernel[grid](rows, inverse, placeholder if weights is None else weights, out, n_cols,
-                                 WEIGHTED=weights is not None, **meta)  # fmt: skip
+        _gather_sum_kernel[(num_tokens,)](rows, inverse, placeholder if weights is None else weights, out, n_cols,
+                                          WEIGHTED=weights is not None, **_meta(n_cols, topk))  # fmt: skip
     return out
 
 
@@ -116,14 +117,12 @@ def combine_backward(
     in the rows' dtype, grad_weights [T, k] in the weights' dtype, or None without ``weight_grad``)."""
     (num_tokens, topk), n_cols = inverse.shape, rows.shape[1]
     grad_rows = torch.empty_like(rows)
-    grid, meta = _launch(n_cols, topk, num_tokens)
-    partial_dots = torch.zeros(num_tokens, grid[1], topk, dtype=torch.float32, device=rows.device) if weight_grad else None
+    grad_weights = torch.empty_like(weights) if weight_grad else None
     if grad_rows.numel():
-        _combine_backward_kernel[grid](
-            grad, rows, inverse, weights, grad_rows, partial_dots if weight_grad else weights, n_cols,
-            WEIGHT_GRAD=weight_grad, **meta,
+        _combine_backward_kernel[(num_tokens,)](
+            grad, rows, inverse, weights, grad_rows, grad_weights if weight_grad else weights, n_cols,
+            WEIGHT_GRAD=weight_grad, **_meta(n_cols, topk),
         )  # fmt: skip
-    grad_weights = partial_dots.sum(1).to(weights.dtype) if weight_grad else None
     return grad_rows, grad_weights
 
 
