@@ -18,7 +18,6 @@
 #   s3x2   (2 GPUs) tp overlap GPU test; tp2 layouts against dp2; DeepSeek-V2-Lite x 4 dp1/dp2/ep2; the fused router GPU test
 #   s3tt   B4b against torchtitan 0.2.2 compiled in one call (peer script and wheels carried in .whl/)
 #   s3g    MoE permute / router / fused-adamw GPU tests; B4 layer (torch grouped GEMM), profiled
-#   s3h    B4b (profiled) and B1 with HF at this tree
 #   b1tune B1 eager / --compile / HF, then B1 with --gemm-tuning twice (the tuning run, then a run reading its file)
 set -uo pipefail
 part="$1" out="$2"; mkdir -p "$out"
@@ -146,11 +145,6 @@ s3g)
     > "$out/gpu_tests_s3g.txt" 2>&1
   grep -E "passed|failed|Error|dispatch" "$out/gpu_tests_s3g.txt" | tail -5
   python3 benchmarks/b4_moe_layer.py --grouped-gemm torch --profile-dir "$out" 2>&1 | tee "$out/b4_layer.txt" ;;
-s3h)
-  common=(--preset deepseek-v2-lite --num-layers 4 --moe-layer-freq "([0]+[1]*3)" --seq-length 4096 --micro-batch-size 2 --global-batch-size 2 --bf16)
-  (cd benchmarks && python3 train_bench.py --steps 8 --warmup 3 --profile "$out/profile_b4b.txt" -- "${common[@]}" 2>>"$out/b4b_stderr.txt") | tee -a "$out/b4b.txt"
-  head -8 "$out/profile_b4b.txt" | cut -c1-150
-  python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,hf 2>"$out/b1_stderr.txt" | tee "$out/b1.txt" ;;
 b1tune)
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,meshtron-compile,hf 2>"$out/b1_stderr.txt" | tee "$out/b1_compile.txt"
   for run in tuning reading; do

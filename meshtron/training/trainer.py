@@ -172,12 +172,7 @@ class Trainer:
     # ------------------------------------------------------------------ steps
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The batch on the device. To a GPU through page-locked memory: a copy from pageable memory
-        would hold the host until the GPU reached it in stream order (behind the last step's
-        optimizer kernel), with the next forward's launches waiting behind it."""
-        if self.device.type != "cuda":
-            return {k: v.to(self.device) for k, v in batch.items()}
-        return {k: v.pin_memory().to(self.device, non_blocking=True) for k, v in batch.items()}
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def _batches(self, dataset, consumed_samples: int, num_workers: int = 0) -> MicroBatchIterator:
         """This data-parallel rank's micro batches (tp/cp ranks of one dp rank read the same ones)."""
