@@ -50,16 +50,21 @@ def test_router_takes_the_kernel_only_where_it_applies(fields, fused):
     assert router._fusable(logits, rows=3) is False  # 128 / 3 tokens per sequence: a program would span two
 
 
-def test_moe_layer_with_the_fused_router_equals_the_reference():
-    """The whole layer, seq_aux_loss + z-loss, kernels on (router, dispatch) vs off: output, losses, gradients."""
+@pytest.mark.parametrize(
+    "fields",
+    [dict(moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.1, moe_z_loss_coeff=1e-2, moe_router_pre_softmax=True),
+     dict(moe_router_load_balancing_type="none", moe_router_score_function="sigmoid")],
+    ids=["seq aux + z", "no losses, sigmoid"],
+)  # fmt: skip
+def test_moe_layer_with_the_fused_router_equals_the_reference(fields):
+    """The whole layer, kernels on (router, dispatch) vs off: output, losses, gradients."""
     outputs = []
     for mode in ("on", "off"):
         torch.manual_seed(0)
-        layer = MoELayer(_cfg(fused_kernels=mode, moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.1,
-                              moe_z_loss_coeff=1e-2, moe_router_pre_softmax=True))  # fmt: skip
+        layer = MoELayer(_cfg(fused_kernels=mode, **fields))
         x = torch.randn(2, 64, 16, generator=torch.Generator().manual_seed(1), requires_grad=True)
         out = layer(x)
-        loss = out.square().sum() + sum(layer.last_aux_losses.values())
+        loss = out.square().sum() + sum(layer.last_aux_losses.values(), torch.zeros(()))
         loss.backward()
         outputs.append((out, loss, x.grad, [p.grad for p in layer.parameters()]))
     (out, loss, gx, gp), (ref_out, ref_loss, ref_gx, ref_gp) = outputs
