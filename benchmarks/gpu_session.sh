@@ -18,6 +18,7 @@
 #   s3x2   (2 GPUs) tp overlap GPU test; tp2 layouts against dp2; DeepSeek-V2-Lite x 4 dp1/dp2/ep2; the fused router GPU test
 #   s3tt   B4b against torchtitan 0.2.2 compiled in one call (peer script and wheels carried in .whl/)
 #   s3g    MoE permute / router / fused-adamw GPU tests; B4 layer (torch grouped GEMM), profiled
+#   s3i    MoE permute GPU test (dispatch timing); B4 layer (torch grouped GEMM), profiled
 #   b1tune B1 eager / --compile / HF, then B1 with --gemm-tuning twice (the tuning run, then a run reading its file)
 set -uo pipefail
 part="$1" out="$2"; mkdir -p "$out"
@@ -145,6 +146,11 @@ s3g)
     > "$out/gpu_tests_s3g.txt" 2>&1
   grep -E "passed|failed|Error|dispatch" "$out/gpu_tests_s3g.txt" | tail -5
   python3 benchmarks/b4_moe_layer.py --grouped-gemm torch --profile-dir "$out" 2>&1 | tee "$out/b4_layer.txt" ;;
+s3i)
+  timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe_permute_gpu.py > "$out/gpu_tests_s3i.txt" 2>&1
+  grep -E "passed|failed|Error|dispatch" "$out/gpu_tests_s3i.txt" | tail -4
+  python3 benchmarks/b4_moe_layer.py --grouped-gemm torch --profile-dir "$out" 2>&1 | tee "$out/b4_layer.txt"
+  grep -E "gather_sum|combine_backward|scatter_copies" "$out/profile_moe_layer_torch.txt" | cut -c1-200 ;;
 b1tune)
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,meshtron-compile,hf 2>"$out/b1_stderr.txt" | tee "$out/b1_compile.txt"
   for run in tuning reading; do

@@ -7,7 +7,7 @@ one program: deterministic results, fp32 sums in registers, and each byte read o
 
 - permute forward: each token read once, written to its k rows (``scatter_copies``);
 - permute backward and combine forward: a token's k rows gathered and summed, weighted or not,
-  in fp32, rounded once to the output dtype (``gather_sum``);
+  in fp32, one row at a time, rounded once to the output dtype (``gather_sum``);
 - combine backward: the output gradient times each copy's weight written to that copy's row,
   and the weight's gradient as the dot product of output gradient and row (``combine_backward``).
 
@@ -47,20 +47,25 @@ def _scatter_copies_kernel(tokens_ptr, inverse_ptr, rows_ptr, n_cols, K: tl.cons
 @triton.jit
 def _gather_sum_kernel(
     rows_ptr, inverse_ptr, weights_ptr, out_ptr, n_cols,
-    K: tl.constexpr, K_PAD: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK: tl.constexpr,
+    K: tl.constexpr, WEIGHTED: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """out[t] = sum_j w[t, j] * rows[inverse[t, j]] (w = 1 unless WEIGHTED), summed in fp32."""
-    t, copies, valid, row = _token_rows(inverse_ptr, K, K_PAD)
-    if WEIGHTED:
-        w = tl.load(weights_ptr + t * K + copies, mask=valid, other=0.0).to(tl.float32)
-    else:
-        w = tl.where(valid, 1.0, 0.0)
+    """out[t] = sum_j w[t, j] * rows[inverse[t, j]] (w = 1 unless WEIGHTED), summed in fp32.
+
+    The k copies are added one row at a time into a [BLOCK] accumulator that each thread holds
+    its part of: no reduction across threads (a [k, BLOCK] tile summed over its rows needed one
+    per column block)."""
+    t = tl.program_id(0).to(tl.int64)
     for off in range(0, n_cols, BLOCK):
         cols = off + tl.arange(0, BLOCK)
-        mask = valid[:, None] & (cols[None, :] < n_cols)
-        tile = tl.load(rows_ptr + row[:, None] * n_cols + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        total = tl.sum(tile * w[:, None], axis=0)
-        tl.store(out_ptr + t * n_cols + cols, total.to(out_ptr.dtype.element_ty), mask=cols < n_cols)
+        col_ok = cols < n_cols
+        total = tl.zeros((BLOCK,), dtype=tl.float32)
+        for j in tl.static_range(K):
+            row = tl.load(inverse_ptr + t * K + j).to(tl.int64)
+            x = tl.load(rows_ptr + row * n_cols + cols, mask=col_ok, other=0.0).to(tl.float32)
+            if WEIGHTED:
+                x = x * tl.load(weights_ptr + t * K + j).to(tl.float32)
+            total += x
+        tl.store(out_ptr + t * n_cols + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
@@ -71,7 +76,7 @@ def _combine_backward_kernel(
     """grad_rows[inverse[t, j]] = w[t, j] * g[t]; grad_w[t, j] = <g[t], rows[inverse[t, j]]> (fp32)."""
     t, copies, valid, row = _token_rows(inverse_ptr, K, K_PAD)
     w = tl.load(weights_ptr + t * K + copies, mask=valid, other=0.0).to(tl.float32)
-    dots = tl.zeros((K_PAD,), dtype=tl.float32)
+    products = tl.zeros((K_PAD, BLOCK), dtype=tl.float32)  # summed over columns once, after the loop
     for off in range(0, n_cols, BLOCK):
         cols = off + tl.arange(0, BLOCK)
         mask = valid[:, None] & (cols[None, :] < n_cols)
@@ -79,9 +84,9 @@ def _combine_backward_kernel(
         at_rows = row[:, None] * n_cols + cols[None, :]
         tl.store(grad_rows_ptr + at_rows, (w[:, None] * g[None, :]).to(grad_rows_ptr.dtype.element_ty), mask=mask)
         if WEIGHT_GRAD:
-            tile = tl.load(rows_ptr + at_rows, mask=mask, other=0.0).to(tl.float32)
-            dots += tl.sum(tile * g[None, :], axis=1)
+            products += tl.load(rows_ptr + at_rows, mask=mask, other=0.0).to(tl.float32) * g[None, :]
     if WEIGHT_GRAD:
+        dots = tl.sum(products, axis=1)
         tl.store(grad_weights_ptr + t * K + copies, dots.to(grad_weights_ptr.dtype.element_ty), mask=valid)
 
 
@@ -105,8 +110,9 @@ def gather_sum(rows: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor 
     out = torch.empty(num_tokens, n_cols, dtype=out_dtype, device=rows.device)
     if out.numel():
         placeholder = inverse  # an unused pointer when unweighted
+        meta = {k: v for k, v in _meta(n_cols, topk).items() if k != "K_PAD"}
         _gather_sum_kernel[(num_tokens,)](rows, inverse, placeholder if weights is None else weights, out, n_cols,
-                                          WEIGHTED=weights is not None, **_meta(n_cols, topk))  # fmt: skip
+                                          WEIGHTED=weights is not None, **meta)  # fmt: skip
     return out
 
 
