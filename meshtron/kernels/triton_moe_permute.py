@@ -2,8 +2,9 @@
 
 ``inverse`` [T, k] names the expert-input row holding token t's j-th copy (a permutation of the
 T*k rows, from the dispatch plan's sort). One program per token walks the hidden dimension in
-column blocks and touches its k rows as one [k, BLOCK] tile, so every row is written by exactly
-one program: deterministic results, fp32 sums in registers, and each byte read or written once.
+column blocks and touches its k rows (as one [k, BLOCK] tile, or row by row where it sums them),
+so every row is written by exactly one program: deterministic results, fp32 sums in registers,
+and each byte read or written once.
 
 - permute forward: each token read once, written to its k rows (``scatter_copies``);
 - permute backward and combine forward: a token's k rows gathered and summed, weighted or not,
