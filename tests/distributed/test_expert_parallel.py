@@ -18,7 +18,10 @@ One spawn of 4 gloo processes (fp32, CPU) runs every case through the same runne
   runner's state; and one process's checkpoint loaded into a fresh tp2 x ep2 layout (the
   distributed optimizer's) and saved again reads back the same: resharding 1 -> ep2 -> 1;
 - the dispatchers alone, with ranks that send nothing, ranks whose experts receive nothing and
-  experts with no row: outputs and weight gradients equal one process's experts.
+  experts with no row: outputs and weight gradients equal one process's experts;
+- ep2 inside dp4 with the Triton kernels (interpreter: fused router, permute, grouped GEMM) and
+  gradient-accumulation fusion, the experts' weight gradients written into the buffer by the
+  Triton kernel and reduced over edp: equal one unfused process's (and the fused path ran).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 from launcher import by_name, run_distributed
 from meshtron.checkpoint.checkpoint import load_checkpoint, save_checkpoint
 from meshtron.config import ModelConfig, ParallelConfig, TrainConfig
+from meshtron.kernels import triton_available
 from meshtron.layers.moe.experts import Experts
 from meshtron.parallel.expert_parallel import ExpertParallelExperts
 from meshtron.parallel.mesh import Mesh
@@ -73,6 +77,9 @@ TRAIN = TrainConfig(lr=1e-2, clip_grad=0.05, weight_decay=0.1)
 # Rows per global expert that each rank hands its experts: rank 1 sends nothing, experts 1 and 2
 # (ranks 1 and 2 under ep4) receive nothing.
 ZERO_TOKEN_ROWS = [[5, 0, 0, 0], [0, 0, 0, 0], [2, 0, 0, 3], [0, 0, 0, 1]]
+# The fused case runs the Triton kernels under the interpreter: Triton installed, no GPU (conftest
+# then sets TRITON_INTERPRET, which the spawned ranks inherit).
+FUSED_KERNELS_TESTABLE = triton_available() and not torch.cuda.is_available()
 
 
 def _parallel(mesh: Mesh, sequence_parallel: bool, distributed: bool = False) -> ParallelConfig:
@@ -166,8 +173,38 @@ def _zero_tokens(mesh: Mesh, dispatcher: str) -> dict:
     return {"out": out.detach(), "x_grad": x.grad, "grads": {n: p.grad for n, p in experts.named_parameters()}}
 
 
+def _fused_step(mesh: Mesh) -> dict:
+    """``_train_step`` of the MoE config with kernels on and the blocks' weight gradients fused into
+    the buffer; counts the fused expert weight-gradient calls."""
+    from meshtron.kernels import triton_grouped_gemm
+    from meshtron.kernels.grad_accum_fusion import apply_gradient_accumulation_fusion
+
+    calls, kernel = [0], triton_grouped_gemm.group_weight_grad
+
+    def counted(*args, **kwargs):
+        calls[0] += kwargs.get("out") is not None
+        return kernel(*args, **kwargs)
+
+    triton_grouped_gemm.group_weight_grad = counted
+    try:
+        model = _decoder(ModelConfig(**{**MOE.__dict__, "fused_kernels": "on"}))
+        runner = runner_for(model, mesh, _parallel(mesh, False), TrainConfig(), torch.float32, prepare_blocks=apply_gradient_accumulation_fusion)
+        runner.optimizer.zero_grad()
+        loss = runner.forward_backward([_micro_batches()[i] for i in range(MICRO_BATCHES)[mesh.dp_rank :: mesh.dp]])
+        runner.finalize_grads()
+    finally:
+        triton_grouped_gemm.group_weight_grad = kernel
+    grads = {n: gather_full(p.main_grad.clone(), runner.metas[n], mesh) for n, p in runner.model.named_parameters()}
+    aux = {k: v.item() for k, v in loss.aux.items()}
+    return {"loss": (loss.total / loss.count).item(), "aux": aux, "grads": grads, "fused_wgrad_calls": calls[0]}
+
+
 def _worker(rank: int, world_size: int, tmp: str) -> dict:
     out = {}
+    if FUSED_KERNELS_TESTABLE:
+        mesh = Mesh(dp=4, ep=2, rank=rank)
+        mesh.init_process_groups()
+        out["ep2_dp4_fused"] = _fused_step(mesh)
     for name, (sizes, config, sp) in LAYOUTS.items():
         mesh = Mesh(**sizes, rank=rank)
         mesh.init_process_groups()
@@ -273,3 +310,12 @@ def test_ranks_and_experts_without_tokens(runs, dispatcher):
             torch.testing.assert_close(grad, expected, rtol=RTOL, atol=1e-6)
             if rank in (1, 2):
                 assert not grad.any(), f"expert {rank} received no token but has a gradient"
+
+
+@pytest.mark.skipif(not FUSED_KERNELS_TESTABLE, reason="needs Triton and no GPU (the kernels run under the interpreter)")
+def test_fused_kernels_and_expert_weight_gradients_match_one_process(runs):
+    results = runs["ep2_dp4_fused"]
+    # 3 MoE layers x 2 expert weights x this rank's micro batches, each through the fused kernel
+    assert all(r["fused_wgrad_calls"] == 6 * (MICRO_BATCHES // 4) for r in results), [r["fused_wgrad_calls"] for r in results]
+    _check(results, _reference("moe"), "ep2_dp4 with kernels on and gradient-accumulation fusion")
+
