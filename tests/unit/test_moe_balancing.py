@@ -6,7 +6,13 @@ import torch
 
 from meshtron.config import ModelConfig
 from meshtron.layers.moe import MoELayer
-from meshtron.layers.moe.balancing import aux_loss_coeff, balancing_losses
+from meshtron.layers.moe.balancing import aux_loss_coeff, losses_from_statistics, statistics_needed, token_statistics
+
+
+def balancing_losses(logits, batch_size, topk, score_function, balancing_type, aux_coeff, z_coeff):
+    """A layer's named losses from its router logits, as the MoE layer computes them (reference path)."""
+    needed = statistics_needed(balancing_type, aux_coeff, z_coeff)
+    return losses_from_statistics(token_statistics(logits, batch_size, topk, score_function, needed), topk, aux_coeff, z_coeff)
 
 
 def _switch_loss_by_hand(probs: list[list[float]], chosen: list[list[int]]) -> float:

@@ -111,18 +111,3 @@ def losses_from_statistics(parts: dict[str, torch.Tensor], topk: int, aux_coeff:
     if "z" in total:
         losses["z_loss"] = z_coeff * total["z"][0] / num_tokens
     return losses
-
-
-def balancing_losses(
-    logits: torch.Tensor,
-    batch_size: int,
-    topk: int,
-    score_function: str,
-    balancing_type: str,
-    aux_coeff: float,
-    z_coeff: float,
-    token_sum: nn.Module | None = None,
-) -> dict[str, torch.Tensor]:
-    """The layer's named losses from its router logits [T, E]; a zero coefficient omits a loss."""
-    needed = statistics_needed(balancing_type, aux_coeff, z_coeff)
-    return losses_from_statistics(token_statistics(logits, batch_size, topk, score_function, needed), topk, aux_coeff, z_coeff, token_sum)
