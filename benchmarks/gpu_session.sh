@@ -19,6 +19,8 @@
 #   s3tt   B4b against torchtitan 0.2.2 compiled in one call (peer script and wheels carried in .whl/)
 #   s3g    MoE permute / router / fused-adamw GPU tests; B4 layer (torch grouped GEMM), profiled
 #   s3i    MoE permute GPU test (dispatch timing); B4 layer (torch grouped GEMM), profiled
+#   s4a    B4b: its host syncs (sync debug mode) and a profiled timeline of two steps, for host_waits.py
+#   s4b    adamw / cross-entropy-sum GPU tests; the expert weight-gradient tile sweep into fp32; B4b profiled with its timeline; B1 against HF
 #   b1tune B1 eager / --compile / HF, then B1 with --gemm-tuning twice (the tuning run, then a run reading its file)
 set -uo pipefail
 part="$1" out="$2"; mkdir -p "$out"
@@ -151,6 +153,21 @@ s3i)
   grep -E "passed|failed|Error|dispatch" "$out/gpu_tests_s3i.txt" | tail -4
   python3 benchmarks/b4_moe_layer.py --grouped-gemm torch --profile-dir "$out" 2>&1 | tee "$out/b4_layer.txt"
   grep -E "gather_sum|combine_backward|scatter_copies" "$out/profile_moe_layer_torch.txt" | cut -c1-200 ;;
+s4a)
+  common=(--preset deepseek-v2-lite --num-layers 4 --moe-layer-freq "([0]+[1]*3)" --seq-length 4096 --micro-batch-size 2 --global-batch-size 2 --bf16)
+  (cd benchmarks && python3 train_bench.py --steps 4 --warmup 3 --find-syncs "$out/syncs_b4b.txt" --profile "$out/profile_b4b.txt" \
+    --trace "$out/trace_b4b.json.gz" -- "${common[@]}" 2>>"$out/b4b_stderr.txt") | tee "$out/b4b.txt"
+  head -c 6000 "$out/syncs_b4b.txt"
+  python3 benchmarks/host_waits.py "$out/trace_b4b.json.gz" --top 12 > "$out/gaps_b4b.txt"; head -c 5000 "$out/gaps_b4b.txt" ;;
+s4b)
+  timeout 240 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fused_adamw_gpu.py tests/gpu/test_cross_entropy_sum_gpu.py \
+    > "$out/gpu_tests_s4b.txt" 2>&1
+  grep -E "passed|failed|Error|main_grad" "$out/gpu_tests_s4b.txt" | tail -5
+  (cd benchmarks && timeout 300 python3 b4_grouped_sweep.py --gemms "wgrad fp32,wgrad fp32 +=" --top 4 2>&1) | tee "$out/sweep_wgrad.txt"
+  common=(--preset deepseek-v2-lite --num-layers 4 --moe-layer-freq "([0]+[1]*3)" --seq-length 4096 --micro-batch-size 2 --global-batch-size 2 --bf16)
+  (cd benchmarks && python3 train_bench.py --steps 8 --warmup 3 --profile "$out/profile_b4b.txt" --trace "$out/trace_b4b.json.gz" \
+    -- "${common[@]}" 2>>"$out/b4b_stderr.txt") | tee "$out/b4b.txt"
+  python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,hf 2>"$out/b1_stderr.txt" | tee "$out/b1.txt" ;;
 b1tune)
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,meshtron-compile,hf 2>"$out/b1_stderr.txt" | tee "$out/b1_compile.txt"
   for run in tuning reading; do

@@ -5,7 +5,8 @@
 
 Runs ``meshtron.training.Trainer`` on the given flags (mock data is added), times whole steps with
 CUDA events after warm-up (``b1_llama.time_steps``) and prints tokens/s, TFLOP/s (the loop's own
-FLOP count: active parameters for mixture-of-experts models) and peak memory. With
+FLOP count: active parameters for mixture-of-experts models) and peak memory; ``--profile`` and
+``--find-syncs`` say where the time went and where the host waited (``host_waits.py``). With
 ``--checkpoint DIR`` it then saves the run's checkpoint synchronously (the save's wall time) and
 with ``--async-save`` twice (the stall training sees, and the wait to complete it), loads the
 checkpoint back into the same model (the load's wall time), and reports the bytes on disk.
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 from b1_llama import profile_steps, time_steps
+from host_waits import find_syncs
 
 
 def _bytes_on_disk(root: Path) -> int:
@@ -87,6 +89,7 @@ def main() -> None:
     parser.add_argument("--checkpoint", default="", help="directory to time checkpoint save/load in")
     parser.add_argument("--profile", default="", help="also profile two steps: GPU time by kernel, and how busy the GPU was, to this file")
     parser.add_argument("--trace", default="", help="with --profile: the two steps' timeline as a Chrome trace (.json or .json.gz)")
+    parser.add_argument("--find-syncs", default="", help="also run two steps in CUDA's sync debug mode: each call site where the host waited for the GPU, to this file")
     parser.add_argument("flags", nargs="*", help="meshtron train flags, after --")
     args = parser.parse_args()
     from meshtron.config import build_config
@@ -116,6 +119,8 @@ def main() -> None:
     }
     if args.profile:
         result["gpu_busy_ms_per_step"] = profile_steps(step, args.profile, args.trace) / 2
+    if args.find_syncs:
+        result["host_syncs_per_step"] = find_syncs(step, args.find_syncs) / 2
     if args.checkpoint:
         result.update(checkpoint_costs(trainer, Path(args.checkpoint), step, step_s))
     if trainer.mesh.rank == 0:

@@ -217,6 +217,31 @@ def fused_adamw_check(device: torch.device | str, dtype: torch.dtype, distribute
     return worst
 
 
+def adamw_block_groups_check(device: torch.device | str) -> bool:
+    """The fused step's per-block group summary: over blocks all of group 0, all of group 1 and
+    mixed (boundaries inside blocks, a partial last block), the step with ``block_groups`` equals,
+    bit for bit, the step that reads every element's group, and each element got its group's decay."""
+    from meshtron.kernels.fused_adamw import _BLOCK, block_groups, fused_adamw
+
+    n = 3 * _BLOCK + 100
+    index = torch.zeros(n, dtype=torch.uint8)
+    index[_BLOCK + 10 : 2 * _BLOCK + 7] = 1  # block 1 mixed, block 2 mixed; block 0 all 0
+    index[3 * _BLOCK :] = 1  # the partial last block all 1
+    index = index.to(device)
+    summary = block_groups(index)
+    expected = torch.tensor([0, 2, 2, 1], dtype=torch.uint8, device=device)
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(n, generator=gen).to(device) for _ in range(3)] + [torch.rand(n, generator=gen).to(device)]
+    results = []
+    for groups in (summary, torch.full_like(summary, 2)):
+        grad, master, exp_avg, exp_avg_sq = (t.clone() for t in tensors)
+        fused_adamw(grad, master, exp_avg, exp_avg_sq, None, index, groups, coef=torch.ones((), device=device),
+                    decay=[0.5, 1.0], step=1, lr=0.0, betas=(0.9, 0.999), eps=1e-8)  # fmt: skip
+        results.append(master)
+    decayed = torch.where(index == 0, tensors[1] * 0.5, tensors[1])  # lr 0: only the decay factor acts
+    return torch.equal(summary, expected) and torch.equal(results[0], results[1]) and torch.equal(results[0], decayed)
+
+
 def narrow_moments_check(device: torch.device | str, moment_dtype: str, distributed: bool, steps: int = 4) -> bool:
     """Precision-aware moments (``--exp-avg-dtype`` / ``--exp-avg-sq-dtype`` ``moment_dtype``): the
     fused step that stores them narrow equals, bit for bit, the fp32-moment fused step whose

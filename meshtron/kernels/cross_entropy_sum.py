@@ -9,7 +9,8 @@ backward. Knowing ``w``, this function takes the gradients while the logits are 
   running fp32 log-sum-exp; then, once the log-sum-exp is complete, each kept chunk is turned in
   place into ``(softmax - onehot) * w / n`` and gives the chunk's weight gradient (one GEMM,
   summed over every token) and a partial hidden gradient (one GEMM, summed over chunks in fp32);
-- backward: both stored gradients times the scalar (times ``n``), nothing else.
+- backward: both stored gradients times the scalar (times ``n``), nothing else; with
+  gradient-accumulation fusion the weight's goes scaled into its fp32 ``main_grad`` in one pass.
 
 Logits-sized GEMMs per call: 3 (logits, weight gradient, hidden gradient) against the per-token
 path's 4 (its backward recomputes the logits). The price is memory: the [tokens, V] logits are
@@ -50,6 +51,7 @@ from meshtron.kernels.cross_entropy import (
     default_chunk_size,
     linear_cross_entropy,
 )
+from meshtron.kernels.grad_accum_fusion import accumulate_scaled_of
 
 # Logits kept at once: 4 GiB holds 16 K tokens of a 128 K vocabulary in bf16 (B1's micro batch).
 LOGITS_BUDGET_BYTES = 4 * 2**30
@@ -62,7 +64,7 @@ def block_tokens_for(num_tokens: int, vocab_size: int, element_size: int, budget
 
 class _LinearCrossEntropySum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, token_weights, chunk_size, block_tokens, fused, vocab_start, combine_shards):
+    def forward(ctx, hidden, weight, labels, token_weights, chunk_size, block_tokens, fused, vocab_start, combine_shards, fuse_weight_grad):
         if fused:
             from meshtron.kernels.triton_pointwise import ce_chunk_backward as chunk_backward
             from meshtron.kernels.triton_pointwise import ce_chunk_forward as chunk_forward
@@ -110,19 +112,22 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                     grad_hidden[rows] += dlogits @ weight[cols]
         if need_weight and several_blocks:
             grad_weight = grad_weight.to(weight.dtype)
-        ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.num_tokens, ctx.hidden_dtype = n, hidden.dtype
+        ctx.save_for_backward(grad_hidden, grad_weight, weight)
+        ctx.num_tokens, ctx.hidden_dtype, ctx.fused, ctx.fuse_weight_grad = n, hidden.dtype, fused, fuse_weight_grad
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
-        grad_hidden, grad_weight = ctx.saved_tensors
+        grad_hidden, grad_weight, weight = ctx.saved_tensors
         factor = grad_total.float() * ctx.num_tokens
         if grad_hidden is not None:
             grad_hidden = (grad_hidden * factor).to(ctx.hidden_dtype)
-        if grad_weight is not None:
+        if grad_weight is not None and ctx.fuse_weight_grad:
+            accumulate_scaled_of(weight, grad_weight, factor, ctx.fused)
+            grad_weight = None
+        elif grad_weight is not None:
             grad_weight = grad_weight.mul_(factor)  # in place: the stored gradient is ours alone, backward runs once
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy_sum(
@@ -135,6 +140,7 @@ def linear_cross_entropy_sum(
     budget_bytes: int = LOGITS_BUDGET_BYTES,
     vocab_start: int = 0,
     combine_shards: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    fuse_weight_grad: bool = False,
 ) -> torch.Tensor:
     """``sum(token_weights * ce)`` (fp32 scalar; label -100 counts 0) of logits ``hidden @ weight.T``.
 
@@ -149,6 +155,10 @@ def linear_cross_entropy_sum(
     log-sum-exp and target logit (0 where the label lies elsewhere) into the whole vocabulary's (a
     collective); the hidden gradient is then this shard's part, to be summed over shards. Sharded,
     the function runs even without gradients (the per-token fallback knows no shards).
+
+    ``fuse_weight_grad`` (gradient-accumulation fusion, where ``weight`` has a ``main_grad``): the
+    weight gradient goes in fp32 straight into ``weight.main_grad``, scaled on the way
+    (``accumulate_scaled_of``), instead of back to autograd.
     """
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     if combine_shards is None and (fused_kernels == "off" or not needs_grad):
@@ -156,5 +166,6 @@ def linear_cross_entropy_sum(
     flat = hidden.reshape(-1, hidden.shape[-1])
     block = block_tokens_for(flat.shape[0], weight.shape[0], flat.element_size(), budget_bytes)
     chunk = chunk_size or default_chunk_size(block, weight.shape[0])
+    fuse_weight_grad = fuse_weight_grad and hasattr(weight, "main_grad") and weight.requires_grad
     return _LinearCrossEntropySum.apply(flat, weight, labels.reshape(-1), token_weights.reshape(-1), chunk, block,
-                                        use_triton(fused_kernels, flat), vocab_start, combine_shards)  # fmt: skip
+                                        use_triton(fused_kernels, flat), vocab_start, combine_shards, fuse_weight_grad)  # fmt: skip

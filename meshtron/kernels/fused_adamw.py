@@ -25,22 +25,27 @@ import triton
 import triton.language as tl
 
 _BLOCK = 4096
+MIXED = tl.constexpr(2)  # a block whose elements belong to both parameter groups
 
 
 @triton.jit
 def _adamw_kernel(
     grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, model_ptr, group_ptr, coef_ptr,
-    n, decay0, decay1, beta1, beta2, eps, step_size, bias_correction2_sqrt,
+    block_group_ptr, n, decay0, decay1, beta1, beta2, eps, step_size, bias_correction2_sqrt,
     WRITE_MODEL: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     coef = tl.load(coef_ptr)
     grad = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32) * coef
     master = tl.load(master_ptr + offs, mask=mask, other=0.0)
     exp_avg = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # stored fp32, or bf16/fp16 (precision-aware)
     exp_avg_sq = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    decay = tl.where(tl.load(group_ptr + offs, mask=mask, other=0) == 0, decay0, decay1)
+    block_group = tl.load(block_group_ptr + pid)  # the block's group, or MIXED: read each element's
+    mixed = tl.full((BLOCK,), 0, tl.int32) + block_group.to(tl.int32) == MIXED
+    element_group = tl.load(group_ptr + offs, mask=mask & mixed, other=0)
+    decay = tl.where(tl.where(mixed, element_group, block_group) == 0, decay0, decay1)
     master = master * decay
     exp_avg = exp_avg + (1.0 - beta1) * (grad - exp_avg)  # torch.lerp's form for a weight below 0.5
     exp_avg_sq = exp_avg_sq * beta2 + (1.0 - beta2) * (grad * grad)
@@ -60,6 +65,7 @@ def fused_adamw(
     exp_avg_sq: torch.Tensor,
     model: torch.Tensor | None,
     group_index: torch.Tensor,
+    block_group: torch.Tensor,
     *,
     coef: torch.Tensor,
     decay: list[float],
@@ -73,7 +79,8 @@ def fused_adamw(
     ``grad`` (fp32 or low precision) is multiplied by the 0-d ``coef`` first; ``master`` is fp32,
     the moments fp32 or (precision-aware) bf16/fp16, read into fp32 and rounded back when stored; ``model`` receives the master rounded to its dtype (None: ``master`` is the
     model's own fp32 parameter); ``group_index`` (uint8, 0 or 1) picks each element's entry of
-    ``decay``, its group's ``1 - lr * weight_decay``. Scalars are formed on the host in double, as
+    ``decay``, its group's ``1 - lr * weight_decay``; ``block_group`` is ``block_groups(group_index)``,
+    so only blocks that straddle a group boundary read it. Scalars are formed on the host in double, as
     ``torch.optim.AdamW`` forms them, then rounded to fp32 once.
     """
     n = master.numel()
@@ -85,6 +92,18 @@ def fused_adamw(
     bias_correction2_sqrt = math.sqrt(1 - beta2**step)
     _adamw_kernel[(triton.cdiv(n, _BLOCK),)](
         grad, master, exp_avg, exp_avg_sq, master if model is None else model, group_index, coef,
-        n, decay0, decay1, beta1, beta2, eps, step_size, bias_correction2_sqrt,
+        block_group, n, decay0, decay1, beta1, beta2, eps, step_size, bias_correction2_sqrt,
         WRITE_MODEL=model is not None, BLOCK=_BLOCK, num_warps=8,
     )  # fmt: skip
+
+
+def block_groups(group_index: torch.Tensor) -> torch.Tensor:
+    """[blocks of the kernel] uint8: the parameter group of every element of the block, or 2 where
+    the block holds both. Parameters span many blocks, so nearly every block reads one byte
+    instead of 4096: the per-element index would be a thirtieth of the step's memory traffic."""
+    n = group_index.numel()
+    full = n // _BLOCK * _BLOCK
+    pieces = [group_index[:full].view(-1, _BLOCK)] + ([group_index[full:].view(1, -1)] if full < n else [])
+    low = torch.cat([p.amin(dim=1) for p in pieces])
+    high = torch.cat([p.amax(dim=1) for p in pieces])
+    return torch.where(low == high, low, torch.full_like(low, 2))

@@ -66,6 +66,23 @@ def accumulate_wgrad_of(weight: torch.Tensor, grad_2d: torch.Tensor, x_2d: torch
     buffer.fused_grad_ready(weight)
 
 
+def accumulate_scaled_of(weight: torch.Tensor, grad: torch.Tensor, scale: torch.Tensor, kernel: bool) -> None:
+    """``weight``'s gradient ``grad * scale`` (``scale`` a 0-d fp32 tensor) into its ``main_grad`` in
+    fp32 (written if it is the step's first, else added), then reported to its buffer as landed:
+    one pass (``kernel``: the Triton kernel) where a scale in place and the buffer's copy were two."""
+    buffer, main_grad = weight.grad_buffer, weight.main_grad
+    overwrite = buffer.take_first_write(weight)
+    if kernel:
+        from meshtron.kernels.triton_pointwise import scale_into
+
+        scale_into(main_grad, grad, scale, accumulate=not overwrite)
+    elif overwrite:
+        main_grad.copy_(grad).mul_(scale)
+    else:
+        main_grad.addcmul_(grad, scale)
+    buffer.fused_grad_ready(weight)
+
+
 class _LinearIntoMainGrad(torch.autograd.Function):
     """y = x W^T + b whose backward accumulates W's gradient into ``W.main_grad``."""
 
@@ -102,12 +119,18 @@ class FusedWgradLinear(nn.Linear):
         return linear(x, self.weight, self.bias, fuse=True)
 
 
-def apply_gradient_accumulation_fusion(blocks: nn.Module) -> None:
-    """Fuse the weight gradients of the linears under ``blocks`` (the transformer blocks; not the
-    output head, whose tied weight also gets the embedding's gradient): plain ``nn.Linear`` become
-    ``FusedWgradLinear``, the tensor-parallel linears and the MoE experts get ``grad_accum_fusion = True``."""
+def apply_gradient_accumulation_fusion(blocks: nn.Module, model: nn.Module | None = None) -> None:
+    """Fuse the weight gradients of the linears under ``blocks`` (the transformer blocks): plain
+    ``nn.Linear`` become ``FusedWgradLinear``, the tensor-parallel linears and the MoE experts get
+    ``grad_accum_fusion = True``. Under the rest of ``model`` only modules with a fused path of
+    their own (``grad_accum_fusion``: the output layers) are switched; an output layer whose weight
+    is tied to the embedding keeps the ordinary path at call time, as autograd must add the two
+    gradients of that one weight."""
     for module in blocks.modules():
         if type(module) is nn.Linear:
             module.__class__ = FusedWgradLinear
         elif hasattr(module, "grad_accum_fusion"):
+            module.grad_accum_fusion = True
+    for module in model.modules() if model is not None else ():
+        if hasattr(module, "grad_accum_fusion"):
             module.grad_accum_fusion = True

@@ -168,3 +168,23 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position_ids: to
         BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(d // 2),
     )  # fmt: skip
     return out
+
+
+# ---------------------------------------------------------------------- scaled write into fp32
+
+
+@triton.jit
+def _scale_into_kernel(x_ptr, out_ptr, scale_ptr, n, ACCUMULATE: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    y = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(scale_ptr)
+    if ACCUMULATE:
+        y += tl.load(out_ptr + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, y, mask=mask)
+
+
+def scale_into(out: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, accumulate: bool) -> None:
+    """``out = x * scale`` (``accumulate``: ``out += x * scale``) in fp32, one pass: ``out`` fp32,
+    ``x`` any float dtype, both contiguous and of one size, ``scale`` a 0-d fp32 tensor."""
+    n = x.numel()
+    _scale_into_kernel[(triton.cdiv(n, 4096),)](x, out, scale, n, ACCUMULATE=accumulate, BLOCK=4096, num_warps=8)

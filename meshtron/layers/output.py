@@ -39,6 +39,7 @@ class OutputLayer(nn.Module):
     def __init__(self, hidden_size: int, vocab_size: int, tied: bool, fused_kernels: str = "auto", bias: bool = False):
         super().__init__()
         self.fused_kernels = fused_kernels
+        self.grad_accum_fusion = False  # set by apply_gradient_accumulation_fusion
         self.weight = None if tied else nn.Parameter(torch.empty(vocab_size, hidden_size))
         self.bias = nn.Parameter(torch.zeros(vocab_size)) if bias else None
 
@@ -58,5 +59,6 @@ class OutputLayer(nn.Module):
             loss = spread_to_tokens(F.cross_entropy(logits.float(), row_labels, reduction="none"), index, labels)
             return loss if loss_weights is None else (loss * loss_weights).sum()
         if loss_weights is not None:
-            return linear_cross_entropy_sum(hidden, weight, labels, loss_weights, self.fused_kernels)
+            fuse = self.grad_accum_fusion and self.weight is not None  # a tied weight's two gradients meet in autograd
+            return linear_cross_entropy_sum(hidden, weight, labels, loss_weights, self.fused_kernels, fuse_weight_grad=fuse)
         return linear_cross_entropy(hidden, weight, labels, self.fused_kernels)

@@ -79,6 +79,7 @@ class FlatSegment:
     exp_avg_sq: torch.Tensor
     model: torch.Tensor | None
     group_index: torch.Tensor
+    block_group: torch.Tensor | None = None  # the kernel's per-block summary of group_index, made at the first step
 
 
 def fused_step_runs(device: torch.device) -> bool:
@@ -282,7 +283,7 @@ class MixedPrecisionOptimizer:
 
     def _fused_step(self, coef: torch.Tensor, lr: float) -> None:
         """AdamW over every flat segment in one kernel each; the step counters advance as AdamW's would."""
-        from meshtron.kernels.fused_adamw import fused_adamw  # Triton stays optional
+        from meshtron.kernels.fused_adamw import block_groups, fused_adamw  # Triton stays optional
 
         steps = [self.adamw.state[m]["step"] for m in self._master_params()]
         if self._host_step is None:
@@ -292,7 +293,9 @@ class MixedPrecisionOptimizer:
         group = self.adamw.param_groups[0]
         decay = [1 - lr * wd for wd in self._weight_decays]
         for s in self._segments:
-            fused_adamw(s.grad, s.master, s.exp_avg, s.exp_avg_sq, s.model, s.group_index, coef=coef,
+            if s.block_group is None:
+                s.block_group = block_groups(s.group_index)
+            fused_adamw(s.grad, s.master, s.exp_avg, s.exp_avg_sq, s.model, s.group_index, s.block_group, coef=coef,
                         decay=decay, step=self._host_step, lr=lr, betas=group["betas"], eps=group["eps"])  # fmt: skip
         self._publish_model()
 

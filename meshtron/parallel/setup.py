@@ -47,7 +47,7 @@ def build_runner(cfg: Config, mesh: Mesh, vocab_size: int, device: torch.device,
             apply_fp8(blocks, recipe, m.fp8_backend)
         # Not under compile: it would trace the fused backward, which reports to the gradient buffer from Python.
         if cfg.train.gradient_accumulation_fusion and not cfg.train.compile:
-            apply_gradient_accumulation_fusion(blocks)
+            apply_gradient_accumulation_fusion(blocks, model)
         if cfg.train.compile:
             compile_blocks(blocks)
 

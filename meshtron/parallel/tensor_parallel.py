@@ -336,6 +336,7 @@ class VocabParallelOutputLayer(nn.Module):
     def __init__(self, group, sequence_parallel: bool, fused_kernels: str = "auto"):
         super().__init__()
         self.group, self.sequence_parallel, self.fused_kernels = group, sequence_parallel, fused_kernels
+        self.grad_accum_fusion = False  # set by apply_gradient_accumulation_fusion
         self.weight: nn.Parameter | None = None
         self.bias: nn.Parameter | None = None
 
@@ -350,7 +351,7 @@ class VocabParallelOutputLayer(nn.Module):
             start = group_rank(self.group) * weight.shape[0]
             combine = None if group_size(self.group) == 1 else lambda lse, target: _combine_vocab_shards(lse, target, self.group)
             return linear_cross_entropy_sum(whole, weight, labels, loss_weights, self.fused_kernels, vocab_start=start,
-                                            combine_shards=combine)  # fmt: skip
+                                            combine_shards=combine, fuse_weight_grad=self.grad_accum_fusion and self.weight is not None)  # fmt: skip
         if labels is not None and self.bias is not None:  # the labelled rows only, as OutputLayer's
             rows, row_labels, index = labelled_rows(enter_tp_region(hidden, self.group, self.sequence_parallel), labels)
             loss = vocab_parallel_cross_entropy(F.linear(rows, weight, self.bias).float(), row_labels, self.group)

@@ -7,7 +7,7 @@ last bit for the low-precision model copy."""
 import pytest
 import torch
 
-from meshtron.kernels.checks import fused_adamw_check, narrow_moments_check
+from meshtron.kernels.checks import adamw_block_groups_check, fused_adamw_check, narrow_moments_check
 
 
 @pytest.mark.gpu
@@ -26,3 +26,9 @@ def test_fused_step_matches_reference_gpu(dtype, model_tol, distributed):
 def test_narrow_moments_gpu(moment_dtype, distributed):
     """--exp-avg-dtype / --exp-avg-sq-dtype: narrow moments equal fp32 ones rounded after each step, bit for bit."""
     assert narrow_moments_check("cuda", moment_dtype, distributed)
+
+
+@pytest.mark.gpu
+def test_block_group_summary_gpu():
+    """Per-block parameter groups: equal to reading every element's group, bit for bit."""
+    assert adamw_block_groups_check("cuda")

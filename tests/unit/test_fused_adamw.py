@@ -27,7 +27,7 @@ if triton_available() and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from meshtron.optim.build import build_optimizer  # noqa: E402
-from meshtron.kernels.checks import fused_adamw_check, narrow_moments_check  # noqa: E402
+from meshtron.kernels.checks import adamw_block_groups_check, fused_adamw_check, narrow_moments_check  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -36,6 +36,11 @@ def test_fused_step_matches_reference(dtype, distributed):
     worst = fused_adamw_check("cpu", dtype, distributed, steps=4)
     assert worst["master"] < 1e-6 and worst["exp_avg"] < 1e-6 and worst["exp_avg_sq"] < 1e-6, worst
     assert worst["model"] < 1e-6 and worst["grad_norm"] < 1e-6, worst
+
+
+def test_block_group_summary_equals_reading_every_element():
+    """Blocks of one group read one byte; blocks straddling a boundary read each element's group."""
+    assert adamw_block_groups_check("cpu")
 
 
 def test_fused_step_without_clipping_unscales_fp16():

@@ -3,18 +3,24 @@
 batches, with no weight gradient materialized; the layer swap; the flag and its refusal with
 --compile. Bucket readiness under data parallelism is tested in tests/distributed."""
 
+import os
+
 import pytest
 import torch
 from torch import nn
 
 from meshtron.config import build_config
 from meshtron.validation import validate
+from meshtron.kernels import cross_entropy_sum, triton_available
 from meshtron.kernels.grad_accum_fusion import FusedWgradLinear, apply_gradient_accumulation_fusion
+from meshtron.layers.output import OutputLayer
 from meshtron.models import build_model
 from meshtron.optim.grad_buffer import GradBuffer
 from meshtron.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 MICRO_BATCHES = 3
+if triton_available() and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # fused_kernels "on" runs the interpreter on the CPU
 
 
 def _mlp(dtype: torch.dtype) -> nn.Module:
@@ -121,3 +127,55 @@ def test_flag_is_on_by_default_and_combines_with_compile():
     assert build_config(None, []).train.gradient_accumulation_fusion
     assert not build_config(None, ["--no-gradient-accumulation-fusion"]).train.gradient_accumulation_fusion
     validate(build_config(None, ["--gradient-accumulation-fusion", "--compile"]))
+
+
+def _output_layer_grads(dtype: torch.dtype, kernels: str, fuse: bool, stale: float | None = None) -> torch.Tensor:
+    """An untied output layer's ``main_grad`` after ``MICRO_BATCHES`` masked-sum losses, each
+    backward scaled (as the trainer divides by the micro batches); ``stale`` fills the buffer first."""
+    torch.manual_seed(0)
+    layer = OutputLayer(16, 50, tied=False, fused_kernels=kernels).to(dtype)
+    nn.init.normal_(layer.weight, std=0.2)
+    buffer = GradBuffer([("weight", layer.weight)])
+    if stale is not None:
+        buffer.data.fill_(stale)
+    if fuse:
+        apply_gradient_accumulation_fusion(nn.Module(), layer)
+    for i in range(MICRO_BATCHES):
+        gen = torch.Generator().manual_seed(i)
+        hidden = torch.randn(2, 7, 16, generator=gen).to(dtype)
+        labels = torch.randint(0, 50, (2, 7), generator=gen)
+        labels[0, 0] = -100
+        weights = (torch.rand(2, 7, generator=gen) > 0.3).float()
+        (layer(hidden, labels, loss_weights=weights) * 0.37).backward()
+    buffer.finish_grad_sync()
+    assert layer.weight.grad is (layer.weight.main_grad if dtype == torch.float32 else None)
+    return layer.weight.main_grad.clone()
+
+
+@pytest.mark.parametrize("kernels", ["auto", "on"], ids=["reference", "triton"])
+def test_output_layer_weight_gradient_goes_scaled_into_main_grad(kernels, monkeypatch):
+    """The masked-sum loss's weight gradient (taken in the forward, scaled in backward) lands in
+    ``main_grad`` in one pass: fp32 equal to the hook's path; bf16 written first over stale NaN
+    (no rounding to bf16 before the scale, so equal to the hook's path at bf16's precision)."""
+    if kernels == "on" and not triton_available():
+        pytest.skip("needs Triton (its interpreter on the CPU)")
+    calls = []
+    scaled = cross_entropy_sum.accumulate_scaled_of
+    monkeypatch.setattr(cross_entropy_sum, "accumulate_scaled_of", lambda *a: calls.append(a[3]) or scaled(*a))
+    hook = _output_layer_grads(torch.float32, kernels, fuse=False)
+    assert not calls
+    torch.testing.assert_close(_output_layer_grads(torch.float32, kernels, fuse=True), hook, rtol=1e-6, atol=1e-7)
+    fused_bf16 = _output_layer_grads(torch.bfloat16, kernels, fuse=True, stale=float("nan"))
+    assert torch.isfinite(fused_bf16).all() and _rel(fused_bf16, hook) < 2e-2
+    assert _rel(fused_bf16, hook) <= _rel(_output_layer_grads(torch.bfloat16, kernels, fuse=False), hook) * 1.01
+    assert calls == [kernels == "on"] * (2 * MICRO_BATCHES)  # the fused path ran, with the kernel where asked
+
+
+def test_a_tied_output_layer_keeps_the_autograd_path():
+    layer = OutputLayer(16, 50, tied=True)
+    apply_gradient_accumulation_fusion(nn.Module(), layer)
+    weight = nn.Parameter(torch.randn(50, 16))
+    GradBuffer([("weight", weight)])
+    hidden, labels = torch.randn(1, 4, 16), torch.randint(0, 50, (1, 4))
+    layer(hidden, labels, tied_weight=weight, loss_weights=torch.ones(1, 4)).backward()
+    assert layer.grad_accum_fusion and weight.grad is weight.main_grad and weight.main_grad.abs().sum() > 0
