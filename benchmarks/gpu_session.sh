@@ -21,6 +21,7 @@
 #   s3i    MoE permute GPU test (dispatch timing); B4 layer (torch grouped GEMM), profiled
 #   s4a    B4b: its host syncs (sync debug mode) and a profiled timeline of two steps, for host_waits.py
 #   s4b    adamw / cross-entropy-sum GPU tests; the expert weight-gradient tile sweep into fp32; B4b profiled with its timeline; B1 against HF
+#   s4c    MLA / cross-entropy-sum / adamw / compile GPU tests; B4b default and with bf16 moments, profiled; B1 against HF
 #   b1tune B1 eager / --compile / HF, then B1 with --gemm-tuning twice (the tuning run, then a run reading its file)
 set -uo pipefail
 part="$1" out="$2"; mkdir -p "$out"
@@ -167,6 +168,15 @@ s4b)
   common=(--preset deepseek-v2-lite --num-layers 4 --moe-layer-freq "([0]+[1]*3)" --seq-length 4096 --micro-batch-size 2 --global-batch-size 2 --bf16)
   (cd benchmarks && python3 train_bench.py --steps 8 --warmup 3 --profile "$out/profile_b4b.txt" --trace "$out/trace_b4b.json.gz" \
     -- "${common[@]}" 2>>"$out/b4b_stderr.txt") | tee "$out/b4b.txt"
+  python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,hf 2>"$out/b1_stderr.txt" | tee "$out/b1.txt" ;;
+s4c)
+  timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_mla_gpu.py tests/gpu/test_cross_entropy_sum_gpu.py \
+    tests/gpu/test_fused_adamw_gpu.py tests/gpu/test_compile_gpu.py > "$out/gpu_tests_s4c.txt" 2>&1
+  grep -E "passed|failed|Error|positions|main_grad" "$out/gpu_tests_s4c.txt" | tail -8
+  common=(--preset deepseek-v2-lite --num-layers 4 --moe-layer-freq "([0]+[1]*3)" --seq-length 4096 --micro-batch-size 2 --global-batch-size 2 --bf16)
+  (cd benchmarks && python3 train_bench.py --steps 8 --warmup 3 --profile "$out/profile_b4b.txt" -- "${common[@]}" 2>>"$out/b4b_stderr.txt") | tee "$out/b4b.txt"
+  (cd benchmarks && python3 train_bench.py --steps 8 --warmup 3 -- "${common[@]}" --use-precision-aware-optimizer --exp-avg-dtype bf16 \
+    --exp-avg-sq-dtype bf16 2>>"$out/b4b_stderr.txt") | tee -a "$out/b4b.txt"
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,hf 2>"$out/b1_stderr.txt" | tee "$out/b1.txt" ;;
 b1tune)
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,meshtron-compile,hf 2>"$out/b1_stderr.txt" | tee "$out/b1_compile.txt"

@@ -26,7 +26,8 @@ linear_proj            o_proj                  [hidden, heads*v]
 
 Each query head is laid out [nope | rope]. The rope dims of the checkpoints rotate adjacent pairs
 (see ``deinterleave``); they are reordered at run time, as Megatron does, so that HF and
-Megatron checkpoints load without permuting rows. (Permuting the rope rows of the q and kv-down
+Megatron checkpoints load without permuting rows. On a GPU (``fused_kernels``) the reordering,
+the rotations and the assembly of q and k are one Triton kernel each way (``kernels/triton_mla.py``). (Permuting the rope rows of the q and kv-down
 weights once at load would save that copy of a third of q; not worth a second layout yet.)
 
 Tensor parallelism splits the heads (Megatron's layout): ``linear_q_proj`` / ``linear_q_up_proj``
@@ -50,6 +51,7 @@ import torch
 from torch import nn
 
 from meshtron.config import ModelConfig
+from meshtron.kernels import use_triton
 from meshtron.layers.attention import SelfAttentionBase, head_dim
 from meshtron.layers.kv_cache import LatentKVCache
 from meshtron.layers.norms import build_norm
@@ -139,6 +141,11 @@ class MultiLatentAttention(SelfAttentionBase):
         q_nope, q_rope = q.view(b, s, -1, self.nope_dim + self.rope_dim).split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rope = self.linear_kv_down_proj(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent, k_rope = self.kv_layernorm(latent), self.rope_key_to_heads(k_rope)
+        if kv_cache is None and use_triton(self.fused_kernels, q):
+            kv = self.linear_kv_up_proj(latent)
+            q, k, v = _rotated_query_key(q.view(b, s, -1, self.nope_dim + self.rope_dim),
+                                         kv.view(b, s, -1, self.nope_dim + self.v_dim), k_rope, cos, sin, position_ids)  # fmt: skip
+            return self.linear_proj(self.attend(q, k, v, document_ids, padding_mask))
         q_rope = apply_rotary(deinterleave(q_rope), cos, sin, position_ids, self.fused_kernels)
         k_rope = apply_rotary(deinterleave(k_rope).unsqueeze(2), cos, sin, position_ids, self.fused_kernels)  # one head
         if kv_cache is not None:
@@ -169,6 +176,16 @@ class MultiLatentAttention(SelfAttentionBase):
         sees_all = torch.ones(1, 1, q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
         out = self.core_attention(q, k, k[..., : self.kv_lora_rank], sees_all, 0.0)  # [b, 1, heads, r]
         return self.linear_proj(torch.einsum("bshr,hvr->bshv", out, w_uv).flatten(2))
+
+
+@torch.compiler.disable  # a graph break: the kernels run eagerly inside a compiled block
+def _rotated_query_key(q: torch.Tensor, kv: torch.Tensor, k_rope: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``forward``'s reference path from the rotations to the concatenations, in one Triton
+    kernel each way (``kernels/triton_mla.py``): q rotated, k assembled, v a view of kv."""
+    from meshtron.kernels.triton_mla import MlaQueryKey
+
+    return MlaQueryKey.apply(q, kv, k_rope, cos.contiguous(), sin.contiguous(), position_ids)
 
 
 def mla_config_errors(cfg: ModelConfig) -> list[str]:

@@ -3,15 +3,20 @@ transformers' own DeepseekV2 code on tiny random configs in fp32: weights copied
 name table of mla.py, outputs and gradients compared; the latent cache against a full forward."""
 
 import dataclasses
+import os
 
 import pytest
 import torch
 
 from meshtron.config import ModelConfig, parse_overrides
+from meshtron.kernels import triton_available
+from meshtron.layers import mla
 from meshtron.layers.kv_cache import LatentKVCache
 from meshtron.layers.mla import MultiLatentAttention, mla_config_errors, rope_table_dim, softmax_scale
 from meshtron.layers.rope import rope_tables
 
+if triton_available() and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # fused_kernels "on" runs the interpreter on the CPU
 pytest.importorskip("transformers", minversion="5.0")  # DeepseekV2 with ``rope_parameters``
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as hf  # noqa: E402
 from transformers.models.deepseek_v2.configuration_deepseek_v2 import DeepseekV2Config  # noqa: E402
@@ -139,6 +144,37 @@ def test_mla_matches_transformers(q_lora_rank, yarn, backend):
         mine = ours_params[_meshtron_name(name)].grad
         assert mine is not None and mine.abs().sum() > 0, name
         torch.testing.assert_close(mine, p.grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("positions", ["none", "given"])
+@pytest.mark.parametrize("q_lora_rank", [0, 24], ids=["lite", "q_lora"])
+def test_fused_query_key_kernels_equal_the_reference_path(q_lora_rank, positions, monkeypatch):
+    """The Triton kernels that rotate q, assemble k and write d(q), d(kv), d(k_rope) in one pass
+    each (``kernels/triton_mla.py``; Triton's interpreter here, fp32): outputs and every gradient
+    equal the reference path's (rope dims 8, v dim 12: masked blocks)."""
+    if not triton_available():
+        pytest.skip("needs Triton (its interpreter on the CPU)")
+    calls = []
+    kernel_path = mla._rotated_query_key
+    monkeypatch.setattr(mla, "_rotated_query_key", lambda *a: calls.append(1) or kernel_path(*a))
+    ours, _, cfg, _ = _pair(q_lora_rank, YARN_CASES[1], "sdpa")
+    fused = MultiLatentAttention(dataclasses.replace(cfg, fused_kernels="on"), 0)
+    fused.load_state_dict(ours.state_dict())
+    torch.manual_seed(1)
+    x = torch.randn(2, 11, TINY["hidden"])
+    position_ids = None if positions == "none" else torch.tensor([list(range(3, 14)), [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6]])
+    cos, sin = _tables(cfg)
+    results = []
+    for module in (ours, fused):
+        xi = x.clone().requires_grad_()
+        out = module(xi, cos, sin, position_ids)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(2)))
+        results.append((out, xi.grad, {n: p.grad for n, p in module.named_parameters()}))
+    assert calls == [1]  # the reference module took its own path, the fused one the kernels
+    (ref, ref_dx, ref_grads), (got, dx, grads) = results
+    pairs = {"output": (got, ref), "input grad": (dx, ref_dx), **{name: (grads[name], g) for name, g in ref_grads.items()}}
+    for name, (a, b) in pairs.items():  # normwise: fp32 sums in another order differ in the last bits
+        assert ((a - b).norm() / b.norm()).item() < 1e-6, name
 
 
 def test_packed_documents_attend_only_inside_their_document():
