@@ -1,5 +1,6 @@
 """One-pass AdamW over flat buffers: unscale and clip the gradient, update the fp32 master and
-both moments, write the model's low-precision copy.
+both moments, write the model's low-precision copy; and the gradient norm's sum of squares over
+the same buffers, one pass.
 
 Why: the reference step (``MixedPrecisionOptimizer`` with ``--optimizer-impl reference``) multiplies
 every gradient by the clip coefficient, runs ``torch.optim.AdamW`` and copies the masters into
@@ -107,3 +108,23 @@ def block_groups(group_index: torch.Tensor) -> torch.Tensor:
     low = torch.cat([p.amin(dim=1) for p in pieces])
     high = torch.cat([p.amax(dim=1) for p in pieces])
     return torch.where(low == high, low, torch.full_like(low, 2))
+
+
+@triton.jit
+def _sum_squares_kernel(x_ptr, partial_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    tl.store(partial_ptr + tl.program_id(0), tl.sum(x * x, 0))
+
+
+def sum_of_squares(flats: list[torch.Tensor]) -> torch.Tensor:
+    """The fp32 sum of squares of every element of the flat ``flats``, as a 0-d tensor: the step's
+    gradient norm in one pass at memory bandwidth (per-block partial sums, then their sum: no
+    atomics, so the same gradients give the same norm)."""
+    partials = []
+    for x in flats:
+        blocks = triton.cdiv(x.numel(), _BLOCK)
+        partials.append(torch.empty(blocks, dtype=torch.float32, device=x.device))
+        if blocks:
+            _sum_squares_kernel[(blocks,)](x, partials[-1], x.numel(), BLOCK=_BLOCK, num_warps=8)
+    return torch.cat(partials).sum()

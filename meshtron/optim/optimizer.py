@@ -452,6 +452,10 @@ class MixedPrecisionOptimizer:
         when sharded; the rest over tp, and over dp x cp when sharded), then the total over pp.
         """
         if not self._norm_groups and not any(self._partial_norm_groups.values()):
+            if self.fused:  # the flat buffer whole (its padding is zero): one pass, not a kernel per param
+                from meshtron.kernels.fused_adamw import sum_of_squares
+
+                return sum_of_squares([s.grad for s in self._segments]).sqrt()
             return torch.nn.utils.get_total_norm(grads, norm_type=2.0)
         masters = self._master_params()
         total = torch.zeros((), dtype=torch.float32, device=masters[0].device)
