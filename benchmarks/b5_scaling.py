@@ -96,7 +96,7 @@ def worker(args) -> None:
     peak = torch.cuda.max_memory_allocated() / 2**30  # before the benchmark's own buffers below
     mesh = trainer.mesh
     profiled = (mesh.dp > 1 or mesh.tp > 1) and mesh.pp == 1
-    hidden = _profile_comm_overlap(trainer) if profiled and mesh.rank == 0 else None
+    hidden = _profile_comm_overlap(trainer, args.trace_dir, args.layout) if profiled and mesh.rank == 0 else None
     if profiled and mesh.rank != 0:
         trainer.train_step()  # rank 0 profiles one more step; the others take part in it
     comm = _time_gradient_collectives(trainer) if mesh.dp > 1 else None
@@ -150,9 +150,11 @@ def _time_gradient_collectives(trainer) -> float:
     return statistics.median(samples)
 
 
-def _profile_comm_overlap(trainer) -> dict:
+def _profile_comm_overlap(trainer, trace_dir: str = "", layout: str = "") -> dict:
     """Profile one training step and measure how much of the NCCL kernels' time ran while a
-    compute kernel ran on another stream: the communication hidden behind computation."""
+    compute kernel ran on another stream: the communication hidden behind computation. With
+    ``trace_dir``, rank 0's timeline of that step is kept there (``trace_<layout>.json.gz``)."""
+    import gzip
     import tempfile
 
     import torch
@@ -162,6 +164,9 @@ def _profile_comm_overlap(trainer) -> dict:
         torch.cuda.synchronize()
     path = tempfile.mktemp(suffix=".json")
     prof.export_chrome_trace(path)
+    if trace_dir:
+        with open(path, "rb") as src, gzip.open(os.path.join(trace_dir, f"trace_{layout}.json.gz"), "wb") as dst:
+            dst.write(src.read())
     kernels = [e for e in json.load(open(path))["traceEvents"] if e.get("cat") == "kernel"]
     comm = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" in e["name"].lower()]
     compute = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" not in e["name"].lower())
@@ -187,6 +192,7 @@ def main() -> None:
     parser.add_argument("--weak", action="store_true", help="global batch x data-parallel size (weak scaling)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--trace-dir", default="", help="keep rank 0's profiled step of each layout there as a Chrome trace")
     parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -199,7 +205,8 @@ def main() -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__,
                "--worker", layout, "--layers", str(args.layers), "--seq-length", str(args.seq_length),
                "--global-batch", str(args.global_batch), "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--model", args.model, "--micro-batch-size", str(args.micro_batch_size)] + (["--weak"] if args.weak else [])
+               "--model", args.model, "--micro-batch-size", str(args.micro_batch_size)] + (["--weak"] if args.weak else []) \
+            + (["--trace-dir", os.path.abspath(args.trace_dir)] if args.trace_dir else [])
         result = run_child(cmd, layout)
         if result is not None:
             rows.append(result)

@@ -22,7 +22,8 @@
 #   s4a    B4b: its host syncs (sync debug mode) and a profiled timeline of two steps, for host_waits.py
 #   s4b    adamw / cross-entropy-sum GPU tests; the expert weight-gradient tile sweep into fp32; B4b profiled with its timeline; B1 against HF
 #   s4c    MLA / cross-entropy-sum / adamw / compile GPU tests; B4b default and with bf16 moments, profiled; B1 against HF
-#   s4d    gradient-accumulation fusion / adamw / MLA GPU tests; B4b against torchtitan 0.2.2 compiled in one call (.whl/ carried); B1 against HF
+#   s4d    adamw (incl. the one-pass norm) / MLA GPU tests; B4b against torchtitan 0.2.2 compiled in one call (.whl/ carried); B1 against HF
+#   s4x2   (2 GPUs) tp2 + sp with symmetric-memory overlap against dp2, each step's timeline kept for host_waits.py / kernel sums
 #   b1tune B1 eager / --compile / HF, then B1 with --gemm-tuning twice (the tuning run, then a run reading its file)
 set -uo pipefail
 part="$1" out="$2"; mkdir -p "$out"
@@ -180,7 +181,7 @@ s4c)
     --exp-avg-sq-dtype bf16 2>>"$out/b4b_stderr.txt") | tee -a "$out/b4b.txt"
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,hf 2>"$out/b1_stderr.txt" | tee "$out/b1.txt" ;;
 s4d)
-  timeout 240 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_grad_accum_fusion_gpu.py tests/gpu/test_fused_adamw_gpu.py \
+  timeout 240 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fused_adamw_gpu.py \
     tests/gpu/test_mla_gpu.py > "$out/gpu_tests_s4d.txt" 2>&1
   grep -E "passed|failed|Error|positions|main_grad|norm over" "$out/gpu_tests_s4d.txt" | tail -8
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl > /dev/null 2>&1
@@ -191,6 +192,10 @@ s4d)
     (cd benchmarks && python3 train_bench.py --steps 8 --warmup 3 -- "${common[@]}" $variant 2>>"$out/b4b_stderr.txt") | sed "s|^|[$variant]: |" | tee -a "$out/b4b.txt"
   done
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,hf 2>"$out/b1_stderr.txt" | tee "$out/b1.txt" ;;
+s4x2)
+  python3 benchmarks/b5_scaling.py --layouts dp2,tp2ovsm --layers 8 --seq-length 8192 --global-batch 8 --steps 4 --warmup 2 \
+    --trace-dir "$out" 2>"$out/b5_tp_stderr.txt" | tee "$out/b5_tp.txt"
+  tail -3 "$out/b5_tp_stderr.txt"; ls -la "$out" ;;
 b1tune)
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,meshtron-compile,hf 2>"$out/b1_stderr.txt" | tee "$out/b1_compile.txt"
   for run in tuning reading; do

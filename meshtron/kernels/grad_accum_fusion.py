@@ -1,6 +1,5 @@
 """Gradient-accumulation fusion (Megatron's ``--gradient-accumulation-fusion``): a linear layer's
-weight gradient is computed straight into the fp32 ``param.main_grad`` of the gradient buffer
-(and, beyond Megatron, an untied output layer's and token embedding's).
+weight gradient is computed straight into the fp32 ``param.main_grad`` of the gradient buffer.
 
 Why: without it autograd materializes a bf16 weight gradient, and the buffer's hook reads it back
 and adds it into ``main_grad`` (``meshtron.optim.grad_buffer.GradBuffer``). Here the wgrad
@@ -120,57 +119,13 @@ class FusedWgradLinear(nn.Linear):
         return linear(x, self.weight, self.bias, fuse=True)
 
 
-class _EmbeddingIntoMainGrad(torch.autograd.Function):
-    """``F.embedding`` whose backward adds each token's gradient row into ``W.main_grad`` in fp32,
-    where autograd would build a dense [V, h] gradient in the compute dtype and the buffer's hook
-    would copy it over: a memset of ``main_grad`` (the step's first write) and a sorted,
-    deterministic scatter-add of the batch's rows (``index_put_`` with ``accumulate``)."""
-
-    @staticmethod
-    def forward(ctx, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(ids, weight)
-        return F.embedding(ids, weight)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        ids, weight = ctx.saved_tensors
-        buffer, main_grad = weight.grad_buffer, weight.main_grad
-        if buffer.take_first_write(weight):
-            main_grad.zero_()
-        main_grad.index_put_((ids.reshape(-1),), grad.reshape(-1, grad.shape[-1]).to(main_grad.dtype), accumulate=True)
-        buffer.fused_grad_ready(weight)
-        return None, None
-
-
-def embedding_lookup(ids: torch.Tensor, weight: torch.Tensor, fuse: bool) -> torch.Tensor:
-    """``F.embedding``, with the weight gradient fused into ``weight.main_grad`` when ``fuse`` is set
-    and the weight has one and will get a gradient."""
-    if fuse and hasattr(weight, "main_grad") and weight.requires_grad and torch.is_grad_enabled():
-        return _EmbeddingIntoMainGrad.apply(ids, weight)
-    return F.embedding(ids, weight)
-
-
-class FusedWgradEmbedding(nn.Embedding):
-    """A token embedding that may take gradient-accumulation fusion: its model builds it so only
-    where the table is read once per forward and by nothing else (not tied to the output layer),
-    since the fused backward reports the gradient to the buffer as complete.
-    ``apply_gradient_accumulation_fusion`` switches it on."""
-
-    def __init__(self, num_embeddings: int, embedding_dim: int):
-        super().__init__(num_embeddings, embedding_dim)
-        self.grad_accum_fusion = False
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return embedding_lookup(ids, self.weight, self.grad_accum_fusion)
-
-
 def apply_gradient_accumulation_fusion(blocks: nn.Module, model: nn.Module | None = None) -> None:
     """Fuse the weight gradients of the linears under ``blocks`` (the transformer blocks): plain
     ``nn.Linear`` become ``FusedWgradLinear``, the tensor-parallel linears and the MoE experts get
     ``grad_accum_fusion = True``. Under the rest of ``model`` only modules with a fused path of
-    their own (``grad_accum_fusion``: output layers, untied token embeddings) are switched; an
-    output layer whose weight is tied to the embedding keeps the ordinary path at call time, as
-    autograd must add the two gradients of that one weight."""
+    their own (``grad_accum_fusion``: the output layers) are switched; an output layer whose weight
+    is tied to the embedding keeps the ordinary path at call time, as autograd must add the two
+    gradients of that one weight."""
     for module in blocks.modules():
         if type(module) is nn.Linear:
             module.__class__ = FusedWgradLinear

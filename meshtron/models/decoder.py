@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from meshtron.config import ModelConfig
-from meshtron.kernels.grad_accum_fusion import FusedWgradEmbedding
 from meshtron.layers.attention import Attention, head_dim, num_kv_heads
 from meshtron.layers.kv_cache import KVCache, KVCacheBase, LatentKVCache
 from meshtron.layers.mla import MultiLatentAttention, mla_parameter_count, rope_table_dim
@@ -159,8 +158,7 @@ class Decoder(c.TokenLossModel):
         self.use_rope = cfg.position_embedding_type == "rope"
         if cfg.recompute_granularity == "full":
             self.recompute = (cfg.recompute_method, cfg.recompute_num_layers)
-        # Untied, the table is read once per forward and may take its gradient straight into the buffer.
-        self.embedding = nn.Embedding(vocab_size, cfg.hidden_size) if cfg.tie_embeddings else FusedWgradEmbedding(vocab_size, cfg.hidden_size)
+        self.embedding = nn.Embedding(vocab_size, cfg.hidden_size)
         self.position_embedding = None if self.use_rope else nn.Embedding(self.max_positions, cfg.hidden_size)
         self.embedding_dropout = nn.Dropout(cfg.hidden_dropout)
         moe = moe_layer_pattern(cfg)

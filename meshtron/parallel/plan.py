@@ -103,9 +103,8 @@ def _replace(module: nn.Module, style: mc.Style, mesh: Mesh, sp: bool, cp_algori
     if isinstance(style, (mc.ColumnParallel, mc.RowParallel)):
         return _linear(module, style, mesh, sp, overlap)
     if isinstance(style, mc.VocabParallelEmbedding):
-        vocab_parallel = VocabParallelEmbedding(*module.weight.shape, mesh.tp_group, sp, device=module.weight.device,
-                                                dtype=module.weight.dtype, fusable=hasattr(module, "grad_accum_fusion"))  # fmt: skip
-        return _copy_weight(vocab_parallel, module, 0, mc.Contiguous(), tp, mesh.tp_rank)
+        return _copy_weight(VocabParallelEmbedding(*module.weight.shape, mesh.tp_group, sp, device=module.weight.device,
+                                                   dtype=module.weight.dtype), module, 0, mc.Contiguous(), tp, mesh.tp_rank)  # fmt: skip
     if isinstance(style, mc.VocabParallelOutput):
         out = VocabParallelOutputLayer(mesh.tp_group, sp, module.fused_kernels)
         for name in ("weight", "bias"):  # each when the layer has its own

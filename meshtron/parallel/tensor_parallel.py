@@ -268,10 +268,8 @@ class VocabParallelEmbedding(nn.Module):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, group, sequence_parallel: bool = False,
-                 device=None, dtype=None, fusable: bool = False):  # fmt: skip
+                 device=None, dtype=None):  # fmt: skip
         super().__init__()
-        if fusable:  # in place of a FusedWgradEmbedding: may take gradient-accumulation fusion too
-            self.grad_accum_fusion = False
         n = group_size(group)
         if num_embeddings % n:
             raise ValueError(f"vocabulary {num_embeddings} does not split evenly over {n} tensor-parallel ranks")
@@ -282,12 +280,11 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(rows, embedding_dim, device=device, dtype=dtype))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        fuse = getattr(self, "grad_accum_fusion", False)
         if group_size(self.group) == 1:
-            return grad_accum_fusion.embedding_lookup(ids, self.weight, fuse)
+            return F.embedding(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_start + self.weight.shape[0])
         local = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = grad_accum_fusion.embedding_lookup(local, self.weight, fuse).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return reduce_scatter_sequence(out, self.group)
         return reduce_from_tp_region(out, self.group)

@@ -32,3 +32,26 @@ def test_narrow_moments_gpu(moment_dtype, distributed):
 def test_block_group_summary_gpu():
     """Per-block parameter groups: equal to reading every element's group, bit for bit."""
     assert adamw_block_groups_check("cuda")
+
+
+@pytest.mark.gpu
+def test_one_pass_gradient_norm():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from meshtron.kernels.fused_adamw import sum_of_squares
+
+    flat = torch.randn(300_000_001, device="cuda")
+    expected = torch.linalg.vector_norm(flat.double())
+    got = sum_of_squares([flat[:1000], flat[1000:]]).sqrt()
+    times = {}
+    for name, fn in {"one pass": lambda: sum_of_squares([flat]), "foreach_norm": lambda: torch._foreach_norm([flat])}.items():
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times[name] = start.elapsed_time(end) / 10
+    print(f"gradient norm over 300M fp32: one pass {times['one pass']:.3f} ms, foreach_norm {times['foreach_norm']:.3f} ms")
+    assert abs(got.double() - expected) / expected < 1e-6

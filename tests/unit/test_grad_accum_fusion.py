@@ -11,8 +11,8 @@ from torch import nn
 
 from meshtron.config import build_config
 from meshtron.validation import validate
-from meshtron.kernels import cross_entropy_sum, grad_accum_fusion, triton_available
-from meshtron.kernels.grad_accum_fusion import FusedWgradEmbedding, FusedWgradLinear, apply_gradient_accumulation_fusion
+from meshtron.kernels import cross_entropy_sum, triton_available
+from meshtron.kernels.grad_accum_fusion import FusedWgradLinear, apply_gradient_accumulation_fusion
 from meshtron.layers.output import OutputLayer
 from meshtron.models import build_model
 from meshtron.optim.grad_buffer import GradBuffer
@@ -180,40 +180,3 @@ def test_a_tied_output_layer_keeps_the_autograd_path():
     layer(hidden, labels, tied_weight=weight, loss_weights=torch.ones(1, 4)).backward()
     assert layer.grad_accum_fusion and weight.grad is weight.main_grad and weight.main_grad.abs().sum() > 0
 
-
-def _embedding_grads(dtype: torch.dtype, fuse: bool, stale: float | None = None) -> torch.Tensor:
-    """A token embedding's ``main_grad`` after ``MICRO_BATCHES`` backward passes (repeated ids)."""
-    torch.manual_seed(0)
-    table = FusedWgradEmbedding(30, 8).to(dtype)
-    buffer = GradBuffer([("weight", table.weight)])
-    if stale is not None:
-        buffer.data.fill_(stale)
-    if fuse:
-        apply_gradient_accumulation_fusion(nn.Module(), table)
-    for i in range(MICRO_BATCHES):
-        gen = torch.Generator().manual_seed(i)
-        ids = torch.randint(0, 20, (3, 9), generator=gen)  # rows 20..29 never read: their gradient is zero
-        (table(ids).float() * torch.randn(3, 9, 8, generator=gen)).sum().backward()
-    buffer.finish_grad_sync()
-    return table.weight.main_grad.clone()
-
-
-def test_embedding_rows_go_into_main_grad(monkeypatch):
-    """The fused embedding's gradient equals autograd's dense one (fp32); in bf16, written first
-    over stale NaN, it sums the rows in fp32 (closer to exact than the bf16 dense gradient)."""
-    calls = []
-    fused_backward = grad_accum_fusion._EmbeddingIntoMainGrad.backward
-    monkeypatch.setattr(grad_accum_fusion._EmbeddingIntoMainGrad, "backward", staticmethod(lambda *a: calls.append(1) or fused_backward(*a)))
-    plain = _embedding_grads(torch.float32, fuse=False)
-    assert not calls
-    torch.testing.assert_close(_embedding_grads(torch.float32, fuse=True), plain, rtol=1e-6, atol=1e-6)
-    fused_bf16 = _embedding_grads(torch.bfloat16, fuse=True, stale=float("nan"))
-    assert torch.isfinite(fused_bf16).all() and fused_bf16[20:].abs().sum() == 0
-    assert _rel(fused_bf16, plain) < 1e-2 and _rel(fused_bf16, plain) <= _rel(_embedding_grads(torch.bfloat16, fuse=False), plain)
-    assert len(calls) == 2 * MICRO_BATCHES
-
-
-def test_only_an_untied_decoder_embedding_can_fuse():
-    untied = build_model(build_config(None, ["--preset", "tiny-llama", "--vocab-size", "64"]).model, 64, 32)
-    tied = build_model(build_config(None, ["--preset", "tiny-gpt", "--vocab-size", "64"]).model, 64, 32)
-    assert type(untied.embedding) is FusedWgradEmbedding and type(tied.embedding) is nn.Embedding
