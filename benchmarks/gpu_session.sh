@@ -24,6 +24,7 @@
 #   s4c    MLA / cross-entropy-sum / adamw / compile GPU tests; B4b default and with bf16 moments, profiled; B1 against HF
 #   s4d    adamw (incl. the one-pass norm) / MLA GPU tests; B4b against torchtitan 0.2.2 compiled in one call (.whl/ carried); B1 against HF
 #   s4x2   (2 GPUs) tp2 + sp with symmetric-memory overlap against dp2, each step's timeline kept for host_waits.py / kernel sums
+#   s4x2b  (2 GPUs) tp overlap GPU test; tp2 layouts against dp2 (dp2's and tp2ovsm's timelines kept); DeepSeek-V2-Lite x 4 dp1/dp2/ep2
 #   b1tune B1 eager / --compile / HF, then B1 with --gemm-tuning twice (the tuning run, then a run reading its file)
 set -uo pipefail
 part="$1" out="$2"; mkdir -p "$out"
@@ -196,6 +197,13 @@ s4x2)
   python3 benchmarks/b5_scaling.py --layouts dp2,tp2ovsm --layers 8 --seq-length 8192 --global-batch 8 --steps 4 --warmup 2 \
     --trace-dir "$out" 2>"$out/b5_tp_stderr.txt" | tee "$out/b5_tp.txt"
   tail -3 "$out/b5_tp_stderr.txt"; ls -la "$out" ;;
+s4x2b)
+  timeout 150 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_tp_overlap_gpu.py > "$out/gpu_tests_x2.txt" 2>&1; tail -2 "$out/gpu_tests_x2.txt"
+  python3 benchmarks/b5_scaling.py --layouts dp2,tp2,tp2ovsm --layers 8 --seq-length 8192 --global-batch 8 --steps 4 --warmup 2 \
+    --trace-dir "$out" 2>"$out/b5_tp_stderr.txt" | tee "$out/b5_tp.txt"
+  rm -f "$out/trace_tp2.json.gz"
+  python3 benchmarks/b5_scaling.py --model deepseek-v2-lite --layers 4 --micro-batch-size 2 --seq-length 4096 --global-batch 8 \
+    --layouts dp1,dp2,ep2 --steps 4 --warmup 2 2>"$out/b5_moe_stderr.txt" | tee "$out/b5_moe.txt" ;;
 b1tune)
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,meshtron-compile,hf 2>"$out/b1_stderr.txt" | tee "$out/b1_compile.txt"
   for run in tuning reading; do
