@@ -25,6 +25,7 @@
 #   s4d    adamw (incl. the one-pass norm) / MLA GPU tests; B4b against torchtitan 0.2.2 compiled in one call (.whl/ carried); B1 against HF
 #   s4x2   (2 GPUs) tp2 + sp with symmetric-memory overlap against dp2, each step's timeline kept for host_waits.py / kernel sums
 #   s4x2b  (2 GPUs) tp overlap GPU test; tp2 layouts against dp2 (dp2's and tp2ovsm's timelines kept); DeepSeek-V2-Lite x 4 dp1/dp2/ep2
+#   s4f    adamw / MLA GPU tests; B4b against torchtitan in one call (.whl/ carried); B1 of this tree against OLD's (arg 3, carried), with HF
 #   b1tune B1 eager / --compile / HF, then B1 with --gemm-tuning twice (the tuning run, then a run reading its file)
 set -uo pipefail
 part="$1" out="$2"; mkdir -p "$out"
@@ -204,6 +205,20 @@ s4x2b)
   rm -f "$out/trace_tp2.json.gz"
   python3 benchmarks/b5_scaling.py --model deepseek-v2-lite --layers 4 --micro-batch-size 2 --seq-length 4096 --global-batch 8 \
     --layouts dp1,dp2,ep2 --steps 4 --warmup 2 2>"$out/b5_moe_stderr.txt" | tee "$out/b5_moe.txt" ;;
+s4f)
+  old="$(cd "$3" && pwd)"
+  timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_fused_adamw_gpu.py tests/gpu/test_mla_gpu.py > "$out/gpu_tests_s4f.txt" 2>&1
+  grep -E "passed|failed|Error|positions|norm over" "$out/gpu_tests_s4f.txt" | tail -5
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl > /dev/null 2>&1
+  PYTHONPATH="$PWD:/tmp/site" timeout 400 python3 .whl/bench_tt_moe.py --layers 4 --compile 2>"$out/tt_stderr.txt" | tee "$out/tt.txt"
+  common=(--preset deepseek-v2-lite --num-layers 4 --moe-layer-freq "([0]+[1]*3)" --seq-length 4096 --micro-batch-size 2 --global-batch-size 2 --bf16)
+  for variant in "" "--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16"; do
+    # shellcheck disable=SC2086
+    (cd benchmarks && python3 train_bench.py --steps 8 --warmup 3 -- "${common[@]}" $variant 2>>"$out/b4b_stderr.txt") | sed "s|^|[$variant]: |" | tee -a "$out/b4b.txt"
+  done
+  python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,hf 2>"$out/b1_new_stderr.txt" | tee "$out/b1_new.txt"
+  (cd "$old" && PYTHONPATH="$old" python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron 2>"$out/b1_old_stderr.txt" | tee "$out/b1_old.txt")
+  python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron 2>>"$out/b1_new_stderr.txt" | tee -a "$out/b1_new.txt" ;;
 b1tune)
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,meshtron-compile,hf 2>"$out/b1_stderr.txt" | tee "$out/b1_compile.txt"
   for run in tuning reading; do
