@@ -4,7 +4,8 @@
 
 For fc1 (2048 -> 2 x 1408) and fc2 (1408 -> 2048) of DeepSeek-V2-Lite's 64 experts, times the
 forward (rows x W^T), the input gradient (rows x W) and the weight gradient (dy^T x per group;
-in bf16, and written or added into an fp32 ``main_grad`` as gradient-accumulation fusion does) with every candidate tile, each against ``torch.mm`` of the same FLOPs, and prints the best tiles
+in bf16, and written or added into an fp32 ``main_grad`` as gradient-accumulation fusion does)
+with every candidate tile, each against ``torch.mm`` of the same FLOPs, and prints the best tiles
 per GEMM. The autotune lists in ``meshtron/kernels/triton_grouped_gemm.py`` come from its output.
 """
 

@@ -26,6 +26,7 @@
 #   s4x2   (2 GPUs) tp2 + sp with symmetric-memory overlap against dp2, each step's timeline kept for host_waits.py / kernel sums
 #   s4x2b  (2 GPUs) tp overlap GPU test; tp2 layouts against dp2 (dp2's and tp2ovsm's timelines kept); DeepSeek-V2-Lite x 4 dp1/dp2/ep2
 #   s4f    adamw / MLA GPU tests; B4b against torchtitan in one call (.whl/ carried); B1 of this tree against OLD's (arg 3, carried), with HF
+#   s4g    B1 of this tree and OLD's (arg 3, carried), each profiled: where the time went
 #   b1tune B1 eager / --compile / HF, then B1 with --gemm-tuning twice (the tuning run, then a run reading its file)
 set -uo pipefail
 part="$1" out="$2"; mkdir -p "$out"
@@ -219,6 +220,12 @@ s4f)
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,hf 2>"$out/b1_new_stderr.txt" | tee "$out/b1_new.txt"
   (cd "$old" && PYTHONPATH="$old" python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron 2>"$out/b1_old_stderr.txt" | tee "$out/b1_old.txt")
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron 2>>"$out/b1_new_stderr.txt" | tee -a "$out/b1_new.txt" ;;
+s4g)
+  old="$(cd "$3" && pwd)"
+  mkdir -p "$out/new" "$out/old"
+  python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron --profile-dir "$out/new" 2>"$out/b1_new_stderr.txt" | tail -2
+  (cd "$old" && PYTHONPATH="$old" python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron --profile-dir "$out/old" 2>"$out/b1_old_stderr.txt" | tail -2)
+  python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron 2>>"$out/b1_new_stderr.txt" | tail -1 ;;
 b1tune)
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,meshtron-compile,hf 2>"$out/b1_stderr.txt" | tee "$out/b1_compile.txt"
   for run in tuning reading; do
