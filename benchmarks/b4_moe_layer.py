@@ -76,7 +76,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--tiny", action="store_true")
-    parser.add_argument("--profile-dir", default="", help="also profile the whole layer and the router into this directory (GPU)")
+    parser.add_argument("--profile-dir", default="", help="also profile the whole layer (with its timeline and host syncs) and the router into this directory (GPU)")
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -134,9 +134,13 @@ def main() -> None:
     print(f"layer / dense chain TFLOP/s: {results['dense chain (same FLOPs)'] / whole:.1%} (B4 target >= 75 %)")
     if args.profile_dir:
         from b1_llama import profile_steps
+        from host_waits import find_syncs
 
-        profile_steps(parts["MoE layer (whole)"], f"{args.profile_dir}/profile_moe_layer_{args.grouped_gemm}.txt")
+        layer_step = parts["MoE layer (whole)"]
+        trace = f"{args.profile_dir}/trace_moe_layer_{args.grouped_gemm}.json.gz"
+        profile_steps(layer_step, f"{args.profile_dir}/profile_moe_layer_{args.grouped_gemm}.txt", trace)
         profile_steps(parts["  router + balancing loss"], f"{args.profile_dir}/profile_moe_router.txt")
+        print(f"host syncs per layer step: {find_syncs(layer_step, f'{args.profile_dir}/syncs_moe_layer.txt') / 2:g}")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@
 #   s4x2b  (2 GPUs) tp overlap GPU test; tp2 layouts against dp2 (dp2's and tp2ovsm's timelines kept); DeepSeek-V2-Lite x 4 dp1/dp2/ep2
 #   s4f    adamw / MLA GPU tests; B4b against torchtitan in one call (.whl/ carried); B1 of this tree against OLD's (arg 3, carried), with HF
 #   s4g    B1 of this tree and OLD's (arg 3, carried), each profiled: where the time went
+#   s4h    B4 layer (torch grouped GEMM) profiled, with its timeline and host syncs
+#   s4i    router GPU tests (fp32 gate on tensor cores); B4 layer (both grouped GEMMs); B4b default
 #   b1tune B1 eager / --compile / HF, then B1 with --gemm-tuning twice (the tuning run, then a run reading its file)
 set -uo pipefail
 part="$1" out="$2"; mkdir -p "$out"
@@ -226,6 +228,16 @@ s4g)
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron --profile-dir "$out/new" 2>"$out/b1_new_stderr.txt" | tail -2
   (cd "$old" && PYTHONPATH="$old" python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron --profile-dir "$out/old" 2>"$out/b1_old_stderr.txt" | tail -2)
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron 2>>"$out/b1_new_stderr.txt" | tail -1 ;;
+s4h)
+  (cd benchmarks && python3 b4_moe_layer.py --grouped-gemm torch --profile-dir "$out" 2>&1) | tee "$out/b4_layer.txt"
+  python3 benchmarks/host_waits.py "$out/trace_moe_layer_torch.json.gz" --top 10 > "$out/gaps_moe_layer.txt"; head -c 4000 "$out/gaps_moe_layer.txt"
+  head -c 3000 "$out/syncs_moe_layer.txt" ;;
+s4i)
+  timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe_router_gpu.py tests/gpu/test_estimate_gpu.py > "$out/gpu_tests_s4i.txt" 2>&1
+  grep -E "passed|failed|Error|fp32 gate|held|peak" "$out/gpu_tests_s4i.txt" | tail -8
+  for backend in torch triton; do python3 benchmarks/b4_moe_layer.py --grouped-gemm $backend 2>&1 | tee -a "$out/b4_layer.txt"; done
+  common=(--preset deepseek-v2-lite --num-layers 4 --moe-layer-freq "([0]+[1]*3)" --seq-length 4096 --micro-batch-size 2 --global-batch-size 2 --bf16)
+  (cd benchmarks && python3 train_bench.py --steps 8 --warmup 3 -- "${common[@]}" 2>>"$out/b4b_stderr.txt") | tee "$out/b4b.txt" ;;
 b1tune)
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,meshtron-compile,hf 2>"$out/b1_stderr.txt" | tee "$out/b1_compile.txt"
   for run in tuning reading; do

@@ -183,7 +183,9 @@ def moe_bytes_per_token(cfg: Config, a: int) -> float:
     fused_combine = m.fused_kernels != "off" and m.moe_expert_capacity_factor <= 0 and r != 8
     combine = (a if fused_combine else 2 * r) * h / shard
     routed = copies * (a * h * rows + kept_per_ffn * ffn * rows / etp + combine)
-    router = 2 * 4 * m.num_experts + 4 * 8 * k + r * k + (r * h if r != a else 0)  # the last: the input cast to r
+    # The input cast to r, kept for the gate's backward; not by the fp32 gate of bf16 operands (kernels/fp32_gate.py).
+    cast = r * h if r != a and not (r == 4 and cfg.train.precision in ("bf16", "auto")) else 0
+    router = 2 * 4 * m.num_experts + 4 * 8 * k + r * k + cast
     shared = kept_per_ffn * m.moe_shared_expert_intermediate_size
     return (router + shared) / shard + routed
 

@@ -26,6 +26,7 @@ from torch import nn
 
 from meshtron.config import ModelConfig
 from meshtron.kernels import use_triton
+from meshtron.kernels.fp32_gate import fp32_gate
 from meshtron.layers.moe.balancing import StatisticsNeeded, token_statistics
 
 ROUTER_DTYPES = {"": None, "fp32": torch.float32, "fp64": torch.float64}
@@ -155,8 +156,11 @@ class Router(nn.Module):
         statistics. Input jitter (MegaBlocks, Switch) applies in training only."""
         if self.training and self.jitter_eps > 0:
             tokens = tokens * torch.empty_like(tokens).uniform_(1.0 - self.jitter_eps, 1.0 + self.jitter_eps)
-        dtype = self.dtype or tokens.dtype
-        logits = F.linear(tokens.to(dtype), self.weight.to(dtype))
+        if self.dtype == torch.float32:  # bf16 operands on tensor cores, fp32 numbers (kernels/fp32_gate.py)
+            logits = fp32_gate(tokens, self.weight)
+        else:
+            dtype = self.dtype or tokens.dtype
+            logits = F.linear(tokens.to(dtype), self.weight.to(dtype))
         rows = batch_size if needed.per_sequence else 1
         if self._fusable(logits, rows):
             probs, experts, statistics = _fused_routing(logits, self.topk, self.score_function == "softmax", self.pre_softmax,
