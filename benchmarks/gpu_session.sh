@@ -29,6 +29,7 @@
 #   s4g    B1 of this tree and OLD's (arg 3, carried), each profiled: where the time went
 #   s4h    B4 layer (torch grouped GEMM) profiled, with its timeline and host syncs
 #   s4i    router GPU tests (fp32 gate on tensor cores); B4 layer (both grouped GEMMs); B4b default
+#   s4j    fused expert weight-gradient GPU test; the "+=" wgrad tile sweep; B4b with 4 micro batches a step, this tree against OLD's (arg 3)
 #   b1tune B1 eager / --compile / HF, then B1 with --gemm-tuning twice (the tuning run, then a run reading its file)
 set -uo pipefail
 part="$1" out="$2"; mkdir -p "$out"
@@ -238,6 +239,15 @@ s4i)
   for backend in torch triton; do python3 benchmarks/b4_moe_layer.py --grouped-gemm $backend 2>&1 | tee -a "$out/b4_layer.txt"; done
   common=(--preset deepseek-v2-lite --num-layers 4 --moe-layer-freq "([0]+[1]*3)" --seq-length 4096 --micro-batch-size 2 --global-batch-size 2 --bf16)
   (cd benchmarks && python3 train_bench.py --steps 8 --warmup 3 -- "${common[@]}" 2>>"$out/b4b_stderr.txt") | tee "$out/b4b.txt" ;;
+s4j)
+  timeout 200 python3 -m pytest -q -s -p no:cacheprovider "tests/gpu/test_grouped_gemm_gpu.py::test_fused_expert_weight_gradient_gpu" \
+    > "$out/gpu_tests_s4j.txt" 2>&1; grep -E "passed|failed|Error" "$out/gpu_tests_s4j.txt" | tail -3
+  (cd benchmarks && timeout 240 python3 b4_grouped_sweep.py --gemms "wgrad fp32 +=" --top 3 2>&1) | tee "$out/sweep_wgrad_acc.txt"
+  common=(--preset deepseek-v2-lite --num-layers 4 --moe-layer-freq "([0]+[1]*3)" --seq-length 4096 --micro-batch-size 2 --bf16)
+  for tree in "$PWD" "$(cd "$3" && pwd)" "$PWD"; do
+    (cd "$tree/benchmarks" && PYTHONPATH="$tree" python3 train_bench.py --steps 4 --warmup 2 -- "${common[@]}" --global-batch-size 8 \
+      2>>"$out/b4b_stderr.txt") | sed "s|^|[$tree]: |" | tee -a "$out/b4b_gbs8.txt"
+  done ;;
 b1tune)
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,meshtron-compile,hf 2>"$out/b1_stderr.txt" | tee "$out/b1_compile.txt"
   for run in tuning reading; do
