@@ -24,10 +24,23 @@ import triton.language as tl
 
 
 @triton.jit
-def _position(pos_ptr, pid, s, HAS_POS: tl.constexpr):
+def _token(pos_ptr, cos_ptr, sin_ptr, seq_len, heads, table_stride, NOPE: tl.constexpr, HALF: tl.constexpr,
+           HAS_POS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_HALF: tl.constexpr):  # fmt: skip
+    """This program's token (index, batch row, position in it), the head and column indices with
+    their masks, and the token's cos/sin."""
+    pid = tl.program_id(0).to(tl.int64)
+    b, s = pid // seq_len, pid % seq_len
     if HAS_POS:
-        return tl.load(pos_ptr + pid).to(tl.int64)
-    return s
+        pos = tl.load(pos_ptr + pid).to(tl.int64)
+    else:
+        pos = s
+    h = tl.arange(0, BLOCK_H)[:, None]
+    n = tl.arange(0, BLOCK_NOPE)[None, :]
+    i = tl.arange(0, BLOCK_HALF)
+    h_ok, i_ok = h < heads, i < HALF
+    cos = tl.load(cos_ptr + pos * table_stride + i, mask=i_ok, other=0.0)
+    sin = tl.load(sin_ptr + pos * table_stride + i, mask=i_ok, other=0.0)
+    return pid, b, s, h, n, i, h_ok, i_ok, h_ok & (n < NOPE), h_ok & i_ok[None, :], cos, sin
 
 
 @triton.jit
@@ -37,16 +50,8 @@ def _mla_forward_kernel(
     NOPE: tl.constexpr, HALF: tl.constexpr, HAS_POS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0).to(tl.int64)
-    b, s = pid // seq_len, pid % seq_len
-    pos = _position(pos_ptr, pid, s, HAS_POS)
-    h = tl.arange(0, BLOCK_H)[:, None]
-    n = tl.arange(0, BLOCK_NOPE)[None, :]
-    i = tl.arange(0, BLOCK_HALF)
-    h_ok, i_ok = h < heads, i < HALF
-    nope_ok, half_ok = h_ok & (n < NOPE), h_ok & i_ok[None, :]
-    cos = tl.load(cos_ptr + pos * table_stride + i, mask=i_ok, other=0.0)
-    sin = tl.load(sin_ptr + pos * table_stride + i, mask=i_ok, other=0.0)
+    pid, b, s, h, n, i, h_ok, i_ok, nope_ok, half_ok, cos, sin = _token(
+        pos_ptr, cos_ptr, sin_ptr, seq_len, heads, table_stride, NOPE, HALF, HAS_POS, BLOCK_H, BLOCK_NOPE, BLOCK_HALF)
     dtype = q_out_ptr.dtype.element_ty
     out = pid * heads * (NOPE + 2 * HALF) + h * (NOPE + 2 * HALF)  # both outputs [b, s, H, nope + rope], contiguous
     # The query: no-rope half copied, rope half (adjacent pairs) rotated.
@@ -75,17 +80,10 @@ def _mla_backward_kernel(
     NOPE: tl.constexpr, HALF: tl.constexpr, VDIM: tl.constexpr, HAS_POS: tl.constexpr, HAS_DV: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0).to(tl.int64)
-    b, s = pid // seq_len, pid % seq_len
-    pos = _position(pos_ptr, pid, s, HAS_POS)
-    h = tl.arange(0, BLOCK_H)[:, None]
-    n = tl.arange(0, BLOCK_NOPE)[None, :]
+    pid, b, s, h, n, i, h_ok, i_ok, nope_ok, half_ok, cos, sin = _token(
+        pos_ptr, cos_ptr, sin_ptr, seq_len, heads, table_stride, NOPE, HALF, HAS_POS, BLOCK_H, BLOCK_NOPE, BLOCK_HALF)
     v = tl.arange(0, BLOCK_V)[None, :]
-    i = tl.arange(0, BLOCK_HALF)
-    h_ok, i_ok = h < heads, i < HALF
-    nope_ok, half_ok, v_ok = h_ok & (n < NOPE), h_ok & i_ok[None, :], h_ok & (v < VDIM)
-    cos = tl.load(cos_ptr + pos * table_stride + i, mask=i_ok, other=0.0)
-    sin = tl.load(sin_ptr + pos * table_stride + i, mask=i_ok, other=0.0)
+    v_ok = h_ok & (v < VDIM)
     # The query's gradient: no-rope half copied, rope half rotated back into adjacent pairs.
     dq = dq_ptr + b * sdqb + s * sdqs + h * sdqh
     grad_q = grad_q_ptr + pid * heads * (NOPE + 2 * HALF) + h * (NOPE + 2 * HALF)
