@@ -119,18 +119,16 @@ class FusedWgradLinear(nn.Linear):
         return linear(x, self.weight, self.bias, fuse=True)
 
 
-def apply_gradient_accumulation_fusion(blocks: nn.Module, model: nn.Module | None = None) -> None:
+def apply_gradient_accumulation_fusion(blocks: nn.Module, heads: list[nn.Module] = ()) -> None:
     """Fuse the weight gradients of the linears under ``blocks`` (the transformer blocks): plain
     ``nn.Linear`` become ``FusedWgradLinear``, the tensor-parallel linears and the MoE experts get
-    ``grad_accum_fusion = True``. Under the rest of ``model`` only modules with a fused path of
-    their own (``grad_accum_fusion``: the output layers) are switched; an output layer whose weight
-    is tied to the embedding keeps the ordinary path at call time, as autograd must add the two
-    gradients of that one weight."""
+    ``grad_accum_fusion = True``; so do ``heads`` (output layers, whose loss has a fused path of its
+    own). An output layer whose weight is tied to the embedding keeps the ordinary path at call
+    time, as autograd must add the two gradients of that one weight."""
     for module in blocks.modules():
         if type(module) is nn.Linear:
             module.__class__ = FusedWgradLinear
         elif hasattr(module, "grad_accum_fusion"):
             module.grad_accum_fusion = True
-    for module in model.modules() if model is not None else ():
-        if hasattr(module, "grad_accum_fusion"):
-            module.grad_accum_fusion = True
+    for head in heads:
+        head.grad_accum_fusion = True

@@ -13,6 +13,7 @@ from meshtron.config import Config, ParallelConfig, TrainConfig, virtual_stages
 from meshtron.kernels.fp8 import apply_fp8, check_fp8_device
 from meshtron.kernels.fp8_scaling import Fp8Recipe
 from meshtron.kernels.grad_accum_fusion import apply_gradient_accumulation_fusion
+from meshtron.layers.output import OutputLayer
 from meshtron.models import build_model
 from meshtron.models.contract import ModelFamily
 from meshtron.optim.build import build_optimizer
@@ -22,6 +23,7 @@ from meshtron.parallel.pipeline import build_stages
 from meshtron.parallel.pipeline_balance import PipelineCosts, modeled_costs, pipeline_split
 from meshtron.parallel.plan import parallelize
 from meshtron.parallel.runner import Runner
+from meshtron.parallel.tensor_parallel import VocabParallelOutputLayer
 
 
 def build_runner(cfg: Config, mesh: Mesh, vocab_size: int, device: torch.device, dtype: torch.dtype) -> Runner:
@@ -47,7 +49,8 @@ def build_runner(cfg: Config, mesh: Mesh, vocab_size: int, device: torch.device,
             apply_fp8(blocks, recipe, m.fp8_backend)
         # Not under compile: it would trace the fused backward, which reports to the gradient buffer from Python.
         if cfg.train.gradient_accumulation_fusion and not cfg.train.compile:
-            apply_gradient_accumulation_fusion(blocks, model)
+            heads = [m for m in model.modules() if isinstance(m, (OutputLayer, VocabParallelOutputLayer))]
+            apply_gradient_accumulation_fusion(blocks, heads)
         if cfg.train.compile:
             compile_blocks(blocks)
 

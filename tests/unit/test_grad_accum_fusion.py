@@ -139,7 +139,7 @@ def _output_layer_grads(dtype: torch.dtype, kernels: str, fuse: bool, stale: flo
     if stale is not None:
         buffer.data.fill_(stale)
     if fuse:
-        apply_gradient_accumulation_fusion(nn.Module(), layer)
+        apply_gradient_accumulation_fusion(nn.Module(), [layer])
     for i in range(MICRO_BATCHES):
         gen = torch.Generator().manual_seed(i)
         hidden = torch.randn(2, 7, 16, generator=gen).to(dtype)
@@ -173,7 +173,7 @@ def test_output_layer_weight_gradient_goes_scaled_into_main_grad(kernels, monkey
 
 def test_a_tied_output_layer_keeps_the_autograd_path():
     layer = OutputLayer(16, 50, tied=True)
-    apply_gradient_accumulation_fusion(nn.Module(), layer)
+    apply_gradient_accumulation_fusion(nn.Module(), [layer])
     weight = nn.Parameter(torch.randn(50, 16))
     GradBuffer([("weight", weight)])
     hidden, labels = torch.randn(1, 4, 16), torch.randint(0, 50, (1, 4))
