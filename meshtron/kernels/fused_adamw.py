@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 
 _BLOCK = 4096
-MIXED = tl.constexpr(2)  # a block whose elements belong to both parameter groups
+_MIXED = 2  # block_groups' mark of a block whose elements belong to both parameter groups
+MIXED = tl.constexpr(_MIXED)
 
 
 @triton.jit
@@ -107,7 +108,7 @@ def block_groups(group_index: torch.Tensor) -> torch.Tensor:
     pieces = [group_index[:full].view(-1, _BLOCK)] + ([group_index[full:].view(1, -1)] if full < n else [])
     low = torch.cat([p.amin(dim=1) for p in pieces])
     high = torch.cat([p.amax(dim=1) for p in pieces])
-    return torch.where(low == high, low, torch.full_like(low, 2))
+    return torch.where(low == high, low, torch.full_like(low, _MIXED))
 
 
 @triton.jit
