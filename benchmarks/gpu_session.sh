@@ -30,6 +30,7 @@
 #   s4h    B4 layer (torch grouped GEMM) profiled, with its timeline and host syncs
 #   s4i    router GPU tests (fp32 gate on tensor cores); B4 layer (both grouped GEMMs); B4b default
 #   s4j    fused expert weight-gradient GPU test; the "+=" wgrad tile sweep; B4b with 4 micro batches a step, this tree against OLD's (arg 3)
+#   s4k    the final tree: the GPU tests this session touched; B4b and B1 (with HF)
 #   b1tune B1 eager / --compile / HF, then B1 with --gemm-tuning twice (the tuning run, then a run reading its file)
 set -uo pipefail
 part="$1" out="$2"; mkdir -p "$out"
@@ -248,6 +249,15 @@ s4j)
     (cd "$tree/benchmarks" && PYTHONPATH="$tree" python3 train_bench.py --steps 4 --warmup 2 -- "${common[@]}" --global-batch-size 8 \
       2>>"$out/b4b_stderr.txt") | sed "s|^|[$tree]: |" | tee -a "$out/b4b_gbs8.txt"
   done ;;
+s4k)
+  timeout 420 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_mla_gpu.py tests/gpu/test_fused_adamw_gpu.py \
+    tests/gpu/test_cross_entropy_sum_gpu.py tests/gpu/test_moe_router_gpu.py tests/gpu/test_kernels_gpu.py tests/gpu/test_moe_permute_gpu.py \
+    tests/gpu/test_estimate_gpu.py tests/gpu/test_compile_gpu.py "tests/gpu/test_grouped_gemm_gpu.py::test_fused_expert_weight_gradient_gpu" \
+    > "$out/gpu_tests_s4k.txt" 2>&1
+  grep -E "passed|failed|Error" "$out/gpu_tests_s4k.txt" | tail -6
+  common=(--preset deepseek-v2-lite --num-layers 4 --moe-layer-freq "([0]+[1]*3)" --seq-length 4096 --micro-batch-size 2 --global-batch-size 2 --bf16)
+  (cd benchmarks && python3 train_bench.py --steps 8 --warmup 3 -- "${common[@]}" 2>>"$out/b4b_stderr.txt") | tee "$out/b4b.txt"
+  python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,hf 2>"$out/b1_stderr.txt" | tail -3 ;;
 b1tune)
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,meshtron-compile,hf 2>"$out/b1_stderr.txt" | tee "$out/b1_compile.txt"
   for run in tuning reading; do
