@@ -31,6 +31,7 @@
 #   s4i    router GPU tests (fp32 gate on tensor cores); B4 layer (both grouped GEMMs); B4b default
 #   s4j    fused expert weight-gradient GPU test; the "+=" wgrad tile sweep; B4b with 4 micro batches a step, this tree against OLD's (arg 3)
 #   s4k    the final tree: the GPU tests this session touched; B4b and B1 (with HF)
+#   s4l    the final tree's B4b (default and bf16 moments) against torchtitan 0.2.2 compiled in one call (.whl/ carried)
 #   b1tune B1 eager / --compile / HF, then B1 with --gemm-tuning twice (the tuning run, then a run reading its file)
 set -uo pipefail
 part="$1" out="$2"; mkdir -p "$out"
@@ -258,6 +259,14 @@ s4k)
   common=(--preset deepseek-v2-lite --num-layers 4 --moe-layer-freq "([0]+[1]*3)" --seq-length 4096 --micro-batch-size 2 --global-batch-size 2 --bf16)
   (cd benchmarks && python3 train_bench.py --steps 8 --warmup 3 -- "${common[@]}" 2>>"$out/b4b_stderr.txt") | tee "$out/b4b.txt"
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,hf 2>"$out/b1_stderr.txt" | tail -3 ;;
+s4l)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl > /dev/null 2>&1
+  PYTHONPATH="$PWD:/tmp/site" timeout 400 python3 .whl/bench_tt_moe.py --layers 4 --compile 2>"$out/tt_stderr.txt" | tee "$out/tt.txt"
+  common=(--preset deepseek-v2-lite --num-layers 4 --moe-layer-freq "([0]+[1]*3)" --seq-length 4096 --micro-batch-size 2 --global-batch-size 2 --bf16)
+  for variant in "" "--use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16" ""; do
+    # shellcheck disable=SC2086
+    (cd benchmarks && python3 train_bench.py --steps 8 --warmup 3 -- "${common[@]}" $variant 2>>"$out/b4b_stderr.txt") | sed "s|^|[$variant]: |" | tee -a "$out/b4b.txt"
+  done ;;
 b1tune)
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,meshtron-compile,hf 2>"$out/b1_stderr.txt" | tee "$out/b1_compile.txt"
   for run in tuning reading; do
