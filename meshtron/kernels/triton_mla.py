@@ -22,18 +22,15 @@ import torch
 import triton
 import triton.language as tl
 
+from meshtron.kernels.triton_pointwise import token_position
+
 
 @triton.jit
 def _token(pos_ptr, cos_ptr, sin_ptr, seq_len, heads, table_stride, NOPE: tl.constexpr, HALF: tl.constexpr,
            HAS_POS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_NOPE: tl.constexpr, BLOCK_HALF: tl.constexpr):  # fmt: skip
     """This program's token (index, batch row, position in it), the head and column indices with
     their masks, and the token's cos/sin."""
-    pid = tl.program_id(0).to(tl.int64)
-    b, s = pid // seq_len, pid % seq_len
-    if HAS_POS:
-        pos = tl.load(pos_ptr + pid).to(tl.int64)
-    else:
-        pos = s
+    pid, b, s, pos = token_position(pos_ptr, seq_len, HAS_POS)
     h = tl.arange(0, BLOCK_H)[:, None]
     n = tl.arange(0, BLOCK_NOPE)[None, :]
     i = tl.arange(0, BLOCK_HALF)

@@ -125,6 +125,19 @@ def swiglu_backward(h: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def token_position(pos_ptr, seq_len, HAS_POS: tl.constexpr):
+    """One token per program: its index, batch row, place in the row, and position (its entry of
+    ``pos_ptr`` [b * s], else its place in the row)."""
+    pid = tl.program_id(0).to(tl.int64)
+    b, s = pid // seq_len, pid % seq_len
+    if HAS_POS:
+        pos = tl.load(pos_ptr + pid).to(tl.int64)
+    else:
+        pos = s
+    return pid, b, s, pos
+
+
+@triton.jit
 def _rope_kernel(
     x_ptr, out_ptr, cos_ptr, sin_ptr, pos_ptr,
     seq_len, num_heads, sxb, sxs, sxh, sob, sos, soh, table_stride,
@@ -132,12 +145,7 @@ def _rope_kernel(
 ):  # fmt: skip
     """All heads of one token: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), sin negated by SIGN=-1
     (the inverse rotation, which is the backward pass)."""
-    pid = tl.program_id(0).to(tl.int64)
-    b, s = pid // seq_len, pid % seq_len
-    if HAS_POS:
-        pos = tl.load(pos_ptr + pid).to(tl.int64)
-    else:
-        pos = s
+    _, b, s, pos = token_position(pos_ptr, seq_len, HAS_POS)
     heads = tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_D)[None, :]
     mask = (heads < num_heads) & (dims < HALF)
