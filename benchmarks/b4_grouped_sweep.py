@@ -1,12 +1,15 @@
 """Tile sweep for the Triton grouped GEMM at B4's shapes: which tiles each of its three GEMMs wants.
 
-    python benchmarks/b4_grouped_sweep.py [--rows 49152] [--top 5] [--gemms "wgrad fp32,wgrad fp32 +="]
+    python benchmarks/b4_grouped_sweep.py [--rows 49152] [--top 5] [--gemms "wgrad fp32,wgrad fp32 +="] [--candidates]
 
 For fc1 (2048 -> 2 x 1408) and fc2 (1408 -> 2048) of DeepSeek-V2-Lite's 64 experts, times the
 forward (rows x W^T), the input gradient (rows x W) and the weight gradient (dy^T x per group;
 in bf16, and written or added into an fp32 ``main_grad`` as gradient-accumulation fusion does)
 with every candidate tile, each against ``torch.mm`` of the same FLOPs, and prints the best tiles
 per GEMM. The autotune lists in ``meshtron/kernels/triton_grouped_gemm.py`` come from its output.
+
+``--candidates`` also runs the persistent TMA kernels of ``grouped_gemm_tma.py`` with their own
+tiles (and 1 or 2 programs per SM), each first checked against the per-expert products in fp32.
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ import argparse
 import torch
 import triton
 from b4_grouped_gemm import EXPERTS, LAYERS, ragged_sizes, time_ms
+from grouped_gemm_tma import ensure_allocator, group_weight_grad_tma, rows_times_group_tma
 
-from meshtron.kernels.triton_grouped_gemm import _rows_kernel, _weight_grad_kernel, group_offsets
+from meshtron.kernels.triton_grouped_gemm import _ROW_CONFIGS, _WEIGHT_GRAD_CONFIGS, _rows_kernel, _weight_grad_kernel, group_offsets
 
 ROW_TILES = [(bm, bn, bk, w, s) for bm, bn, bk, w, s in [
     (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 3),
@@ -31,6 +35,17 @@ WEIGHT_GRAD_TILES = [
     (64, 128, 64, 4, 4), (128, 128, 128, 8, 3), (32, 128, 256, 8, 3), (64, 128, 256, 8, 3),
     (32, 256, 128, 8, 3), (64, 256, 128, 8, 4), (32, 256, 256, 8, 3), (64, 256, 256, 8, 2), (32, 128, 128, 8, 5),
     (64, 128, 128, 8, 5), (128, 256, 128, 8, 2), (32, 64, 256, 4, 4),
+]  # fmt: skip
+
+# Candidates (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, flatten the tile loop, programs per SM).
+TMA_ROW_TILES = [
+    (128, 256, 64, 8, 3, False, 1), (128, 256, 64, 8, 4, False, 1), (128, 128, 64, 8, 4, False, 1), (128, 128, 64, 4, 4, False, 2),
+    (128, 256, 64, 8, 3, True, 1), (128, 128, 64, 8, 4, True, 1), (128, 128, 64, 4, 4, True, 2), (64, 256, 64, 4, 4, True, 2),
+]  # fmt: skip
+TMA_WEIGHT_GRAD_TILES = [
+    (64, 128, 128, 8, 3, False, 1), (64, 128, 128, 4, 4, False, 2), (32, 128, 128, 4, 4, False, 2), (64, 128, 64, 4, 4, False, 2),
+    (64, 128, 128, 8, 3, True, 1), (64, 128, 128, 4, 4, True, 2), (32, 128, 128, 4, 4, True, 2), (64, 256, 64, 8, 3, True, 1),
+    (128, 128, 64, 8, 3, True, 1),
 ]  # fmt: skip
 
 
@@ -51,14 +66,38 @@ def weight_grad_launch(dy, x, dw, offsets, tile, accumulate=False):
                                              IEEE=False, ACCUMULATE=accumulate, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s)  # fmt: skip
 
 
+def as_tiles(configs) -> list[tuple[int, int, int, int, int]]:
+    return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages) for c in configs]
+
+
+def tma_launch(kernel, tile, sms):
+    """(launch, tile label) of a TMA candidate: ``kernel(tile dict, programs)`` bound."""
+    bm, bn, bk, w, s, flatten, per_sm = tile
+    meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s, FLATTEN=flatten)
+    return lambda: kernel(meta, sms * per_sm)
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((got.float() - expected).abs().max() / expected.abs().max())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=49152)
     parser.add_argument("--top", type=int, default=5)
     parser.add_argument("--gemms", default="", help="comma-separated subset, e.g. 'wgrad fp32,wgrad fp32 +='")
+    parser.add_argument("--candidates", action="store_true", help="also the TMA candidates of grouped_gemm_tma.py")
+    parser.add_argument("--library-tiles", choices=["all", "autotune"], default="all",
+                        help="the library kernels' tiles: this file's whole lists, or only the library's autotune lists")
     args = parser.parse_args()
+    row_tiles, weight_grad_tiles = ROW_TILES, WEIGHT_GRAD_TILES
+    if args.library_tiles == "autotune":
+        row_tiles, weight_grad_tiles = as_tiles(_ROW_CONFIGS), as_tiles(_WEIGHT_GRAD_CONFIGS)
     dev, dt = torch.device("cuda"), torch.bfloat16
-    offsets = group_offsets(ragged_sizes(args.rows, EXPERTS).to(dev))
+    sizes = ragged_sizes(args.rows, EXPERTS)
+    offsets = group_offsets(sizes.to(dev))
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    ensure_allocator()
     print(f"{torch.cuda.get_device_name()}: {EXPERTS} experts, {args.rows} rows, bf16; ms per GEMM, fraction of torch.mm")
     for layer, (k, n) in LAYERS.items():
         x = torch.randn(args.rows, k, device=dev, dtype=dt)
@@ -67,16 +106,25 @@ def main() -> None:
         main_grad = torch.zeros(EXPERTS, n, k, device=dev, dtype=torch.float32)
         dense = time_ms(lambda: x @ weight[0].t(), 5, 20)  # every one of the three has rows * n * k multiply-adds
         gemms = {
-            "forward": (ROW_TILES, lambda t: rows_launch(x, weight.transpose(1, 2), torch.empty_like(dy), offsets, t)),
-            "input grad": (ROW_TILES, lambda t: rows_launch(dy, weight, torch.empty_like(x), offsets, t)),
-            "weight grad": (WEIGHT_GRAD_TILES, lambda t: weight_grad_launch(dy, x, torch.empty_like(weight), offsets, t)),
+            "forward": (row_tiles, lambda t: rows_launch(x, weight.transpose(1, 2), torch.empty_like(dy), offsets, t)),
+            "input grad": (row_tiles, lambda t: rows_launch(dy, weight, torch.empty_like(x), offsets, t)),
+            "weight grad": (weight_grad_tiles, lambda t: weight_grad_launch(dy, x, torch.empty_like(weight), offsets, t)),
             # Gradient-accumulation fusion: written into, or added to, an fp32 main_grad.
-            "wgrad fp32": (WEIGHT_GRAD_TILES, lambda t: weight_grad_launch(dy, x, main_grad, offsets, t)),
-            "wgrad fp32 +=": (WEIGHT_GRAD_TILES, lambda t: weight_grad_launch(dy, x, main_grad, offsets, t, accumulate=True)),
+            "wgrad fp32": (weight_grad_tiles, lambda t: weight_grad_launch(dy, x, main_grad, offsets, t)),
+            "wgrad fp32 +=": (weight_grad_tiles, lambda t: weight_grad_launch(dy, x, main_grad, offsets, t, accumulate=True)),
         }
+        ends = offsets[1:]
+        peers = {  # torch._grouped_mm, the default backend's forward and input gradient, for scale
+            "forward": lambda: torch._grouped_mm(x, weight.transpose(1, 2), offs=ends),
+            "input grad": lambda: torch._grouped_mm(dy, weight, offs=ends),
+            "weight grad": lambda: torch._grouped_mm(dy.t(), x, offs=ends),
+        }
+        candidates = tma_candidates(x, dy, weight, main_grad, offsets, sizes) if args.candidates else {}
         for gemm, (tiles, make) in gemms.items():
             if args.gemms and gemm not in args.gemms.split(","):
                 continue
+            if args.candidates:
+                time_candidates(layer, gemm, candidates[gemm], dense, sms, main_grad, args.top)
             timed = []
             for tile in tiles:
                 try:
@@ -86,6 +134,52 @@ def main() -> None:
             timed.sort()
             best = ", ".join(f"{tile} {ms:.3f} ms ({dense / ms:.0%})" for ms, tile in timed[: args.top])
             print(f"{layer} {gemm:<13} dense {dense:.3f} ms | best: {best}")
+            if gemm in peers:
+                try:
+                    ms = time_ms(peers[gemm], 3, 15)
+                    print(f"{layer} {gemm:<13} torch._grouped_mm {ms:.3f} ms ({dense / ms:.0%})")
+                except (RuntimeError, AttributeError) as exc:
+                    print(f"{layer} {gemm:<13} torch._grouped_mm: {type(exc).__name__}: {str(exc)[:200]}")
+
+
+def tma_candidates(x, dy, weight, main_grad, offsets, sizes) -> dict:
+    """GEMM -> (TMA tiles, kernel(tile, programs) -> its result, that result's fp32 reference)."""
+    groups = torch.split(torch.arange(x.shape[0], device=x.device), sizes.tolist())
+    x32, dy32, w32 = x.float(), dy.float(), weight.float()
+    forward = torch.cat([x32[r] @ w32[g].t() for g, r in enumerate(groups)])
+    input_grad = torch.cat([dy32[r] @ w32[g] for g, r in enumerate(groups)])
+    weight_grad = torch.stack([dy32[r].t() @ x32[r] for r in groups])
+    return {
+        "forward": (TMA_ROW_TILES, lambda t, p: rows_times_group_tma(x, weight, offsets, True, t, p), forward),
+        "input grad": (TMA_ROW_TILES, lambda t, p: rows_times_group_tma(dy, weight, offsets, False, t, p), input_grad),
+        "weight grad": (TMA_WEIGHT_GRAD_TILES, lambda t, p: group_weight_grad_tma(dy, x, offsets, torch.empty_like(weight), False, t, p),
+                        weight_grad),
+        "wgrad fp32": (TMA_WEIGHT_GRAD_TILES, lambda t, p: group_weight_grad_tma(dy, x, offsets, main_grad, False, t, p), weight_grad),
+        # Added into main_grad: two calls on a zeroed buffer hold twice the product.
+        "wgrad fp32 +=": (TMA_WEIGHT_GRAD_TILES, lambda t, p: group_weight_grad_tma(dy, x, offsets, main_grad, True, t, p), 2 * weight_grad),
+    }
+
+
+def time_candidates(layer, gemm, candidate, dense, sms, main_grad, top) -> None:
+    """Check each TMA tile against the fp32 reference (two calls on a zeroed ``main_grad``, so
+    that the accumulating form is checked too), then time it; print the best."""
+    tiles, kernel, reference = candidate
+    timed = []
+    for tile in tiles:
+        launch = tma_launch(kernel, tile, sms)
+        try:
+            main_grad.zero_()
+            launch()
+            error = relative_error(launch(), reference)
+            if error > 1e-2:
+                print(f"  {layer} {gemm} TMA {tile}: WRONG, relative error {error:.1e}; not timed")
+                continue
+            timed.append((time_ms(launch, 3, 15), tile, error))
+        except Exception as exc:  # noqa: BLE001 - a tile that does not fit, or does not compile
+            print(f"  {layer} {gemm} TMA {tile}: {type(exc).__name__}: {str(exc)[:200]}")
+    timed.sort()
+    best = ", ".join(f"{tile} {ms:.3f} ms ({dense / ms:.0%}, error {err:.1e})" for ms, tile, err in timed[:top])
+    print(f"{layer} {gemm:<13} TMA candidates | best: {best}")
 
 
 if __name__ == "__main__":
