@@ -60,6 +60,11 @@ LAYOUT_FLAGS = {
     # mixture of experts (--model deepseek-v2-lite): experts split over 2 ranks, tokens exchanged all-to-all or all-gathered
     "ep2": (2, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]),
     "ep2ag": (2, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer", "--moe-token-dispatcher-type", "allgather"]),
+    # expert tensor parallelism: every expert's FFN split over 2 ranks (etp2), with ep on 4 GPUs, and ep beside tp + sp
+    "etp2": (2, ["--expert-tensor-parallel-size", "2", "--use-distributed-optimizer"]),
+    "ep4": (4, ["--expert-model-parallel-size", "4", "--use-distributed-optimizer"]),
+    "ep2etp2": (4, ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2", "--use-distributed-optimizer"]),
+    "tp2ep2": (4, ["--tp", "2", "--sequence-parallel", "--expert-model-parallel-size", "2", "--use-distributed-optimizer"]),
     "pp4": (4, ["--pp", "4"]),
     "pp4v2": (4, ["--pp", "4", "--virtual-pipeline-model-parallel-size", "2"]),
 }

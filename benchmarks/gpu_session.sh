@@ -33,6 +33,7 @@
 #   s4k    the final tree: the GPU tests this session touched; B4b and B1 (with HF)
 #   s4l    the final tree's B4b (default and bf16 moments) against torchtitan 0.2.2 compiled in one call (.whl/ carried)
 #   s5a    grouped GEMM GPU test; the TMA candidates against the library's autotune tiles and torch._grouped_mm (all five GEMMs); B4 layer in rounds
+#   s5x4   (4 GPUs) DeepSeek-V2-Lite x 4: dp2/ep2/etp2 on 2 of them, then dp4/ep4/ep2etp2/tp2ep2 (global batch 16)
 #   b1tune B1 eager / --compile / HF, then B1 with --gemm-tuning twice (the tuning run, then a run reading its file)
 set -uo pipefail
 part="$1" out="$2"; mkdir -p "$out"
@@ -273,6 +274,10 @@ s5a)
   grep -E "passed|failed|Error" "$out/gpu_tests_s5a.txt" | tail -3
   (cd benchmarks && timeout 420 python3 b4_grouped_sweep.py --candidates --library-tiles autotune --top 3 2>&1) | tee "$out/sweep_tma.txt"
   python3 benchmarks/b4_moe_layer.py --grouped-gemm torch --rounds 5 2>&1 | tee "$out/b4_layer.txt" ;;
+s5x4)
+  moe=(--model deepseek-v2-lite --layers 4 --micro-batch-size 2 --seq-length 4096 --steps 4 --warmup 2)
+  python3 benchmarks/b5_scaling.py "${moe[@]}" --global-batch 8 --layouts dp2,ep2,etp2 2>"$out/b5_moe2_stderr.txt" | tee "$out/b5_moe2.txt"
+  python3 benchmarks/b5_scaling.py "${moe[@]}" --global-batch 16 --layouts dp4,ep4,ep2etp2,tp2ep2 2>"$out/b5_moe4_stderr.txt" | tee "$out/b5_moe4.txt" ;;
 b1tune)
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,meshtron-compile,hf 2>"$out/b1_stderr.txt" | tee "$out/b1_compile.txt"
   for run in tuning reading; do
