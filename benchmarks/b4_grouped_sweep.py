@@ -114,10 +114,15 @@ def main() -> None:
             "wgrad fp32 +=": (weight_grad_tiles, lambda t: weight_grad_launch(dy, x, main_grad, offsets, t, accumulate=True)),
         }
         ends = offsets[1:]
-        peers = {  # torch._grouped_mm, the default backend's forward and input gradient, for scale
-            "forward": lambda: torch._grouped_mm(x, weight.transpose(1, 2), offs=ends),
-            "input grad": lambda: torch._grouped_mm(dy, weight, offs=ends),
-            "weight grad": lambda: torch._grouped_mm(dy.t(), x, offs=ends),
+        # torch._grouped_mm (the default backend's forward and input gradient) for scale, with the
+        # weight as stored ([E, N, K]) and transposed into the other memory order (does it care?)
+        weight_kn = weight.transpose(1, 2).contiguous()
+        peers = {
+            "forward": {"W stored": lambda: torch._grouped_mm(x, weight.transpose(1, 2), offs=ends),
+                        "W [E, K, N] copy": lambda: torch._grouped_mm(x, weight_kn, offs=ends)},
+            "input grad": {"W stored": lambda: torch._grouped_mm(dy, weight, offs=ends),
+                           "W [E, K, N] copy": lambda: torch._grouped_mm(dy, weight_kn.transpose(1, 2), offs=ends)},
+            "weight grad": {"dy^T x": lambda: torch._grouped_mm(dy.t(), x, offs=ends)},
         }
         candidates = tma_candidates(x, dy, weight, main_grad, offsets, sizes) if args.candidates else {}
         for gemm, (tiles, make) in gemms.items():
@@ -134,12 +139,12 @@ def main() -> None:
             timed.sort()
             best = ", ".join(f"{tile} {ms:.3f} ms ({dense / ms:.0%})" for ms, tile in timed[: args.top])
             print(f"{layer} {gemm:<13} dense {dense:.3f} ms | best: {best}")
-            if gemm in peers:
+            for label, peer in peers.get(gemm, {}).items():
                 try:
-                    ms = time_ms(peers[gemm], 3, 15)
-                    print(f"{layer} {gemm:<13} torch._grouped_mm {ms:.3f} ms ({dense / ms:.0%})")
+                    ms = time_ms(peer, 3, 15)
+                    print(f"{layer} {gemm:<13} torch._grouped_mm ({label}) {ms:.3f} ms ({dense / ms:.0%})")
                 except (RuntimeError, AttributeError) as exc:
-                    print(f"{layer} {gemm:<13} torch._grouped_mm: {type(exc).__name__}: {str(exc)[:200]}")
+                    print(f"{layer} {gemm:<13} torch._grouped_mm ({label}): {type(exc).__name__}: {str(exc)[:200]}")
 
 
 def tma_candidates(x, dy, weight, main_grad, offsets, sizes) -> dict:
