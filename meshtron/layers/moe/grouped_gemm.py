@@ -56,16 +56,18 @@ def _grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``torch._grouped_mm`` runs forward and backward here, with one empty group.
 
     Probed outside inference mode and with grad on whatever the first caller runs under, so a
-    first call from generation does not record a false "no".
+    first call from generation does not record a false "no". The probe's tensors are not random:
+    it runs inside the first forward, and drawing from the global generator there would shift
+    every later dropout mask and jitter (a resumed run would then differ from the straight one).
     """
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
         with torch.inference_mode(False), torch.enable_grad():
-            x = torch.randn(8, 16, device=device, dtype=dtype, requires_grad=True)
-            weight = torch.randn(3, 16, 16, device=device, dtype=dtype, requires_grad=True)
+            x = torch.ones(8, 16, device=device, dtype=dtype, requires_grad=True)
+            weight = torch.ones(3, 16, 16, device=device, dtype=dtype, requires_grad=True)
             out = grouped_mm_torch(x, weight, torch.tensor([3, 0, 5], device=device))
-            out.backward(torch.randn_like(out))
+            out.backward(torch.ones_like(out))
         return True
     except (RuntimeError, NotImplementedError):
         return False
