@@ -99,7 +99,7 @@ class Trainer:
             self.device = torch.device("cuda", torch.cuda.current_device())  # this rank's GPU
         if self.mesh.rank != 0:
             self.log = log = _silent  # one voice: global rank 0 logs
-        log(f"mesh: {self.mesh.describe()}" if self.mesh.world_size > 1 else "mesh: one process")
+        log(self.mesh.describe() if self.mesh.world_size > 1 else "mesh: one process")
         for line in noted_flag_lines(cfg.logging.noted_flags):
             log(line)
 
