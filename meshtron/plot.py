@@ -50,6 +50,8 @@ def read_scalars(directory: Path) -> dict[str, tuple[list[int], list[float]]]:
 
 
 def plot_run(run_dir: str, output: str = "") -> Path:
+    directory = event_dir(Path(run_dir))  # a wrong directory is named first: it needs no matplotlib
+    scalars = read_scalars(directory)
     try:
         import matplotlib
 
@@ -57,8 +59,6 @@ def plot_run(run_dir: str, output: str = "") -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         raise ConfigError("meshtron plot needs matplotlib: pip install 'meshtron[plot]' (or pip install matplotlib)") from None
-    directory = event_dir(Path(run_dir))
-    scalars = read_scalars(directory)
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     for ax, (title, series) in zip(axes.flat, PANELS):
         present = [(tag, label) for tag, label in series if tag in scalars]
