@@ -83,6 +83,8 @@ class ModelConfig:
     moe_router_enable_expert_bias: bool = False  # DeepSeek-V3 auxiliary-loss-free balancing (sigmoid)
     moe_router_bias_update_rate: float = 1e-3  # expert-bias step per iteration (with the expert bias)
     moe_jitter_eps: float = 0.0  # multiplies the router input by U(1-eps, 1+eps) in training
+    moe_router_force_load_balancing: bool = False  # benchmarks only: random router logits (gradient passed straight through)
+    moe_router_topk_limited_devices: int = 0  # Megatron's older device-limited routing: groups = ep ranks, this many per token
     moe_expert_capacity_factor: float = 0.0  # 0: dropless; else tokens beyond ceil(T*k/E*factor) per expert dropped
     moe_token_drop_policy: str = "probs"  # probs (lowest weight dropped) | position (latest position dropped)
     moe_pad_expert_input_to_capacity: bool = False  # every expert computes exactly capacity rows
@@ -473,6 +475,7 @@ def build_config(config_file: str | None = None, overrides: list[str] | None = N
         model.update(position_embedding_type="rope", rope_scaling="yarn")
     cfg = Config.from_dict(merged)
     _resolve_shared_experts(cfg.model)
+    _resolve_device_limited_routing(cfg)
     return cfg
 
 
@@ -480,6 +483,20 @@ def _resolve_shared_experts(m: ModelConfig) -> None:
     """PAI-Megatron's ``--num-shared-experts N`` is Megatron-Core's shared MLP of N expert widths."""
     if m.moe_num_shared_experts and not m.moe_shared_expert_intermediate_size:
         m.moe_shared_expert_intermediate_size = m.moe_num_shared_experts * (m.moe_ffn_hidden_size or m.ffn_hidden_size)
+
+
+def _resolve_device_limited_routing(cfg: Config) -> None:
+    """Megatron's ``--moe-router-topk-limited-devices N`` (DeepSeek-V2's device-limited routing,
+    since folded into group-limited routing there too): the experts of each ep rank form a group
+    and a token picks its top-k from the N best groups."""
+    m = cfg.model
+    if not m.moe_router_topk_limited_devices:
+        return
+    if m.moe_router_num_groups or m.moe_router_group_topk:
+        raise ConfigError("--moe-router-topk-limited-devices N is the older spelling of --moe-router-num-groups <ep> "
+                          "--moe-router-group-topk N; give one of them")  # fmt: skip
+    m.moe_router_num_groups = cfg.parallel.expert_parallel
+    m.moe_router_group_topk = m.moe_router_topk_limited_devices
 
 
 def world_size_from_env() -> int:

@@ -140,6 +140,8 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "moe-shared-expert-intermediate-size": "model.moe_shared_expert_intermediate_size",
     "moe-shared-expert-gate": ("model.moe_shared_expert_gate", True),
     "moe-layer-freq": "model.moe_layer_freq",
+    "moe-router-force-load-balancing": ("model.moe_router_force_load_balancing", True),
+    "moe-router-topk-limited-devices": "model.moe_router_topk_limited_devices",
     "moe-grouped-gemm": ("model.moe_grouped_gemm", "auto"),  # a switch there; --model.moe_grouped_gemm loop|torch|triton picks here
     # ... and the Stanford/MegaBlocks fork's (its --moe-capacity-factor 0 is dropless, as 0 is here;
     # its --moe-loss-weight is the layer-averaged coefficient, a field of its own).
@@ -234,6 +236,9 @@ VALUE_ALIASES: dict[str, dict[str, tuple[str, str]]] = {
     "checkpoint.ckpt_format": {
         "torch": ("torch_dist", "checkpoints are written as torch_dist (DCP); a legacy torch-format checkpoint cannot be loaded"),
     },
+    "model.moe_token_dispatcher_type": {
+        "flex": ("alltoall", "NCCL's variable-size all-to-all (counts first); DeepEP and HybridEP kernels are not used"),
+    },
     "data.tokenizer_type": {
         "DeepSeekV2Tokenizer": ("HuggingFaceTokenizer", "the tokenizer.json in --tokenizer-model (a local directory or file)"),
     },
@@ -257,6 +262,23 @@ _MODEL_AND_FUSION_NOTES = {
     "moe-use-legacy-grouped-gemm": (False, "meshtron's grouped GEMM per --moe-grouped-gemm; there is no legacy one"),
     "moe-shared-expert-overlap": (False, "shared experts run in order after the routed ones: a side stream for them measured no gain "
                                          "(DeepSeek-V2-Lite, 1 and 2 H200, ep2) and is not kept"),
+}
+_NO_DEEPEP = "DeepEP is not used: tokens travel by NCCL's all-to-all (--moe-token-dispatcher-type alltoall)"
+_MOE_NOTES = {
+    "moe-permute-fusion": (False, "always where Triton runs (--fused-kernels): gather kernels permute the tokens and combine the experts' outputs"),
+    "moe-router-fusion": (False, "always where it applies (--fused-kernels): one Triton kernel for the scores, the top-k and the balancing statistics"),
+    "moe-per-layer-logging": (False, "always: each MoE layer's balancing losses go to TensorBoard, and the expert loads to the log"),
+    "moe-lbl-in-fp32": (False, "always: the balancing and z-losses are computed in fp32"),
+    "moe-router-padding-for-fp8": (False, "not needed: the routed experts' grouped GEMMs stay bf16 under --fp8-format"),
+    "overlap-moe-expert-parallel-comm": (False, "not overlapped: the all-to-all runs between the router and the experts"),
+    "delay-wgrad-compute": (False, "never: weight gradients are computed in backward order"),
+    "moe-enable-deepep": (False, _NO_DEEPEP),
+    "moe-flex-dispatcher-backend": (True, _NO_DEEPEP),
+    "moe-deepep-num-sms": (True, _NO_DEEPEP),
+    # Refused with what to do instead (REFUSED_NOTED_VALUES), rather than "unknown flag".
+    "moe-use-upcycling": (False, ""),
+    "moe-extended-tp": (False, ""),
+    "moe-apply-probs-on-input": (False, ""),
 }
 _PARALLELISM_NOTES = {
     "overlap-grad-reduce": (False, "always on (gradient buckets are reduced during backward)"),
@@ -306,7 +328,7 @@ _OTHER_NOTES = {
     "use-checkpoint-args": (False, "never: the model comes from this run's flags; a checkpoint of another shape is refused at load"),
 }
 NOTED_FLAGS: dict[str, tuple[bool, str]] = {
-    **_MODEL_AND_FUSION_NOTES, **_PARALLELISM_NOTES, **_TP_OVERLAP_NOTES, **_PRECISION_NOTES, **_DATA_NOTES, **_LOGGING_NOTES, **_OTHER_NOTES,
+    **_MODEL_AND_FUSION_NOTES, **_MOE_NOTES, **_PARALLELISM_NOTES, **_TP_OVERLAP_NOTES, **_PRECISION_NOTES, **_DATA_NOTES, **_LOGGING_NOTES, **_OTHER_NOTES,
 }
 
 # Megatron's allowed values of the noted flags that take one from a fixed set; another value is
@@ -320,6 +342,7 @@ NOTED_VALUE_CHOICES: dict[str, tuple[str, ...]] = {
     "main-grads-dtype": ("fp32", "bf16"),
     "main-params-dtype": ("fp32", "fp16"),
     "train-mode": ("pretrain", "finetune"),
+    "moe-flex-dispatcher-backend": ("deepep", "hybridep"),
 }
 
 # Values of a noted flag that meshtron cannot honour: refused with what to do instead.
@@ -329,6 +352,10 @@ REFUSED_NOTED_VALUES: dict[tuple[str, str], str] = {
     ("transformer-impl", "inference_optimized"): "there is no inference-optimized implementation; drop --transformer-impl",
     ("main-grads-dtype", "bf16"): "gradients accumulate in the fp32 buffer; drop --main-grads-dtype bf16 (--grad-reduce-in-bf16 reduces them in bf16)",
     ("main-params-dtype", "fp16"): "master weights stay fp32; drop --main-params-dtype fp16",
+    ("moe-use-upcycling", ""): "no upcycling of a dense checkpoint into experts; train the MoE model from scratch or import one (meshtron convert hf-import)",
+    ("moe-extended-tp", ""): "Megatron deprecated it for --expert-tensor-parallel-size; give --expert-tensor-parallel-size <tp x ep> "
+                             "--expert-model-parallel-size 1",
+    ("moe-apply-probs-on-input", ""): "the routing weights scale the experts' outputs (unpermute), never their inputs; drop the flag",
 }
 
 

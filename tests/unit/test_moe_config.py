@@ -103,3 +103,42 @@ def test_megatron_and_megablocks_flags():
     assert megablocks.moe_expert_capacity_factor == 0  # dropless
     assert (megablocks.moe_loss_weight, megablocks.moe_jitter_eps) == (0.1, 0.01)
     assert build_config(overrides=["--model.moe_grouped_gemm", "loop"]).model.moe_grouped_gemm == "loop"
+
+
+def test_megatron_moe_performance_flags_are_accepted_and_say_what_meshtron_does():
+    from meshtron.flags import noted_flag_lines
+    from meshtron.validation import validate
+
+    flags = ["--preset", "tiny-mixtral", "--mock-data", "--moe-permute-fusion", "--moe-router-fusion", "--moe-per-layer-logging",
+             "--moe-lbl-in-fp32", "--moe-router-padding-for-fp8", "--overlap-moe-expert-parallel-comm", "--moe-enable-deepep",
+             "--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep", "--moe-deepep-num-sms", "20"]  # fmt: skip
+    cfg = build_config(None, flags)
+    validate(cfg)
+    assert cfg.model.moe_token_dispatcher_type == "alltoall"  # flex: the same tokens, by NCCL's all-to-all
+    lines = "\n".join(noted_flag_lines(cfg.logging.noted_flags))
+    assert "--moe-permute-fusion: always where Triton runs" in lines and "--moe-flex-dispatcher-backend deepep: DeepEP is not used" in lines
+    assert "--moe-token-dispatcher-type flex: meshtron's alltoall, NCCL's variable-size all-to-all" in lines
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--moe-use-upcycling"], "no upcycling of a dense checkpoint"),
+    (["--moe-extended-tp"], "--expert-tensor-parallel-size <tp x ep>"),
+    (["--moe-apply-probs-on-input"], "scale the experts' outputs"),
+    (["--moe-flex-dispatcher-backend", "nccl"], "not one of Megatron's values (deepep | hybridep)"),
+])  # fmt: skip
+def test_megatron_moe_flags_meshtron_cannot_honour_are_refused_with_what_to_do(flags, message):
+    from meshtron.errors import ConfigError
+    from meshtron.validation import validate
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("|", r"\|")):
+        validate(build_config(None, ["--preset", "tiny-mixtral", "--mock-data", *flags]))
+
+
+def test_device_limited_routing_is_group_limited_routing_over_the_ep_ranks():
+    from meshtron.errors import ConfigError
+
+    cfg = build_config(None, ["--preset", "tiny-mixtral", "--expert-model-parallel-size", "2", "--moe-router-topk-limited-devices", "1"])
+    assert (cfg.model.moe_router_num_groups, cfg.model.moe_router_group_topk) == (2, 1)
+    assert not moe_config_errors(cfg.model)
+    with pytest.raises(ConfigError, match="older spelling of --moe-router-num-groups"):
+        build_config(None, ["--preset", "tiny-mixtral", "--moe-router-topk-limited-devices", "1", "--moe-router-num-groups", "2"])

@@ -93,3 +93,17 @@ def test_expert_bias_update_lowers_overloaded_experts_and_stays_fp32():
     router.update_expert_bias(torch.tensor([10, 0, 2, 4]))  # mean 4
     torch.testing.assert_close(router.expert_bias, torch.tensor([-0.01, 0.01, 0.01, 0.0]))
     assert "expert_bias" in router.state_dict()
+
+
+def test_forced_load_balancing_routes_evenly_whatever_the_gate_and_passes_its_gradient_through():
+    cfg = ModelConfig(hidden_size=8, num_experts=4, moe_router_topk=2, moe_router_force_load_balancing=True)
+    router = Router(cfg)
+    with torch.no_grad():
+        router.weight.zero_()
+        router.weight[0] = 10.0  # the gate alone would send every token to expert 0
+    tokens = torch.ones(4000, 8, requires_grad=True)
+    routing = router(tokens)
+    counts = torch.bincount(routing.experts.reshape(-1), minlength=4)
+    assert counts.min() > 0.9 * 2000 and counts.max() < 1.1 * 2000  # T*k/E = 2000 each
+    routing.probs[:, 0].sum().backward()  # not the sum of both: that is 1 for every token
+    assert router.weight.grad.abs().sum() > 0 and tokens.grad.abs().sum() > 0

@@ -133,6 +133,7 @@ class Router(nn.Module):
         self.group_score = cfg.moe_router_group_score
         self.dtype = ROUTER_DTYPES[cfg.moe_router_dtype]
         self.jitter_eps = cfg.moe_jitter_eps
+        self.force_load_balancing = cfg.moe_router_force_load_balancing
         self.bias_update_rate = cfg.moe_router_bias_update_rate
         self.fused_kernels = cfg.fused_kernels
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
@@ -161,6 +162,8 @@ class Router(nn.Module):
         else:
             dtype = self.dtype or tokens.dtype
             logits = F.linear(tokens.to(dtype), self.weight.to(dtype))
+        if self.force_load_balancing:
+            logits = _RandomLogits.apply(logits)
         rows = batch_size if needed.per_sequence else 1
         if self._fusable(logits, rows):
             probs, experts, statistics = _fused_routing(logits, self.topk, self.score_function == "softmax", self.pre_softmax,
@@ -210,6 +213,27 @@ class Router(nn.Module):
         """
         load = tokens_per_expert.to(self.expert_bias.device, torch.float32)
         self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
+
+
+class _RandomLogits(torch.autograd.Function):
+    """``--moe-router-force-load-balancing`` (Megatron's, for benchmarks only): the gate's logits
+    replaced by standard normal draws, so every expert gets about T*k/E rows whatever the weights;
+    the gradient passes straight through to the gate. One generator per device, seeded 42 and
+    shared by the layers, the same on every rank (tensor-parallel ranks that share tokens must
+    route them alike); a resumed run starts its draws again."""
+
+    generators: dict[torch.device, torch.Generator] = {}
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor) -> torch.Tensor:
+        generator = _RandomLogits.generators.get(logits.device)
+        if generator is None:
+            generator = _RandomLogits.generators[logits.device] = torch.Generator(logits.device).manual_seed(42)
+        return torch.randn(logits.shape, generator=generator, device=logits.device, dtype=logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
 
 
 @torch.compiler.disable  # a graph break: the kernels run eagerly inside a compiled block
