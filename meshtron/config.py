@@ -83,6 +83,7 @@ class ModelConfig:
     moe_router_enable_expert_bias: bool = False  # DeepSeek-V3 auxiliary-loss-free balancing (sigmoid)
     moe_router_bias_update_rate: float = 1e-3  # expert-bias step per iteration (with the expert bias)
     moe_jitter_eps: float = 0.0  # multiplies the router input by U(1-eps, 1+eps) in training
+    moe_layer_recompute: bool = False  # keep only each MoE layer's input; rerun the layer (collectives too) in backward
     moe_router_force_load_balancing: bool = False  # benchmarks only: random router logits (gradient passed straight through)
     moe_router_topk_limited_devices: int = 0  # Megatron's older device-limited routing: groups = ep ranks, this many per token
     moe_expert_capacity_factor: float = 0.0  # 0: dropless; else tokens beyond ceil(T*k/E*factor) per expert dropped

@@ -208,8 +208,8 @@ def activation_bytes_per_token_layer(cfg: Config, granularity: str | None = None
     norm_outputs = 2 * linear_in * m.hidden_size  # kept (gathered, under sp) by the QKV and fc1 linears
     keep_core = (granularity if granularity is not None else m.recompute_granularity) != "selective"
     attention = attention_bytes_per_token(cfg, a, linear_in, keep_core)
-    if is_moe:
-        return residual + norm_outputs + attention + moe_bytes_per_token(cfg, a)
+    if is_moe:  # --moe-layer-recompute: the layer keeps only its input, the norm output counted above
+        return residual + norm_outputs + attention + (0 if m.moe_layer_recompute else moe_bytes_per_token(cfg, a))
     ffn = ffn_hidden_size(m)
     mlp = (2 if m.activation == "swiglu" else 1) * a * ffn + linear_in * ffn
     return residual + norm_outputs + attention + mlp / p.tensor_parallel
@@ -248,14 +248,17 @@ def block_activations(cfg: Config) -> list[tuple[float, float]]:
 def activation_bytes(cfg: Config, world_size: int = 1) -> int:
     """Activations of the first pipeline stage: its blocks x micro batches in flight (1F1B keeps
     up to pp of them on the first stage), or under full recompute the checkpointed inputs plus one
-    recomputed group."""
+    recomputed group; with ``--moe-layer-recompute`` plus one MoE layer rerun."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     all_blocks = block_activations(cfg)
     blocks = [all_blocks[i] for i in first_stage_blocks(cfg, len(all_blocks), world_size)]
     micro = t.global_batch_size // (t.micro_batch_size * max(1, data_parallel_size(cfg, world_size)))
     in_flight = min(p.pipeline_parallel, micro) if p.pipeline_parallel > 1 else 1
+    moe_rerun = 0  # --moe-layer-recompute: one MoE layer's activations exist again while its backward runs
+    if m.moe_layer_recompute and m.num_experts:
+        moe_rerun = max(tokens for tokens, _ in blocks) * moe_bytes_per_token(cfg, _DTYPE_BYTES[t.precision])
     if m.recompute_granularity != "full":
-        return int(sum(kept for _, kept in blocks) * in_flight)
+        return int(sum(kept for _, kept in blocks) * in_flight + moe_rerun)
     kept_per_token = m.hidden_size * _DTYPE_BYTES[t.precision] / _token_shard(cfg)
     n = min(m.recompute_num_layers, len(blocks))
     if m.recompute_method == "uniform":  # groups of n blocks, each keeping its input
@@ -265,7 +268,7 @@ def activation_bytes(cfg: Config, world_size: int = 1) -> int:
     else:  # block: the first n blocks keep their inputs, the rest everything
         stage = sum(tokens * kept_per_token for tokens, _ in blocks[:n]) + sum(kept for _, kept in blocks[n:])
         recomputed = sum(kept for _, kept in blocks[:n])
-    return int(stage * in_flight + recomputed)
+    return int(stage * in_flight + recomputed + moe_rerun)
 
 
 def loss_bytes(cfg: Config) -> int:

@@ -140,6 +140,7 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "moe-shared-expert-intermediate-size": "model.moe_shared_expert_intermediate_size",
     "moe-shared-expert-gate": ("model.moe_shared_expert_gate", True),
     "moe-layer-freq": "model.moe_layer_freq",
+    "moe-layer-recompute": ("model.moe_layer_recompute", True),
     "moe-router-force-load-balancing": ("model.moe_router_force_load_balancing", True),
     "moe-router-topk-limited-devices": "model.moe_router_topk_limited_devices",
     "moe-grouped-gemm": ("model.moe_grouped_gemm", "auto"),  # a switch there; --model.moe_grouped_gemm loop|torch|triton picks here

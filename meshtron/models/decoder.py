@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from meshtron.config import ModelConfig
 from meshtron.layers.attention import Attention, head_dim, num_kv_heads
@@ -52,6 +53,7 @@ class TransformerBlock(nn.Module):
         self.self_attention = MultiLatentAttention(cfg, layer_number) if cfg.multi_latent_attention else Attention(cfg, layer_number, causal)
         self.pre_mlp_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, cfg.fused_kernels)
         self.mlp = MoELayer(cfg) if moe else MLP(cfg)
+        self.recompute_mlp = moe and cfg.moe_layer_recompute
         self.dropout = nn.Dropout(cfg.hidden_dropout)
         self.residual_after_norm = cfg.apply_residual_connection_post_layernorm
 
@@ -72,7 +74,11 @@ class TransformerBlock(nn.Module):
         attn = self.self_attention(normed, cos, sin, position_ids, document_ids, kv_cache, padding_mask, **bias)
         x = (normed if self.residual_after_norm else x) + self.dropout(attn)
         normed = self.pre_mlp_layernorm(x)
-        return (normed if self.residual_after_norm else x) + self.dropout(self.mlp(normed))
+        if self.recompute_mlp and torch.is_grad_enabled():  # --moe-layer-recompute: the jitter's RNG state is replayed
+            mlp = checkpoint(self.mlp, normed, use_reentrant=False)
+        else:
+            mlp = self.mlp(normed)
+        return (normed if self.residual_after_norm else x) + self.dropout(mlp)
 
 
 def decoder_plan(cfg: ModelConfig) -> c.Plan:

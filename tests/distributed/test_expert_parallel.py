@@ -5,7 +5,8 @@ One spawn of 4 gloo processes (fp32, CPU) runs every case through the same runne
 - ep2 inside dp4 (edp 2), ep4 inside dp4 (edp 1) with both dispatchers, ep2 x tp2, ep2 x pp2,
   ep2 x tp2 with sequence parallelism (DeepSeek's per-sequence balancing loss, shared experts
   with a gate): the step loss, each balancing term and every gradient equal one process's
-  (1e-5 relative); alltoall and allgather give bit-identical results;
+  (1e-5 relative); alltoall and allgather give bit-identical results; ep2 inside dp4 with
+  ``--moe-layer-recompute`` (the all-to-alls rerun in backward) the same;
 - context parallelism, where each rank holds two chunks of every sequence and the balancing
   statistics are summed over cp: cp2 x dp2 (aux_loss and z-loss; seq_aux_loss), ep2 inside
   cp2 x dp2 (the ep group is the cp group), ep4 over cp2 x dp2 with the allgather dispatcher, and
@@ -53,7 +54,9 @@ MOE_SEQUENCE = ModelConfig(**{**MOE.__dict__, "moe_router_load_balancing_type": 
                               "moe_shared_expert_intermediate_size": 32, "moe_shared_expert_gate": True})  # fmt: skip
 MOE_BIAS = ModelConfig(**{**MOE.__dict__, "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
                           "moe_router_bias_update_rate": 0.01})  # fmt: skip
-CONFIGS = {"moe": MOE, "allgather": MOE_ALLGATHER, "sequence": MOE_SEQUENCE, "bias": MOE_BIAS}
+# --moe-layer-recompute: the all-to-alls run again in backward, in the same order on every rank.
+MOE_RECOMPUTE = ModelConfig(**{**MOE.__dict__, "moe_layer_recompute": True})
+CONFIGS = {"moe": MOE, "allgather": MOE_ALLGATHER, "sequence": MOE_SEQUENCE, "bias": MOE_BIAS, "recompute": MOE_RECOMPUTE}
 # name: (mesh sizes, config, sequence parallel)
 LAYOUTS = {
     "ep2_dp4": (dict(dp=4, ep=2), "moe", False),
@@ -69,6 +72,7 @@ LAYOUTS = {
     "ep2_cp2_dp2": (dict(cp=2, dp=2, ep=2), "moe", False),
     "ep4_cp2_dp2_allgather": (dict(cp=2, dp=2, ep=4), "allgather", False),
     "ep2_cp2_tp2_sp": (dict(tp=2, cp=2, ep=2), "sequence", True),
+    "ep2_dp4_moe_recompute": (dict(dp=4, ep=2), "recompute", False),
 }
 # name: (mesh sizes, sequence parallel, distributed optimizer), all with MOE_BIAS
 STEPS = {"ep2_dp4_distopt": (dict(dp=4, ep=2), False, True), "ep2_tp2_sp": (dict(tp=2, dp=2, ep=2), True, False),

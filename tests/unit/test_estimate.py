@@ -113,6 +113,20 @@ def test_deepseek_v2_lite_on_8_gpus_shards_experts_over_ep_and_their_optimizer_o
     assert stage_parameters(tp2).expert == 2 * stage_parameters(etp2).expert == whole.expert // 4
 
 
+def test_moe_layer_recompute_keeps_the_inputs_and_one_layer_rerun():
+    """With ``--moe-layer-recompute`` every MoE layer drops its experts' activations (its input is
+    the norm output already counted) and one layer's come back while its backward reruns it;
+    tests/unit/test_recompute.py measures the drop on autograd's saved tensors."""
+    flags = ["--preset", "deepseek-v2-lite", "--bf16", "--micro-batch-size", "1", "--global-batch-size", "1", "--num-layers", "4",
+             "--moe-layer-freq", "([0]+[1]*3)"]
+    plain, recomputed = build_config(overrides=flags), build_config(overrides=[*flags, "--moe-layer-recompute"])
+    tokens = plain.data.seq_length
+    moe = tokens * moe_bytes_per_token(plain, 2)
+    assert block_activations(recomputed)[1][1] == pytest.approx(block_activations(plain)[1][1] - moe)
+    assert block_activations(recomputed)[0] == block_activations(plain)[0]  # layer 0 is dense
+    assert activation_bytes(recomputed) == pytest.approx(activation_bytes(plain) - 3 * moe + moe, abs=2)
+
+
 def test_moe_and_mla_activations():
     """A MoE layer keeps top-k copies of each token through its experts: more with a larger k or
     wider experts, the same per rank under ep (balanced loads), fewer under etp; a dense layer

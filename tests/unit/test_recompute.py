@@ -1,4 +1,5 @@
-"""Activation recompute changes memory, never numbers: losses and gradients equal a plain run."""
+"""Activation recompute changes memory, never numbers: losses and gradients equal a plain run,
+the mixture-of-experts layer's own recompute (``--moe-layer-recompute``) included."""
 
 import dataclasses
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 
 from meshtron.config import build_config
+from meshtron.layers.moe import MoELayer
 from meshtron.models import build_model
 
 SETTINGS = [
@@ -25,9 +27,11 @@ def _run(preset: str, dropout: float, document_ids: bool, **fields):
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 96, (2, 32), generator=gen)
     docs = torch.cumsum(torch.rand(2, 32, generator=gen) < 0.1, dim=1) if document_ids else None
-    torch.manual_seed(2)  # the dropout masks
+    torch.manual_seed(2)  # the dropout masks (and a router's jitter or random logits)
     loss = model(tokens, document_ids=docs, labels=torch.roll(tokens, -1, 1))
-    loss.sum().backward()
+    # The balancing and z-losses, taken before backward (a recomputed layer sets them again).
+    aux = sum(sum(m.last_aux_losses.values()) for m in model.modules() if isinstance(m, MoELayer))
+    (loss.sum() + aux).backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
@@ -49,3 +53,40 @@ def test_recompute_off_without_gradients():
     tokens = torch.randint(0, 96, (1, 16))
     with torch.no_grad():
         assert model(tokens).shape == (1, 16, 96)
+
+
+MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48, moe_shared_expert_intermediate_size=32, moe_layer_freq="([0]+[1]*3)",
+           moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3, moe_jitter_eps=0.01)  # fmt: skip
+
+
+@pytest.mark.parametrize("extra", [{}, {"moe_router_force_load_balancing": True, "moe_router_score_function": "sigmoid"},
+                                   {"recompute_granularity": "full", "recompute_num_layers": 2}])  # fmt: skip
+def test_moe_layer_recompute_gradients_identical(extra):
+    """The MoE layers rerun in backward (inside full recompute too): same routing (the jitter's
+    and the random logits' draws replayed), same loss and gradients, bit for bit."""
+    ref_loss, ref_grads = _run("tiny-llama", 0.1, False, **MOE, **extra)
+    loss, grads = _run("tiny-llama", 0.1, False, **MOE, **extra, moe_layer_recompute=True)
+    assert torch.equal(loss, ref_loss)
+    for name, g in ref_grads.items():
+        assert torch.equal(grads[name], g), name
+
+
+def test_moe_layer_recompute_keeps_only_the_layer_input():
+    """What autograd keeps for a MoE block with the layer recomputed: its MLP part shrinks to the
+    input the checkpoint holds (the attention part is unchanged)."""
+    def kept_bytes(**fields) -> int:
+        cfg = dataclasses.replace(build_config(overrides=["--model.preset", "tiny-llama"]).model, **{**MOE, "moe_layer_freq": "1"}, num_layers=1, **fields)
+        torch.manual_seed(0)
+        model = build_model(cfg, 96, 32)
+        total = [0]
+
+        def pack(t):
+            total[0] += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(torch.randint(0, 96, (2, 32)), labels=torch.randint(0, 96, (2, 32)))
+        return total[0]
+
+    plain, recomputed = kept_bytes(), kept_bytes(moe_layer_recompute=True)
+    assert recomputed < plain / 2, (plain, recomputed)

@@ -218,18 +218,13 @@ class Router(nn.Module):
 class _RandomLogits(torch.autograd.Function):
     """``--moe-router-force-load-balancing`` (Megatron's, for benchmarks only): the gate's logits
     replaced by standard normal draws, so every expert gets about T*k/E rows whatever the weights;
-    the gradient passes straight through to the gate. One generator per device, seeded 42 and
-    shared by the layers, the same on every rank (tensor-parallel ranks that share tokens must
-    route them alike); a resumed run starts its draws again."""
-
-    generators: dict[torch.device, torch.Generator] = {}
+    the gradient passes straight through to the gate. Drawn from the default generator, like the
+    jitter: the same on every rank (tensor-parallel ranks that share tokens route them alike),
+    replayed by activation recompute and restored on resume."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor) -> torch.Tensor:
-        generator = _RandomLogits.generators.get(logits.device)
-        if generator is None:
-            generator = _RandomLogits.generators[logits.device] = torch.Generator(logits.device).manual_seed(42)
-        return torch.randn(logits.shape, generator=generator, device=logits.device, dtype=logits.dtype)
+        return torch.randn(logits.shape, device=logits.device, dtype=logits.dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
