@@ -102,7 +102,7 @@ class ModelConfig:
     qk_head_dim: int = 128  # per-head query/key dims without RoPE (HF qk_nope_head_dim)
     qk_pos_emb_head_dim: int = 64  # per-head query dims with RoPE, and the one shared RoPE key (HF qk_rope_head_dim)
     v_head_dim: int = 128  # MLA: per-head value dims
-    qk_layernorm: bool = False  # MLA: norm the q and kv latents (DeepSeek has them); not implemented without MLA
+    qk_layernorm: bool = False  # norm each head's q and k (standard attention; Qwen3) or MLA's q and kv latents (DeepSeek)
     rope_beta_fast: float = 32.0  # YaRN: fast-rotating boundary (rotations per context)
     rope_beta_slow: float = 1.0  # YaRN: slow-rotating boundary
     rope_mscale: float = 1.0  # YaRN: attention temperature scale

@@ -133,7 +133,8 @@ def _token_shard(cfg: Config) -> int:
 
 def attention_bytes_per_token(cfg: Config, a: int, linear_in: int, keep_core: bool) -> float:
     """Per token, one rank: a standard attention keeps its QKV output (alive because v is a view
-    of it), RoPE'd q and k (with RoPE), the attention output and log-sum-exp (``keep_core``) and
+    of it), RoPE'd q and k (with RoPE), with ``--qk-layernorm`` the q norm's input and the norms'
+    statistics, the attention output and log-sum-exp (``keep_core``) and
     the projection's input (counted as a contiguous copy; a kernel whose output is laid out
     [b, s, heads, d] makes it a view). MLA keeps its down-projections' outputs (whole on every
     rank, sequence-sharded under sp; the latent norms keep them), the normed latents the
@@ -153,7 +154,10 @@ def attention_bytes_per_token(cfg: Config, a: int, linear_in: int, keep_core: bo
         return down + linear_in * (rank + lora) + by_heads / tp
     q, kv = heads * head_dim(m), num_kv_heads(m) * head_dim(m)
     roped = a * (q + kv) if m.position_embedding_type == "rope" else 0  # learned positions attend q, k, v as views
-    return (a * (q + 2 * kv) + roped + core(q) + linear_in * q) / tp
+    # --qk-layernorm: the q norm keeps its input (q's heads flattened out of QKV: a copy; k stays a
+    # view) and both keep fp32 statistics per head row.
+    qk_norms = a * q + 4 * (heads + num_kv_heads(m)) if m.qk_layernorm else 0
+    return (a * (q + 2 * kv) + roped + qk_norms + core(q) + linear_in * q) / tp
 
 
 def moe_bytes_per_token(cfg: Config, a: int) -> float:

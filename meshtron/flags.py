@@ -152,7 +152,8 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "moe-loss-weight": "model.moe_loss_weight",
     "moe-jitter-eps": "model.moe_jitter_eps",
     # DeepSeek-V2 multi-head latent attention and YaRN (meshtron/layers/mla.py). --qk-layernorm
-    # norms MLA's q and kv latents (Megatron's meaning under MLA; DeepSeek's checkpoints have both).
+    # norms MLA's q and kv latents (Megatron's meaning under MLA; DeepSeek's checkpoints have both),
+    # and each head's q and k in standard attention (Megatron-Core's meaning there; Qwen3's norms).
     # Megatron's --qk-head-dim is the no-RoPE part; PAI-Megatron-Patch (the ROCm DeepSeek script)
     # spells it --qk-nope-head-dim and the RoPE part --qk-rope-head-dim, like HF.
     "multi-latent-attention": ("model.multi_latent_attention", True),

@@ -115,6 +115,27 @@ _MIXTRAL = {
 }
 
 
+# Qwen3-MoE (HF Qwen/Qwen3-30B-A3B config.json): Llama blocks with per-head q and k RMSNorms
+# (--qk-layernorm), head_dim 128, every MLP 128 experts of 768, top-8 renormalized (meshtron's
+# default routing: norm_topk_prob true), no shared expert, rope theta 1e6, 40k context (32k trained);
+# router_aux_loss_coef 0.001 as the layer-averaged --moe-loss-weight 0.001 x k (see models/hf_qwen.py).
+_QWEN3_MOE = {
+    **_LLAMA,
+    "model.norm_epsilon": 1e-6,
+    "model.rotary_base": 1e6,
+    "model.vocab_size": 151936,
+    "model.max_position_embeddings": 40960,
+    "model.kv_channels": 128,
+    "model.qk_layernorm": True,
+    "model.num_experts": 128,
+    "model.moe_router_topk": 8,
+    "model.moe_ffn_hidden_size": 768,
+    "model.moe_layer_freq": "1",
+    "model.moe_loss_weight": 0.008,
+    "data.seq_length": 32768,
+}
+
+
 def _deepseek(layers: int, hidden: int, heads: int, ffn: int, experts: int, expert_ffn: int, **fields: Any) -> dict[str, Any]:
     return {
         **_DEEPSEEK_V2,
@@ -151,6 +172,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "mixtral-8x7b": {**_MIXTRAL, **_shape(32, 4096, 32, kv_heads=8, ffn=14336), "model.moe_ffn_hidden_size": 14336},
     "deepseek-v2-lite": _deepseek(27, 2048, 16, 10944, 64, 1408),
+    "qwen3-30b-a3b": {**_QWEN3_MOE, **_shape(48, 2048, 32, kv_heads=4, ffn=6144)},
     # V2's router is group-limited (HF topk_method group_limited_greedy): 8 groups of 20 experts, a
     # token's top-6 from the 3 groups whose best expert scores highest, weights times
     # routed_scaling_factor 16.

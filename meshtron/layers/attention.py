@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from meshtron.config import ModelConfig
 from meshtron.layers.document_attention import flex_document_attention, uses_flex
 from meshtron.layers.kv_cache import KVCache
+from meshtron.layers.norms import build_norm
 from meshtron.layers.rope import apply_rotary
 
 
@@ -188,6 +189,10 @@ class Attention(SelfAttentionBase):
         qkv_out = (heads + 2 * kv_heads) * self.head_dim
         self.linear_qkv = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.add_bias_linear or cfg.add_qkv_bias)
         self.linear_proj = nn.Linear(heads * self.head_dim, cfg.hidden_size, bias=cfg.add_bias_linear)
+        # --qk-layernorm (Megatron-Core's; Qwen3's q_norm / k_norm): one norm over each head's
+        # head_dim, shared by the heads, on q and on k before RoPE.
+        self.q_layernorm = build_norm(cfg.normalization, self.head_dim, cfg.norm_epsilon, cfg.fused_kernels) if cfg.qk_layernorm else None
+        self.k_layernorm = build_norm(cfg.normalization, self.head_dim, cfg.norm_epsilon, cfg.fused_kernels) if cfg.qk_layernorm else None
 
     def _local_groups(self, qkv_heads: int) -> tuple[int, int]:
         """(kv groups, queries per group) of the fused projection's output, ``qkv_heads`` heads wide.
@@ -229,6 +234,8 @@ class Attention(SelfAttentionBase):
         # not slices and selects, whose backwards each zero-fill a whole qkv-sized gradient.
         q, k, v = qkv.split([group_size, 1, 1], dim=3)
         q, k, v = q.flatten(2, 3), k.squeeze(3), v.squeeze(3)
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if self.use_rope:
             q = apply_rotary(q, cos, sin, position_ids, self.fused_kernels)
             k = apply_rotary(k, cos, sin, position_ids, self.fused_kernels)

@@ -204,8 +204,6 @@ def mla_config_errors(cfg: ModelConfig) -> list[str]:
         if cfg.rope_mscale < 0 or cfg.rope_mscale_all_dim < 0:
             errors.append(f"--mscale and --mscale-all-dim must not be negative, got {cfg.rope_mscale} and {cfg.rope_mscale_all_dim}")
     if not cfg.multi_latent_attention:
-        if cfg.qk_layernorm:
-            errors.append("--qk-layernorm is implemented only with --multi-latent-attention (where it norms the q and kv latents)")
         return errors
     for flag, value in (("--kv-lora-rank", cfg.kv_lora_rank), ("--qk-head-dim", cfg.qk_head_dim),
                         ("--qk-pos-emb-head-dim", cfg.qk_pos_emb_head_dim), ("--v-head-dim", cfg.v_head_dim)):  # fmt: skip

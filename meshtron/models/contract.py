@@ -194,6 +194,13 @@ class SequenceParallelNorm:
 
 
 @dataclass(frozen=True)
+class SharedByHeads:
+    """A module every tp rank holds whole and applies to each of its own attention heads (the
+    per-head q and k norms of ``--qk-layernorm``): each rank's gradient covers its heads only, a
+    partial sum added up over tp after backward, with or without sequence parallelism."""
+
+
+@dataclass(frozen=True)
 class ScatterToSequence:
     """A module whose output covers the whole sequence on every tp rank (learned positions):
     under sequence parallelism it is cut to this rank's sequence shard."""
@@ -259,7 +266,7 @@ class GatherOverDataParallel:
 
 
 Style = (ColumnParallel | RowParallel | VocabParallelEmbedding | VocabParallelOutput | HeadParallelTable | SequenceParallelNorm
-         | ScatterToSequence | FirstTokenOfSequence | ContextParallelCore | EnterTensorParallel | ExpertParallel | SequenceSum
+         | SharedByHeads | ScatterToSequence | FirstTokenOfSequence | ContextParallelCore | EnterTensorParallel | ExpertParallel | SequenceSum
          | GatherOverDataParallel)  # fmt: skip
 Plan = list[tuple[str, Style]]  # (fnmatch pattern over module names, style); first match wins
 
@@ -274,7 +281,8 @@ class ParamMeta:
     The optimizer (grad norm, weight decay), the gradient buffers, FSDP, the distributed
     optimizer and the checkpoint read this record; no parameter carries layout attributes.
     ``tp_dim`` is the dim split over tp (None: whole on every tp rank), ``layout`` how its rows map
-    to ranks. ``sequence_partial``: its gradient is a partial sum over tp (sequence parallelism).
+    to ranks. ``partial_over_tp``: its gradient is a partial sum over tp (sequence parallelism, or
+    a module applied to each rank's heads).
     ``pipeline_copy``: "" for most; "first"/"other" for a weight two pipeline stages hold (a tied
     embedding), whose gradients are summed between them and counted once, on "first".
     ``grad_group``: the mesh dimension its gradient is reduced over ("edp" for routed experts).
@@ -291,7 +299,7 @@ class ParamMeta:
     layout: Layout = Contiguous()
     tp_size: int = 1
     tp_rank: int = 0
-    sequence_partial: bool = False
+    partial_over_tp: bool = False
     pipeline_copy: str = ""
     grad_group: str = "dp_cp"
     weight_decay: bool = True

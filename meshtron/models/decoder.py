@@ -105,8 +105,9 @@ def decoder_plan(cfg: ModelConfig) -> c.Plan:
         replicated = [(attn + name, c.SequenceParallelNorm())
                       for name in ("linear_q_down_proj", "q_layernorm", "linear_kv_down_proj", "kv_layernorm")]  # fmt: skip
         attention = [*by_heads, *replicated, (attn + "rope_key_to_heads", c.EnterTensorParallel())]
-    else:
-        attention = [(attn + "linear_qkv", c.ColumnParallel(c.GroupedHeads(kv, heads // kv, head_dim(cfg))))]
+    else:  # --qk-layernorm's norms act on this rank's heads: their gradients are partial over tp
+        attention = [(attn + "linear_qkv", c.ColumnParallel(c.GroupedHeads(kv, heads // kv, head_dim(cfg)))),
+                     *[(attn + name, c.SharedByHeads()) for name in ("q_layernorm", "k_layernorm")]]  # fmt: skip
     return [
         ("embedding", c.VocabParallelEmbedding()),
         ("position_embedding", c.ScatterToSequence()),
@@ -311,6 +312,7 @@ def layer_parameter_counts(cfg: ModelConfig, active: bool = False) -> list[int]:
     qkv_out = (cfg.num_attention_heads + 2 * num_kv_heads(cfg)) * head_dim(cfg)
     qkv_bias = int(cfg.add_bias_linear or cfg.add_qkv_bias)
     attention = h * qkv_out + qkv_bias * qkv_out + cfg.num_attention_heads * head_dim(cfg) * h + bias * h
+    attention += 2 * head_dim(cfg) * (2 if cfg.normalization == "LayerNorm" else 1) if cfg.qk_layernorm else 0
     if cfg.multi_latent_attention:
         attention = mla_parameter_count(cfg)
 

@@ -8,8 +8,8 @@ no GPU, no process group), the exporters yield the HF tensors layer by layer, an
 ``hf_shards.py`` writes them into shards of ``--max-shard-size``, so it needs about one shard
 plus one layer of memory, not the model's size. Llama-style models
 (RMSNorm, SwiGLU, RoPE incl. Llama 3.1 scaling, GQA) go both ways; GPT-2, Mixtral
-(``models/hf_mixtral.py``: Llama with routed experts), Qwen2-MoE (``models/hf_qwen2_moe.py``: plus
-q/k/v biases and a gated shared expert), DeepSeek-V2 (``models/hf_deepseek.py``: latent
+(``models/hf_mixtral.py``: Llama with routed experts), Qwen2-MoE, Qwen3 and Qwen3-MoE
+(``models/hf_qwen.py``: plus q/k/v biases and a gated shared expert, or per-head q/k norms), DeepSeek-V2 (``models/hf_deepseek.py``: latent
 attention, YaRN, experts) and BERT (``models/hf_bert.py``: post-LN, token types, masked-LM and
 next-sentence heads) go both ways too.
 
@@ -56,7 +56,7 @@ from meshtron.models.hf_bert import (bert_export, bert_export_notes, bert_export
                                      bert_model_config)  # fmt: skip
 from meshtron.models.hf_deepseek import deepseek_hf_config, deepseek_import, deepseek_export, deepseek_model_config, is_deepseek
 from meshtron.models.hf_mixtral import mixtral_export, mixtral_hf_config, mixtral_import, mixtral_model_config
-from meshtron.models.hf_qwen2_moe import is_qwen2_moe, qwen2_moe_export, qwen2_moe_hf_config, qwen2_moe_import, qwen2_moe_model_config
+from meshtron.models.hf_qwen import QWEN_TYPES, qwen_export, qwen_family, qwen_hf_config, qwen_import, qwen_model_config
 from meshtron.models.hf_shards import DEFAULT_MAX_SHARD_SIZE, INDEX, WEIGHTS, parse_size, write_shards
 from meshtron.progress import progress
 
@@ -98,10 +98,10 @@ def model_config_from_hf(hf: dict[str, Any], source: str = CONFIG, names: set[st
         return deepseek_model_config(hf, source)
     if kind == "mixtral":
         return mixtral_model_config(hf, source)
-    if kind == "qwen2_moe":
-        return qwen2_moe_model_config(hf, source)
+    if kind in QWEN_TYPES:
+        return qwen_model_config(hf, source)
     raise CheckpointError(f"{source}: model_type '{kind}' is not supported; hf-import reads 'llama', 'gpt2', 'mixtral', "
-                          "'qwen2_moe', 'deepseek_v2' and 'bert'")  # fmt: skip
+                          "'qwen2_moe', 'qwen3', 'qwen3_moe', 'deepseek_v2' and 'bert'")  # fmt: skip
 
 
 def _gpt2_model_config(hf: dict[str, Any], source: str) -> ModelConfig:
@@ -132,6 +132,7 @@ def _is_gpt2(m: ModelConfig) -> bool:
 
 def hf_config_from_model(m: ModelConfig, vocab_size: int, max_positions: int, dtype: torch.dtype) -> dict[str, Any]:
     """config.json for ``LlamaForCausalLM`` / ``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM`` /
+    ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` /
     ``GPT2LMHeadModel`` / ``DeepseekV2ForCausalLM`` / ``BertForPreTraining`` / ``BertForMaskedLM``
     (transformers 4 and 5 read it)."""
     dtype_name = str(dtype).removeprefix("torch.")
@@ -152,8 +153,8 @@ def hf_config_from_model(m: ModelConfig, vocab_size: int, max_positions: int, dt
         }  # fmt: skip
     if not _is_llama(m):
         raise CheckpointError("hf-export writes Llama-style (RMSNorm, SwiGLU, RoPE, no biases) or GPT-2 models only")
-    if is_qwen2_moe(m):
-        return qwen2_moe_hf_config(m, vocab_size, max_positions, dtype_name)
+    if qwen_family(m):
+        return qwen_hf_config(m, vocab_size, max_positions, dtype_name)
     if m.num_experts:
         return mixtral_hf_config(m, vocab_size, max_positions, dtype_name)
     if m.add_qkv_bias:
@@ -308,8 +309,8 @@ def import_hf(hf_dir: str | Path, save_dir: str | Path, dtype: str = "bf16") -> 
         state = bert_import(tensors, m, shapes)
     elif hf["model_type"] == "mixtral":
         state = mixtral_import(tensors, m, m.vocab_size)
-    elif hf["model_type"] == "qwen2_moe":
-        state = qwen2_moe_import(tensors, m, m.vocab_size)
+    elif hf["model_type"] in QWEN_TYPES:
+        state = qwen_import(tensors, m, m.vocab_size)
     else:
         state = _gpt2_import(tensors, m, shapes)
     tensors.check_all_taken()
@@ -360,7 +361,7 @@ def export_hf(load_dir: str | Path, hf_dir: str | Path, dtype: str = "bf16", ite
         exported = bert_export(weights, m, vocab)
     else:
         exporters = {"gpt2": _gpt2_export, "llama": _llama_export, "deepseek_v2": deepseek_export, "mixtral": mixtral_export,
-                     "qwen2_moe": qwen2_moe_export}  # fmt: skip
+                     **dict.fromkeys(QWEN_TYPES, qwen_export)}  # fmt: skip
         exported = exporters[hf_config["model_type"]](weights, m)
     hf_dir.mkdir(parents=True, exist_ok=True)
     write_shards(exported, hf_dir, max_shard_size)

@@ -121,7 +121,7 @@ def _replace(module: nn.Module, style: mc.Style, mesh: Mesh, sp: bool, cp_algori
         return SequenceScatterEmbedding(module, mesh.tp_group) if sp else None
     if isinstance(style, mc.FirstTokenOfSequence):
         return SequenceParallelFirstToken(mesh.tp_group) if sp else None
-    return None  # SequenceParallelNorm: the module stays, only its records change
+    return None  # SequenceParallelNorm, SharedByHeads: the module stays, only its records change
 
 
 @torch.no_grad()
@@ -167,7 +167,9 @@ def _meta(meta: mc.ParamMeta, style: mc.Style, pname: str, mesh: Mesh, sp: bool)
     if isinstance(style, mc.HeadParallelTable):
         return dataclasses.replace(meta, tp_dim=style.dim, layout=mc.Contiguous(), **tp)
     if isinstance(style, (mc.RowParallel, mc.SequenceParallelNorm)):  # a row-parallel bias is added to the shards
-        return dataclasses.replace(meta, sequence_partial=sp, **tp)
+        return dataclasses.replace(meta, partial_over_tp=sp, **tp)
+    if isinstance(style, mc.SharedByHeads):
+        return dataclasses.replace(meta, partial_over_tp=mesh.tp > 1, **tp)
     if isinstance(style, mc.ExpertParallel):
         # Every rank's expert rows are its own (replicated rows are split first): a gradient is
         # whole for this rank's tokens and completed over the ranks holding the same slice (edp).
@@ -196,12 +198,12 @@ def _sum_over(tensors: list[torch.Tensor], group) -> None:
 @torch.no_grad()
 def finalize_tensor_parallel_grads(grads: dict[str, torch.Tensor], metas: ParamMetas, mesh: Mesh) -> None:
     """Complete the gradients tp leaves partial, in place (``grads``: name -> the gradient the
-    optimizer reads). Sequence-partial ones are summed over tp. Key/value rows replicated over tp
+    optimizer reads). Those partial over tp are summed over it. Key/value rows replicated over tp
     (fewer kv heads than ranks): each rank scatters its copy's gradient into a zero table of all kv
     rows at its slot, one all-reduce adds the copies up, each rank reads its rows back."""
     if mesh.tp == 1:
         return
-    _sum_over([g for n, g in grads.items() if metas[n].sequence_partial], mesh.tp_group)
+    _sum_over([g for n, g in grads.items() if metas[n].partial_over_tp], mesh.tp_group)
     replicated = [(g, metas[n].replicas()) for n, g in grads.items() if metas[n].replicas() is not None]
     tables = []
     for grad, rep in replicated:

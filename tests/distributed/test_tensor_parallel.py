@@ -41,6 +41,9 @@ CONFIGS = {
     "llama_gqa_kv1_tied": ModelConfig(**{**LLAMA, "num_query_groups": 1, "tie_embeddings": True}),
     # Qwen2's biases on q, k and v only; one kv head, so its k/v bias rows are replicas on both ranks.
     "llama_qkv_bias_kv1": ModelConfig(**{**LLAMA, "num_query_groups": 1, "add_qkv_bias": True}),
+    # Qwen3's per-head q and k norms (--qk-layernorm): shared by the heads, so each rank's gradient
+    # covers its heads; one kv head, so the k norm's gradient is summed over the kv head's replicas.
+    "llama_qk_norm_kv1": ModelConfig(**{**LLAMA, "num_query_groups": 1, "qk_layernorm": True}),
     "gpt": ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, normalization="LayerNorm",
                        activation="gelu", position_embedding_type="learned_absolute", add_bias_linear=True,
                        tie_embeddings=True),  # fmt: skip

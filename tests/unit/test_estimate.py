@@ -88,12 +88,13 @@ def test_estimate_command(capsys):
     assert "not a multiple" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("preset, total, active", [("mixtral-8x7b", 46.7, 12.9), ("deepseek-v2-lite", 15.7, 2.4)])
+@pytest.mark.parametrize("preset, total, active", [("mixtral-8x7b", 46.7, 12.9), ("deepseek-v2-lite", 15.7, 2.4),
+                                                    ("qwen3-30b-a3b", 30.5, 3.3)])  # fmt: skip
 def test_published_total_and_active_counts(preset, total, active):
-    """Mixtral's card counts both embeddings as active, DeepSeek's leaves the input embedding out
-    (2.45 B, which its card gives as 2.4 B; Mixtral's 12.88 B as 12.9 B): equal to 0.06 B."""
+    """Mixtral's and Qwen3's cards count both embeddings as active, DeepSeek's leaves the input
+    embedding out (2.45 B, which its card gives as 2.4 B; Mixtral's 12.88 B as 12.9 B): equal to 0.06 B."""
     counts = model_parameters(build_config(overrides=["--preset", preset]))
-    ours = counts[1] if preset.startswith("mixtral") else counts[2]
+    ours = counts[2] if preset.startswith("deepseek") else counts[1]
     assert abs(counts[0] / 1e9 - total) < 0.06 and abs(ours / 1e9 - active) < 0.06
 
 
@@ -230,16 +231,19 @@ def test_mla_activation_term_equals_what_autograd_keeps():
     assert measured == pytest.approx(attention_bytes_per_token(cfg, 2, 2, keep_core=True), rel=0.02)
 
 
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gpt"])
-def test_attention_activation_term_equals_what_autograd_keeps(preset):
-    """Standard attention (grouped-query with RoPE, and GPT's learned positions), flash stood in
-    for: the saved tensors plus the projection input's copy (which the estimate counts and the
-    CPU's attention layout makes a view) equal the estimate's term to 2 %."""
-    cfg = build_config(overrides=["--preset", preset, "--bf16"])
+@pytest.mark.parametrize("flags", [["--preset", "tiny-llama"], ["--preset", "tiny-gpt"], ["--preset", "tiny-llama", "--qk-layernorm"]])
+def test_attention_activation_term_equals_what_autograd_keeps(flags):
+    """Standard attention (grouped-query with RoPE, and GPT's learned positions; with per-head q and
+    k norms), flash and the fused norm stood in for: the saved tensors plus the projection input's
+    copy (which the estimate counts and the CPU's attention layout makes a view) equal the
+    estimate's term to 2 %."""
+    cfg = build_config(overrides=[*flags, "--bf16"])
     m = cfg.model
     torch.manual_seed(0)
     attention = Attention(m, 1).to(torch.bfloat16)
     attention.core_attention = _FlashCore()
+    if m.qk_layernorm:
+        attention.q_layernorm, attention.k_layernorm = _FusedNorm(attention.q_layernorm), _FusedNorm(attention.k_layernorm)
     tables = [t.to(torch.bfloat16) for t in rope_tables(m, head_dim(m), 64)] if m.position_embedding_type == "rope" else [None, None]
     x = torch.randn(2, 64, m.hidden_size, dtype=torch.bfloat16, requires_grad=True)
     measured = _saved_bytes_per_token(lambda t: attention(t, *tables), x, [t for t in tables if t is not None] + list(attention.parameters()))

@@ -1,4 +1,4 @@
-"""Qwen2-MoE import/export (``meshtron/models/hf_qwen2_moe.py``) held to transformers' own
+"""Qwen2-MoE import/export (``meshtron/models/hf_qwen.py``) held to transformers' own
 ``Qwen2MoeForCausalLM`` on tiny random configs (no download), fp32 CPU, through the CLI: GQA with
 q/k/v biases, dense and MoE layers mixed (``mlp_only_layers``, ``decoder_sparse_step``), 4 experts
 top-2 with and without ``norm_topk_prob``, and the sigmoid-gated shared expert. Imported, the
