@@ -176,7 +176,7 @@ def test_expert_parallel_layouts_are_checked():
                                    "must divide the experts' FFN width 33"),
                                   (["--tp", "2", "--expert-tensor-parallel-size", "2", "--num-experts", "0"], 2,
                                    "--expert-tensor-parallel-size 2 needs a mixture-of-experts model"),
-                                  (["--moe-token-dispatcher-type", "flex"], 2, "alltoall or allgather")):  # fmt: skip
+                                  (["--moe-token-dispatcher-type", "deepep"], 2, "alltoall or allgather")):  # fmt: skip
         with pytest.raises(ConfigError, match=message):
             validate(build_config(None, moe + flags), world_size=world)
 
