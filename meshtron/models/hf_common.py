@@ -229,3 +229,19 @@ def export_moe_mlp(
     if m.moe_shared_expert_gate:
         out[f"{hf}{shared}_gate.weight"] = state[mt + "shared_expert_gate.weight"]
     return out
+
+
+def import_block_mlp(t: TensorSource, hf: str, mt: str, m: ModelConfig, is_moe: bool, shared: str = "shared_experts") -> dict[str, torch.Tensor]:
+    """Block ``hf``'s MLP (``model.layers.0.mlp.``) as meshtron's under ``mt``: its mixture of
+    experts where ``is_moe`` (experts named as DeepSeek and Qwen name them), else a SwiGLU MLP."""
+    if is_moe:
+        return import_moe_mlp(t, hf + "mlp.", mt + "mlp.", m, shared=shared)
+    return import_swiglu(t, hf + "mlp.", mt + "mlp.", ffn_hidden_size(m), m.hidden_size)
+
+
+def export_block_mlp(state: Mapping[str, torch.Tensor], mt: str, hf: str, m: ModelConfig, is_moe: bool,
+                     shared: str = "shared_experts") -> dict[str, torch.Tensor]:  # fmt: skip
+    """The inverse of ``import_block_mlp``."""
+    if is_moe:
+        return export_moe_mlp(state, mt + "mlp.", hf + "mlp.", m, shared=shared)
+    return export_swiglu(state, mt + "mlp.", hf + "mlp.")

@@ -40,7 +40,7 @@ from meshtron.layers.mlp import ffn_hidden_size
 from meshtron.layers.moe import moe_layer_pattern
 from meshtron.layers.moe.experts import expert_ffn_hidden_size
 from meshtron.models.hf_common import (
-    TensorSource, checked_config, export_body, export_moe_mlp, export_swiglu, import_body, import_moe_mlp, import_swiglu,
+    TensorSource, checked_config, export_block_mlp, export_body, import_block_mlp, import_body,
 )  # fmt: skip
 
 _YARN_KEYS = {"factor": "rope_scaling_factor", "original_max_position_embeddings": "rope_original_max_position_embeddings",
@@ -175,15 +175,12 @@ def _attention_tensors(m: ModelConfig) -> list[tuple[str, str, list[int]]]:
 
 def deepseek_import(t: TensorSource, m: ModelConfig, vocab: int) -> dict[str, torch.Tensor]:
     """meshtron's state dict from the tensors of a ``deepseek_v2`` folder."""
-    state, pattern, h = import_body(t, m, vocab), moe_layer_pattern(m), m.hidden_size
+    state, pattern = import_body(t, m, vocab), moe_layer_pattern(m)
     for i in range(m.num_layers):
         hf, mt = f"model.layers.{i}.", f"layers.{i}."
         for hf_name, mt_name, shape in _attention_tensors(m):
             state[f"{mt}self_attention.{mt_name}.weight"] = t.take(f"{hf}self_attn.{hf_name}.weight", shape)
-        if not pattern[i]:
-            state.update(import_swiglu(t, hf + "mlp.", mt + "mlp.", ffn_hidden_size(m), h))
-            continue
-        state.update(import_moe_mlp(t, hf + "mlp.", mt + "mlp.", m))
+        state.update(import_block_mlp(t, hf, mt, m, pattern[i]))
     return state
 
 
@@ -195,7 +192,4 @@ def deepseek_export(state: Mapping[str, torch.Tensor], m: ModelConfig) -> Iterat
         hf, mt = f"model.layers.{i}.", f"layers.{i}."
         for hf_name, mt_name, _ in _attention_tensors(m):
             yield f"{hf}self_attn.{hf_name}.weight", state[f"{mt}self_attention.{mt_name}.weight"]
-        if not pattern[i]:
-            yield from export_swiglu(state, mt + "mlp.", hf + "mlp.").items()
-            continue
-        yield from export_moe_mlp(state, mt + "mlp.", hf + "mlp.", m).items()
+        yield from export_block_mlp(state, mt, hf, m, pattern[i]).items()

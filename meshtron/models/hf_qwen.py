@@ -29,13 +29,12 @@ import torch
 from meshtron.checkpoint.checkpoint import CheckpointError
 from meshtron.config import ModelConfig
 from meshtron.layers.attention import head_dim
-from meshtron.layers.mlp import ffn_hidden_size
 from meshtron.layers.moe import moe_layer_pattern
 from meshtron.layers.moe.balancing import aux_loss_coeff
 from meshtron.layers.moe.experts import expert_ffn_hidden_size
 from meshtron.models.hf_common import (
-    TensorSource, export_body, export_llama_attention, export_moe_mlp, export_swiglu, import_body, import_llama_attention,
-    import_moe_mlp, import_swiglu, llama_hf_config, llama_model_config,
+    TensorSource, export_block_mlp, export_body, export_llama_attention, import_block_mlp, import_body, import_llama_attention,
+    llama_hf_config, llama_model_config,
 )  # fmt: skip
 
 QWEN_TYPES = {"qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2-MoE"), "qwen3": ("Qwen3ForCausalLM", "Qwen3"),
@@ -122,10 +121,7 @@ def qwen_import(t: TensorSource, m: ModelConfig, vocab: int) -> dict[str, torch.
         hf, mt = f"model.layers.{i}.", f"layers.{i}."
         state.update(import_llama_attention(t, hf, mt, m))
         state.update({mt + ours: t.take(hf + theirs, [head_dim(m)]) for theirs, ours in _qk_norms(m)})
-        if pattern[i]:
-            state.update(import_moe_mlp(t, hf + "mlp.", mt + "mlp.", m, shared=SHARED))
-        else:
-            state.update(import_swiglu(t, hf + "mlp.", mt + "mlp.", ffn_hidden_size(m), m.hidden_size))
+        state.update(import_block_mlp(t, hf, mt, m, pattern[i], shared=SHARED))
     return state
 
 
@@ -137,7 +133,4 @@ def qwen_export(state: Mapping[str, torch.Tensor], m: ModelConfig) -> Iterator[t
         hf, mt = f"model.layers.{i}.", f"layers.{i}."
         yield from export_llama_attention(state, mt, hf, m).items()
         yield from ((hf + theirs, state[mt + ours]) for theirs, ours in _qk_norms(m))
-        if pattern[i]:
-            yield from export_moe_mlp(state, mt + "mlp.", hf + "mlp.", m, shared=SHARED).items()
-        else:
-            yield from export_swiglu(state, mt + "mlp.", hf + "mlp.").items()
+        yield from export_block_mlp(state, mt, hf, m, pattern[i], shared=SHARED).items()
