@@ -59,6 +59,7 @@ class ModelConfig:
     recompute_granularity: str = ""  # "" | selective (core attention) | full (whole layers)
     recompute_method: str = "uniform"  # full: uniform (groups of N layers) | block (first N layers)
     recompute_num_layers: int = 1  # full recompute: layers per group (uniform) or layers recomputed (block)
+    recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"])  # selective: core_attn, moe recomputed; other Megatron names kept
     fp8_format: str = ""  # "" (off) | hybrid (e4m3 forward, e5m2 gradients) | e4m3: the blocks' linears in FP8
     fp8_backend: str = "auto"  # auto (torchao when installed and usable) | torchao | meshtron
     fp8_recipe: str = "delayed"  # delayed (amax history) | tensorwise (current amax) | rowwise (per-row scales, all e4m3)
@@ -328,7 +329,7 @@ def _coerce(value: Any, typ: Any, name: str) -> Any:
     raise ConfigError(f"{name} must be {type_name}, got {value!r}")
 
 # Megatron flags that take several values until the next flag.
-_MULTI_VALUE = {"data.data_path", "model.retriever_report_topk_accuracies"}
+_MULTI_VALUE = {"data.data_path", "model.retriever_report_topk_accuracies", "model.recompute_modules"}
 
 
 def _all_flags() -> dict[str, Any]:
@@ -477,6 +478,7 @@ def build_config(config_file: str | None = None, overrides: list[str] | None = N
     cfg = Config.from_dict(merged)
     _resolve_shared_experts(cfg.model)
     _resolve_device_limited_routing(cfg)
+    _resolve_recompute_modules(cfg)
     return cfg
 
 
@@ -484,6 +486,28 @@ def _resolve_shared_experts(m: ModelConfig) -> None:
     """PAI-Megatron's ``--num-shared-experts N`` is Megatron-Core's shared MLP of N expert widths."""
     if m.moe_num_shared_experts and not m.moe_shared_expert_intermediate_size:
         m.moe_shared_expert_intermediate_size = m.moe_num_shared_experts * (m.moe_ffn_hidden_size or m.ffn_hidden_size)
+
+
+RECOMPUTED_MODULES = ("core_attn", "moe")
+KEPT_MODULES = ("moe_act", "layernorm", "mla_up_proj", "mlp", "shared_experts")
+
+
+def recomputes_core_attention(m: ModelConfig) -> bool:
+    """Selective recompute of the core attention (Megatron's default ``--recompute-modules core_attn``)."""
+    return m.recompute_granularity == "selective" and "core_attn" in m.recompute_modules
+
+
+def _resolve_recompute_modules(cfg: Config) -> None:
+    """``--recompute-modules``: ``moe`` is ``--moe-layer-recompute``; the modules meshtron keeps
+    are noted at start-up (unknown names and a granularity other than selective are refused by
+    ``validation``)."""
+    m = cfg.model
+    if m.recompute_granularity == "selective" and "moe" in m.recompute_modules:
+        m.moe_layer_recompute = True
+    kept = [name for name in m.recompute_modules if name in KEPT_MODULES]
+    if kept:
+        cfg.logging.noted_flags.append(f"--recompute-modules {' '.join(kept)}: not recomputed, their activations are kept (meshtron "
+                                       f"estimate counts them); meshtron recomputes {' and '.join(RECOMPUTED_MODULES)}")  # fmt: skip
 
 
 def _resolve_device_limited_routing(cfg: Config) -> None:

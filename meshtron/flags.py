@@ -43,6 +43,7 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "recompute-granularity": "model.recompute_granularity",
     "recompute-method": "model.recompute_method",
     "recompute-num-layers": "model.recompute_num_layers",
+    "recompute-modules": "model.recompute_modules",
     "fp8-format": "model.fp8_format",
     "compile": "train.compile",
     "use-precision-aware-optimizer": ("train.use_precision_aware_optimizer", True),

@@ -8,7 +8,7 @@ import importlib.util
 from pathlib import Path
 
 from meshtron.checkpoint.checkpoint import checkpoint_config_errors
-from meshtron.config import Config, num_blocks, pipeline_virtual_size, world_size_from_env
+from meshtron.config import KEPT_MODULES, RECOMPUTED_MODULES, Config, num_blocks, pipeline_virtual_size, world_size_from_env
 from meshtron.data.chat_template import TEMPLATE_CHOICES, conversation_template
 from meshtron.data.masked_lm import masked_data_config_errors
 from meshtron.errors import ConfigError
@@ -66,6 +66,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     need(m.recompute_granularity in ("", "selective", "full"),
          f"--recompute-granularity must be selective or full (or empty for none), got '{m.recompute_granularity}'")  # fmt: skip
     need(m.recompute_method in ("uniform", "block"), f"--recompute-method must be uniform or block, got '{m.recompute_method}'")
+    unknown = [name for name in m.recompute_modules if name not in RECOMPUTED_MODULES + KEPT_MODULES]
+    need(not unknown, f"--recompute-modules: unknown {', '.join(unknown)}; Megatron-Core's are {', '.join(RECOMPUTED_MODULES + KEPT_MODULES)}")
+    need(m.recompute_modules == ["core_attn"] or m.recompute_granularity == "selective",
+         "--recompute-modules needs --recompute-granularity selective")  # fmt: skip
     need(m.fp8_format in ("", "hybrid", "e4m3"), f"--fp8-format must be hybrid or e4m3 (or empty for off), got '{m.fp8_format}'")
     need(m.fp8_backend in ("auto", "torchao", "meshtron"), f"--fp8-backend must be auto, torchao or meshtron, got '{m.fp8_backend}'")
     unbuilt = {"mxfp8": "MXFP8 (block scaling) is not implemented", "blockwise": "blockwise FP8 scaling is not implemented"}

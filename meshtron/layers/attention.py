@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
-from meshtron.config import ModelConfig
+from meshtron.config import ModelConfig, recomputes_core_attention
 from meshtron.layers.document_attention import flex_document_attention, uses_flex
 from meshtron.layers.kv_cache import KVCache
 from meshtron.layers.norms import build_norm
@@ -145,7 +145,7 @@ class SelfAttentionBase(nn.Module):
         self.layer_number, self.causal = layer_number, causal
         self.backend = cfg.attention_backend
         self.fused_kernels = cfg.fused_kernels
-        self.recompute_core = cfg.recompute_granularity == "selective"
+        self.recompute_core = recomputes_core_attention(cfg)
         self.dropout = cfg.attention_dropout
         self.core_attention = CoreAttention(cfg.attention_backend, softmax_scale, causal)
 

@@ -90,3 +90,27 @@ def test_moe_layer_recompute_keeps_only_the_layer_input():
 
     plain, recomputed = kept_bytes(), kept_bytes(moe_layer_recompute=True)
     assert recomputed < plain / 2, (plain, recomputed)
+
+
+def test_megatron_recompute_modules():
+    """``--recompute-modules`` (Megatron-Core's): moe is the MoE layer's recompute, core_attn the
+    core attention's (the default); the modules meshtron keeps are accepted and said at start-up;
+    unknown names and a granularity other than selective are refused."""
+    from meshtron.config import recomputes_core_attention
+    from meshtron.errors import ConfigError
+    from meshtron.flags import noted_flag_lines
+    from meshtron.validation import validate
+
+    base = ["--preset", "tiny-mixtral", "--mock-data"]
+    cfg = build_config(overrides=[*base, "--recompute-granularity", "selective", "--recompute-modules", "moe", "moe_act", "layernorm"])
+    validate(cfg)
+    assert cfg.model.moe_layer_recompute and not recomputes_core_attention(cfg.model)
+    assert noted_flag_lines(cfg.logging.noted_flags) == [
+        "--recompute-modules moe_act layernorm: not recomputed, their activations are kept (meshtron estimate counts them); "
+        "meshtron recomputes core_attn and moe"]  # fmt: skip
+    default = build_config(overrides=[*base, "--recompute-granularity", "selective"])
+    assert recomputes_core_attention(default.model) and not default.model.moe_layer_recompute
+    for flags, message in ((["--recompute-granularity", "selective", "--recompute-modules", "attn"], "unknown attn"),
+                           (["--recompute-modules", "moe"], "needs --recompute-granularity selective")):  # fmt: skip
+        with pytest.raises(ConfigError, match=message):
+            validate(build_config(overrides=[*base, *flags]))
