@@ -42,6 +42,7 @@ class ModelConfig:
     relative_attention_num_buckets: int = 32  # relative: distance buckets of each stack's table
     relative_attention_max_distance: int = 128  # relative: distances beyond this share the last bucket
     rotary_base: float = 10000.0  # RoPE theta
+    rotary_percent: float = 1.0  # share of each head's dims RoPE rotates (Megatron's); only 1.0 is implemented
     rope_scaling: str = ""  # "" | llama3
     rope_scaling_factor: float = 8.0  # llama3/YaRN: context extension factor
     rope_low_freq_factor: float = 1.0  # llama3 scaling: wavelengths above original/this are scaled fully

@@ -30,6 +30,7 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "relative-attention-num-buckets": "model.relative_attention_num_buckets",
     "relative-attention-max-distance": "model.relative_attention_max_distance",
     "rotary-base": "model.rotary_base",
+    "rotary-percent": "model.rotary_percent",
     "use-rope-scaling": ("model.rope_scaling", "llama3"),
     "rope-scaling-factor": "model.rope_scaling_factor",
     "untie-embeddings-and-output-weights": ("model.tie_embeddings", False),

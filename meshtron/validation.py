@@ -52,6 +52,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         m.position_embedding_type in ("learned_absolute", "rope", "relative"),
         f"--position-embedding-type must be learned_absolute, rope or relative (T5), got '{m.position_embedding_type}'",
     )
+    need(m.rotary_percent == 1.0, f"--rotary-percent {m.rotary_percent}: partial rotary embeddings are not implemented; "
+         "meshtron rotates whole heads (--rotary-percent 1.0)")  # fmt: skip
     need(m.position_embedding_type != "relative" or m.model_type == "t5",
          "--position-embedding-type relative is T5's relative position buckets; use it with --model-type t5")  # fmt: skip
     need(not (m.add_qkv_bias and m.multi_latent_attention),

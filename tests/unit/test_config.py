@@ -128,3 +128,22 @@ def test_tp_comm_overlap_is_a_real_switch():
     ]:
         with pytest.raises(ConfigError, match=message):
             validate(build_config(None, flags), world_size=2)
+
+
+def test_a_megatron_qwen3_moe_script_builds_the_preset_model():
+    """Qwen3-30B-A3B's flags as a Megatron-Core training script passes them (per-head q/k norms,
+    --rotary-percent 1.0, the MoE performance switches) give the qwen3-30b-a3b preset's model."""
+    from meshtron.estimate import model_parameters
+
+    script = ("--disable-bias-linear --qk-layernorm --group-query-attention --num-attention-heads 32 --num-query-groups 4 "
+              "--kv-channels 128 --num-layers 48 --hidden-size 2048 --ffn-hidden-size 6144 --normalization RMSNorm "
+              "--position-embedding-type rope --norm-epsilon 1e-6 --rotary-percent 1.0 --swiglu --untie-embeddings-and-output-weights "
+              "--vocab-size 151936 --rotary-base 1000000 --moe-ffn-hidden-size 768 --moe-router-score-function softmax "
+              "--moe-token-dispatcher-type alltoall --moe-router-topk 8 --moe-layer-freq ([1]*48) --num-experts 128 --moe-grouped-gemm "
+              "--moe-token-drop-policy probs --moe-router-dtype fp32 --moe-permute-fusion --moe-aux-loss-coeff 0 --mock-data "
+              "--micro-batch-size 1 --global-batch-size 8").split()
+    cfg = build_config(None, script)
+    validate(cfg, world_size=8)
+    assert model_parameters(cfg) == model_parameters(build_config(None, ["--preset", "qwen3-30b-a3b"]))
+    with pytest.raises(ConfigError, match="partial rotary embeddings are not implemented"):
+        validate(build_config(None, ["--preset", "tiny-llama", "--mock-data", "--rotary-percent", "0.5"]))
