@@ -32,7 +32,7 @@
 #   s4j    fused expert weight-gradient GPU test; the "+=" wgrad tile sweep; B4b with 4 micro batches a step, this tree against OLD's (arg 3)
 #   s4k    the final tree: the GPU tests this session touched; B4b and B1 (with HF)
 #   s4l    the final tree's B4b (default and bf16 moments) against torchtitan 0.2.2 compiled in one call (.whl/ carried)
-#   s5a    grouped GEMM GPU test; the TMA candidates against the library's autotune tiles and torch._grouped_mm (all five GEMMs); B4 layer in rounds
+#   s5a    grouped GEMM / qk-layernorm / router GPU tests; the TMA candidates against the library's autotune tiles and torch._grouped_mm (all five GEMMs); B4 layer in rounds
 #   s5x4   (4 GPUs) DeepSeek-V2-Lite x 4: dp2/ep2/etp2 on 2 of them, then dp4/ep4/ep2etp2/tp2ep2 (global batch 16)
 #   b1tune B1 eager / --compile / HF, then B1 with --gemm-tuning twice (the tuning run, then a run reading its file)
 set -uo pipefail
@@ -270,7 +270,8 @@ s4l)
     (cd benchmarks && python3 train_bench.py --steps 8 --warmup 3 -- "${common[@]}" $variant 2>>"$out/b4b_stderr.txt") | sed "s|^|[$variant]: |" | tee -a "$out/b4b.txt"
   done ;;
 s5a)
-  timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_grouped_gemm_gpu.py > "$out/gpu_tests_s5a.txt" 2>&1
+  timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_grouped_gemm_gpu.py tests/gpu/test_qk_layernorm_gpu.py \
+    tests/gpu/test_moe_router_gpu.py > "$out/gpu_tests_s5a.txt" 2>&1
   grep -E "passed|failed|Error" "$out/gpu_tests_s5a.txt" | tail -3
   (cd benchmarks && timeout 420 python3 b4_grouped_sweep.py --candidates --library-tiles autotune --top 3 2>&1) | tee "$out/sweep_tma.txt"
   python3 benchmarks/b4_moe_layer.py --grouped-gemm torch --rounds 5 2>&1 | tee "$out/b4_layer.txt" ;;
