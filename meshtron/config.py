@@ -493,9 +493,10 @@ RECOMPUTED_MODULES = ("core_attn", "moe")
 KEPT_MODULES = ("moe_act", "layernorm", "mla_up_proj", "mlp", "shared_experts")
 
 
-def recomputes_core_attention(m: ModelConfig) -> bool:
-    """Selective recompute of the core attention (Megatron's default ``--recompute-modules core_attn``)."""
-    return m.recompute_granularity == "selective" and "core_attn" in m.recompute_modules
+def recomputes_core_attention(m: ModelConfig, granularity: str | None = None) -> bool:
+    """Selective recompute of the core attention (Megatron's default ``--recompute-modules core_attn``),
+    at ``m``'s granularity or the one given (the estimate compares them)."""
+    return (granularity if granularity is not None else m.recompute_granularity) == "selective" and "core_attn" in m.recompute_modules
 
 
 def _resolve_recompute_modules(cfg: Config) -> None:

@@ -27,7 +27,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from meshtron.config import Config, build_config, data_parallel_size, encoder_decoder_layers, num_blocks, pipeline_virtual_size
+from meshtron.config import (
+    Config, build_config, data_parallel_size, encoder_decoder_layers, num_blocks, pipeline_virtual_size, recomputes_core_attention,
+)  # fmt: skip
 from meshtron.data.default_data import EMBEDDED_VOCAB_SIZE
 from meshtron.training.vocab import model_vocab_size, run_tokenizer
 from meshtron.validation import validate
@@ -210,8 +212,7 @@ def activation_bytes_per_token_layer(cfg: Config, granularity: str | None = None
     linear_in = 1 if m.fp8_format else a  # what a linear keeps of its input
     residual = 2 * a * m.hidden_size / _token_shard(cfg)  # x before each norm
     norm_outputs = 2 * linear_in * m.hidden_size  # kept (gathered, under sp) by the QKV and fc1 linears
-    selective = (granularity if granularity is not None else m.recompute_granularity) == "selective"
-    keep_core = not (selective and "core_attn" in m.recompute_modules)  # config.recomputes_core_attention, at ``granularity``
+    keep_core = not recomputes_core_attention(m, granularity)
     attention = attention_bytes_per_token(cfg, a, linear_in, keep_core)
     if is_moe:  # --moe-layer-recompute: the layer keeps only its input, the norm output counted above
         return residual + norm_outputs + attention + (0 if m.moe_layer_recompute else moe_bytes_per_token(cfg, a))
