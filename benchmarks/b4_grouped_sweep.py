@@ -8,8 +8,8 @@ in bf16, and written or added into an fp32 ``main_grad`` as gradient-accumulatio
 with every candidate tile, each against ``torch.mm`` of the same FLOPs, and prints the best tiles
 per GEMM. The autotune lists in ``meshtron/kernels/triton_grouped_gemm.py`` come from its output.
 
-``--candidates`` also runs the persistent TMA kernels of ``grouped_gemm_tma.py`` with their own
-tiles (and 1 or 2 programs per SM), each first checked against the per-expert products in fp32.
+``--candidates`` also runs the library's persistent TMA row kernel (forward and input gradient, on
+Hopper) with each of ``TMA_ROW_TILES``, each first checked against the per-expert products in fp32.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import argparse
 import torch
 import triton
 from b4_grouped_gemm import EXPERTS, LAYERS, ragged_sizes, time_ms
-from grouped_gemm_tma import ensure_allocator, group_weight_grad_tma, rows_times_group_tma
 
-from meshtron.kernels.triton_grouped_gemm import _ROW_CONFIGS, _WEIGHT_GRAD_CONFIGS, _rows_kernel, _weight_grad_kernel, group_offsets
+from meshtron.kernels.triton_grouped_gemm import (_ROW_CONFIGS, _WEIGHT_GRAD_CONFIGS, _rows_kernel, _weight_grad_kernel, group_offsets,
+                                                  rows_times_group_tma)  # fmt: skip
 
 ROW_TILES = [(bm, bn, bk, w, s) for bm, bn, bk, w, s in [
     (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 3),
@@ -37,15 +37,13 @@ WEIGHT_GRAD_TILES = [
     (64, 128, 128, 8, 5), (128, 256, 128, 8, 2), (32, 64, 256, 4, 4),
 ]  # fmt: skip
 
-# Candidates (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, flatten the tile loop, programs per SM).
+# TMA kernel tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, flatten the tile loop, store in two
+# halves, warp-specialize the tile loop), one persistent program per SM.
 TMA_ROW_TILES = [
-    (128, 256, 64, 8, 3, False, 1), (128, 256, 64, 8, 4, False, 1), (128, 128, 64, 8, 4, False, 1), (128, 128, 64, 4, 4, False, 2),
-    (128, 256, 64, 8, 3, True, 1), (128, 128, 64, 8, 4, True, 1), (128, 128, 64, 4, 4, True, 2), (64, 256, 64, 4, 4, True, 2),
-]  # fmt: skip
-TMA_WEIGHT_GRAD_TILES = [
-    (64, 128, 128, 8, 3, False, 1), (64, 128, 128, 4, 4, False, 2), (32, 128, 128, 4, 4, False, 2), (64, 128, 64, 4, 4, False, 2),
-    (64, 128, 128, 8, 3, True, 1), (64, 128, 128, 4, 4, True, 2), (32, 128, 128, 4, 4, True, 2), (64, 256, 64, 8, 3, True, 1),
-    (128, 128, 64, 8, 3, True, 1),
+    (128, 256, 64, 8, 3, True, False, False), (128, 256, 64, 8, 3, False, False, False), (128, 128, 64, 8, 4, True, False, False),
+    (128, 256, 64, 8, 4, True, True, False), (128, 256, 64, 8, 4, False, True, False), (128, 256, 64, 8, 3, True, True, False),
+    (128, 256, 64, 8, 3, False, False, True), (128, 256, 64, 8, 4, False, True, True), (128, 128, 64, 4, 4, False, False, True),
+    (128, 128, 64, 8, 4, False, False, True), (128, 256, 64, 4, 3, False, True, True),
 ]  # fmt: skip
 
 
@@ -70,11 +68,11 @@ def as_tiles(configs) -> list[tuple[int, int, int, int, int]]:
     return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages) for c in configs]
 
 
-def tma_launch(kernel, tile, sms):
-    """(launch, tile label) of a TMA candidate: ``kernel(tile dict, programs)`` bound."""
-    bm, bn, bk, w, s, flatten, per_sm = tile
-    meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s, FLATTEN=flatten)
-    return lambda: kernel(meta, sms * per_sm)
+def tma_launch(a, b, offsets, tile, sms):
+    """A TMA row-kernel launch with a fixed tile, one program per SM."""
+    bm, bn, bk, w, s, flatten, split, ws = tile
+    meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s, FLATTEN=flatten, SPLIT_STORE=split, WARP_SPECIALIZE=ws)
+    return lambda: rows_times_group_tma(a, b, offsets, sms, meta)
 
 
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -86,7 +84,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=49152)
     parser.add_argument("--top", type=int, default=5)
     parser.add_argument("--gemms", default="", help="comma-separated subset, e.g. 'wgrad fp32,wgrad fp32 +='")
-    parser.add_argument("--candidates", action="store_true", help="also the TMA candidates of grouped_gemm_tma.py")
+    parser.add_argument("--candidates", action="store_true", help="also the TMA row kernel's candidate tiles")
     parser.add_argument("--library-tiles", choices=["all", "autotune"], default="all",
                         help="the library kernels' tiles: this file's whole lists, or only the library's autotune lists")
     args = parser.parse_args()
@@ -97,7 +95,6 @@ def main() -> None:
     sizes = ragged_sizes(args.rows, EXPERTS)
     offsets = group_offsets(sizes.to(dev))
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    ensure_allocator()
     print(f"{torch.cuda.get_device_name()}: {EXPERTS} experts, {args.rows} rows, bf16; ms per GEMM, fraction of torch.mm")
     for layer, (k, n) in LAYERS.items():
         x = torch.randn(args.rows, k, device=dev, dtype=dt)
@@ -124,12 +121,12 @@ def main() -> None:
                            "W [E, K, N] copy": lambda: torch._grouped_mm(dy, weight_kn.transpose(1, 2), offs=ends)},
             "weight grad": {"dy^T x": lambda: torch._grouped_mm(dy.t(), x, offs=ends)},
         }
-        candidates = tma_candidates(x, dy, weight, main_grad, offsets, sizes) if args.candidates else {}
+        candidates = tma_candidates(x, dy, weight, offsets, sizes) if args.candidates else {}
         for gemm, (tiles, make) in gemms.items():
             if args.gemms and gemm not in args.gemms.split(","):
                 continue
-            if args.candidates:
-                time_candidates(layer, gemm, candidates[gemm], dense, sms, main_grad, args.top)
+            if gemm in candidates:
+                time_candidates(layer, gemm, candidates[gemm], offsets, dense, sms, args.top)
             timed = []
             for tile in tiles:
                 try:
@@ -147,34 +144,23 @@ def main() -> None:
                     print(f"{layer} {gemm:<13} torch._grouped_mm ({label}): {type(exc).__name__}: {str(exc)[:200]}")
 
 
-def tma_candidates(x, dy, weight, main_grad, offsets, sizes) -> dict:
-    """GEMM -> (TMA tiles, kernel(tile, programs) -> its result, that result's fp32 reference)."""
+def tma_candidates(x, dy, weight, offsets, sizes) -> dict:
+    """GEMM -> (a, b) of the TMA row kernel, and its fp32 reference."""
     groups = torch.split(torch.arange(x.shape[0], device=x.device), sizes.tolist())
     x32, dy32, w32 = x.float(), dy.float(), weight.float()
-    forward = torch.cat([x32[r] @ w32[g].t() for g, r in enumerate(groups)])
-    input_grad = torch.cat([dy32[r] @ w32[g] for g, r in enumerate(groups)])
-    weight_grad = torch.stack([dy32[r].t() @ x32[r] for r in groups])
     return {
-        "forward": (TMA_ROW_TILES, lambda t, p: rows_times_group_tma(x, weight, offsets, True, t, p), forward),
-        "input grad": (TMA_ROW_TILES, lambda t, p: rows_times_group_tma(dy, weight, offsets, False, t, p), input_grad),
-        "weight grad": (TMA_WEIGHT_GRAD_TILES, lambda t, p: group_weight_grad_tma(dy, x, offsets, torch.empty_like(weight), False, t, p),
-                        weight_grad),
-        "wgrad fp32": (TMA_WEIGHT_GRAD_TILES, lambda t, p: group_weight_grad_tma(dy, x, offsets, main_grad, False, t, p), weight_grad),
-        # Added into main_grad: two calls on a zeroed buffer hold twice the product.
-        "wgrad fp32 +=": (TMA_WEIGHT_GRAD_TILES, lambda t, p: group_weight_grad_tma(dy, x, offsets, main_grad, True, t, p), 2 * weight_grad),
+        "forward": ((x, weight.transpose(1, 2)), torch.cat([x32[r] @ w32[g].t() for g, r in enumerate(groups)])),
+        "input grad": ((dy, weight), torch.cat([dy32[r] @ w32[g] for g, r in enumerate(groups)])),
     }
 
 
-def time_candidates(layer, gemm, candidate, dense, sms, main_grad, top) -> None:
-    """Check each TMA tile against the fp32 reference (two calls on a zeroed ``main_grad``, so
-    that the accumulating form is checked too), then time it; print the best."""
-    tiles, kernel, reference = candidate
+def time_candidates(layer, gemm, candidate, offsets, dense, sms, top) -> None:
+    """Check each TMA tile against the fp32 reference, then time it; print the best."""
+    (a, b), reference = candidate
     timed = []
-    for tile in tiles:
-        launch = tma_launch(kernel, tile, sms)
+    for tile in TMA_ROW_TILES:
+        launch = tma_launch(a, b, offsets, tile, sms)
         try:
-            main_grad.zero_()
-            launch()
             error = relative_error(launch(), reference)
             if error > 1e-2:
                 print(f"  {layer} {gemm} TMA {tile}: WRONG, relative error {error:.1e}; not timed")
@@ -184,7 +170,7 @@ def time_candidates(layer, gemm, candidate, dense, sms, main_grad, top) -> None:
             print(f"  {layer} {gemm} TMA {tile}: {type(exc).__name__}: {str(exc)[:200]}")
     timed.sort()
     best = ", ".join(f"{tile} {ms:.3f} ms ({dense / ms:.0%}, error {err:.1e})" for ms, tile, err in timed[:top])
-    print(f"{layer} {gemm:<13} TMA candidates | best: {best}")
+    print(f"{layer} {gemm:<13} TMA tiles | best: {best}")
 
 
 if __name__ == "__main__":

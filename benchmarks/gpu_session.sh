@@ -34,6 +34,7 @@
 #   s4l    the final tree's B4b (default and bf16 moments) against torchtitan 0.2.2 compiled in one call (.whl/ carried)
 #   s5a    grouped GEMM / qk-layernorm / router GPU tests; the TMA candidates against the library's autotune tiles and torch._grouped_mm (all five GEMMs); B4 layer in rounds
 #   s5x4   (4 GPUs) DeepSeek-V2-Lite x 4: dp2/ep2/etp2 on 2 of them, then dp4/ep4/ep2etp2/tp2ep2 (global batch 16)
+#   s6a    grouped GEMM GPU tests (bf16/fp16: the TMA row kernel at B4's shapes); the TMA tiles sweep (forward, input grad); B4 layer on both grouped GEMMs; B4b on both
 #   b1tune B1 eager / --compile / HF, then B1 with --gemm-tuning twice (the tuning run, then a run reading its file)
 set -uo pipefail
 part="$1" out="$2"; mkdir -p "$out"
@@ -279,6 +280,16 @@ s5x4)
   moe=(--model deepseek-v2-lite --layers 4 --micro-batch-size 2 --seq-length 4096 --steps 4 --warmup 2)
   python3 benchmarks/b5_scaling.py "${moe[@]}" --global-batch 8 --layouts dp2,ep2,etp2 2>"$out/b5_moe2_stderr.txt" | tee "$out/b5_moe2.txt"
   python3 benchmarks/b5_scaling.py "${moe[@]}" --global-batch 16 --layouts dp4,ep4,ep2etp2,tp2ep2 2>"$out/b5_moe4_stderr.txt" | tee "$out/b5_moe4.txt" ;;
+s6a)
+  timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_grouped_gemm_gpu.py -k "not dtype2" > "$out/gpu_tests_s6a.txt" 2>&1
+  grep -E "passed|failed|Error" "$out/gpu_tests_s6a.txt" | tail -3
+  (cd benchmarks && timeout 240 python3 b4_grouped_sweep.py --candidates --library-tiles autotune --gemms "forward,input grad" --top 4 2>&1) | tee "$out/sweep_tma.txt"
+  for backend in triton torch; do python3 benchmarks/b4_moe_layer.py --grouped-gemm $backend --rounds 3 2>&1 | tee -a "$out/b4_layer.txt"; done
+  common=(--preset deepseek-v2-lite --num-layers 4 --moe-layer-freq "([0]+[1]*3)" --seq-length 4096 --micro-batch-size 2 --global-batch-size 2 --bf16)
+  for variant in "--model.moe_grouped_gemm triton" "--model.moe_grouped_gemm torch"; do
+    # shellcheck disable=SC2086
+    (cd benchmarks && python3 train_bench.py --steps 6 --warmup 3 -- "${common[@]}" $variant 2>>"$out/b4b_stderr.txt") | sed "s|^|$variant: |" | tee -a "$out/b4b.txt"
+  done ;;
 b1tune)
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,meshtron-compile,hf 2>"$out/b1_stderr.txt" | tee "$out/b1_compile.txt"
   for run in tuning reading; do
