@@ -35,6 +35,7 @@
 #   s5a    grouped GEMM / qk-layernorm / router GPU tests; the TMA candidates against the library's autotune tiles and torch._grouped_mm (all five GEMMs); B4 layer in rounds
 #   s5x4   (4 GPUs) DeepSeek-V2-Lite x 4: dp2/ep2/etp2 on 2 of them, then dp4/ep4/ep2etp2/tp2ep2 (global batch 16)
 #   s6a    grouped GEMM GPU tests (bf16/fp16: the TMA row kernel at B4's shapes); the TMA tiles sweep (forward, input grad); B4 layer on both grouped GEMMs; B4b on both
+#   s6b    grouped GEMM GPU tests (the TMA weight gradient too); B4b of this tree against OLD's (arg 3, carried), and on the triton backend; B4 layer; the sweep with every TMA tile
 #   b1tune B1 eager / --compile / HF, then B1 with --gemm-tuning twice (the tuning run, then a run reading its file)
 set -uo pipefail
 part="$1" out="$2"; mkdir -p "$out"
@@ -290,6 +291,17 @@ s6a)
     # shellcheck disable=SC2086
     (cd benchmarks && python3 train_bench.py --steps 6 --warmup 3 -- "${common[@]}" $variant 2>>"$out/b4b_stderr.txt") | sed "s|^|$variant: |" | tee -a "$out/b4b.txt"
   done ;;
+s6b)
+  old="$(cd "$3" && pwd)"
+  timeout 240 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_grouped_gemm_gpu.py -k "not dtype2" > "$out/gpu_tests_s6b.txt" 2>&1
+  grep -E "passed|failed|Error|relative" "$out/gpu_tests_s6b.txt" | tail -4
+  common=(--preset deepseek-v2-lite --num-layers 4 --moe-layer-freq "([0]+[1]*3)" --seq-length 4096 --micro-batch-size 2 --global-batch-size 2 --bf16)
+  for tree in "$PWD" "$old" "$PWD"; do
+    (cd "$tree/benchmarks" && PYTHONPATH="$tree" python3 train_bench.py --steps 8 --warmup 3 -- "${common[@]}" 2>>"$out/b4b_stderr.txt") | sed "s|^|[$tree]: |" | tee -a "$out/b4b.txt"
+  done
+  (cd benchmarks && python3 train_bench.py --steps 8 --warmup 3 -- "${common[@]}" --model.moe_grouped_gemm triton 2>>"$out/b4b_stderr.txt") | sed "s|^|[triton]: |" | tee -a "$out/b4b.txt"
+  for backend in triton torch; do python3 benchmarks/b4_moe_layer.py --grouped-gemm $backend --rounds 3 2>&1 | tee -a "$out/b4_layer.txt"; done
+  (cd benchmarks && timeout 200 python3 b4_grouped_sweep.py --candidates --library-tiles autotune --top 3 2>&1) | grep -v "^ \|^$\|^#\|^%\|^{\|^}" | tee "$out/sweep_tma.txt" ;;
 b1tune)
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,meshtron-compile,hf 2>"$out/b1_stderr.txt" | tee "$out/b1_compile.txt"
   for run in tuning reading; do

@@ -50,14 +50,16 @@ def _configs(tiles: list[tuple[int, int, int, int, int]]) -> list:
 _ROW_CONFIGS = _configs([(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4)])
 _WEIGHT_GRAD_CONFIGS = _configs([(32, 256, 128, 8, 4), (32, 128, 128, 4, 4), (64, 128, 256, 8, 3), (64, 128, 128, 8, 4), (64, 64, 128, 4, 4)])
 
-# The TMA kernel's tiles, (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) plus its switches: the fastest
-# of b4_grouped_sweep.py --candidates on an H100 at the same shapes.
+# The TMA kernel's tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, flatten the tile loop, store in
+# two halves): the fastest of b4_grouped_sweep.py --candidates on an H100 at the same shapes (the
+# split store lets fc2's forward take 4 stages: 0.466 ms against torch._grouped_mm's 0.510).
 _ROW_TMA_CONFIGS = [
-    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "FLATTEN": flat, "SPLIT_STORE": split, "WARP_SPECIALIZE": False},
-                  num_warps=w, num_stages=s)
-    for bm, bn, bk, w, s, flat, split in [(128, 256, 64, 8, 3, True, False), (128, 256, 64, 8, 3, False, False),
-                                          (128, 128, 64, 8, 4, True, False)]
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "FLATTEN": flat, "SPLIT_STORE": split}, num_warps=w, num_stages=s)
+    for bm, bn, bk, w, s, flat, split in [(128, 256, 64, 8, 3, True, False), (128, 256, 64, 8, 3, True, True),
+                                          (128, 256, 64, 8, 4, True, True), (128, 128, 64, 8, 4, True, False)]
 ]  # fmt: skip
+
+_WEIGHT_GRAD_TMA_CONFIGS = _configs([(64, 128, 128, 8, 3), (64, 128, 128, 4, 4), (128, 128, 128, 8, 3)])
 
 # Fixed small tiles for Triton's interpreter (CPU tests), where autotuning cannot time anything.
 _INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
@@ -126,7 +128,7 @@ def _real_row_tiles(offsets_ptr, E: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M
 def _rows_tma_kernel(
     a_ptr, w_ptr, out_ptr, offsets_ptr, R,
     N: tl.constexpr, K: tl.constexpr, E: tl.constexpr, BLOCK_E: tl.constexpr, TRANSPOSE_W: tl.constexpr,
-    FLATTEN: tl.constexpr, SPLIT_STORE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    FLATTEN: tl.constexpr, SPLIT_STORE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """out[r, :N] = a[r, :K] @ op(w[g]) for every row r of group g, persistent over the tiles; w is
@@ -141,7 +143,7 @@ def _rows_tma_kernel(
     STORE_N: tl.constexpr = BLOCK_N // 2 if SPLIT_STORE else BLOCK_N
     n_tiles = tl.cdiv(N, BLOCK_N)
     tiles = _real_row_tiles(offsets_ptr, E, BLOCK_E, BLOCK_M) * n_tiles
-    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
+    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), flatten=FLATTEN):
         g, row_start, row_end = _find_row_tile(offsets_ptr, tile // n_tiles, E, BLOCK_E, BLOCK_M)
         n0 = (tile % n_tiles) * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -199,10 +201,47 @@ def _weight_grad_kernel(
     tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
 
 
+@triton.jit
+def _weight_grad_tma_kernel(
+    dy_ptr, x_ptr, dw_ptr, offsets_ptr, R,
+    N: tl.constexpr, K: tl.constexpr, E: tl.constexpr, ACCUMULATE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """dW[g] (+)= dy_g^T @ x_g, persistent over the (expert, N tile, K tile) tiles: dy [R, N], x [R, K],
+    dW [E, N, K] with N a multiple of BLOCK_N (a tile never reaches into the next expert's rows).
+
+    The descriptors span all rows and are made once per program. A group's full row steps need no
+    mask; its last, partial step reads rows of the next group, which are zeroed in registers."""
+    dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[R, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
+    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[R, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
+    dw_desc = tl.make_tensor_descriptor(dw_ptr, shape=[E * N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
+    n_tiles, k_tiles = N // BLOCK_N, tl.cdiv(K, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), E * n_tiles * k_tiles, tl.num_programs(0)):
+        g = tile // (n_tiles * k_tiles)
+        n0 = (tile // k_tiles % n_tiles) * BLOCK_N
+        k0 = (tile % k_tiles) * BLOCK_K
+        start = tl.load(offsets_ptr + g)
+        end = tl.load(offsets_ptr + g + 1)
+        full_end = start + (end - start) // BLOCK_M * BLOCK_M
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for r0 in range(start, full_end, BLOCK_M):
+            acc = tl.dot(dy_desc.load([r0, n0]).T, x_desc.load([r0, k0]), acc)
+        if full_end < end:
+            inside = (full_end + tl.arange(0, BLOCK_M)) < end
+            dy = tl.where(inside[:, None], dy_desc.load([full_end, n0]), 0.0)
+            x = tl.where(inside[:, None], x_desc.load([full_end, k0]), 0.0)
+            acc = tl.dot(dy.T, x, acc)
+        if ACCUMULATE:
+            acc += dw_desc.load([g * N + n0, k0]).to(tl.float32)
+        dw_desc.store([g * N + n0, k0], acc.to(dw_ptr.dtype.element_ty))
+
+
 _rows_tuned = triton.autotune(configs=_ROW_CONFIGS, key=["N", "K", "E", "IEEE"])(_rows_kernel)
 _rows_tma_tuned = triton.autotune(configs=_ROW_TMA_CONFIGS, key=["N", "K", "E", "TRANSPOSE_W"])(_rows_tma_kernel)
 # Autotuning times each config on the real output: restore_value keeps an accumulating dW from
 # collecting every trial's product.
+_weight_grad_tma_tuned = triton.autotune(configs=_WEIGHT_GRAD_TMA_CONFIGS, key=["N", "K", "E", "ACCUMULATE"],
+                                         restore_value=["dw_ptr"])(_weight_grad_tma_kernel)  # fmt: skip
 _weight_grad_tuned = triton.autotune(configs=_WEIGHT_GRAD_CONFIGS, key=["N", "K", "IEEE", "ACCUMULATE"],
                                      restore_value=["dw_ptr"])(_weight_grad_kernel)
 
@@ -211,18 +250,32 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _tma_ready(*tensors: torch.Tensor) -> bool:
+    """A CUDA GPU of compute capability 9 or later (not ROCm) with Triton's device-side descriptors,
+    bf16 or fp16 operands (the first tensor's dtype), every row a multiple of 16 bytes from an
+    aligned start (what TMA reads and writes)."""
+    first = tensors[0]
+    if not (first.is_cuda and torch.version.hip is None and hasattr(tl, "make_tensor_descriptor")):
+        return False
+    aligned = all(t.shape[-1] * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0 for t in tensors)
+    return first.dtype in (torch.bfloat16, torch.float16) and aligned and _compute_capability(first.device)[0] >= 9
+
+
 def tma_rows_usable(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``rows_times_group(a, b)`` can take the TMA kernel: a CUDA GPU of compute capability
-    9 or later (not ROCm), bf16 or fp16, ``a`` contiguous, ``b`` [E, K, N] contiguous or the
-    transpose of a contiguous [E, N, K], every row a multiple of 16 bytes from an aligned start."""
-    if not (a.is_cuda and torch.version.hip is None and hasattr(tl, "make_tensor_descriptor")):
+    """Whether ``rows_times_group(a, b)`` can take the TMA kernel: ``a`` contiguous, ``b`` [E, K, N]
+    contiguous or the transpose of a contiguous [E, N, K], one dtype, and ``_tma_ready``."""
+    if b.dtype != a.dtype or not a.is_contiguous():
         return False
-    if a.dtype not in (torch.bfloat16, torch.float16) or b.dtype != a.dtype or not a.is_contiguous():
-        return False
-    if not (b.is_contiguous() or b.transpose(1, 2).is_contiguous()):
-        return False
-    widths_aligned = all(size * a.element_size() % 16 == 0 for size in b.shape[1:])
-    return widths_aligned and a.data_ptr() % 16 == 0 and b.data_ptr() % 16 == 0 and _compute_capability(a.device)[0] >= 9
+    if b.is_contiguous():
+        return _tma_ready(a, b)
+    return b.transpose(1, 2).is_contiguous() and _tma_ready(a, b.transpose(1, 2))
+
+
+def tma_weight_grad_usable(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor) -> bool:
+    """Whether ``group_weight_grad`` can take the TMA kernel: all three contiguous, dy and x of one
+    dtype, dW's N a multiple of every tile's BLOCK_N, and ``_tma_ready``."""
+    contiguous = dy.is_contiguous() and x.is_contiguous() and dw.is_contiguous()
+    return contiguous and dy.dtype == x.dtype and dy.shape[1] % 128 == 0 and _tma_ready(dy, x, dw)
 
 
 @functools.cache
@@ -249,8 +302,7 @@ def rows_times_group_tma(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor
     out = torch.empty(rows, n, dtype=a.dtype, device=a.device)
     if rows == 0 or n == 0:
         return out
-    # Device-side descriptors (the per-group store) live in scratch memory Triton asks the caller for.
-    triton.set_allocator(_scratch)
+    triton.set_allocator(_scratch)  # device-side descriptors live in scratch memory Triton asks the caller for
     args = (a, w, out, offsets, rows)
     meta = dict(N=n, K=k, E=experts, BLOCK_E=triton.next_power_of_2(experts), TRANSPOSE_W=transpose_w)
     if tile is None:
@@ -258,6 +310,21 @@ def rows_times_group_tma(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor
     else:
         _rows_tma_kernel[(programs,)](*args, **meta, **tile)
     return out
+
+
+def group_weight_grad_tma(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, dw: torch.Tensor, accumulate: bool,
+                          programs: int, tile: dict | None = None) -> torch.Tensor:  # fmt: skip
+    """``group_weight_grad`` on the persistent TMA kernel into ``dw``; ``tile`` as in ``rows_times_group_tma``."""
+    if dy.shape[0] == 0:  # no rows: nothing to describe
+        return dw if accumulate else dw.zero_()
+    triton.set_allocator(_scratch)
+    args = (dy, x, dw, offsets, dy.shape[0])
+    meta = dict(N=dy.shape[1], K=x.shape[1], E=dw.shape[0], ACCUMULATE=accumulate)
+    if tile is None:
+        _weight_grad_tma_tuned[(programs,)](*args, **meta)
+    else:
+        _weight_grad_tma_kernel[(programs,)](*args, **meta, **tile)
+    return dw
 
 
 def group_offsets(group_sizes: torch.Tensor) -> torch.Tensor:
@@ -293,6 +360,8 @@ def group_weight_grad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, 
     x's dtype or written (``accumulate``: added) into ``out`` (e.g. an fp32 ``main_grad``)."""
     (rows, n), k = dy.shape, x.shape[1]
     dw = torch.empty(experts, n, k, dtype=x.dtype, device=x.device) if out is None else out
+    if not _interpreted() and tma_weight_grad_usable(dy, x, dw):
+        return group_weight_grad_tma(dy, x, offsets, dw, accumulate, _sm_count(dy.device))
     args = (dy, x, dw, offsets, n, k, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), *dw.stride())
     meta = dict(IEEE=x.dtype == torch.float32, ACCUMULATE=accumulate)
     if _interpreted():
