@@ -8,9 +8,8 @@ in bf16, and written or added into an fp32 ``main_grad`` as gradient-accumulatio
 with every candidate tile, each against ``torch.mm`` of the same FLOPs, and prints the best tiles
 per GEMM. The autotune lists in ``meshtron/kernels/triton_grouped_gemm.py`` come from its output.
 
-``--candidates`` also runs the library's persistent TMA kernels (Hopper: rows for the forward and
-input gradient, and the weight gradient) with each of their tiles here, each first checked against
-the per-expert products in fp32.
+``--candidates`` also runs the library's persistent TMA row kernel (forward and input gradient, on
+Hopper) with each of ``TMA_ROW_TILES``, each first checked against the per-expert products in fp32.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import triton
 from b4_grouped_gemm import EXPERTS, LAYERS, ragged_sizes, time_ms
 
 from meshtron.kernels.triton_grouped_gemm import (_ROW_CONFIGS, _WEIGHT_GRAD_CONFIGS, _rows_kernel, _weight_grad_kernel, group_offsets,
-                                                  group_weight_grad_tma, rows_times_group_tma)  # fmt: skip
+                                                  rows_times_group_tma)  # fmt: skip
 
 ROW_TILES = [(bm, bn, bk, w, s) for bm, bn, bk, w, s in [
     (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 3),
@@ -44,11 +43,6 @@ WEIGHT_GRAD_TILES = [
 TMA_ROW_TILES = [
     (128, 256, 64, 8, 3, True, False), (128, 256, 64, 8, 3, False, False), (128, 128, 64, 8, 4, True, False),
     (128, 256, 64, 8, 4, True, True), (128, 256, 64, 8, 4, False, True), (128, 256, 64, 8, 3, True, True),
-]  # fmt: skip
-# The TMA weight-gradient kernel's tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages).
-TMA_WEIGHT_GRAD_TILES = [
-    (64, 128, 128, 8, 3), (64, 128, 128, 4, 4), (128, 128, 128, 8, 3), (64, 128, 64, 4, 4), (128, 128, 64, 8, 4),
-    (64, 128, 256, 8, 3), (32, 128, 128, 4, 4), (64, 128, 128, 8, 4),
 ]  # fmt: skip
 
 
@@ -74,12 +68,9 @@ def as_tiles(configs) -> list[tuple[int, int, int, int, int]]:
 
 
 def tma_meta(tile) -> dict:
-    """A TMA kernel's fixed launch meta from a row tile (7 fields) or a weight-gradient tile (5)."""
-    bm, bn, bk, w, s, *switches = tile
-    meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s)
-    if switches:
-        meta.update(FLATTEN=switches[0], SPLIT_STORE=switches[1])
-    return meta
+    """The TMA row kernel's fixed launch meta from a tile of ``TMA_ROW_TILES``."""
+    bm, bn, bk, w, s, flatten, split = tile
+    return dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s, FLATTEN=flatten, SPLIT_STORE=split)
 
 
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -128,12 +119,12 @@ def main() -> None:
                            "W [E, K, N] copy": lambda: torch._grouped_mm(dy, weight_kn.transpose(1, 2), offs=ends)},
             "weight grad": {"dy^T x": lambda: torch._grouped_mm(dy.t(), x, offs=ends)},
         }
-        candidates = tma_candidates(x, dy, weight, main_grad, offsets, sizes, sms) if args.candidates else {}
+        candidates = tma_candidates(x, dy, weight, offsets, sizes, sms) if args.candidates else {}
         for gemm, (tiles, make) in gemms.items():
             if args.gemms and gemm not in args.gemms.split(","):
                 continue
             if gemm in candidates:
-                time_candidates(layer, gemm, candidates[gemm], dense, main_grad, args.top)
+                time_candidates(layer, gemm, candidates[gemm], dense, args.top)
             timed = []
             for tile in tiles:
                 try:
@@ -151,38 +142,27 @@ def main() -> None:
                     print(f"{layer} {gemm:<13} torch._grouped_mm ({label}): {type(exc).__name__}: {str(exc)[:200]}")
 
 
-def tma_candidates(x, dy, weight, main_grad, offsets, sizes, sms) -> dict:
-    """GEMM -> (tiles, launch(meta) of the TMA kernel with a fixed tile, its fp32 reference)."""
+def tma_candidates(x, dy, weight, offsets, sizes, sms) -> dict:
+    """GEMM -> (tiles, launch(meta) of the TMA row kernel with a fixed tile, its fp32 reference)."""
     groups = torch.split(torch.arange(x.shape[0], device=x.device), sizes.tolist())
     x32, dy32, w32 = x.float(), dy.float(), weight.float()
-    weight_grad = torch.stack([dy32[r].t() @ x32[r] for r in groups])
 
     def rows(a, b):
         return lambda meta: rows_times_group_tma(a, b, offsets, sms, meta)
 
-    def wgrad(out, accumulate):
-        return lambda meta: group_weight_grad_tma(dy, x, offsets, out, accumulate, sms, meta)
-
     return {
         "forward": (TMA_ROW_TILES, rows(x, weight.transpose(1, 2)), torch.cat([x32[r] @ w32[g].t() for g, r in enumerate(groups)])),
         "input grad": (TMA_ROW_TILES, rows(dy, weight), torch.cat([dy32[r] @ w32[g] for g, r in enumerate(groups)])),
-        "weight grad": (TMA_WEIGHT_GRAD_TILES, wgrad(torch.empty_like(weight), False), weight_grad),
-        "wgrad fp32": (TMA_WEIGHT_GRAD_TILES, wgrad(main_grad, False), weight_grad),
-        # Added into main_grad: two calls on a zeroed buffer hold twice the product.
-        "wgrad fp32 +=": (TMA_WEIGHT_GRAD_TILES, wgrad(main_grad, True), 2 * weight_grad),
     }
 
 
-def time_candidates(layer, gemm, candidate, dense, main_grad, top) -> None:
-    """Check each TMA tile against the fp32 reference (two calls on a zeroed ``main_grad``, so
-    that the accumulating form is checked too), then time it; print the best."""
+def time_candidates(layer, gemm, candidate, dense, top) -> None:
+    """Check each TMA tile against the fp32 reference, then time it; print the best."""
     tiles, kernel, reference = candidate
     timed = []
     for tile in tiles:
         launch = functools.partial(kernel, tma_meta(tile))
         try:
-            main_grad.zero_()
-            launch()
             error = relative_error(launch(), reference)
             if error > 1e-2:
                 print(f"  {layer} {gemm} TMA {tile}: WRONG, relative error {error:.1e}; not timed")

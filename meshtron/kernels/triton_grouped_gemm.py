@@ -59,8 +59,6 @@ _ROW_TMA_CONFIGS = [
                                           (128, 256, 64, 8, 4, True, True), (128, 128, 64, 8, 4, True, False)]
 ]  # fmt: skip
 
-_WEIGHT_GRAD_TMA_CONFIGS = _configs([(64, 128, 128, 8, 3), (64, 128, 128, 4, 4), (128, 128, 128, 8, 3)])
-
 # Fixed small tiles for Triton's interpreter (CPU tests), where autotuning cannot time anything.
 _INTERPRETER_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
 
@@ -201,47 +199,10 @@ def _weight_grad_kernel(
     tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
 
 
-@triton.jit
-def _weight_grad_tma_kernel(
-    dy_ptr, x_ptr, dw_ptr, offsets_ptr, R,
-    N: tl.constexpr, K: tl.constexpr, E: tl.constexpr, ACCUMULATE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """dW[g] (+)= dy_g^T @ x_g, persistent over the (expert, N tile, K tile) tiles: dy [R, N], x [R, K],
-    dW [E, N, K] with N a multiple of BLOCK_N (a tile never reaches into the next expert's rows).
-
-    The descriptors span all rows and are made once per program. A group's full row steps need no
-    mask; its last, partial step reads rows of the next group, which are zeroed in registers."""
-    dy_desc = tl.make_tensor_descriptor(dy_ptr, shape=[R, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
-    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[R, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
-    dw_desc = tl.make_tensor_descriptor(dw_ptr, shape=[E * N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
-    n_tiles, k_tiles = N // BLOCK_N, tl.cdiv(K, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), E * n_tiles * k_tiles, tl.num_programs(0)):
-        g = tile // (n_tiles * k_tiles)
-        n0 = (tile // k_tiles % n_tiles) * BLOCK_N
-        k0 = (tile % k_tiles) * BLOCK_K
-        start = tl.load(offsets_ptr + g)
-        end = tl.load(offsets_ptr + g + 1)
-        full_end = start + (end - start) // BLOCK_M * BLOCK_M
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for r0 in range(start, full_end, BLOCK_M):
-            acc = tl.dot(dy_desc.load([r0, n0]).T, x_desc.load([r0, k0]), acc)
-        if full_end < end:
-            inside = (full_end + tl.arange(0, BLOCK_M)) < end
-            dy = tl.where(inside[:, None], dy_desc.load([full_end, n0]), 0.0)
-            x = tl.where(inside[:, None], x_desc.load([full_end, k0]), 0.0)
-            acc = tl.dot(dy.T, x, acc)
-        if ACCUMULATE:
-            acc += dw_desc.load([g * N + n0, k0]).to(tl.float32)
-        dw_desc.store([g * N + n0, k0], acc.to(dw_ptr.dtype.element_ty))
-
-
 _rows_tuned = triton.autotune(configs=_ROW_CONFIGS, key=["N", "K", "E", "IEEE"])(_rows_kernel)
 _rows_tma_tuned = triton.autotune(configs=_ROW_TMA_CONFIGS, key=["N", "K", "E", "TRANSPOSE_W"])(_rows_tma_kernel)
 # Autotuning times each config on the real output: restore_value keeps an accumulating dW from
 # collecting every trial's product.
-_weight_grad_tma_tuned = triton.autotune(configs=_WEIGHT_GRAD_TMA_CONFIGS, key=["N", "K", "E", "ACCUMULATE"],
-                                         restore_value=["dw_ptr"])(_weight_grad_tma_kernel)  # fmt: skip
 _weight_grad_tuned = triton.autotune(configs=_WEIGHT_GRAD_CONFIGS, key=["N", "K", "IEEE", "ACCUMULATE"],
                                      restore_value=["dw_ptr"])(_weight_grad_kernel)
 
@@ -269,13 +230,6 @@ def tma_rows_usable(a: torch.Tensor, b: torch.Tensor) -> bool:
     if b.is_contiguous():
         return _tma_ready(a, b)
     return b.transpose(1, 2).is_contiguous() and _tma_ready(a, b.transpose(1, 2))
-
-
-def tma_weight_grad_usable(dy: torch.Tensor, x: torch.Tensor, dw: torch.Tensor) -> bool:
-    """Whether ``group_weight_grad`` can take the TMA kernel: all three contiguous, dy and x of one
-    dtype, dW's N a multiple of every tile's BLOCK_N, and ``_tma_ready``."""
-    contiguous = dy.is_contiguous() and x.is_contiguous() and dw.is_contiguous()
-    return contiguous and dy.dtype == x.dtype and dy.shape[1] % 128 == 0 and _tma_ready(dy, x, dw)
 
 
 @functools.cache
@@ -312,21 +266,6 @@ def rows_times_group_tma(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor
     return out
 
 
-def group_weight_grad_tma(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, dw: torch.Tensor, accumulate: bool,
-                          programs: int, tile: dict | None = None) -> torch.Tensor:  # fmt: skip
-    """``group_weight_grad`` on the persistent TMA kernel into ``dw``; ``tile`` as in ``rows_times_group_tma``."""
-    if dy.shape[0] == 0:  # no rows: nothing to describe
-        return dw if accumulate else dw.zero_()
-    triton.set_allocator(_scratch)
-    args = (dy, x, dw, offsets, dy.shape[0])
-    meta = dict(N=dy.shape[1], K=x.shape[1], E=dw.shape[0], ACCUMULATE=accumulate)
-    if tile is None:
-        _weight_grad_tma_tuned[(programs,)](*args, **meta)
-    else:
-        _weight_grad_tma_kernel[(programs,)](*args, **meta, **tile)
-    return dw
-
-
 def group_offsets(group_sizes: torch.Tensor) -> torch.Tensor:
     """[E] sizes -> [E + 1] int32 offsets (0, end of group 0, ...), on the sizes' device."""
     offsets = torch.zeros(group_sizes.numel() + 1, dtype=torch.int32, device=group_sizes.device)
@@ -360,8 +299,6 @@ def group_weight_grad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, 
     x's dtype or written (``accumulate``: added) into ``out`` (e.g. an fp32 ``main_grad``)."""
     (rows, n), k = dy.shape, x.shape[1]
     dw = torch.empty(experts, n, k, dtype=x.dtype, device=x.device) if out is None else out
-    if not _interpreted() and tma_weight_grad_usable(dy, x, dw):
-        return group_weight_grad_tma(dy, x, offsets, dw, accumulate, _sm_count(dy.device))
     args = (dy, x, dw, offsets, n, k, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), *dw.stride())
     meta = dict(IEEE=x.dtype == torch.float32, ACCUMULATE=accumulate)
     if _interpreted():
