@@ -71,7 +71,7 @@ class ModelConfig:
     num_experts: int = 0  # routed experts per MoE layer; 0: dense MLPs only
     moe_router_topk: int = 2  # experts each token is sent to
     moe_ffn_hidden_size: int = 0  # per expert; 0: ffn_hidden_size
-    moe_router_load_balancing_type: str = "aux_loss"  # aux_loss (switch/GShard) | seq_aux_loss (DeepSeek) | none
+    moe_router_load_balancing_type: str = "aux_loss"  # aux_loss (switch/GShard) | seq_aux_loss (DeepSeek) | sinkhorn (Megatron's balanced plan, no aux loss) | none
     moe_aux_loss_coeff: float = 0.0  # per MoE layer; the layers' losses add up (Megatron-Core's scale)
     moe_loss_weight: float = 0.0  # MegaBlocks' scale: the same loss averaged over the MoE layers; set one of the two
     moe_z_loss_coeff: float = 0.0  # router z-loss coefficient (0: off)

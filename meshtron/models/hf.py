@@ -141,6 +141,9 @@ def hf_config_from_model(m: ModelConfig, vocab_size: int, max_positions: int, dt
     if m.apply_residual_connection_post_layernorm:
         raise CheckpointError("hf-export: Hugging Face's GPT-2 and Llama are pre-norm; a post-LN decoder "
                               "(--apply-residual-connection-post-layernorm) has no equivalent there")  # fmt: skip
+    if m.num_experts and m.moe_router_load_balancing_type == "sinkhorn":
+        raise CheckpointError("hf-export: sinkhorn routing (--moe-router-load-balancing-type sinkhorn) is not mapped to a Hugging Face "
+                              "router; its inference weights (sigmoid at top-1, the softmax over all experts above) would change")  # fmt: skip
     if is_deepseek(m):
         return deepseek_hf_config(m, vocab_size, max_positions, dtype_name)
     if _is_gpt2(m):

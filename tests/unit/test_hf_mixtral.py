@@ -88,6 +88,7 @@ def test_export_refuses_what_mixtral_cannot_express():
     assert hf_config_from_model(m, 128, 256, torch.float32)["architectures"] == ["MixtralForCausalLM"]
     for field, value, what in [("moe_shared_expert_intermediate_size", 64, "Qwen2MoeForCausalLM cannot express routed experts without"),
                                ("moe_router_pre_softmax", True, "routing other than"),
+                               ("moe_router_load_balancing_type", "sinkhorn", "sinkhorn routing"),
                                ("moe_layer_freq", "([0]+[1])", "dense layers")]:  # fmt: skip
         changed = build_config(overrides=["--model.preset", "tiny-mixtral", f"--model.{field}", str(value)]).model
         with pytest.raises(CheckpointError, match=what):

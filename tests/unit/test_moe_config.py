@@ -83,6 +83,35 @@ def test_config_checks_name_the_flag():
     assert "--moe-router-dtype" in _errors(moe_router_dtype="bf16")
 
 
+def test_sinkhorn_is_accepted_and_refuses_what_it_would_ignore():
+    assert _errors(moe_router_load_balancing_type="sinkhorn") == ""
+    assert _errors(moe_router_load_balancing_type="sinkhorn", moe_router_topk=1) == ""  # a sigmoid: the gate has a gradient
+    assert _errors(moe_router_load_balancing_type="sinkhorn", moe_z_loss_coeff=1e-3, moe_expert_capacity_factor=1.25) == ""
+    assert "aux_loss, seq_aux_loss, sinkhorn or none" in _errors(moe_router_load_balancing_type="balanced")
+    refused = [
+        (dict(moe_aux_loss_coeff=1e-2), "takes no auxiliary loss (as in Megatron-Core); set --moe-aux-loss-coeff 0"),
+        (dict(moe_loss_weight=0.1), "set --moe-loss-weight 0"),
+        (dict(moe_router_num_groups=4, moe_router_group_topk=2), "drop group-limited routing (--moe-router-num-groups"),
+        (dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True), "drop --moe-router-enable-expert-bias"),
+        (dict(moe_router_score_function="sigmoid"), "ignores the score function (its weights are sigmoid with --moe-router-topk 1"),
+        (dict(moe_router_pre_softmax=True), "ignores --moe-router-pre-softmax"),
+    ]
+    for fields, message in refused:
+        errors = _errors(moe_router_load_balancing_type="sinkhorn", **fields)
+        assert "--moe-router-load-balancing-type sinkhorn" in errors and message in errors, (fields, errors)
+        assert message not in _errors(**fields), f"{fields} alone is fine without sinkhorn"
+
+
+def test_sinkhorn_from_megatron_flags():
+    from meshtron.errors import ConfigError
+    from meshtron.validation import validate
+
+    flags = ["--preset", "tiny-mixtral", "--mock-data", "--moe-router-load-balancing-type", "sinkhorn"]
+    with pytest.raises(ConfigError, match="set --moe-loss-weight 0"):  # the preset's MegaBlocks-scale loss
+        validate(build_config(None, flags))
+    validate(build_config(None, [*flags, "--moe-loss-weight", "0"]))
+
+
 def test_megatron_and_megablocks_flags():
     megatron = build_config(overrides=[
         "--num-experts", "64", "--moe-router-topk", "6", "--moe-ffn-hidden-size", "1408", "--moe-grouped-gemm",

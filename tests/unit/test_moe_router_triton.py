@@ -40,8 +40,9 @@ def _cfg(**fields) -> ModelConfig:
 @pytest.mark.parametrize(
     "fields,fused",
     [({}, True), ({"fused_kernels": "off"}, False), ({"moe_router_num_groups": 3, "moe_router_group_topk": 1}, False),
-     ({"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True}, False)],
-    ids=["plain", "kernels off", "groups", "expert bias"],
+     ({"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True}, False),
+     ({"moe_router_load_balancing_type": "sinkhorn"}, False)],
+    ids=["plain", "kernels off", "groups", "expert bias", "sinkhorn"],
 )  # fmt: skip
 def test_router_takes_the_kernel_only_where_it_applies(fields, fused):
     router = Router(_cfg(**{"fused_kernels": "on", **fields}))

@@ -1,4 +1,5 @@
-"""Load-balancing and router z-losses, as differentiable scalars the model reports by name.
+"""Load-balancing and router z-losses, as differentiable scalars the model reports by name, and
+Sinkhorn's balanced routing plan.
 
 Nothing here adds to a global: the layer hands its losses to the model, which reports them as
 named auxiliary terms of its loss. That keeps them right under pipeline parallelism and
@@ -68,7 +69,7 @@ class StatisticsNeeded(NamedTuple):
 
 
 def statistics_needed(balancing_type: str, aux_coeff: float, z_coeff: float) -> StatisticsNeeded:
-    balanced = balancing_type != "none" and aux_coeff > 0
+    balanced = balancing_type in ("aux_loss", "seq_aux_loss") and aux_coeff > 0
     return StatisticsNeeded(balanced, balanced and balancing_type == "seq_aux_loss", z_coeff > 0)
 
 
@@ -111,3 +112,35 @@ def losses_from_statistics(parts: dict[str, torch.Tensor], topk: int, aux_coeff:
     if "z" in total:
         losses["z_loss"] = z_coeff * total["z"][0] / num_tokens
     return losses
+
+
+SINKHORN_TOLERANCE = 1e-4
+SINKHORN_MAX_ITERATIONS = 1000
+
+
+@torch.no_grad()
+def sinkhorn(logits: torch.Tensor, token_sum: nn.Module | None = None) -> torch.Tensor:
+    """Megatron-Core's Sinkhorn-Knopp plan for ``--moe-router-load-balancing-type sinkhorn``:
+    exp(logits) [T, E] scaled per token (d0) and per expert (d1) until every token's row sums to
+    1/T and every expert's column to 1/E, so a top-k of the plan spreads tokens evenly.
+
+    The row sums are per token; the column sums and T are over the tokens of the micro batch,
+    which ``token_sum`` completes from this rank's (the layer's ``TokenSum``: the sp/cp ranks'
+    sum under the parallel plan). So every rank computes its rows of the one-process plan, and
+    d1, its change (the stopping error) and the iteration count are the same on every rank.
+    """
+    token_sum = token_sum or TokenSum()
+    cost = torch.exp(logits.float())
+    eps = 1e-8
+    num_tokens = token_sum(cost.new_tensor([cost.shape[0]]))
+    num_experts = cost.shape[1]
+    d1 = torch.ones(num_experts, dtype=cost.dtype, device=cost.device)
+    for _ in range(SINKHORN_MAX_ITERATIONS):
+        d0 = (1 / num_tokens) / (torch.sum(d1 * cost, 1) + eps)
+        d1_old, d1 = d1, (1 / num_experts) / (token_sum(torch.sum(d0.unsqueeze(1) * cost, 0)) + eps)
+        if torch.mean(torch.abs(d1_old - d1)) <= SINKHORN_TOLERANCE:
+            return d1 * cost * d0.unsqueeze(1)
+    raise RuntimeError(
+        f"--moe-router-load-balancing-type sinkhorn: the plan did not converge in {SINKHORN_MAX_ITERATIONS} iterations "
+        f"(router logits too large for exp, or not finite); add --moe-z-loss-coeff to keep them small, or use aux_loss"
+    )

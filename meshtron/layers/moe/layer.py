@@ -22,7 +22,8 @@ from meshtron.layers.moe.router import Router
 class MoELayer(nn.Module):
     """x [b, s, h] -> [b, s, h]. Submodules ``router``, ``experts``, optional ``shared_experts``
     (a plain MLP every token passes, DeepSeek's and Qwen-MoE's) and ``shared_expert_gate``, and
-    ``token_sum``, which completes the balancing statistics over the whole sequence."""
+    ``token_sum``, which completes the balancing statistics (and sinkhorn's plan) over the whole
+    sequence."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -49,7 +50,7 @@ class MoELayer(nn.Module):
         """
         b, s, h = x.shape
         tokens = x.reshape(b * s, h)
-        routing = self.router(tokens, b, self.needed)
+        routing = self.router(tokens, b, self.needed, self.token_sum)
         cfg = self.cfg
         self.last_aux_losses = losses_from_statistics(routing.statistics, cfg.moe_router_topk, self.aux_loss_coeff,
                                                       cfg.moe_z_loss_coeff, self.token_sum)  # fmt: skip

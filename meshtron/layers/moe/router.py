@@ -8,6 +8,10 @@ the same tokens to the same experts:
   (DeepSeek-V2's ``norm_topk_prob = false``);
 - sigmoid: top-k of sigmoid scores (plus the expert bias, for selection only), the chosen scores
   renormalized to sum 1 when k > 1 (DeepSeek-V3);
+- sinkhorn (``--moe-router-load-balancing-type sinkhorn``, Megatron-Core's): in training the k
+  experts come from the top-k of Sinkhorn's balanced plan over the micro batch, in eval from the
+  top-k of the weights; the weights are sigmoid (k = 1) or the softmax over all experts (k > 1)
+  at the chosen experts, not renormalized, whatever the score function;
 - then every weight times ``--moe-router-topk-scaling-factor``.
 
 The router also measures what the layer's balancing losses need (``token_statistics``). Without
@@ -27,7 +31,7 @@ from torch import nn
 from meshtron.config import ModelConfig
 from meshtron.kernels import use_triton
 from meshtron.kernels.fp32_gate import fp32_gate
-from meshtron.layers.moe.balancing import StatisticsNeeded, token_statistics
+from meshtron.layers.moe.balancing import StatisticsNeeded, sinkhorn, token_statistics
 
 ROUTER_DTYPES = {"": None, "fp32": torch.float32, "fp64": torch.float64}
 
@@ -113,6 +117,19 @@ def topk_routing(
     return probs.to(logits.dtype), experts
 
 
+def sinkhorn_routing(
+    logits: torch.Tensor, k: int, scaling_factor: float = 1.0, training: bool = True, token_sum: nn.Module | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (probs [T, k] in the logits' dtype, expert ids [T, k]) by Megatron-Core's
+    sinkhorn rule (module docstring). The plan only selects (no gradient); the weights carry the
+    gate's gradient. ``token_sum`` completes the plan's sums over the micro batch (``sinkhorn``)."""
+    weights = torch.sigmoid(logits.float()) if k == 1 else torch.softmax(logits.float(), dim=-1)
+    chosen_from = sinkhorn(logits, token_sum) if training else weights
+    experts = chosen_from.topk(k, dim=-1).indices
+    probs = weights.gather(1, experts) * scaling_factor
+    return probs.to(logits.dtype), experts
+
+
 class Router(nn.Module):
     """Linear gate ``weight`` [E, h] (no bias) and top-k routing, with DeepSeek-V3's expert bias.
 
@@ -125,6 +142,7 @@ class Router(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.topk = cfg.moe_router_topk
+        self.sinkhorn = cfg.moe_router_load_balancing_type == "sinkhorn"
         self.score_function = cfg.moe_router_score_function
         self.pre_softmax = cfg.moe_router_pre_softmax
         self.scaling_factor = cfg.moe_router_topk_scaling_factor
@@ -152,9 +170,11 @@ class Router(nn.Module):
             self.expert_bias = self.expert_bias.float()
         return self
 
-    def forward(self, tokens: torch.Tensor, batch_size: int = 1, needed: StatisticsNeeded = StatisticsNeeded()) -> Routing:
+    def forward(self, tokens: torch.Tensor, batch_size: int = 1, needed: StatisticsNeeded = StatisticsNeeded(),
+                token_sum: nn.Module | None = None) -> Routing:  # fmt: skip
         """tokens [T, h] (``batch_size`` sequences, batch-major) -> Routing with the ``needed``
-        statistics. Input jitter (MegaBlocks, Switch) applies in training only."""
+        statistics. Input jitter (MegaBlocks, Switch) applies in training only. ``token_sum``
+        sums over the micro batch's tokens from this rank's (the layer's; sinkhorn's plan reads it)."""
         if self.training and self.jitter_eps > 0:
             tokens = tokens * torch.empty_like(tokens).uniform_(1.0 - self.jitter_eps, 1.0 + self.jitter_eps)
         if self.dtype == torch.float32:  # bf16 operands on tensor cores, fp32 numbers (kernels/fp32_gate.py)
@@ -169,25 +189,29 @@ class Router(nn.Module):
             probs, experts, statistics = _fused_routing(logits, self.topk, self.score_function == "softmax", self.pre_softmax,
                                                         self.scaling_factor, rows, needed)  # fmt: skip
         else:
-            probs, experts = topk_routing(
-                logits, self.topk, self.score_function, self.pre_softmax, self.scaling_factor,
-                self.num_groups, self.group_topk, self.group_score, self.expert_bias,
-            )  # fmt: skip
+            if self.sinkhorn:
+                probs, experts = sinkhorn_routing(logits, self.topk, self.scaling_factor, self.training, token_sum)
+            else:
+                probs, experts = topk_routing(
+                    logits, self.topk, self.score_function, self.pre_softmax, self.scaling_factor,
+                    self.num_groups, self.group_topk, self.group_score, self.expert_bias,
+                )  # fmt: skip
             statistics = token_statistics(logits, batch_size, self.topk, self.score_function, needed)
         if self.expert_bias is not None and self.training and torch.is_grad_enabled():
             self.tokens_since_update += torch.bincount(experts.detach().reshape(-1), minlength=self.expert_bias.numel())
         return Routing(logits, probs, experts, statistics)
 
     def _fusable(self, logits: torch.Tensor, rows: int) -> bool:
-        """Whether the fused kernel computes this routing: no groups or bias, Triton for this tensor
-        (``model.fused_kernels``), and each program's tokens within one sequence (``FusedRouting``)."""
+        """Whether the fused kernel computes this routing: top-k (not sinkhorn), no groups or bias,
+        Triton for this tensor (``model.fused_kernels``), and each program's tokens within one
+        sequence (``FusedRouting``)."""
         if not use_triton(self.fused_kernels, logits):
             return False
         from meshtron.kernels.triton_router import block_tokens
 
         tokens, experts = logits.shape
         one_sequence_per_program = rows == 1 or (tokens // rows) % block_tokens(experts) == 0
-        plain = not self.group_topk and self.expert_bias is None and self.score_function in ("softmax", "sigmoid")
+        plain = not (self.sinkhorn or self.group_topk) and self.expert_bias is None and self.score_function in ("softmax", "sigmoid")
         return plain and one_sequence_per_program and self.topk <= experts <= 4096
 
     def step_statistics(self) -> torch.Tensor | None:

@@ -24,8 +24,9 @@ def moe_config_errors(m: ModelConfig) -> list[str]:
     need(not m.add_bias_linear, "MoE experts have no biases; add --disable-bias-linear (model.add_bias_linear = false)")
     need(1 <= k <= experts, f"--moe-router-topk {k} must be between 1 and --num-experts {experts}")
     need(m.moe_ffn_hidden_size >= 0, f"--moe-ffn-hidden-size must not be negative, got {m.moe_ffn_hidden_size}")
-    need(m.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss", "none"),
-         f"--moe-router-load-balancing-type must be aux_loss, seq_aux_loss or none, got '{m.moe_router_load_balancing_type}'")  # fmt: skip
+    sinkhorn = m.moe_router_load_balancing_type == "sinkhorn"
+    need(m.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss", "sinkhorn", "none"),
+         f"--moe-router-load-balancing-type must be aux_loss, seq_aux_loss, sinkhorn or none, got '{m.moe_router_load_balancing_type}'")  # fmt: skip
     for flag, value in (("--moe-aux-loss-coeff", m.moe_aux_loss_coeff), ("--moe-loss-weight", m.moe_loss_weight),
                         ("--moe-z-loss-coeff", m.moe_z_loss_coeff)):  # fmt: skip
         need(value >= 0, f"{flag} must not be negative, got {value}")
@@ -35,12 +36,14 @@ def moe_config_errors(m: ModelConfig) -> list[str]:
          f"--moe-router-score-function must be softmax or sigmoid, got '{m.moe_router_score_function}'")  # fmt: skip
     need(not (m.moe_router_pre_softmax and m.moe_router_score_function != "softmax"),
          "--moe-router-pre-softmax applies to the softmax score function only; drop it with sigmoid")  # fmt: skip
-    # A softmax over a single chosen logit is constant 1: the router would get no gradient.
-    need(not (k == 1 and m.moe_router_score_function == "softmax" and not m.moe_router_pre_softmax),
+    # A softmax over a single chosen logit is constant 1: the router would get no gradient (sinkhorn's k 1 is a sigmoid).
+    need(sinkhorn or not (k == 1 and m.moe_router_score_function == "softmax" and not m.moe_router_pre_softmax),
          "--moe-router-topk 1 with softmax needs --moe-router-pre-softmax (a softmax over one logit has no gradient)")  # fmt: skip
     need(m.moe_router_topk_scaling_factor > 0,
          f"--moe-router-topk-scaling-factor must be positive, got {m.moe_router_topk_scaling_factor}")  # fmt: skip
     errors.extend(_group_errors(m))
+    if sinkhorn:
+        errors.extend(_sinkhorn_errors(m))
     need(m.moe_router_dtype in ROUTER_DTYPES, f"--moe-router-dtype must be fp32 or fp64 (or empty for the input's), got '{m.moe_router_dtype}'")
     need(not (m.moe_router_enable_expert_bias and m.moe_router_score_function != "sigmoid"),
          "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid")  # fmt: skip
@@ -62,6 +65,27 @@ def moe_config_errors(m: ModelConfig) -> list[str]:
              f"--moe-layer-freq {m.moe_layer_freq} makes no layer MoE; set --num-experts 0 for a dense model")  # fmt: skip
     except ValueError as exc:
         errors.append(str(exc))
+    return errors
+
+
+def _sinkhorn_errors(m: ModelConfig) -> list[str]:
+    """What sinkhorn routing would ignore or fight: it balances by its plan alone (Megatron-Core
+    asserts no auxiliary loss), chooses among all experts, and its weights are fixed by k."""
+    sinkhorn = "--moe-router-load-balancing-type sinkhorn"
+    errors = []
+    for flag, coeff in (("--moe-aux-loss-coeff", m.moe_aux_loss_coeff), ("--moe-loss-weight", m.moe_loss_weight)):
+        if coeff > 0:
+            errors.append(f"{sinkhorn} balances by its plan and takes no auxiliary loss (as in Megatron-Core); set {flag} 0 or use aux_loss")
+    if m.moe_router_num_groups or m.moe_router_group_topk:
+        errors.append(f"{sinkhorn} chooses among all experts; drop group-limited routing (--moe-router-num-groups, "
+                      "--moe-router-group-topk, --moe-router-topk-limited-devices)")  # fmt: skip
+    if m.moe_router_enable_expert_bias:
+        errors.append(f"{sinkhorn} already balances the load; drop --moe-router-enable-expert-bias")
+    weights = "its weights are sigmoid with --moe-router-topk 1, else the softmax over all experts"
+    if m.moe_router_score_function != "softmax":
+        errors.append(f"{sinkhorn} ignores the score function ({weights}); drop --moe-router-score-function {m.moe_router_score_function}")
+    if m.moe_router_pre_softmax:
+        errors.append(f"{sinkhorn} ignores --moe-router-pre-softmax ({weights}); drop it")
     return errors
 
 
