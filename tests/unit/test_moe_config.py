@@ -95,6 +95,7 @@ def test_sinkhorn_is_accepted_and_refuses_what_it_would_ignore():
         (dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True), "drop --moe-router-enable-expert-bias"),
         (dict(moe_router_score_function="sigmoid"), "ignores the score function (its weights are sigmoid with --moe-router-topk 1"),
         (dict(moe_router_pre_softmax=True), "ignores --moe-router-pre-softmax"),
+        (dict(moe_router_topk_scaling_factor=2.5), "does not scale its weights (as in Megatron-Core); drop --moe-router-topk-scaling-factor"),
     ]
     for fields, message in refused:
         errors = _errors(moe_router_load_balancing_type="sinkhorn", **fields)

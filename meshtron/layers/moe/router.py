@@ -11,8 +11,8 @@ the same tokens to the same experts:
 - sinkhorn (``--moe-router-load-balancing-type sinkhorn``, Megatron-Core's): in training the k
   experts come from the top-k of Sinkhorn's balanced plan over the micro batch, in eval from the
   top-k of the weights; the weights are sigmoid (k = 1) or the softmax over all experts (k > 1)
-  at the chosen experts, not renormalized, whatever the score function;
-- then every weight times ``--moe-router-topk-scaling-factor``.
+  at the chosen experts, not renormalized and not scaled, whatever the score function;
+- then (top-k) every weight times ``--moe-router-topk-scaling-factor``.
 
 The router also measures what the layer's balancing losses need (``token_statistics``). Without
 groups or expert bias, on a GPU with ``model.fused_kernels`` (auto), all of it after the gate GEMM is one
@@ -118,7 +118,7 @@ def topk_routing(
 
 
 def sinkhorn_routing(
-    logits: torch.Tensor, k: int, scaling_factor: float = 1.0, training: bool = True, token_sum: nn.Module | None = None
+    logits: torch.Tensor, k: int, training: bool = True, token_sum: nn.Module | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] -> (probs [T, k] in the logits' dtype, expert ids [T, k]) by Megatron-Core's
     sinkhorn rule (module docstring). The plan only selects (no gradient); the weights carry the
@@ -126,8 +126,7 @@ def sinkhorn_routing(
     weights = torch.sigmoid(logits.float()) if k == 1 else torch.softmax(logits.float(), dim=-1)
     chosen_from = sinkhorn(logits, token_sum) if training else weights
     experts = chosen_from.topk(k, dim=-1).indices
-    probs = weights.gather(1, experts) * scaling_factor
-    return probs.to(logits.dtype), experts
+    return weights.gather(1, experts).to(logits.dtype), experts
 
 
 class Router(nn.Module):
@@ -190,7 +189,7 @@ class Router(nn.Module):
                                                         self.scaling_factor, rows, needed)  # fmt: skip
         else:
             if self.sinkhorn:
-                probs, experts = sinkhorn_routing(logits, self.topk, self.scaling_factor, self.training, token_sum)
+                probs, experts = sinkhorn_routing(logits, self.topk, self.training, token_sum)
             else:
                 probs, experts = topk_routing(
                     logits, self.topk, self.score_function, self.pre_softmax, self.scaling_factor,

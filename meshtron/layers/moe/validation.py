@@ -70,7 +70,8 @@ def moe_config_errors(m: ModelConfig) -> list[str]:
 
 def _sinkhorn_errors(m: ModelConfig) -> list[str]:
     """What sinkhorn routing would ignore or fight: it balances by its plan alone (Megatron-Core
-    asserts no auxiliary loss), chooses among all experts, and its weights are fixed by k."""
+    asserts no auxiliary loss), chooses among all experts, and its weights are fixed by k (no
+    scaling factor either: Megatron-Core applies that on its top-k path only)."""
     sinkhorn = "--moe-router-load-balancing-type sinkhorn"
     errors = []
     for flag, coeff in (("--moe-aux-loss-coeff", m.moe_aux_loss_coeff), ("--moe-loss-weight", m.moe_loss_weight)):
@@ -86,6 +87,9 @@ def _sinkhorn_errors(m: ModelConfig) -> list[str]:
         errors.append(f"{sinkhorn} ignores the score function ({weights}); drop --moe-router-score-function {m.moe_router_score_function}")
     if m.moe_router_pre_softmax:
         errors.append(f"{sinkhorn} ignores --moe-router-pre-softmax ({weights}); drop it")
+    if m.moe_router_topk_scaling_factor != 1.0:
+        errors.append(f"{sinkhorn} does not scale its weights (as in Megatron-Core); drop --moe-router-topk-scaling-factor "
+                      f"{m.moe_router_topk_scaling_factor}")  # fmt: skip
     return errors
 
 
