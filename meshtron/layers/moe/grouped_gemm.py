@@ -6,7 +6,8 @@ Backends (``--model.moe_grouped_gemm``; Megatron's ``--moe-grouped-gemm`` switch
   group sizes, slow on a GPU with many small experts.
 - ``torch``: ``torch._grouped_mm``, one call for all experts, with autograd.
 - ``triton``: our Triton kernels (``meshtron/kernels/triton_grouped_gemm.py``), forward and
-  backward, any width and dtype alignment, no host sync; on a CPU only under Triton's interpreter.
+  backward, any width and dtype alignment, no host sync (on Hopper a persistent TMA kernel for the
+  forward and input gradient); on a CPU only under Triton's interpreter.
 - ``auto``: ``torch`` where it works for these tensors, else ``triton`` on a GPU with Triton
   installed (ROCm, or a build without ``_grouped_mm``), else ``loop``.
 
