@@ -4,7 +4,8 @@ output carried between them; and interleaved, one block per model chunk), dp2 wi
 optimizer and dp2 with FSDP2 (world 2, one launch), its loss, the gradient norm, the parameters
 after one optimizer step and (where a rank holds whole summed gradients: tp, pp) every gradient
 equal one process's (fp32 on the CPU; losses, gradients and norms 1e-5 relative, as a norm over
-each tensor; updated parameters within 1e-6 of their size plus 1e-3 of the step).
+each tensor; updated parameters within 1e-6 of their size plus 1e-3 of the step, leaving out the
+elements whose gradient is rounding noise, see ``_above_noise``).
 
 Three variants: the tied LM head (Megatron's T5), an untied output layer under full activation
 recompute (every block its own checkpoint), and relative position buckets (each stack's table
@@ -130,6 +131,13 @@ def _worker(rank: int, world_size: int) -> dict:
     return out
 
 
+def _above_noise(grad: torch.Tensor) -> torch.Tensor:
+    """1 where a gradient element stands above rounding noise, else 0. Adam's first step moves every
+    element by about ``lr * sign(grad)``, so an element whose true gradient is zero (the key bias:
+    softmax ignores a shift shared by all keys) moves by ``±lr`` at random in any layout."""
+    return (grad.abs() > 1e-4 * grad.norm() / grad.numel() ** 0.5).to(grad.dtype)
+
+
 @pytest.fixture(scope="module")
 def runs() -> dict[str, list[dict]]:
     return by_name(run_distributed(_worker, 2, timeout=300.0))
@@ -148,7 +156,7 @@ def test_t5_matches_one_process(runs, variant, layout):
         assert abs(r["norm"] - ref["norm"]) <= RTOL * ref["norm"], f"{name} rank {rank}: grad norm {r['norm']} != {ref['norm']}"
         for pname, value in r["after"].items():
             step = ref["after"][pname] - ref["before"][pname]
-            err = (value - ref["after"][pname]).norm()
+            err = ((value - ref["after"][pname]) * _above_noise(ref["grads"][pname])).norm()
             assert err <= 1e-6 * ref["after"][pname].norm() + 1e-3 * step.norm(), f"{name} rank {rank}: {pname} after the step: {err}"
             holders.add(pname)
     assert holders == ref["after"].keys(), f"{name}: parameters no rank holds: {sorted(ref['after'].keys() - holders)}"
