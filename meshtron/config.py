@@ -105,6 +105,8 @@ class ModelConfig:
     qk_pos_emb_head_dim: int = 64  # per-head query dims with RoPE, and the one shared RoPE key (HF qk_rope_head_dim)
     v_head_dim: int = 128  # MLA: per-head value dims
     qk_layernorm: bool = False  # norm each head's q and k (standard attention; Qwen3) or MLA's q and kv latents (DeepSeek)
+    qk_layernorm_span: str = "head"  # standard attention's --qk-layernorm: head (one RMSNorm/LayerNorm per head's q, k; Qwen3) | full (one RMSNorm over all heads' q, one over all k; OLMoE)
+    clip_qkv: float = 0.0  # standard attention: clamp q, k, v to [-clip, clip] after the q/k norms (OLMo's clip_qkv); 0: off
     rope_beta_fast: float = 32.0  # YaRN: fast-rotating boundary (rotations per context)
     rope_beta_slow: float = 1.0  # YaRN: slow-rotating boundary
     rope_mscale: float = 1.0  # YaRN: attention temperature scale

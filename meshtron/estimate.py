@@ -136,7 +136,7 @@ def _token_shard(cfg: Config) -> int:
 def attention_bytes_per_token(cfg: Config, a: int, linear_in: int, keep_core: bool) -> float:
     """Per token, one rank: a standard attention keeps its QKV output (alive because v is a view
     of it), RoPE'd q and k (with RoPE), with ``--qk-layernorm`` the q norm's input and the norms'
-    statistics, the attention output and log-sum-exp (``keep_core``) and
+    statistics (full-width norms: both inputs and outputs in fp32), the attention output and log-sum-exp (``keep_core``) and
     the projection's input (counted as a contiguous copy; a kernel whose output is laid out
     [b, s, heads, d] makes it a view). MLA keeps its down-projections' outputs (whole on every
     rank, sequence-sharded under sp; the latent norms keep them), the normed latents the
@@ -157,8 +157,11 @@ def attention_bytes_per_token(cfg: Config, a: int, linear_in: int, keep_core: bo
     q, kv = heads * head_dim(m), num_kv_heads(m) * head_dim(m)
     roped = a * (q + kv) if m.position_embedding_type == "rope" else 0  # learned positions attend q, k, v as views
     # --qk-layernorm: the q norm keeps its input (q's heads flattened out of QKV: a copy; k stays a
-    # view) and both keep fp32 statistics per head row.
+    # view) and both keep fp32 statistics per head row. Full-width (OLMoE's, torch ops): each keeps
+    # its input and its normed output in fp32 and one fp32 statistic per token.
     qk_norms = a * q + 4 * (heads + num_kv_heads(m)) if m.qk_layernorm else 0
+    if m.qk_layernorm and m.qk_layernorm_span == "full":
+        qk_norms = 8 * (q + kv) + 8
     return (a * (q + 2 * kv) + roped + qk_norms + core(q) + linear_in * q) / tp
 
 

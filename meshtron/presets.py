@@ -136,6 +136,28 @@ _QWEN3_MOE = {
 }
 
 
+# OLMoE-1B-7B (HF allenai/OLMoE-1B-7B-0924 config.json; transformers' OlmoeConfig defaults): Llama
+# blocks whose q and k RMSNorms span the whole projections (--qk-layernorm, span full), every MLP 64
+# experts of 1024, softmax over all then top-8 not renormalized (norm_topk_prob false:
+# --moe-router-pre-softmax), MHA, rope theta 10000, 4k context; router_aux_loss_coef 0.01 as the
+# layer-averaged --moe-loss-weight 0.01 x k (see models/hf_olmoe.py).
+_OLMOE = {
+    **_LLAMA,
+    "model.rotary_base": 10000.0,
+    "model.vocab_size": 50304,
+    "model.max_position_embeddings": 4096,
+    "model.qk_layernorm": True,
+    "model.qk_layernorm_span": "full",
+    "model.num_experts": 64,
+    "model.moe_router_topk": 8,
+    "model.moe_ffn_hidden_size": 1024,
+    "model.moe_layer_freq": "1",
+    "model.moe_router_pre_softmax": True,
+    "model.moe_loss_weight": 0.08,
+    "data.seq_length": 4096,
+}
+
+
 def _deepseek(layers: int, hidden: int, heads: int, ffn: int, experts: int, expert_ffn: int, **fields: Any) -> dict[str, Any]:
     return {
         **_DEEPSEEK_V2,
@@ -173,6 +195,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "mixtral-8x7b": {**_MIXTRAL, **_shape(32, 4096, 32, kv_heads=8, ffn=14336), "model.moe_ffn_hidden_size": 14336},
     "deepseek-v2-lite": _deepseek(27, 2048, 16, 10944, 64, 1408),
     "qwen3-30b-a3b": {**_QWEN3_MOE, **_shape(48, 2048, 32, kv_heads=4, ffn=6144)},
+    "olmoe-1b-7b": {**_OLMOE, **_shape(16, 2048, 16, kv_heads=16, ffn=1024)},
     # V2's router is group-limited (HF topk_method group_limited_greedy): 8 groups of 20 experts, a
     # token's top-6 from the 3 groups whose best expert scores highest, weights times
     # routed_scaling_factor 16.

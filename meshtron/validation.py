@@ -14,6 +14,7 @@ from meshtron.data.masked_lm import masked_data_config_errors
 from meshtron.errors import ConfigError
 from meshtron.flags import noted_flag_errors
 from meshtron.kernels.fp8_scaling import AMAX_COMPUTE_ALGOS, FP8_RECIPES
+from meshtron.layers.attention import attention_config_errors
 from meshtron.layers.mla import mla_config_errors
 from meshtron.layers.moe import moe_config_errors
 from meshtron.layers.moe.experts import expert_ffn_hidden_size
@@ -59,7 +60,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     need(not (m.add_qkv_bias and m.multi_latent_attention),
          "--add-qkv-bias applies to the fused query/key/value projection; multi-head latent attention has none, drop it")  # fmt: skip
     need(m.rope_scaling in ("", "llama3", "yarn"), f"model.rope_scaling must be '', 'llama3' or 'yarn', got '{m.rope_scaling}'")
-    errors.extend(moe_config_errors(m) + mla_config_errors(m) + masked_data_config_errors(d, m.model_type) + checkpoint_config_errors(cfg))
+    errors.extend(moe_config_errors(m) + attention_config_errors(m) + mla_config_errors(m))
+    errors.extend(masked_data_config_errors(d, m.model_type) + checkpoint_config_errors(cfg))
     errors.extend(model_config_errors(cfg))  # the model type's own rules (models/)
     need(not c.bert_load or m.model_type == "ict", "--bert-load starts the ICT retriever's towers; use it with --model-type ict")
     need(m.attention_backend in ("auto", "sdpa", "cudnn", "flash", "efficient", "math"),

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from meshtron.config import ModelConfig, recomputes_core_attention
 from meshtron.layers.document_attention import flex_document_attention, uses_flex
 from meshtron.layers.kv_cache import KVCache
-from meshtron.layers.norms import build_norm
+from meshtron.layers.norms import FullWidthRMSNorm, build_norm
 from meshtron.layers.rope import apply_rotary
 
 
@@ -54,6 +54,35 @@ def head_dim(cfg: ModelConfig) -> int:
 
 def num_kv_heads(cfg: ModelConfig) -> int:
     return cfg.num_query_groups or cfg.num_attention_heads
+
+
+def qk_norm_widths(cfg: ModelConfig) -> tuple[int, int]:
+    """The widths of standard attention's ``--qk-layernorm`` weights, (q norm, k norm): one head's
+    ``head_dim`` each (span ``head``, Qwen3's), or every query head's and every kv head's (``full``, OLMoE's)."""
+    d = head_dim(cfg)
+    return (cfg.num_attention_heads * d, num_kv_heads(cfg) * d) if cfg.qk_layernorm_span == "full" else (d, d)
+
+
+def attention_config_errors(cfg: ModelConfig) -> list[str]:
+    """What keeps ``cfg``'s q/k norm span and q/k/v clipping from running, each naming what to change."""
+    errors = []
+    if cfg.qk_layernorm_span not in ("head", "full"):
+        errors.append(f"model.qk_layernorm_span must be head (a norm per head, Qwen3's) or full (one over all heads, OLMoE's), "
+                      f"got '{cfg.qk_layernorm_span}'")  # fmt: skip
+    if cfg.qk_layernorm_span == "full":
+        if not cfg.qk_layernorm:
+            errors.append("model.qk_layernorm_span full sets how --qk-layernorm norms q and k; add --qk-layernorm or drop it")
+        if cfg.multi_latent_attention:
+            errors.append("model.qk_layernorm_span full applies to standard attention; with --multi-latent-attention "
+                          "--qk-layernorm norms the latents: set model.qk_layernorm_span head")  # fmt: skip
+        if cfg.normalization != "RMSNorm":
+            errors.append(f"model.qk_layernorm_span full norms q and k with RMSNorm (OLMoE's); use --normalization RMSNorm "
+                          f"(got {cfg.normalization}) or model.qk_layernorm_span head")  # fmt: skip
+    if cfg.clip_qkv < 0:
+        errors.append(f"model.clip_qkv must be positive (clamp q, k, v to [-clip, clip]) or 0 (off), got {cfg.clip_qkv}")
+    if cfg.clip_qkv and cfg.multi_latent_attention:
+        errors.append("model.clip_qkv clamps standard attention's q, k and v; --multi-latent-attention has no such clamp: set it to 0")
+    return errors
 
 
 def attention_mask(
@@ -190,9 +219,16 @@ class Attention(SelfAttentionBase):
         self.linear_qkv = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.add_bias_linear or cfg.add_qkv_bias)
         self.linear_proj = nn.Linear(heads * self.head_dim, cfg.hidden_size, bias=cfg.add_bias_linear)
         # --qk-layernorm (Megatron-Core's; Qwen3's q_norm / k_norm): one norm over each head's
-        # head_dim, shared by the heads, on q and on k before RoPE.
-        self.q_layernorm = build_norm(cfg.normalization, self.head_dim, cfg.norm_epsilon, cfg.fused_kernels) if cfg.qk_layernorm else None
-        self.k_layernorm = build_norm(cfg.normalization, self.head_dim, cfg.norm_epsilon, cfg.fused_kernels) if cfg.qk_layernorm else None
+        # head_dim, shared by the heads, on q and on k before RoPE; with span "full" (OLMoE's) one
+        # RMSNorm over all query heads and one over all kv heads.
+        self.full_width_norms = cfg.qk_layernorm and cfg.qk_layernorm_span == "full"
+        self.q_layernorm = self.k_layernorm = None
+        if cfg.qk_layernorm:
+            self.q_layernorm, self.k_layernorm = (
+                FullWidthRMSNorm(width, cfg.norm_epsilon) if self.full_width_norms
+                else build_norm(cfg.normalization, width, cfg.norm_epsilon, cfg.fused_kernels) for width in qk_norm_widths(cfg)
+            )  # fmt: skip
+        self.clip_qkv = cfg.clip_qkv
 
     def _local_groups(self, qkv_heads: int) -> tuple[int, int]:
         """(kv groups, queries per group) of the fused projection's output, ``qkv_heads`` heads wide.
@@ -234,8 +270,12 @@ class Attention(SelfAttentionBase):
         # not slices and selects, whose backwards each zero-fill a whole qkv-sized gradient.
         q, k, v = qkv.split([group_size, 1, 1], dim=3)
         q, k, v = q.flatten(2, 3), k.squeeze(3), v.squeeze(3)
-        if self.q_layernorm is not None:
+        if self.full_width_norms:  # over this rank's heads' columns, completed over tp by the norm's head_sum
+            q, k = self.q_layernorm(q.flatten(2)).view_as(q), self.k_layernorm(k.flatten(2)).view_as(k)
+        elif self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
+        if self.clip_qkv:  # OLMo's clip_qkv: after the norms, before RoPE
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         if self.use_rope:
             q = apply_rotary(q, cos, sin, position_ids, self.fused_kernels)
             k = apply_rotary(k, cos, sin, position_ids, self.fused_kernels)

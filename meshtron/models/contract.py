@@ -145,7 +145,32 @@ class GroupedHeads:
         return Replicas(_span(local_rows - 2 * hd, 2 * hd), _span(group * 2 * hd, 2 * hd), 2 * kv * hd, rank % (tp // kv) == 0)
 
 
-Layout = Contiguous | Halves | GroupedHeads
+@dataclass(frozen=True)
+class Heads:
+    """A dim of ``heads`` runs of ``head_dim`` (a full-width q or k norm's weight), cut as
+    ``GroupedHeads`` cuts the heads it belongs to: heads >= tp, whole heads in contiguous runs;
+    fewer heads than ranks (kv heads; tp a multiple of them), rank r keeps head r // (tp / heads),
+    a replica on tp / heads ranks."""
+
+    heads: int
+    head_dim: int
+
+    def divisible(self, size: int, tp: int) -> bool:
+        return self.heads % tp == 0 or tp % self.heads == 0
+
+    def local_index(self, size: int, tp: int, rank: int) -> torch.Tensor:
+        if self.heads >= tp:
+            return _span(rank * (size // tp), size // tp)
+        return _span(rank // (tp // self.heads) * self.head_dim, self.head_dim)
+
+    def replicas(self, tp: int, rank: int) -> Replicas | None:
+        if self.heads >= tp:
+            return None
+        copies = tp // self.heads
+        return Replicas(_span(0, self.head_dim), self.local_index(0, tp, rank), self.heads * self.head_dim, rank % copies == 0)
+
+
+Layout = Contiguous | Halves | GroupedHeads | Heads
 
 
 # ---------------------------------------------------------------------- parallel plan styles
@@ -178,12 +203,14 @@ class VocabParallelOutput:
 
 @dataclass(frozen=True)
 class HeadParallelTable:
-    """A module whose ``weight`` has one entry per attention head along ``dim`` and whose heads
-    are read only by those heads' attention (T5's relative position table [buckets, heads]): each
-    tp rank keeps its heads' slice, split contiguously as the attention splits its heads, and the
-    module runs unchanged on it (no communication)."""
+    """A module whose ``weight`` has one entry (``Contiguous``), or one run (``Heads``), per attention
+    head along ``dim`` and whose heads are read only by those heads' attention (T5's relative
+    position table [buckets, heads]; a full-width q/k norm's weight): each tp rank keeps its heads'
+    slice, split by ``layout`` as the attention splits its heads, and the module runs unchanged on
+    it (no communication of its own)."""
 
     dim: int
+    layout: Layout = Contiguous()
 
 
 @dataclass(frozen=True)
@@ -198,6 +225,17 @@ class SharedByHeads:
     """A module every tp rank holds whole and applies to each of its own attention heads (the
     per-head q and k norms of ``--qk-layernorm``): each rank's gradient covers its heads only, a
     partial sum added up over tp after backward, with or without sequence parallelism."""
+
+
+@dataclass(frozen=True)
+class SumOverHeadShards:
+    """A module summing per-token values over the attention heads it sees (identity in one
+    process; a full-width q/k norm's sum of squares): under tensor parallelism replaced by the sum
+    over the tp ranks' heads, its gradient summed over them too (every rank reads the total).
+    ``heads``: the heads the width spans; with fewer than tp ranks, each head's tp / heads replicas
+    are counted once."""
+
+    heads: int
 
 
 @dataclass(frozen=True)
@@ -266,7 +304,7 @@ class GatherOverDataParallel:
 
 
 Style = (ColumnParallel | RowParallel | VocabParallelEmbedding | VocabParallelOutput | HeadParallelTable | SequenceParallelNorm
-         | SharedByHeads | ScatterToSequence | FirstTokenOfSequence | ContextParallelCore | EnterTensorParallel | ExpertParallel | SequenceSum
+         | SharedByHeads | SumOverHeadShards | ScatterToSequence | FirstTokenOfSequence | ContextParallelCore | EnterTensorParallel | ExpertParallel | SequenceSum
          | GatherOverDataParallel)  # fmt: skip
 Plan = list[tuple[str, Style]]  # (fnmatch pattern over module names, style); first match wins
 

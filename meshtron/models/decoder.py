@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from meshtron.config import ModelConfig
-from meshtron.layers.attention import Attention, head_dim, num_kv_heads
+from meshtron.layers.attention import Attention, head_dim, num_kv_heads, qk_norm_widths
 from meshtron.layers.kv_cache import KVCache, KVCacheBase, LatentKVCache
 from meshtron.layers.mla import MultiLatentAttention, mla_parameter_count, rope_table_dim
 from meshtron.layers.mlp import MLP, ffn_hidden_size
@@ -85,7 +85,8 @@ def decoder_plan(cfg: ModelConfig) -> c.Plan:
     """How a decoder is tensor-, sequence- and context-parallel (Megatron's layout).
 
     Attention: q heads and kv groups split so each rank has whole heads (kv heads replicated when
-    fewer than tp), output projection split by the same heads; MLA likewise by heads, its
+    fewer than tp), output projection split by the same heads; full-width q/k norms' weights split
+    with those heads, their sums of squares summed over tp; MLA likewise by heads, its
     down-projections and latent norms replicated (``layers/mla.py``). MLP: fc1 by output features
     (gate and up separately for SwiGLU), fc2 by input features. Embedding and output layer: by vocabulary, the loss computed on the
     shards. Norms (and other replicated token-wise modules) see 1/tp of the tokens under sequence
@@ -105,6 +106,12 @@ def decoder_plan(cfg: ModelConfig) -> c.Plan:
         replicated = [(attn + name, c.SequenceParallelNorm())
                       for name in ("linear_q_down_proj", "q_layernorm", "linear_kv_down_proj", "kv_layernorm")]  # fmt: skip
         attention = [*by_heads, *replicated, (attn + "rope_key_to_heads", c.EnterTensorParallel())]
+    elif cfg.qk_layernorm_span == "full":  # a norm over all heads: weights split with the heads, squares summed over tp
+        attention = [(attn + "linear_qkv", c.ColumnParallel(c.GroupedHeads(kv, heads // kv, head_dim(cfg)))),
+                     (attn + "q_layernorm", c.HeadParallelTable(0, c.Heads(heads, head_dim(cfg)))),
+                     (attn + "k_layernorm", c.HeadParallelTable(0, c.Heads(kv, head_dim(cfg)))),
+                     (attn + "q_layernorm.head_sum", c.SumOverHeadShards(heads)),
+                     (attn + "k_layernorm.head_sum", c.SumOverHeadShards(kv))]  # fmt: skip
     else:  # --qk-layernorm's norms act on this rank's heads: their gradients are partial over tp
         attention = [(attn + "linear_qkv", c.ColumnParallel(c.GroupedHeads(kv, heads // kv, head_dim(cfg)))),
                      *[(attn + name, c.SharedByHeads()) for name in ("q_layernorm", "k_layernorm")]]  # fmt: skip
@@ -312,7 +319,7 @@ def layer_parameter_counts(cfg: ModelConfig, active: bool = False) -> list[int]:
     qkv_out = (cfg.num_attention_heads + 2 * num_kv_heads(cfg)) * head_dim(cfg)
     qkv_bias = int(cfg.add_bias_linear or cfg.add_qkv_bias)
     attention = h * qkv_out + qkv_bias * qkv_out + cfg.num_attention_heads * head_dim(cfg) * h + bias * h
-    attention += 2 * head_dim(cfg) * (2 if cfg.normalization == "LayerNorm" else 1) if cfg.qk_layernorm else 0
+    attention += sum(qk_norm_widths(cfg)) * (2 if cfg.normalization == "LayerNorm" else 1) if cfg.qk_layernorm else 0
     if cfg.multi_latent_attention:
         attention = mla_parameter_count(cfg)
 

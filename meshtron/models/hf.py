@@ -9,7 +9,8 @@ no GPU, no process group), the exporters yield the HF tensors layer by layer, an
 plus one layer of memory, not the model's size. Llama-style models
 (RMSNorm, SwiGLU, RoPE incl. Llama 3.1 scaling, GQA) go both ways; GPT-2, Mixtral
 (``models/hf_mixtral.py``: Llama with routed experts), Qwen2-MoE, Qwen3 and Qwen3-MoE
-(``models/hf_qwen.py``: plus q/k/v biases and a gated shared expert, or per-head q/k norms), DeepSeek-V2 (``models/hf_deepseek.py``: latent
+(``models/hf_qwen.py``: plus q/k/v biases and a gated shared expert, or per-head q/k norms), OLMoE
+(``models/hf_olmoe.py``: experts and q/k norms over the whole projections), DeepSeek-V2 (``models/hf_deepseek.py``: latent
 attention, YaRN, experts) and BERT (``models/hf_bert.py``: post-LN, token types, masked-LM and
 next-sentence heads) go both ways too.
 
@@ -48,14 +49,12 @@ from meshtron.config import Config, ModelConfig
 from meshtron.layers.attention import num_kv_heads
 from meshtron.layers.mlp import ffn_hidden_size
 from meshtron.models import build_model
-from meshtron.models.hf_common import (
-    export_body, export_llama_attention, export_swiglu, fuse_qkv, import_body, import_llama_attention, import_swiglu,
-    llama_hf_config, llama_model_config, split_qkv,
-)  # fmt: skip
+from meshtron.models.hf_common import export_llama_decoder, fuse_qkv, import_llama_decoder, llama_hf_config, llama_model_config, split_qkv
 from meshtron.models.hf_bert import (bert_export, bert_export_notes, bert_export_tokenizer, bert_export_vocab_size, bert_hf_config, bert_import,
                                      bert_model_config)  # fmt: skip
 from meshtron.models.hf_deepseek import deepseek_hf_config, deepseek_import, deepseek_export, deepseek_model_config, is_deepseek
 from meshtron.models.hf_mixtral import mixtral_export, mixtral_hf_config, mixtral_import, mixtral_model_config
+from meshtron.models.hf_olmoe import is_olmoe, olmoe_export, olmoe_hf_config, olmoe_import, olmoe_model_config
 from meshtron.models.hf_qwen import QWEN_TYPES, qwen_export, qwen_family, qwen_hf_config, qwen_import, qwen_model_config
 from meshtron.models.hf_shards import DEFAULT_MAX_SHARD_SIZE, INDEX, WEIGHTS, parse_size, write_shards
 from meshtron.progress import progress
@@ -100,8 +99,10 @@ def model_config_from_hf(hf: dict[str, Any], source: str = CONFIG, names: set[st
         return mixtral_model_config(hf, source)
     if kind in QWEN_TYPES:
         return qwen_model_config(hf, source)
+    if kind == "olmoe":
+        return olmoe_model_config(hf, source)
     raise CheckpointError(f"{source}: model_type '{kind}' is not supported; hf-import reads 'llama', 'gpt2', 'mixtral', "
-                          "'qwen2_moe', 'qwen3', 'qwen3_moe', 'deepseek_v2' and 'bert'")  # fmt: skip
+                          "'qwen2_moe', 'qwen3', 'qwen3_moe', 'olmoe', 'deepseek_v2' and 'bert'")  # fmt: skip
 
 
 def _gpt2_model_config(hf: dict[str, Any], source: str) -> ModelConfig:
@@ -132,7 +133,7 @@ def _is_gpt2(m: ModelConfig) -> bool:
 
 def hf_config_from_model(m: ModelConfig, vocab_size: int, max_positions: int, dtype: torch.dtype) -> dict[str, Any]:
     """config.json for ``LlamaForCausalLM`` / ``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM`` /
-    ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` /
+    ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` / ``OlmoeForCausalLM`` /
     ``GPT2LMHeadModel`` / ``DeepseekV2ForCausalLM`` / ``BertForPreTraining`` / ``BertForMaskedLM``
     (transformers 4 and 5 read it)."""
     dtype_name = str(dtype).removeprefix("torch.")
@@ -144,6 +145,9 @@ def hf_config_from_model(m: ModelConfig, vocab_size: int, max_positions: int, dt
     if m.num_experts and m.moe_router_load_balancing_type == "sinkhorn":
         raise CheckpointError("hf-export: sinkhorn routing (--moe-router-load-balancing-type sinkhorn) is not mapped to a Hugging Face "
                               "router; its inference weights (sigmoid at top-1, the softmax over all experts above) would change")  # fmt: skip
+    if m.clip_qkv and not is_olmoe(m):
+        raise CheckpointError("hf-export: model.clip_qkv is OLMoE's (with --qk-layernorm and model.qk_layernorm_span full); "
+                              "no other Hugging Face family here clamps q, k and v")  # fmt: skip
     if is_deepseek(m):
         return deepseek_hf_config(m, vocab_size, max_positions, dtype_name)
     if _is_gpt2(m):
@@ -156,6 +160,8 @@ def hf_config_from_model(m: ModelConfig, vocab_size: int, max_positions: int, dt
         }  # fmt: skip
     if not _is_llama(m):
         raise CheckpointError("hf-export writes Llama-style (RMSNorm, SwiGLU, RoPE, no biases) or GPT-2 models only")
+    if is_olmoe(m):
+        return olmoe_hf_config(m, vocab_size, max_positions, dtype_name)
     if qwen_family(m):
         return qwen_hf_config(m, vocab_size, max_positions, dtype_name)
     if m.num_experts:
@@ -214,23 +220,6 @@ class HFTensors:
         left = [k for k in self.tensors if not k.endswith(_IGNORED_SUFFIXES)]
         if left:
             raise CheckpointError(f"{self.origin[left[0]]}: {len(left)} tensors fit no meshtron parameter, e.g. {left[:3]}")
-
-
-def _llama_import(t: HFTensors, m: ModelConfig, vocab: int) -> dict[str, torch.Tensor]:
-    state = import_body(t, m, vocab)
-    for i in range(m.num_layers):
-        hf, mt = f"model.layers.{i}.", f"layers.{i}."
-        state.update(import_llama_attention(t, hf, mt, m))
-        state.update(import_swiglu(t, hf + "mlp.", mt + "mlp.", ffn_hidden_size(m), m.hidden_size))
-    return state
-
-
-def _llama_export(state: Mapping[str, torch.Tensor], m: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    yield from export_body(state, m)
-    for i in range(m.num_layers):
-        hf, mt = f"model.layers.{i}.", f"layers.{i}."
-        yield from export_llama_attention(state, mt, hf, m).items()
-        yield from export_swiglu(state, mt + "mlp.", hf + "mlp.").items()
 
 
 def _gpt2_pairs(m: ModelConfig) -> list[tuple[str, str, bool]]:
@@ -305,7 +294,7 @@ def import_hf(hf_dir: str | Path, save_dir: str | Path, dtype: str = "bf16") -> 
         model = build_model(m, m.vocab_size, cfg.data.seq_length)
     shapes = {k: v.shape for k, v in model.state_dict().items()}
     if hf["model_type"] == "llama":
-        state = _llama_import(tensors, m, m.vocab_size)
+        state = import_llama_decoder(tensors, m, m.vocab_size)
     elif hf["model_type"] == "deepseek_v2":
         state = deepseek_import(tensors, m, m.vocab_size)
     elif hf["model_type"] == "bert":
@@ -314,6 +303,8 @@ def import_hf(hf_dir: str | Path, save_dir: str | Path, dtype: str = "bf16") -> 
         state = mixtral_import(tensors, m, m.vocab_size)
     elif hf["model_type"] in QWEN_TYPES:
         state = qwen_import(tensors, m, m.vocab_size)
+    elif hf["model_type"] == "olmoe":
+        state = olmoe_import(tensors, m, m.vocab_size)
     else:
         state = _gpt2_import(tensors, m, shapes)
     tensors.check_all_taken()
@@ -363,8 +354,8 @@ def export_hf(load_dir: str | Path, hf_dir: str | Path, dtype: str = "bf16", ite
     if m.model_type == "bert":
         exported = bert_export(weights, m, vocab)
     else:
-        exporters = {"gpt2": _gpt2_export, "llama": _llama_export, "deepseek_v2": deepseek_export, "mixtral": mixtral_export,
-                     **dict.fromkeys(QWEN_TYPES, qwen_export)}  # fmt: skip
+        exporters = {"gpt2": _gpt2_export, "llama": export_llama_decoder, "deepseek_v2": deepseek_export, "mixtral": mixtral_export,
+                     "olmoe": olmoe_export, **dict.fromkeys(QWEN_TYPES, qwen_export)}  # fmt: skip
         exported = exporters[hf_config["model_type"]](weights, m)
     hf_dir.mkdir(parents=True, exist_ok=True)
     write_shards(exported, hf_dir, max_shard_size)

@@ -3,8 +3,9 @@ meshtron's per-group layout, ``fuse_qkv``; every family but DeepSeek's latent at
 the Llama family (Llama, Mixtral, Qwen2-MoE, DeepSeek-V2), the embedding, final norm and output
 head, the two norms of each block, SwiGLU MLPs (``gate_proj``/``up_proj``/``down_proj`` <-> the
 fused ``linear_fc1`` = [gate | up] and ``linear_fc2``), routed experts (stacked
-``experts.weight1`` / ``weight2``), Llama's attention and the rope settings and Llama shape of
-``config.json``.
+``experts.weight1`` / ``weight2``), Llama's attention with the q/k norms of Qwen3 (per head) and
+OLMoE (full width), a whole decoder of these (Llama, Qwen, OLMoE), the router's loss coefficient
+and the rope settings and Llama shape of ``config.json``.
 
 Importers take tensors from an object with ``take(name, shape)`` (``hf.HFTensors``: each tensor
 handed out once, its shape checked). Exporters read a meshtron state dict, a mapping that may read
@@ -22,8 +23,10 @@ import torch
 
 from meshtron.checkpoint.checkpoint import CheckpointError
 from meshtron.config import ModelConfig
-from meshtron.layers.attention import head_dim, num_kv_heads
+from meshtron.layers.attention import head_dim, num_kv_heads, qk_norm_widths
 from meshtron.layers.mlp import ffn_hidden_size
+from meshtron.layers.moe import moe_layer_pattern
+from meshtron.layers.moe.balancing import aux_loss_coeff
 from meshtron.layers.moe.experts import expert_ffn_hidden_size
 
 
@@ -173,6 +176,33 @@ def export_llama_attention(state: Mapping[str, torch.Tensor], mt: str, hf: str, 
     return out
 
 
+def _qk_norms(m: ModelConfig) -> list[tuple[str, str, int]]:
+    """(HF name, meshtron name, width) of a layer's q and k norms where ``m`` has them: per head
+    (Qwen3's, [head_dim]) or over the whole projections (OLMoE's, [heads x d] and [kv heads x d])."""
+    if not m.qk_layernorm:
+        return []
+    q, k = qk_norm_widths(m)
+    return [("self_attn.q_norm.weight", "self_attention.q_layernorm.weight", q), ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight", k)]
+
+
+def router_aux_loss_coef(m: ModelConfig) -> float:
+    """HF's ``router_aux_loss_coef`` of ``m``'s balancing loss: the layer-averaged coefficient over k
+    (HF's token fractions sum to k, meshtron's to 1: ``hf_mixtral.py``)."""
+    moe_layers = sum(moe_layer_pattern(m))
+    return aux_loss_coeff(m, moe_layers) * moe_layers / m.moe_router_topk
+
+
+def moe_loss_weight(hf: dict[str, Any]) -> float:
+    """The inverse of ``router_aux_loss_coef``: ``--moe-loss-weight`` from a config.json."""
+    return float(hf.get("router_aux_loss_coef", 0.0)) * hf["num_experts_per_tok"]
+
+
+def unmapped_routing(m: ModelConfig) -> bool:
+    """Routing that HF's softmax-then-top-k routers (Qwen-MoE's, OLMoE's) cannot express."""
+    return bool(m.num_experts) and (m.moe_router_score_function != "softmax" or m.moe_router_enable_expert_bias
+                                    or m.moe_router_topk_scaling_factor != 1.0 or bool(m.moe_router_group_topk))  # fmt: skip
+
+
 # Per-expert tensor names (gate, up, down) under ``experts.{e}.``: DeepSeek's and Qwen's, Mixtral's.
 GATE_UP_DOWN = ("gate_proj", "up_proj", "down_proj")
 W1_W3_W2 = ("w1", "w3", "w2")
@@ -245,3 +275,27 @@ def export_block_mlp(state: Mapping[str, torch.Tensor], mt: str, hf: str, m: Mod
     if is_moe:
         return export_moe_mlp(state, mt + "mlp.", hf + "mlp.", m, shared=shared)
     return export_swiglu(state, mt + "mlp.", hf + "mlp.")
+
+
+def import_llama_decoder(t: TensorSource, m: ModelConfig, vocab: int, shared: str = "shared_experts") -> dict[str, torch.Tensor]:
+    """meshtron's state dict from a Llama-named folder: the body, each layer's attention (and q/k
+    norms where ``m`` has them) and its SwiGLU MLP or mixture of experts (either expert form);
+    Llama's, Qwen's and OLMoE's."""
+    state, pattern = import_body(t, m, vocab), moe_layer_pattern(m)
+    for i in range(m.num_layers):
+        hf, mt = f"model.layers.{i}.", f"layers.{i}."
+        state.update(import_llama_attention(t, hf, mt, m))
+        state.update({mt + ours: t.take(hf + theirs, [width]) for theirs, ours, width in _qk_norms(m)})
+        state.update(import_block_mlp(t, hf, mt, m, pattern[i], shared=shared))
+    return state
+
+
+def export_llama_decoder(state: Mapping[str, torch.Tensor], m: ModelConfig, shared: str = "shared_experts") -> Iterator[tuple[str, torch.Tensor]]:
+    """The inverse of ``import_llama_decoder``, one module per expert (the Hub's form), one layer at a time."""
+    pattern = moe_layer_pattern(m)
+    yield from export_body(state, m)
+    for i in range(m.num_layers):
+        hf, mt = f"model.layers.{i}.", f"layers.{i}."
+        yield from export_llama_attention(state, mt, hf, m).items()
+        yield from ((hf + theirs, state[mt + ours]) for theirs, ours, _ in _qk_norms(m))
+        yield from export_block_mlp(state, mt, hf, m, pattern[i], shared=shared).items()

@@ -29,11 +29,10 @@ import torch
 from meshtron.checkpoint.checkpoint import CheckpointError
 from meshtron.config import ModelConfig
 from meshtron.layers.moe import moe_layer_pattern
-from meshtron.layers.moe.balancing import aux_loss_coeff
 from meshtron.layers.moe.experts import expert_ffn_hidden_size
 from meshtron.models.hf_common import (
     W1_W3_W2, TensorSource, export_body, export_llama_attention, export_moe_mlp, import_body, import_llama_attention,
-    import_moe_mlp, llama_hf_config, llama_model_config,
+    import_moe_mlp, llama_hf_config, llama_model_config, moe_loss_weight, router_aux_loss_coef,
 )  # fmt: skip
 
 
@@ -42,7 +41,7 @@ def mixtral_model_config(hf: dict[str, Any], source: str) -> ModelConfig:
     cfg = llama_model_config(hf, source, {"sliding_window": lambda v: v is not None}, "Mixtral (silu, no biases, no sliding window)")
     cfg.num_experts, cfg.moe_router_topk = hf["num_local_experts"], hf["num_experts_per_tok"]
     cfg.moe_ffn_hidden_size = hf["intermediate_size"]
-    cfg.moe_loss_weight = float(hf.get("router_aux_loss_coef", 0.0)) * cfg.moe_router_topk
+    cfg.moe_loss_weight = moe_loss_weight(hf)
     cfg.moe_jitter_eps = float(hf.get("router_jitter_noise") or 0.0)
     return cfg
 
@@ -63,11 +62,10 @@ def mixtral_hf_config(m: ModelConfig, vocab_size: int, max_positions: int, dtype
     cfg = llama_hf_config(m, vocab_size, max_positions, dtype_name)
     for key in ("attention_bias", "mlp_bias"):  # not Mixtral config keys
         del cfg[key]
-    layer_averaged = aux_loss_coeff(m, m.num_layers) * m.num_layers
     return {
         **cfg, "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "intermediate_size": expert_ffn_hidden_size(m),
         "num_local_experts": m.num_experts, "num_experts_per_tok": m.moe_router_topk, "sliding_window": None,
-        "router_aux_loss_coef": layer_averaged / m.moe_router_topk, "router_jitter_noise": m.moe_jitter_eps,
+        "router_aux_loss_coef": router_aux_loss_coef(m), "router_jitter_noise": m.moe_jitter_eps,
     }  # fmt: skip
 
 

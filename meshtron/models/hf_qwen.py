@@ -28,13 +28,11 @@ import torch
 
 from meshtron.checkpoint.checkpoint import CheckpointError
 from meshtron.config import ModelConfig
-from meshtron.layers.attention import head_dim
 from meshtron.layers.moe import moe_layer_pattern
-from meshtron.layers.moe.balancing import aux_loss_coeff
 from meshtron.layers.moe.experts import expert_ffn_hidden_size
 from meshtron.models.hf_common import (
-    TensorSource, export_block_mlp, export_body, export_llama_attention, import_block_mlp, import_body, import_llama_attention,
-    llama_hf_config, llama_model_config,
+    TensorSource, export_llama_decoder, import_llama_decoder, llama_hf_config, llama_model_config, moe_loss_weight, router_aux_loss_coef,
+    unmapped_routing,
 )  # fmt: skip
 
 QWEN_TYPES = {"qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2-MoE"), "qwen3": ("Qwen3ForCausalLM", "Qwen3"),
@@ -71,7 +69,7 @@ def qwen_model_config(hf: dict[str, Any], source: str) -> ModelConfig:
     cfg.moe_layer_freq = "1" if all(pattern) else "[" + ",".join(str(int(p)) for p in pattern) + "]"
     cfg.moe_shared_expert_intermediate_size, cfg.moe_shared_expert_gate = shared, bool(shared)
     cfg.moe_router_pre_softmax = not hf.get("norm_topk_prob", False)
-    cfg.moe_loss_weight = float(hf.get("router_aux_loss_coef", 0.0)) * k
+    cfg.moe_loss_weight = moe_loss_weight(hf)
     return cfg
 
 
@@ -83,9 +81,7 @@ def qwen_hf_config(m: ModelConfig, vocab_size: int, max_positions: int, dtype_na
         "q/k/v-only biases (its attention_bias puts one on the output projection too)": kind != "qwen2_moe" and m.add_qkv_bias,
         "routed experts without a sigmoid-gated shared expert (it always has one)": kind == "qwen2_moe" and not (shared and m.moe_shared_expert_gate),
         "shared experts": kind == "qwen3_moe" and bool(shared),
-        "a sigmoid router, expert bias, top-k scaling or group-limited routing": bool(m.num_experts) and (
-            m.moe_router_score_function != "softmax" or m.moe_router_enable_expert_bias or m.moe_router_topk_scaling_factor != 1.0
-            or bool(m.moe_router_group_topk)),
+        "a sigmoid router, expert bias, top-k scaling or group-limited routing": unmapped_routing(m),
     }  # fmt: skip
     for what, bad in problems.items():
         if bad:
@@ -104,33 +100,15 @@ def qwen_hf_config(m: ModelConfig, vocab_size: int, max_positions: int, dtype_na
         **cfg, "num_experts": m.num_experts, "num_experts_per_tok": m.moe_router_topk, "moe_intermediate_size": expert_ffn_hidden_size(m),
         **({"shared_expert_intermediate_size": shared} if kind == "qwen2_moe" else {}), "decoder_sparse_step": 1,
         "mlp_only_layers": [i for i, moe in enumerate(pattern) if not moe], "norm_topk_prob": not m.moe_router_pre_softmax,
-        "router_aux_loss_coef": aux_loss_coeff(m, sum(pattern)) * sum(pattern) / m.moe_router_topk,
+        "router_aux_loss_coef": router_aux_loss_coef(m),
     }  # fmt: skip
-
-
-def _qk_norms(m: ModelConfig) -> list[tuple[str, str]]:
-    """(HF name, meshtron name) of a layer's per-head q and k norms, where ``m`` has them."""
-    return [("self_attn.q_norm.weight", "self_attention.q_layernorm.weight"),
-            ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight")] if m.qk_layernorm else []  # fmt: skip
 
 
 def qwen_import(t: TensorSource, m: ModelConfig, vocab: int) -> dict[str, torch.Tensor]:
     """meshtron's state dict from the tensors of a Qwen folder (either expert form)."""
-    state, pattern = import_body(t, m, vocab), moe_layer_pattern(m)
-    for i in range(m.num_layers):
-        hf, mt = f"model.layers.{i}.", f"layers.{i}."
-        state.update(import_llama_attention(t, hf, mt, m))
-        state.update({mt + ours: t.take(hf + theirs, [head_dim(m)]) for theirs, ours in _qk_norms(m)})
-        state.update(import_block_mlp(t, hf, mt, m, pattern[i], shared=SHARED))
-    return state
+    return import_llama_decoder(t, m, vocab, shared=SHARED)
 
 
 def qwen_export(state: Mapping[str, torch.Tensor], m: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """The inverse of ``qwen_import``, one module per expert (the Hub's form), one layer at a time."""
-    pattern = moe_layer_pattern(m)
-    yield from export_body(state, m)
-    for i in range(m.num_layers):
-        hf, mt = f"model.layers.{i}.", f"layers.{i}."
-        yield from export_llama_attention(state, mt, hf, m).items()
-        yield from ((hf + theirs, state[mt + ours]) for theirs, ours in _qk_norms(m))
-        yield from export_block_mlp(state, mt, hf, m, pattern[i], shared=SHARED).items()
+    return export_llama_decoder(state, m, shared=SHARED)

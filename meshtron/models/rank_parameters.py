@@ -1,8 +1,8 @@
 """The parameters one rank holds under a layout, without building the model (``meshtron estimate``).
 
 Each piece is split as the family's parallel plan splits it: linears by heads or features over tp
-(a column-parallel bias too, a row-parallel bias whole), the vocabulary by rows (the output bias
-with it), while norms, routers, shared experts and MLA's down-projections and latent norms stay
+(a column-parallel bias too, a row-parallel bias whole; full-width q/k norms with their heads),
+the vocabulary by rows (the output bias with it), while norms, routers, shared experts and MLA's down-projections and latent norms stay
 whole. That is the *dense* part, which reduces (and shards) over dp x cp. The routed experts are
 the *expert* part: ``E / ep`` experts per rank, each split over etp, reducing over the
 expert-data-parallel group. Pieces come in pipeline order: ``head`` (what the first stage adds:
@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshtron.config import ModelConfig, encoder_decoder_layers
-from meshtron.layers.attention import head_dim, num_kv_heads
+from meshtron.layers.attention import head_dim, num_kv_heads, qk_norm_widths
 from meshtron.layers.mlp import ffn_hidden_size
 from meshtron.layers.moe.experts import expert_ffn_hidden_size
 from meshtron.layers.moe.layer_pattern import moe_layer_pattern
@@ -69,7 +69,10 @@ def _attention(cfg: ModelConfig, tp: int) -> int:
     d, kv = head_dim(cfg), num_kv_heads(cfg)
     kv_per_rank = kv // tp if kv % tp == 0 else 1
     qkv_bias = int(cfg.add_bias_linear or cfg.add_qkv_bias)
-    return _column(h, heads * d, qkv_bias, tp) + 2 * kv_per_rank * d * (h + qkv_bias) + _row(heads * d, h, bias, tp)
+    qk_norms = _norm(cfg, sum(qk_norm_widths(cfg))) if cfg.qk_layernorm else 0  # whole on every rank: one head's
+    if cfg.qk_layernorm and cfg.qk_layernorm_span == "full":  # split with the heads
+        qk_norms = heads * d // tp + kv_per_rank * d
+    return _column(h, heads * d, qkv_bias, tp) + 2 * kv_per_rank * d * (h + qkv_bias) + _row(heads * d, h, bias, tp) + qk_norms
 
 
 def _mlp(cfg: ModelConfig, ffn: int, bias: int, split: int) -> int:

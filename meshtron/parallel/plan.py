@@ -28,6 +28,7 @@ from meshtron.parallel.mesh import Mesh
 from meshtron.parallel.sequence_sum import SequenceShardSum
 from meshtron.parallel.tensor_parallel import (
     ColumnParallelLinear,
+    HeadShardSum,
     RowParallelLinear,
     SequenceParallelFirstToken,
     SequenceScatterEmbedding,
@@ -113,10 +114,13 @@ def _replace(module: nn.Module, style: mc.Style, mesh: Mesh, sp: bool, cp_algori
                 setattr(out, name, nn.Parameter(_shard(full, 0, mc.Contiguous(), tp, mesh.tp_rank), full.requires_grad))
         return out
     if isinstance(style, mc.HeadParallelTable):  # sliced in place: the module stays
-        if not mc.Contiguous().divisible(module.weight.shape[style.dim], tp):
-            raise ConfigError(f"{module.weight.shape[style.dim]} heads do not split over --tensor-model-parallel-size {tp}; change tp")
-        module.weight = nn.Parameter(_shard(module.weight, style.dim, mc.Contiguous(), tp, mesh.tp_rank), module.weight.requires_grad)
+        if not style.layout.divisible(module.weight.shape[style.dim], tp):
+            raise ConfigError(f"{module.weight.shape[style.dim]}-wide per-head weights do not split over --tensor-model-parallel-size {tp}; "
+                              "change tp")  # fmt: skip
+        module.weight = nn.Parameter(_shard(module.weight, style.dim, style.layout, tp, mesh.tp_rank), module.weight.requires_grad)
         return None
+    if isinstance(style, mc.SumOverHeadShards):
+        return HeadShardSum(mesh.tp_group, max(1, tp // style.heads))
     if isinstance(style, mc.ScatterToSequence):
         return SequenceScatterEmbedding(module, mesh.tp_group) if sp else None
     if isinstance(style, mc.FirstTokenOfSequence):
@@ -165,7 +169,7 @@ def _meta(meta: mc.ParamMeta, style: mc.Style, pname: str, mesh: Mesh, sp: bool)
     if isinstance(style, (mc.VocabParallelEmbedding, mc.VocabParallelOutput)):
         return dataclasses.replace(meta, tp_dim=0, layout=mc.Contiguous(), **tp)
     if isinstance(style, mc.HeadParallelTable):
-        return dataclasses.replace(meta, tp_dim=style.dim, layout=mc.Contiguous(), **tp)
+        return dataclasses.replace(meta, tp_dim=style.dim, layout=style.layout, **tp)
     if isinstance(style, (mc.RowParallel, mc.SequenceParallelNorm)):  # a row-parallel bias is added to the shards
         return dataclasses.replace(meta, partial_over_tp=sp, **tp)
     if isinstance(style, mc.SharedByHeads):

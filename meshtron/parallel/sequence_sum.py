@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshtron.parallel.tensor_parallel import reduce_from_tp_region, sum_over_loss_shares
+from meshtron.parallel.tensor_parallel import reduce_from_tp_region, sum_over_shares
 
 
 class SequenceShardSum(nn.Module):
@@ -35,5 +35,5 @@ class SequenceShardSum(nn.Module):
         if self.tp_group is not None:
             partial_sums = reduce_from_tp_region(partial_sums, self.tp_group)
         if self.cp_group is not None:
-            partial_sums = sum_over_loss_shares(partial_sums, self.cp_group)
+            partial_sums = sum_over_shares(partial_sums, self.cp_group)
         return partial_sums

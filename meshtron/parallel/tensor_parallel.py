@@ -120,9 +120,11 @@ def reduce_from_tp_region(x: torch.Tensor, group) -> torch.Tensor:
     return _paired(x, _sum, _identity, group, -1)
 
 
-def sum_over_loss_shares(x: torch.Tensor, group) -> torch.Tensor:
-    """Forward all-reduce, backward all-reduce: a sum read by a loss each rank of ``group``
-    backwards a share of (context parallelism's ranks), so every share's gradient reaches every part."""
+def sum_over_shares(x: torch.Tensor, group) -> torch.Tensor:
+    """Forward all-reduce, backward all-reduce: a sum every rank of ``group`` reads whole while its
+    backward carries only that rank's share of the gradient (context parallelism's ranks, each
+    backwarding a share of the loss; tp ranks each normalizing their own heads by a full-width
+    norm's sum of squares), so every share's gradient reaches every part."""
     return _paired(x, _sum, _sum, group, -1)
 
 
@@ -193,6 +195,20 @@ class TensorParallelEntry(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return enter_tp_region(x, self.group, self.sequence_parallel)
+
+
+class HeadShardSum(nn.Module):
+    """Per-token sums over this rank's heads -> over all heads (the ``SumOverHeadShards`` style):
+    summed over the tp group both ways (``sum_over_shares``), a head held by ``copies`` ranks
+    (kv heads replicated when fewer than tp) counted once."""
+
+    def __init__(self, group, copies: int):
+        super().__init__()
+        self.group, self.copies = group, copies
+
+    def forward(self, partial_sums: torch.Tensor) -> torch.Tensor:
+        total = sum_over_shares(partial_sums, self.group)
+        return total / self.copies if self.copies > 1 else total
 
 
 class ColumnParallelLinear(nn.Module):

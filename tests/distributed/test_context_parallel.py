@@ -54,12 +54,15 @@ LLAMA = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=HEADS, num
 GPT = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=HEADS, normalization="LayerNorm", activation="gelu",
                   position_embedding_type="learned_absolute", add_bias_linear=True, tie_embeddings=True)  # fmt: skip
 # Core attention recomputed in backward (``--recompute-granularity selective``): the ring runs again there.
-MODELS = {"llama": LLAMA, "gpt": GPT, "llama_recompute": dataclasses.replace(LLAMA, recompute_granularity="selective")}
+# OLMoE's full-width q/k norms (per token, so cp needs nothing; their sums of squares go over tp).
+MODELS = {"llama": LLAMA, "gpt": GPT, "llama_recompute": dataclasses.replace(LLAMA, recompute_granularity="selective"),
+          "llama_qk_full": dataclasses.replace(LLAMA, qk_layernorm=True, qk_layernorm_span="full")}  # fmt: skip
 # (model, layout, algorithm, sequence parallel): every layout with the ring; the all-gather variant,
-# packed documents, sequence parallelism and recomputation once each.
+# packed documents, sequence parallelism, recomputation and full-width q/k norms once each.
 MODEL_CASES = [("llama", "cp4", "p2p", False), ("llama", "cp2xdp2", "p2p", False), ("llama", "cp2xtp2", "p2p", False),
                ("llama", "cp4", "all_gather", False), ("gpt", "cp2xtp2", "p2p", False),
-               ("llama", "cp2xtp2", "p2p", True), ("llama_recompute", "cp2xdp2", "p2p", False)]  # fmt: skip
+               ("llama", "cp2xtp2", "p2p", True), ("llama_recompute", "cp2xdp2", "p2p", False),
+               ("llama_qk_full", "cp2xtp2", "p2p", True)]  # fmt: skip
 # (algorithm, causal, documents, block kernel): packed documents always take the math path.
 ATTENTION_CASES = [("p2p", True, False, "math"), ("p2p", True, True, "math"), ("p2p", False, False, "math"),
                    ("all_gather", True, False, "math"), ("all_gather", True, True, "math"),

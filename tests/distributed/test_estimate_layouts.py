@@ -8,7 +8,7 @@ ranks differ by a few elements), and the gradient buffer must hold the estimate'
 plus at most its sharding padding. Layouts: expert parallelism with the experts' optimizer state
 over the expert-data-parallel group (ep2, ep4), ep2 x etp2 x tp2 with MLA (DeepSeek shape), etp1
 under tp2, ep2 with pp2, FSDP2 with ep2 (shards averaged the same way), and the dense families
-BERT, T5 and the retriever under tp2.
+BERT, T5 and the retriever under tp2, and full-width q/k norms under tp4 (kv heads replicated).
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ LAYOUTS = {
     "bert_tp2": ["--preset", "tiny-bert", "--tp", "2", *DIST_OPT],
     "t5_tp2": ["--preset", "tiny-t5", "--tp", "2", *DIST_OPT],
     "ict_tp2": ["--preset", "tiny-ict", "--tp", "2", *DIST_OPT],
+    # OLMoE's full-width q/k norms at tp 4 over 2 kv heads: q-norm columns split, k-norm columns replicated
+    "qk_full_norms_tp4": ["--preset", "tiny-llama", "--qk-layernorm", "--qk-layernorm-span", "full", "--tp", "4", *DIST_OPT],
 }
 
 

@@ -44,6 +44,12 @@ CONFIGS = {
     # Qwen3's per-head q and k norms (--qk-layernorm): shared by the heads, so each rank's gradient
     # covers its heads; one kv head, so the k norm's gradient is summed over the kv head's replicas.
     "llama_qk_norm_kv1": ModelConfig(**{**LLAMA, "num_query_groups": 1, "qk_layernorm": True}),
+    # OLMoE's full-width q and k norms: weights split with the heads, each rank's sum of squares
+    # summed over tp. Two kv heads: one per rank, the k norm's weight split too; one kv head: the
+    # k norm's weight and squares are replicas (counted once), with q/k/v clipped (OLMo's clip_qkv).
+    "llama_qk_full": ModelConfig(**{**LLAMA, "qk_layernorm": True, "qk_layernorm_span": "full"}),
+    "llama_qk_full_kv1_clip": ModelConfig(**{**LLAMA, "num_query_groups": 1, "qk_layernorm": True, "qk_layernorm_span": "full",
+                                             "clip_qkv": 1.5}),  # fmt: skip
     "gpt": ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, normalization="LayerNorm",
                        activation="gelu", position_embedding_type="learned_absolute", add_bias_linear=True,
                        tie_embeddings=True),  # fmt: skip

@@ -231,10 +231,11 @@ def test_mla_activation_term_equals_what_autograd_keeps():
     assert measured == pytest.approx(attention_bytes_per_token(cfg, 2, 2, keep_core=True), rel=0.02)
 
 
-@pytest.mark.parametrize("flags", [["--preset", "tiny-llama"], ["--preset", "tiny-gpt"], ["--preset", "tiny-llama", "--qk-layernorm"]])
+@pytest.mark.parametrize("flags", [["--preset", "tiny-llama"], ["--preset", "tiny-gpt"], ["--preset", "tiny-llama", "--qk-layernorm"],
+                                   ["--preset", "tiny-llama", "--qk-layernorm", "--qk-layernorm-span", "full"]])  # fmt: skip
 def test_attention_activation_term_equals_what_autograd_keeps(flags):
     """Standard attention (grouped-query with RoPE, and GPT's learned positions; with per-head q and
-    k norms), flash and the fused norm stood in for: the saved tensors plus the projection input's
+    k norms, fused, or OLMoE's full-width ones in torch ops), flash and the fused per-head norm stood in for: the saved tensors plus the projection input's
     copy (which the estimate counts and the CPU's attention layout makes a view) equal the
     estimate's term to 2 %."""
     cfg = build_config(overrides=[*flags, "--bf16"])
@@ -242,7 +243,7 @@ def test_attention_activation_term_equals_what_autograd_keeps(flags):
     torch.manual_seed(0)
     attention = Attention(m, 1).to(torch.bfloat16)
     attention.core_attention = _FlashCore()
-    if m.qk_layernorm:
+    if m.qk_layernorm and m.qk_layernorm_span == "head":
         attention.q_layernorm, attention.k_layernorm = _FusedNorm(attention.q_layernorm), _FusedNorm(attention.k_layernorm)
     tables = [t.to(torch.bfloat16) for t in rope_tables(m, head_dim(m), 64)] if m.position_embedding_type == "rope" else [None, None]
     x = torch.randn(2, 64, m.hidden_size, dtype=torch.bfloat16, requires_grad=True)

@@ -124,8 +124,8 @@ def test_errors_name_the_file(tmp_path):
     (hf_dir / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
     with pytest.raises(CheckpointError, match=r"model\.safetensors: model\.layers\.0\.mlp\.gate_proj\.weight has shape \[128, 64\]"):
         import_hf(hf_dir, tmp_path / "ckpt")
-    (hf_dir / "config.json").write_text(json.dumps({**config, "model_type": "olmoe"}))
-    with pytest.raises(CheckpointError, match="model_type 'olmoe' is not supported"):
+    (hf_dir / "config.json").write_text(json.dumps({**config, "model_type": "olmo2"}))
+    with pytest.raises(CheckpointError, match="model_type 'olmo2' is not supported"):
         import_hf(hf_dir, tmp_path / "ckpt")
     (hf_dir / "config.json").write_text(json.dumps(config))
     (hf_dir / "model.safetensors").unlink()
