@@ -36,6 +36,8 @@
 #   s5x4   (4 GPUs) DeepSeek-V2-Lite x 4: dp2/ep2/etp2 on 2 of them, then dp4/ep4/ep2etp2/tp2ep2 (global batch 16)
 #   s6a    grouped GEMM GPU tests (bf16/fp16: the TMA row kernel at B4's shapes); the TMA tiles sweep (forward, input grad); B4 layer on both grouped GEMMs; B4b on both
 #   s6b    grouped GEMM GPU tests (the TMA weight gradient too); B4b of this tree against OLD's (arg 3, carried), and on the triton backend; B4 layer; the sweep with every TMA tile
+#   s6c    the session's final tree: grouped GEMM / qk-layernorm / router / permute / estimate GPU tests; B4b this tree against OLD's (arg 3) and on triton; B4 layer on both
+#   s6d    B1 this tree against OLD's (arg 3), with HF; OLMoE (2 layers, full-width q/k norms) and sinkhorn routing trained on the GPU
 #   b1tune B1 eager / --compile / HF, then B1 with --gemm-tuning twice (the tuning run, then a run reading its file)
 set -uo pipefail
 part="$1" out="$2"; mkdir -p "$out"
@@ -302,6 +304,25 @@ s6b)
   (cd benchmarks && python3 train_bench.py --steps 8 --warmup 3 -- "${common[@]}" --model.moe_grouped_gemm triton 2>>"$out/b4b_stderr.txt") | sed "s|^|[triton]: |" | tee -a "$out/b4b.txt"
   for backend in triton torch; do python3 benchmarks/b4_moe_layer.py --grouped-gemm $backend --rounds 3 2>&1 | tee -a "$out/b4_layer.txt"; done
   (cd benchmarks && timeout 200 python3 b4_grouped_sweep.py --candidates --library-tiles autotune --top 3 2>&1) | grep -v "^ \|^$\|^#\|^%\|^{\|^}" | tee "$out/sweep_tma.txt" ;;
+s6c)
+  old="$(cd "$3" && pwd)"
+  timeout 240 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_grouped_gemm_gpu.py -k "not dtype2" tests/gpu/test_qk_layernorm_gpu.py \
+    tests/gpu/test_moe_router_gpu.py tests/gpu/test_moe_permute_gpu.py tests/gpu/test_estimate_gpu.py > "$out/gpu_tests_s6c.txt" 2>&1
+  grep -E "passed|failed|Error" "$out/gpu_tests_s6c.txt" | tail -4
+  common=(--preset deepseek-v2-lite --num-layers 4 --moe-layer-freq "([0]+[1]*3)" --seq-length 4096 --micro-batch-size 2 --global-batch-size 2 --bf16)
+  for tree in "$PWD" "$old" "$PWD"; do
+    (cd "$tree/benchmarks" && PYTHONPATH="$tree" python3 train_bench.py --steps 8 --warmup 3 -- "${common[@]}" 2>>"$out/b4b_stderr.txt") | sed "s|^|[$tree]: |" | tee -a "$out/b4b.txt"
+  done
+  (cd benchmarks && python3 train_bench.py --steps 8 --warmup 3 -- "${common[@]}" --model.moe_grouped_gemm triton 2>>"$out/b4b_stderr.txt") | sed "s|^|[triton]: |" | tee -a "$out/b4b.txt"
+  for backend in torch triton; do python3 benchmarks/b4_moe_layer.py --grouped-gemm $backend --rounds 5 2>&1 | tee -a "$out/b4_layer.txt"; done ;;
+s6d)
+  old="$(cd "$3" && pwd)"
+  python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,hf 2>"$out/b1_new_stderr.txt" | tee "$out/b1_new.txt"
+  (cd "$old" && PYTHONPATH="$old" python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron 2>"$out/b1_old_stderr.txt" | tee "$out/b1_old.txt")
+  (cd benchmarks && python3 train_bench.py --steps 6 --warmup 3 -- --preset olmoe-1b-7b --num-layers 2 --seq-length 4096 --micro-batch-size 2 \
+    --global-batch-size 2 --bf16 2>"$out/olmoe_stderr.txt") | sed "s|^|[olmoe x 2 layers]: |" | tee "$out/olmoe.txt"
+  (cd benchmarks && python3 train_bench.py --steps 6 --warmup 3 -- --preset olmoe-1b-7b --num-layers 2 --seq-length 4096 --micro-batch-size 2 \
+    --global-batch-size 2 --bf16 --moe-router-load-balancing-type sinkhorn --moe-loss-weight 0 2>>"$out/olmoe_stderr.txt") | sed "s|^|[olmoe x 2, sinkhorn]: |" | tee -a "$out/olmoe.txt" ;;
 b1tune)
   python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron,meshtron-compile,hf 2>"$out/b1_stderr.txt" | tee "$out/b1_compile.txt"
   for run in tuning reading; do

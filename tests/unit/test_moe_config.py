@@ -87,6 +87,8 @@ def test_sinkhorn_is_accepted_and_refuses_what_it_would_ignore():
     assert _errors(moe_router_load_balancing_type="sinkhorn") == ""
     assert _errors(moe_router_load_balancing_type="sinkhorn", moe_router_topk=1) == ""  # a sigmoid: the gate has a gradient
     assert _errors(moe_router_load_balancing_type="sinkhorn", moe_z_loss_coeff=1e-3, moe_expert_capacity_factor=1.25) == ""
+    # Above k 1 sinkhorn weighs by the softmax over all experts, which is what --moe-router-pre-softmax says (OLMoE's presets set it).
+    assert _errors(moe_router_load_balancing_type="sinkhorn", moe_router_pre_softmax=True) == ""
     assert "aux_loss, seq_aux_loss, sinkhorn or none" in _errors(moe_router_load_balancing_type="balanced")
     refused = [
         (dict(moe_aux_loss_coeff=1e-2), "takes no auxiliary loss (as in Megatron-Core); set --moe-aux-loss-coeff 0"),
@@ -94,7 +96,7 @@ def test_sinkhorn_is_accepted_and_refuses_what_it_would_ignore():
         (dict(moe_router_num_groups=4, moe_router_group_topk=2), "drop group-limited routing (--moe-router-num-groups"),
         (dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True), "drop --moe-router-enable-expert-bias"),
         (dict(moe_router_score_function="sigmoid"), "ignores the score function (its weights are sigmoid with --moe-router-topk 1"),
-        (dict(moe_router_pre_softmax=True), "ignores --moe-router-pre-softmax"),
+        (dict(moe_router_pre_softmax=True, moe_router_topk=1), "weighs by a sigmoid, not --moe-router-pre-softmax's softmax"),
         (dict(moe_router_topk_scaling_factor=2.5), "does not scale its weights (as in Megatron-Core); drop --moe-router-topk-scaling-factor"),
     ]
     for fields, message in refused:

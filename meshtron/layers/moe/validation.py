@@ -85,8 +85,8 @@ def _sinkhorn_errors(m: ModelConfig) -> list[str]:
     weights = "its weights are sigmoid with --moe-router-topk 1, else the softmax over all experts"
     if m.moe_router_score_function != "softmax":
         errors.append(f"{sinkhorn} ignores the score function ({weights}); drop --moe-router-score-function {m.moe_router_score_function}")
-    if m.moe_router_pre_softmax:
-        errors.append(f"{sinkhorn} ignores --moe-router-pre-softmax ({weights}); drop it")
+    if m.moe_router_pre_softmax and m.moe_router_topk == 1:  # above k 1 the flag names sinkhorn's own weights
+        errors.append(f"{sinkhorn} with --moe-router-topk 1 weighs by a sigmoid, not --moe-router-pre-softmax's softmax; drop it")
     if m.moe_router_topk_scaling_factor != 1.0:
         errors.append(f"{sinkhorn} does not scale its weights (as in Megatron-Core); drop --moe-router-topk-scaling-factor "
                       f"{m.moe_router_topk_scaling_factor}")  # fmt: skip
