@@ -72,7 +72,6 @@ LAYOUT_FLAGS = {
 
 def worker(args) -> None:
     import torch
-    import torch.distributed as dist
 
     from meshtron.config import build_config, data_parallel_size
     from meshtron.training.trainer import Trainer

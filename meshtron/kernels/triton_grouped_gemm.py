@@ -297,7 +297,7 @@ def group_weight_grad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, 
                       out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:  # fmt: skip
     """dy [R, N], x [R, K] -> dW [E, N, K], dW[g] = dy_g^T @ x_g (zeros for an empty group), new in
     x's dtype or written (``accumulate``: added) into ``out`` (e.g. an fp32 ``main_grad``)."""
-    (rows, n), k = dy.shape, x.shape[1]
+    n, k = dy.shape[1], x.shape[1]
     dw = torch.empty(experts, n, k, dtype=x.dtype, device=x.device) if out is None else out
     args = (dy, x, dw, offsets, n, k, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), *dw.stride())
     meta = dict(IEEE=x.dtype == torch.float32, ACCUMULATE=accumulate)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from launcher import by_name, run_distributed
-from meshtron.config import ModelConfig, ParallelConfig, build_config
+from meshtron.config import ParallelConfig, build_config
 from meshtron.models import build_model
 from meshtron.parallel.mesh import Mesh
 from test_model_contract import _check, _train_step, token_batches

@@ -24,7 +24,7 @@ from meshtron.config import CheckpointConfig, build_config
 from meshtron.models import build_model
 from meshtron.optim.build import build_optimizer
 from meshtron.parallel.mesh import Mesh
-from tests.unit.test_checkpoint import CFG, setup, train, trained_and_saved
+from tests.unit.test_checkpoint import CFG, setup, trained_and_saved
 
 
 class Payload:

@@ -60,6 +60,21 @@ def _hf_logits(model, tokens):
         return model(tokens).logits
 
 
+def _check_fused_expert_import(tmp_path, hf_model, *fused_names: str) -> None:
+    """A MoE model saved in transformers 5's in-memory form (stacked ``experts.gate_up_proj`` /
+    ``down_proj``, checked present by ``fused_names``) imports to the logits HF gives, as the Hub's
+    per-expert files do."""
+    from safetensors.torch import save_file
+
+    hf_model.save_pretrained(tmp_path / "hf")
+    state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
+    assert all(name in state for name in fused_names), sorted(state)
+    save_file(state, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
+    import_hf(tmp_path / "hf", tmp_path / "ckpt", dtype="fp32")
+    tokens = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(_meshtron_logits(tmp_path / "ckpt", tokens), _hf_logits(hf_model, tokens), atol=1e-5, rtol=1e-5)
+
+
 def test_fuse_split_qkv_roundtrip_and_layout():
     q, k, v = torch.arange(8 * 3).view(8, 3), 100 + torch.arange(4 * 3).view(4, 3), 200 + torch.arange(4 * 3).view(4, 3)
     fused = fuse_qkv(q, k, v, groups=2)  # head dim 2: group 0 = q heads 0,1 | k head 0 | v head 0

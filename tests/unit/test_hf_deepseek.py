@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers", minversion="5.0")
 from meshtron.checkpoint.checkpoint import CheckpointError, read_meta  # noqa: E402
 from meshtron.cli import main as cli_main  # noqa: E402
 from meshtron.models.hf import import_hf  # noqa: E402
-from tests.unit.test_hf_convert import _hf_logits, _meshtron_logits, _random_init  # noqa: E402
+from tests.unit.test_hf_convert import _check_fused_expert_import, _hf_logits, _meshtron_logits, _random_init  # noqa: E402
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
             num_attention_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
@@ -60,16 +60,7 @@ def test_import_export_match_transformers(tmp_path, q_lora_rank, capsys):
 def test_fused_expert_tensors_import(tmp_path):
     """transformers 5's in-memory form (``experts.gate_up_proj`` / ``down_proj``, stacked) reads
     as well as the per-expert files the Hub holds."""
-    from safetensors.torch import save_file
-
-    hf_model = _hf_model(None)
-    hf_model.save_pretrained(tmp_path / "hf")
-    state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
-    assert "model.layers.1.mlp.experts.gate_up_proj" in state
-    save_file(state, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
-    import_hf(tmp_path / "hf", tmp_path / "ckpt", dtype="fp32")
-    tokens = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(2))
-    torch.testing.assert_close(_meshtron_logits(tmp_path / "ckpt", tokens), _hf_logits(hf_model, tokens), atol=1e-5, rtol=1e-5)
+    _check_fused_expert_import(tmp_path, _hf_model(None), "model.layers.1.mlp.experts.gate_up_proj")
 
 
 def test_group_limited_greedy_routing_matches_transformers(tmp_path):

@@ -18,8 +18,8 @@ from meshtron.checkpoint.checkpoint import CheckpointError, read_meta  # noqa: E
 from meshtron.cli import main as cli_main  # noqa: E402
 from meshtron.config import build_config  # noqa: E402
 from meshtron.models import parameter_count  # noqa: E402
-from meshtron.models.hf import hf_config_from_model, import_hf  # noqa: E402
-from tests.unit.test_hf_convert import _hf_logits, _meshtron_logits, _random_init  # noqa: E402
+from meshtron.models.hf import hf_config_from_model  # noqa: E402
+from tests.unit.test_hf_convert import _check_fused_expert_import, _hf_logits, _meshtron_logits, _random_init  # noqa: E402
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=256, rms_norm_eps=1e-5,
@@ -67,16 +67,7 @@ def test_olmoe_import_export_match_transformers(tmp_path, overrides):
 def test_fused_expert_tensors_import(tmp_path):
     """transformers 5's in-memory names (``mlp.experts.gate_up_proj`` / ``down_proj``) read as
     well as the Hub's ``mlp.experts.{e}.{gate,up,down}_proj``."""
-    from safetensors.torch import save_file
-
-    hf_model = _hf_model()
-    hf_model.save_pretrained(tmp_path / "hf")
-    state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
-    assert "model.layers.1.mlp.experts.gate_up_proj" in state
-    save_file(state, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
-    import_hf(tmp_path / "hf", tmp_path / "ckpt", dtype="fp32")
-    tokens = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(2))
-    torch.testing.assert_close(_meshtron_logits(tmp_path / "ckpt", tokens), _hf_logits(hf_model, tokens), atol=1e-5, rtol=1e-5)
+    _check_fused_expert_import(tmp_path, _hf_model(), "model.layers.1.mlp.experts.gate_up_proj")
 
 
 def _tiny_olmoe(*flags: str):

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers", minversion="5.0")
 from meshtron.checkpoint.checkpoint import CheckpointError, read_meta  # noqa: E402
 from meshtron.cli import main as cli_main  # noqa: E402
 from meshtron.models.hf import import_hf  # noqa: E402
-from tests.unit.test_hf_convert import _hf_logits, _meshtron_logits, _random_init  # noqa: E402
+from tests.unit.test_hf_convert import _check_fused_expert_import, _hf_logits, _meshtron_logits, _random_init  # noqa: E402
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
@@ -64,16 +64,7 @@ def test_import_export_match_transformers(tmp_path, overrides, layer_freq):
 
 def test_fused_expert_tensors_import(tmp_path):
     """transformers 5's in-memory ``mlp.experts.gate_up_proj`` / ``down_proj`` read too."""
-    from safetensors.torch import save_file
-
-    hf_model = _hf_model()
-    hf_model.save_pretrained(tmp_path / "hf")
-    state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
-    assert "model.layers.0.mlp.experts.gate_up_proj" in state
-    save_file(state, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
-    import_hf(tmp_path / "hf", tmp_path / "ckpt", dtype="fp32")
-    tokens = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(2))
-    torch.testing.assert_close(_meshtron_logits(tmp_path / "ckpt", tokens), _hf_logits(hf_model, tokens), atol=1e-5, rtol=1e-5)
+    _check_fused_expert_import(tmp_path, _hf_model(), "model.layers.0.mlp.experts.gate_up_proj")
 
 
 def test_sliding_window_is_refused(tmp_path):

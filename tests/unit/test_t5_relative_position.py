@@ -8,7 +8,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from meshtron.config import ConfigError, build_config
 from meshtron.layers.attention import CoreAttention, attention_mask, math_attention
