@@ -41,7 +41,7 @@ from meshtron.data.tokenizers import build_tokenizer
 from meshtron.layers.attention import head_dim, num_kv_heads
 from meshtron.layers.mlp import ffn_hidden_size
 from meshtron.models.bert import tokentype_rows
-from meshtron.models.hf_common import TensorSource, fuse_qkv, split_qkv
+from meshtron.models.hf_common import TensorSource, fuse_qkv, refuse_unexpressible, split_qkv
 
 _ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 _BINARY_HEAD = "cls.seq_relationship.weight"
@@ -88,9 +88,7 @@ def bert_hf_config(m: ModelConfig, vocab_size: int, max_positions: int, dtype_na
         "--num-query-groups (HF's BERT has as many key/value heads as query heads)": num_kv_heads(m) != m.num_attention_heads,
         "--kv-channels other than hidden / heads": head_dim(m) * m.num_attention_heads != m.hidden_size,
     }  # fmt: skip
-    for what, bad in problems.items():
-        if bad:
-            raise CheckpointError(f"hf-export: Hugging Face's BERT cannot express {what}")
+    refuse_unexpressible("Hugging Face's BERT", problems)
     return {
         "architectures": ["BertForPreTraining" if m.bert_binary_head else "BertForMaskedLM"], "model_type": "bert",
         "vocab_size": vocab_size, "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,

@@ -58,6 +58,14 @@ def checked_config(hf: dict[str, Any], source: str, refused: dict[str, Any], rop
     return theta, scaling, rope_type
 
 
+def refuse_unexpressible(architecture: str, problems: dict[str, bool]) -> None:
+    """An export's refusal: the first of ``problems`` (what -> whether the model has it) that the
+    Hugging Face ``architecture`` cannot express, named in the error."""
+    for what, bad in problems.items():
+        if bad:
+            raise CheckpointError(f"hf-export: {architecture} cannot express {what}")
+
+
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
     """Separate q [heads*d, ...], k, v [groups*d, ...] -> meshtron's per-group [q heads | k | v] rows."""
     d = k.shape[0] // groups

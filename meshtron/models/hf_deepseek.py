@@ -40,7 +40,7 @@ from meshtron.layers.mlp import ffn_hidden_size
 from meshtron.layers.moe import moe_layer_pattern
 from meshtron.layers.moe.experts import expert_ffn_hidden_size
 from meshtron.models.hf_common import (
-    TensorSource, checked_config, export_block_mlp, export_body, import_block_mlp, import_body,
+    TensorSource, checked_config, export_block_mlp, export_body, import_block_mlp, import_body, refuse_unexpressible,
 )  # fmt: skip
 
 _YARN_KEYS = {"factor": "rope_scaling_factor", "original_max_position_embeddings": "rope_original_max_position_embeddings",
@@ -126,9 +126,7 @@ def deepseek_hf_config(m: ModelConfig, vocab_size: int, max_positions: int, dtyp
         != ("RMSNorm", "swiglu", False),
         "rope scaling other than yarn": m.rope_scaling not in ("", "yarn"),
     }  # fmt: skip
-    for what, bad in problems.items():
-        if bad:
-            raise CheckpointError(f"hf-export: DeepseekV2ForCausalLM cannot express {what}")
+    refuse_unexpressible("DeepseekV2ForCausalLM", problems)
     rope: dict[str, Any] = {"rope_type": "default"}
     if m.rope_scaling == "yarn":
         rope = {"rope_type": "yarn", **{key: getattr(m, field) for key, field in _YARN_KEYS.items()}}

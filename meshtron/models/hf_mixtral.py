@@ -26,13 +26,12 @@ from typing import Any
 
 import torch
 
-from meshtron.checkpoint.checkpoint import CheckpointError
 from meshtron.config import ModelConfig
 from meshtron.layers.moe import moe_layer_pattern
 from meshtron.layers.moe.experts import expert_ffn_hidden_size
 from meshtron.models.hf_common import (
     W1_W3_W2, TensorSource, export_body, export_llama_attention, export_moe_mlp, import_body, import_llama_attention,
-    import_moe_mlp, llama_hf_config, llama_model_config, moe_loss_weight, router_aux_loss_coef,
+    import_moe_mlp, llama_hf_config, llama_model_config, moe_loss_weight, refuse_unexpressible, router_aux_loss_coef,
 )  # fmt: skip
 
 
@@ -56,9 +55,7 @@ def mixtral_hf_config(m: ModelConfig, vocab_size: int, max_positions: int, dtype
         "a top-k scaling factor": m.moe_router_topk_scaling_factor != 1.0,
         "group-limited routing": bool(m.moe_router_group_topk),
     }  # fmt: skip
-    for what, bad in problems.items():
-        if bad:
-            raise CheckpointError(f"hf-export: MixtralForCausalLM cannot express {what}")
+    refuse_unexpressible("MixtralForCausalLM", problems)
     cfg = llama_hf_config(m, vocab_size, max_positions, dtype_name)
     for key in ("attention_bias", "mlp_bias"):  # not Mixtral config keys
         del cfg[key]

@@ -22,14 +22,13 @@ from typing import Any
 
 import torch
 
-from meshtron.checkpoint.checkpoint import CheckpointError
 from meshtron.config import ModelConfig
 from meshtron.layers.attention import head_dim
 from meshtron.layers.moe import moe_layer_pattern
 from meshtron.layers.moe.experts import expert_ffn_hidden_size
 from meshtron.models.hf_common import (
-    TensorSource, export_llama_decoder, import_llama_decoder, llama_hf_config, llama_model_config, moe_loss_weight, router_aux_loss_coef,
-    unmapped_routing,
+    TensorSource, export_llama_decoder, import_llama_decoder, llama_hf_config, llama_model_config, moe_loss_weight,
+    refuse_unexpressible, router_aux_loss_coef, unmapped_routing,
 )  # fmt: skip
 
 
@@ -58,9 +57,7 @@ def olmoe_hf_config(m: ModelConfig, vocab_size: int, max_positions: int, dtype_n
         f"a head dim other than hidden / heads (--kv-channels {m.kv_channels}; its q norm is hidden_size wide)":
             head_dim(m) * m.num_attention_heads != m.hidden_size,
     }  # fmt: skip
-    for what, bad in problems.items():
-        if bad:
-            raise CheckpointError(f"hf-export: OlmoeForCausalLM cannot express {what}")
+    refuse_unexpressible("OlmoeForCausalLM", problems)
     cfg = llama_hf_config(m, vocab_size, max_positions, dtype_name)
     for key in ("mlp_bias", "head_dim"):  # not OLMoE config keys
         del cfg[key]

@@ -26,13 +26,12 @@ from typing import Any
 
 import torch
 
-from meshtron.checkpoint.checkpoint import CheckpointError
 from meshtron.config import ModelConfig
 from meshtron.layers.moe import moe_layer_pattern
 from meshtron.layers.moe.experts import expert_ffn_hidden_size
 from meshtron.models.hf_common import (
-    TensorSource, export_llama_decoder, import_llama_decoder, llama_hf_config, llama_model_config, moe_loss_weight, router_aux_loss_coef,
-    unmapped_routing,
+    TensorSource, export_llama_decoder, import_llama_decoder, llama_hf_config, llama_model_config, moe_loss_weight,
+    refuse_unexpressible, router_aux_loss_coef, unmapped_routing,
 )  # fmt: skip
 
 QWEN_TYPES = {"qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2-MoE"), "qwen3": ("Qwen3ForCausalLM", "Qwen3"),
@@ -83,9 +82,7 @@ def qwen_hf_config(m: ModelConfig, vocab_size: int, max_positions: int, dtype_na
         "shared experts": kind == "qwen3_moe" and bool(shared),
         "a sigmoid router, expert bias, top-k scaling or group-limited routing": unmapped_routing(m),
     }  # fmt: skip
-    for what, bad in problems.items():
-        if bad:
-            raise CheckpointError(f"hf-export: {architecture} cannot express {what}")
+    refuse_unexpressible(architecture, problems)
     cfg = llama_hf_config(m, vocab_size, max_positions, dtype_name)
     del cfg["mlp_bias"]  # not a Qwen config key
     if kind == "qwen2_moe":
