@@ -60,6 +60,31 @@ def _hf_logits(model, tokens):
         return model(tokens).logits
 
 
+def _import_through_cli(tmp_path, hf_model) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """``hf_model`` saved, then ``meshtron convert hf-import``ed in fp32: (tokens, HF's logits on
+    them, the imported model config), the imported logits checked equal to HF's."""
+    hf_model.save_pretrained(tmp_path / "hf")
+    tokens = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(1))
+    expected = _hf_logits(hf_model, tokens)
+    assert cli_main(["convert", "hf-import", "--hf-dir", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt"), "--dtype", "fp32"]) == 0
+    torch.testing.assert_close(_meshtron_logits(tmp_path / "ckpt", tokens), expected, atol=1e-5, rtol=1e-5)
+    return tokens, expected, read_meta(tmp_path / "ckpt")["config"]["model"]
+
+
+def _export_through_cli(tmp_path, hf_class, tokens, expected) -> tuple[set, dict]:
+    """The checkpoint ``_import_through_cli`` wrote, ``hf-export``ed: the same tensor names as the
+    original files, and ``hf_class.from_pretrained`` on it gives ``expected``; (names, config.json)."""
+    from safetensors.torch import load_file
+
+    assert cli_main(["convert", "hf-export", "--load", str(tmp_path / "ckpt"), "--hf-dir", str(tmp_path / "out"), "--dtype", "fp32"]) == 0
+    written = load_file(str(tmp_path / "out" / "model.safetensors")).keys()
+    assert written == load_file(str(tmp_path / "hf" / "model.safetensors")).keys()
+    reloaded = hf_class.from_pretrained(tmp_path / "out").eval()
+    reloaded.config._attn_implementation = "eager"
+    torch.testing.assert_close(_hf_logits(reloaded, tokens), expected, atol=1e-5, rtol=1e-5)
+    return set(written), json.loads((tmp_path / "out" / "config.json").read_text())
+
+
 def _check_fused_expert_import(tmp_path, hf_model, *fused_names: str) -> None:
     """A MoE model saved in transformers 5's in-memory form (stacked ``experts.gate_up_proj`` /
     ``down_proj``, checked present by ``fused_names``) imports to the logits HF gives, as the Hub's

@@ -6,19 +6,19 @@ files carry the Hub's names and transformers' logits from them equal the origina
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
 
-from meshtron.checkpoint.checkpoint import CheckpointError, read_meta  # noqa: E402
-from meshtron.cli import main as cli_main  # noqa: E402
+from meshtron.checkpoint.checkpoint import CheckpointError  # noqa: E402
 from meshtron.config import build_config  # noqa: E402
 from meshtron.models import parameter_count  # noqa: E402
 from meshtron.models.hf import hf_config_from_model, import_hf  # noqa: E402
-from tests.unit.test_hf_convert import _check_fused_expert_import, _hf_logits, _meshtron_logits, _random_init  # noqa: E402
+from tests.unit.test_hf_convert import (  # noqa: E402
+    _check_fused_expert_import, _export_through_cli, _import_through_cli, _meshtron_logits, _random_init,
+)
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
@@ -35,31 +35,16 @@ def _hf_model(**overrides):
 
 @pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": True, "num_experts_per_tok": 3}], ids=["top2", "top3-tied"])
 def test_import_export_match_transformers(tmp_path, overrides):
-    hf_model = _hf_model(**overrides)
-    hf_model.save_pretrained(tmp_path / "hf")
-    tokens = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(1))
-    expected = _hf_logits(hf_model, tokens)
-
-    assert cli_main(["convert", "hf-import", "--hf-dir", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt"), "--dtype", "fp32"]) == 0
-    m = read_meta(tmp_path / "ckpt")["config"]["model"]
+    tokens, expected, m = _import_through_cli(tmp_path, _hf_model(**overrides))
     k = overrides.get("num_experts_per_tok", 2)
     assert (m["num_experts"], m["moe_router_topk"], m["moe_ffn_hidden_size"], m["num_query_groups"]) == (4, k, 48, 2)
     assert m["moe_layer_freq"] == "1" and not m["moe_router_pre_softmax"] and m["moe_loss_weight"] == pytest.approx(0.02 * k)
-    torch.testing.assert_close(_meshtron_logits(tmp_path / "ckpt", tokens), expected, atol=1e-5, rtol=1e-5)
     not_renormalized = _meshtron_logits(tmp_path / "ckpt", tokens, moe_router_pre_softmax=True)
     assert (not_renormalized - expected).abs().max() > 1e-2  # the routing weights matter at this scale
 
-    assert cli_main(["convert", "hf-export", "--load", str(tmp_path / "ckpt"), "--hf-dir", str(tmp_path / "out"), "--dtype", "fp32"]) == 0
-    from safetensors.torch import load_file
-
-    written = load_file(str(tmp_path / "out" / "model.safetensors")).keys()
-    assert written == load_file(str(tmp_path / "hf" / "model.safetensors")).keys()
+    written, config = _export_through_cli(tmp_path, transformers.MixtralForCausalLM, tokens, expected)
     assert "model.layers.1.block_sparse_moe.experts.3.w3.weight" in written
-    config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["router_aux_loss_coef"] == pytest.approx(0.02) and config["num_local_experts"] == 4
-    reloaded = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "out").eval()
-    reloaded.config._attn_implementation = "eager"
-    torch.testing.assert_close(_hf_logits(reloaded, tokens), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_fused_expert_tensors_import(tmp_path):

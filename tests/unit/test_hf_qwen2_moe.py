@@ -6,17 +6,16 @@ logits equal HF's; exported back, transformers' logits from the files equal them
 
 from __future__ import annotations
 
-import json
 
 import pytest
-import torch
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
 
-from meshtron.checkpoint.checkpoint import CheckpointError, read_meta  # noqa: E402
-from meshtron.cli import main as cli_main  # noqa: E402
+from meshtron.checkpoint.checkpoint import CheckpointError  # noqa: E402
 from meshtron.models.hf import import_hf  # noqa: E402
-from tests.unit.test_hf_convert import _check_fused_expert_import, _hf_logits, _meshtron_logits, _random_init  # noqa: E402
+from tests.unit.test_hf_convert import (  # noqa: E402
+    _check_fused_expert_import, _export_through_cli, _import_through_cli, _meshtron_logits, _random_init,
+)
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
@@ -37,29 +36,15 @@ def _hf_model(**overrides):
     ids=["dense-first", "every-second-renormalized"],
 )
 def test_import_export_match_transformers(tmp_path, overrides, layer_freq):
-    hf_model = _hf_model(**overrides)
-    hf_model.save_pretrained(tmp_path / "hf")
-    tokens = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(1))
-    expected = _hf_logits(hf_model, tokens)
-
-    assert cli_main(["convert", "hf-import", "--hf-dir", str(tmp_path / "hf"), "--save", str(tmp_path / "ckpt"), "--dtype", "fp32"]) == 0
-    m = read_meta(tmp_path / "ckpt")["config"]["model"]
+    tokens, expected, m = _import_through_cli(tmp_path, _hf_model(**overrides))
     assert (m["moe_layer_freq"], m["add_qkv_bias"], m["moe_shared_expert_intermediate_size"], m["moe_shared_expert_gate"]) == (
         layer_freq, True, 48, True)  # fmt: skip
     assert m["moe_router_pre_softmax"] == (not overrides.get("norm_topk_prob", False))
-    torch.testing.assert_close(_meshtron_logits(tmp_path / "ckpt", tokens), expected, atol=1e-5, rtol=1e-5)
     other_routing = _meshtron_logits(tmp_path / "ckpt", tokens, moe_router_pre_softmax=not m["moe_router_pre_softmax"])
     assert (other_routing - expected).abs().max() > 1e-2  # renormalizing or not shows in the logits
 
-    assert cli_main(["convert", "hf-export", "--load", str(tmp_path / "ckpt"), "--hf-dir", str(tmp_path / "out"), "--dtype", "fp32"]) == 0
-    from safetensors.torch import load_file
-
-    assert load_file(str(tmp_path / "out" / "model.safetensors")).keys() == load_file(str(tmp_path / "hf" / "model.safetensors")).keys()
-    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    _, config = _export_through_cli(tmp_path, transformers.Qwen2MoeForCausalLM, tokens, expected)
     assert config["router_aux_loss_coef"] == pytest.approx(0.001)
-    reloaded = transformers.Qwen2MoeForCausalLM.from_pretrained(tmp_path / "out").eval()
-    reloaded.config._attn_implementation = "eager"
-    torch.testing.assert_close(_hf_logits(reloaded, tokens), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_fused_expert_tensors_import(tmp_path):
