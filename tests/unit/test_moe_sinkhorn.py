@@ -30,6 +30,31 @@ def test_plan_rows_sum_to_one_over_tokens_and_columns_to_one_over_experts():
     torch.testing.assert_close(plan.sum(dim=1), torch.full((T,), 1 / T), rtol=1e-3, atol=0)  # to the stopping tolerance
 
 
+def _megatron_sinkhorn(cost: torch.Tensor, tol: float = 1e-4) -> tuple[torch.Tensor, int]:
+    """Megatron-Core's ``moe_utils.sinkhorn`` as written there (a host read of the error every
+    iteration), and how many iterations it ran."""
+    cost = torch.exp(cost)
+    d0, d1 = torch.ones(cost.size(0)), torch.ones(cost.size(1))
+    eps, error, d1_old, iterations = 1e-8, 1e9, d1, 0
+    while error > tol:
+        d0 = (1 / d0.size(0)) * 1 / (torch.sum(d1 * cost, 1) + eps)
+        d1 = (1 / d1.size(0)) * 1 / (torch.sum(d0.unsqueeze(1) * cost, 0) + eps)
+        error = torch.mean(torch.abs(d1_old - d1))
+        d1_old, iterations = d1, iterations + 1
+    return d1 * cost * d0.unsqueeze(1), iterations
+
+
+@pytest.mark.parametrize("scale, iterations", [(1.0, 6), (1.4, 8), (1.5, 9), (2.5, 17)])
+def test_plan_is_megatrons_though_the_stopping_test_is_read_in_blocks(scale, iterations):
+    """The stopping test is read once per block of 8 iterations; the plan returned is still the
+    one of the iteration where Megatron-Core's loop stops, bit for bit: inside the first block,
+    at its end, just after it, and in the third."""
+    logits = _skewed_logits() * scale
+    expected, ran = _megatron_sinkhorn(logits)
+    assert ran == iterations
+    assert torch.equal(sinkhorn(logits), expected)
+
+
 def test_plan_spreads_tokens_more_evenly_than_top_k():
     logits = _skewed_logits()
     for k in (1, 2):
@@ -80,5 +105,5 @@ def test_moe_layer_trains_with_sinkhorn_routing():
 def test_plan_that_does_not_converge_names_the_flag():
     logits = torch.zeros(4, E)
     logits[0, 0] = float("nan")
-    with pytest.raises(RuntimeError, match="--moe-router-load-balancing-type sinkhorn"):
+    with pytest.raises(RuntimeError, match="--moe-router-load-balancing-type sinkhorn: no routing plan, its scalings are not finite"):
         sinkhorn(logits)

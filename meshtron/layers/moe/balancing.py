@@ -115,7 +115,8 @@ def losses_from_statistics(parts: dict[str, torch.Tensor], topk: int, aux_coeff:
 
 
 SINKHORN_TOLERANCE = 1e-4
-SINKHORN_MAX_ITERATIONS = 1000
+SINKHORN_MAX_ITERATIONS = 100_000  # Megatron-Core's loop has no bound; steep logits can take ~10^5 iterations
+SINKHORN_CHECK_EVERY = 8  # iterations between reads of the stopping test: each read waits for the GPU
 
 
 @torch.no_grad()
@@ -135,12 +136,26 @@ def sinkhorn(logits: torch.Tensor, token_sum: nn.Module | None = None) -> torch.
     num_tokens = token_sum(cost.new_tensor([cost.shape[0]]))
     num_experts = cost.shape[1]
     d1 = torch.ones(num_experts, dtype=cost.dtype, device=cost.device)
+    iterates, errors = [], []
     for _ in range(SINKHORN_MAX_ITERATIONS):
         d0 = (1 / num_tokens) / (torch.sum(d1 * cost, 1) + eps)
         d1_old, d1 = d1, (1 / num_experts) / (token_sum(torch.sum(d0.unsqueeze(1) * cost, 0)) + eps)
-        if torch.mean(torch.abs(d1_old - d1)) <= SINKHORN_TOLERANCE:
-            return d1 * cost * d0.unsqueeze(1)
-    raise RuntimeError(
-        f"--moe-router-load-balancing-type sinkhorn: the plan did not converge in {SINKHORN_MAX_ITERATIONS} iterations "
-        f"(router logits too large for exp, or not finite); add --moe-z-loss-coeff to keep them small, or use aux_loss"
-    )
+        iterates.append((d0, d1))
+        errors.append(torch.mean(torch.abs(d1_old - d1)))
+        if len(errors) == SINKHORN_CHECK_EVERY:
+            # One host sync for a block of iterations; the plan is still that of the first
+            # iteration whose change met the tolerance, where Megatron-Core's loop stops.
+            block = torch.stack(errors)
+            converged = torch.nonzero(block <= SINKHORN_TOLERANCE)
+            if converged.numel():
+                d0, d1 = iterates[int(converged[0])]
+                return d1 * cost * d0.unsqueeze(1)
+            if not torch.isfinite(block[-1]):
+                raise RuntimeError(_sinkhorn_failure("its scalings are not finite (router logits too large for exp, or not finite)"))
+            iterates, errors = [], []
+    raise RuntimeError(_sinkhorn_failure(f"it did not converge in {SINKHORN_MAX_ITERATIONS} iterations"))
+
+
+def _sinkhorn_failure(why: str) -> str:
+    return (f"--moe-router-load-balancing-type sinkhorn: no routing plan, {why}; "
+            "add --moe-z-loss-coeff to keep the router's logits small, or use aux_loss")  # fmt: skip
