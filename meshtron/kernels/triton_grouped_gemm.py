@@ -50,6 +50,11 @@ def _configs(tiles: list[tuple[int, int, int, int, int]]) -> list:
 _ROW_CONFIGS = _configs([(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4)])
 _WEIGHT_GRAD_CONFIGS = _configs([(32, 256, 128, 8, 4), (32, 128, 128, 4, 4), (64, 128, 256, 8, 3), (64, 128, 128, 8, 4), (64, 64, 128, 4, 4)])
 
+# fp32 inputs multiply in full fp32 (FMA, no tensor cores): small tiles.
+_FP32_ROW_CONFIGS = _configs([(64, 64, 32, 4, 3), (32, 64, 32, 4, 3)])
+_FP32_WEIGHT_GRAD_CONFIGS = _configs([(32, 64, 64, 4, 3), (32, 64, 32, 4, 3)])
+_FP32_CONFIGS = _FP32_ROW_CONFIGS + _FP32_WEIGHT_GRAD_CONFIGS
+
 # The TMA kernel's tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, flatten the tile loop, store in
 # two halves): the fastest of b4_grouped_sweep.py --candidates on an H100 at the same shapes (the
 # split store lets fc2's forward take 4 stages: 0.466 ms against torch._grouped_mm's 0.510).
@@ -199,12 +204,21 @@ def _weight_grad_kernel(
     tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
 
 
-_rows_tuned = triton.autotune(configs=_ROW_CONFIGS, key=["N", "K", "E", "IEEE"])(_rows_kernel)
+def _for_precision(configs: list, named_args: dict, **kwargs) -> list:
+    """The tiles autotuning tries: fp32 (IEEE, no tensor cores) only the small ones, whose unrolled
+    FMA code compiles in seconds (the large tiles took minutes each, most not fitting the shared
+    memory), bf16/fp16 only the tensor-core tiles."""
+    ieee = named_args.get("IEEE", kwargs.get("IEEE"))
+    return [c for c in configs if (c in _FP32_CONFIGS) == bool(ieee)]
+
+
+_rows_tuned = triton.autotune(configs=_ROW_CONFIGS + _FP32_ROW_CONFIGS, key=["N", "K", "E", "IEEE"],
+                              prune_configs_by={"early_config_prune": _for_precision})(_rows_kernel)  # fmt: skip
 _rows_tma_tuned = triton.autotune(configs=_ROW_TMA_CONFIGS, key=["N", "K", "E", "TRANSPOSE_W"])(_rows_tma_kernel)
 # Autotuning times each config on the real output: restore_value keeps an accumulating dW from
 # collecting every trial's product.
-_weight_grad_tuned = triton.autotune(configs=_WEIGHT_GRAD_CONFIGS, key=["N", "K", "IEEE", "ACCUMULATE"],
-                                     restore_value=["dw_ptr"])(_weight_grad_kernel)
+_weight_grad_tuned = triton.autotune(configs=_WEIGHT_GRAD_CONFIGS + _FP32_WEIGHT_GRAD_CONFIGS, key=["N", "K", "IEEE", "ACCUMULATE"],
+                                     restore_value=["dw_ptr"], prune_configs_by={"early_config_prune": _for_precision})(_weight_grad_kernel)  # fmt: skip
 
 
 def _interpreted() -> bool:
