@@ -225,25 +225,18 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _tma_ready(*tensors: torch.Tensor) -> bool:
-    """A CUDA GPU of compute capability 9 or later (not ROCm) with Triton's device-side descriptors,
-    bf16 or fp16 operands (the first tensor's dtype), every row a multiple of 16 bytes from an
-    aligned start (what TMA reads and writes)."""
-    first = tensors[0]
-    if not (first.is_cuda and torch.version.hip is None and hasattr(tl, "make_tensor_descriptor")):
-        return False
-    aligned = all(t.shape[-1] * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0 for t in tensors)
-    return first.dtype in (torch.bfloat16, torch.float16) and aligned and _compute_capability(first.device)[0] >= 9
-
-
 def tma_rows_usable(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``rows_times_group(a, b)`` can take the TMA kernel: ``a`` contiguous, ``b`` [E, K, N]
-    contiguous or the transpose of a contiguous [E, N, K], one dtype, and ``_tma_ready``."""
-    if b.dtype != a.dtype or not a.is_contiguous():
+    """Whether ``rows_times_group(a, b)`` can take the TMA kernel: a CUDA GPU of compute capability
+    9 or later (not ROCm) with Triton's device-side descriptors, bf16 or fp16, ``a`` contiguous,
+    ``b`` [E, K, N] contiguous or the transpose of a contiguous [E, N, K], every row a multiple of
+    16 bytes from an aligned start (what TMA reads and writes)."""
+    if not (a.is_cuda and torch.version.hip is None and hasattr(tl, "make_tensor_descriptor")):
         return False
-    if b.is_contiguous():
-        return _tma_ready(a, b)
-    return b.transpose(1, 2).is_contiguous() and _tma_ready(a, b.transpose(1, 2))
+    if a.dtype not in (torch.bfloat16, torch.float16) or b.dtype != a.dtype or not a.is_contiguous():
+        return False
+    w = b if b.is_contiguous() else b.transpose(1, 2)
+    aligned = all(t.shape[-1] * t.element_size() % 16 == 0 and t.data_ptr() % 16 == 0 for t in (a, w))
+    return w.is_contiguous() and aligned and _compute_capability(a.device)[0] >= 9
 
 
 @functools.cache
