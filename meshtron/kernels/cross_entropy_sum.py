@@ -113,17 +113,18 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         if need_weight and several_blocks:
             grad_weight = grad_weight.to(weight.dtype)
         ctx.save_for_backward(grad_hidden, grad_weight, weight)
-        ctx.num_tokens, ctx.hidden_dtype, ctx.fused, ctx.fuse_weight_grad = n, hidden.dtype, fused, fuse_weight_grad
+        ctx.num_tokens, ctx.hidden_dtype, ctx.fused = n, hidden.dtype, fused
+        ctx.param = weight if fuse_weight_grad else None  # the parameter, with its main_grad (see grad_accum_fusion)
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
-        grad_hidden, grad_weight, weight = ctx.saved_tensors
+        grad_hidden, grad_weight, _ = ctx.saved_tensors
         factor = grad_total.float() * ctx.num_tokens
         if grad_hidden is not None:
             grad_hidden = (grad_hidden * factor).to(ctx.hidden_dtype)
-        if grad_weight is not None and ctx.fuse_weight_grad:
-            accumulate_scaled_of(weight, grad_weight, factor, ctx.fused)
+        if grad_weight is not None and ctx.param is not None:
+            accumulate_scaled_of(ctx.param, grad_weight, factor, ctx.fused)
             grad_weight = None
         elif grad_weight is not None:
             grad_weight = grad_weight.mul_(factor)  # in place: the stored gradient is ours alone, backward runs once

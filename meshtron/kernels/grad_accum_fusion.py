@@ -13,7 +13,10 @@ are upcast and ``addmm_`` accumulates in fp32, so the flag is testable there.
 
 The fused function hands no weight gradient back to autograd; its backward tells the buffer the
 gradient is in (``GradBuffer.fused_grad_ready``), which launches the bucket's collective exactly
-as the hook would have. Layers whose weight has no ``main_grad`` (FSDP, evaluation, a model with no
+as the hook would have. Each fused function keeps the parameter object itself on its context
+(``ctx.param``), not only among its saved tensors: an activation checkpoint's recompute hands
+saved tensors back detached, and a detached weight has no ``main_grad`` or ``grad_buffer``.
+Layers whose weight has no ``main_grad`` (FSDP, evaluation, a model with no
 optimizer) or which run in FP8 use the ordinary path.
 """
 
@@ -89,7 +92,7 @@ class _LinearIntoMainGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
+        ctx.param, ctx.has_bias = weight, bias is not None
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -97,7 +100,7 @@ class _LinearIntoMainGrad(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_2d = grad.reshape(-1, grad.shape[-1])
         grad_x = grad @ weight if ctx.needs_input_grad[0] else None
-        accumulate_wgrad_of(weight, grad_2d, x.reshape(-1, x.shape[-1]))
+        accumulate_wgrad_of(ctx.param, grad_2d, x.reshape(-1, x.shape[-1]))
         grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_x, None, grad_bias
 

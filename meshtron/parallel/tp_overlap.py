@@ -169,12 +169,13 @@ def _symm_mem_matmul_scatter(a: torch.Tensor, b: torch.Tensor, group) -> torch.T
     return torch.add(first, second).view(a.shape[0] // n, *a.shape[1:-1], b.shape[1])
 
 
-def _weight_grad(weight: torch.Tensor, grad: torch.Tensor, inp: torch.Tensor, fuse: bool) -> torch.Tensor | None:
-    """``grad^T @ inp`` over all tokens; accumulated into ``weight.main_grad`` instead (and None
-    returned) when the layer fuses its weight gradient (``grad_accum_fusion``)."""
+def _weight_grad(grad: torch.Tensor, inp: torch.Tensor, fused_param: torch.Tensor | None) -> torch.Tensor | None:
+    """``grad^T @ inp`` over all tokens; accumulated into ``fused_param.main_grad`` instead (and None
+    returned) when the layer fuses its weight gradient (``grad_accum_fusion``): the parameter
+    object itself, kept on the context, as a saved tensor comes back detached from a recompute."""
     grad_2d, inp_2d = grad.reshape(-1, grad.shape[-1]), inp.reshape(-1, inp.shape[-1])
-    if fuse:
-        accumulate_wgrad_of(weight, grad_2d, inp_2d)
+    if fused_param is not None:
+        accumulate_wgrad_of(fused_param, grad_2d, inp_2d)
         return None
     return grad_2d.t() @ inp_2d
 
@@ -191,14 +192,15 @@ class _GatherLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, group, backend, fuse):
         gathered, y = gather_matmul(x, weight.t(), bias, group, backend)
         ctx.save_for_backward(gathered, weight)
-        ctx.group, ctx.backend, ctx.fuse, ctx.has_bias = group, backend, fuse, bias is not None
+        ctx.group, ctx.backend, ctx.has_bias = group, backend, bias is not None
+        ctx.fused_param = weight if fuse else None
         return y
 
     @staticmethod
     def backward(ctx, grad):
         gathered, weight = ctx.saved_tensors
         pending = matmul_scatter(grad, weight, ctx.group, ctx.backend) if ctx.needs_input_grad[0] else None
-        grad_weight = _weight_grad(weight, grad, gathered, ctx.fuse) if ctx.needs_input_grad[1] else None
+        grad_weight = _weight_grad(grad, gathered, ctx.fused_param) if ctx.needs_input_grad[1] else None
         grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return (pending.wait() if pending else None), grad_weight, grad_bias, None, None, None
 
@@ -210,14 +212,15 @@ class _LinearScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, weight, group, backend, fuse):
         ctx.save_for_backward(y, weight)
-        ctx.group, ctx.backend, ctx.fuse = group, backend, fuse
+        ctx.group, ctx.backend = group, backend
+        ctx.fused_param = weight if fuse else None
         return matmul_scatter(y, weight.t(), group, backend).wait()
 
     @staticmethod
     def backward(ctx, grad):
         y, weight = ctx.saved_tensors
         gathered_grad, grad_y = gather_matmul(grad, weight, None, ctx.group, ctx.backend)
-        grad_weight = _weight_grad(weight, gathered_grad, y, ctx.fuse) if ctx.needs_input_grad[1] else None
+        grad_weight = _weight_grad(gathered_grad, y, ctx.fused_param) if ctx.needs_input_grad[1] else None
         return grad_y, grad_weight, None, None, None
 
 

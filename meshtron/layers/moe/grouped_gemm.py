@@ -52,6 +52,10 @@ def grouped_mm_torch(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.T
     return torch._grouped_mm(x, weight.transpose(1, 2), offs=offsets)
 
 
+def _keep(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
 @functools.cache
 def _grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``torch._grouped_mm`` runs forward and backward here, with one empty group.
@@ -60,11 +64,14 @@ def _grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
     first call from generation does not record a false "no". The probe's tensors are not random:
     it runs inside the first forward, and drawing from the global generator there would shift
     every later dropout mask and jitter (a resumed run would then differ from the straight one).
+    For the same reason its saved tensors bypass any activation checkpoint around that forward.
     """
     if not hasattr(torch, "_grouped_mm"):
         return False
     try:
-        with torch.inference_mode(False), torch.enable_grad():
+        # Identity hooks: an enclosing activation checkpoint must not count the probe's saved
+        # tensors, or its recompute (which finds the answer cached) saves fewer than the forward.
+        with torch.inference_mode(False), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
             x = torch.ones(8, 16, device=device, dtype=dtype, requires_grad=True)
             weight = torch.ones(3, 16, 16, device=device, dtype=dtype, requires_grad=True)
             out = grouped_mm_torch(x, weight, torch.tensor([3, 0, 5], device=device))
@@ -125,7 +132,7 @@ class _GroupedMMIntoMainGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, backend: str) -> torch.Tensor:
         ctx.save_for_backward(x, weight, group_sizes)
-        ctx.backend = backend
+        ctx.backend, ctx.param = backend, weight  # the parameter, with its main_grad (see grad_accum_fusion)
         return _rows_times(x, weight.transpose(1, 2), group_sizes, backend)
 
     @staticmethod
@@ -135,10 +142,11 @@ class _GroupedMMIntoMainGrad(torch.autograd.Function):
         x, weight, group_sizes = ctx.saved_tensors
         grad_out = grad_out.contiguous()  # an expanded (stride-0) gradient, e.g. of out.sum()
         grad_x = _rows_times(grad_out, weight, group_sizes, ctx.backend) if ctx.needs_input_grad[0] else None
-        buffer = weight.grad_buffer
-        first = buffer.take_first_write(weight)
-        group_weight_grad(grad_out, x, group_offsets(group_sizes), weight.shape[0], out=weight.main_grad, accumulate=not first)
-        buffer.fused_grad_ready(weight)
+        param = ctx.param
+        buffer = param.grad_buffer
+        first = buffer.take_first_write(param)
+        group_weight_grad(grad_out, x, group_offsets(group_sizes), weight.shape[0], out=param.main_grad, accumulate=not first)
+        buffer.fused_grad_ready(param)
         return grad_x, None, None, None
 
 
