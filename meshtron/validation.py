@@ -200,6 +200,9 @@ def dropin_errors(cfg: Config) -> list[str]:
         errors.append("--extra-vocab-size and --num-shared-experts must not be negative")
     if m.moe_num_shared_experts and not m.num_experts:
         errors.append("--num-shared-experts needs a mixture-of-experts model (--num-experts)")
+    if m.moe_layer_recompute and not m.num_experts:
+        errors.append("--moe-layer-recompute (or --recompute-modules moe) recomputes mixture-of-experts layers, and this model has "
+                      "none; drop it, or use --recompute-granularity full or selective for a dense model")
     if p.distributed_timeout_minutes < 1:
         errors.append(f"--distributed-timeout-minutes must be at least 1, got {p.distributed_timeout_minutes}")
     if log.tensorboard_queue_size < 1:

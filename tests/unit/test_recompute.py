@@ -114,3 +114,14 @@ def test_megatron_recompute_modules():
                            (["--recompute-modules", "moe"], "needs --recompute-granularity selective")):  # fmt: skip
         with pytest.raises(ConfigError, match=message):
             validate(build_config(overrides=[*base, *flags]))
+
+
+@pytest.mark.parametrize("flags", [["--moe-layer-recompute"], ["--recompute-granularity", "selective", "--recompute-modules", "moe"]])
+def test_moe_layer_recompute_without_experts_is_refused(flags):
+    """A dense model has no MoE layer to rerun: said before anything is built, not silently ignored."""
+    from meshtron.errors import ConfigError
+    from meshtron.validation import validate
+
+    with pytest.raises(ConfigError, match="this model has none; drop it"):
+        validate(build_config(None, ["--mock-data", *flags]), world_size=1)
+    validate(build_config(None, ["--preset", "tiny-mixtral", "--mock-data", *flags]), world_size=1)
