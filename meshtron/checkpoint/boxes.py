@@ -163,6 +163,14 @@ def dtensor_box(tensor: DTensor, meta: ParamMeta | None = None) -> Sharded:
     return Sharded(shape, tensor.dtype, boxes)
 
 
+def cut_rows(sharded: Sharded, rows: int) -> Sharded:
+    """``sharded`` as the first ``rows`` of its dim 0 only: a padded vocabulary's tokens. The
+    padding depends on tp, so a checkpoint holds the tokens' rows alone and each layout reads
+    those (its padded rows keep their initial values, which no result reads)."""
+    boxes = [Box(b.offsets, b.data.narrow(0, 0, min(b.data.shape[0], rows - b.offsets[0]))) for b in sharded.boxes if b.offsets[0] < rows]
+    return Sharded((rows, *sharded.shape[1:]), sharded.dtype, boxes)
+
+
 def scalar(value: torch.Tensor, present: bool = True) -> Sharded:
     """A 0-d tensor (a step count, a loss-scaler field), held by this rank or not."""
     return Sharded((), value.dtype, [Box((), value.detach())] if present else [])

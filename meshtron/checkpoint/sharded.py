@@ -31,9 +31,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshtron.checkpoint.boxes import Sharded, nothing, param_boxes, scalar
+from meshtron.checkpoint.boxes import Sharded, cut_rows, nothing, param_boxes, scalar
 from meshtron.models.contract import ParamMeta
 from meshtron.parallel.mesh import Mesh
+from meshtron.parallel.plan import vocabulary_rows
 
 Metas = dict[str, ParamMeta] | None  # None: a one-process model, every tensor whole
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -60,26 +61,33 @@ def _writes(meta: ParamMeta | None, position: int, mesh: Mesh, dp_replicated: bo
 @torch.no_grad()
 def save_state(model: nn.Module, optimizer: Any, mesh: Mesh, with_optimizer: bool, metas: Metas = None) -> dict[str, Sharded]:
     """``{key: Sharded}`` of the boxes this rank writes, views of the live tensors (no copy)."""
-    metas = metas or {}
+    metas, tokens = metas or {}, vocabulary_rows(model)
     live = model.state_dict()
     position = {name: i for i, name in enumerate(sorted(live))}
     state = {}
     for name, tensor in live.items():
         meta = metas.get(name)
         writes = _writes(meta, position[name], mesh, dp_replicated=not _is_dtensor(tensor))
-        state[f"model.{name}"] = param_boxes(tensor, tuple(tensor.shape), meta, writing=True) if writes else nothing(tensor, meta)
+        sharded = param_boxes(tensor, tuple(tensor.shape), meta, writing=True) if writes else nothing(tensor, meta)
+        state[f"model.{name}"] = _tokens_only(sharded, name, tokens)
     if with_optimizer:
         for ps in optimizer.param_states():
             meta = metas.get(ps.name)
             writes = _writes(meta, position[ps.name], mesh, ps.dp_replicated)
             for key, tensor in ps.tensors.items():
                 sharded = param_boxes(tensor, ps.shape, meta, ps.start, writing=True) if writes else nothing(tensor, meta)
-                state[_optimizer_key(ps.name, key)] = sharded
+                state[_optimizer_key(ps.name, key)] = _tokens_only(sharded, ps.name, tokens)
             holds_origin = any(not any(b.offsets) for b in state[_optimizer_key(ps.name, "master")].boxes)
             state[_optimizer_key(ps.name, "step")] = scalar(ps.step, present=holds_origin)
         for field, value in _scaler_tensors(optimizer).items():
             state[f"optimizer.loss_scaler.{field}"] = scalar(value, present=mesh.rank == 0)
     return state
+
+
+def _tokens_only(sharded: Sharded, name: str, tokens: dict[str, int]) -> Sharded:
+    """A padded vocabulary's tensor cut to its tokens' rows (``vocabulary_rows``): the stored shape
+    is then the same under every tp, whose padding differs."""
+    return cut_rows(sharded, tokens[name]) if name in tokens else sharded
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
@@ -99,12 +107,13 @@ def _scaler_tensors(optimizer: Any) -> dict[str, torch.Tensor]:
 def load_state(model: nn.Module, optimizer: Any, with_optimizer: bool, metas: Metas = None) -> dict[str, Sharded]:
     """``{key: Sharded}`` of every box this rank holds, views into the live tensors for DCP to
     fill in place; the loss scaler's fields are fresh 0-d tensors (``finish_load`` applies them)."""
-    metas = metas or {}
-    state = {f"model.{name}": param_boxes(t, tuple(t.shape), metas.get(name)) for name, t in model.state_dict().items()}
+    metas, tokens = metas or {}, vocabulary_rows(model)
+    state = {f"model.{name}": _tokens_only(param_boxes(t, tuple(t.shape), metas.get(name)), name, tokens)
+             for name, t in model.state_dict().items()}  # fmt: skip
     if with_optimizer:
         for ps in optimizer.param_states():
             for key, tensor in ps.tensors.items():
-                state[_optimizer_key(ps.name, key)] = param_boxes(tensor, ps.shape, metas.get(ps.name), ps.start)
+                state[_optimizer_key(ps.name, key)] = _tokens_only(param_boxes(tensor, ps.shape, metas.get(ps.name), ps.start), ps.name, tokens)
             state[_optimizer_key(ps.name, "step")] = scalar(ps.step)
         for field, value in _scaler_tensors(optimizer).items():
             state[f"optimizer.loss_scaler.{field}"] = scalar(value)

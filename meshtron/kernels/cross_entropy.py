@@ -16,6 +16,10 @@ only wants the masked sum, ``cross_entropy_sum`` skips the recompute.
 
 The per-chunk elementwise steps are the only part a kernel fuses (``triton_pointwise``); the
 reference does them with PyTorch ops on an fp32 copy of the chunk.
+
+A padded vocabulary (rows added so the table splits over tp) names its real rows
+(``real_rows``): the chunks stop there, so padded rows never enter the softmax (their logits are
+never computed) and their weight gradient is zero. Any padding thus gives the unpadded loss.
 """
 
 from __future__ import annotations
@@ -33,9 +37,10 @@ CHUNK_ELEMENTS = 2**28
 
 
 def default_chunk_size(num_tokens: int, vocab_size: int) -> int:
-    """Vocabulary rows per chunk for ``num_tokens`` tokens: a multiple of 256, at most the vocabulary."""
+    """Vocabulary rows per chunk for ``num_tokens`` tokens: a multiple of 256, at most the vocabulary
+    (at least 1: a vocabulary shard holding only padding has no chunk, but a step of 0 is no range)."""
     rows = max(256, (CHUNK_ELEMENTS // max(1, num_tokens)) // 256 * 256)
-    return min(vocab_size, rows)
+    return max(1, min(vocab_size, rows))
 
 
 def chunk_forward_reference(logits: torch.Tensor, labels: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,21 +70,21 @@ def chunk_backward_reference(
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, chunk_size, fused):
+    def forward(ctx, hidden, weight, labels, chunk_size, fused, real_rows):
         if fused:
             from meshtron.kernels.triton_pointwise import ce_chunk_forward as chunk_forward
         else:
             chunk_forward = chunk_forward_reference
         lse_parts, target = [], hidden.new_zeros(hidden.shape[0], dtype=torch.float32)
-        for start in range(0, weight.shape[0], chunk_size):
-            logits = hidden @ weight[start : start + chunk_size].t()
+        for start in range(0, real_rows, chunk_size):
+            logits = hidden @ weight[start : min(start + chunk_size, real_rows)].t()
             lse, tgt = chunk_forward(logits, labels, start)
             lse_parts.append(lse)
             target += tgt
         lse = torch.logsumexp(torch.stack(lse_parts), dim=0)
         loss = torch.where(labels == IGNORE_INDEX, 0.0, lse - target)
         ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.chunk_size, ctx.fused = chunk_size, fused
+        ctx.chunk_size, ctx.fused, ctx.real_rows = chunk_size, fused, real_rows
         return loss
 
     @staticmethod
@@ -92,33 +97,54 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad = torch.where(labels == IGNORE_INDEX, 0.0, grad_loss.float())
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_hidden else None
-        grad_weight = torch.empty_like(weight) if need_weight else None
-        for start in range(0, weight.shape[0], ctx.chunk_size):
-            w = weight[start : start + ctx.chunk_size]
+        rows = ctx.real_rows
+        grad_weight = padded_grad(weight, rows) if need_weight else None
+        for start in range(0, rows, ctx.chunk_size):
+            w = weight[start : min(start + ctx.chunk_size, rows)]
             dlogits = chunk_backward(hidden @ w.t(), labels, start, lse, grad)
             if need_weight:
-                torch.mm(dlogits.t(), hidden, out=grad_weight[start : start + ctx.chunk_size])
+                torch.mm(dlogits.t(), hidden, out=grad_weight[start : start + w.shape[0]])
             if need_hidden:
                 grad_hidden += dlogits @ w
         if need_hidden:
             grad_hidden = grad_hidden.to(hidden.dtype)
-        return grad_hidden, grad_weight, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def real_rows_of(weight: torch.Tensor, real_rows: int | None) -> int:
+    """The rows of ``weight`` that are tokens (None: all); an early error for a count outside it."""
+    if real_rows is None:
+        return weight.shape[0]
+    if not 0 <= real_rows <= weight.shape[0]:
+        raise ValueError(f"real_rows {real_rows} outside the weight's {weight.shape[0]} rows")
+    return real_rows
+
+
+def padded_grad(weight: torch.Tensor, real_rows: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A weight-gradient buffer whose padded rows (from ``real_rows`` on) are zero and stay so."""
+    if real_rows == weight.shape[0]:
+        return torch.empty_like(weight, dtype=dtype)
+    return torch.zeros_like(weight, dtype=dtype)
 
 
 def linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, fused_kernels: str = "auto", chunk_size: int = 0
-) -> torch.Tensor:
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, fused_kernels: str = "auto", chunk_size: int = 0,
+    real_rows: int | None = None,
+) -> torch.Tensor:  # fmt: skip
     """Per-token cross-entropy [*labels.shape] (fp32; label -100 gives 0) of logits ``hidden @ weight.T``.
 
     ``hidden`` [..., h] in the compute dtype, ``weight`` [V, h]. ``fused_kernels='off'`` is the
     unfused reference (full logits, fp32 loss); otherwise the chunked path, its elementwise steps
     in Triton where ``use_triton`` says so. ``chunk_size`` (vocabulary rows, 0: automatic) is for tests.
+    ``real_rows``: the weight's rows that are tokens (None: all); the rest is padding, kept out of
+    the softmax, its gradient zero. Labels must lie below it.
     """
+    rows = real_rows_of(weight, real_rows)
     if fused_kernels == "off":
-        logits = F.linear(hidden, weight).float()
+        logits = F.linear(hidden, weight[:rows]).float()
         loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
         return loss.view(labels.shape)
     flat = hidden.reshape(-1, hidden.shape[-1])
-    chunk = chunk_size or default_chunk_size(flat.shape[0], weight.shape[0])
-    loss = _LinearCrossEntropy.apply(flat, weight, labels.reshape(-1), chunk, use_triton(fused_kernels, flat))
+    chunk = chunk_size or default_chunk_size(flat.shape[0], rows)
+    loss = _LinearCrossEntropy.apply(flat, weight, labels.reshape(-1), chunk, use_triton(fused_kernels, flat), rows)
     return loss.view(labels.shape)

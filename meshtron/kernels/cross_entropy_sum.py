@@ -33,6 +33,7 @@ Scaling by ``1/n`` (n: tokens in the call) keeps the stored gradients at a mean 
 inside fp16's range; backward multiplies by ``n`` again. With one token block the weight
 gradient is the very GEMM of the per-token path's backward, rounded once more by the scalar.
 The elementwise steps are ``cross_entropy``'s chunk functions (Triton or the PyTorch reference).
+A padded vocabulary's rows past ``real_rows`` are never computed, as there (zero gradient).
 Under tensor parallelism each rank runs this on its vocabulary shard, the log-sum-exp and target
 logit combined over tp between the two passes (``parallel/tensor_parallel.py``).
 """
@@ -50,6 +51,8 @@ from meshtron.kernels.cross_entropy import (
     chunk_forward_reference,
     default_chunk_size,
     linear_cross_entropy,
+    padded_grad,
+    real_rows_of,
 )
 from meshtron.kernels.grad_accum_fusion import accumulate_scaled_of
 
@@ -64,13 +67,14 @@ def block_tokens_for(num_tokens: int, vocab_size: int, element_size: int, budget
 
 class _LinearCrossEntropySum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, token_weights, chunk_size, block_tokens, fused, vocab_start, combine_shards, fuse_weight_grad):
+    def forward(ctx, hidden, weight, labels, token_weights, chunk_size, block_tokens, fused, vocab_start, combine_shards, fuse_weight_grad,
+                real_rows):  # fmt: skip
         if fused:
             from meshtron.kernels.triton_pointwise import ce_chunk_backward as chunk_backward
             from meshtron.kernels.triton_pointwise import ce_chunk_forward as chunk_forward
         else:
             chunk_forward, chunk_backward = chunk_forward_reference, chunk_backward_reference
-        n, vocab = hidden.shape[0], weight.shape[0]
+        n = hidden.shape[0]
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         ignored = labels == IGNORE_INDEX
         weights = torch.where(ignored, 0.0, token_weights.float())
@@ -81,28 +85,28 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         if need_weight and several_blocks:
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         elif need_weight:
-            grad_weight = torch.empty_like(weight)
+            grad_weight = padded_grad(weight, real_rows)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        starts = range(0, vocab, chunk_size)
+        chunks = [slice(start, min(start + chunk_size, real_rows)) for start in range(0, real_rows, chunk_size)]
         for first in range(0, n, block_tokens):
             rows = slice(first, first + block_tokens)
             h, block_labels = hidden[rows], labels[rows]
             logits, lse_parts = [], []
             target = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device)
-            for start in starts:
-                logits.append(h @ weight[start : start + chunk_size].t())
-                lse, tgt = chunk_forward(logits[-1], block_labels, vocab_start + start)
+            for cols in chunks:
+                logits.append(h @ weight[cols].t())
+                lse, tgt = chunk_forward(logits[-1], block_labels, vocab_start + cols.start)
                 lse_parts.append(lse)
                 target += tgt
-            lse = torch.logsumexp(torch.stack(lse_parts), dim=0)
+            # A shard holding only padding adds nothing to the sum of exponentials: log 0.
+            lse = torch.logsumexp(torch.stack(lse_parts), dim=0) if lse_parts else torch.full_like(target, float("-inf"))
             if combine_shards is not None:
                 lse, target = combine_shards(lse, target)
             total += (torch.where(ignored[rows], 0.0, lse - target) * weights[rows]).sum()
             if not (need_hidden or need_weight):
                 continue
-            for i, start in enumerate(starts):
-                cols = slice(start, start + chunk_size)
-                dlogits = chunk_backward(logits[i], block_labels, vocab_start + start, lse, grad_scale[rows])
+            for i, cols in enumerate(chunks):
+                dlogits = chunk_backward(logits[i], block_labels, vocab_start + cols.start, lse, grad_scale[rows])
                 logits[i] = None  # free each chunk once its gradients are taken
                 if need_weight and several_blocks:
                     grad_weight[cols] += dlogits.t() @ h
@@ -128,7 +132,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             grad_weight = None
         elif grad_weight is not None:
             grad_weight = grad_weight.mul_(factor)  # in place: the stored gradient is ours alone, backward runs once
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy_sum(
@@ -142,6 +146,7 @@ def linear_cross_entropy_sum(
     vocab_start: int = 0,
     combine_shards: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
     fuse_weight_grad: bool = False,
+    real_rows: int | None = None,
 ) -> torch.Tensor:
     """``sum(token_weights * ce)`` (fp32 scalar; label -100 counts 0) of logits ``hidden @ weight.T``.
 
@@ -160,13 +165,17 @@ def linear_cross_entropy_sum(
     ``fuse_weight_grad`` (gradient-accumulation fusion, where ``weight`` has a ``main_grad``): the
     weight gradient goes in fp32 straight into ``weight.main_grad``, scaled on the way
     (``accumulate_scaled_of``), instead of back to autograd.
+
+    ``real_rows``: the weight's rows that are tokens (None: all; on a shard, possibly 0); the rest
+    is padding, kept out of the softmax, its gradient zero.
     """
+    rows = real_rows_of(weight, real_rows)
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     if combine_shards is None and (fused_kernels == "off" or not needs_grad):
-        return (linear_cross_entropy(hidden, weight, labels, fused_kernels, chunk_size) * token_weights).sum()
+        return (linear_cross_entropy(hidden, weight, labels, fused_kernels, chunk_size, rows) * token_weights).sum()
     flat = hidden.reshape(-1, hidden.shape[-1])
-    block = block_tokens_for(flat.shape[0], weight.shape[0], flat.element_size(), budget_bytes)
-    chunk = chunk_size or default_chunk_size(block, weight.shape[0])
+    block = block_tokens_for(flat.shape[0], rows, flat.element_size(), budget_bytes)
+    chunk = chunk_size or default_chunk_size(block, rows)
     fuse_weight_grad = fuse_weight_grad and hasattr(weight, "main_grad") and weight.requires_grad
     return _LinearCrossEntropySum.apply(flat, weight, labels.reshape(-1), token_weights.reshape(-1), chunk, block,
-                                        use_triton(fused_kernels, flat), vocab_start, combine_shards, fuse_weight_grad)  # fmt: skip
+                                        use_triton(fused_kernels, flat), vocab_start, combine_shards, fuse_weight_grad, rows)  # fmt: skip

@@ -4,6 +4,10 @@
 Its own module (rather than a method of the model) so that a parallel plan can swap it for the
 vocabulary-parallel version, and so that a tied model's head holds no weight of its own: the
 embedding matrix is handed to it at call time (``tied_weight``), on whichever pipeline stage.
+
+A vocabulary padded to a multiple of ``make_vocab_size_divisible_by`` x tp has rows that stand for
+no token: the layer knows the real count (``vocab_size``) and the padded rows take no part in the
+logits, the softmax or the loss, so the padding, which changes with tp, never changes a result.
 """
 
 from __future__ import annotations
@@ -33,32 +37,39 @@ def spread_to_tokens(loss: torch.Tensor, index: torch.Tensor, labels: torch.Tens
 
 
 class OutputLayer(nn.Module):
-    """``weight`` [V, h] of its own (untied), or none when the embedding is tied to it; with
-    ``bias``, a [V] bias of its own even when tied (BERT's LM head)."""
+    """``weight`` [rows, h] of its own (untied), or none when the embedding is tied to it; with
+    ``bias``, a [rows] bias of its own even when tied (BERT's LM head). The first ``vocab_size``
+    rows are tokens (0: all ``rows``), the others padding."""
 
-    def __init__(self, hidden_size: int, vocab_size: int, tied: bool, fused_kernels: str = "auto", bias: bool = False):
+    def __init__(self, hidden_size: int, rows: int, tied: bool, fused_kernels: str = "auto", bias: bool = False,
+                 vocab_size: int = 0):  # fmt: skip
         super().__init__()
+        if not 0 <= vocab_size <= rows:
+            raise ValueError(f"a vocabulary of {vocab_size} tokens does not fit {rows} rows")
+        self.vocab_size = vocab_size or rows
         self.fused_kernels = fused_kernels
         self.grad_accum_fusion = False  # set by apply_gradient_accumulation_fusion
-        self.weight = None if tied else nn.Parameter(torch.empty(vocab_size, hidden_size))
-        self.bias = nn.Parameter(torch.zeros(vocab_size)) if bias else None
+        self.weight = None if tied else nn.Parameter(torch.empty(rows, hidden_size))
+        self.bias = nn.Parameter(torch.zeros(rows)) if bias else None
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None,
                 tied_weight: torch.Tensor | None = None, loss_weights: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        """Logits [..., V] without ``labels``; with them, per-token cross-entropy in fp32 (label
+        """Logits [..., vocab_size] (the real tokens' only) without ``labels``; with them, per-token cross-entropy in fp32 (label
         -100 gives 0) without holding the [..., V] logits at once (``kernels/cross_entropy``; with a
         bias, from the logits of the labelled rows only: the chunked kernels take no bias). With ``loss_weights`` (shaped
         like ``labels``) the fp32 scalar ``sum(loss_weights * loss)`` instead, its gradients taken
         in the forward (``kernels/cross_entropy_sum``: one logits GEMM fewer)."""
         weight = self.weight if self.weight is not None else tied_weight
+        real = self.vocab_size
+        bias = None if self.bias is None else self.bias[:real]
         if labels is None:
-            return F.linear(hidden, weight, self.bias)
-        if self.bias is not None:
+            return F.linear(hidden, weight[:real], bias)
+        if bias is not None:
             rows, row_labels, index = labelled_rows(hidden, labels)
-            logits = F.linear(rows, weight, self.bias)
+            logits = F.linear(rows, weight[:real], bias)
             loss = spread_to_tokens(F.cross_entropy(logits.float(), row_labels, reduction="none"), index, labels)
             return loss if loss_weights is None else (loss * loss_weights).sum()
         if loss_weights is not None:
             fuse = self.grad_accum_fusion and self.weight is not None  # a tied weight's two gradients meet in autograd
-            return linear_cross_entropy_sum(hidden, weight, labels, loss_weights, self.fused_kernels, fuse_weight_grad=fuse)
-        return linear_cross_entropy(hidden, weight, labels, self.fused_kernels)
+            return linear_cross_entropy_sum(hidden, weight, labels, loss_weights, self.fused_kernels, fuse_weight_grad=fuse, real_rows=real)
+        return linear_cross_entropy(hidden, weight, labels, self.fused_kernels, real_rows=real)

@@ -23,13 +23,14 @@ _CONFIG_ERRORS = {"bert": bert_config_errors, "t5": t5_config_errors, "ict": ict
 _PARAMETER_COUNTS = {"bert": bert_parameter_count, "ict": ict_parameter_count}
 
 
-def build_model(model_cfg: ModelConfig, vocab_size: int, max_seq_length: int) -> ModelFamily:
+def build_model(model_cfg: ModelConfig, vocab_size: int, max_seq_length: int, padded_vocab_size: int = 0) -> ModelFamily:
     """The model for ``model_cfg``, initialized from the seed last given to ``torch.manual_seed``.
 
-    ``vocab_size`` is the embedding's row count: pass ``padded_vocab_size(...)`` of the
-    tokenizer's size (or ``model_cfg.vocab_size`` when set) so every parallel layout agrees.
+    ``vocab_size`` is the tokens' count (the tokenizer's, or ``model_cfg.vocab_size`` when set);
+    ``padded_vocab_size`` the embedding's rows (0: as many), ``padded_vocab_size(...)`` of it for
+    the run's tp. The padded rows take no part in any result, so every layout agrees.
     """
-    return MODEL_TYPES[model_cfg.model_type](model_cfg, vocab_size, max_seq_length)
+    return MODEL_TYPES[model_cfg.model_type](model_cfg, vocab_size, max_seq_length, padded_vocab_size)
 
 
 def model_config_errors(cfg: Config) -> list[str]:

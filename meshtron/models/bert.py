@@ -65,15 +65,15 @@ class BertEncoder(c.ModelFamily):
     (``models/ict.py``) runs two of them (or one, shared) as its query and context towers, which
     therefore take a BERT checkpoint's weights under the same names."""
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int, max_seq_length: int, token_types: int):
+    def __init__(self, cfg: ModelConfig, vocab_size: int, max_seq_length: int, token_types: int, padded_vocab_size: int = 0):
         super().__init__()
         self.cfg, self.hidden_size = cfg, cfg.hidden_size
-        self.vocab_size = vocab_size
+        self.vocab_size, self.padded_vocab_size = vocab_size, padded_vocab_size or vocab_size
         self.max_positions = cfg.max_position_embeddings or max_seq_length
         if cfg.recompute_granularity == "full":
             self.recompute = (cfg.recompute_method, cfg.recompute_num_layers)
         h = cfg.hidden_size
-        self.embedding = nn.Embedding(vocab_size, h)
+        self.embedding = nn.Embedding(self.padded_vocab_size, h)
         self.position_embedding = nn.Embedding(self.max_positions, h)
         self.tokentype_embedding = nn.Embedding(token_types, h) if token_types else None
         self.embedding_dropout = nn.Dropout(cfg.hidden_dropout)
@@ -109,15 +109,15 @@ class BertEncoder(c.ModelFamily):
 
 
 class Bert(BertEncoder, c.TokenLossModel):
-    """BERT over a vocabulary of ``vocab_size`` (already padded by the caller); positions up to
-    ``cfg.max_position_embeddings`` (else ``max_seq_length``)."""
+    """BERT over a vocabulary of ``vocab_size`` tokens in ``padded_vocab_size`` rows (as the
+    decoder's); positions up to ``cfg.max_position_embeddings`` (else ``max_seq_length``)."""
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int, max_seq_length: int):
+    def __init__(self, cfg: ModelConfig, vocab_size: int, max_seq_length: int, padded_vocab_size: int = 0):
         binary = cfg.bert_binary_head
-        super().__init__(cfg, vocab_size, max_seq_length, token_types=tokentype_rows(cfg))
+        super().__init__(cfg, vocab_size, max_seq_length, tokentype_rows(cfg), padded_vocab_size)
         h = cfg.hidden_size
         self.lm_head = LMHead(cfg)
-        self.output = OutputLayer(h, vocab_size, cfg.tie_embeddings, cfg.fused_kernels, bias=True)
+        self.output = OutputLayer(h, self.padded_vocab_size, cfg.tie_embeddings, cfg.fused_kernels, bias=True, vocab_size=vocab_size)
         self.first_token = FirstToken() if binary else None
         self.pooler = nn.Linear(h, h) if binary else None
         self.binary_head = nn.Linear(h, 2) if binary else None

@@ -19,8 +19,8 @@ HEAD_PARAMETERS = {"pooler.weight", "pooler.bias", "classification_head.weight",
 class BertClassifier(BertEncoder):
     """``tokens [b, s]`` (``[CLS] text [SEP]``, padded) -> logits ``[b, num_classes]``."""
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int, max_seq_length: int, num_classes: int):
-        super().__init__(cfg, vocab_size, max_seq_length, token_types=tokentype_rows(cfg))
+    def __init__(self, cfg: ModelConfig, vocab_size: int, max_seq_length: int, num_classes: int, padded_vocab_size: int = 0):
+        super().__init__(cfg, vocab_size, max_seq_length, tokentype_rows(cfg), padded_vocab_size)
         h = cfg.hidden_size
         self.pooler = nn.Linear(h, h)
         self.classifier_dropout = nn.Dropout(cfg.hidden_dropout)
@@ -30,7 +30,7 @@ class BertClassifier(BertEncoder):
     @classmethod
     def from_bert(cls, bert: Bert, num_classes: int) -> "BertClassifier":
         """A classifier holding ``bert``'s body and pooler; its LM and sentence-order heads are dropped."""
-        model = cls(bert.cfg, bert.vocab_size, bert.max_positions, num_classes)
+        model = cls(bert.cfg, bert.vocab_size, bert.max_positions, num_classes, bert.padded_vocab_size)
         missing, _ = model.load_state_dict(bert.state_dict(), strict=False)  # the unexpected: BERT's pretraining heads
         if not set(missing) <= HEAD_PARAMETERS:
             raise ValueError(f"the BERT model lacks the classifier's body parameters {sorted(set(missing) - HEAD_PARAMETERS)}")

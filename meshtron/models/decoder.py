@@ -156,7 +156,9 @@ def decoder_layout_errors(cfg: ModelConfig, tp: int) -> list[str]:
 
 
 class Decoder(c.TokenLossModel):
-    """GPT/Llama decoder over a vocabulary of ``vocab_size`` (already padded by the caller).
+    """GPT/Llama decoder over a vocabulary of ``vocab_size`` tokens in a table of
+    ``padded_vocab_size`` rows (0: no padding; the caller pads, ``padded_vocab_size()``): padded
+    rows are never a token, a label or a logit.
 
     ``max_seq_length`` sizes the position tables when ``cfg.max_position_embeddings`` is 0.
     Its batch: ``tokens``, ``labels``, ``loss_mask`` [b, s], optional ``position_ids`` (restart at
@@ -164,21 +166,21 @@ class Decoder(c.TokenLossModel):
     document, ``--reset-attention-mask``).
     """
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int, max_seq_length: int):
+    def __init__(self, cfg: ModelConfig, vocab_size: int, max_seq_length: int, padded_vocab_size: int = 0):
         super().__init__()
         self.cfg, self.hidden_size = cfg, cfg.hidden_size
-        self.vocab_size = vocab_size
+        self.vocab_size, self.padded_vocab_size = vocab_size, padded_vocab_size or vocab_size
         self.max_positions = cfg.max_position_embeddings or max_seq_length
         self.use_rope = cfg.position_embedding_type == "rope"
         if cfg.recompute_granularity == "full":
             self.recompute = (cfg.recompute_method, cfg.recompute_num_layers)
-        self.embedding = nn.Embedding(vocab_size, cfg.hidden_size)
+        self.embedding = nn.Embedding(self.padded_vocab_size, cfg.hidden_size)
         self.position_embedding = None if self.use_rope else nn.Embedding(self.max_positions, cfg.hidden_size)
         self.embedding_dropout = nn.Dropout(cfg.hidden_dropout)
         moe = moe_layer_pattern(cfg)
         self.layers = nn.ModuleList(TransformerBlock(cfg, i, moe[i]) for i in range(cfg.num_layers))
         self.final_norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, cfg.fused_kernels)
-        self.output = OutputLayer(cfg.hidden_size, vocab_size, cfg.tie_embeddings, cfg.fused_kernels)
+        self.output = OutputLayer(cfg.hidden_size, self.padded_vocab_size, cfg.tie_embeddings, cfg.fused_kernels, vocab_size=vocab_size)
         # RoPE tables stay fp32 and out of the state dict: a buffer would be cast to bf16 along
         # with the weights by ``model.to(torch.bfloat16)``. Built per device on first use.
         self._rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None

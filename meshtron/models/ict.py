@@ -52,17 +52,19 @@ class InBatchCandidates(nn.Module):
 
 
 class ICT(c.ModelFamily):
-    """The retriever over a vocabulary of ``vocab_size`` (padded by the caller)."""
+    """The retriever over a vocabulary of ``vocab_size`` tokens in ``padded_vocab_size`` rows (as the decoder's)."""
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int, max_seq_length: int):
+    def __init__(self, cfg: ModelConfig, vocab_size: int, max_seq_length: int, padded_vocab_size: int = 0):
         super().__init__()
         self.cfg, self.hidden_size = cfg, cfg.hidden_size
+        self.vocab_size, self.padded_vocab_size = vocab_size, padded_vocab_size or vocab_size
         if cfg.recompute_granularity == "full":
             self.recompute = (cfg.recompute_method, cfg.recompute_num_layers)
         names = ("shared",) if cfg.biencoder_shared_query_context_model else SIDES
         # Token types as BERT has them (with its binary head), so a BERT checkpoint maps one to one;
         # every token is segment A.
-        self.towers = nn.ModuleDict({n: BertEncoder(cfg, vocab_size, max_seq_length, tokentype_rows(cfg)) for n in names})
+        self.towers = nn.ModuleDict({n: BertEncoder(cfg, vocab_size, max_seq_length, tokentype_rows(cfg), padded_vocab_size)
+                                     for n in names})  # fmt: skip
         dim = cfg.biencoder_projection_dim
         self.projections = nn.ModuleDict({n: nn.Linear(cfg.hidden_size, dim) for n in names}) if dim else None
         self.first_token = FirstToken()

@@ -94,18 +94,19 @@ class T5DecoderBlock(TransformerBlock):
 
 
 class T5(c.TokenLossModel):
-    """T5 over a vocabulary of ``vocab_size`` (already padded by the caller); learned positions up
+    """T5 over a vocabulary of ``vocab_size`` tokens in ``padded_vocab_size`` rows (as the decoder's); learned positions up
     to ``cfg.max_position_embeddings`` (else ``max_seq_length``) for both stacks, or relative ones."""
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int, max_seq_length: int):
+    def __init__(self, cfg: ModelConfig, vocab_size: int, max_seq_length: int, padded_vocab_size: int = 0):
         super().__init__()
-        self.cfg, self.hidden_size, self.vocab_size = cfg, cfg.hidden_size, vocab_size
+        self.cfg, self.hidden_size = cfg, cfg.hidden_size
+        self.vocab_size, self.padded_vocab_size = vocab_size, padded_vocab_size or vocab_size
         self.max_positions = cfg.max_position_embeddings or max_seq_length
         self.num_encoder_layers, self.num_decoder_layers = encoder_decoder_layers(cfg)
         if cfg.recompute_granularity == "full":
             self.recompute = (cfg.recompute_method, cfg.recompute_num_layers)
         h, enc = cfg.hidden_size, self.num_encoder_layers
-        self.embedding = nn.Embedding(vocab_size, h)
+        self.embedding = nn.Embedding(self.padded_vocab_size, h)
         self.relative = cfg.position_embedding_type == "relative"
         self.position_embedding = None if self.relative else nn.Embedding(self.max_positions, h)
         tables = (cfg.relative_attention_num_buckets, cfg.relative_attention_max_distance, cfg.num_attention_heads)
@@ -115,7 +116,7 @@ class T5(c.TokenLossModel):
         encoder = [T5EncoderBlock(cfg, i, last=i == enc - 1) for i in range(enc)]
         self.layers = nn.ModuleList([*encoder, *(T5DecoderBlock(cfg, i) for i in range(self.num_decoder_layers))])
         self.final_norm = build_norm(cfg.normalization, h, cfg.norm_epsilon, cfg.fused_kernels)
-        self.output = OutputLayer(h, vocab_size, cfg.tie_embeddings, cfg.fused_kernels, bias=True)
+        self.output = OutputLayer(h, self.padded_vocab_size, cfg.tie_embeddings, cfg.fused_kernels, bias=True, vocab_size=vocab_size)
         self.init_weights()
 
     def init_weights(self, seed: int | None = None) -> None:

@@ -51,6 +51,18 @@ def styled_modules(model: nn.Module, plan: mc.Plan) -> dict[str, mc.Style]:
     return out
 
 
+def vocabulary_rows(model: nn.Module) -> dict[str, int]:
+    """``{parameter name: tokens}`` for each parameter whose dim 0 is a padded vocabulary (the
+    modules the plan splits by vocabulary, when the model's ``padded_vocab_size`` exceeds its
+    ``vocab_size``): what a checkpoint cuts to the tokens, so any tp loads it. Empty without padding."""
+    tokens, rows = getattr(model, "vocab_size", 0), getattr(model, "padded_vocab_size", 0)
+    if not tokens or rows <= tokens:
+        return {}
+    vocab_styles = (mc.VocabParallelEmbedding, mc.VocabParallelOutput)
+    return {f"{name}.{pname}": tokens for name, style in styled_modules(model, model.parallel_plan()).items()
+            if isinstance(style, vocab_styles) for pname, _ in model.get_submodule(name).named_parameters()}  # fmt: skip
+
+
 def parallelize(model: mc.ModelFamily, mesh: Mesh, sequence_parallel: bool = False, cp_algorithm: str = "p2p",
                 cp_block_kernel: str = "auto", tp_comm_overlap: str = "") -> ParamMetas:  # fmt: skip
     """Shard ``model`` (the full model, identical on every rank) over ``mesh.tp`` and route its
@@ -107,7 +119,7 @@ def _replace(module: nn.Module, style: mc.Style, mesh: Mesh, sp: bool, cp_algori
         return _copy_weight(VocabParallelEmbedding(*module.weight.shape, mesh.tp_group, sp, device=module.weight.device,
                                                    dtype=module.weight.dtype), module, 0, mc.Contiguous(), tp, mesh.tp_rank)  # fmt: skip
     if isinstance(style, mc.VocabParallelOutput):
-        out = VocabParallelOutputLayer(mesh.tp_group, sp, module.fused_kernels)
+        out = VocabParallelOutputLayer(mesh.tp_group, sp, module.fused_kernels, module.vocab_size)
         for name in ("weight", "bias"):  # each when the layer has its own
             full = getattr(module, name)
             if full is not None:

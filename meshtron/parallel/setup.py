@@ -14,7 +14,7 @@ from meshtron.kernels.fp8 import apply_fp8, check_fp8_device
 from meshtron.kernels.fp8_scaling import Fp8Recipe
 from meshtron.kernels.grad_accum_fusion import apply_gradient_accumulation_fusion
 from meshtron.layers.output import OutputLayer
-from meshtron.models import build_model
+from meshtron.models import build_model, padded_vocab_size
 from meshtron.models.contract import ModelFamily
 from meshtron.optim.build import build_optimizer
 from meshtron.parallel.fsdp import apply_fsdp, build_fsdp_optimizer
@@ -27,7 +27,8 @@ from meshtron.parallel.tensor_parallel import VocabParallelOutputLayer
 
 
 def build_runner(cfg: Config, mesh: Mesh, vocab_size: int, device: torch.device, dtype: torch.dtype) -> Runner:
-    """The model of ``cfg`` on every rank from the seed (layout-invariant init), made ready to
+    """The model of ``cfg`` over ``vocab_size`` tokens (padded here for the layout's tp) on every
+    rank from the seed (layout-invariant init), made ready to
     train on ``mesh`` by ``runner_for``, with the kernel options of the config (FP8 linears,
     gradient-accumulation fusion, torch.compile per block) applied to this rank's blocks. Shapes
     were checked against the layout by ``meshtron.validation`` before any process group existed."""
@@ -38,7 +39,8 @@ def build_runner(cfg: Config, mesh: Mesh, vocab_size: int, device: torch.device,
         enable_gemm_tuning(cfg, device)
     torch.manual_seed(cfg.train.seed)
     with torch.device(device):  # initialize where it will train: fast on a GPU
-        model = build_model(m, vocab_size, cfg.data.seq_length)
+        rows = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, cfg.parallel.tensor_parallel)
+        model = build_model(m, vocab_size, cfg.data.seq_length, rows)
 
     def prepare_blocks(blocks: nn.Module) -> None:
         # FP8 first (on the sharded layers), fusion on the linears FP8 left, compile last so it

@@ -347,11 +347,14 @@ class VocabParallelOutputLayer(nn.Module):
     """The output layer with the vocabulary split over tp: this rank's rows of the projection
     (its own ``weight`` untied, else the vocabulary-parallel embedding's shard given at call
     time) and of its bias if it has one, logits kept sharded and the loss computed on the shards,
-    so the [b, s, V] logits exist only when they are asked for (generation)."""
+    so the [b, s, V] logits exist only when they are asked for (generation). ``vocab_size``: the
+    real tokens; the rows past them (padding, on the last ranks' shards) take no part in the
+    softmax or the loss, and generation's logits stop there."""
 
-    def __init__(self, group, sequence_parallel: bool, fused_kernels: str = "auto"):
+    def __init__(self, group, sequence_parallel: bool, fused_kernels: str = "auto", vocab_size: int = 0):
         super().__init__()
         self.group, self.sequence_parallel, self.fused_kernels = group, sequence_parallel, fused_kernels
+        self.vocab_size = vocab_size  # 0: every row is a token
         self.grad_accum_fusion = False  # set by apply_gradient_accumulation_fusion
         self.weight: nn.Parameter | None = None
         self.bias: nn.Parameter | None = None
@@ -362,22 +365,33 @@ class VocabParallelOutputLayer(nn.Module):
         the masked sum takes its gradients in the forward on this rank's vocabulary shard, the
         log-sum-exp and target logit summed over tp (``_combine_vocab_shards``)."""
         weight = self.weight if self.weight is not None else tied_weight
+        start, shard = group_rank(self.group) * weight.shape[0], weight.shape[0]
+        real = min(shard, max(0, self.vocab_size - start)) if self.vocab_size else shard  # this shard's token rows
         if labels is not None and loss_weights is not None and self.bias is None and self.fused_kernels != "off":
             whole = enter_tp_region(hidden, self.group, self.sequence_parallel)
-            start = group_rank(self.group) * weight.shape[0]
             combine = None if group_size(self.group) == 1 else lambda lse, target: _combine_vocab_shards(lse, target, self.group)
             return linear_cross_entropy_sum(whole, weight, labels, loss_weights, self.fused_kernels, vocab_start=start,
-                                            combine_shards=combine, fuse_weight_grad=self.grad_accum_fusion and self.weight is not None)  # fmt: skip
+                                            combine_shards=combine, fuse_weight_grad=self.grad_accum_fusion and self.weight is not None,
+                                            real_rows=real)  # fmt: skip
         if labels is not None and self.bias is not None:  # the labelled rows only, as OutputLayer's
             rows, row_labels, index = labelled_rows(enter_tp_region(hidden, self.group, self.sequence_parallel), labels)
-            loss = vocab_parallel_cross_entropy(F.linear(rows, weight, self.bias).float(), row_labels, self.group)
-            loss = spread_to_tokens(loss, index, labels)
+            logits = _without_padding(F.linear(rows, weight, self.bias), real)
+            loss = spread_to_tokens(vocab_parallel_cross_entropy(logits.float(), row_labels, self.group), index, labels)
             return loss if loss_weights is None else (loss * loss_weights).sum()
         logits_shard = column_parallel_linear(hidden, weight, self.bias, self.group, self.sequence_parallel)
         if labels is None:
-            return gather_from_tp_region(logits_shard, self.group)
-        loss = vocab_parallel_cross_entropy(logits_shard.float(), labels, self.group)
+            logits = gather_from_tp_region(logits_shard, self.group)
+            return logits[..., : self.vocab_size] if self.vocab_size else logits
+        loss = vocab_parallel_cross_entropy(_without_padding(logits_shard, real).float(), labels, self.group)
         return loss if loss_weights is None else (loss * loss_weights).sum()
+
+
+def _without_padding(logits_shard: torch.Tensor, real: int) -> torch.Tensor:
+    """A shard's logits with its padded columns (from ``real`` on) at -inf: no probability mass,
+    no gradient; the shard keeps its width, so every rank's slice stays where it was."""
+    if real == logits_shard.shape[-1]:
+        return logits_shard
+    return logits_shard.masked_fill(torch.arange(logits_shard.shape[-1], device=logits_shard.device) >= real, float("-inf"))
 
 
 # ---------------------------------------------------------------------- loss

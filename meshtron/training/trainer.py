@@ -33,7 +33,7 @@ from meshtron.parallel.setup import build_runner
 from meshtron.training.divergence import DivergenceError, DivergenceMonitor
 from meshtron.training.metrics import IntervalMeter, MetricsWriter, device_ceiling_tflops, format_log_line, memory_scalars, model_flops_per_token, sample_tokens
 from meshtron.training.profiler import StepProfiler
-from meshtron.training.vocab import model_vocab_size, run_tokenizer
+from meshtron.training.vocab import model_vocab_size, run_tokenizer, token_vocab_size
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -105,7 +105,8 @@ class Trainer:
 
         data_prefixes = self._setup_data_source_once()
         self.tokenizer = run_tokenizer(cfg)
-        self.vocab_size = model_vocab_size(cfg, self.tokenizer)
+        self.vocab_size = token_vocab_size(cfg, self.tokenizer)
+        self.padded_vocab_size = model_vocab_size(cfg, self.tokenizer)  # the tables' rows: parameters and FLOPs count them
         self.dtype = PRECISION_DTYPES[self.precision]
         self.runner = build_runner(cfg, self.mesh, self.vocab_size, self.device, self.dtype)
         self.model, self.optimizer = self.runner.model, self.runner.optimizer
@@ -143,14 +144,14 @@ class Trainer:
             log("; ".join(ds.describe() for ds in (self.train_data, self.valid_data) if ds is not None))
         self.train_batches = self._batches(self.train_data, self.consumed_samples, cfg.data.num_workers)
 
-        num_params = parameter_count(cfg.model, self.vocab_size, cfg.data.seq_length)
-        self.flops_per_token = model_flops_per_token(cfg.model, self.vocab_size, cfg.data.seq_length, cfg.data.decoder_seq_length)
+        num_params = parameter_count(cfg.model, self.padded_vocab_size, cfg.data.seq_length)
+        self.flops_per_token = model_flops_per_token(cfg.model, self.padded_vocab_size, cfg.data.seq_length, cfg.data.decoder_seq_length)
         ceiling, ceiling_source = device_ceiling_tflops(self.device)
         self.meter = IntervalMeter(self.flops_per_token, ceiling, self.device)
         self.tensorboard = MetricsWriter(cfg if self.mesh.rank == 0 else None)  # TensorBoard and W&B, one writer
         self.profiler = StepProfiler(cfg.logging, cfg.checkpoint.save, self.mesh.rank, log)
         log(
-            f"model: {num_params / 1e6:.2f} M parameters, vocab {self.vocab_size}, {self.precision} on {self.device}; "
+            f"model: {num_params / 1e6:.2f} M parameters, vocab {self.vocab_size} ({self.padded_vocab_size} rows), {self.precision} on {self.device}; "
             f"{self.num_micro_batches} micro batches of {t.micro_batch_size} x {sample_tokens(cfg)} tokens per step; "
             f"MFU ceiling: {ceiling_source}"
         )
@@ -237,7 +238,7 @@ class Trainer:
             "iteration": self.iteration,
             "consumed_samples": self.consumed_samples,
             "config": self.cfg.to_dict(),
-            "vocab_size": self.vocab_size,
+            "vocab_size": self.vocab_size,  # tokens; the padding is the loading run's (rows are saved cut to these)
             "tokenizer": self._copy_tokenizer_files(save_dir),
             "lr_schedule": self.schedule.state_dict(),
         }

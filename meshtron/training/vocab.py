@@ -28,11 +28,18 @@ def run_tokenizer(cfg: Config) -> Tokenizer | None:
                         f"--tokenizer-model and set --vocab-size instead)") from exc  # fmt: skip
 
 
-def model_vocab_size(cfg: Config, tokenizer: Tokenizer | None) -> int:
-    """Rows of the embedding table: the tokenizer's vocabulary plus ``--extra-vocab-size`` (or
-    ``--vocab-size`` when larger), padded to ``--make-vocab-size-divisible-by`` x tp."""
+def token_vocab_size(cfg: Config, tokenizer: Tokenizer | None) -> int:
+    """Tokens the model knows: the tokenizer's vocabulary plus ``--extra-vocab-size`` (or
+    ``--vocab-size`` when larger). Mock data draws below it; no padding."""
     m = cfg.model
     base = tokenizer.vocab_size + m.extra_vocab_size if tokenizer else (m.vocab_size or MOCK_DEFAULT_VOCAB)
     if m.vocab_size and tokenizer and m.vocab_size < base:
         raise ValueError(f"--vocab-size {m.vocab_size} is smaller than the tokenizer's {base}")
-    return padded_vocab_size(max(m.vocab_size, base), m.make_vocab_size_divisible_by, cfg.parallel.tensor_parallel)
+    return max(m.vocab_size, base)
+
+
+def model_vocab_size(cfg: Config, tokenizer: Tokenizer | None) -> int:
+    """Rows of the embedding table: ``token_vocab_size`` padded to ``--make-vocab-size-divisible-by``
+    x tp. The padded rows are in no softmax, loss or logit (``layers/output.py``)."""
+    m = cfg.model
+    return padded_vocab_size(token_vocab_size(cfg, tokenizer), m.make_vocab_size_divisible_by, cfg.parallel.tensor_parallel)
