@@ -193,7 +193,7 @@ def main() -> None:
         child(args)
         return
 
-    from meshtron.training.metrics import device_ceiling_tflops, flops_per_token
+    from meshtron.training.metrics import describe_bases, flops_per_token, mfu_bases
 
     rows = {}
     for side in args.sides.split(","):
@@ -202,11 +202,13 @@ def main() -> None:
                "--profile-dir", args.profile_dir, "--", *args.meshtron_args]
         rows[side] = run_child(cmd, side)
 
-    ceiling, source = device_ceiling_tflops(torch.device("cuda"))
+    bases = mfu_bases(torch.device("cuda"))
     tokens_per_step = args.micro_batch_size * args.seq_length
-    print(f"\nB1: Llama 1.24B shape, seq {args.seq_length}, micro-batch {args.micro_batch_size}, bf16, median of {args.steps} steps; MFU vs {source}")
+    print(f"\nB1: Llama 1.24B shape, seq {args.seq_length}, micro-batch {args.micro_batch_size}, bf16, median of {args.steps} steps; "
+          f"MFU against {describe_bases(bases)}")  # fmt: skip
     base = "hf" if rows.get("hf") else next((s for s, r in rows.items() if r), None)
-    print(f"{'side':<28} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'peak GiB':>9} {'held':>6} {'peak-held':>9} "
+    mfu_columns = "".join(f" {'MFU/' + b.name:>12}" for b in bases)
+    print(f"{'side':<28} {'tokens/s':>10} {'TFLOP/s':>8}{mfu_columns} {'peak GiB':>9} {'held':>6} {'peak-held':>9} "
           f"{'estimate':>8} {'loss first->last':>18} {'vs ' + str(base):>12}")  # fmt: skip
     base_rate = tokens_per_step / statistics.median(rows[base]["times"]) if base else None
     for side, r in rows.items():
@@ -215,10 +217,10 @@ def main() -> None:
             continue
         rate = tokens_per_step / statistics.median(r["times"])
         tflops = rate * flops_per_token(r["params"], SHAPE["layers"], args.seq_length, SHAPE["hidden"]) / 1e12
-        mfu = f"{100 * tflops / ceiling:.1f}%" if ceiling else "-"
+        mfu = "".join(f" {f'{100 * tflops / b.tflops:.1f}%' if b.tflops else '-':>12}" for b in bases)
         held, est = r.get("held_gib"), r.get("estimate_gib")
         memory = f"{held:>6.1f} {r['peak_gib'] - held:>9.1f} {est:>8.1f}" if held is not None else f"{'-':>6} {'-':>9} {'-':>8}"
-        print(f"{side:<28} {rate:>10,.0f} {tflops:>8.1f} {mfu:>6} {r['peak_gib']:>9.1f} {memory} "
+        print(f"{side:<28} {rate:>10,.0f} {tflops:>8.1f}{mfu} {r['peak_gib']:>9.1f} {memory} "
               f"{r['first_loss']:>8.3f}->{r['last_loss']:<8.3f} {rate / base_rate:>11.2f}x")  # fmt: skip
     if any(r is None for r in rows.values()):
         sys.exit(1)  # a side that crashed fails the command, not just its row

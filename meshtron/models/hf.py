@@ -25,9 +25,9 @@ What changes between the two layouts:
 
 Vocabulary: the import keeps the model's exact vocabulary (``make_vocab_size_divisible_by = 1``)
 instead of padding it with zero rows. A zero row gives a logit of 0, which a sampler can pick and
-a tokenizer cannot decode; exact rows keep logits identical to the source model. The price: a
-tensor-parallel size must divide the vocabulary (true for Llama's 32000 and 128256 at any power
-of two up to 128; not for GPT-2's 50257, which trains at tp 1).
+a tokenizer cannot decode; exact rows keep logits identical to the source model. A training run
+under tp pads the table again for its split (GPT-2's 50257 rows become 50258 at tp2); the padded
+rows take no part in any logit or loss, and checkpoints store the real rows only.
 """
 
 from __future__ import annotations

@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-# Measured bf16 GEMM ceilings (8192^3, random data), TFLOP/s; see ../shared/BENCHMARKS.md.
-# MFU is reported against these, never against a datasheet number.
+from meshtron.training.peak_flops import datasheet_peak_tflops
+
+# Measured bf16 GEMM ceilings (8192^3, random data), TFLOP/s; see ../shared/BENCHMARKS.md. MFU is
+# reported against these and against the datasheet peak (``peak_flops.py``), each named.
 MEASURED_BF16_CEILING_TFLOPS = {"H100": 762.0, "H200": 788.0}
 
 
@@ -61,18 +63,35 @@ def sample_tokens(cfg) -> int:
     return cfg.data.seq_length + (cfg.data.decoder_seq_length if cfg.model.model_type == "t5" else 0)
 
 
-def device_ceiling_tflops(device: torch.device) -> tuple[float | None, str]:
-    """The bf16 GEMM ceiling used for MFU, and where it came from."""
-    override = os.environ.get("MESHTRON_PEAK_TFLOPS")
-    if override:
-        return float(override), "MESHTRON_PEAK_TFLOPS"
-    if device.type != "cuda":
-        return None, "none (CPU)"
-    name = torch.cuda.get_device_name(device)
+@dataclass(frozen=True)
+class MfuBase:
+    """One denominator of MFU: its name in the log and in benchmarks' tables, TFLOP/s (None:
+    unknown, no MFU against it), and where the number came from."""
+
+    name: str
+    tflops: float | None
+    source: str
+
+
+def mfu_bases(device: torch.device) -> tuple[MfuBase, MfuBase]:
+    """MFU's two denominators: ``peak``, the datasheet dense bf16 peak (what Megatron-LM and
+    torchtitan divide by; ``MESHTRON_PEAK_TFLOPS`` sets it, on the CPU too), and ``ceiling``, the
+    bf16 GEMM throughput measured on the chip (``MEASURED_BF16_CEILING_TFLOPS``)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    peak, peak_source = datasheet_peak_tflops(name)
+    if device.type != "cuda" and peak is None:
+        peak_source = "none (CPU)"
+    ceiling, ceiling_source = None, "none (CPU)" if device.type != "cuda" else f"not measured for {name}"
     for key, value in MEASURED_BF16_CEILING_TFLOPS.items():
         if key in name:
-            return value, f"measured bf16 GEMM ceiling of {key}"
-    return None, f"unknown for {name} (set MESHTRON_PEAK_TFLOPS)"
+            ceiling, ceiling_source = value, f"measured bf16 GEMM ceiling of {key}"
+            break
+    return MfuBase("peak", peak, peak_source), MfuBase("ceiling", ceiling, ceiling_source)
+
+
+def describe_bases(bases: tuple[MfuBase, ...]) -> str:
+    """``peak 989 TFLOP/s (datasheet ...); ceiling 762 TFLOP/s (measured ...)`` for a run's first lines."""
+    return "; ".join(f"{b.name} {b.tflops:g} TFLOP/s ({b.source})" if b.tflops else f"{b.name} {b.source}" for b in bases)
 
 
 @dataclass
@@ -86,7 +105,7 @@ class IntervalMeter:
     over the world size)."""
 
     flops_per_token: float
-    ceiling_tflops: float | None
+    bases: tuple[MfuBase, ...]  # MFU against each that has a number (``mfu_bases``)
     device: torch.device
     steps: int = 0
     tokens: int = 0
@@ -123,8 +142,9 @@ class IntervalMeter:
             "tflops_per_device": tflops,
             "skipped": self.skipped,
         }
-        if self.ceiling_tflops:
-            out["mfu"] = tflops / self.ceiling_tflops
+        for base in self.bases:
+            if base.tflops:
+                out[f"mfu_{base.name}"] = tflops / base.tflops
         if self.device.type == "cuda":
             out["mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         self.steps = self.tokens = self.skipped = 0
@@ -134,7 +154,8 @@ class IntervalMeter:
 
 def format_log_line(iteration: int, train_iters: int, consumed: int, lr: float, loss: float, grad_norm: float, loss_scale: float,
                     stats: dict[str, float], aux: dict[str, float] | None = None) -> str:  # fmt: skip
-    """Megatron's log line, plus tokens/s, TFLOP/s per device, MFU and memory, and each kind of
+    """Megatron's log line, plus tokens/s, TFLOP/s per device, MFU against each base (``MFU 51.2% of
+    peak, 66.4% of ceiling``) and memory, and each kind of
     auxiliary loss summed over layers (``aux`` is per term, ``kind/layer``: TensorBoard gets those)."""
     parts = [
         f"iteration {iteration:>7d}/{train_iters}",
@@ -147,8 +168,9 @@ def format_log_line(iteration: int, train_iters: int, consumed: int, lr: float, 
         f"tokens/s/device {stats['tokens_per_s']:,.0f}",
         f"TFLOP/s/device {stats['tflops_per_device']:.2f}",
     ]
-    if "mfu" in stats:
-        parts.append(f"MFU {100 * stats['mfu']:.1f}%")
+    mfu = [f"{100 * value:.1f}% of {key.removeprefix('mfu_')}" for key, value in stats.items() if key.startswith("mfu_")]
+    if mfu:
+        parts.append("MFU " + ", ".join(mfu))
     if "mem_gib" in stats:
         parts.append(f"mem {stats['mem_gib']:.2f} GiB")
     if stats.get("skipped"):

@@ -31,7 +31,8 @@ from meshtron.optim.lr_schedule import LRSchedule
 from meshtron.parallel.mesh import init_distributed
 from meshtron.parallel.setup import build_runner
 from meshtron.training.divergence import DivergenceError, DivergenceMonitor
-from meshtron.training.metrics import IntervalMeter, MetricsWriter, device_ceiling_tflops, format_log_line, memory_scalars, model_flops_per_token, sample_tokens
+from meshtron.training.metrics import (IntervalMeter, MetricsWriter, describe_bases, format_log_line, memory_scalars, mfu_bases,
+                                      model_flops_per_token, sample_tokens)  # fmt: skip
 from meshtron.training.profiler import StepProfiler
 from meshtron.training.vocab import model_vocab_size, run_tokenizer, token_vocab_size
 
@@ -146,14 +147,14 @@ class Trainer:
 
         num_params = parameter_count(cfg.model, self.padded_vocab_size, cfg.data.seq_length)
         self.flops_per_token = model_flops_per_token(cfg.model, self.padded_vocab_size, cfg.data.seq_length, cfg.data.decoder_seq_length)
-        ceiling, ceiling_source = device_ceiling_tflops(self.device)
-        self.meter = IntervalMeter(self.flops_per_token, ceiling, self.device)
+        bases = mfu_bases(self.device)
+        self.meter = IntervalMeter(self.flops_per_token, bases, self.device)
         self.tensorboard = MetricsWriter(cfg if self.mesh.rank == 0 else None)  # TensorBoard and W&B, one writer
         self.profiler = StepProfiler(cfg.logging, cfg.checkpoint.save, self.mesh.rank, log)
         log(
             f"model: {num_params / 1e6:.2f} M parameters, vocab {self.vocab_size} ({self.padded_vocab_size} rows), {self.precision} on {self.device}; "
             f"{self.num_micro_batches} micro batches of {t.micro_batch_size} x {sample_tokens(cfg)} tokens per step; "
-            f"MFU ceiling: {ceiling_source}"
+            f"MFU against {describe_bases(bases)}"
         )
         if self.mesh.pp > 1:
             for line in self.runner.describe(self.num_micro_batches).splitlines():
@@ -320,6 +321,7 @@ class Trainer:
                         self.iteration,
                         {"train/loss": mean_loss, "train/lr": lr, "train/grad_norm": step.grad_norm, "train/loss_scale": step.loss_scale, "perf/tokens_per_s_per_device": stats["tokens_per_s"], "perf/tflops_per_device": stats["tflops_per_device"],
                          "train/batch_size": t.global_batch_size, "perf/ms_per_iter": stats["ms_per_iter"], **memory_scalars(stats),
+                         **{f"perf/{key}": value for key, value in stats.items() if key.startswith("mfu_")},
                          **{f"aux/{name}": value for name, value in self.last_aux.items()},
                          **{f"metrics/{name}": value for name, value in self.last_metrics.items()}},
                     )  # fmt: skip

@@ -100,3 +100,31 @@ def test_fp8_cast_ops_trace_under_compile(recipe):
         runs.append(outs)
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("chunk", [0, 100])
+def test_cross_entropy_kernels_stop_at_the_real_rows(chunk):
+    """A padded vocabulary through the Triton pointwise kernels: the per-token loss and the masked
+    sum (one token block and several) equal the unpadded reference, and the padded rows (whose
+    logits would hold every bit of mass) get no gradient. Chunks of 100 end inside the real rows."""
+    from meshtron.kernels.cross_entropy import linear_cross_entropy
+    from meshtron.kernels.cross_entropy_sum import linear_cross_entropy_sum
+
+    gen = torch.Generator().manual_seed(0)
+    tokens, hidden = 300, torch.randn(12, 16, generator=gen)
+    weight = torch.cat([torch.randn(tokens, 16, generator=gen), torch.full((84, 16), 30.0)])
+    labels, mask = torch.randint(0, tokens, (12,), generator=gen), torch.rand(12, generator=gen)
+    labels[2] = -100
+    ref_h, ref_w = hidden.clone().requires_grad_(True), weight[:tokens].clone().requires_grad_(True)
+    want = linear_cross_entropy(ref_h, ref_w, labels, "off")
+    (want * mask).sum().backward()
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    torch.testing.assert_close(linear_cross_entropy(h, w, labels, "on", chunk_size=chunk, real_rows=tokens), want.detach())
+    for budget in (2**30, 16 * tokens * 4):
+        h.grad = w.grad = None
+        total = linear_cross_entropy_sum(h, w, labels, mask, "on", chunk_size=chunk, budget_bytes=budget, real_rows=tokens)
+        total.backward()
+        torch.testing.assert_close(total, (want * mask).sum().detach())
+        torch.testing.assert_close(h.grad, ref_h.grad)
+        torch.testing.assert_close(w.grad[:tokens], ref_w.grad)
+        assert w.grad[tokens:].abs().max() == 0

@@ -125,7 +125,7 @@ def test_interval_meter_counts_steps_not_what_runs_between(monkeypatch):
 
     clock = iter([0.0, 3.0, 10.0, 12.0])  # start, pause (evaluation follows), start again, summary
     monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
-    meter = metrics.IntervalMeter(flops_per_token=1.0, ceiling_tflops=None, device=torch.device("cpu"))
+    meter = metrics.IntervalMeter(flops_per_token=1.0, bases=(), device=torch.device("cpu"))
     for _ in range(3):
         meter.start_step()
         meter.end_step(tokens=100, skipped=False)
