@@ -408,6 +408,7 @@ class ModelFamily(nn.Module):
     """
 
     recompute: Any = None  # (granularity, method, num_layers) when full recompute is on
+    weight_init: Any = None  # models.init.WeightInit: how its parameters are drawn, whole or one shard at a time
 
     def parallel_plan(self) -> Plan:
         raise NotImplementedError
