@@ -12,7 +12,7 @@ optimizer, not for the iteration). The model-defining ``args`` are kept in the m
 (``megatron_args``) so an export writes them back.
 
 Export writes a meshtron checkpoint as Megatron-Core's ``torch_dist``: the global tensors under
-Core's names with the leading layer axis (``decoder.layers.*``) and the expert axis, the norms
+Core's names, layers stacked along a leading axis, experts along another, the norms
 under their fused names, through DCP's own writer, plus ``common.pt`` (``args`` as an
 ``argparse.Namespace``, iteration, checkpoint version 3.0), ``metadata.json`` and the tracker.
 Load it in Megatron-LM with ``--load OUT --no-load-optim --no-load-rng`` (or ``--finetune``).

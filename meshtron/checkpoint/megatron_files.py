@@ -58,13 +58,6 @@ def megatron_checkpoint_dir(load_dir: str | os.PathLike, iteration: int | None =
     return directory
 
 
-def is_megatron_dir(load_dir: str | os.PathLike) -> bool:
-    """Whether ``load_dir`` looks like Megatron-LM's --save directory rather than meshtron's."""
-    root = Path(load_dir)
-    candidates = [p for p in root.glob("iter_*")] + [root / "release"] if root.is_dir() else []
-    return any((p / "common.pt").is_file() or (p / "metadata.json").is_file() or any(p.glob("mp_rank_*")) for p in candidates)
-
-
 def _plain(value: Any, source: str) -> Any:
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], dict):
         return value[0]  # Megatron-Core 0.19 keeps the common state as a one-element list

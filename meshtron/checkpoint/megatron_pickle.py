@@ -17,6 +17,7 @@ import collections
 import functools
 import io
 import pickle
+import warnings
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,7 +81,7 @@ class _Unpickler(pickle.Unpickler):
             return _ALLOWED[(module, name)]
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        if module == "torch" and name.endswith("Storage") and hasattr(getattr(torch, name, None), "dtype"):
+        if module == "torch" and name.endswith("Storage") and isinstance(getattr(torch, name, None), type):
             return getattr(torch, name)  # a storage's element type, read by persistent_load only
         if module in ENUM_MODULES and name.isidentifier():
             return functools.partial(EnumValue, f"{module}.{name}")
@@ -101,7 +102,9 @@ class _Unpickler(pickle.Unpickler):
             if len(raw) != numel * dtype.itemsize:
                 raise UnsafePickle(f"storage {key!r} holds {len(raw)} bytes, its header says {numel} x {dtype}")
             untyped = torch.UntypedStorage.from_buffer(raw, dtype=torch.uint8) if raw else torch.UntypedStorage(0)
-            self.storages[key] = torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+            with warnings.catch_warnings():  # torch.load builds the same typed wrapper; it warns only when users do
+                warnings.simplefilter("ignore", UserWarning)
+                self.storages[key] = torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
         return self.storages[key]
 
 
@@ -125,5 +128,5 @@ def load_megatron_pickle(source: Path | bytes, name: str | None = None) -> Any:
             return _Unpickler(archive.read(pickles[0]), archive, prefix, label).load()
         except UnsafePickle as exc:
             raise UnsafePickle(f"{label} {exc}") from None
-        except (zipfile.BadZipFile, EOFError, pickle.UnpicklingError, RuntimeError, TypeError) as exc:
+        except (zipfile.BadZipFile, EOFError, pickle.UnpicklingError, RuntimeError, TypeError, ValueError) as exc:
             raise ValueError(f"{label} is damaged: {type(exc).__name__}: {exc}") from None
