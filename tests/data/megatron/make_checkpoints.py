@@ -12,6 +12,10 @@ head-order mistake changes the logits. Each case directory holds the checkpoint 
 (``iter_0000007/`` + tracker), ``tokens.pt`` and ``logits.pt``: Megatron's own forward of fixed
 tokens, gathered over tp and taken from the last pipeline stage.
 
+``--check-export CASE DIR`` loads ``DIR`` (``meshtron convert megatron-export`` of CASE's import)
+with Megatron-LM's ``load_checkpoint`` in one process and prints how far its logits are from
+CASE's reference.
+
 CPU-only torch has no CUDA RNG; Megatron's RNG tracker and ``save_checkpoint`` ask for one, so
 ``torch.cuda.get_rng_state``/``set_rng_state`` are given a CPU stand-in here, and
 ``torch.cuda.current_device`` answers the CPU, ``torch.cuda.synchronize`` does nothing and
@@ -86,8 +90,12 @@ def _fill(model: torch.nn.Module, mpu) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5 * (2.0 if "embedding" in name else 1.0))
 
 
-def _run(rank: int, name: str, world: int, port: int) -> None:
+def _run(rank: int, name: str, world: int, port: int, load: str | None = None) -> None:
+    """Save case ``name``; with ``load`` (a meshtron export of it), load that in one process with
+    Megatron-LM's ``load_checkpoint`` (strict) instead and compare its logits to the reference."""
     flags, tp, pp, ep, fmt = CASES[name]
+    if load:
+        tp, pp, ep, fmt = 1, 1, 1, "torch_dist"
     _cpu_cuda_rng()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     from megatron.core import parallel_state as mpu
@@ -97,7 +105,7 @@ def _run(rank: int, name: str, world: int, port: int) -> None:
     from megatron.training import global_vars
     from megatron.training.argument_utils import core_transformer_config_from_args
     from megatron.training.arguments import parse_args, validate_args
-    from megatron.training.checkpointing import save_checkpoint
+    from megatron.training.checkpointing import load_checkpoint, save_checkpoint
 
     out = HERE / name
     sys.argv = ["pretrain_gpt.py", *flags, "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
@@ -108,6 +116,8 @@ def _run(rank: int, name: str, world: int, port: int) -> None:
                 "--no-bias-dropout-fusion", "--no-rope-fusion", "--transformer-impl", "local", "--distributed-backend", "gloo",
                 "--attention-dropout", "0", "--hidden-dropout", "0", "--vocab-size", str(VOCAB), "--tokenizer-type", "NullTokenizer",
                 "--make-vocab-size-divisible-by", "16", "--seed", "5"]  # fmt: skip
+    if load:
+        sys.argv += ["--load", load, "--no-load-optim", "--no-load-rng"]
     args = parse_args()
     validate_args(args)
     args.padded_vocab_size = VOCAB
@@ -122,6 +132,16 @@ def _run(rank: int, name: str, world: int, port: int) -> None:
     model = GPTModel(config, spec, VOCAB, SEQ, pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage(),
                      parallel_output=False, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                      position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base)  # fmt: skip
+    if load:
+        import megatron.training.checkpointing as checkpointing
+
+        # Its tracker reader all-reduces the iteration in a CUDA tensor; the same reading on the CPU:
+        checkpointing.read_metadata = lambda tracker: (int(Path(tracker).read_text()), False)
+        load_checkpoint([model], None, None, strict=True)
+        reference = torch.load(out / "reference.pt")["logits"]
+        print(f"{name}: Megatron-LM's logits of the export differ from the reference by {(_forward(model, mpu) - reference).abs().max():.3g}")
+        dist.destroy_process_group()
+        return
     _fill(model, mpu)
     logits = _forward(model, mpu)
     save_checkpoint(ITERATION, [model], None, None, 0)
@@ -162,6 +182,9 @@ def make(name: str) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--check-export"]:  # --check-export CASE DIR: DIR is `meshtron convert megatron-export` of CASE
+        mp.spawn(_run, args=(sys.argv[2], 1, 29977, str(Path(sys.argv[3]).resolve())), nprocs=1, join=True)
+        sys.exit(0)
     for case in sys.argv[1:] or list(CASES):
         make(case)
         print(f"wrote {HERE / case}")
