@@ -17,7 +17,7 @@ under their fused names, through DCP's own writer, plus ``common.pt`` (``args`` 
 ``argparse.Namespace``, iteration, checkpoint version 3.0), ``metadata.json`` and the tracker.
 Not yet done: Megatron-LM's own ``load_checkpoint`` wants each linear layer's ``_extra_state``
 object too, which this export does not write (checked with ``tests/data/megatron/make_checkpoints.py
---check-export``: "Missing key in checkpoint state_dict: ...linear_fc1._extra_state/shard_0_4");
+--check-export``: Megatron reports the first linear's ``_extra_state`` as a missing key);
 meshtron's import reads the export back exactly.
 Both directions hold the model's weights in memory once (export: all of them, to stack layers).
 """
