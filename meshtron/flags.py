@@ -238,7 +238,8 @@ VALUE_ALIASES: dict[str, dict[str, tuple[str, str]]] = {
         "local": ("math", "PyTorch's reference attention (softmax of the full score matrix)"),
     },
     "checkpoint.ckpt_format": {
-        "torch": ("torch_dist", "checkpoints are written as torch_dist (DCP); a legacy torch-format checkpoint cannot be loaded"),
+        "torch": ("torch_dist", "checkpoints are written as torch_dist (DCP); a Megatron-LM checkpoint of either format "
+                  "loads after `meshtron convert megatron-import --load MEGATRON_DIR --save OUT`"),
     },
     "model.moe_token_dispatcher_type": {
         "flex": ("alltoall", "NCCL's variable-size all-to-all (counts first); DeepEP and HybridEP kernels are not used"),

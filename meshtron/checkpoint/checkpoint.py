@@ -56,6 +56,7 @@ from meshtron.parallel.mesh import Mesh
 TRACKER = "latest_checkpointed_iteration.txt"
 META = "meta.json"
 FORMAT_VERSION = 1
+MEGATRON_IMPORT = "`meshtron convert megatron-import --load MEGATRON_DIR --save OUT`, then --load OUT"
 # --dist-ckpt-strictness values we honor (Megatron's names): any mismatch is an error / the
 # checkpoint's tensors this run lacks are logged and skipped.
 STRICTNESS = ("raise_all", "log_all")
@@ -359,6 +360,7 @@ def open_checkpoint(load_dir: str | os.PathLike, iteration: int | None = None,
         directory = checkpoint_dir(root, iteration)
         if not directory.is_dir():
             raise CheckpointError(f"no checkpoint for iteration {iteration}: {directory} does not exist; {_fallback_hint(root, iteration)}")
+    _refuse_megatron(directory)
     problem = _verify_together(directory, mesh or Mesh())
     if problem:
         raise CheckpointError(f"checkpoint of iteration {iteration} cannot be trusted: {problem}; {_fallback_hint(root, iteration)}")
@@ -388,8 +390,8 @@ def checkpoint_config_errors(cfg: Config) -> list[str]:
     c, t = cfg.checkpoint, cfg.train
     errors = []
     if c.ckpt_format != "torch_dist":
-        errors.append(f"--ckpt-format {c.ckpt_format} is not supported: meshtron reads and writes torch_dist (DCP) checkpoints only; "
-                      "convert a legacy Megatron checkpoint (--ckpt-format torch) to torch_dist with Megatron first")
+        errors.append(f"--ckpt-format {c.ckpt_format} is not supported: meshtron reads and writes its own torch_dist (DCP) checkpoints; "
+                      f"a Megatron-LM checkpoint (torch or torch_dist) converts with {MEGATRON_IMPORT}")
     if c.dist_ckpt_strictness not in STRICTNESS:
         errors.append(f"--dist-ckpt-strictness must be one of {', '.join(STRICTNESS)}, got '{c.dist_ckpt_strictness}'")
     if c.ckpt_step < -1:
@@ -401,6 +403,15 @@ def checkpoint_config_errors(cfg: Config) -> list[str]:
     if t.max_consecutive_skipped_steps < 0:
         errors.append(f"--max-consecutive-skipped-steps must be >= 0 (0: no limit), got {t.max_consecutive_skipped_steps}")
     return errors
+
+
+def _refuse_megatron(directory: Path) -> None:
+    """A Megatron-LM checkpoint (no ``meta.json``; ``common.pt``, ``metadata.json`` or ``mp_rank_*``
+    beside its data) given to --load: name the command that converts it."""
+    if directory.is_dir() and not (directory / META).is_file():
+        if (directory / "common.pt").is_file() or (directory / "metadata.json").is_file() or any(directory.glob("mp_rank_*")):
+            raise CheckpointError(f"{directory} is a Megatron-LM checkpoint, not meshtron's; convert it with "
+                                  f"{MEGATRON_IMPORT.replace('MEGATRON_DIR', str(directory.parent))}")  # fmt: skip
 
 
 def _fallback_hint(root: Path, bad: int) -> str:
@@ -418,6 +429,7 @@ def read_meta(load_dir: str | os.PathLike, iteration: int | None = None) -> dict
     iteration = latest_iteration(root) if iteration is None else iteration
     if iteration is None:
         raise CheckpointError(f"no checkpoint in {root}: point --load at a directory written by --save")
+    _refuse_megatron(checkpoint_dir(root, iteration))
     record = read_record(checkpoint_dir(root, iteration) / META)
     return {**record["meta"], "iteration": record["iteration"]}
 
