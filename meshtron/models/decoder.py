@@ -9,6 +9,7 @@ without knowing any of its attribute names.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -16,9 +17,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from meshtron.config import ModelConfig
+from meshtron.kernels.fp8_recompute import recompute_contexts
 from meshtron.layers.attention import Attention, head_dim, num_kv_heads, qk_norm_widths
 from meshtron.layers.kv_cache import KVCache, KVCacheBase, LatentKVCache
-from meshtron.layers.mla import MultiLatentAttention, mla_parameter_count, rope_table_dim
+from meshtron.layers.mla import (
+    MultiLatentAttention,
+    mla_parameter_count,
+    rope_table_dim,
+)
 from meshtron.layers.mlp import MLP, ffn_hidden_size
 from meshtron.layers.moe import EXPERT_WEIGHTS, MoELayer, moe_layer_pattern
 from meshtron.layers.moe.experts import expert_ffn_hidden_size
@@ -74,7 +80,7 @@ class TransformerBlock(nn.Module):
         x = (normed if self.residual_after_norm else x) + self.dropout(attn)
         normed = self.pre_mlp_layernorm(x)
         if self.recompute_mlp and torch.is_grad_enabled():  # --moe-layer-recompute: the jitter's RNG state is replayed
-            mlp = checkpoint(self.mlp, normed, use_reentrant=False)
+            mlp = checkpoint(self.mlp, normed, use_reentrant=False, context_fn=functools.partial(recompute_contexts, [self.mlp]))
         else:
             mlp = self.mlp(normed)
         return (normed if self.residual_after_norm else x) + self.dropout(mlp)

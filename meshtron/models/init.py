@@ -122,7 +122,8 @@ def _fill(name: str, is_norm: bool, out: torch.Tensor, rule: WeightInit, seed: i
     if name.endswith("bias"):
         out.zero_()
         return
-    std, shape, index = rule.std_of(name), meta.global_shape, meta.local_index()
+    std, shape = rule.std_of(name), meta.global_shape
+    index = meta.local_index() if meta.tp_size > 1 else None  # at tp 1 a split dim is whole
     if not (rule.expert_suffixes and name.endswith(rule.expert_suffixes)):
         if rows is not None and index is not None and meta.tp_size > 1:
             raise ValueError(f"{name}: FSDP's rows of a tensor-parallel shard are not drawn here (FSDP2 runs at tp 1)")

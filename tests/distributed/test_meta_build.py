@@ -36,7 +36,7 @@ LAYOUTS = {
     "tp4": ["--tp", "4", "--micro-batch-size", "8", "--vocab-size", "4096"],
     "pp4_large_vocab": ["--pp", "4", "--micro-batch-size", "2", "--vocab-size", "65536"],
     "ep4": ["--num-experts", "8", "--moe-router-topk", "2", "--ep", "4", "--micro-batch-size", "2", "--vocab-size", "4096"],
-    "fsdp_dp4": ["--fsdp", "--micro-batch-size", "2", "--vocab-size", "4096"],
+    "fsdp_dp4": ["--fsdp", "--micro-batch-size", "2", "--vocab-size", "16384"],
     "tp2_pp2_dp2": ["--tp", "2", "--pp", "2", "--micro-batch-size", "2", "--use-distributed-optimizer", "--vocab-size", "4096"],
 }
 

@@ -127,7 +127,9 @@ def train(flags: list[str]) -> dict:
     except Exception:  # noqa: BLE001 - the row records any failure and the matrix goes on
         out = {"status": "FAIL", "note": traceback.format_exc()[-1500:]}
     finally:
-        if trainer is not None and dist.is_initialized():  # each trainer made its own groups
+        # Each trainer made its own groups: free their communicators, except where FSDP2's
+        # DeviceMesh (which torch caches by group) may be handed them again.
+        if trainer is not None and dist.is_initialized() and "--fsdp" not in flags:
             for group in {id(g): g for g in trainer.mesh._groups.values()}.values():
                 dist.destroy_process_group(group)
         del trainer

@@ -192,3 +192,34 @@ def test_fp8_config_and_early_refusals():
     m = build_config(overrides=["--fp8-recipe=delayed", "--fp8-margin=1", "--fp8-interval=1", "--fp8-amax-history-len=1024",
                                 "--fp8-amax-compute-algo=max"]).model  # fmt: skip
     assert (m.fp8_recipe, m.fp8_amax_history_len, m.fp8_amax_compute_algo, m.fp8_margin) == ("delayed", 1024, "max", 1)
+
+
+@pytest.mark.parametrize("fields", [{"recompute_granularity": "full"}, {"recompute_granularity": "full", "recompute_num_layers": 2},
+                                    {"moe_layer_recompute": True, "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 64,
+                                     "moe_shared_expert_intermediate_size": 64, "add_bias_linear": False}])  # fmt: skip
+def test_delayed_scaling_under_recompute_equals_the_run_that_keeps_activations(fields):
+    """The rerun casts with the scales its forward used (the snapshot of the histories), and the
+    histories move as without recompute: same losses, gradients and histories over steps."""
+    base = dataclasses.replace(build_config(overrides=["--model.preset", "tiny-llama", "--num-layers", "2"]).model,
+                               hidden_size=64, ffn_hidden_size=128)  # fmt: skip
+    runs = {}
+    model_fields = {k: v for k, v in fields.items() if "recompute" not in k}
+    for side, extra in (("plain", model_fields), ("recompute", fields)):
+        cfg = dataclasses.replace(base, **extra)
+        torch.manual_seed(0)
+        model = build_model(cfg, 128, 32)
+        fp8.apply_fp8(model.layers, Fp8Recipe("hybrid", "delayed", amax_history_len=4, amax_compute_algo="max"), "meshtron")
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        tokens, losses = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1)), []
+        for _ in range(4):  # the histories hold other amaxes at each step
+            loss = model(tokens, labels=torch.roll(tokens, -1, 1)).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        histories = [m.amax_history.clone() for m in model.modules() if isinstance(m, Fp8Scaling)]
+        runs[side] = (torch.stack(losses), {n: p.detach().clone() for n, p in model.named_parameters()}, histories)
+    (plain_losses, plain_weights, plain_hist), (losses, weights, hist) = runs["plain"], runs["recompute"]
+    assert torch.equal(losses, plain_losses)
+    assert all(torch.equal(weights[n], w) for n, w in plain_weights.items())
+    assert all(torch.equal(a, b) for a, b in zip(hist, plain_hist, strict=True)) and plain_hist
