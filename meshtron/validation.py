@@ -22,6 +22,7 @@ from meshtron.models import model_config_errors, model_layout_errors
 from meshtron.kernels import triton_available
 from meshtron.optim.optimizer import MOMENT_DTYPES, OPTIMIZER_IMPLS
 from meshtron.parallel.pipeline_balance import modeled_costs, pipeline_split
+from meshtron.training.stop import stop_config_errors
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:
@@ -155,6 +156,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             f"{max(1, round(t.global_batch_size / (t.micro_batch_size * dp))) * t.micro_batch_size * dp}",
         )
     need(t.train_iters > 0, f"--train-iters must be positive, got {t.train_iters}")
+    errors.extend(stop_config_errors(t))
     need(t.lr >= 0 and t.min_lr >= 0, "--lr and --min-lr must not be negative")
     need(t.min_lr <= t.lr, f"--min-lr {t.min_lr} is above --lr {t.lr}")
     need(t.lr_decay_style in ("constant", "linear", "cosine", "wsd"), f"--lr-decay-style must be constant, linear, cosine or wsd, got '{t.lr_decay_style}'")

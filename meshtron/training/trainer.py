@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import shutil
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ from meshtron.parallel.setup import build_runner
 from meshtron.training.divergence import DivergenceError, DivergenceMonitor
 from meshtron.training.metrics import IntervalMeter, MetricsWriter, device_ceiling_tflops, format_log_line, memory_scalars, model_flops_per_token, sample_tokens
 from meshtron.training.profiler import StepProfiler
+from meshtron.training.stop import StopAgreement, StopSignals, describe
 from meshtron.training.vocab import model_vocab_size, run_tokenizer
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -87,6 +87,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, log: Callable[[str], None] = print):
         validate(cfg)  # every rule, the layout's included, before any process group or GPU is touched
+        self.started = time.monotonic()  # --exit-duration-in-mins counts from here, start-up included
         self.cfg, self.log = cfg, log
         t = cfg.train
         self.device = resolve_device(t.device)
@@ -99,6 +100,7 @@ class Trainer:
             self.device = torch.device("cuda", torch.cuda.current_device())  # this rank's GPU
         if self.mesh.rank != 0:
             self.log = log = _silent  # one voice: global rank 0 logs
+        self.say = log if self.mesh.world_size == 1 else lambda line: print(f"rank {self.mesh.rank}: {line}", flush=True)  # what any rank must tell
         log(self.mesh.describe() if self.mesh.world_size > 1 else "mesh: one process")
         for line in noted_flag_lines(cfg.logging.noted_flags):
             log(line)
@@ -158,7 +160,6 @@ class Trainer:
             for line in self.runner.describe(self.num_micro_batches).splitlines():
                 log(line)
         log(f"optimizer state on this rank: {self.optimizer.memory_bytes() / 2**20:.1f} MiB" if hasattr(self.optimizer, "memory_bytes") else "optimizer state: sharded by FSDP2")
-        self._stop_requested = False
         self._pending_save: PendingSave | None = None  # an --async-save checkpoint still being written
         self.host_staging = HostStaging()  # --async-save's host buffers, reused by every save of the run
         if cfg.checkpoint.async_save and cfg.checkpoint.save:  # page-locked now, not in the first save's stall
@@ -286,15 +287,11 @@ class Trainer:
             info[key] = f"tokenizer/{source_path.name}"
         return info
 
-    def _request_stop(self, signum, frame) -> None:
-        self.log(f"signal {signum}: saving and stopping after this step")
-        self._stop_requested = True
-
     def run(self) -> TrainResult:
         cfg, t, logc = self.cfg, self.cfg.train, self.cfg.logging
         result = TrainResult(iteration=self.iteration)
-        deadline = time.monotonic() + 60 * t.exit_duration_in_mins if t.exit_duration_in_mins > 0 else math.inf
-        previous_handler = signal.signal(signal.SIGTERM, self._request_stop) if _main_thread() else None
+        agreement = StopAgreement(self.mesh.world_size, self.device, t.exit_duration_in_mins, self.started)
+        signals = StopSignals(t.exit_signal, self.say).install()
         tokens_per_step = t.global_batch_size * sample_tokens(cfg) // self.mesh.world_size  # per device
         interval_loss, interval_steps = 0.0, 0
         try:
@@ -330,20 +327,22 @@ class Trainer:
                     self.tensorboard.scalars(self.iteration, {"valid/loss": valid, "valid/ppl": math.exp(min(valid, 50))})
                 interval_due = cfg.checkpoint.save_interval and self.iteration % cfg.checkpoint.save_interval == 0
                 exit_due = t.exit_interval and self.iteration % t.exit_interval == 0
-                stopping = self._stop_requested or exit_due or time.monotonic() > deadline
+                reasons = agreement.agree(agreement.local_reasons(signals))  # every rank gets the same answer
+                stopping = reasons or exit_due
                 if interval_due and self.iteration < t.train_iters and not stopping:
                     self.save()
                 if stopping:
-                    self.log(f"stopping at iteration {self.iteration} ({'signal' if self._stop_requested else 'exit interval' if exit_due else 'wall-clock limit'})")
+                    why = describe(reasons) if reasons else "--exit-interval"
+                    self.log(f"stopping at iteration {self.iteration} ({why}; every rank stops and saves here)")
                     break
+            agreement.close()
             self.save()
             self.finish_save()
         except DivergenceError:
             self.finish_save()  # the checkpoint in flight predates the divergence: keep it (every rank stops alike)
             raise
         finally:
-            if previous_handler is not None:
-                signal.signal(signal.SIGTERM, previous_handler)
+            signals.restore()
             self.tensorboard.close()
             self.profiler.close()
             self.train_batches.close()
@@ -365,12 +364,6 @@ class Trainer:
 
 def _silent(_: str) -> None:
     pass
-
-
-def _main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
 
 
 def _start_host_copy(scalars: list[torch.Tensor]) -> tuple[torch.Tensor, torch.cuda.Event | None]:
