@@ -17,9 +17,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from meshtron.checkpoint.checkpoint import CheckpointError, PendingSave, load_for_training, start_save
+from meshtron.checkpoint.checkpoint import CheckpointError, PendingSave, latest_iteration, load_for_training, start_save
 from meshtron.checkpoint.pretrained import load_pretrained_encoders
-from meshtron.checkpoint.sharded import save_state
+from meshtron.checkpoint.retention import prune
+from meshtron.checkpoint.save_dir import SaveLock, claim_save_dir
+from meshtron.checkpoint.sharded import save_state, state_bytes
 from meshtron.checkpoint.staging import HostStaging
 from meshtron.config import Config
 from meshtron.validation import validate
@@ -125,6 +127,9 @@ class Trainer:
             else:
                 self.iteration, self.consumed_samples = meta["iteration"], meta["consumed_samples"]
                 log(f"resumed from {cfg.checkpoint.load} at iteration {self.iteration}")
+        c = cfg.checkpoint
+        resumed_here = meta is not None and not c.finetune and bool(c.load) and Path(c.load).resolve() == Path(c.save or ".").resolve()
+        self.save_lock = self._claim_save_dir(resumed_here)
         if cfg.checkpoint.bert_load and meta is None:  # a run --load found a checkpoint for keeps its weights
             load_pretrained_encoders(cfg.checkpoint.bert_load, self.model, self.optimizer, self.mesh, self.runner.metas, log)
 
@@ -228,7 +233,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
 
-    def save(self) -> None:
+    def save(self, last: bool = False) -> None:
+        """A checkpoint of this iteration. A failed one keeps the previous checkpoint and, per
+        --save-failure, training goes on (the next save retries) or stops; the ``last`` save of
+        a run has no next one, so its failure always ends the run with an error."""
         ckpt = self.cfg.checkpoint
         if not ckpt.save:
             return
@@ -239,33 +247,87 @@ class Trainer:
             "consumed_samples": self.consumed_samples,
             "config": self.cfg.to_dict(),
             "vocab_size": self.vocab_size,
-            "tokenizer": self._copy_tokenizer_files(save_dir),
+            "tokenizer": self._tokenizer_info,
             "lr_schedule": self.schedule.state_dict(),
         }
-        self.finish_save()  # one checkpoint in flight at a time
+        self.finish_save(last)  # one checkpoint in flight at a time
         start = time.perf_counter()
-        pending = start_save(str(save_dir), self.iteration, self.model, self.optimizer, meta, mesh=self.mesh,
-                             save_optim=not ckpt.no_save_optim, save_rng=not ckpt.no_save_rng, metas=self.runner.metas,
-                             in_background=ckpt.async_save, staging=self.host_staging)  # fmt: skip
-        if ckpt.async_save:
-            self._pending_save = pending
-            self.log(f"checkpoint of iteration {self.iteration}: training stalled {time.perf_counter() - start:.2f}s "
-                     f"(copy of {pending.staged_bytes / 2**20:.1f} MiB to host, overlapping the next step on a GPU); "
-                     "writing in the background")  # fmt: skip
+        try:
+            pending = start_save(str(save_dir), self.iteration, self.model, self.optimizer, meta, mesh=self.mesh,
+                                 save_optim=not ckpt.no_save_optim, save_rng=not ckpt.no_save_rng, metas=self.runner.metas,
+                                 in_background=ckpt.async_save, staging=self.host_staging)  # fmt: skip
+            if ckpt.async_save:
+                self._pending_save = pending
+                self.log(f"checkpoint of iteration {self.iteration}: training stalled {time.perf_counter() - start:.2f}s "
+                         f"(copy of {pending.staged_bytes / 2**20:.1f} MiB to host, overlapping the next step on a GPU); "
+                         "writing in the background")  # fmt: skip
+                return
+            pending.finish()
+        except CheckpointError as exc:
+            self._save_failed(exc, last)
             return
-        pending.finish()
         self.log(f"saved checkpoint at iteration {self.iteration} to {save_dir} in {time.perf_counter() - start:.2f}s")
+        self._prune(self.iteration)
 
-    def finish_save(self) -> None:
+    def finish_save(self, last: bool = False) -> None:
         """Complete the checkpoint being written in the background, if any (collective): its
         tracker and completion marker appear only now, once every rank's files are written."""
         pending, self._pending_save = self._pending_save, None
         if pending is None:
             return
         start = time.perf_counter()
-        final = pending.finish()
+        try:
+            final = pending.finish()
+        except CheckpointError as exc:
+            self._save_failed(exc, last)
+            return
         self.log(f"saved checkpoint at iteration {pending.iteration} to {final.parent} (written in the background; "
                  f"waited {time.perf_counter() - start:.2f}s to complete it)")  # fmt: skip
+        self._prune(pending.iteration)
+
+    def _save_failed(self, exc: CheckpointError, last: bool) -> None:
+        """One line, the same on every rank's verdict; raises when the run must end."""
+        kept = latest_iteration(self.cfg.checkpoint.save) if self.mesh.rank == 0 else None
+        kept_text = f"the newest checkpoint is still iteration {kept}" if kept is not None else "no checkpoint has been saved yet"
+        if last or self.cfg.checkpoint.save_failure == "stop":
+            raise CheckpointError(f"{exc}; {kept_text}") from exc
+        self.log(f"warning: {exc}; {kept_text}; training goes on and the next save tries again (--save-failure stop ends the run instead)")
+
+    def _prune(self, just_saved: int) -> None:
+        if self.mesh.rank == 0 and (removed := prune(Path(self.cfg.checkpoint.save), self.cfg.checkpoint.ckpt_keep_last, just_saved)):
+            self.log(f"removed the checkpoints of iterations {', '.join(map(str, removed))} (--ckpt-keep-last {self.cfg.checkpoint.ckpt_keep_last})")
+
+    def _claim_save_dir(self, resumed_here: bool) -> SaveLock | None:
+        """--save checked, locked and given the tokenizer before the first step: rank 0 decides,
+        every rank raises the same error (``save_dir.py``)."""
+        ckpt = self.cfg.checkpoint
+        self._tokenizer_info = {"tokenizer_type": self.cfg.data.tokenizer_type}
+        if not ckpt.save:
+            return None
+        own = state_bytes(save_state(self.model, self.optimizer, self.mesh, not ckpt.no_save_optim, self.runner.metas))
+        total = torch.tensor([float(own)], dtype=torch.float64, device=self.device)
+        if self.mesh.world_size > 1:
+            dist.all_reduce(total)
+        lock, problem = None, None
+        if self.mesh.rank == 0:
+            lock = SaveLock(Path(ckpt.save))
+            problem, note = claim_save_dir(lock, self.iteration, resumed_here, ckpt.allow_existing_checkpoints, int(total.item()))
+            if note:
+                self.log(note)
+            if problem is None:
+                try:
+                    self._tokenizer_info = self._copy_tokenizer_files(Path(ckpt.save))
+                except OSError as exc:
+                    problem = f"--save {ckpt.save}: cannot copy the tokenizer there: {exc}"
+        if self.mesh.world_size > 1:
+            box = [problem]
+            dist.broadcast_object_list(box, src=0)
+            problem = box[0]
+        if problem:
+            if lock is not None:
+                lock.release()
+            raise CheckpointError(problem)
+        return lock
 
     def _copy_tokenizer_files(self, save_dir: Path) -> dict[str, str]:
         """Put the tokenizer beside the weights so ``generate`` needs nothing else."""
@@ -336,13 +398,15 @@ class Trainer:
                     self.log(f"stopping at iteration {self.iteration} ({why}; every rank stops and saves here)")
                     break
             agreement.close()
-            self.save()
-            self.finish_save()
+            self.save(last=True)
+            self.finish_save(last=True)
         except DivergenceError:
             self.finish_save()  # the checkpoint in flight predates the divergence: keep it (every rank stops alike)
             raise
         finally:
             signals.restore()
+            if self.save_lock is not None:
+                self.save_lock.release()
             self.tensorboard.close()
             self.profiler.close()
             self.train_batches.close()
