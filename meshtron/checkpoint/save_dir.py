@@ -14,7 +14,6 @@ never written over by surprise, and a failed write named in one line.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -55,8 +54,12 @@ def space_problem(root: Path, checkpoint_bytes: int) -> str | None:
     free = shutil.disk_usage(root).free
     if free >= checkpoint_bytes:
         return None
-    return (f"--save {root} has {free / 2**30:.2f} GiB free but one checkpoint of this run takes about "
-            f"{checkpoint_bytes / 2**30:.2f} GiB; free space there or name another directory")  # fmt: skip
+    return (f"--save {root} has {_size(free)} free but one checkpoint of this run takes about "
+            f"{_size(checkpoint_bytes)}; free space there or name another directory")  # fmt: skip
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
 
 
 def list_iterations(root: str | os.PathLike) -> list[int]:
@@ -163,19 +166,21 @@ class SaveLock:
 
 def failure_line(exc: BaseException, root: Path) -> str:
     """One line for a failed write: the operating system's reason where one is in the chain
-    (DCP wraps it), and how much room the disk has left."""
+    (DCP wraps it; torch.save's zip writer drops it after a short write, so a full disk is
+    recognized by its free space), and how much room the disk has left."""
+    try:
+        free: int | None = shutil.disk_usage(root).free
+    except OSError:
+        free = None
     cause = _os_error(exc)
     if cause is not None:
-        where = f" ({cause.filename})" if cause.filename else ""
-        reason = f"{cause.strerror or cause}{where}"
+        reason = f"{cause.strerror or cause}" + (f" ({cause.filename})" if cause.filename else "")
+    elif "unexpected pos" in str(exc):
+        full = free is not None and free < 2**20
+        reason = "No space left on device (a write stopped short)" if full else "a write stopped short (an I/O error)"
     else:
         reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-    try:
-        free = shutil.disk_usage(root).free
-        reason += f"; {free / 2**20:.0f} MiB free on its disk"
-    except OSError:
-        pass
-    return reason
+    return reason + (f"; {_size(free)} free on its disk" if free is not None else "")
 
 
 def _os_error(exc: BaseException | None, seen: set | None = None) -> OSError | None:
@@ -189,7 +194,5 @@ def _os_error(exc: BaseException | None, seen: set | None = None) -> OSError | N
             found = _os_error(inner, seen)
             if found is not None:
                 return found
-        if isinstance(exc, RuntimeError) and "unexpected pos" in str(exc):  # torch.save's zip writer after a short write
-            return OSError(errno.EIO, "the write stopped short (the disk may be full)")
         exc = exc.__cause__ or exc.__context__
     return None
