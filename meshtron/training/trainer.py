@@ -36,6 +36,7 @@ from meshtron.training.metrics import IntervalMeter, MetricsWriter, device_ceili
 from meshtron.training.profiler import StepProfiler
 from meshtron.training.stop import StopAgreement, StopSignals, describe
 from meshtron.training.vocab import model_vocab_size, run_tokenizer
+from meshtron.training.watchdog import Watchdog, set_training_timeout
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -354,10 +355,12 @@ class Trainer:
         result = TrainResult(iteration=self.iteration)
         agreement = StopAgreement(self.mesh.world_size, self.device, t.exit_duration_in_mins, self.started)
         signals = StopSignals(t.exit_signal, self.say).install()
+        watchdog = self._start_watchdog()
         tokens_per_step = t.global_batch_size * sample_tokens(cfg) // self.mesh.world_size  # per device
         interval_loss, interval_steps = 0.0, 0
         try:
             while self.iteration < t.train_iters:
+                watchdog.enter("step", self.iteration)
                 self.profiler.at(self.iteration)
                 self.meter.start_step()
                 loss, step = self.train_step()
@@ -383,6 +386,7 @@ class Trainer:
                     )  # fmt: skip
                     interval_loss, interval_steps = 0.0, 0
                 if self.valid_data is not None and logc.eval_interval > 0 and (self.iteration % logc.eval_interval == 0 or self.iteration == t.train_iters):
+                    watchdog.enter("evaluation", self.iteration)
                     valid = self.evaluate()
                     result.valid_losses.append((self.iteration, valid))
                     self.log(f"validation at iteration {self.iteration} | loss {valid:.4f} | ppl {math.exp(min(valid, 50)):.2f}")
@@ -392,18 +396,21 @@ class Trainer:
                 reasons = agreement.agree(agreement.local_reasons(signals))  # every rank gets the same answer
                 stopping = reasons or exit_due
                 if interval_due and self.iteration < t.train_iters and not stopping:
+                    watchdog.enter("save", self.iteration)
                     self.save()
                 if stopping:
                     why = describe(reasons) if reasons else "--exit-interval"
                     self.log(f"stopping at iteration {self.iteration} ({why}; every rank stops and saves here)")
                     break
             agreement.close()
+            watchdog.enter("save", self.iteration)
             self.save(last=True)
             self.finish_save(last=True)
         except DivergenceError:
             self.finish_save()  # the checkpoint in flight predates the divergence: keep it (every rank stops alike)
             raise
         finally:
+            watchdog.stop()
             signals.restore()
             if self.save_lock is not None:
                 self.save_lock.release()
@@ -415,6 +422,18 @@ class Trainer:
             result.sample = self.sample(logc.generate_prompt, logc.generate_tokens)
             self.log(f"sample: {result.sample!r}")
         return result
+
+    def _start_watchdog(self) -> Watchdog:
+        """Hang naming for the training loop (``watchdog.py``): on for several processes or when a
+        limit is given. Start-up had --distributed-timeout-minutes; training gets its own."""
+        t = self.cfg.train
+        minutes = t.train_timeout_minutes or self.cfg.parallel.distributed_timeout_minutes
+        watchdog = Watchdog(60 * minutes, t.hang_step_factor, self.mesh.rank, self.mesh.world_size, self.say)
+        if self.mesh.world_size > 1 and not set_training_timeout(minutes + 1):
+            self.log("note: this PyTorch cannot change a process group's timeout: training keeps --distributed-timeout-minutes")
+        if self.mesh.world_size > 1 or t.train_timeout_minutes or t.hang_step_factor:
+            watchdog.start()
+        return watchdog
 
     def sample(self, prompt: str, max_new_tokens: int) -> str:
         from meshtron.inference.generate import generate
