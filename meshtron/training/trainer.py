@@ -35,6 +35,7 @@ from meshtron.training.divergence import DivergenceError, DivergenceMonitor
 from meshtron.training.metrics import IntervalMeter, MetricsWriter, device_ceiling_tflops, format_log_line, memory_scalars, model_flops_per_token, sample_tokens
 from meshtron.training.profiler import StepProfiler
 from meshtron.training.stop import StopAgreement, StopSignals, describe
+from meshtron.training.straggler import StragglerTimes, report
 from meshtron.training.vocab import model_vocab_size, run_tokenizer
 from meshtron.training.watchdog import Watchdog, set_training_timeout
 
@@ -175,6 +176,7 @@ class Trainer:
         self.last_aux: dict[str, float] = {}  # the last step's auxiliary terms, for the log line
         self.last_metrics: dict[str, float] = {}  # and the loss's metrics (the retriever's top-k accuracies)
         self.divergence = DivergenceMonitor.from_config(t, self.precision, self.mesh.rank, self.model)
+        self.straggler = StragglerTimes(t.log_straggler, self.device)
 
     # ------------------------------------------------------------------ steps
 
@@ -189,20 +191,23 @@ class Trainer:
         """One optimizer step over a global batch; the loss is the mean over the global batch (per
         token for a language model: each micro batch's loss sum divided by the count of the whole
         batch, so gradients summed over data-parallel ranks equal the one-process gradient)."""
-        batches = [self._to_device(next(self.train_batches)) for _ in range(self.num_micro_batches)]
+        with self.straggler.section("data wait"):
+            batches = [self._to_device(next(self.train_batches)) for _ in range(self.num_micro_batches)]
         self._last_batches = batches  # for the divergence check's re-run
         self.optimizer.zero_grad()
-        loss = self.runner.forward_backward(batches)
+        with self.straggler.section("forward-backward"):
+            loss = self.runner.forward_backward(batches)
         # The loss and every logged term (a MoE model has two per layer) go to the host in one copy
         # started now and read after the optimizer step, whose gradient-norm read has waited for
         # it: no host sync of its own, so the host runs on into the next step while the GPU
         # still updates the weights.
         terms = {**loss.aux, **loss.metrics}
         host = _start_host_copy([loss.total / loss.count, *terms.values()])
-        self.runner.finalize_grads()
-        self.host_staging.before_state_changes()  # an async save's copies of the weights are done first
-        result = self.optimizer.step(self.schedule.lr_at(self.iteration))
-        self.runner.after_step()
+        with self.straggler.section("optimizer"):
+            self.runner.finalize_grads()
+            self.host_staging.before_state_changes()  # an async save's copies of the weights are done first
+            result = self.optimizer.step(self.schedule.lr_at(self.iteration))
+            self.runner.after_step()
         mean_loss, *values = _read_host_copy(host)
         self.last_aux = {name: values[i] for i, name in enumerate(terms) if name in loss.aux}
         self.last_metrics = {name: values[i] for i, name in enumerate(terms) if name in loss.metrics}
@@ -363,7 +368,8 @@ class Trainer:
                 watchdog.enter("step", self.iteration)
                 self.profiler.at(self.iteration)
                 self.meter.start_step()
-                loss, step = self.train_step()
+                with self.straggler.section("step"):
+                    loss, step = self.train_step()
                 self.divergence.check(self.iteration + 1, loss, step, lambda: self.runner.forward_backward(self._last_batches, forward_only=True))
                 self.meter.end_step(tokens_per_step, step.skipped)
                 self.iteration += 1
@@ -385,6 +391,10 @@ class Trainer:
                          **{f"metrics/{name}": value for name, value in self.last_metrics.items()}},
                     )  # fmt: skip
                     interval_loss, interval_steps = 0.0, 0
+                    if t.log_straggler:
+                        line, scalars = report(self.straggler.gather(self.mesh.world_size), t.straggler_minmax_count)
+                        self.log(line)
+                        self.tensorboard.scalars(self.iteration, scalars)
                 if self.valid_data is not None and logc.eval_interval > 0 and (self.iteration % logc.eval_interval == 0 or self.iteration == t.train_iters):
                     watchdog.enter("evaluation", self.iteration)
                     valid = self.evaluate()
