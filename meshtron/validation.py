@@ -177,7 +177,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         need(len(parts) <= 3 and sum(parts) > 0 and min(parts) >= 0, f"--split '{d.split}' must be up to 3 non-negative weights like 969,30,1")
     except ValueError:
         errors.append(f"--split '{d.split}' must be comma-separated numbers like 969,30,1")
-    if c.load and not Path(c.load).exists():
+    if c.load and not Path(c.load).exists() and Path(c.load) != Path(c.save):  # --load = --save: the first start of a resumable job
         errors.append(f"--load {c.load} does not exist; point it at a checkpoint directory written by --save")
     errors.extend(layout_errors(cfg) + expert_parallel_errors(cfg, dp) + dropin_errors(cfg))
     if errors:

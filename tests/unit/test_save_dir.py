@@ -15,7 +15,9 @@ import meshtron.checkpoint.save_dir as save_dir
 from meshtron.checkpoint.checkpoint import TRACKER, load_checkpoint, newest_iteration, save_checkpoint
 from meshtron.checkpoint.retention import prune
 from meshtron.checkpoint.save_dir import SaveLock, claim_save_dir, failure_line, overwrite_problem, save_dir_problem
-from meshtron.errors import CheckpointError
+from meshtron.config import build_config
+from meshtron.errors import CheckpointError, ConfigError
+from meshtron.validation import validate
 
 
 def saved(root, *iterations):
@@ -125,3 +127,10 @@ def test_failure_line_finds_the_operating_systems_reason_inside_wrappers(tmp_pat
     assert line.startswith(f"No space left on device ({tmp_path / '__0_0.distcp'}); ") and line.endswith("free on its disk")
     short = RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 704 vs 598")
     assert failure_line(short, tmp_path).startswith("a write stopped short (an I/O error); ")  # this disk has room
+
+
+def test_load_equal_to_save_may_not_exist_yet_another_load_must(tmp_path):
+    first_start = str(tmp_path / "ckpt")
+    validate(build_config(None, ["--mock-data", "--load", first_start, "--save", first_start]))
+    with pytest.raises(ConfigError, match="--load .*other does not exist"):
+        validate(build_config(None, ["--mock-data", "--load", str(tmp_path / "other"), "--save", first_start]))
