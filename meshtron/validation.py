@@ -97,7 +97,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     need(m.recompute_num_layers >= 1, f"--recompute-num-layers must be at least 1, got {m.recompute_num_layers}")
     max_pos = m.max_position_embeddings or d.seq_length
     need(d.seq_length > 0, f"--seq-length must be positive, got {d.seq_length}")
-    if m.position_embedding_type == "learned_absolute":
+    if m.position_embedding_type in ("learned_absolute", "rope"):  # RoPE's cos/sin tables have max_pos rows too
         need(
             d.seq_length <= max_pos,
             f"--seq-length {d.seq_length} exceeds --max-position-embeddings {max_pos}; raise it or shorten the sequence",
