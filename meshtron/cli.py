@@ -138,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     except DivergenceError as exc:
         print(f"meshtron {command}: {exc}", file=sys.stderr)
         return 3
+    except KeyboardInterrupt:  # Ctrl-C before training began (in training it saves and stops)
+        print(f"meshtron {command}: interrupted (Ctrl-C); nothing was saved", file=sys.stderr)
+        return 130
     print(f"meshtron: unknown command '{command}'\n\n{USAGE}", file=sys.stderr)
     return 2
 
