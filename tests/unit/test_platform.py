@@ -76,3 +76,114 @@ def test_fp8_refused_before_any_allocation_without_fp8_cores(monkeypatch, arch, 
     with pytest.raises(ValueError, match=r"Drop --fp8-format") as refusal:
         fp8.check_fp8_device(GPU)
     assert says in str(refusal.value)
+
+
+def _fake(shape, device="cuda", dtype=torch.bfloat16):
+    """What a dispatch decision reads of a tensor, for a GPU this process does not have."""
+    return SimpleNamespace(shape=shape, device=torch.device(device), dtype=dtype)
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx90a", "sm90"])
+def test_attention_backends(monkeypatch, arch):
+    """``auto`` attention: cuDNN first on NVIDIA, flash first on ROCm (no cuDNN there), where MLA's
+    narrower values (192 / 128) are zero-padded for flash rather than left to the slow kernel."""
+    from torch.nn.attention import SDPBackend
+
+    from meshtron.layers.attention import auto_order, pads_values
+
+    simulate(monkeypatch, arch)
+    rocm = arch in AMD
+    first = SDPBackend.FLASH_ATTENTION if rocm else SDPBackend.CUDNN_ATTENTION
+    assert auto_order()[0] == first and (SDPBackend.CUDNN_ATTENTION in auto_order()) != rocm
+    assert pads_values("auto", GPU, 192, 128) == rocm
+    assert pads_values("flash", GPU, 192, 128) and not pads_values("flash", GPU, 128, 128)
+    assert not pads_values("auto", torch.device("cpu"), 192, 128)
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx90a", "gfx950", "sm90"])
+def test_context_parallel_block_kernel(monkeypatch, arch):
+    """cp's ``auto`` block kernel: cuDNN on NVIDIA; flash on ROCm, whose cuDNN op always raises,
+    with MLA's values padded."""
+    from meshtron.parallel import cp_block_kernels as blocks
+
+    simulate(monkeypatch, arch)
+    rocm = arch in AMD
+    assert blocks.auto_block_kernel() == ("flash" if rocm else "cudnn")
+    q, v = _fake((2, 8, 64, 128)), _fake((2, 8, 64, 128))
+    assert blocks.block_kernel("auto", q, v, None) is (blocks.FlashKernel if rocm else blocks.CudnnKernel)
+    mla = blocks.block_kernel("auto", _fake((2, 8, 64, 192)), v, None)
+    if rocm:
+        assert isinstance(mla, blocks.PaddedValues) and mla.kernel is blocks.FlashKernel
+    else:
+        assert mla is blocks.CudnnKernel
+    assert blocks.block_kernel("auto", _fake((2, 8, 64, 128), "cpu"), v, None) is None  # the math path off the GPU
+
+
+@pytest.mark.parametrize("arch, syncs, expected", [("gfx90a", False, "triton"), ("gfx942", True, "triton"),
+                                                   ("gfx942", False, "torch"), ("gfx950", False, "torch"), ("sm90", None, "torch")])  # fmt: skip
+def test_grouped_gemm_auto(monkeypatch, arch, syncs, expected):
+    """``auto`` grouped GEMM prefers the Triton kernel where ``torch._grouped_mm`` is ROCm's
+    host-synced loop: always on gfx90a, on gfx942/gfx950 when the build's call syncs (no CK);
+    on NVIDIA the sync probe is never run."""
+    from meshtron.layers.moe import grouped_gemm
+
+    simulate(monkeypatch, arch)
+
+    def probe(device, dtype):
+        assert syncs is not None, "the sync probe ran on NVIDIA"
+        return syncs
+
+    monkeypatch.setattr(grouped_gemm, "_grouped_mm_syncs", probe)
+    assert grouped_gemm.auto_backend(GPU, torch.bfloat16, True, True) == expected
+    assert grouped_gemm.auto_backend(GPU, torch.bfloat16, False, True) == "triton"
+    assert grouped_gemm.auto_backend(GPU, torch.bfloat16, True, False) == "torch"  # nothing better there
+    assert grouped_gemm.auto_backend(GPU, torch.bfloat16, False, False) == "loop"
+
+
+@pytest.mark.parametrize("arch, usable", [("gfx942", True), ("gfx950", True), ("gfx90a", False), ("sm90", True)])
+def test_symmetric_memory_overlap(monkeypatch, arch, usable):
+    """Async-TP through symmetric memory where PyTorch supports it: NVIDIA, gfx942, gfx950."""
+    import torch.distributed as dist
+
+    from meshtron.parallel import tp_overlap
+
+    simulate(monkeypatch, arch)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    assert tp_overlap.symmetric_memory_usable(None) == usable
+    if not usable:
+        with pytest.warns(UserWarning, match="gfx942/gfx950"):
+            assert tp_overlap.resolve_backend("symm_mem", None) == "p2p"
+
+
+@pytest.mark.parametrize("arch, ceiling, source", [("gfx942", 1307.4, "datasheet bf16 peak of MI300X"),
+                                                   ("gfx90a", 191.5, "datasheet bf16 peak of MI250X"),
+                                                   ("sm90", 762.0, "measured bf16 GEMM ceiling of H100")])  # fmt: skip
+def test_mfu_ceiling(monkeypatch, arch, ceiling, source):
+    from meshtron.training.metrics import device_ceiling_tflops
+
+    simulate(monkeypatch, arch)
+    monkeypatch.delenv("MESHTRON_PEAK_TFLOPS", raising=False)
+    assert device_ceiling_tflops(GPU) == (ceiling, source + (" (not measured)" if arch in AMD else ""))
+
+
+@pytest.mark.parametrize("arch, family", [("gfx942", "cdna"), ("gfx90a", "cdna"), ("gfx950", "cdna4"), ("sm90", "nvidia")])
+def test_grouped_gemm_autotune_tiles(monkeypatch, arch, family):
+    """The grouped GEMM's autotuners try the launching device's tile family (bf16: the family's
+    tiles; fp32: the small ones everywhere), chosen at run time through their prune hook; AMD's
+    tiles are MFMA-sized (multiples of 32) for wavefronts of 64."""
+    pytest.importorskip("triton")
+    from meshtron.kernels import triton_grouped_gemm as tgg
+
+    simulate(monkeypatch, arch)
+    assert platform.target(GPU).tiles == family
+    operand = torch.empty(64, 64, device="meta", dtype=torch.bfloat16)  # stands for the GPU tensor the launch reads
+    for kernel, tuned, first in (("rows", tgg._rows_tuned, "a_ptr"), ("weight_grad", tgg._weight_grad_tuned, "dy_ptr")):
+        for ieee in (False, True):
+            tried = tuned.early_config_prune(tuned.configs, {first: operand, "IEEE": ieee})
+            wanted = tgg.tile_configs(kernel, family, ieee)
+            assert tried and set(tried) == set(wanted) and len(tried) == len(wanted)
+        if family != "nvidia":
+            tiles = tgg.tile_configs(kernel, family, False)
+            assert all(c.kwargs[b] % 32 == 0 for c in tiles for b in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
+            assert all(c.num_warps in (4, 8) for c in tiles)
+    assert tgg.tile_configs("rows", "nvidia", False) != tgg.tile_configs("rows", "cdna", False)
