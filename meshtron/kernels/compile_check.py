@@ -14,8 +14,8 @@ Each recorded launch is then specialized by the target's own binder, exactly as 
 does (ints equal to 1 become constants, multiples of 16 and aligned pointers get divisibility
 hints), and compiled with ``triton.compile``; an autotuned launch in every tile its prune hook
 keeps for the target. It fails when a kernel does not compile, a kernel needs more shared memory
-(LDS) than the target has, no tile of an autotuned launch fits, or a kernel defined in a launcher
-module was never launched here (a new launcher not yet listed).
+(LDS) than the target has, no tile of an autotuned launch fits, or a kernel defined in
+``meshtron/kernels`` was never launched here (a new launcher not yet listed).
 
 Compiled kernels go to Triton's cache (``TRITON_CACHE_DIR``), keyed by the kernel's source hash,
 the target and the options: a CI job that keeps that directory recompiles only changed kernels.
@@ -36,10 +36,6 @@ import torch
 
 from meshtron.kernels import platform
 
-# The modules that define launched kernels; each @triton.jit function in them is launched, or
-# called from one that is.
-KERNEL_MODULES = ("fused_adamw", "triton_fp8_cast", "triton_grouped_gemm", "triton_mla", "triton_moe_permute",
-                  "triton_norms", "triton_pointwise", "triton_router")  # fmt: skip
 
 
 @dataclass
@@ -110,7 +106,7 @@ def _launch_everything(target: platform.Target) -> None:
         _grad(gg.TritonGroupedMM.apply(a, weight, offsets), [a, weight])
         main_grad = torch.zeros(4, 128, 64)
         gg.group_weight_grad(torch.randn(96, 128).to(dtype), a.detach(), offsets, 4, out=main_grad, accumulate=True)
-        if target.backend == "cuda" and target.arch >= 90 and dtype != torch.float32:
+        if _tma(target) and dtype != torch.float32:
             for b in (weight.detach().transpose(1, 2), weight.detach()[:, :64].contiguous()):
                 gg.rows_times_group_tma(a.detach(), b, offsets, programs=4)
         tokens, inverse = rand(24, 64, dtype=dtype), torch.randperm(48).view(24, 2)
@@ -135,13 +131,23 @@ def _launch_everything(target: platform.Target) -> None:
             fused_adamw.fused_adamw(flat, torch.randn(10000), torch.zeros(10000, dtype=moments), torch.zeros(10000, dtype=moments),
                                     model.clone() if model is not None else None, index, fused_adamw.block_groups(index),
                                     coef=torch.ones(()), decay=[0.9, 1.0], step=1, lr=1e-3, betas=(0.9, 0.95), eps=1e-8)  # fmt: skip
-    if target.backend == "cuda" or target.arch in platform.FNUZ_FP8_ARCHS + platform.OCP_FP8_AMD_ARCHS:  # FP8 refused on gfx90a
+    if _has_fp8(target):
         family = "fnuz" if target.arch in platform.FNUZ_FP8_ARCHS else "ocp"
         for recipe in FP8_RECIPES:
             for fmt in ("hybrid", "e4m3"):
                 x, w = rand(48, 64, dtype=torch.bfloat16), rand(32, 64, dtype=torch.bfloat16)
                 scaling = Fp8Scaling(Fp8Recipe(fmt, recipe, fused_kernels="on"), family=family)
                 _grad(fp8.linear(x, w, None, scaling), [x, w])
+
+
+def _has_fp8(target: platform.Target) -> bool:
+    """Whether FP8 runs on ``target`` (refused on gfx90a: ``platform.fp8_refusal``)."""
+    return target.backend == "cuda" or target.arch in platform.FNUZ_FP8_ARCHS + platform.OCP_FP8_AMD_ARCHS
+
+
+def _tma(target: platform.Target) -> bool:
+    """Whether the grouped GEMM's TMA kernel runs on ``target`` (``tma_rows_usable``: NVIDIA Hopper and later)."""
+    return target.backend == "cuda" and target.arch >= 90
 
 
 def launched_kernels(target: platform.Target) -> list[Launch]:
@@ -152,19 +158,21 @@ def launched_kernels(target: platform.Target) -> list[Launch]:
 
 
 def _defined_kernels() -> set[str]:
-    """Every top-level @triton.jit function of ``KERNEL_MODULES`` not called from another kernel."""
+    """Every @triton.jit function of ``meshtron/kernels`` not called from another kernel: what must be launched."""
     import importlib
+    from pathlib import Path
 
     from triton.runtime.jit import JITFunction
 
-    kernels, sources = {}, []
-    for name in KERNEL_MODULES:
+    kernels = {}  # "module.name" -> (name, source)
+    modules = [p.stem for p in sorted(Path(__file__).parent.glob("*.py")) if "@triton.jit" in p.read_text() and p.stem != "compile_check"]
+    for name in modules:
         module = importlib.import_module(f"meshtron.kernels.{name}")
         for attr, value in vars(module).items():
             if isinstance(value, JITFunction) and value.fn.__module__ == module.__name__:
-                kernels[f"{name}.{attr}"] = attr
-                sources.append(value.src)
-    return {key for key, attr in kernels.items() if not any(f"{attr}(" in src for src in sources)}
+                kernels[f"{name}.{attr}"] = (attr, value.src)
+    called = {key for key, (attr, _) in kernels.items() if any(f"{attr}(" in src for other, (_, src) in kernels.items() if other != key)}
+    return set(kernels) - called
 
 
 def _kernel_name(kernel) -> str:
@@ -195,6 +203,7 @@ def _compile(launch: Launch, target: platform.Target, config) -> int:
 
 def compile_for(target_name: str, verbose: bool = False) -> tuple[list[Compiled], list[str]]:
     """Every launch of ``target_name``'s variants compiled -> (what compiled, the failures)."""
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the launcher's default, said explicitly (silences a warning)
     target = platform.TARGETS[target_name]
     launches, results, failures = launched_kernels(target), {}, []
     for launch in launches:
@@ -228,8 +237,8 @@ def compile_for(target_name: str, verbose: bool = False) -> tuple[list[Compiled]
         if verbose:
             print(f"  {name} on {target_name}: {len(fitting)}/{len(configs)} fit", flush=True)
     missing = _defined_kernels() - set(results)
-    if target.backend == "hip":
-        missing -= {"triton_grouped_gemm._rows_tma_kernel"}  # TMA: NVIDIA Hopper and later only (tma_rows_usable)
+    missing -= set() if _tma(target) else {"triton_grouped_gemm._rows_tma_kernel"}
+    missing -= set() if _has_fp8(target) else {"triton_fp8_cast._cast_kernel"}
     failures += [f"{name}: defined but never launched by compile_check._launch_everything (add its launcher)" for name in sorted(missing)]
     return list(results.values()), failures
 
@@ -242,7 +251,6 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("compile_check: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)", file=sys.stderr)
         return 2
-    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     all_failures = []
     for name in args.targets.split(","):
         start = time.perf_counter()
