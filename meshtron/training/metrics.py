@@ -12,6 +12,9 @@ import torch
 # Measured bf16 GEMM ceilings (8192^3, random data), TFLOP/s; see ../shared/BENCHMARKS.md.
 # MFU is reported against these, never against a datasheet number.
 MEASURED_BF16_CEILING_TFLOPS = {"H100": 762.0, "H200": 788.0}
+# AMD Instinct GPUs have no measured ceiling yet (none here): their datasheet dense bf16 peaks per
+# device PyTorch sees (an MI250X shows as two, one per die), and the log line says so.
+AMD_DATASHEET_BF16_TFLOPS = {"MI300X": 1307.4, "MI325X": 1307.4, "MI250X": 191.5}
 
 
 def flops_per_token(num_params: int, num_layers: int, seq_length: int, hidden_size: int, causal: bool = True) -> float:
@@ -72,6 +75,9 @@ def device_ceiling_tflops(device: torch.device) -> tuple[float | None, str]:
     for key, value in MEASURED_BF16_CEILING_TFLOPS.items():
         if key in name:
             return value, f"measured bf16 GEMM ceiling of {key}"
+    for key, value in AMD_DATASHEET_BF16_TFLOPS.items():
+        if key in name:
+            return value, f"datasheet bf16 peak of {key} (not measured)"
     return None, f"unknown for {name} (set MESHTRON_PEAK_TFLOPS)"
 
 
