@@ -25,7 +25,7 @@ B3 = ["--preset", "llama3-8b", "--num-layers", "8", "--seq-length", "8192", "--m
 L70 = ["--preset", "llama3-70b", "--seq-length", "4096", "--micro-batch-size", "1", "--global-batch-size", "4", "--vocab-size",
        "128256", "--make-vocab-size-divisible-by", "1", "--mock-data", "--tp", "4", "--sequence-parallel",
        "--recompute-granularity", "full", "--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16",
-       "--lr", "1e-4", "--lr-warmup-iters", "2", "--eval-interval", "0", "--log-interval", "1", "--train-iters", "20"]  # fmt: skip
+       "--lr", "1e-4", "--min-lr", "1e-5", "--lr-warmup-iters", "2", "--eval-interval", "0", "--log-interval", "1", "--train-iters", "20"]  # fmt: skip
 
 
 def startup() -> None:
