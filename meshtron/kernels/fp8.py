@@ -29,7 +29,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtron.kernels import platform
-from meshtron.kernels.fp8_scaling import Fp8Recipe, Fp8Scaling, grad_dtype, platform_family
+from meshtron.kernels.fp8_scaling import (
+    Fp8Recipe,
+    Fp8Scaling,
+    grad_dtype,
+    platform_family,
+)
+from meshtron.kernels.linear_swap import replace_linears, with_parameters_of
 
 _GEMM_MULTIPLE = 16
 
@@ -97,8 +103,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8
 
 
 class Fp8Linear(nn.Linear):
-    """An ``nn.Linear`` whose GEMMs run in FP8; ``apply_fp8`` turns linears into it in place and
-    gives each its ``fp8`` scaling state (the parameters, their names and the state dict stay
+    """An ``nn.Linear`` whose GEMMs run in FP8; ``apply_fp8`` puts one in each linear's place (same
+    parameters) and gives each its ``fp8`` scaling state (the parameters, their names and the state dict stay
     those of the ``nn.Linear``: the state's histories are not persistent)."""
 
     fp8: Fp8Scaling
@@ -132,7 +138,6 @@ def apply_fp8(blocks: nn.Module, recipe: Fp8Recipe, backend: str = "auto") -> st
     backend used.
     """
     grad_dtype(recipe.format)  # validates the format
-    plain = [m for m in blocks.modules() if type(m) is nn.Linear]
     parallel = [m for m in blocks.modules() if hasattr(m, "fp8") and not isinstance(m, nn.Linear)]
     torchao_fits = recipe.format == "hybrid" and recipe.recipe == "tensorwise" and not parallel
     if backend == "auto":
@@ -146,10 +151,12 @@ def apply_fp8(blocks: nn.Module, recipe: Fp8Recipe, backend: str = "auto") -> st
 
         convert_to_float8_training(blocks, module_filter_fn=lambda m, _: fp8_shapes_ok(m.in_features, m.out_features))
         return backend
-    for module in plain:
-        if fp8_shapes_ok(module.in_features, module.out_features):
-            module.__class__ = Fp8Linear
-            module.fp8 = Fp8Scaling(recipe, module.weight.device)
+    def fp8_linear(linear: nn.Linear) -> Fp8Linear:
+        new = with_parameters_of(Fp8Linear, linear)
+        new.fp8 = Fp8Scaling(recipe, linear.weight.device)
+        return new
+
+    replace_linears(blocks, fp8_linear, keep=lambda m: fp8_shapes_ok(m.in_features, m.out_features))
     for module in parallel:
         module.fp8 = Fp8Scaling(recipe, module.weight.device)
     return backend
