@@ -92,7 +92,9 @@ def test_fp8_cast_ops_trace_under_compile(recipe):
         torch.manual_seed(0)
         layer = torch.nn.Linear(32, 16, bias=False).bfloat16()
         recipe_ = Fp8Recipe("hybrid", recipe, amax_history_len=2, amax_compute_algo="max", fused_kernels="on")
-        fp8.apply_fp8(torch.nn.Sequential(layer), recipe_, "meshtron")
+        holder = torch.nn.Sequential(layer)
+        fp8.apply_fp8(holder, recipe_, "meshtron")
+        layer = holder[0]  # the FP8 linear that took its place (same parameters)
         run = torch.compile(layer, backend="aot_eager", fullgraph=True) if compiled else layer
         gen, outs = torch.Generator().manual_seed(1), []
         for step in range(3):
