@@ -494,13 +494,18 @@ def read_dcp_metadata(directory: Path) -> Any:
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    check_data_files(directory, needed)
+    return metadata
+
+
+def check_data_files(directory: Path, needed: dict[str, int]) -> None:
+    """Each data file named in ``needed`` exists in ``directory`` and holds at least its bytes."""
     for name, size in sorted(needed.items()):
         data = directory / name
         if not data.is_file():
             raise CheckpointError(f"checkpoint file {data} is missing")
         if data.stat().st_size < size:
             raise CheckpointError(f"checkpoint file {data} is truncated ({data.stat().st_size} of {size} bytes)")
-    return metadata
 
 
 # Keys named after a parameter: the ones a change of model shows up in. The loss scaler's entries

@@ -28,9 +28,9 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from meshtron.checkpoint.boxes import Box, Sharded
-from meshtron.checkpoint.checkpoint import read_state
+from meshtron.checkpoint.checkpoint import check_data_files, read_state
 from meshtron.checkpoint.megatron_pickle import UnsafePickle, load_megatron_pickle
-from meshtron.checkpoint.safe_metadata import _ALLOWED, _IndexUnpickler, UnsafeMetadata
+from meshtron.checkpoint.safe_metadata import _IndexUnpickler, UnsafeMetadata
 from meshtron.errors import CheckpointError
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -110,12 +110,7 @@ def read_dist_metadata(directory: Path) -> Metadata:
         if info.transform_descriptors:
             raise CheckpointError(f"{path} asks for storage transforms {info.transform_descriptors!r}, which are not read here")
         needed[name] = max(needed.get(name, 0), info.offset + info.length)
-    for name, size in sorted(needed.items()):
-        data = directory / name
-        if not data.is_file():
-            raise CheckpointError(f"checkpoint file {data} is missing")
-        if data.stat().st_size < size:
-            raise CheckpointError(f"checkpoint file {data} is truncated ({data.stat().st_size} of {size} bytes)")
+    check_data_files(directory, needed)
     return metadata
 
 
