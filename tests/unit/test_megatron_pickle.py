@@ -80,7 +80,6 @@ def test_a_payload_hidden_as_an_allowed_enum_module_is_only_a_value(tmp_path, mo
     monkeypatch.chdir(tmp_path)
     data = _saved({"x": 1})
     archive = zipfile.ZipFile(io.BytesIO(data))
-    prefix = archive.namelist()[0].split("/")[0]
     payload = b"\x80\x02csignal\nsystem\nX\x15\x00\x00\x00touch PWNED_BY_PICKLE\x85R."
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w") as z:
