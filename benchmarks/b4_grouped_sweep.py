@@ -21,8 +21,8 @@ import torch
 import triton
 from b4_grouped_gemm import EXPERTS, LAYERS, ragged_sizes, time_ms
 
-from meshtron.kernels.triton_grouped_gemm import (_ROW_CONFIGS, _WEIGHT_GRAD_CONFIGS, _rows_kernel, _weight_grad_kernel, group_offsets,
-                                                  rows_times_group_tma)  # fmt: skip
+from meshtron.kernels import platform
+from meshtron.kernels.triton_grouped_gemm import _rows_kernel, _weight_grad_kernel, group_offsets, rows_times_group_tma, tile_configs
 
 ROW_TILES = [(bm, bn, bk, w, s) for bm, bn, bk, w, s in [
     (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 3),
@@ -84,11 +84,12 @@ def main() -> None:
     parser.add_argument("--gemms", default="", help="comma-separated subset, e.g. 'wgrad fp32,wgrad fp32 +='")
     parser.add_argument("--candidates", action="store_true", help="also the TMA row kernel's candidate tiles")
     parser.add_argument("--library-tiles", choices=["all", "autotune"], default="all",
-                        help="the library kernels' tiles: this file's whole lists, or only the library's autotune lists")
+                        help="the library kernels' tiles: this file's whole lists, or only the library's autotune lists for this GPU")
     args = parser.parse_args()
     row_tiles, weight_grad_tiles = ROW_TILES, WEIGHT_GRAD_TILES
     if args.library_tiles == "autotune":
-        row_tiles, weight_grad_tiles = as_tiles(_ROW_CONFIGS), as_tiles(_WEIGHT_GRAD_CONFIGS)
+        family = platform.target().tiles
+        row_tiles, weight_grad_tiles = as_tiles(tile_configs("rows", family, False)), as_tiles(tile_configs("weight_grad", family, False))
     dev, dt = torch.device("cuda"), torch.bfloat16
     sizes = ragged_sizes(args.rows, EXPERTS)
     offsets = group_offsets(sizes.to(dev))

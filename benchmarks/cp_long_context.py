@@ -100,6 +100,7 @@ def check_worker(args) -> None:
     import torch.nn.functional as F
 
     from meshtron.parallel import context_parallel as cp
+    from meshtron.parallel import cp_block_kernels
     from meshtron.parallel.mesh import Mesh
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -146,7 +147,7 @@ def check_worker(args) -> None:
         kb, vb = (torch.randn(1, KV_HEADS, size, HEAD_DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         for diagonal in (True, False):
             flops = 4 * size * size * HEADS * HEAD_DIM * 3.5 * (0.5 if diagonal else 1.0)
-            impls = {name: kern for name, kern in cp.BLOCK_KERNELS.items() if name in args.kernels}
+            impls = {name: kern for name, kern in cp_block_kernels.BLOCK_KERNELS.items() if name in args.kernels}
             for name, kern in impls.items():
                 try:
                     s = _timed(partial(_kernel_block, kern, qb, kb, vb, diagonal, scale), 3)

@@ -25,6 +25,8 @@ commands:
   convert      Hugging Face weights: meshtron convert hf-import --hf-dir DIR --save OUT [--dtype bf16|fp32]
                or meshtron convert hf-export --load CKPT --hf-dir OUT [--dtype bf16|fp32] [--max-shard-size 5GB]
                or meshtron convert reshard --load CKPT --save OUT (one process, offline)
+               Megatron-LM checkpoints: meshtron convert megatron-import --load MEGATRON_DIR --save OUT
+               or meshtron convert megatron-export --load CKPT --save MEGATRON_DIR (torch_dist)
   checkpoint   inspect a checkpoint: meshtron checkpoint info DIR [--ckpt-step N]
   plot         a PNG of a run's loss, lr, grad norm, tokens/s and memory: meshtron plot RUN_DIR (its --tensorboard-dir)
   estimate     per-GPU memory of a config and layout: meshtron estimate [--config FILE] [--world-size N]
@@ -105,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
             from meshtron.downstream.retrieval import main as retrieval_main
 
             return retrieval_main(rest)
+        if command == "convert" and rest[:1] in (["megatron-import"], ["megatron-export"]):
+            from meshtron.checkpoint.megatron_convert import main as megatron_main
+
+            return megatron_main(rest)
         if command == "convert" and rest[:1] == ["reshard"]:
             from meshtron.checkpoint.reshard import main as reshard_main
 
@@ -132,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     except DivergenceError as exc:
         print(f"meshtron {command}: {exc}", file=sys.stderr)
         return 3
+    except KeyboardInterrupt:  # Ctrl-C before training began (in training it saves and stops)
+        print(f"meshtron {command}: interrupted (Ctrl-C); nothing was saved", file=sys.stderr)
+        return 130
     print(f"meshtron: unknown command '{command}'\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -171,6 +171,11 @@ class TrainConfig:
     train_iters: int = 300  # optimizer steps
     exit_interval: int = 0  # stop (after saving) once the iteration is a multiple of this
     exit_duration_in_mins: float = 0.0  # stop (after saving) after this many minutes; 0: no limit
+    exit_signal: str = "SIGTERM"  # SIGTERM | SIGINT | SIGUSR1 | SIGUSR2: the signal that saves and stops (SIGINT always does too)
+    train_timeout_minutes: float = 0.0  # a step (or save) taking longer names the ranks that did not arrive and stops the run; 0: --distributed-timeout-minutes
+    hang_step_factor: float = 0.0  # a step this many times the median of recent steps counts as a hang too; 0: only the timeout
+    log_straggler: bool = False  # every log interval, gather each rank's step times and log the slowest ranks
+    straggler_minmax_count: int = 3  # --log-straggler: how many of the slowest ranks to name
     seed: int = 1234  # seed of init, data order and dropout
     lr: float = 3e-3  # peak learning rate
     min_lr: float = 3e-4  # learning rate at the end of decay
@@ -244,6 +249,9 @@ class CheckpointConfig:
     dist_ckpt_strictness: str = "raise_all"  # raise_all | log_all (checkpoint tensors the run lacks are skipped)
     exit_on_missing_checkpoint: bool = False  # --load finds no checkpoint: stop instead of starting from scratch
     async_save: bool = False  # copy the shards to host and write them in a background thread
+    ckpt_keep_last: int = 0  # keep only the newest N complete checkpoints in --save; 0: keep all
+    allow_existing_checkpoints: bool = False  # let a run that did not resume from --save write there although it holds checkpoints
+    save_failure: str = "continue"  # continue (train on, the next save retries) | stop: what a failed save does
     bert_load: str = ""  # ICT: a BERT checkpoint whose weights start both towers (unless --load finds one)
 
 

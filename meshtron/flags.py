@@ -71,6 +71,9 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "train-iters": "train.train_iters",
     "exit-interval": "train.exit_interval",
     "exit-duration-in-mins": "train.exit_duration_in_mins",
+    "exit-signal": "train.exit_signal",
+    "log-straggler": ("train.log_straggler", True),
+    "straggler-minmax-count": "train.straggler_minmax_count",
     "seed": "train.seed",
     "lr": "train.lr",
     "min-lr": "train.min_lr",
@@ -238,7 +241,8 @@ VALUE_ALIASES: dict[str, dict[str, tuple[str, str]]] = {
         "local": ("math", "PyTorch's reference attention (softmax of the full score matrix)"),
     },
     "checkpoint.ckpt_format": {
-        "torch": ("torch_dist", "checkpoints are written as torch_dist (DCP); a legacy torch-format checkpoint cannot be loaded"),
+        "torch": ("torch_dist", "checkpoints are written as torch_dist (DCP); a Megatron-LM checkpoint of either format "
+                  "loads after `meshtron convert megatron-import --load MEGATRON_DIR --save OUT`"),
     },
     "model.moe_token_dispatcher_type": {
         "flex": ("alltoall", "NCCL's variable-size all-to-all (counts first); DeepEP and HybridEP kernels are not used"),
@@ -328,6 +332,7 @@ _LOGGING_NOTES = {
     "use-pytorch-profiler": (False, "always: --profile uses the PyTorch profiler"),
 }
 _OTHER_NOTES = {
+    "exit-signal-handler": (False, "always: --exit-signal (SIGTERM by default) and SIGINT save and stop at an iteration all ranks agree on"),
     "rerun-mode": (True, "no re-run engine: --check-for-nan-in-loss-and-grad stops on a non-finite loss and the divergence check re-runs a step"),
     "use-checkpoint-args": (False, "never: the model comes from this run's flags; a checkpoint of another shape is refused at load"),
 }

@@ -22,6 +22,7 @@ from meshtron.models import model_config_errors, model_layout_errors
 from meshtron.kernels import triton_available
 from meshtron.optim.optimizer import MOMENT_DTYPES, OPTIMIZER_IMPLS
 from meshtron.parallel.pipeline_balance import modeled_costs, pipeline_split
+from meshtron.training.stop import stop_config_errors
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:
@@ -96,7 +97,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     need(m.recompute_num_layers >= 1, f"--recompute-num-layers must be at least 1, got {m.recompute_num_layers}")
     max_pos = m.max_position_embeddings or d.seq_length
     need(d.seq_length > 0, f"--seq-length must be positive, got {d.seq_length}")
-    if m.position_embedding_type == "learned_absolute":
+    if m.position_embedding_type in ("learned_absolute", "rope"):  # RoPE's cos/sin tables have max_pos rows too
         need(
             d.seq_length <= max_pos,
             f"--seq-length {d.seq_length} exceeds --max-position-embeddings {max_pos}; raise it or shorten the sequence",
@@ -155,6 +156,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             f"{max(1, round(t.global_batch_size / (t.micro_batch_size * dp))) * t.micro_batch_size * dp}",
         )
     need(t.train_iters > 0, f"--train-iters must be positive, got {t.train_iters}")
+    errors.extend(stop_config_errors(t))
     need(t.lr >= 0 and t.min_lr >= 0, "--lr and --min-lr must not be negative")
     need(t.min_lr <= t.lr, f"--min-lr {t.min_lr} is above --lr {t.lr}")
     need(t.lr_decay_style in ("constant", "linear", "cosine", "wsd"), f"--lr-decay-style must be constant, linear, cosine or wsd, got '{t.lr_decay_style}'")
@@ -175,7 +177,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         need(len(parts) <= 3 and sum(parts) > 0 and min(parts) >= 0, f"--split '{d.split}' must be up to 3 non-negative weights like 969,30,1")
     except ValueError:
         errors.append(f"--split '{d.split}' must be comma-separated numbers like 969,30,1")
-    if c.load and not Path(c.load).exists():
+    if c.load and not Path(c.load).exists() and Path(c.load) != Path(c.save):  # --load = --save: the first start of a resumable job
         errors.append(f"--load {c.load} does not exist; point it at a checkpoint directory written by --save")
     errors.extend(layout_errors(cfg) + expert_parallel_errors(cfg, dp) + dropin_errors(cfg))
     if errors:

@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import re
 import shutil
 import threading
 from pathlib import Path
@@ -46,6 +45,7 @@ from meshtron.checkpoint.dcp_io import merge_indexes, read_boxes, write_rank_fil
 from meshtron.checkpoint.integrity import MARKER, describe_files, manifest, verify
 from meshtron.checkpoint.rng import get_rng_state, set_rng_state
 from meshtron.checkpoint.safe_metadata import UnsafeMetadata, read_metadata
+from meshtron.checkpoint.save_dir import complete_iterations, failure_line, save_dir_problem
 from meshtron.checkpoint.sharded import finish_load, load_state, save_state, state_bytes
 from meshtron.checkpoint.staging import HostStaging
 from meshtron.config import Config, CheckpointConfig
@@ -56,20 +56,15 @@ from meshtron.parallel.mesh import Mesh
 TRACKER = "latest_checkpointed_iteration.txt"
 META = "meta.json"
 FORMAT_VERSION = 1
+MEGATRON_IMPORT = "`meshtron convert megatron-import --load MEGATRON_DIR --save OUT`, then --load OUT"
 # --dist-ckpt-strictness values we honor (Megatron's names): any mismatch is an error / the
 # checkpoint's tensors this run lacks are logged and skipped.
 STRICTNESS = ("raise_all", "log_all")
+SAVE_FAILURE = ("continue", "stop")  # --save-failure: train on (the next save retries) or end the run
 
 
 def checkpoint_dir(save_dir: str | os.PathLike, iteration: int) -> Path:
     return Path(save_dir) / f"iter_{iteration:07d}"
-
-
-def list_iterations(save_dir: str | os.PathLike) -> list[int]:
-    """Iterations with a directory in ``save_dir`` (complete or not), ascending."""
-    root = Path(save_dir)
-    found = [re.fullmatch(r"iter_(\d+)", p.name) for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
-    return sorted(int(m.group(1)) for m in found if m)
 
 
 def latest_iteration(save_dir: str | os.PathLike) -> int | None:
@@ -82,6 +77,26 @@ def latest_iteration(save_dir: str | os.PathLike) -> int | None:
         return int(text)
     except ValueError:
         raise CheckpointError(f"tracker file {tracker} should hold an iteration number, found {text[:40]!r}") from None
+
+
+def newest_iteration(save_dir: str | os.PathLike, log: Callable[[str], None] = print) -> int | None:
+    """The tracker's iteration; without a readable tracker, the newest complete checkpoint (said
+    in the log); None when there is neither (a fresh start)."""
+    root = Path(save_dir)
+    try:
+        tracked = latest_iteration(root)
+        problem = None if tracked is not None or not (root / TRACKER).exists() else "unreadable"
+    except CheckpointError as exc:
+        tracked, problem = None, str(exc)
+    if tracked is not None:
+        return tracked
+    complete = complete_iterations(root)
+    if not complete:
+        if problem:
+            raise CheckpointError(f"{problem}, and {root} holds no complete checkpoint to fall back on")
+        return None
+    log(f"warning: {problem or f'no tracker {root / TRACKER}'}: loading the newest complete checkpoint, {checkpoint_dir(root, complete[-1])}")
+    return complete[-1]
 
 
 # -- save -----------------------------------------------------------------------------------------
@@ -111,12 +126,18 @@ def start_save(save_dir: str | os.PathLike, iteration: int, model: nn.Module, op
     root = Path(save_dir)
     final = checkpoint_dir(root, iteration)
     tmp = root / f"{final.name}.tmp"
+    problem = None
     if mesh.rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(f"{final.name}.tmp*"):  # left by a run killed mid-save
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
-    _barrier(mesh)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            for stale in root.glob(f"{final.name}.tmp*"):  # left by a run killed mid-save
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+        except OSError as exc:
+            problem = failure_line(exc, root)
+    problem = _broadcast_from_first(mesh, problem)  # every rank learns it here, none waits in a barrier alone
+    if problem:
+        raise CheckpointError(f"saving iteration {iteration} to {root} failed: {problem}")
     state = save_state(model, optimizer, mesh, with_optimizer=save_optim, metas=metas)
     record = {"format_version": FORMAT_VERSION, "iteration": iteration, "has_optimizer": save_optim,
               "has_rng": save_rng, "world_size": mesh.world_size, "meta": meta}  # fmt: skip
@@ -172,24 +193,23 @@ class PendingSave:
         if self.thread is not None:
             self.thread.join()
         mine = None if self._error is not None else self._result
-        failure = None if mine is not None else f"rank {self.mesh.rank}: {type(self._error).__name__}: {self._error}"
+        failure = None if mine is not None else f"rank {self.mesh.rank}: {failure_line(self._error, self.root)}"
         parts = _gather_to_first(self.mesh, (mine, failure))
-        own_error = self._error
+        own_error, outcome = self._error, None
         if self.mesh.rank == 0:
             failures = [f for _, f in parts if f]
-            try:
-                if failures:
-                    raise CheckpointError(f"saving iteration {self.iteration} failed: {'; '.join(failures)}")
-                self._complete([p for p, _ in parts])
-            except BaseException as exc:
+            if not failures:
+                try:
+                    self._complete([p for p, _ in parts])
+                except Exception as exc:
+                    own_error = exc
+                    failures = [f"rank 0: {failure_line(exc, self.root)}"]
+            if failures:
                 shutil.rmtree(self.tmp, ignore_errors=True)
-                own_error = own_error or exc
-                failure = failure or f"{type(exc).__name__}: {exc}"
-        outcome = _broadcast_from_first(self.mesh, failure if self.mesh.rank == 0 else None)
-        if own_error is not None:
-            raise own_error
-        if outcome:
-            raise CheckpointError(f"saving iteration {self.iteration} to {self.root} failed on rank 0: {outcome}")
+            outcome = "; ".join(failures) or None
+        outcome = _broadcast_from_first(self.mesh, outcome)
+        if outcome:  # the same line on every rank
+            raise CheckpointError(f"saving iteration {self.iteration} to {self.root} failed: {outcome}") from own_error
         return checkpoint_dir(self.root, self.iteration)
 
     def _complete(self, parts: list[tuple[Any, dict[str, Any]]]) -> None:
@@ -235,11 +255,6 @@ def _verify_together(directory: Path, mesh: Mesh) -> str | None:
     problems: list[Any] = [None] * mesh.world_size
     torch.distributed.all_gather_object(problems, problem)
     return next((p for p in problems if p), None)
-
-
-def _barrier(mesh: Mesh) -> None:
-    if mesh.world_size > 1:
-        torch.distributed.barrier()
 
 
 def _write_durably(path: Path, data: bytes) -> None:
@@ -311,7 +326,7 @@ def load_checkpoint(
     step would write the initial weights back.
     """
     mesh = mesh or Mesh()
-    opened = open_checkpoint(load_dir, iteration, mesh)
+    opened = open_checkpoint(load_dir, iteration, mesh, log)
     if opened is None:
         return None
     directory, record, metadata = opened
@@ -339,15 +354,15 @@ def load_checkpoint(
     return {**record["meta"], "iteration": record["iteration"]}
 
 
-def open_checkpoint(load_dir: str | os.PathLike, iteration: int | None = None,
-                    mesh: Mesh | None = None) -> tuple[Path, dict[str, Any], Any] | None:  # fmt: skip
+def open_checkpoint(load_dir: str | os.PathLike, iteration: int | None = None, mesh: Mesh | None = None,
+                    log: Callable[[str], None] = print) -> tuple[Path, dict[str, Any], Any] | None:  # fmt: skip
     """The directory, ``meta.json`` record and DCP index of the tracker's (or ``iteration``'s)
     checkpoint, every file checked against the completion marker first (the checksum reading
     split over ``mesh``'s ranks); None when ``load_dir`` has no tracker and no ``iteration`` was
     asked for (a fresh start)."""
     root = Path(load_dir)
     if iteration is None:
-        iteration = latest_iteration(root)
+        iteration = newest_iteration(root, log)
         if iteration is None:
             if (root / META).is_file():
                 raise CheckpointError(f"{root} is one checkpoint; point --load at its parent {root.parent}, which holds {TRACKER}")
@@ -359,6 +374,7 @@ def open_checkpoint(load_dir: str | os.PathLike, iteration: int | None = None,
         directory = checkpoint_dir(root, iteration)
         if not directory.is_dir():
             raise CheckpointError(f"no checkpoint for iteration {iteration}: {directory} does not exist; {_fallback_hint(root, iteration)}")
+    _refuse_megatron(directory)
     problem = _verify_together(directory, mesh or Mesh())
     if problem:
         raise CheckpointError(f"checkpoint of iteration {iteration} cannot be trusted: {problem}; {_fallback_hint(root, iteration)}")
@@ -388,8 +404,8 @@ def checkpoint_config_errors(cfg: Config) -> list[str]:
     c, t = cfg.checkpoint, cfg.train
     errors = []
     if c.ckpt_format != "torch_dist":
-        errors.append(f"--ckpt-format {c.ckpt_format} is not supported: meshtron reads and writes torch_dist (DCP) checkpoints only; "
-                      "convert a legacy Megatron checkpoint (--ckpt-format torch) to torch_dist with Megatron first")
+        errors.append(f"--ckpt-format {c.ckpt_format} is not supported: meshtron reads and writes its own torch_dist (DCP) checkpoints; "
+                      f"a Megatron-LM checkpoint (torch or torch_dist) converts with {MEGATRON_IMPORT}")
     if c.dist_ckpt_strictness not in STRICTNESS:
         errors.append(f"--dist-ckpt-strictness must be one of {', '.join(STRICTNESS)}, got '{c.dist_ckpt_strictness}'")
     if c.ckpt_step < -1:
@@ -398,14 +414,29 @@ def checkpoint_config_errors(cfg: Config) -> list[str]:
         errors.append(f"{'--finetune' if c.finetune else '--ckpt-step'} needs --load")
     if c.async_save and not c.save:
         errors.append("--async-save needs --save (the directory the background writes go to)")
+    if c.save and (problem := save_dir_problem(c.save)):
+        errors.append(problem)
+    if c.ckpt_keep_last < 0:
+        errors.append(f"--ckpt-keep-last must be >= 0 (0: keep every checkpoint), got {c.ckpt_keep_last}")
+    if c.save_failure not in SAVE_FAILURE:
+        errors.append(f"--save-failure must be one of {', '.join(SAVE_FAILURE)}, got '{c.save_failure}'")
     if t.max_consecutive_skipped_steps < 0:
         errors.append(f"--max-consecutive-skipped-steps must be >= 0 (0: no limit), got {t.max_consecutive_skipped_steps}")
     return errors
 
 
+def _refuse_megatron(directory: Path) -> None:
+    """A Megatron-LM checkpoint (no ``meta.json``; ``common.pt``, ``metadata.json`` or ``mp_rank_*``
+    beside its data) given to --load: name the command that converts it."""
+    if directory.is_dir() and not (directory / META).is_file():
+        if (directory / "common.pt").is_file() or (directory / "metadata.json").is_file() or any(directory.glob("mp_rank_*")):
+            raise CheckpointError(f"{directory} is a Megatron-LM checkpoint, not meshtron's; convert it with "
+                                  f"{MEGATRON_IMPORT.replace('MEGATRON_DIR', str(directory.parent))}")  # fmt: skip
+
+
 def _fallback_hint(root: Path, bad: int) -> str:
     """How to load another iteration instead (Megatron's ``--ckpt-step``), naming the complete ones."""
-    complete = [i for i in list_iterations(root) if i != bad and (checkpoint_dir(root, i) / MARKER).is_file()]
+    complete = [i for i in complete_iterations(root) if i != bad]
     if not complete:
         return f"{root} holds no other complete checkpoint"
     pick = max([i for i in complete if i < bad] or complete)
@@ -415,9 +446,10 @@ def _fallback_hint(root: Path, bad: int) -> str:
 def read_meta(load_dir: str | os.PathLike, iteration: int | None = None) -> dict[str, Any]:
     """The saved ``meta`` of the tracker's (or ``iteration``'s) checkpoint, without loading tensors."""
     root = Path(load_dir)
-    iteration = latest_iteration(root) if iteration is None else iteration
+    iteration = newest_iteration(root) if iteration is None else iteration
     if iteration is None:
         raise CheckpointError(f"no checkpoint in {root}: point --load at a directory written by --save")
+    _refuse_megatron(checkpoint_dir(root, iteration))
     record = read_record(checkpoint_dir(root, iteration) / META)
     return {**record["meta"], "iteration": record["iteration"]}
 
@@ -462,13 +494,18 @@ def read_dcp_metadata(directory: Path) -> Any:
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    check_data_files(directory, needed)
+    return metadata
+
+
+def check_data_files(directory: Path, needed: dict[str, int]) -> None:
+    """Each data file named in ``needed`` exists in ``directory`` and holds at least its bytes."""
     for name, size in sorted(needed.items()):
         data = directory / name
         if not data.is_file():
             raise CheckpointError(f"checkpoint file {data} is missing")
         if data.stat().st_size < size:
             raise CheckpointError(f"checkpoint file {data} is truncated ({data.stat().st_size} of {size} bytes)")
-    return metadata
 
 
 # Keys named after a parameter: the ones a change of model shows up in. The loss scaler's entries

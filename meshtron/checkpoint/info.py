@@ -13,10 +13,10 @@ from meshtron.checkpoint.checkpoint import (
     CheckpointError,
     checkpoint_dir,
     latest_iteration,
-    list_iterations,
     read_dcp_metadata,
     read_record,
 )
+from meshtron.checkpoint.save_dir import list_iterations
 from meshtron.checkpoint.integrity import verify
 
 

@@ -8,6 +8,7 @@ run through the model once (prefill), then each new token costs one single-posit
 from __future__ import annotations
 
 import re
+import sys
 from typing import Callable
 
 import torch
@@ -170,6 +171,8 @@ def generate_from_checkpoint(
     followed by its continuation (T5: the decoder's output for ``prompt``, whose ``<extra_id_N>``
     markers are the sentinels). Unlike ``hf-export``, which streams the checkpoint tensor by tensor,
     this loads the whole model into one process: generating needs every weight in memory anyway."""
+    if max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
     saved = load_saved_model(load_dir, iteration)
     model, tokenizer, cfg = saved.model, saved.tokenizer, saved.config
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
@@ -178,4 +181,9 @@ def generate_from_checkpoint(
     if cfg.model.model_type == "t5":  # the prompt is the encoder's input; the output, the decoder's
         ids = generate_encoder_decoder(model, encode_with_sentinels(tokenizer, prompt), max_new_tokens, tokenizer.bos, tokenizer.eos, **sampling)
         return tokenizer.decode(ids)
-    return prompt + tokenizer.decode(generate(model, tokenizer.encode(prompt), max_new_tokens, eod=tokenizer.eod, **sampling))
+    ids = tokenizer.encode(prompt)
+    room = model.max_positions - len(ids)
+    if max_new_tokens > room:
+        print(f"note: the model has {model.max_positions} positions: at most {max(room, 0)} new tokens follow the "
+              f"{len(ids)}-token prompt, not {max_new_tokens}", file=sys.stderr)  # fmt: skip
+    return prompt + tokenizer.decode(generate(model, ids, max_new_tokens, eod=tokenizer.eod, **sampling))

@@ -1,4 +1,5 @@
-"""FP8 linear layers for training: e4m3 forward, e5m2 ("hybrid") or e4m3 gradients, scaled by
+"""FP8 linear layers for training: e4m3 forward, e5m2 ("hybrid") or e4m3 gradients (the OCP
+formats, or the fnuz ones on AMD gfx942: ``fp8_scaling.FP8_FAMILIES``), scaled by
 one of the recipes of ``meshtron.kernels.fp8_scaling`` (delayed, tensorwise, rowwise), on
 ``torch._scaled_mm``; or torchao's ``convert_to_float8_training`` (tensorwise only) when installed.
 
@@ -27,7 +28,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshtron.kernels.fp8_scaling import Fp8Recipe, Fp8Scaling, grad_dtype
+from meshtron.kernels import platform
+from meshtron.kernels.fp8_scaling import (
+    Fp8Recipe,
+    Fp8Scaling,
+    grad_dtype,
+    platform_family,
+)
+from meshtron.kernels.linear_swap import replace_linears, with_parameters_of
 
 _GEMM_MULTIPLE = 16
 
@@ -95,8 +103,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8
 
 
 class Fp8Linear(nn.Linear):
-    """An ``nn.Linear`` whose GEMMs run in FP8; ``apply_fp8`` turns linears into it in place and
-    gives each its ``fp8`` scaling state (the parameters, their names and the state dict stay
+    """An ``nn.Linear`` whose GEMMs run in FP8; ``apply_fp8`` puts one in each linear's place (same
+    parameters) and gives each its ``fp8`` scaling state (the parameters, their names and the state dict stay
     those of the ``nn.Linear``: the state's histories are not persistent)."""
 
     fp8: Fp8Scaling
@@ -111,15 +119,11 @@ def torchao_available() -> bool:
 
 
 def check_fp8_device(device: torch.device) -> None:
-    """Fail before building anything where no FP8 GEMM exists (the CPU, GPUs before sm_89)."""
-    if device.type != "cuda":
-        raise ValueError(
-            f"--fp8-format needs a GPU with FP8 tensor cores (NVIDIA sm_89+ such as H100, or AMD MI300); "
-            f"this run is on '{device.type}'. Drop --fp8-format to train in bf16/fp32."
-        )
-    if torch.version.hip is None and torch.cuda.get_device_capability(device) < (8, 9):
-        name = torch.cuda.get_device_name(device)
-        raise ValueError(f"--fp8-format needs FP8 tensor cores (sm_89+); {name} has none. Drop --fp8-format.")
+    """Fail before building anything where no FP8 GEMM exists (the CPU, NVIDIA before sm_89, AMD
+    before MI300: ``platform.fp8_refusal``)."""
+    refusal = platform.fp8_refusal(device)
+    if refusal:
+        raise ValueError(refusal)
 
 
 def apply_fp8(blocks: nn.Module, recipe: Fp8Recipe, backend: str = "auto") -> str:
@@ -129,15 +133,16 @@ def apply_fp8(blocks: nn.Module, recipe: Fp8Recipe, backend: str = "auto") -> st
     ``backend``: ``torchao`` (its Float8Linear, tensorwise recipe: e4m3 forward, e5m2 gradients,
     so only ``hybrid`` and ``tensorwise``), ``meshtron`` (``Fp8Linear`` above; tensor-parallel
     linears get their ``fp8`` state and call the same function), or ``auto``: torchao where it
-    applies (installed, hybrid tensorwise, no tensor-parallel layer), else meshtron. Returns the
+    applies (installed, hybrid tensorwise, no tensor-parallel layer, the OCP formats: not on
+    gfx942, whose fnuz formats meshtron's path is tested with), else meshtron. Returns the
     backend used.
     """
     grad_dtype(recipe.format)  # validates the format
-    plain = [m for m in blocks.modules() if type(m) is nn.Linear]
     parallel = [m for m in blocks.modules() if hasattr(m, "fp8") and not isinstance(m, nn.Linear)]
     torchao_fits = recipe.format == "hybrid" and recipe.recipe == "tensorwise" and not parallel
     if backend == "auto":
-        backend = "torchao" if torchao_available() and torchao_fits else "meshtron"
+        ocp = platform_family() == "ocp"
+        backend = "torchao" if torchao_available() and torchao_fits and ocp else "meshtron"
     if backend == "torchao":
         if not torchao_fits:
             raise ValueError("the torchao FP8 backend takes --fp8-format hybrid --fp8-recipe tensorwise without tensor "
@@ -146,10 +151,12 @@ def apply_fp8(blocks: nn.Module, recipe: Fp8Recipe, backend: str = "auto") -> st
 
         convert_to_float8_training(blocks, module_filter_fn=lambda m, _: fp8_shapes_ok(m.in_features, m.out_features))
         return backend
-    for module in plain:
-        if fp8_shapes_ok(module.in_features, module.out_features):
-            module.__class__ = Fp8Linear
-            module.fp8 = Fp8Scaling(recipe, module.weight.device)
+    def fp8_linear(linear: nn.Linear) -> Fp8Linear:
+        new = with_parameters_of(Fp8Linear, linear)
+        new.fp8 = Fp8Scaling(recipe, linear.weight.device)
+        return new
+
+    replace_linears(blocks, fp8_linear, keep=lambda m: fp8_shapes_ok(m.in_features, m.out_features))
     for module in parallel:
         module.fp8 = Fp8Scaling(recipe, module.weight.device)
     return backend

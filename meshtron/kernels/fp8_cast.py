@@ -4,7 +4,7 @@ Two paths with the same numbers: the reference in torch ops (the CPU, and GPUs w
 and ``meshtron.kernels.triton_fp8_cast``'s one-pass kernel, run as the custom op
 ``meshtron::fp8_cast`` so that ``torch.compile`` keeps it as one opaque call instead of tracing
 into Triton. Both compute ``t * scale`` in fp32, round it to ``t``'s dtype, clamp it to the
-format's range (e4m3fn has no infinity) and round it to FP8; the amax is the largest ``|t|``, in
+format's range (e4m3fn and the fnuz formats have no infinity) and round it to FP8; the amax is the largest ``|t|``, in
 fp32. (Not ``t * scale`` in ``t``'s dtype: a 0-d CUDA scale would be rounded to bf16 before the
 multiply, scaling by up to 0.4 % off the inverse scale the GEMM later applies.)
 """

@@ -11,6 +11,11 @@
   torchao's rowwise recipe), so every operand is cast twice, once per layout; all operands e4m3
   (``_scaled_mm``'s rowwise kernels take e4m3 only), the output bf16.
 
+Formats per platform: the OCP ``float8_e4m3fn`` / ``float8_e5m2`` (NVIDIA, AMD gfx950) or the
+fnuz ``float8_e4m3fnuz`` / ``float8_e5m2fnuz`` (AMD gfx942, MI300X: max 240 and 57344), chosen
+by ``meshtron.kernels.platform`` when a linear's scaling state is built; the scales follow the
+chosen format's maximum.
+
 Histories live in ``Fp8Scaling``, one per linear: device buffers, not persistent, so state dicts,
 checkpoints and exports do not change; a resumed run starts them empty and re-seeds them from its
 first step. Scales never leave the device (no host sync). A forward without grad (evaluation)
@@ -25,10 +30,11 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from meshtron.kernels import platform
 from meshtron.kernels.fp8_cast import fp8_cast
 
-E4M3 = torch.float8_e4m3fn
-E5M2 = torch.float8_e5m2
+# (e4m3, e5m2) of each FP8 family.
+FP8_FAMILIES = {"ocp": (torch.float8_e4m3fn, torch.float8_e5m2), "fnuz": (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)}
 FP8_FORMATS = ("hybrid", "e4m3")
 FP8_RECIPES = ("delayed", "tensorwise", "rowwise")
 AMAX_COMPUTE_ALGOS = ("most_recent", "max")
@@ -36,11 +42,17 @@ ROLES = ("input", "weight", "grad")  # the history rows of a linear
 AMAX_FLOOR = 1e-12  # an all-zero tensor gets a finite scale
 
 
-def grad_dtype(fp8_format: str) -> torch.dtype:
-    """The FP8 type of output gradients: e5m2 for ``hybrid``, e4m3 for ``e4m3``."""
+def grad_dtype(fp8_format: str, family: str = "ocp") -> torch.dtype:
+    """The FP8 type of output gradients: e5m2 for ``hybrid``, e4m3 for ``e4m3``, of ``family``."""
     if fp8_format not in FP8_FORMATS:
         raise ValueError(f"fp8 format must be one of {FP8_FORMATS}, got '{fp8_format}'")
-    return E5M2 if fp8_format == "hybrid" else E4M3
+    e4m3, e5m2 = FP8_FAMILIES[family]
+    return e5m2 if fp8_format == "hybrid" else e4m3
+
+
+def platform_family(device: torch.device | str | None = None) -> str:
+    """The FP8 family of ``device`` (a meta or CPU device: the current GPU's, else OCP)."""
+    return "fnuz" if platform.fp8_fnuz(device) else "ocp"
 
 
 @dataclass(frozen=True)
@@ -69,12 +81,16 @@ def _scale(amax: torch.Tensor, fmax: float, margin: int = 0) -> torch.Tensor:
 
 
 class Fp8Scaling(nn.Module):
-    """The scaling state of one FP8 linear: its recipe, and for ``delayed`` the amax histories
-    (rows: input, weight, output gradient; column 0 the most recent)."""
+    """The scaling state of one FP8 linear: its recipe, its FP8 family (``FP8_FAMILIES``; None:
+    the platform's), and for ``delayed`` the amax histories (rows: input, weight, output
+    gradient; column 0 the most recent)."""
 
-    def __init__(self, recipe: Fp8Recipe, device: torch.device | str | None = None):
+    def __init__(self, recipe: Fp8Recipe, device: torch.device | str | None = None, family: str | None = None):
         super().__init__()
         self.recipe = recipe
+        self.family = platform_family(device) if family is None else family
+        if self.family not in FP8_FAMILIES:
+            raise ValueError(f"FP8 family must be one of {tuple(FP8_FAMILIES)}, got '{self.family}'")
         grad_dtype(recipe.format)  # validates the format
         if recipe.recipe not in FP8_RECIPES:
             raise ValueError(f"fp8 recipe must be one of {FP8_RECIPES}, got '{recipe.recipe}'")
@@ -91,8 +107,8 @@ class Fp8Scaling(nn.Module):
 
     def dtype(self, role: str) -> torch.dtype:
         if role == "grad" and self.recipe.recipe != "rowwise":
-            return grad_dtype(self.recipe.format)
-        return E4M3
+            return grad_dtype(self.recipe.format, self.family)
+        return FP8_FAMILIES[self.family][0]
 
     def quantize(self, t: torch.Tensor, role: str, rows: bool, transposed: bool, seeded: bool, update: bool) -> Quantized:
         """``t`` [n, k] as ``role``: the row-major copy (for GEMMs reducing over k) and/or the

@@ -30,6 +30,7 @@ from torch import nn
 
 from meshtron.kernels.fp8 import linear as fp8_linear
 from meshtron.kernels.fp8_scaling import Fp8Scaling
+from meshtron.kernels.linear_swap import replace_linears, with_parameters_of
 
 
 @functools.cache
@@ -115,8 +116,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8
 
 
 class FusedWgradLinear(nn.Linear):
-    """An ``nn.Linear`` whose weight gradient goes straight into ``main_grad``; made in place by
-    ``apply_gradient_accumulation_fusion`` (parameters, names and state dict unchanged)."""
+    """An ``nn.Linear`` whose weight gradient goes straight into ``main_grad``; put in each plain
+    linear's place by ``apply_gradient_accumulation_fusion`` (same parameters, names and state dict)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, fuse=True)
@@ -124,14 +125,13 @@ class FusedWgradLinear(nn.Linear):
 
 def apply_gradient_accumulation_fusion(blocks: nn.Module, heads: list[nn.Module] = ()) -> None:
     """Fuse the weight gradients of the linears under ``blocks`` (the transformer blocks): plain
-    ``nn.Linear`` become ``FusedWgradLinear``, the tensor-parallel linears and the MoE experts get
+    ``nn.Linear`` are replaced by ``FusedWgradLinear`` (same parameters), the tensor-parallel linears and the MoE experts get
     ``grad_accum_fusion = True``; so do ``heads`` (output layers, whose loss has a fused path of its
     own). An output layer whose weight is tied to the embedding keeps the ordinary path at call
     time, as autograd must add the two gradients of that one weight."""
+    replace_linears(blocks, lambda linear: with_parameters_of(FusedWgradLinear, linear))
     for module in blocks.modules():
-        if type(module) is nn.Linear:
-            module.__class__ = FusedWgradLinear
-        elif hasattr(module, "grad_accum_fusion"):
+        if hasattr(module, "grad_accum_fusion"):
             module.grad_accum_fusion = True
     for head in heads:
         head.grad_accum_fusion = True

@@ -17,8 +17,10 @@ import triton
 import triton.language as tl
 
 _BLOCK = 64  # a 64 x 64 tile: the transposed store stays coalesced after Triton's layout change
-# Mantissa bits and smallest normal exponent of each format the kernel rounds to, for the interpreter.
-_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14), torch.bfloat16: (7, -126), torch.float16: (10, -14)}
+# Mantissa bits and smallest normal exponent of each format the kernel rounds to, for the
+# interpreter: the OCP FP8 formats, the fnuz ones (AMD gfx942: exponent bias one higher), bf16, fp16.
+_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14), torch.float8_e4m3fnuz: (3, -7),
+         torch.float8_e5m2fnuz: (2, -15), torch.bfloat16: (7, -126), torch.float16: (10, -14)}  # fmt: skip
 
 
 @triton.jit

@@ -41,19 +41,51 @@ import torch
 import triton
 import triton.language as tl
 
+from meshtron.kernels import platform
+
+
 def _configs(tiles: list[tuple[int, int, int, int, int]]) -> list:
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s) for bm, bn, bk, w, s in tiles]
 
 
-# Tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) for bf16 on an H100 at DeepSeek-V2-Lite's expert
-# shapes (K, N of 2048 and 2816/1408): the fastest of benchmarks/b4_grouped_sweep.py's candidates.
-_ROW_CONFIGS = _configs([(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4)])
-_WEIGHT_GRAD_CONFIGS = _configs([(32, 256, 128, 8, 4), (32, 128, 128, 4, 4), (64, 128, 256, 8, 3), (64, 128, 128, 8, 4), (64, 64, 128, 4, 4)])
+# bf16/fp16 tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) per tile family of ``platform.TARGETS``,
+# as (rows kernel, weight-gradient kernel):
+# - nvidia: on an H100 at DeepSeek-V2-Lite's expert shapes (K, N of 2048 and 2816/1408), the
+#   fastest of benchmarks/b4_grouped_sweep.py's candidates;
+# - cdna (gfx90a, gfx942: 64 KiB of LDS): MFMA-sized tiles (multiples of 32) of 4 or 8 wavefronts
+#   of 64, two stages (one LDS buffer on AMD), each within 64 KiB for the compiled kernel;
+# - cdna4 (gfx950: 160 KiB of LDS): cdna's and the larger ones that then fit.
+# The AMD lists are chosen to fit, not timed (no AMD GPU here); the CI compile check
+# (tests/unit/test_compile_targets.py) holds every tile to its target's memory.
+_CDNA_ROWS = [(128, 128, 64, 8, 2), (128, 128, 32, 4, 2), (64, 128, 64, 4, 2), (128, 64, 64, 4, 2), (64, 64, 64, 4, 2)]
+_CDNA_WEIGHT_GRAD = [(32, 128, 128, 4, 2), (64, 128, 128, 8, 2), (64, 128, 64, 4, 2), (64, 64, 128, 4, 2), (32, 64, 64, 4, 2)]
+_TILES = {
+    "nvidia": (_configs([(128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4)]),
+               _configs([(32, 256, 128, 8, 4), (32, 128, 128, 4, 4), (64, 128, 256, 8, 3), (64, 128, 128, 8, 4), (64, 64, 128, 4, 4)])),
+    "cdna": (_configs(_CDNA_ROWS), _configs(_CDNA_WEIGHT_GRAD)),
+    "cdna4": (_configs([(256, 256, 64, 8, 2), (128, 256, 64, 8, 2), (128, 128, 64, 8, 3)] + _CDNA_ROWS),
+              _configs([(64, 256, 128, 8, 2), (64, 128, 256, 8, 2)] + _CDNA_WEIGHT_GRAD)),
+}  # fmt: skip
 
-# fp32 inputs multiply in full fp32 (FMA, no tensor cores): small tiles.
+# fp32 inputs multiply in full fp32 (FMA on NVIDIA, fp32 MFMA on AMD): small tiles, on every target.
 _FP32_ROW_CONFIGS = _configs([(64, 64, 32, 4, 3), (32, 64, 32, 4, 3)])
 _FP32_WEIGHT_GRAD_CONFIGS = _configs([(32, 64, 64, 4, 3), (32, 64, 32, 4, 3)])
-_FP32_CONFIGS = _FP32_ROW_CONFIGS + _FP32_WEIGHT_GRAD_CONFIGS
+
+
+def tile_configs(kernel: str, family: str, ieee: bool) -> list:
+    """The tiles autotuning tries for ``kernel`` ("rows" or "weight_grad") on a target of tile
+    ``family``: fp32 (IEEE) only the small ones, whose unrolled FMA code compiles in seconds (the
+    large tiles took minutes each on an H100, most not fitting), bf16/fp16 the family's."""
+    if ieee:
+        return _FP32_ROW_CONFIGS if kernel == "rows" else _FP32_WEIGHT_GRAD_CONFIGS
+    rows, weight_grad = _TILES[family]
+    return rows if kernel == "rows" else weight_grad
+
+
+def _all_configs(kernel: str) -> list:
+    """Every tile of ``kernel`` over the families, once each: the autotuner's list, pruned per launch."""
+    return list(dict.fromkeys(c for family in _TILES for ieee in (False, True) for c in tile_configs(kernel, family, ieee)))
+
 
 # The TMA kernel's tiles (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, flatten the tile loop, store in
 # two halves): the fastest of b4_grouped_sweep.py --candidates on an H100 at the same shapes (the
@@ -204,21 +236,26 @@ def _weight_grad_kernel(
     tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
 
 
-def _for_precision(configs: list, named_args: dict, **kwargs) -> list:
-    """The tiles autotuning tries: fp32 (IEEE, no tensor cores) only the small ones, whose unrolled
-    FMA code compiles in seconds (the large tiles took minutes each, most not fitting the shared
-    memory), bf16/fp16 only the tensor-core tiles."""
-    ieee = named_args.get("IEEE", kwargs.get("IEEE"))
-    return [c for c in configs if (c in _FP32_CONFIGS) == bool(ieee)]
+def _pruner(kernel: str):
+    """The autotuner's ``early_config_prune`` for ``kernel``: the tiles of the launching device's
+    family and the inputs' precision (``tile_configs``), chosen at run time."""
+
+    def prune(configs: list, named_args: dict, **kwargs) -> list:
+        ieee = bool(named_args.get("IEEE", kwargs.get("IEEE")))
+        device = next(v.device for v in named_args.values() if isinstance(v, torch.Tensor))
+        allowed = tile_configs(kernel, platform.target(device).tiles, ieee)
+        return [c for c in configs if c in allowed]
+
+    return prune
 
 
-_rows_tuned = triton.autotune(configs=_ROW_CONFIGS + _FP32_ROW_CONFIGS, key=["N", "K", "E", "IEEE"],
-                              prune_configs_by={"early_config_prune": _for_precision})(_rows_kernel)  # fmt: skip
+_rows_tuned = triton.autotune(configs=_all_configs("rows"), key=["N", "K", "E", "IEEE"],
+                              prune_configs_by={"early_config_prune": _pruner("rows")})(_rows_kernel)  # fmt: skip
 _rows_tma_tuned = triton.autotune(configs=_ROW_TMA_CONFIGS, key=["N", "K", "E", "TRANSPOSE_W"])(_rows_tma_kernel)
 # Autotuning times each config on the real output: restore_value keeps an accumulating dW from
 # collecting every trial's product.
-_weight_grad_tuned = triton.autotune(configs=_WEIGHT_GRAD_CONFIGS + _FP32_WEIGHT_GRAD_CONFIGS, key=["N", "K", "IEEE", "ACCUMULATE"],
-                                     restore_value=["dw_ptr"], prune_configs_by={"early_config_prune": _for_precision})(_weight_grad_kernel)  # fmt: skip
+_weight_grad_tuned = triton.autotune(configs=_all_configs("weight_grad"), key=["N", "K", "IEEE", "ACCUMULATE"], restore_value=["dw_ptr"],
+                                     prune_configs_by={"early_config_prune": _pruner("weight_grad")})(_weight_grad_kernel)  # fmt: skip
 
 
 def _interpreted() -> bool:

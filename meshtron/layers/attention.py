@@ -20,6 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from meshtron.config import ModelConfig, recomputes_core_attention
+from meshtron.kernels import platform
 from meshtron.layers.document_attention import flex_document_attention, uses_flex
 from meshtron.layers.kv_cache import KVCache
 from meshtron.layers.norms import FullWidthRMSNorm, build_norm
@@ -32,10 +33,24 @@ _SDPA_KERNELS = {
     "flash": SDPBackend.FLASH_ATTENTION,
     "efficient": SDPBackend.EFFICIENT_ATTENTION,
 }
-# ``auto`` on a GPU: cuDNN first (on an H100, causal d128 fwd+bwd: cuDNN 419 TFLOP/s, flash 239,
-# mem-efficient 121; see BENCHMARKS.md), then whatever takes the inputs. ROCm has no cuDNN and
-# starts at flash.
-_AUTO_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def auto_order() -> list[SDPBackend]:
+    """``auto``'s SDPA kernels on a GPU, first choice first: cuDNN (on an H100, causal d128
+    fwd+bwd: cuDNN 419 TFLOP/s, flash 239, mem-efficient 121; see BENCHMARKS.md), then whatever
+    takes the inputs. ROCm has no cuDNN attention and starts at flash (AOTriton or CK)."""
+    fused = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return [SDPBackend.CUDNN_ATTENTION, *fused] if platform.cudnn_attention() else fused
+
+
+def pads_values(backend: str, device: torch.device, qk_dim: int, v_dim: int) -> bool:
+    """Whether values narrower than q/k (MLA's 128 against 192) are zero-padded to their width for
+    flash, which takes only equal widths: under ``flash``, and under ``auto`` on a GPU without
+    cuDNN attention (ROCm: padded flash rather than the memory-efficient kernel, 6.2 ms against
+    28 ms on an H100, see layers/mla.py; where cuDNN exists it takes the widths as they are)."""
+    if v_dim >= qk_dim:
+        return False
+    return backend == "flash" or (backend == "auto" and device.type == "cuda" and not platform.cudnn_attention())
 
 
 def sdpa_backends(backend: str, device: torch.device) -> contextlib.AbstractContextManager:
@@ -44,7 +59,7 @@ def sdpa_backends(backend: str, device: torch.device) -> contextlib.AbstractCont
     if backend in _SDPA_KERNELS:
         return sdpa_kernel([_SDPA_KERNELS[backend]])
     if backend == "auto" and device.type == "cuda":
-        return sdpa_kernel(_AUTO_ORDER, set_priority=True)
+        return sdpa_kernel(auto_order(), set_priority=True)
     return contextlib.nullcontext()
 
 
@@ -155,7 +170,7 @@ class CoreAttention(nn.Module):
         gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
         scale = {"scale": self.scale} if self.scale is not None else {}
         v_dim = v.shape[-1]
-        if self.backend == "flash" and v_dim != q.shape[-1]:  # flash takes equal dims: zero columns of v give zero outputs
+        if pads_values(self.backend, q.device, q.shape[-1], v_dim):  # zero columns of v give zero outputs
             v = F.pad(v, (0, q.shape[-1] - v_dim))
         with sdpa_backends(self.backend, q.device):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None and self.causal, **gqa, **scale)

@@ -41,8 +41,9 @@ Attention runs through ``SelfAttentionBase`` with qk dim 192 and v dim 128 as th
 H100 (torch 2.11, cuDNN 9.19; b 4, 16 heads, 4096 causal, bf16, fwd+bwd) SDPA's cuDNN kernel takes
 them in 3.0 ms, its flash kernel refuses unequal dims (6.2 ms with v padded to 192), the
 memory-efficient one takes them in 28 ms; ``auto`` tries cuDNN first. ``--attention-backend flash``
-(what ROCm, without cuDNN, and its launch scripts use) pads v with zeros to the qk dim and drops
-the extra output columns (``CoreAttention``), which changes nothing in the result.
+(what ROCm's launch scripts use), and ``auto`` where there is no cuDNN (ROCm), pad v with zeros to
+the qk dim and drop the extra output columns (``CoreAttention``, ``attention.pads_values``), which
+changes nothing in the result.
 """
 
 from __future__ import annotations

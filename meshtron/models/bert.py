@@ -20,7 +20,6 @@ Its batch is ``meshtron.data.bert_dataset``'s: ``tokens``, ``types``, ``labels``
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -32,7 +31,7 @@ from meshtron.layers.norms import build_norm
 from meshtron.layers.output import OutputLayer
 from meshtron.models import contract as c
 from meshtron.models.decoder import RESIDUAL_OUTPUTS, TransformerBlock, decoder_plan
-from meshtron.models.init import init_by_name
+from meshtron.models.init import WeightInit, init_weights
 
 SOP_LOSS = "sop_loss"  # the auxiliary term's name in logs
 
@@ -79,11 +78,8 @@ class BertEncoder(c.ModelFamily):
         self.embedding_dropout = nn.Dropout(cfg.hidden_dropout)
         self.layers = nn.ModuleList(TransformerBlock(cfg, i, causal=False) for i in range(cfg.num_layers))
         self.final_norm = build_norm(cfg.normalization, h, cfg.norm_epsilon, cfg.fused_kernels)
-
-    def init_weights(self, seed: int | None = None) -> None:
-        """The decoder's rule: N(0, std), residual outputs std / sqrt(2 * layers), zero biases, unit norms."""
-        std = self.cfg.init_method_std
-        init_by_name(self, std, std / math.sqrt(2 * self.cfg.num_layers), RESIDUAL_OUTPUTS, seed)
+        # The decoder's rule; subclasses call ``init_weights`` once their heads exist.
+        self.weight_init = WeightInit.scaled_by_depth(cfg.init_method_std, cfg.num_layers, RESIDUAL_OUTPUTS)
 
     def parallel_plan(self) -> c.Plan:
         """The decoder's: the blocks, embedding, positions and output layer are the same modules
@@ -121,7 +117,7 @@ class Bert(BertEncoder, c.TokenLossModel):
         self.first_token = FirstToken() if binary else None
         self.pooler = nn.Linear(h, h) if binary else None
         self.binary_head = nn.Linear(h, 2) if binary else None
-        self.init_weights()
+        init_weights(self, self.weight_init)
 
     # ------------------------------------------------------------------ one process: read top to bottom
 

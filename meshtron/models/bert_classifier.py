@@ -12,6 +12,7 @@ from torch import nn
 
 from meshtron.config import ModelConfig
 from meshtron.models.bert import Bert, BertEncoder, tokentype_rows
+from meshtron.models.init import init_weights
 
 HEAD_PARAMETERS = {"pooler.weight", "pooler.bias", "classification_head.weight", "classification_head.bias"}
 
@@ -25,7 +26,7 @@ class BertClassifier(BertEncoder):
         self.pooler = nn.Linear(h, h)
         self.classifier_dropout = nn.Dropout(cfg.hidden_dropout)
         self.classification_head = nn.Linear(h, num_classes)
-        self.init_weights()
+        init_weights(self, self.weight_init)
 
     @classmethod
     def from_bert(cls, bert: Bert, num_classes: int) -> "BertClassifier":

@@ -22,12 +22,15 @@ Everything here is layout-free: sizes of a parallel dimension enter only through
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from meshtron.kernels.fp8_recompute import recompute_contexts
 
 Batch = dict[str, torch.Tensor]
 Carry = dict[str, torch.Tensor]
@@ -408,6 +411,7 @@ class ModelFamily(nn.Module):
     """
 
     recompute: Any = None  # (granularity, method, num_layers) when full recompute is on
+    weight_init: Any = None  # models.init.WeightInit: how its parameters are drawn, whole or one shard at a time
 
     def parallel_plan(self) -> Plan:
         raise NotImplementedError
@@ -477,7 +481,8 @@ class ModelFamily(nn.Module):
             plain = min(n, len(blocks))
         aux: dict[str, torch.Tensor] = {}
         for start, end in spans:
-            carry, span_aux = checkpoint(self.run_blocks, carry, inputs, blocks[start:end], use_reentrant=False)
+            carry, span_aux = checkpoint(self.run_blocks, carry, inputs, blocks[start:end], use_reentrant=False,
+                                         context_fn=functools.partial(recompute_contexts, blocks[start:end]))  # fmt: skip
             _add_terms(aux, span_aux)
         if plain < len(blocks):
             carry, span_aux = self.run_blocks(carry, inputs, blocks[plain:])

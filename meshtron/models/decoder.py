@@ -9,7 +9,7 @@ without knowing any of its attribute names.
 
 from __future__ import annotations
 
-import math
+import functools
 from typing import Any
 
 import torch
@@ -17,17 +17,22 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from meshtron.config import ModelConfig
+from meshtron.kernels.fp8_recompute import recompute_contexts
 from meshtron.layers.attention import Attention, head_dim, num_kv_heads, qk_norm_widths
 from meshtron.layers.kv_cache import KVCache, KVCacheBase, LatentKVCache
-from meshtron.layers.mla import MultiLatentAttention, mla_parameter_count, rope_table_dim
+from meshtron.layers.mla import (
+    MultiLatentAttention,
+    mla_parameter_count,
+    rope_table_dim,
+)
 from meshtron.layers.mlp import MLP, ffn_hidden_size
-from meshtron.layers.moe import EXPERT_WEIGHTS, MoELayer, init_expert_weights, moe_layer_pattern
+from meshtron.layers.moe import EXPERT_WEIGHTS, MoELayer, moe_layer_pattern
 from meshtron.layers.moe.experts import expert_ffn_hidden_size
 from meshtron.layers.norms import build_norm
 from meshtron.layers.output import OutputLayer
 from meshtron.layers.rope import rope_tables
 from meshtron.models import contract as c
-from meshtron.models.init import init_by_name
+from meshtron.models.init import WeightInit, init_weights
 
 # Output projections of each block: initialized with std / sqrt(2 * num_layers) so the residual
 # stream's variance does not grow with depth (GPT-2, Megatron's ``output_layer_init_method``).
@@ -75,7 +80,7 @@ class TransformerBlock(nn.Module):
         x = (normed if self.residual_after_norm else x) + self.dropout(attn)
         normed = self.pre_mlp_layernorm(x)
         if self.recompute_mlp and torch.is_grad_enabled():  # --moe-layer-recompute: the jitter's RNG state is replayed
-            mlp = checkpoint(self.mlp, normed, use_reentrant=False)
+            mlp = checkpoint(self.mlp, normed, use_reentrant=False, context_fn=functools.partial(recompute_contexts, [self.mlp]))
         else:
             mlp = self.mlp(normed)
         return (normed if self.residual_after_norm else x) + self.dropout(mlp)
@@ -184,19 +189,10 @@ class Decoder(c.TokenLossModel):
         # RoPE tables stay fp32 and out of the state dict: a buffer would be cast to bf16 along
         # with the weights by ``model.to(torch.bfloat16)``. Built per device on first use.
         self._rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.init_weights()
-
-    def init_weights(self, seed: int | None = None) -> None:
-        """N(0, std) weights (residual outputs scaled by 1/sqrt(2 * layers)), zero biases, unit
-        norms; each tensor keyed by the seed and its name, so every layout draws the same."""
-        std = self.cfg.init_method_std
-        residual_std = std / math.sqrt(2 * self.cfg.num_layers)
-        init_by_name(self, std, residual_std, RESIDUAL_OUTPUTS, seed)
-        # Stacked expert weights: one draw per global expert id, so expert parallelism changes nothing.
-        seed = torch.initial_seed() if seed is None else seed
-        for name, param in self.named_parameters():
-            if name.endswith(EXPERT_WEIGHTS):
-                init_expert_weights(param, name, seed, residual_std if name.endswith(EXPERT_WEIGHTS[1]) else std)
+        # Stacked expert weights draw one tensor per global expert id; their fc2 is a residual output too.
+        self.weight_init = WeightInit.scaled_by_depth(cfg.init_method_std, cfg.num_layers, RESIDUAL_OUTPUTS + EXPERT_WEIGHTS[1:],
+                                                      EXPERT_WEIGHTS)  # fmt: skip
+        init_weights(self, self.weight_init)
 
     # ------------------------------------------------------------------ one process: read top to bottom
 

@@ -38,7 +38,7 @@ from meshtron.config import Config, ModelConfig
 from meshtron.models import contract as c
 from meshtron.models.bert import BertEncoder, FirstToken, bert_config_errors, tokentype_rows
 from meshtron.models.decoder import RESIDUAL_OUTPUTS
-from meshtron.models.init import init_by_name
+from meshtron.models.init import WeightInit, init_weights
 
 SIDES = ("query", "context")
 
@@ -69,8 +69,8 @@ class ICT(c.ModelFamily):
         self.projections = nn.ModuleDict({n: nn.Linear(cfg.hidden_size, dim) for n in names}) if dim else None
         self.first_token = FirstToken()
         self.candidates = InBatchCandidates()
-        std = cfg.init_method_std
-        init_by_name(self, std, std / math.sqrt(2 * cfg.num_layers), RESIDUAL_OUTPUTS)
+        self.weight_init = WeightInit.scaled_by_depth(cfg.init_method_std, cfg.num_layers, RESIDUAL_OUTPUTS)
+        init_weights(self, self.weight_init)
 
     def tower_name(self, side: str) -> str:
         return "shared" if "shared" in self.towers else side

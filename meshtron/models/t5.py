@@ -32,7 +32,6 @@ block norms the output every decoder block reads.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -48,7 +47,7 @@ from meshtron.layers.output import OutputLayer
 from meshtron.layers.relative_position import RelativePositionBias
 from meshtron.models import contract as c
 from meshtron.models.decoder import RESIDUAL_OUTPUTS, TransformerBlock, decoder_plan
-from meshtron.models.init import init_by_name
+from meshtron.models.init import WeightInit, init_weights
 
 Memory = list[tuple[torch.Tensor, torch.Tensor]]  # per decoder block: the cross-attention's keys and values
 
@@ -117,13 +116,8 @@ class T5(c.TokenLossModel):
         self.layers = nn.ModuleList([*encoder, *(T5DecoderBlock(cfg, i) for i in range(self.num_decoder_layers))])
         self.final_norm = build_norm(cfg.normalization, h, cfg.norm_epsilon, cfg.fused_kernels)
         self.output = OutputLayer(h, self.padded_vocab_size, cfg.tie_embeddings, cfg.fused_kernels, bias=True, vocab_size=vocab_size)
-        self.init_weights()
-
-    def init_weights(self, seed: int | None = None) -> None:
-        """The decoder's rule: N(0, std), residual outputs (the cross-attention's included) std /
-        sqrt(2 * num_layers), zero biases, unit norms."""
-        std = self.cfg.init_method_std
-        init_by_name(self, std, std / math.sqrt(2 * self.cfg.num_layers), RESIDUAL_OUTPUTS, seed)
+        self.weight_init = WeightInit.scaled_by_depth(cfg.init_method_std, cfg.num_layers, RESIDUAL_OUTPUTS)
+        init_weights(self, self.weight_init)
 
     # ------------------------------------------------------------------ one process: read top to bottom
 

@@ -57,6 +57,8 @@ import torch.distributed as dist
 from torch import nn
 
 from meshtron.errors import ConfigError
+from meshtron.parallel import cp_block_kernels
+from meshtron.parallel.cp_block_kernels import KERNEL_CHOICES
 from meshtron.parallel.mesh import Mesh
 from meshtron.parallel.tensor_parallel import all_gather_sequence, reduce_scatter_sequence
 
@@ -231,83 +233,6 @@ class _MathBlocks:
         return dq, dk.squeeze(2), dv.squeeze(2)
 
 
-# The fused path: PyTorch's attention kernels that return the log-sum-exp, on SDPA's
-# [b, heads, s, d] views. Dropout is 0 (context parallelism refuses attention dropout), so the
-# random-number state the kernels return is a placeholder, handed back to their backward as is.
-
-
-class FlashKernel:
-    """PyTorch's flash-attention 2 (``aten._scaled_dot_product_flash_attention`` and its backward).
-    Grouped heads are native: the kernel reads each kv head for its group and sums its gradient."""
-
-    @staticmethod
-    def forward(q, k, v, causal: bool, scale: float):
-        out, lse, cum_q, cum_k, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
-            q, k, v, 0.0, causal, False, scale=scale
-        )
-        return out, lse, (cum_q, cum_k, seed, offset)
-
-    @staticmethod
-    def backward(dout, q, k, v, out, lse, aux, causal: bool, scale: float):
-        cum_q, cum_k, seed, offset = aux
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse, cum_q, cum_k, q.shape[2], k.shape[2], 0.0, causal, seed, offset, scale=scale
-        )
-
-
-class CudnnKernel:
-    """cuDNN's fused attention (``aten._scaled_dot_product_cudnn_attention``). The raw op is not
-    documented to take grouped heads, so k/v are repeated to the query heads and their gradients
-    summed over each group; its log-sum-exp comes as [b, heads, s, 1] in some releases."""
-
-    @staticmethod
-    def forward(q, k, v, causal: bool, scale: float):
-        group = q.shape[1] // k.shape[1]
-        k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
-        out, lse, cum_q, cum_k, _, _, seed, offset, _ = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q, k, v, None, True, 0.0, causal, False, scale=scale
-        )
-        return out, lse.flatten(2), (cum_q, cum_k, seed, offset, lse.dim())
-
-    @staticmethod
-    def backward(dout, q, k, v, out, lse, aux, causal: bool, scale: float):
-        cum_q, cum_k, seed, offset, lse_dims = aux
-        kv_heads, group = k.shape[1], q.shape[1] // k.shape[1]
-        k, v = (t.repeat_interleave(group, dim=1) for t in (k, v))
-        lse = lse if lse_dims == 3 else lse.unsqueeze(-1)
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            dout.contiguous(), q, k, v, out.contiguous(), lse, seed, offset, None, cum_q, cum_k, q.shape[2], k.shape[2],
-            0.0, causal, scale=scale,
-        )  # fmt: skip
-        return dq, dk.unflatten(1, (kv_heads, group)).sum(2), dv.unflatten(1, (kv_heads, group)).sum(2)
-
-
-BLOCK_KERNELS = {"flash": FlashKernel, "cudnn": CudnnKernel}
-KERNEL_CHOICES = ("auto", "math", *BLOCK_KERNELS)
-# cuDNN: 1.56-1.91x flash per block on an H200 (bf16, 32 heads, 8 kv heads, d 128, 4K and 16K blocks; RESULTS.md).
-AUTO_KERNEL = "cudnn"
-
-
-def _block_kernel(choice, q: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None):
-    """The fused kernel for these inputs, or None for the fp32 math path: a kernel runs on CUDA
-    in bf16/fp16 without packed documents. ``choice`` is a name of ``KERNEL_CHOICES`` or a kernel
-    object (tests pass a CPU stand-in with the kernels' conventions). Flash needs the value head
-    as wide as the query/key head; MLA's (192 / 128) takes cuDNN or the math path."""
-    if choice == "math" or document_ids is not None:
-        return None
-    if not isinstance(choice, str):
-        return choice
-    if choice not in KERNEL_CHOICES:
-        raise ConfigError(f"unknown context-parallel block kernel '{choice}': use one of {KERNEL_CHOICES}")
-    if q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16):
-        return None
-    kernel = AUTO_KERNEL if choice == "auto" else choice
-    if kernel == "flash" and v.shape[-1] != q.shape[-1]:
-        raise ConfigError(f"the flash block kernel needs equal q/k and v head dims, got {q.shape[-1]} and "
-                          f"{v.shape[-1]} (multi-latent attention); use --attention-backend cudnn or auto")  # fmt: skip
-    return BLOCK_KERNELS[kernel]
-
-
 class _FusedBlocks:
     """Blocks through a fused kernel on [b, heads, s, d] views of the [b, s, heads, d] tensors.
     Each block's output comes in q's dtype and is merged in fp32; its gradients come in q's dtype
@@ -394,7 +319,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, mesh: Mesh, causal: bool, document_ids, kernel, scale: float):
         n = mesh.cp
-        fused = _block_kernel(kernel, q, v, document_ids)
+        fused = cp_block_kernels.block_kernel(kernel, q, v, document_ids)
         if fused is None:
             blocks = _MathBlocks(k.shape[2], k.shape[-1], scale, _gather_documents(document_ids, mesh), mesh.cp_rank)
         else:
@@ -458,7 +383,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mesh: Mesh
     multiple of kv_heads; under tensor parallelism, this rank's heads), each the load-balanced
     shard that ``shard_batch_for_cp`` cuts, after RoPE. ``document_ids`` [b, s_local] (sharded
     alike) keeps attention inside documents. ``kernel`` picks the per-block implementation
-    (``_block_kernel``); ``scale`` multiplies the scores (None: 1/sqrt(d)). Returns
+    (``cp_block_kernels.block_kernel``); ``scale`` multiplies the scores (None: 1/sqrt(d)). Returns
     [b, s_local, heads, dv] in q's dtype; merged in fp32.
     """
     return _RingAttention.apply(q, k, v, mesh, causal, document_ids, kernel, scale or q.shape[-1] ** -0.5)
@@ -531,12 +456,12 @@ def allgather_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, me
                            document_ids: torch.Tensor | None = None, kernel="auto", scale: float | None = None) -> torch.Tensor:  # fmt: skip
     """``ring_attention``'s result by all-gathering k/v over cp and attending to all of them.
 
-    With a fused kernel (``_block_kernel``): ``_AllGatherAttention``. On the math path one masked
+    With a fused kernel (``cp_block_kernels.block_kernel``): ``_AllGatherAttention``. On the math path one masked
     attention over the gathered sequence, backward by autograd: the all-gather's backward
     reduce-scatters the k/v gradients, each rank having contributed its queries' share.
     """
     scale = scale or q.shape[-1] ** -0.5
-    fused = _block_kernel(kernel, q, v, document_ids)
+    fused = cp_block_kernels.block_kernel(kernel, q, v, document_ids)
     if fused is not None:
         return _AllGatherAttention.apply(q, k, v, mesh, causal, fused, scale)
     n, seq, kv_heads = mesh.cp, q.shape[1], k.shape[2]

@@ -45,10 +45,11 @@ except ImportError:  # torch 2.4 / 2.5
 
 
 def apply_fsdp(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype = torch.float32,
-               metas: dict[str, ParamMeta] | None = None) -> nn.Module:  # fmt: skip
-    """Shard ``model`` (fp32, on its device) over ``mesh.dp_cp_group``, block by block, in place;
-    under expert parallelism the modules holding parameters ``metas`` reduce over "edp" (routed
-    experts) over ``mesh.edp_group`` first.
+               metas: dict[str, ParamMeta] | None = None, device_type: str = "") -> nn.Module:  # fmt: skip
+    """Shard ``model`` (fp32, on its device, or on the meta device with ``device_type`` naming
+    where it will run) over ``mesh.dp_cp_group``, block by block, in place; under expert
+    parallelism the modules holding parameters ``metas`` reduce over "edp" (routed experts) over
+    ``mesh.edp_group`` first.
 
     With one data-parallel rank the model is returned as it is (nothing to shard).
     """
@@ -64,9 +65,12 @@ def apply_fsdp(model: nn.Module, mesh: Mesh, param_dtype: torch.dtype = torch.fl
         return model
     from torch.distributed.device_mesh import DeviceMesh
 
-    device_type = next(model.parameters()).device.type
+    device_type = device_type or next(model.parameters()).device.type
     device_mesh = DeviceMesh.from_group(mesh.dp_cp_group, device_type)
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # Inputs keep their dtypes, as without FSDP (the RoPE tables stay fp32). FSDP's own cast runs in
+    # its pre-forward hook, which it skips when activation recompute reruns a block in backward:
+    # the rerun would then differ from the forward it replays.
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     if mesh.ep * mesh.etp > 1:  # experts reduce over edp, not dp x cp
         expert_mesh = DeviceMesh.from_group(mesh.edp_group, device_type)
         experts = _routed_expert_modules(model, metas or {})

@@ -44,7 +44,8 @@ class Stage:
         return self.model.run_stage(carry, batch, self.blocks, self.is_first, self.is_last)
 
 
-def build_stages(model: mc.ModelFamily, metas: dict[str, mc.ParamMeta], mesh: Mesh, split: list[range] | None = None) -> list[Stage]:
+def build_stages(model: mc.ModelFamily, metas: dict[str, mc.ParamMeta], mesh: Mesh, split: list[range] | None = None,
+                 device: torch.device | None = None) -> list[Stage]:
     """This rank's model chunks (chunk ``v`` of rank ``r`` is model chunk ``v * pp + r``), with
     ``model`` cut down in place to their parameters and ``metas`` to their records. ``split``: the
     blocks of every model chunk in model order (``pipeline_balance.pipeline_split``), any sizes;
@@ -52,7 +53,8 @@ def build_stages(model: mc.ModelFamily, metas: dict[str, mc.ParamMeta], mesh: Me
 
     A piece both the first and the last stage need (a tied embedding, used as the output
     projection) is kept on both: its record says which copy is the first (``pipeline_copy``), so
-    its gradient is counted once and the copies are summed after backward.
+    its gradient is counted once and the copies are summed after backward. ``device``: where the
+    stages will run (default: the model's; a model still on the meta device must name it).
     """
     pp, pieces, all_blocks = mesh.pp, model.pipeline_pieces(), model.blocks()
     ranges = split if split is not None else split_layers(len(all_blocks), pp)
@@ -77,7 +79,7 @@ def build_stages(model: mc.ModelFamily, metas: dict[str, mc.ParamMeta], mesh: Me
     model.register_forward_pre_hook(_refuse_direct_call)
     # NCCL's first call on a group must involve all its ranks; the schedules' first transfers
     # involve only some, so this collective sets the group up.
-    device = next(model.parameters()).device
+    device = device or next(model.parameters()).device
     dist.all_reduce(torch.zeros(1, device=device), group=mesh.pp_group)
     return stages
 

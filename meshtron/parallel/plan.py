@@ -1,9 +1,10 @@
 """Apply a model family's parallel plan: the one way tensor, sequence, context and expert
 parallelism (and a loss's view of the data-parallel batch) enter a model.
 
-Every rank builds the same full model from the same seed (initialization is layout-invariant),
-then ``parallelize`` walks ``model.parallel_plan()`` and replaces each matched module by the
-parallel module of its style, holding this rank's shard (module replacement is the only
+Every rank builds the same full model (on the meta device in training: shapes only, so shards are
+slices of nothing until ``models.init.materialize`` draws them), then ``parallelize`` walks
+``model.parallel_plan()`` and replaces each matched module by the parallel module of its style,
+holding this rank's shard (module replacement is the only
 mechanism: no class swaps of the model, no hooks, no methods patched on instances). It returns
 one ``ParamMeta`` per parameter name: the global shape, which dim is split and how, whether its
 gradient is a partial sum over tp. That record, not attributes on the parameters, is what the

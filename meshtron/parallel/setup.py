@@ -16,6 +16,7 @@ from meshtron.kernels.grad_accum_fusion import apply_gradient_accumulation_fusio
 from meshtron.layers.output import OutputLayer
 from meshtron.models import build_model, padded_vocab_size
 from meshtron.models.contract import ModelFamily
+from meshtron.models.init import materialize, materialize_fully_sharded
 from meshtron.optim.build import build_optimizer
 from meshtron.parallel.fsdp import apply_fsdp, build_fsdp_optimizer
 from meshtron.parallel.mesh import Mesh
@@ -27,18 +28,19 @@ from meshtron.parallel.tensor_parallel import VocabParallelOutputLayer
 
 
 def build_runner(cfg: Config, mesh: Mesh, vocab_size: int, device: torch.device, dtype: torch.dtype) -> Runner:
-    """The model of ``cfg`` over ``vocab_size`` tokens (padded here for the layout's tp) on every
-    rank from the seed (layout-invariant init), made ready to
-    train on ``mesh`` by ``runner_for``, with the kernel options of the config (FP8 linears,
-    gradient-accumulation fusion, torch.compile per block) applied to this rank's blocks. Shapes
-    were checked against the layout by ``meshtron.validation`` before any process group existed."""
+    """The model of ``cfg`` over ``vocab_size`` tokens (padded here for the layout's tp), built on
+    the meta device (shapes only), made ready to train on ``mesh`` by ``runner_for``, which gives this rank's shards storage and their values from the
+    seed (layout-invariant init: every layout starts from the one-process weights), with the
+    kernel options of the config (FP8 linears, gradient-accumulation fusion, torch.compile per
+    block) applied to this rank's blocks. No rank ever holds the whole model, unless it runs alone.
+    Shapes were checked against the layout by ``meshtron.validation`` before any process group existed."""
     m = cfg.model
     if m.fp8_format:
         check_fp8_device(device)  # before anything is allocated
     if cfg.train.gemm_tuning:
         enable_gemm_tuning(cfg, device)
     torch.manual_seed(cfg.train.seed)
-    with torch.device(device):  # initialize where it will train: fast on a GPU
+    with torch.device("meta"):
         rows = padded_vocab_size(vocab_size, m.make_vocab_size_divisible_by, cfg.parallel.tensor_parallel)
         model = build_model(m, vocab_size, cfg.data.seq_length, rows)
 
@@ -59,31 +61,42 @@ def build_runner(cfg: Config, mesh: Mesh, vocab_size: int, device: torch.device,
     # The ring's per-block kernel follows --attention-backend where it names one of its kernels.
     block_kernel = m.attention_backend if m.attention_backend in ("math", "flash", "cudnn") else "auto"
     costs = modeled_costs(m, vocab_size, cfg.data.seq_length)
-    return runner_for(model, mesh, cfg.parallel, cfg.train, dtype, block_kernel, prepare_blocks, costs)
+    return runner_for(model, mesh, cfg.parallel, cfg.train, dtype, block_kernel, prepare_blocks, costs, device, cfg.train.seed)
 
 
 def runner_for(model: ModelFamily, mesh: Mesh, parallel: ParallelConfig, train: TrainConfig, dtype: torch.dtype,
                cp_block_kernel: str = "auto", prepare_blocks: Callable[[nn.Module], None] | None = None,
-               costs: PipelineCosts | None = None) -> Runner:  # fmt: skip
-    """Make ``model`` (any model family, the same full model on every rank) train on ``mesh``, in
-    order: its parallel plan over tp (and sp) and cp, the pipeline split (this rank's stages; the
-    model keeps only their parameters), ``prepare_blocks`` on the blocks this rank kept, and either
-    FSDP2 or the (distributed) optimizer with data-parallel gradient buckets. ``costs``: the
-    pieces' modeled costs the split balances (``pipeline_balance``); None splits evenly unless
-    ``parallel`` gives counts."""
+               costs: PipelineCosts | None = None, device: torch.device | None = None, seed: int = 0) -> Runner:  # fmt: skip
+    """Make ``model`` (any model family, the same full model on every rank: built whole, or on
+    the meta device) train on ``mesh``, in order: its parallel plan over tp (and sp) and cp, the
+    pipeline split (this rank's stages; the model keeps only their parameters), storage on
+    ``device`` for what is still on the meta device (drawn from ``seed``: ``models.init``),
+    ``prepare_blocks`` on the blocks this rank kept, and either FSDP2 or the (distributed)
+    optimizer with data-parallel gradient buckets. ``costs``: the pieces' modeled costs the split
+    balances (``pipeline_balance``); None splits evenly unless ``parallel`` gives counts."""
     sequence_parallel = parallel.sequence_parallel and mesh.tp > 1
     overlap = parallel.tp_comm_overlap_backend if parallel.tp_comm_overlap else ""
     metas = parallelize(model, mesh, sequence_parallel, parallel.cp_comm_type, cp_block_kernel, overlap)
     virtual = virtual_stages(parallel, len(model.blocks()))
     kind, micro_batches = schedule_kind(parallel, virtual), train.global_batch_size // max(1, train.micro_batch_size * mesh.dp)
     split = pipeline_split(parallel, len(model.blocks()), virtual, costs, kind, micro_batches if mesh.pp > 1 else 0)
-    stages = build_stages(model, metas, mesh, split)
+    on_meta = any(p.is_meta for p in model.parameters())
+    if on_meta and device is None:
+        raise ValueError("runner_for: a model on the meta device needs the device its shards go to")
+    stages = build_stages(model, metas, mesh, split, device)
+    fsdp = parallel.fsdp and mesh.dp_cp > 1
+    if on_meta and not fsdp:
+        materialize(model, metas, model.weight_init, device, seed)
     if prepare_blocks is not None:
         prepare_blocks(model.blocks())
     reduce_dtype = torch.bfloat16 if parallel.grad_reduce_in_bf16 else torch.float32  # --grad-reduce-in-bf16
-    if parallel.fsdp and mesh.dp_cp > 1:
+    if fsdp:
         # FSDP2 keeps fp32 sharded parameters as the master weights and casts to ``dtype`` to compute.
-        model = apply_fsdp(model, mesh, param_dtype=dtype, reduce_dtype=reduce_dtype, metas=metas)
+        # A meta model is sharded first; each rank then draws only its FSDP shards.
+        model = apply_fsdp(model, mesh, param_dtype=dtype, reduce_dtype=reduce_dtype, metas=metas,
+                           device_type=device.type if device is not None else "")  # fmt: skip
+        if on_meta:
+            materialize_fully_sharded(model, metas, model.weight_init, device, seed)
         optimizer = build_fsdp_optimizer(model, train, dtype, metas, expert_group=mesh.etp_ep_group if mesh.size("etp_ep") > 1 else None)
     else:
         model.to(dtype=dtype)
@@ -109,7 +122,10 @@ def compile_blocks(blocks: nn.Module, backend: str = "inductor") -> None:
     compiled graph serves all of them, compile time does not grow with depth, and activation
     recompute and the pipeline schedules keep calling blocks one by one."""
     for block in blocks.children():  # a ModuleList, or a ModuleDict after the pipeline split
-        block.compile(backend=backend)
+        # Static shapes: a new shape (evaluation's batch, another model in the process) compiles
+        # again rather than turning sizes symbolic, which the Triton launches inside the blocks
+        # (norms, FP8 casts) cannot take ("'SymNodeVariable' object has no attribute 'value'").
+        block.compile(backend=backend, dynamic=False)
 
 
 def enable_gemm_tuning(cfg: Config, device: torch.device) -> Path:

@@ -22,7 +22,8 @@ plain path's linear keeps it, so backward moves no more bytes than before.
 
 Backend ``symm_mem`` uses PyTorch's async-TP ops instead (``torch.ops.symm_mem.fused_all_gather_matmul``
 and ``fused_matmul_reduce_scatter``: copy-engine transfers through symmetric memory, no SMs taken
-from the GEMM), where ``symmetric_memory_usable`` finds them: a CUDA build of PyTorch with NCCL.
+from the GEMM), where ``symmetric_memory_usable`` finds them: NCCL (RCCL on ROCm) on a GPU whose
+symmetric memory PyTorch supports (NVIDIA; AMD gfx942 and gfx950).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from meshtron.kernels import platform
 from meshtron.kernels.grad_accum_fusion import accumulate_wgrad_of
 
 SEQ_DIM = 1
@@ -41,9 +43,10 @@ BACKENDS = ("p2p", "symm_mem")
 
 
 def symmetric_memory_usable(group) -> bool:
-    """Whether PyTorch's fused async-TP ops can serve ``group``: CUDA devices in a CUDA (not ROCm)
-    build, an NCCL group, and ``torch.distributed._symmetric_memory`` registering the ops."""
-    if not torch.cuda.is_available() or torch.version.hip is not None or dist.get_backend(group) != "nccl":
+    """Whether PyTorch's fused async-TP ops can serve ``group``: a GPU whose symmetric memory
+    PyTorch supports (``platform.symmetric_memory_arch``: NVIDIA, or AMD gfx942/gfx950), an NCCL
+    (RCCL) group, and ``torch.distributed._symmetric_memory`` registering the ops."""
+    if not torch.cuda.is_available() or not platform.symmetric_memory_arch() or dist.get_backend(group) != "nccl":
         return False
     try:  # importing the module defines the torch.ops.symm_mem ops
         importlib.import_module("torch.distributed._symmetric_memory")
@@ -58,7 +61,7 @@ def resolve_backend(requested: str, group) -> str:
     where ``symmetric_memory_usable`` says no."""
     if requested == "symm_mem" and not symmetric_memory_usable(group):
         warnings.warn("--tp-comm-overlap-backend symm_mem: PyTorch's symmetric-memory async-TP ops are not usable here "
-                      "(they need a CUDA build with NCCL); overlapping with the portable p2p backend instead", stacklevel=2)  # fmt: skip
+                      "(they need NCCL on an NVIDIA GPU or AMD gfx942/gfx950); overlapping with the portable p2p backend instead", stacklevel=2)  # fmt: skip
         return "p2p"
     return requested
 

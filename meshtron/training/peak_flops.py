@@ -3,9 +3,10 @@ torchtitan report it, so our MFU compares with theirs. The measured GEMM ceiling
 (``metrics.MEASURED_BF16_CEILING_TFLOPS``) is the other denominator, what the chip really reaches.
 
 Dense (no 2:4 sparsity) bf16 tensor throughput, TFLOP/s, from the vendors' datasheets: NVIDIA H100
-SXM 989 (PCIe 756, NVL 835), H200 SXM 989, A100 312, L40S 362; AMD Instinct MI250X 383, MI300X
+SXM 989 (PCIe 756, NVL 835), H200 SXM 989, A100 312, L40S 362; AMD Instinct MI250X 383 per package, MI300X
 1307, MI325X 1307, MI355X 2500. Matched as substrings of the device name in this order, the first
-hit wins (``H100 PCIe`` before ``H100``). Another device: set ``MESHTRON_PEAK_TFLOPS``.
+hit wins (``H100 PCIe`` before ``H100``). An MI250X shows as two devices, one per die, so
+its entry is half the package's 383. Another device: set ``MESHTRON_PEAK_TFLOPS``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ DATASHEET_BF16_DENSE_TFLOPS = (
     ("H200", 989.0),  # SXM, and GH200's
     ("A100", 312.0),
     ("L40S", 362.0),
-    ("MI250X", 383.0),
+    ("MI250X", 191.5),  # per die: PyTorch sees each of the package's two dies as a device
     ("MI300X", 1307.0),
     ("MI325X", 1307.0),
     ("MI355X", 2500.0),

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import shutil
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,9 +17,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from meshtron.checkpoint.checkpoint import CheckpointError, PendingSave, load_for_training, start_save
+from meshtron.checkpoint.checkpoint import CheckpointError, PendingSave, latest_iteration, load_for_training, start_save
 from meshtron.checkpoint.pretrained import load_pretrained_encoders
-from meshtron.checkpoint.sharded import save_state
+from meshtron.checkpoint.retention import prune
+from meshtron.checkpoint.save_dir import SaveLock, claim_save_dir
+from meshtron.checkpoint.sharded import save_state, state_bytes
 from meshtron.checkpoint.staging import HostStaging
 from meshtron.config import Config
 from meshtron.validation import validate
@@ -34,7 +35,10 @@ from meshtron.training.divergence import DivergenceError, DivergenceMonitor
 from meshtron.training.metrics import (IntervalMeter, MetricsWriter, describe_bases, format_log_line, memory_scalars, mfu_bases,
                                       model_flops_per_token, sample_tokens)  # fmt: skip
 from meshtron.training.profiler import StepProfiler
+from meshtron.training.stop import StopAgreement, StopSignals, describe
+from meshtron.training.straggler import StragglerTimes, report
 from meshtron.training.vocab import model_vocab_size, run_tokenizer, token_vocab_size
+from meshtron.training.watchdog import Watchdog, set_training_timeout
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -88,6 +92,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, log: Callable[[str], None] = print):
         validate(cfg)  # every rule, the layout's included, before any process group or GPU is touched
+        self.started = time.monotonic()  # --exit-duration-in-mins counts from here, start-up included
         self.cfg, self.log = cfg, log
         t = cfg.train
         self.device = resolve_device(t.device)
@@ -100,6 +105,7 @@ class Trainer:
             self.device = torch.device("cuda", torch.cuda.current_device())  # this rank's GPU
         if self.mesh.rank != 0:
             self.log = log = _silent  # one voice: global rank 0 logs
+        self.say = log if self.mesh.world_size == 1 else lambda line: print(f"rank {self.mesh.rank}: {line}", flush=True)  # what any rank must tell
         log(self.mesh.describe() if self.mesh.world_size > 1 else "mesh: one process")
         for line in noted_flag_lines(cfg.logging.noted_flags):
             log(line)
@@ -125,6 +131,9 @@ class Trainer:
             else:
                 self.iteration, self.consumed_samples = meta["iteration"], meta["consumed_samples"]
                 log(f"resumed from {cfg.checkpoint.load} at iteration {self.iteration}")
+        c = cfg.checkpoint
+        resumed_here = meta is not None and not c.finetune and bool(c.load) and Path(c.load).resolve() == Path(c.save or ".").resolve()
+        self.save_lock = self._claim_save_dir(resumed_here)
         if cfg.checkpoint.bert_load and meta is None:  # a run --load found a checkpoint for keeps its weights
             load_pretrained_encoders(cfg.checkpoint.bert_load, self.model, self.optimizer, self.mesh, self.runner.metas, log)
 
@@ -160,7 +169,6 @@ class Trainer:
             for line in self.runner.describe(self.num_micro_batches).splitlines():
                 log(line)
         log(f"optimizer state on this rank: {self.optimizer.memory_bytes() / 2**20:.1f} MiB" if hasattr(self.optimizer, "memory_bytes") else "optimizer state: sharded by FSDP2")
-        self._stop_requested = False
         self._pending_save: PendingSave | None = None  # an --async-save checkpoint still being written
         self.host_staging = HostStaging()  # --async-save's host buffers, reused by every save of the run
         if cfg.checkpoint.async_save and cfg.checkpoint.save:  # page-locked now, not in the first save's stall
@@ -170,6 +178,7 @@ class Trainer:
         self.last_aux: dict[str, float] = {}  # the last step's auxiliary terms, for the log line
         self.last_metrics: dict[str, float] = {}  # and the loss's metrics (the retriever's top-k accuracies)
         self.divergence = DivergenceMonitor.from_config(t, self.precision, self.mesh.rank, self.model)
+        self.straggler = StragglerTimes(t.log_straggler, self.device)
 
     # ------------------------------------------------------------------ steps
 
@@ -184,20 +193,23 @@ class Trainer:
         """One optimizer step over a global batch; the loss is the mean over the global batch (per
         token for a language model: each micro batch's loss sum divided by the count of the whole
         batch, so gradients summed over data-parallel ranks equal the one-process gradient)."""
-        batches = [self._to_device(next(self.train_batches)) for _ in range(self.num_micro_batches)]
+        with self.straggler.section("data wait"):
+            batches = [self._to_device(next(self.train_batches)) for _ in range(self.num_micro_batches)]
         self._last_batches = batches  # for the divergence check's re-run
         self.optimizer.zero_grad()
-        loss = self.runner.forward_backward(batches)
+        with self.straggler.section("forward-backward"):
+            loss = self.runner.forward_backward(batches)
         # The loss and every logged term (a MoE model has two per layer) go to the host in one copy
         # started now and read after the optimizer step, whose gradient-norm read has waited for
         # it: no host sync of its own, so the host runs on into the next step while the GPU
         # still updates the weights.
         terms = {**loss.aux, **loss.metrics}
         host = _start_host_copy([loss.total / loss.count, *terms.values()])
-        self.runner.finalize_grads()
-        self.host_staging.before_state_changes()  # an async save's copies of the weights are done first
-        result = self.optimizer.step(self.schedule.lr_at(self.iteration))
-        self.runner.after_step()
+        with self.straggler.section("optimizer"):
+            self.runner.finalize_grads()
+            self.host_staging.before_state_changes()  # an async save's copies of the weights are done first
+            result = self.optimizer.step(self.schedule.lr_at(self.iteration))
+            self.runner.after_step()
         mean_loss, *values = _read_host_copy(host)
         self.last_aux = {name: values[i] for i, name in enumerate(terms) if name in loss.aux}
         self.last_metrics = {name: values[i] for i, name in enumerate(terms) if name in loss.metrics}
@@ -229,7 +241,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
 
-    def save(self) -> None:
+    def save(self, last: bool = False) -> None:
+        """A checkpoint of this iteration. A failed one keeps the previous checkpoint and, per
+        --save-failure, training goes on (the next save retries) or stops; the ``last`` save of
+        a run has no next one, so its failure always ends the run with an error."""
         ckpt = self.cfg.checkpoint
         if not ckpt.save:
             return
@@ -240,33 +255,87 @@ class Trainer:
             "consumed_samples": self.consumed_samples,
             "config": self.cfg.to_dict(),
             "vocab_size": self.vocab_size,  # tokens; the padding is the loading run's (rows are saved cut to these)
-            "tokenizer": self._copy_tokenizer_files(save_dir),
+            "tokenizer": self._tokenizer_info,
             "lr_schedule": self.schedule.state_dict(),
         }
-        self.finish_save()  # one checkpoint in flight at a time
+        self.finish_save(last)  # one checkpoint in flight at a time
         start = time.perf_counter()
-        pending = start_save(str(save_dir), self.iteration, self.model, self.optimizer, meta, mesh=self.mesh,
-                             save_optim=not ckpt.no_save_optim, save_rng=not ckpt.no_save_rng, metas=self.runner.metas,
-                             in_background=ckpt.async_save, staging=self.host_staging)  # fmt: skip
-        if ckpt.async_save:
-            self._pending_save = pending
-            self.log(f"checkpoint of iteration {self.iteration}: training stalled {time.perf_counter() - start:.2f}s "
-                     f"(copy of {pending.staged_bytes / 2**20:.1f} MiB to host, overlapping the next step on a GPU); "
-                     "writing in the background")  # fmt: skip
+        try:
+            pending = start_save(str(save_dir), self.iteration, self.model, self.optimizer, meta, mesh=self.mesh,
+                                 save_optim=not ckpt.no_save_optim, save_rng=not ckpt.no_save_rng, metas=self.runner.metas,
+                                 in_background=ckpt.async_save, staging=self.host_staging)  # fmt: skip
+            if ckpt.async_save:
+                self._pending_save = pending
+                self.log(f"checkpoint of iteration {self.iteration}: training stalled {time.perf_counter() - start:.2f}s "
+                         f"(copy of {pending.staged_bytes / 2**20:.1f} MiB to host, overlapping the next step on a GPU); "
+                         "writing in the background")  # fmt: skip
+                return
+            pending.finish()
+        except CheckpointError as exc:
+            self._save_failed(exc, last)
             return
-        pending.finish()
         self.log(f"saved checkpoint at iteration {self.iteration} to {save_dir} in {time.perf_counter() - start:.2f}s")
+        self._prune(self.iteration)
 
-    def finish_save(self) -> None:
+    def finish_save(self, last: bool = False) -> None:
         """Complete the checkpoint being written in the background, if any (collective): its
         tracker and completion marker appear only now, once every rank's files are written."""
         pending, self._pending_save = self._pending_save, None
         if pending is None:
             return
         start = time.perf_counter()
-        final = pending.finish()
+        try:
+            final = pending.finish()
+        except CheckpointError as exc:
+            self._save_failed(exc, last)
+            return
         self.log(f"saved checkpoint at iteration {pending.iteration} to {final.parent} (written in the background; "
                  f"waited {time.perf_counter() - start:.2f}s to complete it)")  # fmt: skip
+        self._prune(pending.iteration)
+
+    def _save_failed(self, exc: CheckpointError, last: bool) -> None:
+        """One line, the same on every rank's verdict; raises when the run must end."""
+        kept = latest_iteration(self.cfg.checkpoint.save) if self.mesh.rank == 0 else None
+        kept_text = f"the newest checkpoint is still iteration {kept}" if kept is not None else "no checkpoint has been saved yet"
+        if last or self.cfg.checkpoint.save_failure == "stop":
+            raise CheckpointError(f"{exc}; {kept_text}") from exc
+        self.log(f"warning: {exc}; {kept_text}; training goes on and the next save tries again (--save-failure stop ends the run instead)")
+
+    def _prune(self, just_saved: int) -> None:
+        if self.mesh.rank == 0 and (removed := prune(Path(self.cfg.checkpoint.save), self.cfg.checkpoint.ckpt_keep_last, just_saved)):
+            self.log(f"removed the checkpoints of iterations {', '.join(map(str, removed))} (--ckpt-keep-last {self.cfg.checkpoint.ckpt_keep_last})")
+
+    def _claim_save_dir(self, resumed_here: bool) -> SaveLock | None:
+        """--save checked, locked and given the tokenizer before the first step: rank 0 decides,
+        every rank raises the same error (``save_dir.py``)."""
+        ckpt = self.cfg.checkpoint
+        self._tokenizer_info = {"tokenizer_type": self.cfg.data.tokenizer_type}
+        if not ckpt.save:
+            return None
+        own = state_bytes(save_state(self.model, self.optimizer, self.mesh, not ckpt.no_save_optim, self.runner.metas))
+        total = torch.tensor([float(own)], dtype=torch.float64, device=self.device)
+        if self.mesh.world_size > 1:
+            dist.all_reduce(total)
+        lock, problem = None, None
+        if self.mesh.rank == 0:
+            lock = SaveLock(Path(ckpt.save))
+            problem, note = claim_save_dir(lock, self.iteration, resumed_here, ckpt.allow_existing_checkpoints, int(total.item()))
+            if note:
+                self.log(note)
+            if problem is None:
+                try:
+                    self._tokenizer_info = self._copy_tokenizer_files(Path(ckpt.save))
+                except OSError as exc:
+                    problem = f"--save {ckpt.save}: cannot copy the tokenizer there: {exc}"
+        if self.mesh.world_size > 1:
+            box = [problem]
+            dist.broadcast_object_list(box, src=0)
+            problem = box[0]
+        if problem:
+            if lock is not None:
+                lock.release()
+            raise CheckpointError(problem)
+        return lock
 
     def _copy_tokenizer_files(self, save_dir: Path) -> dict[str, str]:
         """Put the tokenizer beside the weights so ``generate`` needs nothing else."""
@@ -288,22 +357,21 @@ class Trainer:
             info[key] = f"tokenizer/{source_path.name}"
         return info
 
-    def _request_stop(self, signum, frame) -> None:
-        self.log(f"signal {signum}: saving and stopping after this step")
-        self._stop_requested = True
-
     def run(self) -> TrainResult:
         cfg, t, logc = self.cfg, self.cfg.train, self.cfg.logging
         result = TrainResult(iteration=self.iteration)
-        deadline = time.monotonic() + 60 * t.exit_duration_in_mins if t.exit_duration_in_mins > 0 else math.inf
-        previous_handler = signal.signal(signal.SIGTERM, self._request_stop) if _main_thread() else None
+        agreement = StopAgreement(self.mesh.world_size, self.device, t.exit_duration_in_mins, self.started)
+        signals = StopSignals(t.exit_signal, self.say).install()
+        watchdog = self._start_watchdog()
         tokens_per_step = t.global_batch_size * sample_tokens(cfg) // self.mesh.world_size  # per device
         interval_loss, interval_steps = 0.0, 0
         try:
             while self.iteration < t.train_iters:
+                watchdog.enter("step", self.iteration)
                 self.profiler.at(self.iteration)
                 self.meter.start_step()
-                loss, step = self.train_step()
+                with self.straggler.section("step"):
+                    loss, step = self.train_step()
                 self.divergence.check(self.iteration + 1, loss, step, lambda: self.runner.forward_backward(self._last_batches, forward_only=True))
                 self.meter.end_step(tokens_per_step, step.skipped)
                 self.iteration += 1
@@ -326,27 +394,39 @@ class Trainer:
                          **{f"metrics/{name}": value for name, value in self.last_metrics.items()}},
                     )  # fmt: skip
                     interval_loss, interval_steps = 0.0, 0
+                    if t.log_straggler:
+                        line, scalars = report(self.straggler.gather(self.mesh.world_size), t.straggler_minmax_count)
+                        self.log(line)
+                        self.tensorboard.scalars(self.iteration, scalars)
                 if self.valid_data is not None and logc.eval_interval > 0 and (self.iteration % logc.eval_interval == 0 or self.iteration == t.train_iters):
+                    watchdog.enter("evaluation", self.iteration)
                     valid = self.evaluate()
                     result.valid_losses.append((self.iteration, valid))
                     self.log(f"validation at iteration {self.iteration} | loss {valid:.4f} | ppl {math.exp(min(valid, 50)):.2f}")
                     self.tensorboard.scalars(self.iteration, {"valid/loss": valid, "valid/ppl": math.exp(min(valid, 50))})
                 interval_due = cfg.checkpoint.save_interval and self.iteration % cfg.checkpoint.save_interval == 0
                 exit_due = t.exit_interval and self.iteration % t.exit_interval == 0
-                stopping = self._stop_requested or exit_due or time.monotonic() > deadline
+                reasons = agreement.agree(agreement.local_reasons(signals))  # every rank gets the same answer
+                stopping = reasons or exit_due
                 if interval_due and self.iteration < t.train_iters and not stopping:
+                    watchdog.enter("save", self.iteration)
                     self.save()
                 if stopping:
-                    self.log(f"stopping at iteration {self.iteration} ({'signal' if self._stop_requested else 'exit interval' if exit_due else 'wall-clock limit'})")
+                    why = describe(reasons) if reasons else "--exit-interval"
+                    self.log(f"stopping at iteration {self.iteration} ({why}; every rank stops and saves here)")
                     break
-            self.save()
-            self.finish_save()
+            agreement.close()
+            watchdog.enter("save", self.iteration)
+            self.save(last=True)
+            self.finish_save(last=True)
         except DivergenceError:
             self.finish_save()  # the checkpoint in flight predates the divergence: keep it (every rank stops alike)
             raise
         finally:
-            if previous_handler is not None:
-                signal.signal(signal.SIGTERM, previous_handler)
+            watchdog.stop()
+            signals.restore()
+            if self.save_lock is not None:
+                self.save_lock.release()
             self.tensorboard.close()
             self.profiler.close()
             self.train_batches.close()
@@ -355,6 +435,18 @@ class Trainer:
             result.sample = self.sample(logc.generate_prompt, logc.generate_tokens)
             self.log(f"sample: {result.sample!r}")
         return result
+
+    def _start_watchdog(self) -> Watchdog:
+        """Hang naming for the training loop (``watchdog.py``): on for several processes or when a
+        limit is given. Start-up had --distributed-timeout-minutes; training gets its own."""
+        t = self.cfg.train
+        minutes = t.train_timeout_minutes or self.cfg.parallel.distributed_timeout_minutes
+        watchdog = Watchdog(60 * minutes, t.hang_step_factor, self.mesh.rank, self.mesh.world_size, self.say)
+        if self.mesh.world_size > 1 and not set_training_timeout(minutes + 1):
+            self.log("note: this PyTorch cannot change a process group's timeout: training keeps --distributed-timeout-minutes")
+        if self.mesh.world_size > 1 or t.train_timeout_minutes or t.hang_step_factor:
+            watchdog.start()
+        return watchdog
 
     def sample(self, prompt: str, max_new_tokens: int) -> str:
         from meshtron.inference.generate import generate
@@ -368,12 +460,6 @@ class Trainer:
 
 def _silent(_: str) -> None:
     pass
-
-
-def _main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
 
 
 def _start_host_copy(scalars: list[torch.Tensor]) -> tuple[torch.Tensor, torch.cuda.Event | None]:

@@ -39,6 +39,7 @@ from meshtron.parallel.context_parallel import (
     ring_attention,
     shard_batch_for_cp,
 )
+from meshtron.parallel.cp_block_kernels import PaddedValues
 from meshtron.parallel.mesh import Mesh
 from meshtron.parallel.plan import finalize_tensor_parallel_grads, gather_full, parallelize
 
@@ -106,6 +107,37 @@ class ReferenceKernel:
 
 
 KERNELS = {"math": "math", "reference": ReferenceKernel}
+
+
+class EqualWidthsOnly:
+    """``ReferenceKernel`` with flash's limit: values exactly as wide as q/k."""
+
+    @staticmethod
+    def forward(q, k, v, causal, scale):
+        assert v.shape[-1] == q.shape[-1], "a flash-like kernel got unequal head dims"
+        return ReferenceKernel.forward(q, k, v, causal, scale)
+
+    @staticmethod
+    def backward(dout, q, k, v, out, lse, aux, causal, scale):
+        assert v.shape[-1] == dout.shape[-1] == out.shape[-1] == q.shape[-1], "a flash-like kernel got unequal head dims"
+        return ReferenceKernel.backward(dout, q, k, v, out, lse, aux, causal, scale)
+
+
+@pytest.mark.parametrize("algorithm", ["p2p", "all_gather"])
+def test_padded_values_give_mla_head_dims_to_a_flash_like_kernel(algorithm):
+    """One process (cp 1): MLA's shape (q/k 12 wide, v 8, grouped kv heads, its own scale) through
+    ``PaddedValues`` around a kernel that takes only equal widths (as flash, what ROCm's ``auto``
+    picks) equals the reference kernel on the narrow values, forward and backward."""
+    g = torch.Generator().manual_seed(4)
+    q, k = torch.randn(2, 16, 4, 12, generator=g, requires_grad=True), torch.randn(2, 16, 2, 12, generator=g, requires_grad=True)
+    v, dout = torch.randn(2, 16, 2, 8, generator=g, requires_grad=True), torch.randn(2, 16, 4, 8, generator=g)
+    results = []
+    for kernel in (PaddedValues(EqualWidthsOnly), ReferenceKernel):
+        out = ATTENTION_FNS[algorithm](q, k, v, Mesh(), causal=True, kernel=kernel, scale=0.3)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), dout)))
+    assert results[0][0].shape == (2, 16, 4, 8)
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------- data

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 def test_tiny_ict_trains_evaluates_retrieval_and_starts_from_bert(tmp_path):
     cache = ["--data-cache-path", str(tmp_path / "cache"), "--device", "cpu"]
-    common = ["--preset", "tiny-ict", *cache, "--micro-batch-size", "8", "--global-batch-size", "16", "--lr", "1e-3",
+    common = ["--preset", "tiny-ict", *cache, "--micro-batch-size", "8", "--global-batch-size", "16", "--lr", "3e-3",
               "--no-retriever-score-scaling", "--lr-warmup-iters", "10", "--retriever-report-topk-accuracies", "1", "5"]  # fmt: skip
     out = meshtron("train", *common, "--log-interval", "20", "--eval-interval", "40", "--eval-iters", "4", "--train-iters", "80",
                    "--save", str(tmp_path / "ict"), cwd=tmp_path).stdout  # fmt: skip

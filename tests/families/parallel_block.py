@@ -22,7 +22,7 @@ from meshtron.layers.norms import build_norm
 from meshtron.layers.output import OutputLayer
 from meshtron.layers.rope import rope_frequencies
 from meshtron.models import contract as mc
-from meshtron.models.init import init_by_name
+from meshtron.models.init import WeightInit, init_weights
 
 AUX_COEFF = 1e-2
 
@@ -53,7 +53,8 @@ class ParallelBlockDecoder(mc.TokenLossModel):
         self.layers = nn.ModuleList(ParallelBlock(cfg, i) for i in range(cfg.num_layers))
         self.final_norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, cfg.fused_kernels)
         self.output = OutputLayer(cfg.hidden_size, vocab_size, tied=False, fused_kernels=cfg.fused_kernels)
-        init_by_name(self, cfg.init_method_std, cfg.init_method_std / 4, ("linear_proj.weight", "linear_fc2.weight"))
+        self.weight_init = WeightInit(cfg.init_method_std, cfg.init_method_std / 4, ("linear_proj.weight", "linear_fc2.weight"))
+        init_weights(self, self.weight_init)
 
     def parallel_plan(self) -> mc.Plan:
         cfg = self.cfg

@@ -1,6 +1,6 @@
 """The GPU feature matrix: two training steps of every meaningful combination of the features a
 user switches on — recompute (none, selective, full, MoE-layer) × gradient-accumulation fusion ×
-FP8 × compile — under every layout this launch's GPUs allow, for a dense, a MoE and an MLA model,
+FP8 × compile, pruned to what can differ (``combinations``) — under every layout this launch's GPUs allow, for a dense, a MoE and an MLA model,
 each compared with the plain reference path (one GPU, no recompute, no fusion, no FP8, eager).
 
 Every row is the trainer built from flags, as ``meshtron train`` builds it. A row is
@@ -76,23 +76,24 @@ RECOMPUTE = {
 REFERENCE = ["--micro-batch-size", "2", "--no-gradient-accumulation-fusion"]
 
 
-MLA_LAYOUTS = ("one", "tp2_sp", "cp2", "ep2", "tp2_sp_dp2_distopt", "ep2_etp2")  # the others repeat the MoE model's rows
-COMPILED = {("one", "dense"), ("one", "moe"), ("one", "mla"), ("tp2_sp", "dense"), ("fsdp_dp2", "dense"), ("tp4_sp", "dense")}
+MLA_LAYOUTS = ("one", "tp2_sp", "cp2", "ep2", "ep2_etp2")  # the others repeat the MoE model's rows
+COMPILED = {"dense": ("none", "full", "full+fp8"), "moe": ("full",), "mla": ("full",)}  # on one GPU, and dense tp2 + sp full
 
 
 def combinations(model: str, layout: str) -> list[tuple[str, bool, bool, bool]]:
     """(recompute, fusion, fp8, compile) rows for one model and layout. On one GPU every recompute
-    × fusion × FP8; under a layout every recompute with fusion (the default), full recompute
-    without it, FP8 with full and MoE-layer recompute. Compile (which turns fusion off) with no and
-    full recompute where ``COMPILED`` names the pair (each costs a compilation), FP8 too on one GPU."""
-    recomputes = [r for r in RECOMPUTE if r != "moe" or model != "dense"]
+    × fusion, FP8 with none, full and MoE-layer recompute, and the compiled rows of ``COMPILED``
+    (each costs a compilation; compile turns fusion off). Under a layout: no, full and MoE-layer
+    recompute with fusion (the default), full without it, and FP8 with full and MoE-layer recompute."""
+    moe = model != "dense"
     if layout == "one":
-        rows = [(r, fusion, fp8, False) for r, fusion, fp8 in itertools.product(recomputes, (True, False), (False, True))]
-    else:
-        rows = [(r, True, False, False) for r in recomputes] + [("full", False, False, False), ("full", True, True, False)]
-        rows += [("moe", True, True, False)] if model != "dense" else []
-    if (layout, model) in COMPILED:
-        rows += [(r, False, fp8, True) for r in ("none", "full") for fp8 in ((False, True) if layout == "one" and model == "dense" else (False,))]
+        rows = [(r, fusion, False, False) for r in RECOMPUTE if moe or r != "moe" for fusion in (True, False)]
+        rows += [(r, True, True, False) for r in ("none", "full", "moe") if moe or r != "moe"]
+        rows += [(c.split("+")[0], False, c.endswith("fp8"), True) for c in COMPILED[model]]
+        return rows
+    rows = [("none", True, False, False), ("full", True, False, False), ("full", False, False, False), ("full", True, True, False)]
+    rows += [("moe", True, False, False), ("moe", True, True, False)] if moe else []
+    rows += [("full", False, False, True)] if (layout, model) == ("tp2_sp", "dense") else []
     return rows
 
 
@@ -126,7 +127,9 @@ def train(flags: list[str]) -> dict:
     except Exception:  # noqa: BLE001 - the row records any failure and the matrix goes on
         out = {"status": "FAIL", "note": traceback.format_exc()[-1500:]}
     finally:
-        if trainer is not None and dist.is_initialized():  # each trainer made its own groups
+        # Each trainer made its own groups: free their communicators, except where FSDP2's
+        # DeviceMesh (which torch caches by group) may be handed them again.
+        if trainer is not None and dist.is_initialized() and "--fsdp" not in flags:
             for group in {id(g): g for g in trainer.mesh._groups.values()}.values():
                 dist.destroy_process_group(group)
         del trainer
@@ -152,6 +155,7 @@ def main() -> None:
     parser.add_argument("--reference", default="", help="references from a --write-reference run")
     parser.add_argument("--write-reference", action="store_true", help="one GPU: the plain path of each model only")
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--layouts", default="", help="only these layouts (comma-separated names)")
     args = parser.parse_args()
     models = args.models.split(",")
     if args.write_reference:
@@ -167,7 +171,7 @@ def main() -> None:
         refs = json.load(f)
     rows = []
     for model, (layout, layout_flags) in itertools.product(models, LAYOUTS[world].items()):
-        if not wanted(model, layout):
+        if not wanted(model, layout) or (args.layouts and layout not in args.layouts.split(",")):
             continue
         for recompute, fusion, fp8, compiled in combinations(model, layout):
             row = judge(train(row_flags(model, layout_flags, recompute, fusion, fp8, compiled)), refs[model], fp8)
@@ -175,7 +179,7 @@ def main() -> None:
                          "fp8": fp8, "compile": compiled, **row})  # fmt: skip
             if rank == 0:
                 print(f"{world} {model:5s} {layout:18s} rc={recompute:9s} fusion={fusion!s:5s} fp8={fp8!s:5s} "
-                      f"compile={compiled!s:5s} {row['status']:7s} {row.get('seconds', '')}s {row.get('note', '')[:300]}", flush=True)  # fmt: skip
+                      f"compile={compiled!s:5s} {row['status']:7s} {row.get('seconds', '')}s {row.get('note', '')}", flush=True)  # fmt: skip
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

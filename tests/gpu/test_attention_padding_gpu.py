@@ -1,12 +1,13 @@
 """The flash backend with value heads narrower than query/key heads (MLA's 192 / 128): v is padded
 to the qk dim for the kernel and the extra output columns dropped; the result and the gradients
 equal an fp32 reference's to bf16 precision (norm-relative), as cuDNN's, which takes the unequal
-dims as they are, does."""
+dims as they are, does; ``auto`` is one of them (cuDNN on NVIDIA, padded flash on ROCm, which has no cuDNN)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from meshtron.kernels import platform
 from meshtron.layers.attention import CoreAttention
 
 TOL = 2e-2  # bf16 kernels against fp32, relative as a norm over each tensor
@@ -17,7 +18,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["flash", "cudnn"])
+@pytest.mark.parametrize("backend", ["flash", "auto"] + (["cudnn"] if platform.cudnn_attention() else []))
 def test_narrow_values_against_fp32(backend):
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k = (torch.randn(2, 4, 256, 192, device="cuda", generator=g).bfloat16() for _ in range(2))

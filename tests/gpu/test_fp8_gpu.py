@@ -1,13 +1,20 @@
 """FP8 on the GPU: the Triton cast(+transpose) kernel bit-equal to the reference cast at a block's
 shape; each recipe's three ``_scaled_mm`` GEMMs in bf16 against the fp32 simulation of the same
-quantized operands, and their distance from the plain GEMMs; the cast kernel's speed."""
+quantized operands, and their distance from the plain GEMMs; the cast kernel's speed. In the
+platform's FP8 family (OCP on NVIDIA and gfx950, fnuz on gfx942); skipped where FP8 is refused."""
 
 import pytest
 import torch
 
-from meshtron.kernels import fp8
+from meshtron.kernels import fp8, platform
 from meshtron.kernels.fp8_cast import fp8_cast
-from meshtron.kernels.fp8_scaling import E4M3, E5M2, FP8_FORMATS, FP8_RECIPES, Fp8Recipe, Fp8Scaling, grad_dtype
+from meshtron.kernels.fp8_scaling import FP8_FAMILIES, FP8_FORMATS, FP8_RECIPES, Fp8Recipe, Fp8Scaling, grad_dtype, platform_family
+
+FAMILY = platform_family() if torch.cuda.is_available() else "ocp"
+E4M3, E5M2 = FP8_FAMILIES[FAMILY]
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available() and platform.fp8_refusal(torch.device("cuda")) is not None, reason="no FP8 on this GPU"
+)
 
 
 def _simulated(t, dtype, dim=None):
@@ -55,7 +62,7 @@ def test_fp8_linear_gpu(recipe, fmt):
     g = torch.randn(4096, 8192, device="cuda", generator=gen).bfloat16()
     y = fp8.linear(x, w, None, Fp8Scaling(Fp8Recipe(fmt, recipe), "cuda"))  # first call: current scaling
     y.backward(g)
-    gd = E4M3 if recipe == "rowwise" else grad_dtype(fmt)
+    gd = E4M3 if recipe == "rowwise" else grad_dtype(fmt, FAMILY)
     row, col = (1, 0) if recipe == "rowwise" else (None, None)
     xd, wd = x.detach(), w.detach()
     sim = [_simulated(xd, E4M3, row) @ _simulated(wd, E4M3, row).T, _simulated(g, gd, row) @ _simulated(wd, E4M3, col),

@@ -86,7 +86,7 @@ def _main() -> None:
             if errs["losses"] > loss_tol or worst > grad_tol:
                 failures.append(f"{dtype} {backend}: " + ", ".join(f"{n} {e:.2e}" for n, e in errs.items() if e > grad_tol))
     if rank == 0 and "symm_mem" not in backends:
-        print("symm_mem: not usable here (needs a CUDA build with NCCL); p2p only", flush=True)
+        print("symm_mem: not usable here (needs NCCL on an NVIDIA GPU or AMD gfx942/gfx950); p2p only", flush=True)
     dist.destroy_process_group()
     if failures:
         raise SystemExit("overlapped path differs from plain tp2+sp: " + "; ".join(failures))

@@ -24,6 +24,18 @@ def test_no_library_file_over_600_lines():
     assert not long, f"split these by concept: {long}"
 
 
+def test_no_class_assignment_on_live_modules():
+    """Kernel options (FP8 linears, fused weight gradients) enter by module replacement, as the
+    parallel plan does: no ``obj.__class__ = ...`` anywhere in the library."""
+    offenders = []
+    for module, path in _sources().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+            if any(isinstance(t, ast.Attribute) and t.attr == "__class__" for t in targets):
+                offenders.append(f"{module}:{node.lineno}")
+    assert not offenders, offenders
+
+
 def test_only_models_and_layers_name_the_decoder():
     offenders = []
     for module, path in _sources().items():

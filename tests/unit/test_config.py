@@ -147,3 +147,10 @@ def test_a_megatron_qwen3_moe_script_builds_the_preset_model():
     assert model_parameters(cfg) == model_parameters(build_config(None, ["--preset", "qwen3-30b-a3b"]))
     with pytest.raises(ConfigError, match="partial rotary embeddings are not implemented"):
         validate(build_config(None, ["--preset", "tiny-llama", "--mock-data", "--rotary-percent", "0.5"]))
+
+
+@pytest.mark.parametrize("positions", ["learned_absolute", "rope"])
+def test_sequence_longer_than_the_position_tables_is_refused_up_front(positions):
+    cfg = build_config(None, ["--mock-data", "--position-embedding-type", positions, "--max-position-embeddings", "64", "--seq-length", "128"])
+    with pytest.raises(ConfigError, match="--seq-length 128 exceeds --max-position-embeddings 64"):
+        validate(cfg)

@@ -10,7 +10,7 @@ from torch import nn
 
 from meshtron.config import ConfigError, build_config
 from meshtron.kernels import fp8
-from meshtron.kernels.fp8_scaling import E4M3, E5M2, FP8_FORMATS, FP8_RECIPES, Fp8Recipe, Fp8Scaling, grad_dtype
+from meshtron.kernels.fp8_scaling import FP8_FAMILIES, FP8_FORMATS, FP8_RECIPES, Fp8Recipe, Fp8Scaling, grad_dtype
 from meshtron.layers.output import OutputLayer
 from meshtron.models import build_model
 from meshtron.parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -28,10 +28,11 @@ def _simulated(t: torch.Tensor, dtype: torch.dtype, dim: int | None = None, scal
     return q.float() / scale
 
 
-def _gemms(x, w, g, recipe: str, fmt: str, scales=(None, None, None)):
+def _gemms(x, w, g, recipe: str, fmt: str, scales=(None, None, None), family: str = "ocp"):
     """The three GEMMs of a linear on simulated operands: x, w, g [M, K], [N, K], [M, N]; each
     operand quantized along the GEMM's reduction dimension for ``rowwise``."""
-    gd = E4M3 if recipe == "rowwise" else grad_dtype(fmt)
+    E4M3 = FP8_FAMILIES[family][0]
+    gd = E4M3 if recipe == "rowwise" else grad_dtype(fmt, family)
     row, col = (1, 0) if recipe == "rowwise" else (None, None)
     sx, sw, sg = scales
     y = _simulated(x, E4M3, row, sx) @ _simulated(w, E4M3, row, sw).T
@@ -51,16 +52,18 @@ def _rand(*shape, gen, scale=1.0, dtype=torch.float32):
     return (torch.randn(*shape, generator=gen) * scale).to(dtype)
 
 
+@pytest.mark.parametrize("family", FP8_FAMILIES)
 @pytest.mark.parametrize("recipe", FP8_RECIPES)
 @pytest.mark.parametrize("fmt", FP8_FORMATS)
-def test_fp8_linear_matches_simulation(recipe, fmt):
+def test_fp8_linear_matches_simulation(recipe, fmt, family):
     """Each recipe's three ``_scaled_mm`` GEMMs equal the fp32 simulation of the same quantized
-    operands (only the summation order differs); bias and input shape handled around them."""
+    operands (only the summation order differs), in the OCP and the fnuz formats (AMD gfx942);
+    bias and input shape handled around them."""
     gen = torch.Generator().manual_seed(2)
     x, w, g = _rand(2, 16, 32, gen=gen), _rand(48, 32, gen=gen, scale=0.1), _rand(2, 16, 48, gen=gen)
     b = torch.randn(48, generator=gen, requires_grad=True)
-    y, grad_x, grad_w = _run(Fp8Scaling(Fp8Recipe(fmt, recipe)), x, w, g, b)
-    sim = _gemms(x.reshape(-1, 32), w, g.reshape(-1, 48), recipe, fmt)
+    y, grad_x, grad_w = _run(Fp8Scaling(Fp8Recipe(fmt, recipe), family=family), x, w, g, b)
+    sim = _gemms(x.reshape(-1, 32), w, g.reshape(-1, 48), recipe, fmt, family=family)
     torch.testing.assert_close(y, (sim[0] + b.detach()).view(2, 16, 48))
     torch.testing.assert_close(grad_x, sim[1].view(2, 16, 32))
     torch.testing.assert_close(grad_w, sim[2])
@@ -82,13 +85,15 @@ def test_bf16_operands_match_simulation():
             torch.testing.assert_close(a.float(), b, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("family, fmax", [("ocp", (448.0, 448.0, 57344.0)), ("fnuz", (240.0, 240.0, 57344.0))])
 @pytest.mark.parametrize("algo", ["most_recent", "max"])
 @pytest.mark.parametrize("margin", [0, 1])
-def test_delayed_scaling_uses_the_history_of_earlier_calls(algo, margin):
+def test_delayed_scaling_uses_the_history_of_earlier_calls(algo, margin, family, fmax):
     """Call 1 scales from the current amaxes; each later call from the history before it (largest
-    or most recent entry, over 2**margin); every call's amaxes enter the history afterwards, most
-    recent first; a forward without grad reads the history and leaves it alone."""
-    scaling = Fp8Scaling(Fp8Recipe("hybrid", "delayed", amax_history_len=3, amax_compute_algo=algo, margin=margin))
+    or most recent entry, over 2**margin) and the format's maximum; every call's amaxes enter the
+    history afterwards, most recent first; a forward without grad reads the history and leaves it alone."""
+    recipe = Fp8Recipe("hybrid", "delayed", amax_history_len=3, amax_compute_algo=algo, margin=margin)
+    scaling = Fp8Scaling(recipe, family=family)
     gen = torch.Generator().manual_seed(5)
     amaxes = []  # per call: (input, weight, grad)
     for call, size in enumerate([1.0, 4.0, 0.5, 2.0]):  # a call 4x larger than the last: saturates
@@ -98,10 +103,9 @@ def test_delayed_scaling_uses_the_history_of_earlier_calls(algo, margin):
         else:
             history = torch.tensor(amaxes[-3:][::-1]).T  # rows input, weight, grad; most recent first
             picked = history.amax(1) if algo == "max" else history[:, 0]
-            fmax = torch.tensor([448.0, 448.0, 57344.0])
-            scales = tuple(fmax / picked / 2**margin)
+            scales = tuple(torch.tensor(fmax) / picked / 2**margin)
         got = _run(scaling, x, w, g)
-        for a, b in zip(got, _gemms(x, w, g, "delayed", "hybrid", scales)):
+        for a, b in zip(got, _gemms(x, w, g, "delayed", "hybrid", scales, family)):
             torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)  # another scale moves elements by FP8 steps (6 %)
         amaxes.append([x.abs().max().item(), w.abs().max().item(), g.abs().max().item()])
         recent = torch.tensor(amaxes[-3:][::-1]).T
@@ -156,7 +160,9 @@ def test_linear_falls_back_where_shapes_do_not_fit():
     assert torch.equal(fp8.linear(x, w, None, None), torch.nn.functional.linear(x, w))
     with pytest.raises(ValueError, match="fp8 format"):
         grad_dtype("e5m2")
-    assert grad_dtype("hybrid") == E5M2
+    assert grad_dtype("hybrid") == torch.float8_e5m2 and grad_dtype("hybrid", "fnuz") == torch.float8_e5m2fnuz
+    with pytest.raises(ValueError, match="FP8 family"):
+        Fp8Scaling(Fp8Recipe(), family="e4m3")
 
 
 @pytest.mark.parametrize("recipe", FP8_RECIPES)
@@ -192,3 +198,34 @@ def test_fp8_config_and_early_refusals():
     m = build_config(overrides=["--fp8-recipe=delayed", "--fp8-margin=1", "--fp8-interval=1", "--fp8-amax-history-len=1024",
                                 "--fp8-amax-compute-algo=max"]).model  # fmt: skip
     assert (m.fp8_recipe, m.fp8_amax_history_len, m.fp8_amax_compute_algo, m.fp8_margin) == ("delayed", 1024, "max", 1)
+
+
+@pytest.mark.parametrize("fields", [{"recompute_granularity": "full"}, {"recompute_granularity": "full", "recompute_num_layers": 2},
+                                    {"moe_layer_recompute": True, "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 64,
+                                     "moe_shared_expert_intermediate_size": 64, "add_bias_linear": False}])  # fmt: skip
+def test_delayed_scaling_under_recompute_equals_the_run_that_keeps_activations(fields):
+    """The rerun casts with the scales its forward used (the snapshot of the histories), and the
+    histories move as without recompute: same losses, gradients and histories over steps."""
+    base = dataclasses.replace(build_config(overrides=["--model.preset", "tiny-llama", "--num-layers", "2"]).model,
+                               hidden_size=64, ffn_hidden_size=128)  # fmt: skip
+    runs = {}
+    model_fields = {k: v for k, v in fields.items() if "recompute" not in k}
+    for side, extra in (("plain", model_fields), ("recompute", fields)):
+        cfg = dataclasses.replace(base, **extra)
+        torch.manual_seed(0)
+        model = build_model(cfg, 128, 32)
+        fp8.apply_fp8(model.layers, Fp8Recipe("hybrid", "delayed", amax_history_len=4, amax_compute_algo="max"), "meshtron")
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        tokens, losses = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1)), []
+        for _ in range(4):  # the histories hold other amaxes at each step
+            loss = model(tokens, labels=torch.roll(tokens, -1, 1)).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        histories = [m.amax_history.clone() for m in model.modules() if isinstance(m, Fp8Scaling)]
+        runs[side] = (torch.stack(losses), {n: p.detach().clone() for n, p in model.named_parameters()}, histories)
+    (plain_losses, plain_weights, plain_hist), (losses, weights, hist) = runs["plain"], runs["recompute"]
+    assert torch.equal(losses, plain_losses)
+    assert all(torch.equal(weights[n], w) for n, w in plain_weights.items())
+    assert all(torch.equal(a, b) for a, b in zip(hist, plain_hist, strict=True)) and plain_hist

@@ -83,6 +83,18 @@ def test_generate_from_checkpoint(tmp_path):
     assert text == "Hi" + ByteTokenizer().decode(expected) and len(text) > 2
 
 
+def test_generate_from_checkpoint_refuses_negative_lengths_and_says_when_positions_cap_them(tmp_path, capsys):
+    cfg = build_config(overrides=["--model.preset", "tiny-llama", "--tokenizer-type", "ByteTokenizer", "--seq-length", "16"])
+    model = build_model(cfg.model, 384, cfg.data.seq_length)
+    meta = {"config": cfg.to_dict(), "vocab_size": 384, "tokenizer": {"tokenizer_type": "ByteTokenizer"}}
+    save_checkpoint(tmp_path, 1, model, None, meta, save_optim=False)
+    with pytest.raises(ValueError, match="--max-new-tokens must be >= 0, got -5"):
+        generate_from_checkpoint(str(tmp_path), "Hi", -5, device="cpu")
+    generate_from_checkpoint(str(tmp_path), "Hi", 300, greedy=True, device="cpu")
+    positions = model.max_positions
+    assert f"note: the model has {positions} positions: at most {positions - 2} new tokens follow the 2-token prompt, not 300" in capsys.readouterr().err
+
+
 def test_top_k_filter():
     logits = torch.tensor([1.0, 4.0, 3.0, 2.0])
     assert torch.isinf(top_k_filter(logits, 2)).tolist() == [True, False, False, True]

@@ -29,16 +29,17 @@ def test_kernels_match_references_fp32(seed):
         assert r.forward < 1e-5 and r.backward < 1e-5, r
 
 
-@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz])
 def test_fp8_cast_kernel_bit_equal_to_reference(dtype):
     """The one-pass cast(+transpose) kernel: same FP8 bytes and amax as the reference for a
     per-tensor scale (one that saturates too), per-row and per-column scales, ragged tiles, zeros
-    and values down in FP8's subnormals."""
+    (negative ones too: the fnuz formats have only +0) and values down in FP8's subnormals, for
+    the OCP formats and AMD gfx942's fnuz ones."""
     from meshtron.kernels.fp8_cast import fp8_cast
 
     gen = torch.Generator().manual_seed(0)
     t = (torch.randn(70, 100, generator=gen) * 3).bfloat16()
-    t[3, 5], t[4] = 0.0, t[4] * 1e-6
+    t[3, 5], t[3, 6], t[4] = 0.0, -0.0, t[4] * 1e-6
     fmax = torch.finfo(dtype).max
     amax = t.float().abs()
     for scale in (fmax / amax.max(), 4 * fmax / amax.max(), fmax / amax.amax(1, keepdim=True), fmax / amax.amax(0, keepdim=True)):
@@ -50,16 +51,19 @@ def test_fp8_cast_kernel_bit_equal_to_reference(dtype):
     assert only_amax.rows is None and only_amax.transposed is None and only_amax.amax.item() == amax.max().item()
 
 
+@pytest.mark.parametrize("family", ["ocp", "fnuz"])
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "rowwise"])
-def test_fp8_linear_with_kernels_equals_reference(recipe):
+def test_fp8_linear_with_kernels_equals_reference(recipe, family):
     """The FP8 linear over three calls (delayed: from its history after the first) gives the same
-    outputs, gradients and amax histories with the cast kernels as with the reference casts."""
+    outputs, gradients and amax histories with the cast kernels as with the reference casts, in
+    either FP8 family."""
     from meshtron.kernels import fp8
     from meshtron.kernels.fp8_scaling import Fp8Recipe, Fp8Scaling
 
     runs = []
     for mode in ("on", "off"):
-        scaling = Fp8Scaling(Fp8Recipe("hybrid", recipe, amax_history_len=2, amax_compute_algo="max", fused_kernels=mode))
+        scaling = Fp8Scaling(Fp8Recipe("hybrid", recipe, amax_history_len=2, amax_compute_algo="max", fused_kernels=mode),
+                             family=family)  # fmt: skip
         gen, outs = torch.Generator().manual_seed(1), []
         for _ in range(3):
             x = torch.randn(48, 32, generator=gen).bfloat16().requires_grad_()
@@ -88,7 +92,9 @@ def test_fp8_cast_ops_trace_under_compile(recipe):
         torch.manual_seed(0)
         layer = torch.nn.Linear(32, 16, bias=False).bfloat16()
         recipe_ = Fp8Recipe("hybrid", recipe, amax_history_len=2, amax_compute_algo="max", fused_kernels="on")
-        fp8.apply_fp8(torch.nn.Sequential(layer), recipe_, "meshtron")
+        holder = torch.nn.Sequential(layer)
+        fp8.apply_fp8(holder, recipe_, "meshtron")
+        layer = holder[0]  # the FP8 linear that took its place (same parameters)
         run = torch.compile(layer, backend="aot_eager", fullgraph=True) if compiled else layer
         gen, outs = torch.Generator().manual_seed(1), []
         for step in range(3):

@@ -25,7 +25,7 @@ def device_named(monkeypatch):
     ("NVIDIA H200", 989.0, 788.0),
     ("NVIDIA A100-SXM4-80GB", 312.0, None),
     ("NVIDIA L40S", 362.0, None),
-    ("AMD Instinct MI250X/MI250", 383.0, None),
+    ("AMD Instinct MI250X/MI250", 191.5, None),  # per die, as PyTorch sees it
     ("AMD Instinct MI300X", 1307.0, None),
     ("AMD Instinct MI325X", 1307.0, None),
     ("AMD Instinct MI355X", 2500.0, None),

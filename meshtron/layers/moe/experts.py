@@ -7,7 +7,6 @@ parallelism keep a slice of experts by slicing dim 0. No biases: MoE models run 
 
 from __future__ import annotations
 
-import zlib
 
 import torch
 from torch import nn
@@ -27,22 +26,6 @@ def expert_ffn_hidden_size(cfg: ModelConfig) -> int:
     return cfg.moe_ffn_hidden_size or ffn_hidden_size(cfg)
 
 
-@torch.no_grad()
-def init_expert_weights(param: torch.Tensor, name: str, seed: int, std: float, first_expert: int = 0) -> None:
-    """N(0, std) per expert from a generator keyed by (seed, name, global expert id).
-
-    ``param`` [E_local, ...] holds experts ``first_expert ..``; any expert-parallel split of the
-    same name and seed thus draws the same weights as one process holding all experts. ``name``
-    is the full parameter name, as for the model's other weights. A ``meta`` tensor (a model
-    built for its shapes only) is left undrawn.
-    """
-    if param.is_meta:
-        return
-    for local, expert in enumerate(range(first_expert, first_expert + param.shape[0])):
-        key = (seed * 1_000_003 + zlib.crc32(f"{name}[{expert}]".encode())) % 2**63
-        param[local].normal_(0.0, std, generator=torch.Generator(device=param.device).manual_seed(key))
-
-
 class Experts(nn.Module):
     """Expert input [R, h], rows grouped by expert (``group_sizes`` [E]) -> output [R, h]."""
 
@@ -51,7 +34,7 @@ class Experts(nn.Module):
         ffn = expert_ffn_hidden_size(cfg)
         fc1_out = 2 * ffn if cfg.activation == "swiglu" else ffn
         self.cfg = cfg
-        # Drawn from the global RNG like nn.Linear's; the model re-draws them with init_expert_weights.
+        # Drawn from the global RNG like nn.Linear's; the model re-draws them (models/init.py, expert by expert).
         self.weight1 = nn.Parameter(torch.randn(cfg.num_experts, fc1_out, cfg.hidden_size) * cfg.init_method_std)
         self.weight2 = nn.Parameter(torch.randn(cfg.num_experts, cfg.hidden_size, ffn) * cfg.init_method_std)
         self.grad_accum_fusion = False  # set by apply_gradient_accumulation_fusion

@@ -8,8 +8,9 @@ Backends (``--model.moe_grouped_gemm``; Megatron's ``--moe-grouped-gemm`` switch
 - ``triton``: our Triton kernels (``meshtron/kernels/triton_grouped_gemm.py``), forward and
   backward, any width and dtype alignment, no host sync (on Hopper a persistent TMA kernel for the
   forward and input gradient); on a CPU only under Triton's interpreter.
-- ``auto``: ``torch`` where it works for these tensors, else ``triton`` on a GPU with Triton
-  installed (ROCm, or a build without ``_grouped_mm``), else ``loop``.
+- ``auto``: ``torch`` where it works for these tensors and is one kernel, else ``triton`` on a
+  GPU with Triton installed (a build without ``_grouped_mm``; ROCm where ``_grouped_mm`` is a
+  host-synced loop over the groups: gfx90a, or a build without CK), else ``torch`` or ``loop``.
 
 With gradient-accumulation fusion (``--gradient-accumulation-fusion``, ``fuse_wgrad``) the weight
 gradient skips the bf16 tensor and the buffer's add: the Triton weight-gradient kernel writes (or
@@ -35,7 +36,7 @@ import os
 
 import torch
 
-from meshtron.kernels import triton_available
+from meshtron.kernels import platform, triton_available
 
 GROUPED_GEMM_BACKENDS = ("auto", "loop", "torch", "triton")
 
@@ -88,6 +89,44 @@ def torch_grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return aligned and x.dtype == weight.dtype and _grouped_mm_runs(x.device, x.dtype)
 
 
+@functools.cache
+def _grouped_mm_syncs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` waits for the host here: ROCm's fallback (no CK in the build)
+    copies the offsets to the host and loops over the groups. Probed with PyTorch's sync debug
+    mode raising on a synchronizing call; deterministic inputs, as ``_grouped_mm_runs``."""
+    previous = torch.cuda.get_sync_debug_mode()
+    try:
+        with torch.inference_mode(False), torch.no_grad():
+            x, weight = torch.ones(8, 16, device=device, dtype=dtype), torch.ones(3, 16, 16, device=device, dtype=dtype)
+            sizes = torch.tensor([3, 0, 5], device=device)
+            torch.cuda.set_sync_debug_mode("error")
+            grouped_mm_torch(x, weight, sizes)
+        return False
+    except RuntimeError:
+        return True
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+def torch_grouped_mm_is_one_kernel(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` (where it runs) is one kernel rather than a loop: on NVIDIA
+    yes; on ROCm only on gfx942/gfx950 (``platform``) in a build whose call does not sync."""
+    if device.type != "cuda":
+        return True
+    if not platform.grouped_mm_may_be_fast(device):
+        return False
+    return not (platform.is_rocm() and _grouped_mm_syncs(device, dtype))
+
+
+def auto_backend(device: torch.device, dtype: torch.dtype, torch_usable: bool, triton_usable: bool) -> str:
+    """What ``auto`` means given which backends can take the tensors (see the module docstring)."""
+    if torch_usable and torch_grouped_mm_is_one_kernel(device, dtype):
+        return "torch"
+    if triton_usable:
+        return "triton"
+    return "torch" if torch_usable else "loop"
+
+
 def triton_grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Triton is installed and can run on ``x``'s device (a GPU, or the CPU under its interpreter),
     and ``x`` and ``weight`` share a dtype (no mixed-dtype tile products)."""
@@ -100,9 +139,7 @@ def _resolved(x: torch.Tensor, weight: torch.Tensor, backend: str) -> str:
     if backend not in GROUPED_GEMM_BACKENDS:
         raise ValueError(f"--model.moe_grouped_gemm must be one of {', '.join(GROUPED_GEMM_BACKENDS)}, got '{backend}'")
     if backend == "auto":
-        if torch_grouped_mm_usable(x, weight):
-            return "torch"
-        return "triton" if x.is_cuda and triton_grouped_mm_usable(x, weight) else "loop"
+        return auto_backend(x.device, x.dtype, torch_grouped_mm_usable(x, weight), x.is_cuda and triton_grouped_mm_usable(x, weight))
     if backend == "torch" and not torch_grouped_mm_usable(x, weight):
         raise RuntimeError(
             f"--model.moe_grouped_gemm torch: torch._grouped_mm does not run here ({x.device.type}, {x.dtype}, "

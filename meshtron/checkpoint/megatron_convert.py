@@ -1,0 +1,202 @@
+"""``meshtron convert megatron-import | megatron-export``: Megatron-LM checkpoints in and out.
+
+Import reads a Megatron-LM ``--save`` directory in either format (``megatron_files.py``) under any
+tp/pp/ep it was saved with, builds the model its ``args`` describe (``models/megatron.py``),
+fills it tensor by tensor (a torch_dist tensor one layer at a time, a legacy checkpoint one
+pipeline stage at a time) and saves a meshtron checkpoint carrying Megatron's iteration and
+consumed samples, so ``meshtron train --load OUT --no-load-optim --no-load-rng`` goes on where
+Megatron stopped. Optimizer state is not carried: Megatron's default distributed-optimizer state
+is laid out by its gradient buffers, and which layout a file holds is not recorded in a form read
+here; the reason is printed and the weights are written alone (``--finetune``'s semantics for the
+optimizer, not for the iteration). The model-defining ``args`` are kept in the meta
+(``megatron_args``) so an export writes them back.
+
+Export writes a meshtron checkpoint as Megatron-Core's ``torch_dist``: the global tensors under
+Core's names, layers stacked along a leading axis, experts along another, the norms
+under their fused names, through DCP's own writer, plus ``common.pt`` (``args`` as an
+``argparse.Namespace``, iteration, checkpoint version 3.0), ``metadata.json`` and the tracker.
+Not yet done: Megatron-LM's own ``load_checkpoint`` wants each linear layer's ``_extra_state``
+object too, which this export does not write (checked with ``tests/data/megatron/make_checkpoints.py
+--check-export``: Megatron reports the first linear's ``_extra_state`` as a missing key);
+meshtron's import reads the export back exactly.
+Both directions hold the model's weights in memory once (export: all of them, to stack layers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+
+from meshtron.checkpoint.checkpoint import save_checkpoint
+from meshtron.checkpoint.dcp_io import quiet_single_process
+from meshtron.checkpoint.megatron_files import TRACKER, DistCheckpoint, LegacyCheckpoint, open_megatron
+from meshtron.checkpoint.megatron_pickle import Namespace
+from meshtron.checkpoint.tensor_reader import CheckpointWeights
+from meshtron.config import Config, ModelConfig
+from meshtron.errors import CheckpointError
+from meshtron.models import build_model
+from meshtron.models.megatron import (args_from_model, check_exportable, dist_candidates, dist_key, layer_count, legacy_name, meshtron_name, merge_tp,
+                                      model_config_from_args)  # fmt: skip
+
+CHECKPOINT_VERSION = 3.0
+_PLAIN = (int, float, str, bool, type(None))
+
+
+def _plain_args(fields: dict[str, Any]) -> dict[str, Any]:
+    """The JSON-representable ``args`` fields (enums, dtypes and objects are dropped)."""
+    keep = {}
+    for key, value in fields.items():
+        if isinstance(value, _PLAIN) or (isinstance(value, list) and all(isinstance(v, _PLAIN) for v in value)):
+            keep[key] = value
+    return keep
+
+
+def _dist_tensors(ckpt: DistCheckpoint, expected: dict[str, torch.Size]) -> Iterator[tuple[str, torch.Tensor]]:
+    used = set()
+    for name in expected:
+        keys, layer = dist_candidates(name)
+        key = next((k for k in keys if k in ckpt.shapes), keys[0])
+        used.add(key)
+        yield name, ckpt.read(key, layer)
+    left = [k for k in ckpt.shapes if k not in used and not k.startswith("optimizer.") and k != "output_layer.weight"]
+    if left:
+        raise CheckpointError(f"{ckpt.directory} holds {len(left)} tensors the model its args describe has no place for, e.g. {left[:3]}")
+
+
+def _legacy_tensors(ckpt: LegacyCheckpoint, m: ModelConfig, expert_tp: int) -> Iterator[tuple[str, torch.Tensor]]:
+    offset = 0
+    local_experts = m.num_experts // ckpt.ep if m.num_experts else 0
+    for stage, files in ckpt.stages():
+        dense: dict[str, dict[int, torch.Tensor]] = {}
+        experts: dict[str, dict[int, dict[int, torch.Tensor]]] = {}
+        for (t, e), state in files.items():
+            for key, tensor in state.items():
+                name, expert = meshtron_name(legacy_name(key), offset)
+                if expert is None and e == 0:
+                    dense.setdefault(name, {})[t] = tensor
+                elif expert is not None:
+                    experts.setdefault(name, {}).setdefault(e * local_experts + expert, {})[t] = tensor
+        for name, by_tp in dense.items():
+            yield name, merge_tp(name, [by_tp[t] for t in sorted(by_tp)], m)
+        for name, by_expert in experts.items():
+            if sorted(by_expert) != list(range(m.num_experts)):
+                raise CheckpointError(f"{ckpt.directory}: stage {stage} holds experts {sorted(by_expert)} of {name}, not 0..{m.num_experts - 1}")
+            yield name, torch.stack([merge_tp(name, [by_expert[k][t] for t in range(expert_tp)], m) for k in range(m.num_experts)])
+        offset += layer_count(list(files[(0, 0)]))
+    if offset != m.num_layers:
+        raise CheckpointError(f"{ckpt.directory}: the pipeline stages hold {offset} layers, args.num_layers is {m.num_layers}")
+
+
+def import_megatron(load_dir: str | Path, save_dir: str | Path, iteration: int | None = None, log: Callable[[str], None] = print) -> Path:
+    """Write the Megatron-LM checkpoint of ``load_dir`` as a meshtron checkpoint in ``save_dir``."""
+    ckpt = open_megatron(load_dir, iteration)
+    args = ckpt.common.get("args")
+    if not isinstance(args, Namespace):
+        raise CheckpointError(f"{ckpt.directory}: the common state has no args Namespace (found {type(args).__name__})")
+    fields = args.fields()
+    m = model_config_from_args(fields, f"{ckpt.directory} (args)")
+    cfg = Config(model=m)
+    cfg.data.seq_length = int(fields.get("seq_length") or m.max_position_embeddings)
+    model = build_model(m, m.vocab_size, cfg.data.seq_length)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    if isinstance(ckpt, DistCheckpoint):
+        tensors = _dist_tensors(ckpt, expected)
+        optimizer = any(k.startswith("optimizer.") for k in ckpt.shapes)
+    else:
+        expert_tp = int(fields.get("expert_tensor_parallel_size") or ckpt.tp) if m.num_experts else ckpt.tp
+        tensors = _legacy_tensors(ckpt, m, expert_tp)
+        optimizer = ckpt.has_optimizer
+    state = {}
+    for name, tensor in tensors:
+        if name not in expected:
+            if name == "output.weight" and m.tie_embeddings:
+                continue  # the last stage's copy of the shared embedding
+            raise CheckpointError(f"{ckpt.directory}: tensor {name} (Megatron's) has no place in the model its args describe")
+        if tuple(tensor.shape) != tuple(expected[name]):
+            raise CheckpointError(f"{ckpt.directory}: {name} has shape {list(tensor.shape)}, its args imply {list(expected[name])}")
+        state[name] = tensor.float()
+    missing = sorted(expected.keys() - state.keys())
+    if missing:
+        raise CheckpointError(f"{ckpt.directory} lacks {len(missing)} tensors its args imply, e.g. {missing[:3]}")
+    model.load_state_dict(state, strict=True)
+    step = int(ckpt.common.get("iteration", 0) or 0)
+    consumed = int(fields.get("consumed_train_samples") or 0)
+    if optimizer:
+        log(f"megatron-import: {ckpt.directory}'s optimizer state is not imported: Megatron lays it out by its own gradient "
+            "buffers; the weights are written alone, resume with --no-load-optim (a fresh optimizer)")  # fmt: skip
+    meta = {"iteration": step, "consumed_samples": consumed, "config": cfg.to_dict(), "vocab_size": m.vocab_size,
+            "tokenizer": {"tokenizer_type": ""}, "megatron_source": str(ckpt.directory.resolve()), "megatron_format": ckpt.format,
+            "megatron_args": _plain_args(fields)}  # fmt: skip
+    return save_checkpoint(save_dir, step, model, None, meta, save_optim=False, save_rng=False)
+
+
+def megatron_state(weights: CheckpointWeights, m: ModelConfig, vocab_size: int, seq_length: int) -> dict[str, torch.Tensor]:
+    """The torch_dist tensors (Megatron names, layers stacked) of a meshtron checkpoint's weights."""
+    with torch.device("meta"):
+        model = build_model(m, vocab_size, seq_length)
+    weights.check_shapes({k: tuple(v.shape) for k, v in model.state_dict().items()})
+    state: dict[str, torch.Tensor] = {}
+    layers: dict[str, list[torch.Tensor | None]] = {}
+    for name in model.state_dict():
+        key, layer = dist_key(name)
+        if layer is None:
+            state[key] = weights[name]
+        else:
+            layers.setdefault(key, [None] * m.num_layers)[layer] = weights[name]
+    for key, per_layer in layers.items():
+        state[key] = torch.stack(per_layer)
+    return state
+
+
+def export_megatron(load_dir: str | Path, save_dir: str | Path, iteration: int | None = None) -> Path:
+    """Write the meshtron checkpoint of ``load_dir`` as a Megatron-Core torch_dist checkpoint in ``save_dir``."""
+    weights = CheckpointWeights(load_dir, iteration)
+    meta = weights.meta
+    cfg = Config.from_dict(meta["config"])
+    check_exportable(cfg.model)
+    state = megatron_state(weights, cfg.model, meta["vocab_size"], cfg.data.seq_length)
+    step = int(meta["iteration"])
+    fields = {**meta.get("megatron_args", {}), **args_from_model(cfg.model, meta["vocab_size"], cfg.data.seq_length)}
+    fields.update(consumed_train_samples=int(meta.get("consumed_samples", 0)), iteration=step, ckpt_format="torch_dist",
+                  use_dist_ckpt=True, params_dtype=next(iter(state.values())).dtype)  # fmt: skip
+    root = Path(save_dir)
+    directory = root / f"iter_{step:07d}"
+    directory.mkdir(parents=True, exist_ok=True)
+    with quiet_single_process():
+        dcp.save(state, storage_writer=FileSystemWriter(directory), no_dist=True)
+    common = {"args": argparse.Namespace(**fields), "checkpoint_version": CHECKPOINT_VERSION, "iteration": step,
+              "num_floating_point_operations_so_far": 0}  # fmt: skip
+    torch.save(common, directory / "common.pt")
+    (directory / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
+    (root / TRACKER).write_text(str(step))
+    return directory
+
+
+def main(argv: list[str]) -> int:
+    """``meshtron convert megatron-import|megatron-export``."""
+    parser = argparse.ArgumentParser(prog="meshtron convert", description="exchange checkpoints with Megatron-LM")
+    sub = parser.add_subparsers(dest="direction", required=True)
+    imp = sub.add_parser("megatron-import", help="Megatron-LM checkpoint (torch_dist or legacy torch, any tp/pp/ep) -> meshtron")
+    imp.add_argument("--load", required=True, help="Megatron-LM's --save directory (holds latest_checkpointed_iteration.txt)")
+    imp.add_argument("--save", required=True, help="meshtron checkpoint directory to write")
+    imp.add_argument("--ckpt-step", type=int, default=None, help="iteration to import (default: the tracker's)")
+    exp = sub.add_parser("megatron-export", help="meshtron checkpoint -> Megatron-Core torch_dist")
+    exp.add_argument("--load", required=True, help="checkpoint directory written by meshtron's --save")
+    exp.add_argument("--save", required=True, help="directory to write the Megatron checkpoint into")
+    exp.add_argument("--ckpt-step", type=int, default=None, help="iteration to export (default: the newest)")
+    args = parser.parse_args(argv)
+    if args.direction == "megatron-import":
+        final = import_megatron(args.load, args.save, args.ckpt_step)
+        print(f"wrote {final}; continue with: meshtron train --load {args.save} --no-load-optim --no-load-rng "
+              f"(the model flags as in {Path(final) / 'meta.json'}) ...")  # fmt: skip
+    else:
+        print(f"wrote {export_megatron(args.load, args.save, args.ckpt_step)} (Megatron-Core torch_dist tensors and common.pt; "
+              "the linears' _extra_state objects Megatron-LM's load_checkpoint also asks for are not written yet)")  # fmt: skip
+    return 0

@@ -1,0 +1,230 @@
+"""Megatron-LM's model: its ``args`` as a ``ModelConfig`` and its tensor names as meshtron's.
+
+meshtron's decoder keeps Megatron-Core's local-spec names (``layers.N.self_attention.linear_qkv``,
+``mlp.linear_fc1`` = [gate | up], the per-group QKV order, rotate-half RoPE), so most tensors map
+by name alone. What differs:
+
+* the top level: ``embedding.word_embeddings`` / ``embedding.position_embeddings`` /
+  ``decoder.final_layernorm`` / ``output_layer`` are meshtron's ``embedding`` /
+  ``position_embedding`` / ``final_norm`` / ``output``;
+* the norms: ``torch_dist`` (and Transformer Engine's spec) store ``input_layernorm`` as
+  ``self_attention.linear_qkv.layer_norm_weight`` and ``pre_mlp_layernorm`` as
+  ``mlp.linear_fc1.layer_norm_weight``;
+* experts: Megatron's SequentialMLP holds ``mlp.experts.local_experts.K.linear_fc1.weight`` per
+  expert (``torch_dist``: ``mlp.experts.experts.linear_fc1.weight`` with an expert axis); meshtron
+  stacks them as ``mlp.experts.weight1`` [E, 2f, h] and ``weight2`` [E, h, f];
+* older checkpoints (``language_model.encoder.*``) use the pre-Core names, renamed here.
+
+The legacy ``torch`` format stores each tensor-parallel rank's shard; ``merge_tp`` joins them by
+the rule of the layer that split them (vocabulary and QKV rows, SwiGLU's halves, row-parallel
+columns), replicated tensors are taken from rank 0.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from meshtron.config import ModelConfig
+from meshtron.errors import CheckpointError
+
+TOP = {"embedding.weight": "embedding.word_embeddings.weight", "position_embedding.weight": "embedding.position_embeddings.weight",
+       "final_norm.weight": "decoder.final_layernorm.weight", "final_norm.bias": "decoder.final_layernorm.bias",
+       "output.weight": "output_layer.weight"}  # fmt: skip
+# meshtron's per-layer norm names -> the fused names torch_dist stores them under.
+FUSED_NORMS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_", "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+EXPERTS = {"mlp.experts.weight1": "linear_fc1.weight", "mlp.experts.weight2": "linear_fc2.weight"}
+# Pre-Core names (``language_model.*``) -> Core's.
+_OLD_TOP = {"language_model.embedding.word_embeddings.": "embedding.word_embeddings.",
+            "language_model.embedding.position_embeddings.": "embedding.position_embeddings.",
+            "language_model.encoder.final_layernorm.": "decoder.final_layernorm.", "language_model.output_layer.": "output_layer.",
+            "language_model.encoder.layers.": "decoder.layers."}  # fmt: skip
+_OLD_LAYER = {"self_attention.query_key_value.": "self_attention.linear_qkv.", "self_attention.dense.": "self_attention.linear_proj.",
+              "post_attention_layernorm.": "pre_mlp_layernorm.", "mlp.dense_h_to_4h.": "mlp.linear_fc1.",
+              "mlp.dense_4h_to_h.": "mlp.linear_fc2."}  # fmt: skip
+_LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)")
+
+
+# -- config ---------------------------------------------------------------------------------------
+
+
+def _choice(args: dict[str, Any], field: str, allowed: tuple, source: str) -> Any:
+    value = args.get(field)
+    if value not in allowed:
+        raise CheckpointError(f"{source}: args.{field} = {value!r} is not supported; meshtron reads {', '.join(map(repr, allowed))}")
+    return value
+
+
+def model_config_from_args(args: dict[str, Any], source: str) -> ModelConfig:
+    """The meshtron model a Megatron run's ``args`` describe, from the fields that define the
+    model only; a value meshtron does not implement is refused, naming the field."""
+    for field, must in (("rotary_interleaved", False), ("apply_layernorm_1p", False), ("layernorm_zero_centered_gamma", False),
+                        ("multi_latent_attention", False), ("use_rope_scaling", False), ("moe_grouped_gemm", False),
+                        ("moe_shared_expert_gate", False), ("squared_relu", False), ("mtp_num_layers", None),
+                        ("heterogeneous_layers_config_path", None), ("hybrid_layer_pattern", None), ("qk_l2_norm", False),
+                        ("softmax_type", "vanilla"), ("num_layers_per_virtual_pipeline_stage", None)):  # fmt: skip
+        if field in args and args[field] not in (must, None if must is False else must):
+            raise CheckpointError(f"{source}: args.{field} = {args[field]!r} is not supported by megatron-import (only {must!r})")
+    missing = [f for f in ("num_layers", "hidden_size", "num_attention_heads", "padded_vocab_size") if not isinstance(args.get(f), int)]
+    if missing:
+        raise CheckpointError(f"{source}: args lacks the model fields {missing}; is this a Megatron-LM GPT checkpoint?")
+    normalization = _choice(args, "normalization", ("LayerNorm", "RMSNorm"), source)
+    positions = _choice(args, "position_embedding_type", ("rope", "learned_absolute"), source)
+    epsilon = args.get("norm_epsilon", args.get("layernorm_epsilon", 1e-5))
+    activation = "swiglu" if args.get("swiglu") else "gelu_tanh" if args.get("openai_gelu") else "gelu"
+    experts = args.get("num_experts") or 0
+    m = ModelConfig(
+        num_layers=args["num_layers"], hidden_size=args["hidden_size"], ffn_hidden_size=args.get("ffn_hidden_size") or 0,
+        num_attention_heads=args["num_attention_heads"],
+        num_query_groups=args["num_query_groups"] if args.get("group_query_attention") else 0,
+        kv_channels=args.get("kv_channels") or 0, vocab_size=args["padded_vocab_size"], make_vocab_size_divisible_by=1,
+        max_position_embeddings=args.get("max_position_embeddings") or args.get("seq_length"), normalization=normalization,
+        norm_epsilon=float(epsilon), activation=activation, position_embedding_type=positions,
+        rotary_base=int(args.get("rotary_base", 10000)), rotary_percent=float(args.get("rotary_percent", 1.0)),
+        add_bias_linear=bool(args.get("add_bias_linear", True)), add_qkv_bias=bool(args.get("add_qkv_bias", False)),
+        tie_embeddings=not args.get("untie_embeddings_and_output_weights", False),
+        apply_residual_connection_post_layernorm=bool(args.get("apply_residual_connection_post_layernorm", False)),
+        qk_layernorm=bool(args.get("qk_layernorm", False)), attention_dropout=0.0, hidden_dropout=0.0,
+    )  # fmt: skip
+    if experts:
+        if str(args.get("moe_layer_freq", 1)) != "1":
+            raise CheckpointError(f"{source}: args.moe_layer_freq = {args['moe_layer_freq']!r}: megatron-import reads models whose "
+                                  "every layer is MoE (1) only")  # fmt: skip
+        _choice(args, "moe_router_score_function", ("softmax", "sigmoid"), source)
+        _choice(args, "moe_router_load_balancing_type", ("aux_loss", "seq_aux_loss", "none", "sinkhorn"), source)
+        m.num_experts, m.moe_router_topk = experts, args["moe_router_topk"]
+        m.moe_ffn_hidden_size = args.get("moe_ffn_hidden_size") or m.ffn_hidden_size
+        m.moe_shared_expert_intermediate_size = args.get("moe_shared_expert_intermediate_size") or 0
+        m.moe_router_load_balancing_type = args["moe_router_load_balancing_type"]
+        m.moe_router_score_function = args["moe_router_score_function"]
+        m.moe_router_pre_softmax = bool(args.get("moe_router_pre_softmax", False))
+        m.moe_router_topk_scaling_factor = float(args.get("moe_router_topk_scaling_factor") or 1.0)
+        m.moe_aux_loss_coeff = float(args.get("moe_aux_loss_coeff") or 0.0)
+        m.moe_z_loss_coeff = float(args.get("moe_z_loss_coeff") or 0.0)
+        m.moe_router_enable_expert_bias = bool(args.get("moe_router_enable_expert_bias", False))
+        m.moe_router_num_groups = args.get("moe_router_num_groups") or 0
+        m.moe_router_group_topk = args.get("moe_router_group_topk") or 0
+        m.moe_router_dtype = _choice(args, "moe_router_dtype", (None, "fp32", "fp64"), source) or ""
+    return m
+
+
+def args_from_model(m: ModelConfig, vocab_size: int, seq_length: int) -> dict[str, Any]:
+    """The model-defining ``args`` fields Megatron-LM checks when it loads a checkpoint."""
+    heads = m.num_attention_heads
+    args = {"num_layers": m.num_layers, "hidden_size": m.hidden_size, "ffn_hidden_size": m.ffn_hidden_size,
+            "num_attention_heads": heads, "group_query_attention": bool(m.num_query_groups) and m.num_query_groups != heads,
+            "num_query_groups": m.num_query_groups or heads, "kv_channels": m.kv_channels or m.hidden_size // heads,
+            "padded_vocab_size": vocab_size, "max_position_embeddings": m.max_position_embeddings, "seq_length": seq_length,
+            "normalization": m.normalization, "norm_epsilon": m.norm_epsilon, "layernorm_epsilon": m.norm_epsilon,
+            "swiglu": m.activation == "swiglu", "openai_gelu": m.activation == "gelu_tanh",
+            "position_embedding_type": m.position_embedding_type, "rotary_base": m.rotary_base, "rotary_percent": m.rotary_percent,
+            "add_bias_linear": m.add_bias_linear, "add_qkv_bias": m.add_qkv_bias, "untie_embeddings_and_output_weights": not m.tie_embeddings,
+            "apply_residual_connection_post_layernorm": m.apply_residual_connection_post_layernorm, "qk_layernorm": m.qk_layernorm,
+            "num_experts": m.num_experts or None}  # fmt: skip
+    if m.num_experts:
+        args.update(moe_router_topk=m.moe_router_topk, moe_ffn_hidden_size=m.moe_ffn_hidden_size or m.ffn_hidden_size,
+                    moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size or None,
+                    moe_router_load_balancing_type=m.moe_router_load_balancing_type, moe_router_score_function=m.moe_router_score_function,
+                    moe_router_pre_softmax=m.moe_router_pre_softmax, moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
+                    moe_aux_loss_coeff=m.moe_aux_loss_coeff, moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
+                    moe_layer_freq=1, moe_grouped_gemm=False)  # fmt: skip
+    return args
+
+
+def check_exportable(m: ModelConfig) -> None:
+    """Refuse what has no Megatron-Core GPT equivalent written here."""
+    if m.model_type != "gpt":
+        raise CheckpointError(f"megatron-export writes GPT decoders; this checkpoint holds a '{m.model_type}' model")
+    if m.multi_latent_attention or m.position_embedding_type not in ("rope", "learned_absolute") or m.rope_scaling:
+        raise CheckpointError("megatron-export: latent attention, relative positions and RoPE scaling are not mapped to Megatron names here")
+    if m.num_experts and (m.moe_shared_expert_gate or str(m.moe_layer_freq) != "1"):
+        raise CheckpointError("megatron-export: a shared-expert gate or dense layers between MoE layers are not mapped here")
+
+
+# -- names ----------------------------------------------------------------------------------------
+
+
+def dist_key(name: str) -> tuple[str, int | None]:
+    """The torch_dist key of meshtron tensor ``name`` and its layer (the key's leading axis), or None."""
+    if name in TOP:
+        return TOP[name], None
+    match = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    if not match:
+        raise CheckpointError(f"meshtron tensor {name} has no Megatron name")
+    layer, rest = int(match.group(1)), match.group(2)
+    for norm, fused in FUSED_NORMS.items():
+        if rest.startswith(norm):
+            rest = fused + rest[len(norm) :]
+    if rest in EXPERTS:
+        rest = "mlp.experts.experts." + EXPERTS[rest]
+    return f"decoder.layers.{rest}", layer
+
+
+def dist_candidates(name: str) -> tuple[list[str], int | None]:
+    """``dist_key``'s key, then the unfused one a local-spec layer may be stored under."""
+    key, layer = dist_key(name)
+    return ([key] if layer is None else [key, f"decoder.layers.{name.split('.', 2)[2]}"]), layer
+
+
+def legacy_name(key: str) -> str:
+    """A Megatron state-dict key in Core's unfused names (pre-Core and fused-norm names renamed)."""
+    for old, new in _OLD_TOP.items():
+        if key.startswith(old):
+            key = new + key[len(old) :]
+    match = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", key)
+    if not match:
+        return key
+    rest = match.group(2)
+    for old, new in _OLD_LAYER.items():
+        if rest.startswith(old):
+            rest = new + rest[len(old) :]
+    for norm, fused in FUSED_NORMS.items():
+        if rest.startswith(fused):
+            rest = norm + rest[len(fused) :]
+    return f"decoder.layers.{match.group(1)}.{rest}"
+
+
+def meshtron_name(key: str, layer_offset: int) -> tuple[str, int | None]:
+    """meshtron's name for legacy key ``key`` (after ``legacy_name``) of a stage whose first layer
+    is ``layer_offset``, and the local expert index for a SequentialMLP expert's tensor."""
+    for mt, mg in TOP.items():
+        if key == mg:
+            return mt, None
+    match = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", key)
+    if not match:
+        raise CheckpointError(f"Megatron tensor {key} has no meshtron equivalent")
+    layer, rest = int(match.group(1)) + layer_offset, match.group(2)
+    expert = _LOCAL_EXPERT.fullmatch(rest)
+    if expert:
+        stacked = {v: k for k, v in EXPERTS.items()}[expert.group(2)]
+        return f"layers.{layer}.{stacked}", int(expert.group(1))
+    return f"layers.{layer}.{rest}", None
+
+
+def layer_count(keys: list[str]) -> int:
+    """How many layers a stage's legacy state dict holds (local numbers 0..n-1)."""
+    numbers = {int(m.group(1)) for k in keys if (m := re.match(r"decoder\.layers\.(\d+)\.", k))}
+    if numbers != set(range(len(numbers))):
+        raise CheckpointError(f"layer numbers {sorted(numbers)} are not 0..{len(numbers) - 1}")
+    return len(numbers)
+
+
+def merge_tp(name: str, pieces: list[torch.Tensor], m: ModelConfig) -> torch.Tensor:
+    """The global tensor ``name`` from its tensor-parallel shards (rank order), by the rule of the
+    layer that split it; a replicated tensor must be equal on every rank."""
+    if len(pieces) == 1:
+        return pieces[0]
+    if name in ("embedding.weight", "output.weight") or name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
+        return torch.cat(pieces, 0)
+    if name.endswith(("linear_fc1.weight", "linear_fc1.bias", "experts.weight1")):
+        if m.activation != "swiglu":
+            return torch.cat(pieces, 0)
+        halves = [p.chunk(2, 0) for p in pieces]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight", "experts.weight2")):
+        return torch.cat(pieces, 1)
+    if any(not torch.equal(pieces[0], p) for p in pieces[1:]):
+        raise CheckpointError(f"{name} differs between tensor-parallel ranks, but meshtron's model replicates it")
+    return pieces[0]
