@@ -49,6 +49,7 @@ LAYOUT_FLAGS = {
     "tp2ov": (2, ["--tp", "2", "--sequence-parallel", "--tp-comm-overlap"]),
     "tp2ovsm": (2, ["--tp", "2", "--sequence-parallel", "--tp-comm-overlap", "--tp-comm-overlap-backend", "symm_mem"]),
     "tp4ov": (4, ["--tp", "4", "--sequence-parallel", "--tp-comm-overlap"]),
+    "tp4ovsm": (4, ["--tp", "4", "--sequence-parallel", "--tp-comm-overlap", "--tp-comm-overlap-backend", "symm_mem"]),
     "tp8ov": (8, ["--tp", "8", "--sequence-parallel", "--tp-comm-overlap"]),
     # pipeline: the last stage also carries the 128K-vocabulary output layer (~2 layers of work);
     # the default split by modeled cost gives it fewer layers (8 layers: pp2 5|3, pp2v2 2|3|3|0),
