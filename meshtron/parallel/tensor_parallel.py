@@ -52,9 +52,13 @@ def _all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
 
 
 def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(group_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+    """The ranks' ``x`` concatenated along ``dim``, gathered into one buffer of rank-major parts:
+    at batch 1 along the sequence that buffer already is the result (no copy); otherwise one
+    reordering copy (the list form of ``all_gather`` copies every part out, then ``cat`` again)."""
+    n, x = group_size(group), x.contiguous()
+    parts = x.new_empty((n * x.shape[0], *x.shape[1:]))  # rank-major, concatenated along dim 0 (gloo takes only this form)
+    dist.all_gather_into_tensor(parts, x, group=group)
+    return parts.view(n, *x.shape).movedim(0, dim % x.dim()).flatten(dim % x.dim(), dim % x.dim() + 1)
 
 
 def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -75,9 +79,12 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         raise ValueError(f"cannot reduce-scatter size {x.shape[dim]} of dim {dim} over {n} tensor-parallel ranks")
     if dist.get_backend(group) == "gloo":
         return _split(_all_reduce(x, group), dim, group)
-    chunks = [c.contiguous() for c in x.chunk(n, dim=dim)]
-    out = torch.empty_like(chunks[0])
-    dist.reduce_scatter(out, chunks, group=group)
+    # rank-major chunks in one buffer: at batch 1 along the sequence, ``x`` itself (the list form
+    # of ``reduce_scatter`` copies every chunk into a flat buffer first)
+    dim = dim % x.dim()
+    chunks = x.unflatten(dim, (n, -1)).movedim(dim, 0).contiguous()
+    out = x.new_empty(chunks.shape[1:])
+    dist.reduce_scatter_tensor(out, chunks.flatten(0, 1), group=group)
     return out
 
 
