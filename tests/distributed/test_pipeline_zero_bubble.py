@@ -12,6 +12,8 @@ One spawn of 4 gloo processes runs every case in turn, each on its own mesh:
   pp2 x dp2 zbv, tied, full recompute, 4 micro batches per dp rank
   pp2 x tp2 zbv with sequence parallelism and tied embeddings (tensor-parallel linears' weight
     gradients deferred), 8 micro batches
+  pp2 x tp2 zb-h1 with sequence parallelism and --tp-comm-overlap (the overlapped linears' weight
+    gradients deferred, with the gathered input they keep), untied, 8 micro batches
 
 Each case runs through the runner (``runner_for``: plan, V placement, optimizer with its gradient
 buffer over dp), as training does. The reference is the plain model in pytest's process on the
@@ -48,6 +50,7 @@ MODELS = {
     "moe8": dict(LLAMA, num_layers=8, **MOE, moe_layer_freq="([0]+[1]*7)", tie_embeddings=False),
     "moe": dict(LLAMA, **MOE, moe_layer_freq="([0]+[1]*3)"),
     "tied": dict(LLAMA, tie_embeddings=True),
+    "untied": dict(LLAMA, tie_embeddings=False),
 }
 CASES = {
     # name: (mesh sizes, model, schedule, virtual stages)
@@ -57,6 +60,7 @@ CASES = {
     "pp2_dp2_zbh1_moe": (dict(pp=2, dp=2), "moe", "zb-h1", 1),
     "pp2_dp2_zbv_tied_recompute": (dict(pp=2, dp=2), "tied_recompute", "zbv", 2),
     "pp2_tp2_sp_zbv_tied": (dict(pp=2, tp=2), "tied", "zbv", 2),
+    "pp2_tp2_sp_overlap_zbh1": (dict(pp=2, tp=2), "untied", "zb-h1", 1),
 }
 
 
@@ -98,7 +102,8 @@ def _run_case(rank: int, name: str) -> dict:
     mesh = Mesh(**sizes, rank=rank)
     mesh.init_process_groups()
     parallel = ParallelConfig(tensor_parallel=mesh.tp, pipeline_parallel=mesh.pp, sequence_parallel=mesh.tp > 1,
-                              virtual_pipeline_parallel=virtual, pipeline_schedule=schedule)  # fmt: skip
+                              virtual_pipeline_parallel=virtual, pipeline_schedule=schedule,
+                              tp_comm_overlap="overlap" in name)  # fmt: skip
     train = TrainConfig(micro_batch_size=MICRO_BATCH, global_batch_size=MICRO_BATCH * MICRO_BATCHES)
     runner = runner_for(_model(model_name), mesh, parallel, train, torch.float32)
     assert runner.schedule == schedule
@@ -109,7 +114,8 @@ def _run_case(rank: int, name: str) -> dict:
     loss = runner.forward_backward(mine)
     runner.finalize_grads()
     out = {"loss": (loss.total / loss.count).item(), "aux": {k: v.item() for k, v in loss.aux.items()},
-           "deferred": deferred.pop(), "chunks": [len(s.blocks) for s in runner.stages]}  # fmt: skip
+           "deferred": deferred.pop(), "chunks": [len(s.blocks) for s in runner.stages],
+           "overlapped": any(getattr(m, "comm_overlap", "") for m in runner.model.modules())}  # fmt: skip
     out["grads"] = {n: gather_full(p.main_grad.clone(), runner.metas[n], mesh) for n, p in runner.model.named_parameters()}
     if name == "pp4_zbv_tied":
         evaluated = runner.forward_backward(mine, forward_only=True)
@@ -161,6 +167,7 @@ def test_zero_bubble_matches_one_process(runs, name):
             _assert_rel_close(grad, ref["grads"][pname], f"{name} rank {rank} grad of {pname}")
             holders[pname] = holders.get(pname, 0) + 1
         assert len(r["chunks"]) == virtual and all(r["chunks"])
+        assert r["overlapped"] == ("overlap" in name)
         # every linear of every block defers: q/k/v (fused or not), the output projection, the MLP's
         assert r["deferred"] >= sum(r["chunks"]) * (MICRO_BATCHES // sizes.get("dp", 1)) * 2, f"{name} rank {rank}: {r['deferred']}"
     assert holders.keys() == ref["grads"].keys()
