@@ -296,7 +296,7 @@ def _input_message(op: Op, pp: int, rank: int, virtual: int, kind: str = "1f1b")
 def local_consumer(op: Op, pp: int, rank: int, virtual: int, kind: str = "1f1b") -> int | None:
     """The local chunk of this rank that takes ``op``'s output without a message (the V's turn:
     chunk pp - 1's activation to chunk pp, and its gradient back), or None."""
-    k, mb, v = op
+    k, _, v = op
     chunk = model_chunk(kind, pp, rank, v)
     target = chunk + 1 if k == "F" else chunk - 1
     if k == "W" or not 0 <= target < pp * virtual:
