@@ -220,7 +220,7 @@ class ParallelConfig:
     use_distributed_optimizer: bool = False  # shard fp32 masters and Adam moments over data-parallel ranks
     virtual_pipeline_parallel: int = 1  # model chunks per pipeline rank (interleaved 1F1B when > 1)
     num_layers_per_virtual_pipeline_stage: int = 0  # Megatron's way to set the above: layers / pp / this
-    pipeline_schedule: str = "auto"  # auto (1f1b, interleaved with virtual stages) | 1f1b | afab | interleaved
+    pipeline_schedule: str = "auto"  # auto (1f1b, interleaved with virtual stages) | 1f1b | afab | interleaved | zb-h1 | zbv (zero bubble: backward split, V with 2 virtual stages)
     pipeline_split: str = "cost"  # cost (layers balanced by modeled FLOPs, output layer included) | uniform; explicit counts below override
     first_pipeline_stage_layers: int = 0  # 0: by --pipeline-split; fewer balance the embedding
     last_pipeline_stage_layers: int = 0  # 0: by --pipeline-split; fewer balance the output layer and loss

@@ -43,6 +43,7 @@ from meshtron.models import padded_vocab_size, parameter_count
 from meshtron.models.rank_parameters import rank_parameters
 from meshtron.parallel.mesh import GROUP_DIMS, Mesh
 from meshtron.parallel.pipeline_balance import modeled_costs, pipeline_split
+from meshtron.parallel.pipeline_schedules import model_chunk
 
 GIB = 2**30
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "auto": 2}  # auto: bf16, the GPU default
@@ -106,8 +107,9 @@ def first_stage_blocks(cfg: Config, count: int, world_size: int = 1) -> list[int
     virtual = pipeline_virtual_size(cfg)
     micro = t.global_batch_size // max(1, t.micro_batch_size * data_parallel_size(cfg, world_size))
     costs = modeled_costs(cfg.model, _vocab(cfg), cfg.data.seq_length)
-    ranges = pipeline_split(p, num_blocks(cfg.model), virtual, costs, schedule_kind(p, virtual), micro)
-    return [i for v in range(virtual) for i in ranges[v * p.pipeline_parallel]]
+    kind = schedule_kind(p, virtual)
+    ranges = pipeline_split(p, num_blocks(cfg.model), virtual, costs, kind, micro)
+    return [i for v in range(virtual) for i in ranges[model_chunk(kind, p.pipeline_parallel, 0, v)]]
 
 
 def stage_parameters(cfg: Config, world_size: int = 1) -> StageParameters:

@@ -22,6 +22,7 @@ from meshtron.models import model_config_errors, model_layout_errors
 from meshtron.kernels import triton_available
 from meshtron.optim.optimizer import MOMENT_DTYPES, OPTIMIZER_IMPLS
 from meshtron.parallel.pipeline_balance import modeled_costs, pipeline_split
+from meshtron.parallel.pipeline_schedules import KINDS, SPLIT_BACKWARD
 from meshtron.training.stop import stop_config_errors
 
 
@@ -130,7 +131,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         )
     dp = max(1, world_size // max(1, model_parallel))
     need(p.pipeline_split in ("cost", "uniform"), f"--pipeline-split must be cost or uniform, got '{p.pipeline_split}'")
-    need(p.pipeline_schedule in ("auto", "1f1b", "afab", "interleaved"), f"parallel.pipeline_schedule must be auto, 1f1b, afab or interleaved, got '{p.pipeline_schedule}'")
+    need(p.pipeline_schedule in ("auto", *KINDS), f"--pipeline-schedule must be auto, {', '.join(KINDS)}, got '{p.pipeline_schedule}'")
     if p.num_layers_per_virtual_pipeline_stage and p.pipeline_parallel > 0:
         blocks = num_blocks(m)  # T5: encoder and decoder blocks
         per_rank = blocks // max(1, p.pipeline_parallel)
@@ -141,7 +142,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         )
     virtual = pipeline_virtual_size(cfg)
     need(virtual == 1 or p.pipeline_parallel > 1, "virtual pipeline stages need --pipeline-model-parallel-size > 1")
-    if p.pipeline_parallel > 1 and (virtual > 1 or p.pipeline_schedule == "interleaved") and t.micro_batch_size > 0:
+    if p.pipeline_parallel > 1:
+        errors.extend(zero_bubble_errors(cfg, virtual))
+    if p.pipeline_parallel > 1 and p.pipeline_schedule != "zbv" and (virtual > 1 or p.pipeline_schedule == "interleaved") and t.micro_batch_size > 0:
         micro = t.global_batch_size // max(1, t.micro_batch_size * dp)
         need(
             micro % p.pipeline_parallel == 0,
@@ -184,6 +187,35 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError("invalid config:\n  - " + "\n  - ".join(errors))
 
 
+
+
+def zero_bubble_errors(cfg: Config, virtual: int) -> list[str]:
+    """What the zero-bubble schedules (``--pipeline-schedule zb-h1 | zbv``) need. Their weight-gradient
+    pass runs the GEMMs the eager linears kept from backward (``kernels.deferred_wgrad``), which
+    compiled blocks and FP8 linears do not keep: the schedule would run, exactly, with nothing to
+    fill its bubbles. zbv places two model chunks per rank in a V (rank r: chunks r and 2 pp - 1 - r),
+    which per-rank layer counts, written for the ring of the other schedules, do not describe."""
+    p, kind, errors = cfg.parallel, cfg.parallel.pipeline_schedule, []
+    if kind not in SPLIT_BACKWARD:
+        return errors
+    if cfg.train.compile:
+        errors.append(f"--pipeline-schedule {kind} defers each linear's weight gradient out of backward, which a "
+                      f"compiled block's traced backward cannot; drop --compile or use --pipeline-schedule 1f1b")  # fmt: skip
+    if cfg.model.fp8_format:
+        errors.append(f"--pipeline-schedule {kind} defers the weight gradients of the linears that write into main_grad, "
+                      f"which FP8 linears do not; drop --fp8-format or use --pipeline-schedule 1f1b or interleaved")  # fmt: skip
+    if kind == "zb-h1" and virtual != 1:
+        errors.append(f"--pipeline-schedule zb-h1 runs one model chunk per rank; drop the virtual pipeline size ({virtual}) "
+                      f"or use --pipeline-schedule zbv (2 chunks per rank) or interleaved")  # fmt: skip
+    if kind == "zbv":
+        if virtual != 2:
+            errors.append(f"--pipeline-schedule zbv runs two model chunks per rank in a V; set "
+                          f"--virtual-pipeline-model-parallel-size 2 (got {virtual} chunks per rank)")  # fmt: skip
+        if p.first_pipeline_stage_layers or p.last_pipeline_stage_layers:
+            errors.append("--decoder-first/last-pipeline-num-layers count layers per rank in the ring placement; under "
+                          "--pipeline-schedule zbv rank 0 holds the first and the last chunk: use --pipeline-split cost "
+                          "or --account-for-embedding/loss-in-pipeline-split")  # fmt: skip
+    return errors
 
 
 def dropin_errors(cfg: Config) -> list[str]:

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshtron.kernels import deferred_wgrad
 from meshtron.kernels.fp8 import linear as fp8_linear
 from meshtron.kernels.fp8_scaling import Fp8Scaling
 from meshtron.kernels.linear_swap import replace_linears, with_parameters_of
@@ -64,10 +65,9 @@ def accumulate_wgrad(main_grad: torch.Tensor, grad_2d: torch.Tensor, x_2d: torch
 
 def accumulate_wgrad_of(weight: torch.Tensor, grad_2d: torch.Tensor, x_2d: torch.Tensor) -> None:
     """``weight``'s gradient ``grad_2d^T @ x_2d`` into its ``main_grad`` (written if it is the step's
-    first, else added), then reported to its buffer as landed."""
-    buffer = weight.grad_buffer
-    accumulate_wgrad(weight.main_grad, grad_2d, x_2d, overwrite=buffer.take_first_write(weight))
-    buffer.fused_grad_ready(weight)
+    first, else added), then reported to its buffer as landed; inside a zero-bubble schedule's
+    input-gradient pass, kept for its weight-gradient pass instead (``deferred_wgrad``)."""
+    deferred_wgrad.defer_or_run(weight, lambda overwrite: accumulate_wgrad(weight.main_grad, grad_2d, x_2d, overwrite))
 
 
 def accumulate_scaled_of(weight: torch.Tensor, grad: torch.Tensor, scale: torch.Tensor, kernel: bool) -> None:

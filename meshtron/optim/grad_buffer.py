@@ -281,6 +281,17 @@ class GradBuffer:
         self._fused.add(param)
         self._grad_ready(param)
 
+    def grad_deferred(self, param: nn.Parameter) -> None:
+        """Called in a zero-bubble schedule's input-gradient pass by a linear that kept ``param``'s
+        gradient for later (``kernels.deferred_wgrad``): the hook autograd still runs for the param
+        now (with no gradient) passes; ``grad_landed`` reports the gradient when it is in."""
+        self._fused.add(param)
+
+    def grad_landed(self, param: nn.Parameter) -> None:
+        """A deferred gradient of ``param`` is in ``main_grad`` (no autograd hook follows): count
+        it for its bucket."""
+        self._grad_ready(param)
+
     def _grad_ready(self, param: nn.Parameter) -> None:
         """One gradient of this backward is in ``main_grad``: launch its bucket once it is full."""
         if not self._sync or not self.communicates:

@@ -14,7 +14,9 @@ tensors between stages are the model's ``carry`` dict, shaped by ``carry_shapes`
 The schedules' orders and messages are pure data (``pipeline_schedules``); this module only
 walks them: before each unit of work it posts one ``batch_isend_irecv`` of activations and
 gradients with its neighbours, into buffers whose shapes come from the micro batch and the
-model, so no shape is ever exchanged.
+model, so no shape is ever exchanged. Under the zero-bubble schedules a backward is two ops: ``B``
+runs the stage's backward with the weight-gradient GEMMs kept aside (``kernels.deferred_wgrad``)
+and ``W`` runs them.
 """
 
 from __future__ import annotations
@@ -26,9 +28,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshtron.kernels.deferred_wgrad import WeightGradStore
 from meshtron.models import contract as mc
 from meshtron.parallel.mesh import Mesh
-from meshtron.parallel.pipeline_schedules import Message, communication_plan, split_layers
+from meshtron.parallel.pipeline_schedules import (
+    SPLIT_BACKWARD,
+    Message,
+    Op,
+    Step,
+    chunk_place,
+    communication_plan,
+    local_consumer,
+    model_chunk,
+    split_layers,
+)
 
 
 class Stage:
@@ -45,28 +58,29 @@ class Stage:
 
 
 def build_stages(model: mc.ModelFamily, metas: dict[str, mc.ParamMeta], mesh: Mesh, split: list[range] | None = None,
-                 device: torch.device | None = None) -> list[Stage]:
-    """This rank's model chunks (chunk ``v`` of rank ``r`` is model chunk ``v * pp + r``), with
-    ``model`` cut down in place to their parameters and ``metas`` to their records. ``split``: the
-    blocks of every model chunk in model order (``pipeline_balance.pipeline_split``), any sizes;
-    None: one chunk per rank, even.
+                 device: torch.device | None = None, kind: str = "1f1b") -> list[Stage]:  # fmt: skip
+    """This rank's model chunks (chunk ``v`` of rank ``r`` is model chunk ``v * pp + r``; under
+    schedule ``kind`` zbv, ``r`` and ``2 pp - 1 - r``), with ``model`` cut down in place to their
+    parameters and ``metas`` to their records. ``split``: the blocks of every model chunk in model
+    order (``pipeline_balance.pipeline_split``), any sizes; None: one chunk per rank, even.
 
     A piece both the first and the last stage need (a tied embedding, used as the output
     projection) is kept on both: its record says which copy is the first (``pipeline_copy``), so
-    its gradient is counted once and the copies are summed after backward. ``device``: where the
+    its gradient is counted once and the copies are summed after backward. Where one rank holds
+    both ends (zbv's rank 0) it is one parameter, as in one process. ``device``: where the
     stages will run (default: the model's; a model still on the meta device must name it).
     """
     pp, pieces, all_blocks = mesh.pp, model.pipeline_pieces(), model.blocks()
     ranges = split if split is not None else split_layers(len(all_blocks), pp)
     virtual_size = len(ranges) // pp
     last_chunk = pp * virtual_size - 1
-    chunks = [v * pp + mesh.pp_rank for v in range(virtual_size)]
+    chunks = [model_chunk(kind, pp, mesh.pp_rank, v) for v in range(virtual_size)]
     stages = [Stage(model, [all_blocks[i] for i in ranges[c]], c == 0, c == last_chunk) for c in chunks]
     if pp == 1:
         return stages
-    first, last = stages[0].is_first, stages[-1].is_last
+    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
     keep = set(pieces.embed if first else ()) | set(pieces.head if last else ())
-    shared = set(pieces.embed) & set(pieces.head) & keep
+    shared = set(pieces.embed) & set(pieces.head) & keep if not (first and last) else set()
     for name in sorted((set(pieces.embed) | set(pieces.head)) - keep):
         setattr(model, name, None)
     setattr(model, pieces.blocks, nn.ModuleDict({str(i): all_blocks[i] for c in chunks for i in ranges[c]}))
@@ -114,25 +128,55 @@ def forward_backward(
     that stage backwards (the loss on the last stage, auxiliary terms anywhere, scaled for
     backward). ``dtype``: the carry's dtype (the model's); ``seq_shards``: how many ways the
     carry's sequence is split (tp under sequence parallelism). ``no_sync`` (the optimizer's):
-    every backward but each chunk's last runs inside it, so gradients are reduced over data
-    parallel once. ``forward_only``: evaluation, no graph kept.
+    every backward but each chunk's last runs inside it (``_synced``), so gradients are reduced
+    over data parallel once. ``forward_only``: evaluation, no graph kept.
     """
     pp, rank, virtual = mesh.pp, mesh.pp_rank, len(stages)
     plan = communication_plan(kind, pp, rank, len(micro_batches), virtual, forward_only)
-    last_backward = {op[2]: op for step in plan for op in step.ops if op[0] == "B"}
-    run = _Run(stages, micro_batches, mesh, dtype, seq_shards, keep_graph=not forward_only)
+    synced = _synced(plan, stages)
+    store = WeightGradStore() if kind in SPLIT_BACKWARD and not forward_only else None
+    run = _Run(kind, stages, micro_batches, mesh, dtype, seq_shards, keep_graph=not forward_only)
     with torch.no_grad() if forward_only else contextlib.nullcontext():
         for step in plan:
             run.exchange(step.batch)
             for op in step.ops:
                 kind_, mb, v = op
-                if kind_ == "B":
-                    with contextlib.nullcontext() if no_sync is None or last_backward[v] == op else no_sync():
-                        run.backward(mb, v)
-                    continue
-                carry, objective = forward_step(stages[v], run.take_input(mb, v), mb)
-                if not (forward_only and carry is None):
-                    run.outputs[(mb, v)] = (carry, objective)
+                if kind_ == "F":
+                    carry, objective = forward_step(stages[v], run.take_input(mb, v), mb)
+                    if not (forward_only and carry is None):
+                        run.outputs[(mb, v)] = (carry, objective)
+                else:
+                    with contextlib.nullcontext() if no_sync is None or op in synced else no_sync():
+                        if kind_ == "W":
+                            store.run((mb, v))
+                        elif store is not None:  # the input gradient; weight gradients wait for W
+                            with store.record((mb, v)):
+                                run.backward(mb, v)
+                        else:
+                            run.backward(mb, v)
+                run.hand_over(op)
+    if store is not None:
+        store.check_empty()
+
+
+def _synced(plan: list[Step], stages: list[Stage]) -> set[Op]:
+    """The ops that reduce gradients over data parallel: each chunk's last backward (and, with the
+    backward split, its last ``W``), every parameter's gradient being complete after it. Where a
+    rank holds both ends of the model (zbv's rank 0: a tied embedding is one parameter of two
+    chunks) only its last backward and last ``W`` of all chunks: the other chunks' gradients are
+    then reduced after the schedule (``finish_grad_sync``), never twice."""
+    both_ends = len(stages) > 1 and any(s.is_first for s in stages) and any(s.is_last for s in stages)
+    last: dict[tuple[str, int], Op] = {}
+    for step in plan:
+        for op in step.ops:
+            if op[0] != "F":
+                last[(op[0], 0 if both_ends else op[2])] = op
+    return set(last.values())
+
+
+def last_stage_rank(kind: str, mesh: Mesh, virtual: int) -> int:
+    """The global rank of this rank's pipeline group that computes the loss (holds the last chunk)."""
+    return pp_ranks(mesh)[chunk_place(kind, mesh.pp, mesh.pp * virtual - 1)[0]]
 
 
 class _Run:
@@ -140,9 +184,9 @@ class _Run:
     their gradient is sent), outputs (until their backward, their values released once sent;
     forward-only, until sent) and received output gradients (until their backward)."""
 
-    def __init__(self, stages: list[Stage], micro_batches: list[mc.Batch], mesh: Mesh, dtype: torch.dtype,
+    def __init__(self, kind: str, stages: list[Stage], micro_batches: list[mc.Batch], mesh: Mesh, dtype: torch.dtype,
                  seq_shards: int, keep_graph: bool):  # fmt: skip
-        self.stages, self.micro_batches, self.mesh, self.dtype = stages, micro_batches, mesh, dtype
+        self.kind, self.stages, self.micro_batches, self.mesh, self.dtype = kind, stages, micro_batches, mesh, dtype
         self.pp, self.seq_shards, self.keep_graph = mesh.pp, seq_shards, keep_graph
         self.pp_ranks = pp_ranks(mesh)
         self.inputs: dict[tuple[int, int], mc.Carry] = {}
@@ -156,6 +200,20 @@ class _Run:
             for t in carry.values():
                 t.requires_grad_(t.is_floating_point())
         return carry
+
+    def hand_over(self, op: Op) -> None:
+        """Where ``op``'s output goes to another chunk of this rank (the V's turn), hand it over
+        without a message: a forward's output, detached, as that chunk's input (so each chunk's
+        backward stays its own), a backward's input gradient as that chunk's output gradient."""
+        kind, mb, v = op
+        target = local_consumer(op, self.pp, self.mesh.pp_rank, len(self.stages), self.kind)
+        if target is None:
+            return
+        if kind == "F":
+            carry = self.outputs[(mb, v)][0] if self.keep_graph else self.outputs.pop((mb, v))[0]
+            self.inputs[(mb, target)] = {name: t.detach() for name, t in carry.items()}
+        else:
+            self.out_grads[(mb, target)] = {name: t.grad for name, t in self.inputs.pop((mb, v)).items()}
 
     def backward(self, mb: int, v: int) -> None:
         carry, objective = self.outputs.pop((mb, v))
@@ -190,7 +248,7 @@ class _Run:
         if self.keep_graph:
             for msg in batch:
                 if msg.send and msg.kind == "act":
-                    v = msg.chunk // self.pp
+                    v = self._local(msg.chunk)
                     carry, objective = self.outputs[(msg.mb, v)]
                     if v not in self.releasable:  # a chunk's graph has the same shape for every micro batch
                         self.releasable[v] = releasable(carry, objective)
@@ -202,8 +260,11 @@ class _Run:
     def _expected(self, mb: int, v: int) -> dict[str, tuple[int, ...]]:
         return self.stages[v].model.carry_shapes(self.micro_batches[mb], self.seq_shards)
 
+    def _local(self, chunk: int) -> int:
+        return chunk_place(self.kind, self.pp, chunk)[1]
+
     def _send_carry(self, msg: Message) -> mc.Carry:
-        key = (msg.mb, msg.chunk // self.pp)
+        key = (msg.mb, self._local(msg.chunk))
         if msg.kind == "act":
             carry, _ = self.outputs[key] if self.keep_graph else self.outputs.pop(key)
             carry = {name: t.detach() for name, t in carry.items()}
@@ -220,7 +281,7 @@ class _Run:
     def _recv_buffers(self, msg: Message) -> mc.Carry:
         # An activation goes to the chunk after its producer, a gradient to the one before.
         chunk = msg.chunk + 1 if msg.kind == "act" else msg.chunk - 1
-        key = (msg.mb, chunk // self.pp)
+        key = (msg.mb, self._local(chunk))
         device = self.micro_batches[msg.mb][next(iter(self.micro_batches[msg.mb]))].device
         buffers = {name: torch.empty(shape, dtype=self.dtype, device=device) for name, shape in self._expected(*key).items()}
         (self.inputs if msg.kind == "act" else self.out_grads)[key] = buffers

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshtron.config import ModelConfig, ParallelConfig
-from meshtron.parallel.pipeline_schedules import modeled_bubble, split_layers
+from meshtron.parallel.pipeline_schedules import chunk_place, modeled_bubble, split_layers
 
 # Families whose blocks are the decoder's layers and whose head is one vocabulary projection.
 _COST_MODELED = ("gpt", "bert")
@@ -112,8 +112,9 @@ def _refine_on_the_clock(sizes: list[int], costs: PipelineCosts, kind: str, pp: 
         return modeled_bubble(kind, pp, m, chunk), max(chunk)
 
     chunks = len(sizes)
+    rank = [chunk_place(kind, pp, c)[0] for c in range(chunks)]
     # a layer moves to a neighbouring chunk, or to another chunk of the same rank (its load unchanged)
-    pairs = {(a, b) for a in range(chunks) for b in range(chunks) if a != b and (abs(a - b) == 1 or (a - b) % pp == 0)}
+    pairs = {(a, b) for a in range(chunks) for b in range(chunks) if a != b and (abs(a - b) == 1 or rank[a] == rank[b])}
     current = score(sizes)
     while True:
         moves = []
@@ -141,7 +142,9 @@ def describe_split(ranges: list[range], costs: PipelineCosts | None, kind: str, 
         return line + " (costs not modeled)"
     unit = sum(costs.blocks) / len(costs.blocks)
     chunk = costs.chunk_costs(ranges)
-    per_rank = [sum(chunk[r::pp]) for r in range(pp)]
+    per_rank = [0.0] * pp
+    for c, cost in enumerate(chunk):
+        per_rank[chunk_place(kind, pp, c)[0]] += cost
     line += (f"; modeled cost in layers per chunk [{', '.join(f'{c / unit:.2f}' for c in chunk)}], per rank "
              f"[{', '.join(f'{c / unit:.2f}' for c in per_rank)}] (output layer {costs.head / unit:.2f})")  # fmt: skip
     if pp > 1 and num_micro_batches:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from meshtron.models import contract as mc
 from meshtron.parallel.context_parallel import shard_batch_for_cp
 from meshtron.parallel.mesh import Mesh
-from meshtron.parallel.pipeline import Stage, forward_backward, pp_ranks, sum_stage_copies
+from meshtron.parallel.pipeline import Stage, forward_backward, last_stage_rank, sum_stage_copies
 from meshtron.parallel.pipeline_balance import PipelineCosts, describe_split
 from meshtron.parallel.pipeline_schedules import bubble_fraction
 from meshtron.parallel.plan import ParamMetas, finalize_tensor_parallel_grads
@@ -92,7 +92,7 @@ class Runner:
                          no_sync=no_sync, forward_only=forward_only)  # fmt: skip
         total = torch.stack(totals).sum().float() if totals else torch.zeros((), device=device)
         if mesh.pp > 1:
-            dist.broadcast(total, src=pp_ranks(mesh)[-1], group=mesh.pp_group)
+            dist.broadcast(total, src=last_stage_rank(self.schedule, mesh, len(self.stages)), group=mesh.pp_group)
         aux = self._sum_terms("aux", aux_logged, device)
         metrics = self._sum_terms("metrics", metrics_logged, device)
         return mc.LossOutput(total=self._sum_over_dp(total), count=count, aux=aux, metrics=metrics)

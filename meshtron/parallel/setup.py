@@ -22,6 +22,7 @@ from meshtron.parallel.fsdp import apply_fsdp, build_fsdp_optimizer
 from meshtron.parallel.mesh import Mesh
 from meshtron.parallel.pipeline import build_stages
 from meshtron.parallel.pipeline_balance import PipelineCosts, modeled_costs, pipeline_split
+from meshtron.parallel.pipeline_schedules import SPLIT_BACKWARD
 from meshtron.parallel.plan import parallelize
 from meshtron.parallel.runner import Runner
 from meshtron.parallel.tensor_parallel import VocabParallelOutputLayer
@@ -83,12 +84,16 @@ def runner_for(model: ModelFamily, mesh: Mesh, parallel: ParallelConfig, train: 
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta and device is None:
         raise ValueError("runner_for: a model on the meta device needs the device its shards go to")
-    stages = build_stages(model, metas, mesh, split, device)
+    stages = build_stages(model, metas, mesh, split, device, kind)
     fsdp = parallel.fsdp and mesh.dp_cp > 1
     if on_meta and not fsdp:
         materialize(model, metas, model.weight_init, device, seed)
     if prepare_blocks is not None:
         prepare_blocks(model.blocks())
+    if kind in SPLIT_BACKWARD and mesh.pp > 1:
+        # The zero-bubble schedules defer the weight-gradient GEMMs of the linears that write
+        # into main_grad (kernels.deferred_wgrad): as --gradient-accumulation-fusion does (idempotent).
+        apply_gradient_accumulation_fusion(model.blocks())
     reduce_dtype = torch.bfloat16 if parallel.grad_reduce_in_bf16 else torch.float32  # --grad-reduce-in-bf16
     if fsdp:
         # FSDP2 keeps fp32 sharded parameters as the master weights and casts to ``dtype`` to compute.

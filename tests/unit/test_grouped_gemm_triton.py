@@ -5,6 +5,7 @@ runs it compiled): the interpreter is switched on by an environment variable rea
 are first defined, as in test_kernels_triton.py.
 """
 
+import contextlib
 import os
 
 import pytest
@@ -100,3 +101,36 @@ def test_fused_weight_gradient_lands_in_main_grad(backend):
     assert rel[True] < 1e-6 < 1e-5 < rel[False] < 1e-3, rel
     for fused, plain in zip(results[True][1], results[False][1]):
         torch.testing.assert_close(fused, plain, rtol=0, atol=0)
+
+
+def test_fused_weight_gradient_deferred_to_a_split_backwards_w():
+    """Inside a zero-bubble schedule's input-gradient pass (``WeightGradStore.record``) the fused
+    experts' weight gradient waits: ``main_grad`` keeps its stale NaN (not yet written this step)
+    while the input gradient is there (bitwise the fused backward's); ``run``, here for the micro
+    batches in reverse order, then lands what the fused backward writes (to fp32 rounding)."""
+    from meshtron.kernels.deferred_wgrad import WeightGradStore
+    from meshtron.optim.grad_buffer import GradBuffer
+
+    sizes = torch.tensor([5, 0, 6])
+    xs = [torch.randn(11, 16, generator=torch.Generator().manual_seed(i)).half() for i in range(2)]
+    gs = [torch.randn(11, 8, generator=torch.Generator().manual_seed(5 + i)).half() for i in range(2)]
+    results = {}
+    for split in (False, True):
+        weight = torch.nn.Parameter(torch.randn(3, 8, 16, generator=torch.Generator().manual_seed(9)).half())
+        buffer = GradBuffer([("experts.weight1", weight)])
+        buffer.data.fill_(float("nan"))
+        store, input_grads = WeightGradStore(), []
+        for i, (x, g) in enumerate(zip(xs, gs)):
+            x = x.clone().requires_grad_()
+            with store.record(i) if split else contextlib.nullcontext():
+                grouped_mm(x, weight, sizes, "triton", fuse_wgrad=True).backward(g)
+            input_grads.append(x.grad)
+        if split:
+            assert torch.isnan(weight.main_grad).all() and len(store.pending) == 2
+            store.run(1)
+            store.run(0)
+        buffer.finish_grad_sync()
+        results[split] = weight.main_grad.clone(), input_grads
+    torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-6, atol=0)
+    for a, b in zip(results[True][1], results[False][1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -36,7 +36,7 @@ import os
 
 import torch
 
-from meshtron.kernels import platform, triton_available
+from meshtron.kernels import deferred_wgrad, platform, triton_available
 
 GROUPED_GEMM_BACKENDS = ("auto", "loop", "torch", "triton")
 
@@ -179,11 +179,12 @@ class _GroupedMMIntoMainGrad(torch.autograd.Function):
         x, weight, group_sizes = ctx.saved_tensors
         grad_out = grad_out.contiguous()  # an expanded (stride-0) gradient, e.g. of out.sum()
         grad_x = _rows_times(grad_out, weight, group_sizes, ctx.backend) if ctx.needs_input_grad[0] else None
-        param = ctx.param
-        buffer = param.grad_buffer
-        first = buffer.take_first_write(param)
-        group_weight_grad(grad_out, x, group_offsets(group_sizes), weight.shape[0], out=param.main_grad, accumulate=not first)
-        buffer.fused_grad_ready(param)
+        param, offsets = ctx.param, group_offsets(group_sizes)
+
+        def wgrad(overwrite: bool) -> None:
+            group_weight_grad(grad_out, x, offsets, weight.shape[0], out=param.main_grad, accumulate=not overwrite)
+
+        deferred_wgrad.defer_or_run(param, wgrad)  # now, or in a zero-bubble schedule's W
         return grad_x, None, None, None
 
 
