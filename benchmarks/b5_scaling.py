@@ -68,6 +68,10 @@ LAYOUT_FLAGS = {
     "tp2ep2": (4, ["--tp", "2", "--sequence-parallel", "--expert-model-parallel-size", "2", "--use-distributed-optimizer"]),
     "pp4": (4, ["--pp", "4"]),
     "pp4v2": (4, ["--pp", "4", "--virtual-pipeline-model-parallel-size", "2"]),
+    # zero-bubble schedules: backward split into input-gradient (B) and weight-gradient (W) passes
+    "pp4zb": (4, ["--pp", "4", "--pipeline-schedule", "zb-h1"]),
+    "pp4zbv": (4, ["--pp", "4", "--virtual-pipeline-model-parallel-size", "2", "--pipeline-schedule", "zbv"]),
+    "pp2zb": (2, ["--pp", "2", "--pipeline-schedule", "zb-h1"]),
 }
 
 
