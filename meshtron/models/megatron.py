@@ -146,7 +146,26 @@ def check_exportable(m: ModelConfig) -> None:
 # -- names ----------------------------------------------------------------------------------------
 
 
-def dist_key(name: str) -> tuple[str, int | None]:
+def fused_norms(ckpt_format: str, transformer_impl: str, moe: bool) -> dict[str, str]:
+    """The per-layer norms a Megatron spec stores under the linear they precede (``FUSED_NORMS``'s
+    subset): the local spec maps both in torch_dist (its sharded-state-dict key map) and neither
+    in its legacy state dict; Transformer Engine's fuses the input norm into ``linear_qkv`` and the
+    pre-MLP norm into ``linear_fc1`` when the MLP is dense (an MoE layer keeps its own norm)."""
+    if transformer_impl == "local":
+        return dict(FUSED_NORMS) if ckpt_format == "torch_dist" else {}
+    return {k: v for k, v in FUSED_NORMS.items() if not (moe and k == "pre_mlp_layernorm.")}
+
+
+def layer_key(rest: str, fused: dict[str, str]) -> str:
+    """A layer's tensor ``rest`` (meshtron's name after ``layers.N.``) under Megatron's name, the
+    norms in ``fused`` renamed to their fused names (experts are named by the caller)."""
+    for norm, name in fused.items():
+        if rest.startswith(norm):
+            return name + rest[len(norm) :]
+    return rest
+
+
+def dist_key(name: str, fused: dict[str, str] = FUSED_NORMS) -> tuple[str, int | None]:
     """The torch_dist key of meshtron tensor ``name`` and its layer (the key's leading axis), or None."""
     if name in TOP:
         return TOP[name], None
@@ -154,11 +173,7 @@ def dist_key(name: str) -> tuple[str, int | None]:
     if not match:
         raise CheckpointError(f"meshtron tensor {name} has no Megatron name")
     layer, rest = int(match.group(1)), match.group(2)
-    for norm, fused in FUSED_NORMS.items():
-        if rest.startswith(norm):
-            rest = fused + rest[len(norm) :]
-    if rest in EXPERTS:
-        rest = "mlp.experts.experts." + EXPERTS[rest]
+    rest = "mlp.experts.experts." + EXPERTS[rest] if rest in EXPERTS else layer_key(rest, fused)
     return f"decoder.layers.{rest}", layer
 
 
@@ -211,20 +226,46 @@ def layer_count(keys: list[str]) -> int:
     return len(numbers)
 
 
+def _tp_rule(name: str, m: ModelConfig) -> str | None:
+    """How the layer of tensor ``name`` splits it over tensor-parallel ranks: ``rows`` (vocabulary,
+    QKV in its per-group order), ``halves`` (SwiGLU's [gate | up] rows, each half split), ``columns``
+    (row-parallel layers), or None (every rank holds it whole)."""
+    if name in ("embedding.weight", "output.weight") or name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
+        return "rows"
+    if name.endswith(("linear_fc1.weight", "linear_fc1.bias", "experts.weight1")):
+        return "halves" if m.activation == "swiglu" else "rows"
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight", "experts.weight2")):
+        return "columns"
+    return None
+
+
 def merge_tp(name: str, pieces: list[torch.Tensor], m: ModelConfig) -> torch.Tensor:
     """The global tensor ``name`` from its tensor-parallel shards (rank order), by the rule of the
     layer that split it; a replicated tensor must be equal on every rank."""
     if len(pieces) == 1:
         return pieces[0]
-    if name in ("embedding.weight", "output.weight") or name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
-        return torch.cat(pieces, 0)
-    if name.endswith(("linear_fc1.weight", "linear_fc1.bias", "experts.weight1")):
-        if m.activation != "swiglu":
-            return torch.cat(pieces, 0)
+    rule = _tp_rule(name, m)
+    if rule == "halves":
         halves = [p.chunk(2, 0) for p in pieces]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
-    if name.endswith(("linear_proj.weight", "linear_fc2.weight", "experts.weight2")):
-        return torch.cat(pieces, 1)
+    if rule is not None:
+        return torch.cat(pieces, 1 if rule == "columns" else 0)
     if any(not torch.equal(pieces[0], p) for p in pieces[1:]):
         raise CheckpointError(f"{name} differs between tensor-parallel ranks, but meshtron's model replicates it")
     return pieces[0]
+
+
+def split_tp(name: str, tensor: torch.Tensor, m: ModelConfig, tp: int) -> list[torch.Tensor]:
+    """``merge_tp``'s inverse: the ``tp`` shards of global tensor ``name``, each its own copy (a
+    saved view would carry the whole tensor's storage)."""
+    rule = _tp_rule(name, m)
+    if rule is None or tp == 1:
+        return [tensor.clone()] * tp
+    dim = 1 if rule == "columns" else 0
+    size = tensor.shape[dim] // (2 if rule == "halves" else 1)
+    if size % tp:
+        raise CheckpointError(f"megatron-export: {name} has {size} {'columns' if dim else 'rows'} per part, not divisible by tp {tp}")
+    if rule == "halves":
+        gate, up = (h.chunk(tp, 0) for h in tensor.chunk(2, 0))
+        return [torch.cat([g, u], 0) for g, u in zip(gate, up)]
+    return [piece.clone() for piece in tensor.chunk(tp, dim)]

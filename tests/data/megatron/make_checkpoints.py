@@ -12,9 +12,12 @@ head-order mistake changes the logits. Each case directory holds the checkpoint 
 (``iter_0000007/`` + tracker), ``tokens.pt`` and ``logits.pt``: Megatron's own forward of fixed
 tokens, gathered over tp and taken from the last pipeline stage.
 
-``--check-export CASE DIR`` loads ``DIR`` (``meshtron convert megatron-export`` of CASE's import)
-with Megatron-LM's ``load_checkpoint`` in one process and prints how far its logits are from
-CASE's reference.
+``--check-export CASE DIR [TP PP EP]`` loads ``DIR`` (``meshtron convert megatron-export`` of
+CASE's import, either format) with Megatron-LM's ``load_checkpoint`` in ``TP x PP x EP`` processes
+(default 1 1 1; a legacy export loads only under the layout it was written for), checks that the
+model took it strictly (Megatron falls back to ``strict=False`` when a strict load fails, so the
+fallback is caught here), writes Megatron's logits to ``DIR/megatron_logits.pt`` and prints how
+far they are from CASE's reference (``tests/unit/test_megatron_export.py`` runs it).
 
 CPU-only torch has no CUDA RNG; Megatron's RNG tracker and ``save_checkpoint`` ask for one, so
 ``torch.cuda.get_rng_state``/``set_rng_state`` are given a CPU stand-in here, and
@@ -90,12 +93,13 @@ def _fill(model: torch.nn.Module, mpu) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5 * (2.0 if "embedding" in name else 1.0))
 
 
-def _run(rank: int, name: str, world: int, port: int, load: str | None = None) -> None:
-    """Save case ``name``; with ``load`` (a meshtron export of it), load that in one process with
-    Megatron-LM's ``load_checkpoint`` (strict) instead and compare its logits to the reference."""
+def _run(rank: int, name: str, world: int, port: int, load: tuple[str, tuple[int, int, int]] | None = None) -> None:
+    """Save case ``name``; with ``load`` (a meshtron export of it and the tp, pp, ep to load it
+    under), load that with Megatron-LM's ``load_checkpoint`` (strict) instead and keep its logits."""
     flags, tp, pp, ep, fmt = CASES[name]
     if load:
-        tp, pp, ep, fmt = 1, 1, 1, "torch_dist"
+        load, (tp, pp, ep) = load
+        fmt = "torch_dist" if (Path(load) / f"iter_{ITERATION:07d}" / ".metadata").is_file() else "torch"
     _cpu_cuda_rng()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     from megatron.core import parallel_state as mpu
@@ -134,12 +138,25 @@ def _run(rank: int, name: str, world: int, port: int, load: str | None = None) -
                      position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base)  # fmt: skip
     if load:
         import megatron.training.checkpointing as checkpointing
+        from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+
+        # load_checkpoint updates the micro-batch count from the consumed samples it reads
+        init_num_microbatches_calculator(rank, None, args.global_batch_size, args.micro_batch_size, args.data_parallel_size, False)
 
         # Its tracker reader all-reduces the iteration in a CUDA tensor; the same reading on the CPU:
         checkpointing.read_metadata = lambda tracker: (int(Path(tracker).read_text()), False)
+        calls = []
+        strict_load = model.load_state_dict
+        model.load_state_dict = lambda state, strict=True: calls.append(strict) or strict_load(state, strict=strict)
         load_checkpoint([model], None, None, strict=True)
-        reference = torch.load(out / "reference.pt")["logits"]
-        print(f"{name}: Megatron-LM's logits of the export differ from the reference by {(_forward(model, mpu) - reference).abs().max():.3g}")
+        if calls != [True]:
+            raise RuntimeError(f"Megatron-LM's strict load of {load} failed and fell back to strict=False ({calls})")
+        logits = _forward(model, mpu)
+        if logits is not None and mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0:
+            torch.save(logits, Path(load) / "megatron_logits.pt")
+            reference = torch.load(out / "reference.pt")["logits"]
+            print(f"{name}: Megatron-LM's logits of the export differ from the reference by {(logits - reference).abs().max():.3g}")
+        dist.barrier()
         dist.destroy_process_group()
         return
     _fill(model, mpu)
@@ -182,8 +199,11 @@ def make(name: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--check-export"]:  # --check-export CASE DIR: DIR is `meshtron convert megatron-export` of CASE
-        mp.spawn(_run, args=(sys.argv[2], 1, 29977, str(Path(sys.argv[3]).resolve())), nprocs=1, join=True)
+    if sys.argv[1:2] == ["--check-export"]:  # --check-export CASE DIR [TP PP EP]: DIR is `meshtron convert megatron-export` of CASE
+        layout = tuple(int(n) for n in sys.argv[4:7]) or (1, 1, 1)
+        world = layout[0] * layout[1] * layout[2]
+        port = 20000 + os.getpid() % 20000  # concurrent checks on one machine get their own ports
+        mp.spawn(_run, args=(sys.argv[2], world, port, (str(Path(sys.argv[3]).resolve()), layout)), nprocs=world, join=True)
         sys.exit(0)
     for case in sys.argv[1:] or list(CASES):
         make(case)
