@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import re
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -40,13 +38,11 @@ from meshtron.checkpoint.tensor_reader import CheckpointWeights
 from meshtron.config import Config, ModelConfig
 from meshtron.errors import CheckpointError
 from meshtron.models import build_model
-from meshtron.models.megatron import EXPERTS, TOP, args_from_model, check_exportable, dist_key, fused_norms, layer_key, split_tp
+from meshtron.models.megatron import args_from_model, check_exportable, dist_state, fused_norms, legacy_state
 
 CHECKPOINT_VERSION = 3.0
 FORMATS = ("torch_dist", "torch")
 IMPLS = ("local", "transformer_engine")
-LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 
 
 def meshtron_weights(weights: CheckpointWeights, m: ModelConfig, vocab_size: int, seq_length: int) -> dict[str, torch.Tensor]:
@@ -55,65 +51,6 @@ def meshtron_weights(weights: CheckpointWeights, m: ModelConfig, vocab_size: int
         model = build_model(m, vocab_size, seq_length)
     weights.check_shapes({k: tuple(v.shape) for k, v in model.state_dict().items()})
     return {name: weights[name] for name in model.state_dict()}
-
-
-def _is_linear(module: str) -> bool:
-    return module.rpartition(".")[2] in LINEARS
-
-
-def megatron_state(weights: dict[str, torch.Tensor], m: ModelConfig, fused: dict[str, str]) -> dict[str, Any]:
-    """The torch_dist state: Megatron's keys, layers stacked, and each linear's ``_extra_state``
-    object (one per layer, and per expert for the stacked experts), Megatron-Core's ``[None]``."""
-    state: dict[str, Any] = {}
-    layers: dict[str, list[torch.Tensor | None]] = {}
-    for name, tensor in weights.items():
-        key, layer = dist_key(name, fused)
-        if layer is None:
-            state[key] = tensor
-        else:
-            layers.setdefault(key, [None] * m.num_layers)[layer] = tensor
-    for key, per_layer in layers.items():
-        state[key] = torch.stack(per_layer)
-        module, _, leaf = key.rpartition(".")
-        if leaf == "weight" and _is_linear(module):
-            grid = state[key].shape[:2] if ".experts.experts." in key else state[key].shape[:1]
-            for index in itertools.product(*map(range, grid)):
-                state[f"{module}._extra_state/shard_{'.'.join(map(str, index))}_{'.'.join(map(str, grid))}"] = [None]
-    return state
-
-
-def legacy_model(weights: dict[str, torch.Tensor], m: ModelConfig, layout: tuple[int, int, int], rank: tuple[int, int, int],
-                 fused: dict[str, str], impl: str) -> dict[str, Any]:  # fmt: skip
-    """The ``model`` state dict of legacy rank ``rank`` = (tp, pp, ep) of ``layout``: its shards,
-    its stage's layers numbered from 0, its expert rank's experts, ``_extra_state`` set to None."""
-    (tp, pp, ep), (t, p, e) = layout, rank
-    per_stage, local_experts = m.num_layers // pp, (m.num_experts or 0) // ep
-    first, last = p == 0, p == pp - 1
-    model: dict[str, Any] = {}
-    for name, tensor in weights.items():
-        match = _LAYER.fullmatch(name)
-        if match is None:
-            if (last if name.startswith(("final_norm.", "output.")) else first):
-                model[TOP[name]] = split_tp(name, tensor, m, tp)[t]
-            continue
-        layer, rest = int(match.group(1)), match.group(2)
-        if layer // per_stage != p:
-            continue
-        prefix = f"decoder.layers.{layer % per_stage}."
-        if rest in EXPERTS:
-            for k in range(local_experts):
-                model[f"{prefix}mlp.experts.local_experts.{k}.{EXPERTS[rest]}"] = split_tp(name, tensor[e * local_experts + k], m, tp)[t]
-        else:
-            model[prefix + layer_key(rest, fused)] = split_tp(name, tensor, m, tp)[t]
-    if last and m.tie_embeddings and pp > 1:  # the last stage's own copy of the shared embedding
-        model[TOP["output.weight"]] = split_tp("output.weight", weights["embedding.weight"], m, tp)[t]
-    modules = {key.rpartition(".")[0] for key in model if _is_linear(key.rpartition(".")[0])}
-    if impl == "transformer_engine":
-        modules |= {f"decoder.layers.{i}.self_attention.core_attention" for i in range(per_stage)}
-    if last:
-        modules.add("output_layer")
-    model.update({f"{module}._extra_state": None for module in sorted(modules)})
-    return model
 
 
 def _check_layout(m: ModelConfig, vocab_size: int, tp: int, pp: int, ep: int) -> None:
@@ -165,13 +102,13 @@ def export_megatron(load_dir: str | Path, save_dir: str | Path, iteration: int |
         with quiet_single_process():
             # Unflattened: DCP's planner then stores each object as torch.save(object), Megatron-Core's bytes.
             planner = DefaultSavePlanner(flatten_state_dict=False)
-            dcp.save(megatron_state(tensors, m, fused), storage_writer=FileSystemWriter(directory), planner=planner, no_dist=True)
+            dcp.save(dist_state(tensors, m, fused), storage_writer=FileSystemWriter(directory), planner=planner, no_dist=True)
         torch.save(common, directory / COMMON)
         (directory / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
     else:
         for t, p, e in itertools.product(range(tp), range(pp), range(ep)):
             path = directory / rank_dir(t, p, e, pp, ep) / LEGACY_FILE
             path.parent.mkdir(exist_ok=True)
-            torch.save({**common, "model": legacy_model(tensors, m, (tp, pp, ep), (t, p, e), fused, impl)}, path)
+            torch.save({**common, "model": legacy_state(tensors, m, (tp, pp, ep), (t, p, e), fused, impl)}, path)
     (root / TRACKER).write_text(str(step))
     return directory

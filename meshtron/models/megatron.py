@@ -17,11 +17,14 @@ by name alone. What differs:
 
 The legacy ``torch`` format stores each tensor-parallel rank's shard; ``merge_tp`` joins them by
 the rule of the layer that split them (vocabulary and QKV rows, SwiGLU's halves, row-parallel
-columns), replicated tensors are taken from rank 0.
+columns), replicated tensors are taken from rank 0; ``split_tp`` cuts them again for an export.
+``dist_state`` / ``legacy_state`` name a whole model the way Megatron's loader asks for it, each
+linear's ``_extra_state`` entry included.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from typing import Any
 
@@ -36,6 +39,8 @@ TOP = {"embedding.weight": "embedding.word_embeddings.weight", "position_embeddi
 # meshtron's per-layer norm names -> the fused names torch_dist stores them under.
 FUSED_NORMS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_", "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 EXPERTS = {"mlp.experts.weight1": "linear_fc1.weight", "mlp.experts.weight2": "linear_fc2.weight"}
+# The linear layers, each with an ``_extra_state`` entry Megatron's loader asks for.
+LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 # Pre-Core names (``language_model.*``) -> Core's.
 _OLD_TOP = {"language_model.embedding.word_embeddings.": "embedding.word_embeddings.",
             "language_model.embedding.position_embeddings.": "embedding.position_embeddings.",
@@ -181,6 +186,65 @@ def dist_candidates(name: str) -> tuple[list[str], int | None]:
     """``dist_key``'s key, then the unfused one a local-spec layer may be stored under."""
     key, layer = dist_key(name)
     return ([key] if layer is None else [key, f"decoder.layers.{name.split('.', 2)[2]}"]), layer
+
+
+def _is_linear(module: str) -> bool:
+    return module.rpartition(".")[2] in LINEARS
+
+
+def dist_state(weights: dict[str, torch.Tensor], m: ModelConfig, fused: dict[str, str]) -> dict[str, Any]:
+    """The torch_dist state: Megatron's keys, layers stacked, and each linear's ``_extra_state``
+    object (one per layer, and per expert for the stacked experts), Megatron-Core's ``[None]``."""
+    state: dict[str, Any] = {}
+    layers: dict[str, list[torch.Tensor | None]] = {}
+    for name, tensor in weights.items():
+        key, layer = dist_key(name, fused)
+        if layer is None:
+            state[key] = tensor
+        else:
+            layers.setdefault(key, [None] * m.num_layers)[layer] = tensor
+    for key, per_layer in layers.items():
+        state[key] = torch.stack(per_layer)
+        module, _, leaf = key.rpartition(".")
+        if leaf == "weight" and _is_linear(module):
+            grid = state[key].shape[:2] if ".experts.experts." in key else state[key].shape[:1]
+            for index in itertools.product(*map(range, grid)):
+                state[f"{module}._extra_state/shard_{'.'.join(map(str, index))}_{'.'.join(map(str, grid))}"] = [None]
+    return state
+
+
+def legacy_state(weights: dict[str, torch.Tensor], m: ModelConfig, layout: tuple[int, int, int], rank: tuple[int, int, int],
+                 fused: dict[str, str], impl: str) -> dict[str, Any]:  # fmt: skip
+    """The ``model`` state dict of legacy rank ``rank`` = (tp, pp, ep) of ``layout``: its shards,
+    its stage's layers numbered from 0, its expert rank's experts, ``_extra_state`` set to None."""
+    (tp, pp, ep), (t, p, e) = layout, rank
+    per_stage, local_experts = m.num_layers // pp, (m.num_experts or 0) // ep
+    first, last = p == 0, p == pp - 1
+    model: dict[str, Any] = {}
+    for name, tensor in weights.items():
+        match = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+        if match is None:
+            if (last if name.startswith(("final_norm.", "output.")) else first):
+                model[TOP[name]] = split_tp(name, tensor, m, tp)[t]
+            continue
+        layer, rest = int(match.group(1)), match.group(2)
+        if layer // per_stage != p:
+            continue
+        prefix = f"decoder.layers.{layer % per_stage}."
+        if rest in EXPERTS:
+            for k in range(local_experts):
+                model[f"{prefix}mlp.experts.local_experts.{k}.{EXPERTS[rest]}"] = split_tp(name, tensor[e * local_experts + k], m, tp)[t]
+        else:
+            model[prefix + layer_key(rest, fused)] = split_tp(name, tensor, m, tp)[t]
+    if last and m.tie_embeddings and pp > 1:  # the last stage's own copy of the shared embedding
+        model[TOP["output.weight"]] = split_tp("output.weight", weights["embedding.weight"], m, tp)[t]
+    modules = {key.rpartition(".")[0] for key in model if _is_linear(key.rpartition(".")[0])}
+    if impl == "transformer_engine":
+        modules |= {f"decoder.layers.{i}.self_attention.core_attention" for i in range(per_stage)}
+    if last:
+        modules.add("output_layer")
+    model.update({f"{module}._extra_state": None for module in sorted(modules)})
+    return model
 
 
 def legacy_name(key: str) -> str:
