@@ -52,6 +52,11 @@ MOE = [*DENSE, "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden
        "--moe-shared-expert-intermediate-size", "16", "--moe-router-load-balancing-type", "aux_loss",
        "--moe-token-dispatcher-type", "allgather", "--moe-aux-loss-coeff", "0.01"]  # fmt: skip
 
+SMALL = ["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "2", "--num-query-groups", "1", "--ffn-hidden-size", "16", *DENSE[10:]]
+# Trained cases: Adam for ITERATION steps on the fixed tokens, saved with the optimizer, then
+# CONTINUED more steps whose losses are the reference a resumed run must reproduce.
+ADAM = ["--lr", "1e-2", "--lr-decay-style", "constant", "--weight-decay", "0.1", "--adam-beta2", "0.95", "--clip-grad", "1.0"]
+CONTINUED = 3
 NO_RNG = ["--no-save-rng"]  # RNG states are 35 KB a rank: two cases keep them (NumPy's state read safely), the rest stay small
 # name: (model flags, tp, pp, ep, ckpt format)
 CASES = {
@@ -62,7 +67,10 @@ CASES = {
     "gpt_tp2_torch": (GPT + NO_RNG, 2, 1, 1, "torch"),
     "moe_ep2_dist": (MOE + NO_RNG, 1, 1, 2, "torch_dist"),
     "moe_ep2_torch": (MOE + NO_RNG, 1, 1, 2, "torch"),
+    "llama_adam_dist": (SMALL + NO_RNG, 1, 1, 1, "torch_dist"),
+    "llama_adam_bf16_dist": (SMALL + NO_RNG + ["--bf16"], 1, 1, 1, "torch_dist"),
 }
+TRAINED = ("llama_adam_dist", "llama_adam_bf16_dist")
 
 
 def _cpu_cuda_rng() -> None:
@@ -71,6 +79,24 @@ def _cpu_cuda_rng() -> None:
     torch.cuda.current_device = lambda: torch.device("cpu")  # where RoPE's table and a few buffers are put
     torch.cuda.synchronize = lambda device=None: None  # the save's staging waits for a GPU
     torch.cuda.get_device_properties = lambda device=None: SimpleNamespace(major=10, minor=0)  # tp > 1 asks for the GPU's arch
+
+
+def _cpu_factories() -> None:
+    """Megatron's optimizer, gradient clipping and DDP buffers make small tensors with
+    ``device='cuda'`` written out; here those go to the CPU (``Tensor.cuda`` stays put)."""
+    def on_cpu(factory):
+        def make(*args, device=None, **kwargs):
+            return factory(*args, device="cpu" if device is not None and "cuda" in str(device) else device, **kwargs)
+        return make
+
+    for name in ("tensor", "zeros", "ones", "empty", "full"):
+        setattr(torch, name, on_cpu(getattr(torch, name)))
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    # its checks of gradients and params compare ``Tensor.type()`` with the CUDA type names
+    plain_type = torch.Tensor.type
+    torch.Tensor.type = lambda self, *a, **k: plain_type(self, *a, **k) if a or k else plain_type(self).replace("torch.", "torch.cuda.", 1)
+    # the gradient reduction waits on the current stream for CUDA-graph events (there are none)
+    torch.cuda.current_stream = lambda device=None: SimpleNamespace(wait_event=lambda event: None, wait_stream=lambda stream: None)
 
 
 def _fill(model: torch.nn.Module, mpu) -> None:
@@ -122,6 +148,8 @@ def _run(rank: int, name: str, world: int, port: int, load: tuple[str, tuple[int
                 "--make-vocab-size-divisible-by", "16", "--seed", "5"]  # fmt: skip
     if load:
         sys.argv += ["--load", load, "--no-load-optim", "--no-load-rng"]
+    if name in TRAINED:
+        sys.argv += ADAM
     args = parse_args()
     validate_args(args)
     args.padded_vocab_size = VOCAB
@@ -160,12 +188,67 @@ def _run(rank: int, name: str, world: int, port: int, load: tuple[str, tuple[int
         dist.destroy_process_group()
         return
     _fill(model, mpu)
+    if name in TRAINED:
+        _train_and_save(model, config, args, out)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     logits = _forward(model, mpu)
     save_checkpoint(ITERATION, [model], None, None, 0)
     if logits is not None and mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0:
         torch.save({"tokens": _tokens(), "logits": logits}, out / "reference.pt")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _train_and_save(model, config, args, out: Path) -> None:
+    """One process: Megatron's DDP wrapper, optimizer and scheduler as its training loop builds them
+    from ``args`` (bf16: Float16Module and fp32 main params); ITERATION steps on the fixed tokens,
+    a save with the optimizer, then CONTINUED more steps. ``reference.pt`` keeps ``losses``: the
+    loss before each continued step and after the last (no logits: the first loss is the saved
+    weights' forward, and the files stay small)."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+    from megatron.training.checkpointing import save_checkpoint
+    from megatron.training.training import get_megatron_ddp_config, get_megatron_optimizer_config, get_optimizer_param_scheduler
+
+    _cpu_factories()
+    if args.bf16:
+        model = Float16Module(config, model)
+    ddp = DistributedDataParallel(config=config, ddp_config=get_megatron_ddp_config(args), module=model)
+    opt_config, overrides = get_megatron_optimizer_config(args)
+    optimizer = get_megatron_optimizer(opt_config, [ddp], overrides)
+    scheduler = get_optimizer_param_scheduler(optimizer)
+
+    def step() -> float:
+        ddp.train()
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = _loss(ddp)
+        loss.backward()
+        ddp.finish_grad_sync()
+        optimizer.step()
+        scheduler.step(increment=args.global_batch_size)
+        return loss.item()
+
+    for _ in range(ITERATION):
+        step()
+    save_checkpoint(ITERATION, [ddp], optimizer, scheduler, 0)
+    losses = [step() for _ in range(CONTINUED)]
+    with torch.no_grad():
+        losses.append(_loss(ddp).item())
+    torch.save({"tokens": _tokens(), "losses": torch.tensor(losses, dtype=torch.float64)}, out / "reference.pt")
+
+
+def _loss(model) -> torch.Tensor:
+    """Next-token cross entropy of ``_tokens()``, the mean over its positions."""
+    tokens = _tokens()
+    b, s = tokens.shape
+    positions = torch.arange(s).unsqueeze(0).expand(b, s)
+    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
+    logits = model(tokens, positions, mask).float()
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
 
 
 def _tokens() -> torch.Tensor:
