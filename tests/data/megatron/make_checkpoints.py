@@ -9,8 +9,16 @@ Each case is a tiny GPT built by Megatron-Core's ``GPTModel`` with the local lay
 Transformer Engine), run by ``world = tp x pp x ep`` gloo processes. Weights are drawn with a spread
 of 1/sqrt(fan-in) (norm weights 1 +- 0.3), so attention is far from uniform and a q/k, rope or
 head-order mistake changes the logits. Each case directory holds the checkpoint Megatron saved
-(``iter_0000007/`` + tracker), ``tokens.pt`` and ``logits.pt``: Megatron's own forward of fixed
-tokens, gathered over tp and taken from the last pipeline stage.
+(``iter_0000007/`` + tracker) and ``reference.pt``: fixed tokens and Megatron's own logits of
+them, gathered over tp and taken from the last pipeline stage.
+
+The ``TRAINED`` cases (one process, fp32 and bf16) are trained instead: Megatron's DDP wrapper,
+optimizer (Adam, bf16 with fp32 main params) and scheduler, built from the args as its training
+loop builds them, take ITERATION steps on the fixed tokens; the save carries the optimizer's
+model-space state; ``reference.pt`` holds the losses of CONTINUED more steps, which a run resumed
+from the import must reproduce (``tests/unit/test_megatron_optim.py``). Megatron's optimizer and
+DDP make a few tensors on ``device='cuda'`` and check CUDA type names, so those runs also get the
+CPU stand-ins of ``_cpu_factories``.
 
 ``--check-export CASE DIR [TP PP EP]`` loads ``DIR`` (``meshtron convert megatron-export`` of
 CASE's import, either format) with Megatron-LM's ``load_checkpoint`` in ``TP x PP x EP`` processes
