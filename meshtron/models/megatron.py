@@ -331,5 +331,5 @@ def split_tp(name: str, tensor: torch.Tensor, m: ModelConfig, tp: int) -> list[t
         raise CheckpointError(f"megatron-export: {name} has {size} {'columns' if dim else 'rows'} per part, not divisible by tp {tp}")
     if rule == "halves":
         gate, up = (h.chunk(tp, 0) for h in tensor.chunk(2, 0))
-        return [torch.cat([g, u], 0) for g, u in zip(gate, up)]
+        return [torch.cat([g, u], 0) for g, u in zip(gate, up, strict=True)]
     return [piece.clone() for piece in tensor.chunk(tp, dim)]
