@@ -26,7 +26,7 @@ commands:
                or meshtron convert hf-export --load CKPT --hf-dir OUT [--dtype bf16|fp32] [--max-shard-size 5GB]
                or meshtron convert reshard --load CKPT --save OUT (one process, offline)
                Megatron-LM checkpoints: meshtron convert megatron-import --load MEGATRON_DIR --save OUT
-               or meshtron convert megatron-export --load CKPT --save MEGATRON_DIR (torch_dist)
+               or meshtron convert megatron-export --load CKPT --save MEGATRON_DIR [--ckpt-format torch_dist|torch]
   checkpoint   inspect a checkpoint: meshtron checkpoint info DIR [--ckpt-step N]
   plot         a PNG of a run's loss, lr, grad norm, tokens/s and memory: meshtron plot RUN_DIR (its --tensorboard-dir)
   estimate     per-GPU memory of a config and layout: meshtron estimate [--config FILE] [--world-size N]

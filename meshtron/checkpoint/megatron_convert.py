@@ -4,48 +4,37 @@ Import reads a Megatron-LM ``--save`` directory in either format (``megatron_fil
 tp/pp/ep it was saved with, builds the model its ``args`` describe (``models/megatron.py``),
 fills it tensor by tensor (a torch_dist tensor one layer at a time, a legacy checkpoint one
 pipeline stage at a time) and saves a meshtron checkpoint carrying Megatron's iteration and
-consumed samples, so ``meshtron train --load OUT --no-load-optim --no-load-rng`` goes on where
-Megatron stopped. Optimizer state is not carried: Megatron's default distributed-optimizer state
-is laid out by its gradient buffers, and which layout a file holds is not recorded in a form read
-here; the reason is printed and the weights are written alone (``--finetune``'s semantics for the
-optimizer, not for the iteration). The model-defining ``args`` are kept in the meta
-(``megatron_args``) so an export writes them back.
+consumed samples, so ``meshtron train --load OUT --no-load-rng`` goes on where Megatron stopped.
+Adam's state comes along where Megatron keeps it in model space (``megatron_optim.py``); otherwise
+the reason is printed and the weights are written alone (resume with ``--no-load-optim``).
+The model-defining ``args`` are kept in the meta (``megatron_args``) so an export writes them back.
 
-Export writes a meshtron checkpoint as Megatron-Core's ``torch_dist``: the global tensors under
-Core's names, layers stacked along a leading axis, experts along another, the norms
-under their fused names, through DCP's own writer, plus ``common.pt`` (``args`` as an
-``argparse.Namespace``, iteration, checkpoint version 3.0), ``metadata.json`` and the tracker.
-Not yet done: Megatron-LM's own ``load_checkpoint`` wants each linear layer's ``_extra_state``
-object too, which this export does not write (checked with ``tests/data/megatron/make_checkpoints.py
---check-export``: Megatron reports the first linear's ``_extra_state`` as a missing key);
-meshtron's import reads the export back exactly.
-Both directions hold the model's weights in memory once (export: all of them, to stack layers).
+Export (``megatron_export.py``) writes a meshtron checkpoint as Megatron-LM's ``torch_dist`` or
+legacy ``torch`` checkpoint, which Megatron-LM's own ``load_checkpoint`` takes (strict).
+The import holds the model's weights in memory once (and Adam's two moments, when it brings them).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 
 from meshtron.checkpoint.checkpoint import save_checkpoint
-from meshtron.checkpoint.dcp_io import quiet_single_process
-from meshtron.checkpoint.megatron_files import TRACKER, DistCheckpoint, LegacyCheckpoint, open_megatron
+from meshtron.checkpoint.megatron_export import FORMATS, IMPLS, export_megatron
+from meshtron.checkpoint.megatron_files import DistCheckpoint, LegacyCheckpoint, open_megatron
+from meshtron.checkpoint.megatron_optim import MASTERS, MOMENTS, PREFIX, fill_optimizer, megatron_step, model_space_kinds, train_fields
 from meshtron.checkpoint.megatron_pickle import Namespace
-from meshtron.checkpoint.tensor_reader import CheckpointWeights
 from meshtron.config import Config, ModelConfig
 from meshtron.errors import CheckpointError
 from meshtron.models import build_model
-from meshtron.models.megatron import (args_from_model, check_exportable, dist_candidates, dist_key, layer_count, legacy_name, meshtron_name, merge_tp,
-                                      model_config_from_args)  # fmt: skip
+from meshtron.models.megatron import dist_candidates, layer_count, legacy_name, meshtron_name, merge_tp, model_config_from_args
+from meshtron.optim.build import build_optimizer
 
-CHECKPOINT_VERSION = 3.0
 _PLAIN = (int, float, str, bool, type(None))
 
 
@@ -58,15 +47,18 @@ def _plain_args(fields: dict[str, Any]) -> dict[str, Any]:
     return keep
 
 
-def _dist_tensors(ckpt: DistCheckpoint, expected: dict[str, torch.Size]) -> Iterator[tuple[str, torch.Tensor]]:
+def _dist_tensors(ckpt: DistCheckpoint, expected: dict[str, torch.Size], prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Each weight of the model (or, with ``prefix``, the optimizer tensor Megatron keeps under
+    ``prefix`` + the weight's key), one layer read at a time."""
     used = set()
     for name in expected:
         keys, layer = dist_candidates(name)
+        keys = [prefix + k for k in keys]
         key = next((k for k in keys if k in ckpt.shapes), keys[0])
         used.add(key)
         yield name, ckpt.read(key, layer)
     left = [k for k in ckpt.shapes if k not in used and not k.startswith("optimizer.") and k != "output_layer.weight"]
-    if left:
+    if left and not prefix:
         raise CheckpointError(f"{ckpt.directory} holds {len(left)} tensors the model its args describe has no place for, e.g. {left[:3]}")
 
 
@@ -106,13 +98,13 @@ def import_megatron(load_dir: str | Path, save_dir: str | Path, iteration: int |
     cfg.data.seq_length = int(fields.get("seq_length") or m.max_position_embeddings)
     model = build_model(m, m.vocab_size, cfg.data.seq_length)
     expected = {k: v.shape for k, v in model.state_dict().items()}
+    kinds, reason = model_space_kinds(ckpt)
+    master = next((kind for kind in MASTERS if kind in kinds), None)
     if isinstance(ckpt, DistCheckpoint):
         tensors = _dist_tensors(ckpt, expected)
-        optimizer = any(k.startswith("optimizer.") for k in ckpt.shapes)
     else:
         expert_tp = int(fields.get("expert_tensor_parallel_size") or ckpt.tp) if m.num_experts else ckpt.tp
         tensors = _legacy_tensors(ckpt, m, expert_tp)
-        optimizer = ckpt.has_optimizer
     state = {}
     for name, tensor in tensors:
         if name not in expected:
@@ -125,58 +117,28 @@ def import_megatron(load_dir: str | Path, save_dir: str | Path, iteration: int |
     missing = sorted(expected.keys() - state.keys())
     if missing:
         raise CheckpointError(f"{ckpt.directory} lacks {len(missing)} tensors its args imply, e.g. {missing[:3]}")
+    if master is not None:  # the main params: the weights' precise values
+        state.update((name, t.float()) for name, t in _dist_tensors(ckpt, expected, f"{PREFIX}{master}."))
     model.load_state_dict(state, strict=True)
     step = int(ckpt.common.get("iteration", 0) or 0)
     consumed = int(fields.get("consumed_train_samples") or 0)
-    if optimizer:
-        log(f"megatron-import: {ckpt.directory}'s optimizer state is not imported: Megatron lays it out by its own gradient "
-            "buffers; the weights are written alone, resume with --no-load-optim (a fresh optimizer)")  # fmt: skip
+    optimizer = None
+    if kinds:
+        cfg.train = replace(cfg.train, **train_fields(fields))
+        optimizer = build_optimizer(model, cfg.train, torch.float32)
+        adam_step = megatron_step(ckpt)
+        fill_optimizer(optimizer, {kind: dict(_dist_tensors(ckpt, expected, f"{PREFIX}{kind}.")) for kind in MOMENTS}, adam_step)
+        log(f"megatron-import: Adam's state imported (step {adam_step}{', main params as the weights' if master else ''}); "
+            f"resume with: meshtron train --load {save_dir} --no-load-rng (the model flags as in meta.json) ...")  # fmt: skip
+    else:
+        if reason:
+            log(f"megatron-import: {ckpt.directory}'s optimizer state is not imported: {reason}; the weights are written alone")
+        log(f"megatron-import: resume with a fresh optimizer: meshtron train --load {save_dir} --no-load-optim --no-load-rng "
+            "(the model flags as in meta.json) ...")  # fmt: skip
     meta = {"iteration": step, "consumed_samples": consumed, "config": cfg.to_dict(), "vocab_size": m.vocab_size,
             "tokenizer": {"tokenizer_type": ""}, "megatron_source": str(ckpt.directory.resolve()), "megatron_format": ckpt.format,
             "megatron_args": _plain_args(fields)}  # fmt: skip
-    return save_checkpoint(save_dir, step, model, None, meta, save_optim=False, save_rng=False)
-
-
-def megatron_state(weights: CheckpointWeights, m: ModelConfig, vocab_size: int, seq_length: int) -> dict[str, torch.Tensor]:
-    """The torch_dist tensors (Megatron names, layers stacked) of a meshtron checkpoint's weights."""
-    with torch.device("meta"):
-        model = build_model(m, vocab_size, seq_length)
-    weights.check_shapes({k: tuple(v.shape) for k, v in model.state_dict().items()})
-    state: dict[str, torch.Tensor] = {}
-    layers: dict[str, list[torch.Tensor | None]] = {}
-    for name in model.state_dict():
-        key, layer = dist_key(name)
-        if layer is None:
-            state[key] = weights[name]
-        else:
-            layers.setdefault(key, [None] * m.num_layers)[layer] = weights[name]
-    for key, per_layer in layers.items():
-        state[key] = torch.stack(per_layer)
-    return state
-
-
-def export_megatron(load_dir: str | Path, save_dir: str | Path, iteration: int | None = None) -> Path:
-    """Write the meshtron checkpoint of ``load_dir`` as a Megatron-Core torch_dist checkpoint in ``save_dir``."""
-    weights = CheckpointWeights(load_dir, iteration)
-    meta = weights.meta
-    cfg = Config.from_dict(meta["config"])
-    check_exportable(cfg.model)
-    state = megatron_state(weights, cfg.model, meta["vocab_size"], cfg.data.seq_length)
-    step = int(meta["iteration"])
-    fields = {**meta.get("megatron_args", {}), **args_from_model(cfg.model, meta["vocab_size"], cfg.data.seq_length)}
-    fields.update(consumed_train_samples=int(meta.get("consumed_samples", 0)), iteration=step, ckpt_format="torch_dist",
-                  use_dist_ckpt=True, params_dtype=next(iter(state.values())).dtype)  # fmt: skip
-    root = Path(save_dir)
-    directory = root / f"iter_{step:07d}"
-    directory.mkdir(parents=True, exist_ok=True)
-    with quiet_single_process():
-        dcp.save(state, storage_writer=FileSystemWriter(directory), no_dist=True)
-    common = {"args": argparse.Namespace(**fields), "checkpoint_version": CHECKPOINT_VERSION, "iteration": step,
-              "num_floating_point_operations_so_far": 0}  # fmt: skip
-    torch.save(common, directory / "common.pt")
-    (directory / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
-    (root / TRACKER).write_text(str(step))
-    return directory
+    return save_checkpoint(save_dir, step, model, optimizer, meta, save_optim=optimizer is not None, save_rng=False)
 
 
 def main(argv: list[str]) -> int:
@@ -187,16 +149,23 @@ def main(argv: list[str]) -> int:
     imp.add_argument("--load", required=True, help="Megatron-LM's --save directory (holds latest_checkpointed_iteration.txt)")
     imp.add_argument("--save", required=True, help="meshtron checkpoint directory to write")
     imp.add_argument("--ckpt-step", type=int, default=None, help="iteration to import (default: the tracker's)")
-    exp = sub.add_parser("megatron-export", help="meshtron checkpoint -> Megatron-Core torch_dist")
+    exp = sub.add_parser("megatron-export", help="meshtron checkpoint -> Megatron-LM torch_dist (or legacy torch)")
     exp.add_argument("--load", required=True, help="checkpoint directory written by meshtron's --save")
     exp.add_argument("--save", required=True, help="directory to write the Megatron checkpoint into")
     exp.add_argument("--ckpt-step", type=int, default=None, help="iteration to export (default: the newest)")
+    exp.add_argument("--ckpt-format", choices=FORMATS, default="torch_dist", help="torch_dist (loads under any layout) or legacy torch")
+    exp.add_argument("--transformer-impl", choices=IMPLS, default=None,
+                     help="the Megatron spec that loads it (default: the imported run's, else transformer_engine)")
+    for flag in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--expert-model-parallel-size"):
+        exp.add_argument(flag, type=int, default=1, help="the legacy torch format's layout (Megatron loads it under this one only)")
     args = parser.parse_args(argv)
     if args.direction == "megatron-import":
-        final = import_megatron(args.load, args.save, args.ckpt_step)
-        print(f"wrote {final}; continue with: meshtron train --load {args.save} --no-load-optim --no-load-rng "
-              f"(the model flags as in {Path(final) / 'meta.json'}) ...")  # fmt: skip
+        print(f"wrote {import_megatron(args.load, args.save, args.ckpt_step)}")
     else:
-        print(f"wrote {export_megatron(args.load, args.save, args.ckpt_step)} (Megatron-Core torch_dist tensors and common.pt; "
-              "the linears' _extra_state objects Megatron-LM's load_checkpoint also asks for are not written yet)")  # fmt: skip
+        layout = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.expert_model_parallel_size)
+        if args.ckpt_format == "torch_dist" and layout != (1, 1, 1):
+            parser.error("--tensor/pipeline/expert-model-parallel-size are for --ckpt-format torch; torch_dist loads under any layout")
+        final = export_megatron(args.load, args.save, args.ckpt_step, args.ckpt_format, layout, args.transformer_impl)
+        print(f"wrote {final} (Megatron-LM {args.ckpt_format}, weights only); load it in Megatron-LM with --load {args.save} "
+              "--no-load-optim --no-load-rng")  # fmt: skip
     return 0

@@ -73,6 +73,11 @@ def _load_pickle(source: Path | bytes, name: str) -> Any:
         raise CheckpointError(str(exc)) from None
 
 
+def rank_dir(tp: int, pp: int, ep: int, pp_size: int, ep_size: int) -> str:
+    """The legacy directory of one model-parallel rank: ``mp_rank_TT[_PPP][_EEE]``."""
+    return f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if pp_size > 1 else "") + (f"_{ep:03d}" if ep_size > 1 else "")
+
+
 # -- torch_dist -----------------------------------------------------------------------------------
 
 
@@ -186,8 +191,7 @@ class LegacyCheckpoint:
                 raise CheckpointError(f"{self.directory} has no mp_rank_* directory: not a legacy Megatron checkpoint")
             path = found[0] / LEGACY_FILE
         else:
-            name = f"mp_rank_{tp:02d}" + (f"_{pp:03d}" if self.pp > 1 else "") + (f"_{ep:03d}" if self.ep > 1 else "")
-            path = self.directory / name / LEGACY_FILE
+            path = self.directory / rank_dir(tp, pp, ep, self.pp, self.ep) / LEGACY_FILE
         if not path.is_file():
             raise CheckpointError(f"checkpoint file {path} is missing (tensor rank {tp}, pipeline rank {pp}, expert rank {ep} of "
                                   f"tp {getattr(self, 'tp', '?')}, pp {getattr(self, 'pp', '?')}, ep {getattr(self, 'ep', '?')})")  # fmt: skip

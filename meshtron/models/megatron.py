@@ -17,11 +17,14 @@ by name alone. What differs:
 
 The legacy ``torch`` format stores each tensor-parallel rank's shard; ``merge_tp`` joins them by
 the rule of the layer that split them (vocabulary and QKV rows, SwiGLU's halves, row-parallel
-columns), replicated tensors are taken from rank 0.
+columns), replicated tensors are taken from rank 0; ``split_tp`` cuts them again for an export.
+``dist_state`` / ``legacy_state`` name a whole model the way Megatron's loader asks for it, each
+linear's ``_extra_state`` entry included.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 from typing import Any
 
@@ -36,6 +39,8 @@ TOP = {"embedding.weight": "embedding.word_embeddings.weight", "position_embeddi
 # meshtron's per-layer norm names -> the fused names torch_dist stores them under.
 FUSED_NORMS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_", "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
 EXPERTS = {"mlp.experts.weight1": "linear_fc1.weight", "mlp.experts.weight2": "linear_fc2.weight"}
+# The linear layers, each with an ``_extra_state`` entry Megatron's loader asks for.
+LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 # Pre-Core names (``language_model.*``) -> Core's.
 _OLD_TOP = {"language_model.embedding.word_embeddings.": "embedding.word_embeddings.",
             "language_model.embedding.position_embeddings.": "embedding.position_embeddings.",
@@ -146,7 +151,26 @@ def check_exportable(m: ModelConfig) -> None:
 # -- names ----------------------------------------------------------------------------------------
 
 
-def dist_key(name: str) -> tuple[str, int | None]:
+def fused_norms(ckpt_format: str, transformer_impl: str, moe: bool) -> dict[str, str]:
+    """The per-layer norms a Megatron spec stores under the linear they precede (``FUSED_NORMS``'s
+    subset): the local spec maps both in torch_dist (its sharded-state-dict key map) and neither
+    in its legacy state dict; Transformer Engine's fuses the input norm into ``linear_qkv`` and the
+    pre-MLP norm into ``linear_fc1`` when the MLP is dense (an MoE layer keeps its own norm)."""
+    if transformer_impl == "local":
+        return dict(FUSED_NORMS) if ckpt_format == "torch_dist" else {}
+    return {k: v for k, v in FUSED_NORMS.items() if not (moe and k == "pre_mlp_layernorm.")}
+
+
+def layer_key(rest: str, fused: dict[str, str]) -> str:
+    """A layer's tensor ``rest`` (meshtron's name after ``layers.N.``) under Megatron's name, the
+    norms in ``fused`` renamed to their fused names (experts are named by the caller)."""
+    for norm, name in fused.items():
+        if rest.startswith(norm):
+            return name + rest[len(norm) :]
+    return rest
+
+
+def dist_key(name: str, fused: dict[str, str] = FUSED_NORMS) -> tuple[str, int | None]:
     """The torch_dist key of meshtron tensor ``name`` and its layer (the key's leading axis), or None."""
     if name in TOP:
         return TOP[name], None
@@ -154,11 +178,7 @@ def dist_key(name: str) -> tuple[str, int | None]:
     if not match:
         raise CheckpointError(f"meshtron tensor {name} has no Megatron name")
     layer, rest = int(match.group(1)), match.group(2)
-    for norm, fused in FUSED_NORMS.items():
-        if rest.startswith(norm):
-            rest = fused + rest[len(norm) :]
-    if rest in EXPERTS:
-        rest = "mlp.experts.experts." + EXPERTS[rest]
+    rest = "mlp.experts.experts." + EXPERTS[rest] if rest in EXPERTS else layer_key(rest, fused)
     return f"decoder.layers.{rest}", layer
 
 
@@ -166,6 +186,65 @@ def dist_candidates(name: str) -> tuple[list[str], int | None]:
     """``dist_key``'s key, then the unfused one a local-spec layer may be stored under."""
     key, layer = dist_key(name)
     return ([key] if layer is None else [key, f"decoder.layers.{name.split('.', 2)[2]}"]), layer
+
+
+def _is_linear(module: str) -> bool:
+    return module.rpartition(".")[2] in LINEARS
+
+
+def dist_state(weights: dict[str, torch.Tensor], m: ModelConfig, fused: dict[str, str]) -> dict[str, Any]:
+    """The torch_dist state: Megatron's keys, layers stacked, and each linear's ``_extra_state``
+    object (one per layer, and per expert for the stacked experts), Megatron-Core's ``[None]``."""
+    state: dict[str, Any] = {}
+    layers: dict[str, list[torch.Tensor | None]] = {}
+    for name, tensor in weights.items():
+        key, layer = dist_key(name, fused)
+        if layer is None:
+            state[key] = tensor
+        else:
+            layers.setdefault(key, [None] * m.num_layers)[layer] = tensor
+    for key, per_layer in layers.items():
+        state[key] = torch.stack(per_layer)
+        module, _, leaf = key.rpartition(".")
+        if leaf == "weight" and _is_linear(module):
+            grid = state[key].shape[:2] if ".experts.experts." in key else state[key].shape[:1]
+            for index in itertools.product(*map(range, grid)):
+                state[f"{module}._extra_state/shard_{'.'.join(map(str, index))}_{'.'.join(map(str, grid))}"] = [None]
+    return state
+
+
+def legacy_state(weights: dict[str, torch.Tensor], m: ModelConfig, layout: tuple[int, int, int], rank: tuple[int, int, int],
+                 fused: dict[str, str], impl: str) -> dict[str, Any]:  # fmt: skip
+    """The ``model`` state dict of legacy rank ``rank`` = (tp, pp, ep) of ``layout``: its shards,
+    its stage's layers numbered from 0, its expert rank's experts, ``_extra_state`` set to None."""
+    (tp, pp, ep), (t, p, e) = layout, rank
+    per_stage, local_experts = m.num_layers // pp, (m.num_experts or 0) // ep
+    first, last = p == 0, p == pp - 1
+    model: dict[str, Any] = {}
+    for name, tensor in weights.items():
+        match = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+        if match is None:
+            if (last if name.startswith(("final_norm.", "output.")) else first):
+                model[TOP[name]] = split_tp(name, tensor, m, tp)[t]
+            continue
+        layer, rest = int(match.group(1)), match.group(2)
+        if layer // per_stage != p:
+            continue
+        prefix = f"decoder.layers.{layer % per_stage}."
+        if rest in EXPERTS:
+            for k in range(local_experts):
+                model[f"{prefix}mlp.experts.local_experts.{k}.{EXPERTS[rest]}"] = split_tp(name, tensor[e * local_experts + k], m, tp)[t]
+        else:
+            model[prefix + layer_key(rest, fused)] = split_tp(name, tensor, m, tp)[t]
+    if last and m.tie_embeddings and pp > 1:  # the last stage's own copy of the shared embedding
+        model[TOP["output.weight"]] = split_tp("output.weight", weights["embedding.weight"], m, tp)[t]
+    modules = {key.rpartition(".")[0] for key in model if _is_linear(key.rpartition(".")[0])}
+    if impl == "transformer_engine":
+        modules |= {f"decoder.layers.{i}.self_attention.core_attention" for i in range(per_stage)}
+    if last:
+        modules.add("output_layer")
+    model.update({f"{module}._extra_state": None for module in sorted(modules)})
+    return model
 
 
 def legacy_name(key: str) -> str:
@@ -211,20 +290,46 @@ def layer_count(keys: list[str]) -> int:
     return len(numbers)
 
 
+def _tp_rule(name: str, m: ModelConfig) -> str | None:
+    """How the layer of tensor ``name`` splits it over tensor-parallel ranks: ``rows`` (vocabulary,
+    QKV in its per-group order), ``halves`` (SwiGLU's [gate | up] rows, each half split), ``columns``
+    (row-parallel layers), or None (every rank holds it whole)."""
+    if name in ("embedding.weight", "output.weight") or name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
+        return "rows"
+    if name.endswith(("linear_fc1.weight", "linear_fc1.bias", "experts.weight1")):
+        return "halves" if m.activation == "swiglu" else "rows"
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight", "experts.weight2")):
+        return "columns"
+    return None
+
+
 def merge_tp(name: str, pieces: list[torch.Tensor], m: ModelConfig) -> torch.Tensor:
     """The global tensor ``name`` from its tensor-parallel shards (rank order), by the rule of the
     layer that split it; a replicated tensor must be equal on every rank."""
     if len(pieces) == 1:
         return pieces[0]
-    if name in ("embedding.weight", "output.weight") or name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
-        return torch.cat(pieces, 0)
-    if name.endswith(("linear_fc1.weight", "linear_fc1.bias", "experts.weight1")):
-        if m.activation != "swiglu":
-            return torch.cat(pieces, 0)
+    rule = _tp_rule(name, m)
+    if rule == "halves":
         halves = [p.chunk(2, 0) for p in pieces]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
-    if name.endswith(("linear_proj.weight", "linear_fc2.weight", "experts.weight2")):
-        return torch.cat(pieces, 1)
+    if rule is not None:
+        return torch.cat(pieces, 1 if rule == "columns" else 0)
     if any(not torch.equal(pieces[0], p) for p in pieces[1:]):
         raise CheckpointError(f"{name} differs between tensor-parallel ranks, but meshtron's model replicates it")
     return pieces[0]
+
+
+def split_tp(name: str, tensor: torch.Tensor, m: ModelConfig, tp: int) -> list[torch.Tensor]:
+    """``merge_tp``'s inverse: the ``tp`` shards of global tensor ``name``, each its own copy (a
+    saved view would carry the whole tensor's storage)."""
+    rule = _tp_rule(name, m)
+    if rule is None or tp == 1:
+        return [tensor.clone()] * tp
+    dim = 1 if rule == "columns" else 0
+    size = tensor.shape[dim] // (2 if rule == "halves" else 1)
+    if size % tp:
+        raise CheckpointError(f"megatron-export: {name} has {size} {'columns' if dim else 'rows'} per part, not divisible by tp {tp}")
+    if rule == "halves":
+        gate, up = (h.chunk(tp, 0) for h in tensor.chunk(2, 0))
+        return [torch.cat([g, u], 0) for g, u in zip(gate, up, strict=True)]
+    return [piece.clone() for piece in tensor.chunk(tp, dim)]

@@ -9,12 +9,23 @@ Each case is a tiny GPT built by Megatron-Core's ``GPTModel`` with the local lay
 Transformer Engine), run by ``world = tp x pp x ep`` gloo processes. Weights are drawn with a spread
 of 1/sqrt(fan-in) (norm weights 1 +- 0.3), so attention is far from uniform and a q/k, rope or
 head-order mistake changes the logits. Each case directory holds the checkpoint Megatron saved
-(``iter_0000007/`` + tracker), ``tokens.pt`` and ``logits.pt``: Megatron's own forward of fixed
-tokens, gathered over tp and taken from the last pipeline stage.
+(``iter_0000007/`` + tracker) and ``reference.pt``: fixed tokens and Megatron's own logits of
+them, gathered over tp and taken from the last pipeline stage.
 
-``--check-export CASE DIR`` loads ``DIR`` (``meshtron convert megatron-export`` of CASE's import)
-with Megatron-LM's ``load_checkpoint`` in one process and prints how far its logits are from
-CASE's reference.
+The ``TRAINED`` cases (one process, fp32 and bf16) are trained instead: Megatron's DDP wrapper,
+optimizer (Adam, bf16 with fp32 main params) and scheduler, built from the args as its training
+loop builds them, take ITERATION steps on the fixed tokens; the save carries the optimizer's
+model-space state; ``reference.pt`` holds the losses of CONTINUED more steps, which a run resumed
+from the import must reproduce (``tests/unit/test_megatron_optim.py``). Megatron's optimizer and
+DDP make a few tensors on ``device='cuda'`` and check CUDA type names, so those runs also get the
+CPU stand-ins of ``_cpu_factories``.
+
+``--check-export CASE DIR [TP PP EP]`` loads ``DIR`` (``meshtron convert megatron-export`` of
+CASE's import, either format) with Megatron-LM's ``load_checkpoint`` in ``TP x PP x EP`` processes
+(default 1 1 1; a legacy export loads only under the layout it was written for), checks that the
+model took it strictly (Megatron falls back to ``strict=False`` when a strict load fails, so the
+fallback is caught here), writes Megatron's logits to ``DIR/megatron_logits.pt`` and prints how
+far they are from CASE's reference (``tests/unit/test_megatron_export.py`` runs it).
 
 CPU-only torch has no CUDA RNG; Megatron's RNG tracker and ``save_checkpoint`` ask for one, so
 ``torch.cuda.get_rng_state``/``set_rng_state`` are given a CPU stand-in here, and
@@ -49,6 +60,11 @@ MOE = [*DENSE, "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden
        "--moe-shared-expert-intermediate-size", "16", "--moe-router-load-balancing-type", "aux_loss",
        "--moe-token-dispatcher-type", "allgather", "--moe-aux-loss-coeff", "0.01"]  # fmt: skip
 
+SMALL = ["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "2", "--num-query-groups", "1", "--ffn-hidden-size", "16", *DENSE[10:]]
+# Trained cases: Adam for ITERATION steps on the fixed tokens, saved with the optimizer, then
+# CONTINUED more steps whose losses are the reference a resumed run must reproduce.
+ADAM = ["--lr", "1e-2", "--lr-decay-style", "constant", "--weight-decay", "0.1", "--adam-beta2", "0.95", "--clip-grad", "1.0"]
+CONTINUED = 3
 NO_RNG = ["--no-save-rng"]  # RNG states are 35 KB a rank: two cases keep them (NumPy's state read safely), the rest stay small
 # name: (model flags, tp, pp, ep, ckpt format)
 CASES = {
@@ -59,7 +75,10 @@ CASES = {
     "gpt_tp2_torch": (GPT + NO_RNG, 2, 1, 1, "torch"),
     "moe_ep2_dist": (MOE + NO_RNG, 1, 1, 2, "torch_dist"),
     "moe_ep2_torch": (MOE + NO_RNG, 1, 1, 2, "torch"),
+    "llama_adam_dist": (SMALL + NO_RNG, 1, 1, 1, "torch_dist"),
+    "llama_adam_bf16_dist": (SMALL + NO_RNG + ["--bf16"], 1, 1, 1, "torch_dist"),
 }
+TRAINED = ("llama_adam_dist", "llama_adam_bf16_dist")
 
 
 def _cpu_cuda_rng() -> None:
@@ -68,6 +87,24 @@ def _cpu_cuda_rng() -> None:
     torch.cuda.current_device = lambda: torch.device("cpu")  # where RoPE's table and a few buffers are put
     torch.cuda.synchronize = lambda device=None: None  # the save's staging waits for a GPU
     torch.cuda.get_device_properties = lambda device=None: SimpleNamespace(major=10, minor=0)  # tp > 1 asks for the GPU's arch
+
+
+def _cpu_factories() -> None:
+    """Megatron's optimizer, gradient clipping and DDP buffers make small tensors with
+    ``device='cuda'`` written out; here those go to the CPU (``Tensor.cuda`` stays put)."""
+    def on_cpu(factory):
+        def make(*args, device=None, **kwargs):
+            return factory(*args, device="cpu" if device is not None and "cuda" in str(device) else device, **kwargs)
+        return make
+
+    for name in ("tensor", "zeros", "ones", "empty", "full"):
+        setattr(torch, name, on_cpu(getattr(torch, name)))
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    # its checks of gradients and params compare ``Tensor.type()`` with the CUDA type names
+    plain_type = torch.Tensor.type
+    torch.Tensor.type = lambda self, *a, **k: plain_type(self, *a, **k) if a or k else plain_type(self).replace("torch.", "torch.cuda.", 1)
+    # the gradient reduction waits on the current stream for CUDA-graph events (there are none)
+    torch.cuda.current_stream = lambda device=None: SimpleNamespace(wait_event=lambda event: None, wait_stream=lambda stream: None)
 
 
 def _fill(model: torch.nn.Module, mpu) -> None:
@@ -90,12 +127,13 @@ def _fill(model: torch.nn.Module, mpu) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5 * (2.0 if "embedding" in name else 1.0))
 
 
-def _run(rank: int, name: str, world: int, port: int, load: str | None = None) -> None:
-    """Save case ``name``; with ``load`` (a meshtron export of it), load that in one process with
-    Megatron-LM's ``load_checkpoint`` (strict) instead and compare its logits to the reference."""
+def _run(rank: int, name: str, world: int, port: int, load: tuple[str, tuple[int, int, int]] | None = None) -> None:
+    """Save case ``name``; with ``load`` (a meshtron export of it and the tp, pp, ep to load it
+    under), load that with Megatron-LM's ``load_checkpoint`` (strict) instead and keep its logits."""
     flags, tp, pp, ep, fmt = CASES[name]
     if load:
-        tp, pp, ep, fmt = 1, 1, 1, "torch_dist"
+        load, (tp, pp, ep) = load
+        fmt = "torch_dist" if (Path(load) / f"iter_{ITERATION:07d}" / ".metadata").is_file() else "torch"
     _cpu_cuda_rng()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     from megatron.core import parallel_state as mpu
@@ -118,6 +156,8 @@ def _run(rank: int, name: str, world: int, port: int, load: str | None = None) -
                 "--make-vocab-size-divisible-by", "16", "--seed", "5"]  # fmt: skip
     if load:
         sys.argv += ["--load", load, "--no-load-optim", "--no-load-rng"]
+    if name in TRAINED:
+        sys.argv += ADAM
     args = parse_args()
     validate_args(args)
     args.padded_vocab_size = VOCAB
@@ -134,21 +174,89 @@ def _run(rank: int, name: str, world: int, port: int, load: str | None = None) -
                      position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base)  # fmt: skip
     if load:
         import megatron.training.checkpointing as checkpointing
+        from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+
+        # load_checkpoint updates the micro-batch count from the consumed samples it reads
+        init_num_microbatches_calculator(rank, None, args.global_batch_size, args.micro_batch_size, args.data_parallel_size, False)
 
         # Its tracker reader all-reduces the iteration in a CUDA tensor; the same reading on the CPU:
         checkpointing.read_metadata = lambda tracker: (int(Path(tracker).read_text()), False)
+        calls = []
+        strict_load = model.load_state_dict
+        model.load_state_dict = lambda state, strict=True: calls.append(strict) or strict_load(state, strict=strict)
         load_checkpoint([model], None, None, strict=True)
-        reference = torch.load(out / "reference.pt")["logits"]
-        print(f"{name}: Megatron-LM's logits of the export differ from the reference by {(_forward(model, mpu) - reference).abs().max():.3g}")
+        if calls != [True]:
+            raise RuntimeError(f"Megatron-LM's strict load of {load} failed and fell back to strict=False ({calls})")
+        logits = _forward(model, mpu)
+        if logits is not None and mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0:
+            torch.save(logits, Path(load) / "megatron_logits.pt")
+            reference = torch.load(out / "reference.pt")["logits"]
+            print(f"{name}: Megatron-LM's logits of the export differ from the reference by {(logits - reference).abs().max():.3g}")
+        dist.barrier()
         dist.destroy_process_group()
         return
     _fill(model, mpu)
+    if name in TRAINED:
+        _train_and_save(model, config, args, out)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     logits = _forward(model, mpu)
     save_checkpoint(ITERATION, [model], None, None, 0)
     if logits is not None and mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0:
         torch.save({"tokens": _tokens(), "logits": logits}, out / "reference.pt")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _train_and_save(model, config, args, out: Path) -> None:
+    """One process: Megatron's DDP wrapper, optimizer and scheduler as its training loop builds them
+    from ``args`` (bf16: Float16Module and fp32 main params); ITERATION steps on the fixed tokens,
+    a save with the optimizer, then CONTINUED more steps. ``reference.pt`` keeps ``losses``: the
+    loss before each continued step and after the last (no logits: the first loss is the saved
+    weights' forward, and the files stay small)."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+    from megatron.training.checkpointing import save_checkpoint
+    from megatron.training.training import get_megatron_ddp_config, get_megatron_optimizer_config, get_optimizer_param_scheduler
+
+    _cpu_factories()
+    if args.bf16:
+        model = Float16Module(config, model)
+    ddp = DistributedDataParallel(config=config, ddp_config=get_megatron_ddp_config(args), module=model)
+    opt_config, overrides = get_megatron_optimizer_config(args)
+    optimizer = get_megatron_optimizer(opt_config, [ddp], overrides)
+    scheduler = get_optimizer_param_scheduler(optimizer)
+
+    def step() -> float:
+        ddp.train()
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = _loss(ddp)
+        loss.backward()
+        ddp.finish_grad_sync()
+        optimizer.step()
+        scheduler.step(increment=args.global_batch_size)
+        return loss.item()
+
+    for _ in range(ITERATION):
+        step()
+    save_checkpoint(ITERATION, [ddp], optimizer, scheduler, 0)
+    losses = [step() for _ in range(CONTINUED)]
+    with torch.no_grad():
+        losses.append(_loss(ddp).item())
+    torch.save({"tokens": _tokens(), "losses": torch.tensor(losses, dtype=torch.float64)}, out / "reference.pt")
+
+
+def _loss(model) -> torch.Tensor:
+    """Next-token cross entropy of ``_tokens()``, the mean over its positions."""
+    tokens = _tokens()
+    b, s = tokens.shape
+    positions = torch.arange(s).unsqueeze(0).expand(b, s)
+    mask = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)
+    logits = model(tokens, positions, mask).float()
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
 
 
 def _tokens() -> torch.Tensor:
@@ -182,8 +290,11 @@ def make(name: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--check-export"]:  # --check-export CASE DIR: DIR is `meshtron convert megatron-export` of CASE
-        mp.spawn(_run, args=(sys.argv[2], 1, 29977, str(Path(sys.argv[3]).resolve())), nprocs=1, join=True)
+    if sys.argv[1:2] == ["--check-export"]:  # --check-export CASE DIR [TP PP EP]: DIR is `meshtron convert megatron-export` of CASE
+        layout = tuple(int(n) for n in sys.argv[4:7]) or (1, 1, 1)
+        world = layout[0] * layout[1] * layout[2]
+        port = 20000 + os.getpid() % 20000  # concurrent checks on one machine get their own ports
+        mp.spawn(_run, args=(sys.argv[2], world, port, (str(Path(sys.argv[3]).resolve()), layout)), nprocs=world, join=True)
         sys.exit(0)
     for case in sys.argv[1:] or list(CASES):
         make(case)
