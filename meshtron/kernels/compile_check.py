@@ -19,6 +19,12 @@ keeps for the target. It fails when a kernel does not compile, a kernel needs mo
 
 Compiled kernels go to Triton's cache (``TRITON_CACHE_DIR``), keyed by the kernel's source hash,
 the target and the options: a CI job that keeps that directory recompiles only changed kernels.
+A CI job that starts clean reads ``--record FILE`` instead (the suite's is
+``tests/data/triton_aot_record.json``): the shared memory each launch needed when it last compiled,
+keyed by the Triton version, the target, the kernel's source hash (with its dependencies') and the
+launch's specialization and options. A launch found there is not compiled again; any change to a
+kernel, its launch or Triton misses the record and compiles. ``--update-record`` rewrites the file
+with this run's launches (commit it with a kernel change, so CI stays fast).
 Must run without ``TRITON_INTERPRET`` (interpreted kernels cannot be compiled).
 """
 
@@ -26,6 +32,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
+import json
 import os
 import sys
 import time
@@ -53,6 +61,29 @@ class Compiled:
     configs: int  # tiles tried (1 for a kernel that is not autotuned)
     fitting: int  # of which fit the target's shared memory
     shared: int  # the largest shared memory (bytes) of those that fit
+
+
+class CompileRecord:
+    """Shared-memory bytes of launches compiled before, by key (see the module's docstring); what
+    this run looked up or compiled is kept, so ``save`` writes exactly the launches in use."""
+
+    def __init__(self, path: str = "") -> None:
+        self.path, self.known, self.used, self.compiled = path, {}, {}, 0
+        if path and os.path.exists(path):
+            with open(path) as f:
+                self.known = json.load(f)
+
+    def shared(self, key: str, compile_now) -> int:
+        if key not in self.known:
+            self.known[key] = compile_now()
+            self.compiled += 1
+        self.used[key] = self.known[key]
+        return self.used[key]
+
+    def save(self) -> None:
+        with open(self.path, "w") as f:
+            json.dump(dict(sorted(self.used.items())), f, indent=0)
+            f.write("\n")
 
 
 @contextlib.contextmanager
@@ -179,8 +210,10 @@ def _kernel_name(kernel) -> str:
     return f"{kernel.fn.__module__.rsplit('.', 1)[-1]}.{kernel.fn.__name__}"
 
 
-def _compile(launch: Launch, target: platform.Target, config) -> int:
-    """Compile one launch (in ``config``'s tile, if autotuned) for ``target``; its shared memory in bytes."""
+def _compile(launch: Launch, target: platform.Target, config, record: CompileRecord) -> int:
+    """Compile one launch (in ``config``'s tile, if autotuned) for ``target``, unless ``record``
+    knows it; its shared memory in bytes."""
+    import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, compile, make_backend
@@ -197,12 +230,19 @@ def _compile(launch: Launch, target: platform.Target, config) -> int:
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, options = binder(*launch.args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
-    compiled = compile(ASTSource(kernel, signature, constexprs, attrs), target=gpu, options=options.__dict__)
-    return compiled.metadata.shared
+    described = repr((triton.__version__, target.backend, target.arch, target.warp_size, kernel.cache_key, signature,
+                      sorted(constexprs.items()), sorted(attrs.items()), sorted(options.__dict__.items())))  # fmt: skip
+    key = f"{_kernel_name(kernel)}:{target.arch}:{hashlib.sha256(described.encode()).hexdigest()[:32]}"
+
+    def compile_now() -> int:
+        return compile(ASTSource(kernel, signature, constexprs, attrs), target=gpu, options=options.__dict__).metadata.shared
+
+    return record.shared(key, compile_now)
 
 
-def compile_for(target_name: str, verbose: bool = False) -> tuple[list[Compiled], list[str]]:
-    """Every launch of ``target_name``'s variants compiled -> (what compiled, the failures)."""
+def compile_for(target_name: str, verbose: bool = False, record: CompileRecord | None = None) -> tuple[list[Compiled], list[str]]:
+    """Every launch of ``target_name``'s variants compiled (or found in ``record``) -> (what compiled, the failures)."""
+    record = record or CompileRecord()
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the launcher's default, said explicitly (silences a warning)
     target = platform.TARGETS[target_name]
     launches, results, failures = launched_kernels(target), {}, []
@@ -219,7 +259,7 @@ def compile_for(target_name: str, verbose: bool = False) -> tuple[list[Compiled]
         shared = []
         for config in configs:
             try:
-                shared.append(_compile(launch, target, config))
+                shared.append(_compile(launch, target, config, record))
             except Exception as e:  # noqa: BLE001 - every failure is reported with its kernel and target
                 failures.append(f"{name} on {target_name} ({config}): {type(e).__name__}: {str(e).splitlines()[0][:300]}")
         fitting = [s for s in shared if s <= target.shared_bytes]
@@ -247,22 +287,28 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--targets", default=",".join(platform.TARGETS), help=f"comma-separated, of {', '.join(platform.TARGETS)}")
     parser.add_argument("--verbose", action="store_true")
+    parser.add_argument("--record", default="", help="a JSON file of earlier compiles' results: launches found there are not compiled again")
+    parser.add_argument("--update-record", action="store_true", help="rewrite --record with this run's launches")
     args = parser.parse_args(argv)
+    if args.update_record and not args.record:
+        parser.error("--update-record needs --record FILE")
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("compile_check: unset TRITON_INTERPRET (interpreted kernels cannot be compiled)", file=sys.stderr)
         return 2
-    all_failures = []
+    all_failures, record = [], CompileRecord(args.record)
     for name in args.targets.split(","):
-        start = time.perf_counter()
-        compiled, failures = compile_for(name, args.verbose)
+        start, before = time.perf_counter(), record.compiled
+        compiled, failures = compile_for(name, args.verbose, record)
         all_failures += failures
         tiles = sum(c.configs for c in compiled)
-        print(f"{name}: {len(compiled)} kernels, {tiles} compiled configurations, {len(failures)} failures, "
-              f"{time.perf_counter() - start:.1f} s", flush=True)  # fmt: skip
+        print(f"{name}: {len(compiled)} kernels, {tiles} compiled configurations ({record.compiled - before} compiled now, "
+              f"the rest found in the record), {len(failures)} failures, {time.perf_counter() - start:.1f} s", flush=True)  # fmt: skip
         for c in sorted(compiled, key=lambda c: c.kernel):
             print(f"  {c.kernel:<48} {c.fitting:>3}/{c.configs:<3} fit, largest that fits {c.shared / 1024:6.1f} KiB")
     for failure in all_failures:
         print("FAIL", failure)
+    if args.update_record and not all_failures:
+        record.save()
     return 1 if all_failures else 0
 
 

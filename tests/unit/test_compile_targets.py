@@ -4,10 +4,13 @@ library launches, in every configuration its launchers use, compiles for H100 (s
 CPU-only machine.
 
 It runs in a child process without ``TRITON_INTERPRET`` (which this suite sets, and under which
-kernels cannot be compiled). Compiled kernels are cached in ``MESHTRON_TRITON_AOT_CACHE`` (default
-``~/.cache/meshtron/triton-aot``), keyed by kernel source, target and options: keep that directory
-between CI runs and only changed kernels recompile (measured on 2 shared cores: about 2 min per
-target cold, 20 s per target warm).
+kernels cannot be compiled). Launches found in ``tests/data/triton_aot_record.json`` (what they
+needed when they last compiled, keyed by Triton version, target, kernel source and specialization)
+are not compiled again, so a clean CI clone compiles only kernels changed since the record was
+written: refresh it with ``python -m meshtron.kernels.compile_check --record
+tests/data/triton_aot_record.json --update-record`` after changing a kernel. Compiled kernels also
+go to ``MESHTRON_TRITON_AOT_CACHE`` (default ``~/.cache/meshtron/triton-aot``). Cold, with no record
+and no cache: about 2 min per target on 2 shared cores.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ pytest.importorskip("triton")
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
+RECORD = ROOT / "tests" / "data" / "triton_aot_record.json"
 
 
 def _env() -> dict[str, str]:
@@ -39,7 +43,7 @@ def _child(*args: str) -> subprocess.CompletedProcess:
 def test_every_kernel_compiles_for_every_target():
     """Two children, two targets each: compiling is single-threaded, and CI has two cores."""
     halves = ["sm90,gfx90a", "gfx942,gfx950"]
-    procs = [subprocess.Popen([sys.executable, "-m", "meshtron.kernels.compile_check", "--targets", targets], env=_env(),
+    procs = [subprocess.Popen([sys.executable, "-m", "meshtron.kernels.compile_check", "--targets", targets, "--record", str(RECORD)], env=_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for targets in halves]  # fmt: skip
     outputs = [proc.communicate(timeout=1500)[0] for proc in procs]
     stdout = "\n".join(outputs)
@@ -56,7 +60,7 @@ def test_the_check_fails_where_shared_memory_runs_out():
     fits and the fixed kernels over the limit (from the cache the test above filled)."""
     script = ("import sys; from meshtron.kernels import platform as p, compile_check as c\n"
               "p.TARGETS['gfx942'] = p.TARGETS['gfx942']._replace(shared_bytes=8 * 1024)\n"
-              "_, failures = c.compile_for('gfx942'); print('\\n'.join(failures))")  # fmt: skip
+              f"_, failures = c.compile_for('gfx942', record=c.CompileRecord({str(RECORD)!r})); print('\\n'.join(failures))")  # fmt: skip
     run = _child("-c", script)
     assert run.returncode == 0, run.stderr[-4000:]
     assert "triton_grouped_gemm._rows_kernel on gfx942: no tile fits 8 KiB" in run.stdout, run.stdout
