@@ -7,7 +7,12 @@ from meshtron.config import Config, ModelConfig
 from meshtron.data.builder import ict_datasets
 from meshtron.data.masked_lm import ict_data_errors
 from meshtron.models import decoder
-from meshtron.models.ict import ICT, ict_config_errors, ict_flops_shape, ict_parameter_count
+from meshtron.models.ict import (
+    ICT,
+    ict_config_errors,
+    ict_flops_shape,
+    ict_parameter_count,
+)
 from meshtron.models.rank_parameters import ict_rank_parameters
 from meshtron.models.registry import BlockShape, FamilySpec, register
 

@@ -10,7 +10,12 @@ from meshtron.inference.sampling import fill_sentinels
 from meshtron.models.decoder import decoder_layout_errors
 from meshtron.models.rank_parameters import t5_rank_parameters
 from meshtron.models.registry import BlockShape, FamilySpec, register
-from meshtron.models.t5 import T5, t5_config_errors, t5_flops_per_token, t5_parameter_count
+from meshtron.models.t5 import (
+    T5,
+    t5_config_errors,
+    t5_flops_per_token,
+    t5_parameter_count,
+)
 
 
 def t5_count(cfg: ModelConfig, vocab_size: int, max_seq_length: int = 0, active: bool = False) -> int:

@@ -24,7 +24,11 @@ from meshtron.layers.output import OutputLayer
 from meshtron.layers.rope import rope_frequencies
 from meshtron.models import contract as mc
 from meshtron.models.init import WeightInit, init_weights
-from meshtron.models.rank_parameters import BlockParameters, RankParameters, decoder_rank_parameters
+from meshtron.models.rank_parameters import (
+    BlockParameters,
+    RankParameters,
+    decoder_rank_parameters,
+)
 
 AUX_COEFF = 1e-2
 
