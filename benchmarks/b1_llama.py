@@ -193,7 +193,8 @@ def main() -> None:
         child(args)
         return
 
-    from meshtron.training.metrics import describe_bases, flops_per_token, mfu_bases
+    from meshtron.models.flops import flops_per_token
+    from meshtron.training.metrics import describe_bases, mfu_bases
 
     rows = {}
     for side in args.sides.split(","):

@@ -110,7 +110,8 @@ def worker(args) -> None:
         trainer.train_step()  # rank 0 profiles one more step; the others take part in it
     comm = _time_gradient_collectives(trainer) if mesh.dp > 1 else None
     if mesh.rank == 0:
-        from meshtron.config import pipeline_virtual_size
+        from meshtron.config import virtual_stages
+        from meshtron.models import num_blocks
         from meshtron.parallel.pipeline_schedules import modeled_bubble
 
         runner = trainer.runner
@@ -118,7 +119,7 @@ def worker(args) -> None:
         if mesh.pp > 1 and runner.costs is not None:
             modeled = modeled_bubble(runner.schedule, mesh.pp, trainer.num_micro_batches, runner.costs.chunk_costs(runner.split))
         report(dict(split=[len(r) for r in runner.split], modeled_bubble=modeled,
-                    layout=args.layout, world=mesh.world_size, global_batch=global_batch, dp=mesh.dp, pp=mesh.pp, virtual=pipeline_virtual_size(trainer.cfg),
+                    layout=args.layout, world=mesh.world_size, global_batch=global_batch, dp=mesh.dp, pp=mesh.pp, virtual=virtual_stages(trainer.cfg.parallel, num_blocks(trainer.cfg.model)),
                                           micro_per_rank=trainer.num_micro_batches,
                                           step_s=statistics.median(times), losses=losses, peak_gib=peak, comm_s=comm, hidden=hidden,
                                           flops_per_token=trainer.flops_per_token, device=torch.cuda.get_device_name()))

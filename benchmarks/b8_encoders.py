@@ -240,7 +240,7 @@ def table_row(model: str, args, shape: dict, sides: dict) -> str:
     """One model's line: each side's tokens/s, meshtron over HF, then TFLOP/s, peak GiB and loss
     first->last as ``meshtron / hf`` (``-`` for a side not run, ``failed`` for one that failed)."""
     from meshtron.config import build_config
-    from meshtron.training.metrics import model_flops_per_token
+    from meshtron.models import model_flops_per_token
 
     model_cfg = build_config(None, meshtron_overrides(model, args, shape, torch.device("cpu"))).model
     tokens_per_step = shape["batch"] * (shape["seq"] + shape["dec"])

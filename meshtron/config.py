@@ -111,8 +111,8 @@ class ModelConfig:
     rope_beta_slow: float = 1.0  # YaRN: slow-rotating boundary
     rope_mscale: float = 1.0  # YaRN: attention temperature scale
     rope_mscale_all_dim: float = 0.0  # YaRN: temperature scale applied to all dims (DeepSeek)
-    # Model families: meshtron.models.build_model dispatches on model_type (Megatron users pick the
-    # pretrain_*.py script, we pick the type); checked by meshtron.models.model_config_errors.
+    # Model families: model_type names a registered family (meshtron.models.registry; Megatron users
+    # pick the pretrain_*.py script, we pick the type), or package.module:name for one registered by that module.
     model_type: str = "gpt"  # gpt (the decoder: GPT, Llama, MoE) | bert | t5 | ict (the retriever of models/ict.py)
     apply_residual_connection_post_layernorm: bool = False  # residuals from the norms' outputs: post-LN (HF BERT)
     bert_binary_head: bool = True  # BERT's sentence-order head and token types (--bert-no-binary-head drops them)
@@ -553,18 +553,9 @@ def encoder_decoder_layers(m: ModelConfig) -> tuple[int, int]:
     return m.encoder_num_layers or m.num_layers, m.decoder_num_layers or m.num_layers
 
 
-def num_blocks(m: ModelConfig) -> int:
-    """Blocks the pipeline splits: T5's encoder and decoder blocks in one sequence, else ``num_layers``."""
-    return sum(encoder_decoder_layers(m)) if m.model_type == "t5" else m.num_layers
-
-
-def pipeline_virtual_size(cfg: Config) -> int:
-    """Model chunks per pipeline rank, from either of Megatron's two ways to ask for them."""
-    return virtual_stages(cfg.parallel, num_blocks(cfg.model))
-
-
 def virtual_stages(p: ParallelConfig, num_blocks: int) -> int:
-    """Model chunks per pipeline rank for a model of ``num_blocks`` blocks."""
+    """Model chunks per pipeline rank for a model of ``num_blocks`` blocks (``models.num_blocks``),
+    from either of Megatron's two ways to ask for them."""
     if p.num_layers_per_virtual_pipeline_stage:
         return max(1, num_blocks // max(1, p.pipeline_parallel) // p.num_layers_per_virtual_pipeline_stage)
     return p.virtual_pipeline_parallel

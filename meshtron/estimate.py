@@ -27,9 +27,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from meshtron.config import (
-    Config, build_config, data_parallel_size, encoder_decoder_layers, num_blocks, pipeline_virtual_size, recomputes_core_attention,
-)  # fmt: skip
+from meshtron.config import Config, build_config, data_parallel_size, recomputes_core_attention, virtual_stages
 from meshtron.data.default_data import EMBEDDED_VOCAB_SIZE
 from meshtron.training.vocab import model_vocab_size, run_tokenizer
 from meshtron.validation import validate
@@ -38,11 +36,10 @@ from meshtron.kernels.cross_entropy_sum import LOGITS_BUDGET_BYTES
 from meshtron.layers.attention import head_dim, num_kv_heads
 from meshtron.layers.mlp import ffn_hidden_size
 from meshtron.layers.moe.experts import expert_ffn_hidden_size
-from meshtron.layers.moe.layer_pattern import moe_layer_pattern
-from meshtron.models import padded_vocab_size, parameter_count
+from meshtron.models import num_blocks, padded_vocab_size, parameter_count, pipeline_costs, spec_for
 from meshtron.models.rank_parameters import rank_parameters
 from meshtron.parallel.mesh import GROUP_DIMS, Mesh
-from meshtron.parallel.pipeline_balance import modeled_costs, pipeline_split
+from meshtron.parallel.pipeline_balance import pipeline_split
 from meshtron.parallel.pipeline_schedules import model_chunk
 
 GIB = 2**30
@@ -104,11 +101,12 @@ def first_stage_blocks(cfg: Config, count: int, world_size: int = 1) -> list[int
     p, t = cfg.parallel, cfg.train
     if p.pipeline_parallel == 1:
         return list(range(count))
-    virtual = pipeline_virtual_size(cfg)
+    blocks = num_blocks(cfg.model)
+    virtual = virtual_stages(p, blocks)
     micro = t.global_batch_size // max(1, t.micro_batch_size * data_parallel_size(cfg, world_size))
-    costs = modeled_costs(cfg.model, _vocab(cfg), cfg.data.seq_length)
+    costs = pipeline_costs(cfg.model, _vocab(cfg), cfg.data.seq_length)
     kind = schedule_kind(p, virtual)
-    ranges = pipeline_split(p, num_blocks(cfg.model), virtual, costs, kind, micro)
+    ranges = pipeline_split(p, blocks, virtual, costs, kind, micro)
     return [i for v in range(virtual) for i in ranges[model_chunk(kind, p.pipeline_parallel, 0, v)]]
 
 
@@ -241,19 +239,17 @@ def _cross_attention_bytes(cfg: Config) -> tuple[float, float]:
 def block_activations(cfg: Config) -> list[tuple[float, float]]:
     """(tokens, bytes) of one micro batch for every block in model order: its tokens on this
     rank (for the hidden state full recompute keeps) and what it keeps for backward."""
-    m, t = cfg.model, cfg.train
-    tokens = t.micro_batch_size * cfg.data.seq_length / cfg.parallel.context_parallel
-    if m.model_type == "t5":
-        encoder, decoder = encoder_decoder_layers(m)
-        per_token = activation_bytes_per_token_layer(cfg)
-        decoder_tokens = t.micro_batch_size * cfg.data.decoder_seq_length / cfg.parallel.context_parallel
-        cross_q, cross_kv = _cross_attention_bytes(cfg)
-        return [(tokens, tokens * per_token)] * encoder + [(decoder_tokens, decoder_tokens * (per_token + cross_q) + tokens * cross_kv)] * decoder
-    if m.model_type == "ict":  # every block runs a query and a context (both through the one tower when shared)
-        towers = 1 if m.biencoder_shared_query_context_model else 2
-        tokens *= 2 // towers
-        return [(tokens, tokens * activation_bytes_per_token_layer(cfg))] * (towers * m.num_layers)
-    return [(tokens, tokens * activation_bytes_per_token_layer(cfg, is_moe=is_moe)) for is_moe in moe_layer_pattern(m)]
+    t, cp = cfg.train, cfg.parallel.context_parallel
+    per_token = activation_bytes_per_token_layer(cfg)
+    cross_q, cross_kv = _cross_attention_bytes(cfg)
+    out = []
+    for block in spec_for(cfg.model).block_shapes(cfg):
+        tokens = t.micro_batch_size * block.tokens / cp
+        if block.cross_tokens:  # the queries on its own tokens, the keys and values on the other sequence's
+            out.append((tokens, tokens * (per_token + cross_q) + t.micro_batch_size * block.cross_tokens / cp * cross_kv))
+        else:
+            out.append((tokens, tokens * (activation_bytes_per_token_layer(cfg, is_moe=True) if block.moe else per_token)))
+    return out
 
 
 def activation_bytes(cfg: Config, world_size: int = 1) -> int:
@@ -291,10 +287,10 @@ def loss_bytes(cfg: Config) -> int:
     pp is 1 (with pp > 1 the last stage holds it and fewer micro batches); the retriever's
     in-batch scores are negligible."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    if p.pipeline_parallel > 1 or m.model_type == "ict":
+    seq = spec_for(m).output_tokens(cfg.data)
+    if p.pipeline_parallel > 1 or not seq:
         return 0
     a = _DTYPE_BYTES[t.precision]
-    seq = cfg.data.decoder_seq_length if m.model_type == "t5" else cfg.data.seq_length
     tokens = t.micro_batch_size * seq // p.context_parallel
     vocab = _vocab(cfg) // p.tensor_parallel
     if m.fused_kernels == "off":

@@ -8,7 +8,7 @@ import importlib.util
 from pathlib import Path
 
 from meshtron.checkpoint.checkpoint import checkpoint_config_errors
-from meshtron.config import KEPT_MODULES, RECOMPUTED_MODULES, Config, num_blocks, pipeline_virtual_size, world_size_from_env
+from meshtron.config import KEPT_MODULES, RECOMPUTED_MODULES, Config, virtual_stages, world_size_from_env
 from meshtron.data.chat_template import TEMPLATE_CHOICES, conversation_template
 from meshtron.data.masked_lm import masked_data_config_errors
 from meshtron.errors import ConfigError
@@ -18,10 +18,10 @@ from meshtron.layers.attention import attention_config_errors
 from meshtron.layers.mla import mla_config_errors
 from meshtron.layers.moe import moe_config_errors
 from meshtron.layers.moe.experts import expert_ffn_hidden_size
-from meshtron.models import model_config_errors, model_layout_errors
+from meshtron.models import family_error, model_config_errors, model_layout_errors, num_blocks, pipeline_costs, spec_for
 from meshtron.kernels import triton_available
 from meshtron.optim.optimizer import MOMENT_DTYPES, OPTIMIZER_IMPLS
-from meshtron.parallel.pipeline_balance import modeled_costs, pipeline_split
+from meshtron.parallel.pipeline_balance import pipeline_split
 from meshtron.parallel.pipeline_schedules import KINDS, SPLIT_BACKWARD
 from meshtron.training.stop import stop_config_errors
 
@@ -30,6 +30,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     """Every check that needs no tensor. Raises ConfigError naming the fix."""
     world_size = world_size_from_env() if world_size is None else world_size
     m, d, t, p, c = cfg.model, cfg.data, cfg.train, cfg.parallel, cfg.checkpoint
+    unknown = family_error(m.model_type)
+    if unknown:  # every later check asks the family
+        raise ConfigError(f"invalid config:\n  - {unknown}")
     errors: list[str] = []
 
     def need(cond: bool, msg: str) -> None:
@@ -57,15 +60,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     )
     need(m.rotary_percent == 1.0, f"--rotary-percent {m.rotary_percent}: partial rotary embeddings are not implemented; "
          "meshtron rotates whole heads (--rotary-percent 1.0)")  # fmt: skip
-    need(m.position_embedding_type != "relative" or m.model_type == "t5",
-         "--position-embedding-type relative is T5's relative position buckets; use it with --model-type t5")  # fmt: skip
     need(not (m.add_qkv_bias and m.multi_latent_attention),
          "--add-qkv-bias applies to the fused query/key/value projection; multi-head latent attention has none, drop it")  # fmt: skip
     need(m.rope_scaling in ("", "llama3", "yarn"), f"model.rope_scaling must be '', 'llama3' or 'yarn', got '{m.rope_scaling}'")
     errors.extend(moe_config_errors(m) + attention_config_errors(m) + mla_config_errors(m))
-    errors.extend(masked_data_config_errors(d, m.model_type) + checkpoint_config_errors(cfg))
-    errors.extend(model_config_errors(cfg))  # the model type's own rules (models/)
-    need(not c.bert_load or m.model_type == "ict", "--bert-load starts the ICT retriever's towers; use it with --model-type ict")
+    errors.extend(masked_data_config_errors(d) + checkpoint_config_errors(cfg))
+    errors.extend(model_config_errors(cfg))  # the family's own rules (its spec in models/)
     need(m.attention_backend in ("auto", "sdpa", "cudnn", "flash", "efficient", "math"),
          f"--attention-backend must be auto, sdpa, cudnn, flash, efficient or math, got '{m.attention_backend}'")  # fmt: skip
     need(m.fused_kernels in ("auto", "on", "off"), f"model.fused_kernels must be auto, on or off, got '{m.fused_kernels}'")
@@ -140,7 +140,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             f"--num-layers-per-virtual-pipeline-stage {p.num_layers_per_virtual_pipeline_stage} must divide the "
             f"{blocks} layers / pp {p.pipeline_parallel} of each pipeline rank",
         )
-    virtual = pipeline_virtual_size(cfg)
+    virtual = virtual_stages(p, num_blocks(m))
     need(virtual == 1 or p.pipeline_parallel > 1, "virtual pipeline stages need --pipeline-model-parallel-size > 1")
     if p.pipeline_parallel > 1:
         errors.extend(zero_bubble_errors(cfg, virtual))
@@ -261,7 +261,7 @@ def sft_errors(cfg: Config) -> list[str]:
         errors.append(f"--sft --data-path {d.data_path[0]}: no such file (a jsonl of 'messages' or 'prompt'/'response' records)")
     if d.eod_mask_loss:
         errors.append("--eod-mask-loss: with --sft the loss covers exactly the assistant's tokens (a reply's end included); drop it")
-    if cfg.model.model_type != "gpt":
+    if not spec_for(cfg.model).sft:
         errors.append(f"--sft fine-tunes decoders; --model-type {cfg.model.model_type} is not one")
     if d.sft_chat_template not in TEMPLATE_CHOICES:
         errors.append(f"--sft-chat-template must be one of {', '.join(TEMPLATE_CHOICES)}, got '{d.sft_chat_template}'")
@@ -351,7 +351,8 @@ def layout_errors(cfg: Config) -> list[str]:
             errors.append("attention dropout is not supported with context parallelism; set --attention-dropout 0")
     try:
         # The vocabulary and the micro batches change which split is best, not whether one exists.
-        pipeline_split(p, num_blocks(m), pipeline_virtual_size(cfg), modeled_costs(m, 0, d.seq_length))
+        blocks = num_blocks(m)
+        pipeline_split(p, blocks, virtual_stages(p, blocks), pipeline_costs(m, 0, d.seq_length))
     except ValueError as exc:
         errors.append(f"the pipeline stage split does not work: {exc}")
     if log.generate_prompt and (tp > 1 or cp > 1 or pp > 1):

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
 
-from meshtron.config import DataConfig
+from meshtron.config import Config, DataConfig
 from meshtron.data.blended import BlendedDataset, build_blending_indices, parse_data_path
 from meshtron.data.gpt_dataset import GPTDataset, MockGPTDataset, split_document_ranges
 from meshtron.data.chat_template import conversation_template
 from meshtron.data.indexed import IndexedDataset
+from meshtron.data.masked_lm import bert_data_errors, ict_data_errors, masked_data_config_errors, t5_data_errors
 from meshtron.data.sft_dataset import build_sft_datasets
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -25,18 +28,14 @@ def build_datasets(
     seed: int,
     data_prefixes: list[str] | None = None,
     vocab_size: int | None = None,
-    model_type: str = "gpt",
-    binary_head: bool = True,
 ):
-    """(train, valid, test) for ``model_type`` (``model.model_type``); a split with 0 samples or
-    no documents is None. Decoders read documents (``GPTDataset``); the masked-LM families read
-    sentences (``build_masked_datasets``, where ``binary_head`` applies). ``--sft`` reads
-    conversations from a jsonl (``build_sft_datasets``).
+    """(train, valid, test) of a decoder's data; a split with 0 samples or no documents is None.
+    Documents (``GPTDataset``), mock tokens, or with ``--sft`` conversations from a jsonl
+    (``build_sft_datasets``). The masked-LM families read sentences (``build_sentence_datasets``);
+    each family names its builder in its spec (``models.registry``).
 
     Mock data draws ids below ``vocab_size`` (default: the tokenizer's), so it needs no tokenizer.
     """
-    if model_type != "gpt":
-        return build_masked_datasets(model_type, data_cfg, tokenizer, num_samples, seed, binary_head, data_prefixes)
     if data_cfg.mock:
         vocab = vocab_size or (tokenizer.vocab_size if tokenizer is not None else 0)
         if vocab <= 0:
@@ -66,6 +65,12 @@ def build_datasets(
     return _splits(ranges, weights, num_samples, seed, one)
 
 
+def decoder_datasets(cfg: Config, tokenizer, num_samples: tuple[int, int, int], seed: int, data_prefixes: list[str] | None = None,
+                     vocab_size: int | None = None):  # fmt: skip
+    """``build_datasets`` in the signature of a family's ``datasets`` hook."""
+    return build_datasets(cfg.data, tokenizer, num_samples, seed, data_prefixes, vocab_size)
+
+
 def _splits(ranges: list, weights: list[float], num_samples: tuple[int, int, int], seed: int, one) -> tuple:
     """Per split, ``one(split, dataset, n)`` alone or a blend of every dataset with documents in the split."""
     out = []
@@ -86,28 +91,22 @@ def _splits(ranges: list, weights: list[float], num_samples: tuple[int, int, int
     return tuple(out)
 
 
-def build_masked_datasets(
-    model_type: str, data_cfg: DataConfig, tokenizer, num_samples: tuple[int, int, int], seed: int, binary_head: bool = True,
-    data_prefixes: list[str] | None = None,
+def build_sentence_datasets(
+    what: str, data_cfg: DataConfig, tokenizer, num_samples: tuple[int, int, int], seed: int, data_prefixes: list[str] | None,
+    data_errors: Callable[[DataConfig], list[str]], one: Callable[..., Any],
 ):  # fmt: skip
-    """(train, valid, test) of ``BERTDataset``, ``T5Dataset`` or ``ICTDataset`` on sentence-level
-    ``--data-path`` files (or ``data_prefixes``, equally weighted: the embedded corpus).
+    """(train, valid, test) on sentence-level ``--data-path`` files (or ``data_prefixes``, equally
+    weighted: the embedded corpus) for the family ``what`` (named in messages), once the shared
+    and its own ``data_errors`` are none. ``one(indexed, documents, titles, **common)`` builds a
+    split's dataset over a prefix's document range; ``common`` holds what every sentence dataset takes.
 
     ``--split`` divides documents (not sentences); several weighted prefixes blend as for GPT.
-    ``binary_head`` is BERT's sentence-order head (``--bert-no-binary-head`` turns it off).
     """
-    from meshtron.data.bert_dataset import BERTDataset
-    from meshtron.data.ict_dataset import ICTDataset
-    from meshtron.data.masked_lm import masked_data_config_errors
-    from meshtron.data.t5_dataset import T5Dataset
-
-    if model_type not in ("bert", "t5", "ict"):
-        raise ValueError(f"build_masked_datasets: model type '{model_type}' is not bert, t5 or ict")
-    errors = masked_data_config_errors(data_cfg, model_type)
+    errors = masked_data_config_errors(data_cfg) + data_errors(data_cfg)
     if errors:
         raise ValueError("; ".join(errors))
     if data_cfg.mock or not (data_cfg.data_path or data_prefixes):
-        raise ValueError(f"{model_type} needs sentence-split data: --data-path PREFIX_text_sentence (meshtron preprocess --split-sentences)")
+        raise ValueError(f"{what} needs sentence-split data: --data-path PREFIX_text_sentence (meshtron preprocess --split-sentences)")
     if data_prefixes:
         prefixes, weights = list(data_prefixes), [1.0 / len(data_prefixes)] * len(data_prefixes)
     else:
@@ -118,20 +117,53 @@ def build_masked_datasets(
     if titles is not None and len(prefixes) > 1:
         raise ValueError("--titles-data-path holds the titles of one --data-path; ICT blends are not supported")
     cache = data_cfg.data_cache_path or None
-    d = data_cfg
 
-    def one(k: int, i: int, n: int):
-        common = dict(num_samples=n, seed=seed, cache_dir=cache, tokenizer=tokenizer, name=SPLIT_NAMES[k])
-        if model_type == "bert":
-            return BERTDataset(indexed[i], ranges[i][k], seq_length=d.seq_length, mask_prob=d.mask_prob,
-                               short_seq_prob=d.short_seq_prob, binary_head=binary_head, **common)
-        if model_type == "t5":
-            return T5Dataset(indexed[i], ranges[i][k], encoder_seq_length=d.encoder_seq_length or d.seq_length,
-                             decoder_seq_length=d.decoder_seq_length, mask_prob=d.mask_prob, short_seq_prob=d.short_seq_prob, **common)
-        return ICTDataset(indexed[i], ranges[i][k], seq_length=d.seq_length, titles=titles, query_in_block_prob=d.query_in_block_prob,
-                          use_one_sent_docs=d.use_one_sent_docs, **common)
+    def split(k: int, i: int, n: int):
+        return one(indexed[i], ranges[i][k], titles, num_samples=n, seed=seed, cache_dir=cache, tokenizer=tokenizer, name=SPLIT_NAMES[k])
 
-    return _splits(ranges, weights, num_samples, seed, one)
+    return _splits(ranges, weights, num_samples, seed, split)
+
+
+def bert_datasets(cfg: Config, tokenizer, num_samples: tuple[int, int, int], seed: int, data_prefixes: list[str] | None = None,
+                  vocab_size: int | None = None):  # fmt: skip
+    """BERT's ``BERTDataset`` splits; ``--bert-no-binary-head`` drops the sentence-order pairs."""
+    from meshtron.data.bert_dataset import BERTDataset
+
+    d = cfg.data
+
+    def one(indexed, documents, titles, **common):
+        return BERTDataset(indexed, documents, seq_length=d.seq_length, mask_prob=d.mask_prob, short_seq_prob=d.short_seq_prob,
+                           binary_head=cfg.model.bert_binary_head, **common)  # fmt: skip
+
+    return build_sentence_datasets("bert", d, tokenizer, num_samples, seed, data_prefixes, bert_data_errors, one)
+
+
+def t5_datasets(cfg: Config, tokenizer, num_samples: tuple[int, int, int], seed: int, data_prefixes: list[str] | None = None,
+                vocab_size: int | None = None):  # fmt: skip
+    """T5's ``T5Dataset`` splits (span corruption with sentinels)."""
+    from meshtron.data.t5_dataset import T5Dataset
+
+    d = cfg.data
+
+    def one(indexed, documents, titles, **common):
+        return T5Dataset(indexed, documents, encoder_seq_length=d.encoder_seq_length or d.seq_length,
+                         decoder_seq_length=d.decoder_seq_length, mask_prob=d.mask_prob, short_seq_prob=d.short_seq_prob, **common)  # fmt: skip
+
+    return build_sentence_datasets("t5", d, tokenizer, num_samples, seed, data_prefixes, t5_data_errors, one)
+
+
+def ict_datasets(cfg: Config, tokenizer, num_samples: tuple[int, int, int], seed: int, data_prefixes: list[str] | None = None,
+                 vocab_size: int | None = None):  # fmt: skip
+    """The retriever's ``ICTDataset`` splits (a sentence as the query of its block; titles optional)."""
+    from meshtron.data.ict_dataset import ICTDataset
+
+    d = cfg.data
+
+    def one(indexed, documents, titles, **common):
+        return ICTDataset(indexed, documents, seq_length=d.seq_length, titles=titles, query_in_block_prob=d.query_in_block_prob,
+                          use_one_sent_docs=d.use_one_sent_docs, **common)  # fmt: skip
+
+    return build_sentence_datasets("ict", d, tokenizer, num_samples, seed, data_prefixes, ict_data_errors, one)
 
 
 def collate(samples: list[dict]) -> dict:

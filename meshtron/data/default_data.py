@@ -17,7 +17,6 @@ from meshtron.data import preprocess
 from meshtron.data.corpus import embedded_corpus_documents
 from meshtron.data.tokenizers import train_bpe_tokenizer, train_wordpiece_vocab
 
-SENTENCE_MODEL_TYPES = ("bert", "t5", "ict")  # model types trained on sentence-split data
 EMBEDDED_VOCAB_SIZE = 4096  # the embedded corpus's vocabulary (BPE, or WordPiece for sentence data)
 
 
@@ -75,10 +74,11 @@ def prepare_default_sentence_data(cache_dir: str, vocab_size: int = EMBEDDED_VOC
                     ["--split-sentences", "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file"], workers)  # fmt: skip
 
 
-def default_data(cache_dir: str, model_type: str) -> tuple[str, dict[str, str]]:
-    """The embedded corpus for ``model_type``: its data prefix and the data config fields that
-    name its tokenizer. Call it on one rank first (then a barrier) when processes share the cache."""
-    if model_type in SENTENCE_MODEL_TYPES:
+def default_data(cache_dir: str, sentences: bool) -> tuple[str, dict[str, str]]:
+    """The embedded corpus as a family reads it (``sentences``: split into sentences, its spec's
+    ``sentence_data``; else documents): its data prefix and the data config fields that name its
+    tokenizer. Call it on one rank first (then a barrier) when processes share the cache."""
+    if sentences:
         prefix, vocab = prepare_default_sentence_data(os.path.join(cache_dir, "sentences"))
         return prefix, {"tokenizer_type": "BertWordPieceLowerCase", "vocab_file": vocab}
     prefix, tokenizer = prepare_default_data(cache_dir)

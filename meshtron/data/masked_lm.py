@@ -307,8 +307,9 @@ class SentenceSampleDataset(torch.utils.data.Dataset):
         return [self.indexed[s].tolist() for s in range(first, end)]
 
 
-def masked_data_config_errors(data_cfg, model_type: str | None = None) -> list[str]:
-    """Problems with the BERT/T5/ICT data fields of ``data_cfg``; ``model_type`` adds that model's checks."""
+def masked_data_config_errors(data_cfg) -> list[str]:
+    """Problems with the BERT/T5/ICT data fields of ``data_cfg`` that every one of them shares;
+    ``bert_data_errors``, ``t5_data_errors`` and ``ict_data_errors`` add each model's."""
     errors = []
     if not 0.0 < data_cfg.mask_prob < 1.0:
         errors.append(f"--mask-prob {data_cfg.mask_prob} must be in (0, 1)")
@@ -320,16 +321,28 @@ def masked_data_config_errors(data_cfg, model_type: str | None = None) -> list[s
         errors.append(f"--query-in-block-prob {data_cfg.query_in_block_prob} must be in [0, 1]")
     if data_cfg.encoder_seq_length < 0 or data_cfg.decoder_seq_length < 0:
         errors.append("--encoder-seq-length and --decoder-seq-length must be >= 0 (0: unset)")
-    if model_type == "bert" and data_cfg.seq_length < 5:
-        errors.append(f"BERT needs --seq-length >= 5 ([CLS] A [SEP] B [SEP]), got {data_cfg.seq_length}")
-    if model_type == "t5":
-        enc = data_cfg.encoder_seq_length or data_cfg.seq_length
-        if data_cfg.vocab_extra_ids < 1:
-            errors.append("T5 needs sentinel tokens: set --vocab-extra-ids (Megatron's T5 uses 100)")
-        if data_cfg.decoder_seq_length < 2:  # whether masked spans fit is known per sample (T5Dataset says)
-            errors.append(f"T5 needs --decoder-seq-length >= 2, got {data_cfg.decoder_seq_length}")
-        if enc < 3:
-            errors.append(f"T5 needs an encoder length >= 3, got {enc}")
-    if model_type == "ict" and data_cfg.seq_length < 4:
-        errors.append(f"ICT needs --seq-length >= 4 ([CLS] title [SEP] block [SEP]), got {data_cfg.seq_length}")
     return errors
+
+
+def bert_data_errors(data_cfg) -> list[str]:
+    if data_cfg.seq_length < 5:
+        return [f"BERT needs --seq-length >= 5 ([CLS] A [SEP] B [SEP]), got {data_cfg.seq_length}"]
+    return []
+
+
+def t5_data_errors(data_cfg) -> list[str]:
+    errors = []
+    enc = data_cfg.encoder_seq_length or data_cfg.seq_length
+    if data_cfg.vocab_extra_ids < 1:
+        errors.append("T5 needs sentinel tokens: set --vocab-extra-ids (Megatron's T5 uses 100)")
+    if data_cfg.decoder_seq_length < 2:  # whether masked spans fit is known per sample (T5Dataset says)
+        errors.append(f"T5 needs --decoder-seq-length >= 2, got {data_cfg.decoder_seq_length}")
+    if enc < 3:
+        errors.append(f"T5 needs an encoder length >= 3, got {enc}")
+    return errors
+
+
+def ict_data_errors(data_cfg) -> list[str]:
+    if data_cfg.seq_length < 4:
+        return [f"ICT needs --seq-length >= 4 ([CLS] title [SEP] block [SEP]), got {data_cfg.seq_length}"]
+    return []

@@ -69,7 +69,7 @@ def finetune_classifier(load_dir: str, train_path: str, valid_path: str, epochs:
                         log: Callable[[str], None] = print) -> list[float]:  # fmt: skip
     """Fine-tune the BERT of ``load_dir`` on ``train_path``; returns the validation accuracy after
     each epoch. ``save``: a file for the classifier's weights, classes and config."""
-    saved = load_saved_model(load_dir, model_type="bert")
+    saved = load_saved_model(load_dir, needs="bert")
     seq_length = seq_length or saved.config.data.seq_length
     train_texts, train_labels = read_examples(train_path)
     valid_texts, valid_labels = read_examples(valid_path)

@@ -16,7 +16,8 @@ from typing import Callable
 import torch
 
 from meshtron.checkpoint.saved_model import load_saved_model
-from meshtron.data.builder import build_datasets, collate
+from meshtron.data.builder import collate
+from meshtron.models import spec_for
 from meshtron.models.ict import ICT, retrieval_scores, topk_accuracies
 from meshtron.training.trainer import setup_data_source
 
@@ -48,7 +49,7 @@ def held_out_blocks(saved, split: str, max_blocks: int = 0, log: Callable[[str],
     def build(n: int):
         counts = [0, 0, 0]
         counts[SPLITS[split]] = n
-        dataset = build_datasets(cfg.data, saved.tokenizer, tuple(counts), cfg.train.seed, prefixes, model_type="ict")[SPLITS[split]]
+        dataset = spec_for(cfg.model).datasets(cfg, saved.tokenizer, tuple(counts), cfg.train.seed, prefixes)[SPLITS[split]]
         if dataset is None:
             raise ValueError(f"the {split} split of the checkpoint's data holds no documents (see --split in its config)")
         return dataset
@@ -66,7 +67,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--micro-batch-size", type=int, default=64)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     args = parser.parse_args(argv)
-    saved = load_saved_model(args.load, model_type="ict")
+    saved = load_saved_model(args.load, needs="ict")
     dataset = held_out_blocks(saved, args.split, args.max_blocks)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     accuracies = retrieval_accuracies(saved.model.to(device), dataset, args.topk, args.micro_batch_size, device)

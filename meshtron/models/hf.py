@@ -36,7 +36,6 @@ import argparse
 import contextlib
 import json
 import shutil
-from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -46,16 +45,14 @@ import yaml
 from meshtron.checkpoint.checkpoint import CheckpointError, save_checkpoint
 from meshtron.checkpoint.tensor_reader import CheckpointWeights
 from meshtron.config import Config, ModelConfig
-from meshtron.layers.attention import num_kv_heads
-from meshtron.layers.mlp import ffn_hidden_size
-from meshtron.models import build_model
-from meshtron.models.hf_common import export_llama_decoder, fuse_qkv, import_llama_decoder, llama_hf_config, llama_model_config, split_qkv
-from meshtron.models.hf_bert import (bert_export, bert_export_notes, bert_export_tokenizer, bert_export_vocab_size, bert_hf_config, bert_import,
-                                     bert_model_config)  # fmt: skip
-from meshtron.models.hf_deepseek import deepseek_hf_config, deepseek_import, deepseek_export, deepseek_model_config, is_deepseek
-from meshtron.models.hf_mixtral import mixtral_export, mixtral_hf_config, mixtral_import, mixtral_model_config
-from meshtron.models.hf_olmoe import is_olmoe, olmoe_export, olmoe_hf_config, olmoe_import, olmoe_model_config
-from meshtron.models.hf_qwen import QWEN_TYPES, qwen_export, qwen_family, qwen_hf_config, qwen_import, qwen_model_config
+from meshtron.models import build_model, spec_for
+from meshtron.models.hf_bert import bert_export_tokenizer, bert_import, bert_model_config
+from meshtron.models.hf_common import fuse_qkv, import_llama_decoder, llama_model_config
+from meshtron.models.hf_decoder import gpt2_pairs
+from meshtron.models.hf_deepseek import deepseek_import, deepseek_model_config
+from meshtron.models.hf_mixtral import mixtral_import, mixtral_model_config
+from meshtron.models.hf_olmoe import olmoe_import, olmoe_model_config
+from meshtron.models.hf_qwen import QWEN_TYPES, qwen_import, qwen_model_config
 from meshtron.models.hf_shards import DEFAULT_MAX_SHARD_SIZE, INDEX, WEIGHTS, parse_size, write_shards
 from meshtron.progress import progress
 
@@ -122,55 +119,6 @@ def _gpt2_model_config(hf: dict[str, Any], source: str) -> ModelConfig:
     )  # fmt: skip
 
 
-def _is_llama(m: ModelConfig) -> bool:
-    return (m.normalization, m.activation, m.position_embedding_type, m.add_bias_linear) == ("RMSNorm", "swiglu", "rope", False)
-
-
-def _is_gpt2(m: ModelConfig) -> bool:
-    shape = (m.normalization, m.activation, m.position_embedding_type, m.add_bias_linear, m.tie_embeddings)
-    return shape[0] == "LayerNorm" and shape[1] in ("gelu", "gelu_tanh") and shape[2:] == ("learned_absolute", True, True) and num_kv_heads(m) == m.num_attention_heads
-
-
-def hf_config_from_model(m: ModelConfig, vocab_size: int, max_positions: int, dtype: torch.dtype) -> dict[str, Any]:
-    """config.json for ``LlamaForCausalLM`` / ``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM`` /
-    ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` / ``OlmoeForCausalLM`` /
-    ``GPT2LMHeadModel`` / ``DeepseekV2ForCausalLM`` / ``BertForPreTraining`` / ``BertForMaskedLM``
-    (transformers 4 and 5 read it)."""
-    dtype_name = str(dtype).removeprefix("torch.")
-    if m.model_type == "bert":
-        return bert_hf_config(m, vocab_size, max_positions, dtype_name)
-    if m.apply_residual_connection_post_layernorm:
-        raise CheckpointError("hf-export: Hugging Face's GPT-2 and Llama are pre-norm; a post-LN decoder "
-                              "(--apply-residual-connection-post-layernorm) has no equivalent there")  # fmt: skip
-    if m.num_experts and m.moe_router_load_balancing_type == "sinkhorn":
-        raise CheckpointError("hf-export: sinkhorn routing (--moe-router-load-balancing-type sinkhorn) is not mapped to a Hugging Face "
-                              "router; its inference weights (sigmoid at top-1, the softmax over all experts above) would change")  # fmt: skip
-    if m.clip_qkv and not is_olmoe(m):
-        raise CheckpointError("hf-export: model.clip_qkv is OLMoE's (with --qk-layernorm and model.qk_layernorm_span full); "
-                              "no other Hugging Face family here clamps q, k and v")  # fmt: skip
-    if is_deepseek(m):
-        return deepseek_hf_config(m, vocab_size, max_positions, dtype_name)
-    if _is_gpt2(m):
-        return {
-            "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": m.hidden_size, "n_layer": m.num_layers,
-            "n_head": m.num_attention_heads, "n_inner": ffn_hidden_size(m), "n_positions": max_positions,
-            "layer_norm_epsilon": m.norm_epsilon, "vocab_size": vocab_size,
-            "activation_function": "gelu_new" if m.activation == "gelu_tanh" else "gelu",
-            "tie_word_embeddings": True, "torch_dtype": dtype_name,
-        }  # fmt: skip
-    if not _is_llama(m):
-        raise CheckpointError("hf-export writes Llama-style (RMSNorm, SwiGLU, RoPE, no biases) or GPT-2 models only")
-    if is_olmoe(m):
-        return olmoe_hf_config(m, vocab_size, max_positions, dtype_name)
-    if qwen_family(m):
-        return qwen_hf_config(m, vocab_size, max_positions, dtype_name)
-    if m.num_experts:
-        return mixtral_hf_config(m, vocab_size, max_positions, dtype_name)
-    if m.add_qkv_bias:
-        raise CheckpointError("hf-export: a dense model with --add-qkv-bias (Qwen2) is not implemented; Llama has no q/k/v-only biases")
-    return llama_hf_config(m, vocab_size, max_positions, dtype_name)
-
-
 # -- tensors --------------------------------------------------------------------------------------
 
 
@@ -222,25 +170,11 @@ class HFTensors:
             raise CheckpointError(f"{self.origin[left[0]]}: {len(left)} tensors fit no meshtron parameter, e.g. {left[:3]}")
 
 
-def _gpt2_pairs(m: ModelConfig) -> list[tuple[str, str, bool]]:
-    """(HF name, meshtron name, Conv1D-transposed) for every GPT-2 tensor but ``c_attn``'s."""
-    pairs = [("wte.weight", "embedding.weight", False), ("wpe.weight", "position_embedding.weight", False),
-             ("ln_f.weight", "final_norm.weight", False), ("ln_f.bias", "final_norm.bias", False)]  # fmt: skip
-    for i in range(m.num_layers):
-        for hf, mt, transposed in (
-            ("ln_1", "input_layernorm", False), ("ln_2", "pre_mlp_layernorm", False),
-            ("attn.c_proj", "self_attention.linear_proj", True), ("mlp.c_fc", "mlp.linear_fc1", True),
-            ("mlp.c_proj", "mlp.linear_fc2", True),
-        ):  # fmt: skip
-            pairs += [(f"h.{i}.{hf}.weight", f"layers.{i}.{mt}.weight", transposed), (f"h.{i}.{hf}.bias", f"layers.{i}.{mt}.bias", False)]
-    return pairs
-
-
 def _gpt2_import(t: HFTensors, m: ModelConfig, expected: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
     """``expected``: the meshtron shapes (a Conv1D weight is stored as their transpose)."""
     h, heads = m.hidden_size, m.num_attention_heads
     state = {}
-    for hf, mt, transposed in _gpt2_pairs(m):
+    for hf, mt, transposed in gpt2_pairs(m):
         shape = list(expected[mt])
         state[mt] = t.take(hf, shape[::-1]).T.contiguous() if transposed else t.take(hf, shape)
     for i in range(m.num_layers):
@@ -250,16 +184,6 @@ def _gpt2_import(t: HFTensors, m: ModelConfig, expected: dict[str, torch.Size]) 
         state[f"layers.{i}.self_attention.linear_qkv.bias"] = fuse_qkv(*bias.chunk(3), heads)
     t.tensors.pop("lm_head.weight", None)  # tied: the embedding itself, when saved at all
     return state
-
-
-def _gpt2_export(state: Mapping[str, torch.Tensor], m: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    for hf, mt, transposed in _gpt2_pairs(m):
-        yield f"transformer.{hf}", state[mt].T.contiguous() if transposed else state[mt]
-    for i in range(m.num_layers):
-        for kind in ("weight", "bias"):
-            q, k, v = split_qkv(state[f"layers.{i}.self_attention.linear_qkv.{kind}"], m.num_attention_heads, m.num_attention_heads)
-            fused = torch.cat([q, k, v])
-            yield f"transformer.h.{i}.attn.c_attn.{kind}", fused.T.contiguous() if kind == "weight" else fused
 
 
 @contextlib.contextmanager
@@ -332,7 +256,8 @@ def export_hf(load_dir: str | Path, hf_dir: str | Path, dtype: str = "bf16", ite
     Streamed: the checkpoint (saved under any layout) is read one tensor at a time on the CPU and
     written into safetensors shards of at most ``max_shard_size`` bytes, so memory stays near one
     shard plus one layer's tensors. The model is built on the ``meta`` device only, for its names
-    and shapes, which the checkpoint must match exactly.
+    and shapes, which the checkpoint must match exactly. The family's ``hf_export`` hook gives the
+    config.json and the tensors under Hugging Face's names (``hf_decoder.py``, ``hf_bert.py``).
     A decoder's vocabulary keeps every row the checkpoint has (a padded one included: HF models
     may have more rows than their tokenizer, as Llama's do), so the logits are those meshtron
     computes; BERT's is cropped to its tokenizer's (``hf_bert.py``), and what changed is printed.
@@ -342,21 +267,13 @@ def export_hf(load_dir: str | Path, hf_dir: str | Path, dtype: str = "bf16", ite
     meta = weights.meta
     cfg = Config.from_dict(meta["config"])
     m = cfg.model
+    adapter = spec_for(m).hf_export
+    if adapter is None:
+        raise CheckpointError(f"hf-export: --model-type {m.model_type} has no Hugging Face exporter (its family's hf_export)")
     with torch.device("meta"):  # names and shapes, no memory
         model = build_model(m, meta["vocab_size"], cfg.data.seq_length)
     weights.check_shapes({k: tuple(v.shape) for k, v in model.state_dict().items()})
-    vocab = meta["vocab_size"]
-    if m.model_type == "bert":
-        vocab = bert_export_vocab_size(cfg, vocab, load_dir, meta.get("tokenizer", {}))
-        for note in bert_export_notes(m, meta["vocab_size"], vocab):
-            print(f"hf-export: {note}")
-    hf_config = hf_config_from_model(m, vocab, model.max_positions, DTYPES[dtype])
-    if m.model_type == "bert":
-        exported = bert_export(weights, m, vocab)
-    else:
-        exporters = {"gpt2": _gpt2_export, "llama": export_llama_decoder, "deepseek_v2": deepseek_export, "mixtral": mixtral_export,
-                     "olmoe": olmoe_export, **dict.fromkeys(QWEN_TYPES, qwen_export)}  # fmt: skip
-        exported = exporters[hf_config["model_type"]](weights, m)
+    hf_config, exported = adapter(weights, cfg, meta, load_dir, DTYPES[dtype], model.max_positions)
     hf_dir.mkdir(parents=True, exist_ok=True)
     write_shards(exported, hf_dir, max_shard_size)
     (hf_dir / CONFIG).write_text(json.dumps(hf_config, indent=2) + "\n")

@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from meshtron.checkpoint.checkpoint import CheckpointError
 from meshtron.config import Config, ModelConfig
 from meshtron.data.tokenizers import build_tokenizer
+from meshtron.errors import CheckpointError
 from meshtron.layers.attention import head_dim, num_kv_heads
 from meshtron.layers.mlp import ffn_hidden_size
 from meshtron.models.bert import tokentype_rows
@@ -204,3 +204,14 @@ def bert_export(state: Mapping[str, torch.Tensor], m: ModelConfig, vocab_size: i
         for kind in ("weight", "bias"):
             q, k, v = split_qkv(state[mt + kind], m.num_attention_heads, m.num_attention_heads)
             yield from {f"{hf}query.{kind}": q, f"{hf}key.{kind}": k, f"{hf}value.{kind}": v}.items()
+
+
+def bert_hf_export(weights: Mapping[str, torch.Tensor], cfg: Config, meta: dict[str, Any], load_dir: Path, dtype: torch.dtype,
+                   max_positions: int) -> tuple[dict[str, Any], Iterator[tuple[str, torch.Tensor]]]:  # fmt: skip
+    """BERT's ``hf_export`` hook: ``BertForPreTraining`` / ``BertForMaskedLM``, the vocabulary
+    cropped to its tokenizer's (``bert_export_vocab_size``), what changed printed."""
+    m = cfg.model
+    vocab = bert_export_vocab_size(cfg, meta["vocab_size"], load_dir, meta.get("tokenizer", {}))
+    for note in bert_export_notes(m, meta["vocab_size"], vocab):
+        print(f"hf-export: {note}")
+    return bert_hf_config(m, vocab, max_positions, str(dtype).removeprefix("torch.")), bert_export(weights, m, vocab)

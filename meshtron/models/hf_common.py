@@ -21,8 +21,8 @@ from typing import Any, Protocol
 
 import torch
 
-from meshtron.checkpoint.checkpoint import CheckpointError
 from meshtron.config import ModelConfig
+from meshtron.errors import CheckpointError
 from meshtron.layers.attention import head_dim, num_kv_heads, qk_norm_widths
 from meshtron.layers.mlp import ffn_hidden_size
 from meshtron.layers.moe import moe_layer_pattern

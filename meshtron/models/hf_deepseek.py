@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from meshtron.checkpoint.checkpoint import CheckpointError
 from meshtron.config import ModelConfig
+from meshtron.errors import CheckpointError
 from meshtron.layers.mlp import ffn_hidden_size
 from meshtron.layers.moe import moe_layer_pattern
 from meshtron.layers.moe.experts import expert_ffn_hidden_size

@@ -20,6 +20,7 @@ from meshtron.layers.mlp import ffn_hidden_size
 from meshtron.layers.moe.experts import expert_ffn_hidden_size
 from meshtron.layers.moe.layer_pattern import moe_layer_pattern
 from meshtron.models.bert import tokentype_rows
+from meshtron.models.registry import spec_for
 
 
 @dataclass(frozen=True)
@@ -98,25 +99,53 @@ def _positions(cfg: ModelConfig, max_seq_length: int) -> int:
 
 def rank_parameters(cfg: ModelConfig, vocab_size: int, max_seq_length: int = 0, tp: int = 1, ep: int = 1, etp: int = 1) -> RankParameters:
     """This rank's parameters of the model ``build_model(cfg, vocab_size, max_seq_length)`` under
-    tensor parallelism ``tp``, expert parallelism ``ep`` and expert tensor parallelism ``etp``."""
-    h, bias = cfg.hidden_size, int(cfg.add_bias_linear)
-    norm, embedding = _norm(cfg, h), vocab_size * h // tp
-    output = 0 if cfg.tie_embeddings else vocab_size * h // tp
-    head = embedding + _positions(cfg, max_seq_length)
-    if cfg.model_type == "t5":  # encoder blocks (the last with the encoder's final norm), then decoder blocks
-        encoder, decoder = encoder_decoder_layers(cfg)
-        block = _block(cfg, False, tp, 1, 1).dense
-        width = cfg.num_attention_heads * head_dim(cfg)
-        cross = _column(h, width, bias, tp) + _column(h, 2 * width, bias, tp) + _row(width, h, bias, tp)
-        blocks = [BlockParameters(block + norm * (i == encoder - 1)) for i in range(encoder)]
-        blocks += [BlockParameters(block + norm + cross)] * decoder
-        return RankParameters(head, blocks, norm + vocab_size // tp + output)
+    tensor parallelism ``tp``, expert parallelism ``ep`` and expert tensor parallelism ``etp``
+    (its family's ``rank_parameters``)."""
+    return spec_for(cfg).rank_parameters(cfg, vocab_size, max_seq_length, tp, ep, etp)
+
+
+def _embeddings(cfg: ModelConfig, vocab_size: int, max_seq_length: int, tp: int) -> int:
+    """The first stage's token table (split by vocabulary) and learned positions (whole)."""
+    return vocab_size * cfg.hidden_size // tp + _positions(cfg, max_seq_length)
+
+
+def _output(cfg: ModelConfig, vocab_size: int, tp: int) -> int:
+    return 0 if cfg.tie_embeddings else vocab_size * cfg.hidden_size // tp
+
+
+def decoder_rank_parameters(cfg: ModelConfig, vocab_size: int, max_seq_length: int = 0, tp: int = 1, ep: int = 1,
+                            etp: int = 1) -> RankParameters:  # fmt: skip
     blocks = [_block(cfg, is_moe, tp, ep, etp) for is_moe in moe_layer_pattern(cfg)]
-    if cfg.model_type == "bert":  # token types; LM head (dense, norm) whole, output bias by vocabulary; binary head whole
-        binary = (h * h + h) + (2 * h + 2) if cfg.bert_binary_head else 0
-        return RankParameters(head + tokentype_rows(cfg) * h, blocks, norm + h * h + h + norm + vocab_size // tp + output + binary)
-    if cfg.model_type == "ict":  # two towers (or one shared), BERT encoders without an output layer, each with its projection
-        towers, dim = 1 if cfg.biencoder_shared_query_context_model else 2, cfg.biencoder_projection_dim
-        projection = h * dim + dim if dim else 0
-        return RankParameters(towers * (head + tokentype_rows(cfg) * h), blocks * towers, towers * (norm + projection))
-    return RankParameters(head, blocks, norm + output)
+    return RankParameters(_embeddings(cfg, vocab_size, max_seq_length, tp), blocks, _norm(cfg, cfg.hidden_size) + _output(cfg, vocab_size, tp))
+
+
+def t5_rank_parameters(cfg: ModelConfig, vocab_size: int, max_seq_length: int = 0, tp: int = 1, ep: int = 1, etp: int = 1) -> RankParameters:
+    """Encoder blocks (the last with the encoder's final norm), then decoder blocks."""
+    h, bias, norm = cfg.hidden_size, int(cfg.add_bias_linear), _norm(cfg, cfg.hidden_size)
+    encoder, decoder = encoder_decoder_layers(cfg)
+    block = _block(cfg, False, tp, 1, 1).dense
+    width = cfg.num_attention_heads * head_dim(cfg)
+    cross = _column(h, width, bias, tp) + _column(h, 2 * width, bias, tp) + _row(width, h, bias, tp)
+    blocks = [BlockParameters(block + norm * (i == encoder - 1)) for i in range(encoder)]
+    blocks += [BlockParameters(block + norm + cross)] * decoder
+    tail = norm + vocab_size // tp + _output(cfg, vocab_size, tp)
+    return RankParameters(_embeddings(cfg, vocab_size, max_seq_length, tp), blocks, tail)
+
+
+def bert_rank_parameters(cfg: ModelConfig, vocab_size: int, max_seq_length: int = 0, tp: int = 1, ep: int = 1, etp: int = 1) -> RankParameters:
+    """Token types; LM head (dense, norm) whole, output bias by vocabulary; binary head whole."""
+    h, norm = cfg.hidden_size, _norm(cfg, cfg.hidden_size)
+    blocks = [_block(cfg, is_moe, tp, ep, etp) for is_moe in moe_layer_pattern(cfg)]
+    binary = (h * h + h) + (2 * h + 2) if cfg.bert_binary_head else 0
+    head = _embeddings(cfg, vocab_size, max_seq_length, tp) + tokentype_rows(cfg) * h
+    return RankParameters(head, blocks, norm + h * h + h + norm + vocab_size // tp + _output(cfg, vocab_size, tp) + binary)
+
+
+def ict_rank_parameters(cfg: ModelConfig, vocab_size: int, max_seq_length: int = 0, tp: int = 1, ep: int = 1, etp: int = 1) -> RankParameters:
+    """Two towers (or one shared), BERT encoders without an output layer, each with its projection."""
+    h, norm = cfg.hidden_size, _norm(cfg, cfg.hidden_size)
+    blocks = [_block(cfg, is_moe, tp, ep, etp) for is_moe in moe_layer_pattern(cfg)]
+    towers, dim = 1 if cfg.biencoder_shared_query_context_model else 2, cfg.biencoder_projection_dim
+    projection = h * dim + dim if dim else 0
+    head = _embeddings(cfg, vocab_size, max_seq_length, tp) + tokentype_rows(cfg) * h
+    return RankParameters(towers * head, blocks * towers, towers * (norm + projection))

@@ -269,6 +269,20 @@ def t5_parameter_count(cfg: ModelConfig, vocab_size: int, max_seq_length: int) -
     return vocab_size * h + positions + enc * part["block"] + dec * decoder_block + 2 * part["norm"] + output
 
 
+def t5_flops_per_token(cfg: ModelConfig, vocab_size: int, encoder_length: int, decoder_length: int) -> float:
+    """T5's training FLOPs of one sample over its ``encoder_length + decoder_length`` tokens, by
+    the rules of ``flops.flops_per_token``: 6 per parameter and token it multiplies (encoder blocks
+    and the cross-attention's key/value projections on encoder tokens; decoder blocks, the rest of
+    the cross-attention and the output projection on decoder tokens), bidirectional attention in
+    the encoder (12 L t^2 h), causal self-attention (6 L s^2 h) and cross-attention (12 L s t h) in
+    the decoder."""
+    part, h = t5_parameter_parts(cfg), cfg.hidden_size
+    (enc, dec), t, s = encoder_decoder_layers(cfg), encoder_length, decoder_length
+    linear = t * (enc * part["block"] + dec * part["cross_kv"]) + s * (dec * (part["block"] + part["cross_q"]) + vocab_size * h)
+    attention = 12.0 * enc * t * t * h + 6.0 * dec * s * s * h + 12.0 * dec * s * t * h
+    return (6.0 * linear + attention) / (t + s)
+
+
 def t5_config_errors(cfg: Config) -> list[str]:
     """What T5 does not take (yet), each naming the flag to change."""
     m, d, p = cfg.model, cfg.data, cfg.parallel

@@ -8,19 +8,18 @@ once per micro batch. ``pipeline_split`` starts from the split that minimizes th
 chunk (exact, by dynamic programming) and then moves one layer at a time while the schedule, run on the clock by ``pipeline_schedules.modeled_bubble``, gets faster: under
 interleaving two splits with the same costliest chunk can differ by several points of bubble.
 
-Megatron's explicit split flags (``--decoder-first/last-pipeline-num-layers``,
-``--account-for-embedding/loss-in-pipeline-split``) and ``--pipeline-split uniform`` override it.
+The costs come from the model's family (``models.pipeline_costs``, by ``models.flops``'s count); a
+family that models none declares the even split. Megatron's explicit split flags
+(``--decoder-first/last-pipeline-num-layers``, ``--account-for-embedding/loss-in-pipeline-split``)
+and ``--pipeline-split uniform`` override it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshtron.config import ModelConfig, ParallelConfig
+from meshtron.config import ParallelConfig
 from meshtron.parallel.pipeline_schedules import chunk_place, modeled_bubble, split_layers
-
-# Families whose blocks are the decoder's layers and whose head is one vocabulary projection.
-_COST_MODELED = ("gpt", "bert")
 
 
 @dataclass
@@ -38,23 +37,6 @@ class PipelineCosts:
         costs[0] += self.embed
         costs[-1] += self.head
         return costs
-
-
-def modeled_costs(model_cfg: ModelConfig, vocab_size: int, seq_length: int) -> PipelineCosts | None:
-    """The cost of each piece by ``metrics.flops_per_token``'s count: a block ``6 P + 6 S h``
-    (``12 S h`` when it attends both ways; ``P`` its parameters a token passes, so MoE layers count
-    their active experts), the head ``6 V h`` and its final norm's (the loss's elementwise work is
-    not counted), the embedding nothing: together ``model_flops_per_token``. None for the families without a model here (T5, the retriever)."""
-    from meshtron.models import attends_causally, flops_shape, layer_parameter_counts
-    from meshtron.training.metrics import flops_per_token
-
-    if model_cfg.model_type not in _COST_MODELED:
-        return None
-    h, causal = model_cfg.hidden_size, attends_causally(model_cfg)
-    layers = layer_parameter_counts(model_cfg, active=True)
-    blocks = [flops_per_token(p, 1, seq_length, h, causal) for p in layers]
-    head = flops_shape(model_cfg, vocab_size, seq_length)[0] - sum(layers)  # output layer (tied or not), final norm
-    return PipelineCosts(embed=0.0, blocks=blocks, head=flops_per_token(head, 0, seq_length, h))
 
 
 def pipeline_split(p: ParallelConfig, num_blocks: int, virtual: int, costs: PipelineCosts | None,

@@ -14,14 +14,14 @@ from meshtron.kernels.fp8 import apply_fp8, check_fp8_device
 from meshtron.kernels.fp8_scaling import Fp8Recipe
 from meshtron.kernels.grad_accum_fusion import apply_gradient_accumulation_fusion
 from meshtron.layers.output import OutputLayer
-from meshtron.models import build_model, padded_vocab_size
+from meshtron.models import build_model, padded_vocab_size, pipeline_costs
 from meshtron.models.contract import ModelFamily
 from meshtron.models.init import materialize, materialize_fully_sharded
 from meshtron.optim.build import build_optimizer
 from meshtron.parallel.fsdp import apply_fsdp, build_fsdp_optimizer
 from meshtron.parallel.mesh import Mesh
 from meshtron.parallel.pipeline import build_stages
-from meshtron.parallel.pipeline_balance import PipelineCosts, modeled_costs, pipeline_split
+from meshtron.parallel.pipeline_balance import PipelineCosts, pipeline_split
 from meshtron.parallel.pipeline_schedules import SPLIT_BACKWARD
 from meshtron.parallel.plan import parallelize
 from meshtron.parallel.runner import Runner
@@ -61,7 +61,7 @@ def build_runner(cfg: Config, mesh: Mesh, vocab_size: int, device: torch.device,
 
     # The ring's per-block kernel follows --attention-backend where it names one of its kernels.
     block_kernel = m.attention_backend if m.attention_backend in ("math", "flash", "cudnn") else "auto"
-    costs = modeled_costs(m, vocab_size, cfg.data.seq_length)
+    costs = pipeline_costs(m, vocab_size, cfg.data.seq_length)
     return runner_for(model, mesh, cfg.parallel, cfg.train, dtype, block_kernel, prepare_blocks, costs, device, cfg.train.seed)
 
 

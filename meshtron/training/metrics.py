@@ -1,4 +1,4 @@
-"""Throughput accounting (one FLOP-count function for everything) and the per-interval log line."""
+"""Throughput accounting (MFU against two peaks; FLOPs are counted by ``models.flops``) and the per-interval log line."""
 
 from __future__ import annotations
 
@@ -14,53 +14,6 @@ from meshtron.training.peak_flops import datasheet_peak_tflops
 # Measured bf16 GEMM ceilings (8192^3, random data), TFLOP/s; see ../shared/BENCHMARKS.md. MFU is
 # reported against these and against the datasheet peak (``peak_flops.py``), each named.
 MEASURED_BF16_CEILING_TFLOPS = {"H100": 762.0, "H200": 788.0}
-
-
-def flops_per_token(num_params: int, num_layers: int, seq_length: int, hidden_size: int, causal: bool = True) -> float:
-    """Training FLOPs per token of a causal decoder: ``6 P + 6 L S h``.
-
-    ``6 P``: forward (2) and backward (4) through every parameter, the tied embedding counted once
-    as the output projection. ``6 L S h``: the attention score and value products, halved for
-    causality (12 L S h / 2); an encoder (``causal=False``) attends to every key: ``12 L S h``.
-    The one place the project counts FLOPs.
-    """
-    return 6.0 * num_params + (6.0 if causal else 12.0) * num_layers * seq_length * hidden_size
-
-
-def model_flops_per_token(model_cfg, vocab_size: int, seq_length: int, decoder_seq_length: int = 0) -> float:
-    """``flops_per_token`` of a model config, with ``P`` the parameters that multiply a token's
-    activations and ``L`` the layers it attends through (``models.flops_shape``: lookups such as
-    an untied input embedding and learned positions carry no FLOPs, a tied table counts once as the
-    output projection, mixture-of-experts layers their active experts; the peers' convention in
-    ../shared/BENCHMARKS.md). T5: per encoder or decoder token (``encoder_decoder_flops_per_token``)."""
-    from meshtron.models import attends_causally, flops_shape
-
-    if model_cfg.model_type == "t5":
-        return encoder_decoder_flops_per_token(model_cfg, vocab_size, seq_length, decoder_seq_length)
-    params, layers = flops_shape(model_cfg, vocab_size, seq_length)
-    return flops_per_token(params, layers, seq_length, model_cfg.hidden_size, attends_causally(model_cfg))
-
-
-def encoder_decoder_flops_per_token(model_cfg, vocab_size: int, encoder_length: int, decoder_length: int) -> float:
-    """T5's training FLOPs of one sample over its ``encoder_length + decoder_length`` tokens, by
-    the rules of ``flops_per_token``: 6 per parameter and token it multiplies (encoder blocks and
-    the cross-attention's key/value projections on encoder tokens; decoder blocks, the rest of the
-    cross-attention and the output projection on decoder tokens), bidirectional attention in the
-    encoder (12 L t^2 h), causal self-attention (6 L s^2 h) and cross-attention (12 L s t h) in
-    the decoder."""
-    from meshtron.config import encoder_decoder_layers
-    from meshtron.models.t5 import t5_parameter_parts
-
-    part, h = t5_parameter_parts(model_cfg), model_cfg.hidden_size
-    (enc, dec), t, s = encoder_decoder_layers(model_cfg), encoder_length, decoder_length
-    linear = t * (enc * part["block"] + dec * part["cross_kv"]) + s * (dec * (part["block"] + part["cross_q"]) + vocab_size * h)
-    attention = 12.0 * enc * t * t * h + 6.0 * dec * s * s * h + 12.0 * dec * s * t * h
-    return (6.0 * linear + attention) / (t + s)
-
-
-def sample_tokens(cfg) -> int:
-    """Tokens of one training sample: the sequence, and T5's decoder sequence besides."""
-    return cfg.data.seq_length + (cfg.data.decoder_seq_length if cfg.model.model_type == "t5" else 0)
 
 
 @dataclass(frozen=True)

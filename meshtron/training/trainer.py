@@ -25,15 +25,14 @@ from meshtron.checkpoint.sharded import save_state, state_bytes
 from meshtron.checkpoint.staging import HostStaging
 from meshtron.config import Config
 from meshtron.validation import validate
-from meshtron.data.builder import MicroBatchIterator, build_datasets
+from meshtron.data.builder import MicroBatchIterator
 from meshtron.flags import noted_flag_lines
-from meshtron.models import parameter_count
+from meshtron.models import model_flops_per_token, parameter_count, sample_tokens, spec_for
 from meshtron.optim.lr_schedule import LRSchedule
 from meshtron.parallel.mesh import init_distributed
 from meshtron.parallel.setup import build_runner
 from meshtron.training.divergence import DivergenceError, DivergenceMonitor
-from meshtron.training.metrics import (IntervalMeter, MetricsWriter, describe_bases, format_log_line, memory_scalars, mfu_bases,
-                                      model_flops_per_token, sample_tokens)  # fmt: skip
+from meshtron.training.metrics import IntervalMeter, MetricsWriter, describe_bases, format_log_line, memory_scalars, mfu_bases
 from meshtron.training.profiler import StepProfiler
 from meshtron.training.stop import StopAgreement, StopSignals, describe
 from meshtron.training.straggler import StragglerTimes, report
@@ -70,7 +69,7 @@ def setup_data_source(cfg: Config, log: Callable[[str], None]) -> list[str] | No
 
     cache = Path(data.data_cache_path or Path.home() / ".cache" / "meshtron" / "embedded")
     start = time.perf_counter()
-    prefix, tokenizer_fields = default_data(str(cache), cfg.model.model_type)
+    prefix, tokenizer_fields = default_data(str(cache), spec_for(cfg.model).sentence_data)
     files = ", ".join(v for k, v in tokenizer_fields.items() if k != "tokenizer_type")
     log(f"embedded corpus ready in {time.perf_counter() - start:.1f}s: {prefix} ({tokenizer_fields['tokenizer_type']} {files})")
     for name, value in tokenizer_fields.items():
@@ -140,15 +139,8 @@ class Trainer:
         eval_samples = 0
         if cfg.logging.eval_interval > 0 and cfg.logging.eval_iters > 0:
             eval_samples = cfg.logging.eval_iters * t.global_batch_size
-        self.train_data, self.valid_data, _ = build_datasets(
-            cfg.data,
-            self.tokenizer,
-            num_samples=(t.train_iters * t.global_batch_size, eval_samples, 0),
-            seed=t.seed,
-            data_prefixes=data_prefixes,
-            vocab_size=self.vocab_size,
-            model_type=cfg.model.model_type,
-            binary_head=cfg.model.bert_binary_head,
+        self.train_data, self.valid_data, _ = spec_for(cfg.model).datasets(
+            cfg, self.tokenizer, (t.train_iters * t.global_batch_size, eval_samples, 0), t.seed, data_prefixes, self.vocab_size
         )
         if cfg.data.sft:
             log("; ".join(ds.describe() for ds in (self.train_data, self.valid_data) if ds is not None))
@@ -449,7 +441,7 @@ class Trainer:
         return watchdog
 
     def sample(self, prompt: str, max_new_tokens: int) -> str:
-        from meshtron.inference.generate import generate
+        from meshtron.inference.sampling import generate
 
         self.model.eval()
         ids = self.tokenizer.encode(prompt)

@@ -1,10 +1,13 @@
-"""The model contract, proven by a family meshtron's parallel code has never heard of.
+"""The model contract, proven by families meshtron has never heard of.
 
-``tests/families/parallel_block.py`` (a decoder with parallel attention/MLP blocks and a
-per-layer auxiliary loss) is written as its module and its plan only. Through the same runner
-as training, under tp2, pp2, dp2 (world 2) and tp2 x pp2 (world 4), its step loss, its auxiliary
-terms and every gradient equal one process's (fp32 on the CPU, 1e-5 relative as a norm over each
-tensor). The auxiliary terms arise on both pipeline stages and enter the objective there.
+``tests/families/parallel_block`` (a decoder with parallel attention/MLP blocks and a per-layer
+auxiliary loss) and ``tests/families/token_shift`` (attention-free blocks mixing each token with the
+one before it, the embedding tied to the output layer) are each a folder and one registration,
+built here from ``--model-type package.module:name`` like any family. Through the same runner as
+training, under tp2, pp2, dp2 (world 2) and tp2 x pp2 (world 4), their step loss, auxiliary terms
+and every gradient equal one process's (fp32 on the CPU, 1e-5 relative as a norm over each
+tensor). The parallel block's auxiliary terms arise on both pipeline stages and enter the
+objective there; the token shift's tied table lives on both and its two gradients meet.
 
 The stock decoder with mixture-of-experts MLPs (4 experts, top-2, load-balancing and z-loss)
 passes the same layouts: its balancing losses are auxiliary terms of the contract, equal to one
@@ -12,7 +15,9 @@ process's whatever the pipeline split (a per-layer term arises on the stage hold
 
 The same spawn checks that full activation recompute holds under pp2: each block of the stock
 decoder runs twice per micro batch (forward, then again in backward), with the gradients of a
-plain one-process run.
+plain one-process run; and that the token-shift family, named by ``--model-type`` alone, trains
+through the Trainer under tp2 x pp2, saves, reshards into one process with the weights it trained,
+and that ``meshtron estimate`` gives each first-stage rank the parameters it built.
 """
 
 from __future__ import annotations
@@ -22,35 +27,41 @@ import functools
 import pytest
 import torch
 
+from full_weights import full_weights
 from launcher import by_name, run_distributed
-from meshtron.config import ModelConfig, ParallelConfig, TrainConfig
+from meshtron.checkpoint.checkpoint import load_checkpoint, read_meta
+from meshtron.checkpoint.reshard import reshard
+from meshtron.config import ModelConfig, ParallelConfig, TrainConfig, build_config
+from meshtron.estimate import stage_parameters
 from meshtron.models import build_model
 from meshtron.parallel.mesh import Mesh
 from meshtron.parallel.plan import gather_full
 from meshtron.parallel.setup import runner_for
-from tests.families.parallel_block import ParallelBlockDecoder
+from meshtron.training.trainer import Trainer
 
 SEED, VOCAB, SEQ, MICRO_BATCH, MICRO_BATCHES = 1234, 128, 16, 2, 4
 RTOL = 1e-5
 CFG = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, num_query_groups=2, activation="swiglu",
                   position_embedding_type="rope", normalization="RMSNorm", add_bias_linear=False)  # fmt: skip
 RECOMPUTE = ModelConfig(**{**CFG.__dict__, "recompute_granularity": "full", "recompute_num_layers": 1})
+PARALLEL_BLOCK = ModelConfig(**{**CFG.__dict__, "model_type": "tests.families.parallel_block:parallel_block"})
+TOKEN_SHIFT = ModelConfig(**{**CFG.__dict__, "model_type": "tests.families.token_shift:token_shift"})
 MOE = ModelConfig(**{**CFG.__dict__, "num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 48,
                      "moe_aux_loss_coeff": 1e-2, "moe_z_loss_coeff": 1e-3, "moe_layer_freq": "([0]+[1]*3)"})
 LAYOUTS = {2: {"tp2": dict(tp=2), "pp2": dict(pp=2), "dp2": dict(dp=2)}, 4: {"tp2_pp2": dict(tp=2, pp=2)}}
+TRAIN_TOKEN_SHIFT = ["--model-type", TOKEN_SHIFT.model_type, "--mock-data", "--vocab-size", "100", "--num-layers", "4", "--hidden-size", "64",
+                     "--num-attention-heads", "4", "--swiglu", "--seq-length", str(SEQ), "--micro-batch-size", "2",
+                     "--global-batch-size", "8", "--train-iters", "3", "--fp32", "--device", "cpu", "--eval-interval", "0",
+                     "--log-interval", "100", "--tp", "2", "--pp", "2", "--use-distributed-optimizer"]  # fmt: skip
 
 
-def _family() -> ParallelBlockDecoder:
-    torch.manual_seed(SEED)
-    return ParallelBlockDecoder(CFG, VOCAB, SEQ)
-
-
-def _decoder(cfg: ModelConfig):
+def _build(cfg: ModelConfig):
     torch.manual_seed(SEED)
     return build_model(cfg, VOCAB, SEQ)
 
 
-FAMILIES = {"parallel_block": _family, "moe_decoder": lambda: _decoder(MOE), "decoder": lambda: _decoder(CFG)}
+FAMILIES = {"parallel_block": PARALLEL_BLOCK, "token_shift": TOKEN_SHIFT, "moe_decoder": MOE, "decoder": CFG}
+EQUIVALENT = ("parallel_block", "token_shift", "moe_decoder")  # run under every layout
 
 
 def token_batches(vocab: int, seq: int, micro_batch: int, micro_batches: int) -> list[dict[str, torch.Tensor]]:
@@ -68,7 +79,7 @@ def _micro_batches() -> list[dict[str, torch.Tensor]]:
 
 @functools.lru_cache
 def _reference(family: str) -> dict:
-    return one_process_reference(FAMILIES[family]())
+    return one_process_reference(_build(FAMILIES[family]))
 
 
 def one_process_reference(model) -> dict:
@@ -100,24 +111,28 @@ def _train_step(model, mesh: Mesh, parallel: ParallelConfig) -> tuple[object, di
     return runner, out
 
 
-def _worker(rank: int, world_size: int) -> dict:
+def _worker(rank: int, world_size: int, tmp: str) -> dict:
     out = {}
     for name, sizes in LAYOUTS[world_size].items():
         mesh = Mesh(**sizes, rank=rank)
         mesh.init_process_groups()
         parallel = ParallelConfig(tensor_parallel=mesh.tp, pipeline_parallel=mesh.pp)
-        for family in ("parallel_block", "moe_decoder"):
-            out[f"{family}/{name}"] = _train_step(FAMILIES[family](), mesh, parallel)[1]
+        for family in EQUIVALENT:
+            out[f"{family}/{name}"] = _train_step(_build(FAMILIES[family]), mesh, parallel)[1]
     if world_size == 4:  # the stock decoder with full recompute, pp2 x dp2: count block calls
         mesh = Mesh(pp=2, dp=2, rank=rank)
         mesh.init_process_groups()
-        model, calls = _decoder(RECOMPUTE), [0]
+        model, calls = _build(RECOMPUTE), [0]
         for block in model.layers:  # counted in forward itself: hooks do not fire when a checkpoint reruns
             block.forward = _counting(block.forward, calls)
         runner, result = _train_step(model, mesh, ParallelConfig(pipeline_parallel=2))
         local_blocks = sum(len(stage.blocks) for stage in runner.stages)
         result["calls"], result["expected_calls"] = calls[0], 2 * local_blocks * MICRO_BATCHES // mesh.dp
         out["decoder_pp2_dp2_recompute"] = result
+        trainer = Trainer(build_config(None, [*TRAIN_TOKEN_SHIFT, "--save", f"{tmp}/token_shift"]), log=lambda _: None)
+        trainer.run()
+        out["token_shift_trainer"] = {"weights": full_weights(trainer.model, trainer.runner.metas, trainer.mesh),
+                                      "params": sum(p.numel() for p in trainer.model.parameters()), "first_stage": trainer.mesh.pp_rank == 0}
     return out
 
 
@@ -130,8 +145,13 @@ def _counting(forward, calls: list[int]):
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[str, list[dict]]:
-    return by_name([rank_result for world in LAYOUTS for rank_result in run_distributed(_worker, world)])
+def checkpoints(tmp_path_factory):
+    return tmp_path_factory.mktemp("model_contract")
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoints) -> dict[str, list[dict]]:
+    return by_name([rank_result for world in LAYOUTS for rank_result in run_distributed(_worker, world, str(checkpoints))])
 
 
 def _assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
@@ -161,6 +181,13 @@ def test_new_family_matches_one_process(runs, name):
 
 
 @pytest.mark.parametrize("name", [n for layouts in LAYOUTS.values() for n in layouts])
+def test_token_shift_family_matches_one_process(runs, name):
+    ref = _reference("token_shift")
+    assert ref["aux"] == {}
+    _check(runs[f"token_shift/{name}"], ref, f"token_shift {name}")
+
+
+@pytest.mark.parametrize("name", [n for layouts in LAYOUTS.values() for n in layouts])
 def test_mixture_of_experts_matches_one_process(runs, name):
     ref = _reference("moe_decoder")
     assert sorted(ref["aux"]) == [f"{kind}/{layer}" for kind in ("load_balancing", "z_loss") for layer in (1, 2, 3)]
@@ -172,3 +199,17 @@ def test_full_recompute_runs_under_pipeline_parallelism(runs):
     for rank, r in enumerate(results):
         assert r["calls"] == r["expected_calls"] > 0, f"rank {rank}: {r['calls']} block calls, {r['expected_calls']} with recompute"
     _check(results, _reference("decoder"), "decoder pp2 recompute")
+
+
+def test_token_shift_trains_saves_reshards_and_is_estimated_under_tp2_pp2(runs, checkpoints):
+    results = runs["token_shift_trainer"]
+    trained = results[0]["weights"]  # whole on every rank, the padded table's rows included
+    saved = checkpoints / "token_shift"
+    reshard(str(saved), str(checkpoints / "one_process"))
+    model = build_model(build_config(None, TRAIN_TOKEN_SHIFT).model, read_meta(saved)["vocab_size"], SEQ)
+    load_checkpoint(checkpoints / "one_process", model, load_rng=False)
+    assert model.state_dict().keys() == trained.keys()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, trained[name][: tensor.shape[0]]), name
+    expected = stage_parameters(build_config(None, TRAIN_TOKEN_SHIFT), world_size=4).total
+    assert [r["params"] for r in results if r["first_stage"]] == [expected, expected]

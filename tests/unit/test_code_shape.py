@@ -36,6 +36,35 @@ def test_no_class_assignment_on_live_modules():
     assert not offenders, offenders
 
 
+def _mentions_model_type(node: ast.AST) -> bool:
+    return any(isinstance(n, ast.Attribute) and n.attr == "model_type" or isinstance(n, ast.Name) and n.id == "model_type"
+               for n in ast.walk(node))  # fmt: skip
+
+
+def test_only_models_dispatch_on_the_family():
+    """Outside ``models/`` code asks the family's spec (``models.registry``): no comparison (``==``,
+    ``!=``, ``in``) or ``match`` on ``model_type`` or a family's name, and no dict keyed by a family's
+    name, so a family registered elsewhere is never left out of a branch."""
+    from meshtron.models import family_names
+
+    names = set(family_names())
+
+    def is_name(n: ast.AST) -> bool:
+        return isinstance(n, ast.Constant) and n.value in names
+
+    offenders = []
+    for module, path in _sources().items():
+        if module.split(".")[1:2] == ["models"]:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            operands = [node.left, *node.comparators] if isinstance(node, ast.Compare) else []
+            if (any(_mentions_model_type(o) or is_name(o) for o in operands)
+                    or isinstance(node, ast.Match) and _mentions_model_type(node.subject)
+                    or isinstance(node, ast.Dict) and any(k is not None and is_name(k) for k in node.keys)):  # fmt: skip
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)[:100]}")
+    assert not offenders, "outside models/, code dispatches on the model type instead of asking its spec:\n" + "\n".join(offenders)
+
+
 def test_only_models_and_layers_name_the_decoder():
     offenders = []
     for module, path in _sources().items():

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from meshtron.config import DataConfig, parse_overrides
+from meshtron.config import Config, DataConfig, parse_overrides
 from meshtron.data import preprocess
 from meshtron.data.bert_dataset import BERTDataset
-from meshtron.data.builder import MicroBatchIterator, build_masked_datasets
+from meshtron.data.builder import MicroBatchIterator
 from meshtron.data.ict_dataset import ICTDataset
 from meshtron.data.indexed import IndexedDataset, IndexedDatasetBuilder
 from meshtron.data.masked_lm import (
@@ -20,9 +20,11 @@ from meshtron.data.masked_lm import (
     create_masked_lm_predictions,
     masked_data_config_errors,
     mt19937_64,
+    t5_data_errors,
 )
 from meshtron.data.t5_dataset import T5Dataset
 from meshtron.data.tokenizers import build_tokenizer
+from meshtron.models import family
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 WORDS = ("the quick brown fox jump over lazy dog mr smith went to washington he arrived on time it rain walk cat sat mat "
@@ -303,21 +305,21 @@ def test_build_masked_datasets_blends(corpus, tok):
     cfg = DataConfig(data_path=["0.7", prefix, "0.3", prefix], split="90,10,0", seq_length=48, data_cache_path=str(d / "cache"),
                      vocab_extra_ids=20, decoder_seq_length=24, titles_data_path="")
     for model in ("bert", "t5", "ict"):
-        train, valid, test = build_masked_datasets(model, cfg, tok, (40, 8, 0), seed=3)
+        train, valid, test = family(model).datasets(Config(data=cfg), tok, (40, 8, 0), 3)
         assert len(train) == 40 and len(valid) == 8 and test is None
         batch = next(MicroBatchIterator(train, 4, 0))
         assert all(v.shape[0] == 4 for v in batch.values())
     with pytest.raises(ValueError, match="--vocab-extra-ids"):
-        build_masked_datasets("t5", DataConfig(data_path=[prefix], decoder_seq_length=24), tok, (4, 0, 0), seed=3)
+        family("t5").datasets(Config(data=DataConfig(data_path=[prefix], decoder_seq_length=24)), tok, (4, 0, 0), 3)
 
 
 def test_config_errors_and_flags():
     assert masked_data_config_errors(DataConfig()) == []
     bad = DataConfig(mask_prob=1.5, short_seq_prob=-0.1, query_in_block_prob=2.0, seq_length=512, decoder_seq_length=1, vocab_extra_ids=100)
-    errors = " ".join(masked_data_config_errors(bad, "t5"))
+    errors = " ".join(masked_data_config_errors(bad) + t5_data_errors(bad))
     for flag in ("--mask-prob", "--short-seq-prob", "--query-in-block-prob", "--decoder-seq-length"):
         assert flag in errors
-    assert masked_data_config_errors(DataConfig(seq_length=512, decoder_seq_length=128, vocab_extra_ids=100), "t5") == []
+    assert t5_data_errors(DataConfig(seq_length=512, decoder_seq_length=128, vocab_extra_ids=100)) == []
     parsed = parse_overrides(["--mask-prob", "0.2", "--vocab-extra-ids", "100", "--encoder-seq-length", "512", "--use-one-sent-docs",
                               "--titles-data-path", "t", "--query-in-block-prob", "0.1", "--short-seq-prob", "0", "--decoder-seq-length", "128"])
     assert parsed["data.vocab_extra_ids"] == "100" and parsed["data.use_one_sent_docs"] is True and parsed["data.titles_data_path"] == "t"

@@ -12,7 +12,7 @@ import torch
 
 from meshtron.config import build_config
 from meshtron.data.tokenizers import build_tokenizer, train_bpe_tokenizer
-from meshtron.inference.generate import generate
+from meshtron.inference.sampling import generate
 from meshtron.layers.kv_cache import LatentKVCache
 from meshtron.layers.rope import rope_tables
 from meshtron.models import build_model, num_parameters, parameter_count

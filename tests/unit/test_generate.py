@@ -8,7 +8,8 @@ import torch
 from meshtron.config import build_config
 from meshtron.checkpoint.checkpoint import save_checkpoint
 from meshtron.data.tokenizers import ByteTokenizer
-from meshtron.inference.generate import generate, generate_from_checkpoint, top_k_filter, top_p_filter
+from meshtron.inference.generate import generate_from_checkpoint
+from meshtron.inference.sampling import generate, top_k_filter, top_p_filter
 from meshtron.models import build_model
 
 VOCAB = 96

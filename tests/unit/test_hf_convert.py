@@ -14,7 +14,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from meshtron.checkpoint.checkpoint import CheckpointError, load_checkpoint, read_meta  # noqa: E402
-from meshtron.models.hf import export_hf, fuse_qkv, import_hf, split_qkv  # noqa: E402
+from meshtron.models.hf import export_hf, import_hf  # noqa: E402
+from meshtron.models.hf_common import fuse_qkv, split_qkv  # noqa: E402
 from meshtron.cli import main as cli_main  # noqa: E402
 from meshtron.config import Config  # noqa: E402
 from meshtron.data.tokenizers import train_bpe_tokenizer  # noqa: E402

@@ -90,7 +90,7 @@ def test_group_limited_greedy_routing_matches_transformers(tmp_path):
 def test_export_refuses_group_scores_deepseek_v2_cannot_express():
     """Megatron's rule (sum of the best k / group_topk) is HF's only when that is one expert."""
     from meshtron.config import ModelConfig
-    from meshtron.models.hf import hf_config_from_model
+    from meshtron.models.hf_decoder import hf_config_from_model
 
     m = ModelConfig(**{"multi_latent_attention": True, "qk_layernorm": True, "normalization": "RMSNorm", "activation": "swiglu",
                        "add_bias_linear": False, "num_experts": 8, "moe_router_topk": 4, "moe_router_num_groups": 4,

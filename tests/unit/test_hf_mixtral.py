@@ -15,7 +15,8 @@ transformers = pytest.importorskip("transformers", minversion="5.0")
 from meshtron.checkpoint.checkpoint import CheckpointError  # noqa: E402
 from meshtron.config import build_config  # noqa: E402
 from meshtron.models import parameter_count  # noqa: E402
-from meshtron.models.hf import hf_config_from_model, import_hf  # noqa: E402
+from meshtron.models.hf import import_hf  # noqa: E402
+from meshtron.models.hf_decoder import hf_config_from_model  # noqa: E402
 from tests.unit.test_hf_convert import (  # noqa: E402
     _check_fused_expert_import, _export_through_cli, _import_through_cli, _meshtron_logits, _random_init,
 )

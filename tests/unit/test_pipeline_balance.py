@@ -9,17 +9,15 @@ import random
 import pytest
 
 from meshtron.config import ParallelConfig, build_config
-from meshtron.models import flops_shape
+from meshtron.models import flops_per_token, flops_shape, pipeline_costs
 from meshtron.parallel.pipeline_balance import (
     PipelineCosts,
     _refine_on_the_clock,
     describe_split,
     min_max_split,
-    modeled_costs,
     pipeline_split,
 )
 from meshtron.parallel.pipeline_schedules import modeled_bubble
-from meshtron.training.metrics import flops_per_token
 from meshtron.validation import ConfigError, validate
 
 LLAMA3_8B_X8 = ["--preset", "llama3-8b", "--num-layers", "8", "--seq-length", "8192"]
@@ -27,14 +25,14 @@ LLAMA3_8B_X8 = ["--preset", "llama3-8b", "--num-layers", "8", "--seq-length", "8
 
 def _costs(flags: list[str], vocab: int = 128256) -> PipelineCosts:
     cfg = build_config(None, flags)
-    return modeled_costs(cfg.model, vocab, cfg.data.seq_length)
+    return pipeline_costs(cfg.model, vocab, cfg.data.seq_length)
 
 
 def test_modeled_costs_add_up_to_the_models_flops():
     """Blocks plus output layer are ``model_flops_per_token``'s count; at a 128 K vocabulary the
     output layer of Llama-3-8B weighs 2.09 of its layers (``6 V h`` against ``6 P + 6 S h``)."""
     cfg = build_config(None, LLAMA3_8B_X8)
-    costs = modeled_costs(cfg.model, 128256, 8192)
+    costs = pipeline_costs(cfg.model, 128256, 8192)
     params, layers = flops_shape(cfg.model, 128256, 8192)
     assert sum(costs.blocks) + costs.head + costs.embed == pytest.approx(flops_per_token(params, layers, 8192, 4096), rel=1e-6)
     assert costs.embed == 0 and len(set(costs.blocks)) == 1

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from meshtron.config import ConfigError, build_config, encoder_decoder_layers
 from meshtron.data.tokenizers import BertWordPieceTokenizer
-from meshtron.inference.generate import encode_with_sentinels, generate_encoder_decoder
+from meshtron.inference.sampling import encode_with_sentinels, generate_encoder_decoder
 from meshtron.models import build_model, num_parameters, parameter_count
 from meshtron.models.t5 import T5DecoderBlock, T5EncoderBlock
 from meshtron.validation import validate
@@ -155,7 +155,7 @@ def test_flops_per_token_matches_torch_flop_counter():
     and biases, which torch does not: 1.5 %."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from meshtron.training.metrics import model_flops_per_token
+    from meshtron.models import model_flops_per_token
 
     cfg = build_config(overrides=[*TINY, "--hidden-size", "128", "--encoder-num-layers", "3", "--attention-backend", "math"]).model
     vocab, t, s, b = 512, 64, 32, 2

@@ -3,13 +3,14 @@ attention and the MLP side by side on one norm's output (GPT-J / PaLM's "paralle
 an auxiliary loss on each block's output.
 
 It is written as a new family would be: its modules (reusing meshtron's layers), its plan, its
-pipeline pieces and its loss, and nothing in ``meshtron/parallel``, ``optim``, ``checkpoint`` or
-``training`` knows it exists. ``tests/distributed/test_model_contract.py`` runs it under tp2,
+pipeline pieces, its loss and what one rank of it holds; ``__init__.py`` registers it, and nothing
+in ``meshtron/`` knows it exists. ``tests/distributed/test_model_contract.py`` runs it under tp2,
 pp2, dp2 and tp2 x pp2 against one process.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -23,6 +24,11 @@ from meshtron.layers.output import OutputLayer
 from meshtron.layers.rope import rope_frequencies
 from meshtron.models import contract as mc
 from meshtron.models.init import WeightInit, init_weights
+from meshtron.models.rank_parameters import (
+    BlockParameters,
+    RankParameters,
+    decoder_rank_parameters,
+)
 
 AUX_COEFF = 1e-2
 
@@ -42,17 +48,19 @@ class ParallelBlock(nn.Module):
 
 
 class ParallelBlockDecoder(mc.TokenLossModel):
-    """Token embedding, parallel blocks, final norm, untied output layer; RoPE positions."""
+    """Token embedding, parallel blocks, final norm, untied output layer; RoPE positions. The
+    tables have ``padded_vocab_size`` rows (0: ``vocab_size``), the padding never a token."""
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int, max_seq_length: int):
+    def __init__(self, cfg: ModelConfig, vocab_size: int, max_seq_length: int, padded_vocab_size: int = 0):
         super().__init__()
         self.cfg, self.max_positions, self.hidden_size = cfg, max_seq_length, cfg.hidden_size
+        self.vocab_size, self.padded_vocab_size = vocab_size, padded_vocab_size or vocab_size
         if cfg.recompute_granularity == "full":
             self.recompute = (cfg.recompute_method, cfg.recompute_num_layers)
-        self.embedding = nn.Embedding(vocab_size, cfg.hidden_size)
+        self.embedding = nn.Embedding(self.padded_vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(ParallelBlock(cfg, i) for i in range(cfg.num_layers))
         self.final_norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, cfg.fused_kernels)
-        self.output = OutputLayer(cfg.hidden_size, vocab_size, tied=False, fused_kernels=cfg.fused_kernels)
+        self.output = OutputLayer(cfg.hidden_size, self.padded_vocab_size, tied=False, fused_kernels=cfg.fused_kernels, vocab_size=vocab_size)
         self.weight_init = WeightInit(cfg.init_method_std, cfg.init_method_std / 4, ("linear_proj.weight", "linear_fc2.weight"))
         init_weights(self, self.weight_init)
 
@@ -91,3 +99,11 @@ class ParallelBlockDecoder(mc.TokenLossModel):
 
     def head(self, carry: mc.Carry, batch: mc.Batch) -> torch.Tensor:
         return self.output(self.final_norm(carry["hidden"]), batch["labels"])
+
+
+def rank_parameters(cfg: ModelConfig, vocab_size: int, max_seq_length: int = 0, tp: int = 1, ep: int = 1, etp: int = 1) -> RankParameters:
+    """One rank's parameters: the decoder's pieces (untied output, RoPE) with one norm per block, not two."""
+    parts = decoder_rank_parameters(dataclasses.replace(cfg, tie_embeddings=False, position_embedding_type="rope"), vocab_size,
+                                    max_seq_length, tp, ep, etp)  # fmt: skip
+    norm = cfg.hidden_size * (2 if cfg.normalization == "LayerNorm" else 1)
+    return RankParameters(parts.head, [BlockParameters(b.dense - norm) for b in parts.blocks], parts.tail)

@@ -1,0 +1,44 @@
+"""The retriever (``--model-type ict``): two BERT towers (or one shared) scoring queries against
+contexts, one pipeline stage, optionally started from a BERT checkpoint (``--bert-load``)."""
+
+from __future__ import annotations
+
+from meshtron.config import Config, ModelConfig
+from meshtron.data.builder import ict_datasets
+from meshtron.data.masked_lm import ict_data_errors
+from meshtron.models import decoder
+from meshtron.models.ict import (
+    ICT,
+    ict_config_errors,
+    ict_flops_shape,
+    ict_parameter_count,
+)
+from meshtron.models.rank_parameters import ict_rank_parameters
+from meshtron.models.registry import BlockShape, FamilySpec, register
+
+
+def ict_count(cfg: ModelConfig, vocab_size: int, max_seq_length: int = 0, active: bool = False) -> int:
+    return ict_parameter_count(cfg, vocab_size, decoder.parameter_count(cfg, vocab_size, max_seq_length, active))
+
+
+def ict_shape(cfg: ModelConfig, vocab_size: int, seq_length: int) -> tuple[int, int]:
+    return ict_flops_shape(cfg, vocab_size, seq_length, decoder.parameter_count(cfg, vocab_size, seq_length))
+
+
+def ict_errors(cfg: Config) -> list[str]:
+    return ict_config_errors(cfg) + ict_data_errors(cfg.data)
+
+
+def ict_blocks(cfg: Config) -> list[BlockShape]:
+    """Every block runs a query and a context (both through the one tower when shared)."""
+    towers = 1 if cfg.model.biencoder_shared_query_context_model else 2
+    return [BlockShape(cfg.data.seq_length * 2 // towers)] * (towers * cfg.model.num_layers)
+
+
+ICT_FAMILY = register(FamilySpec(
+    name="ict", build=ICT, parameter_count=ict_count, rank_parameters=ict_rank_parameters,
+    layout_errors=decoder.decoder_layout_errors, flops_shape=ict_shape, causal=False,
+    pipeline_costs=None,  # one stage (ict_config_errors refuses pp): nothing to balance
+    datasets=ict_datasets, config_errors=ict_errors, output_tokens=lambda d: 0,  # scores, no vocabulary output
+    block_shapes=ict_blocks, sentence_data=True, bert_load=True,
+))  # fmt: skip
