@@ -44,7 +44,7 @@ from meshtron.parallel.expert_parallel import ExpertParallelExperts
 from meshtron.parallel.mesh import Mesh
 from meshtron.parallel.plan import gather_full
 from meshtron.parallel.setup import runner_for
-from test_model_contract import MOE, MICRO_BATCHES, RTOL, _check, _decoder, _micro_batches, _train_step, one_process_reference
+from test_model_contract import MOE, MICRO_BATCHES, RTOL, _check, _build, _micro_batches, _train_step, one_process_reference
 
 # Parameters after one Adam step: its update is each element's m / sqrt(v), about lr whatever the
 # gradient's size, so an element with a tiny gradient (a large relative rounding difference between
@@ -115,7 +115,7 @@ def _step(runner, save_dir: str) -> dict:
 
 
 def _bias_runner(mesh: Mesh, sequence_parallel: bool = False, distributed: bool = False):
-    return runner_for(_decoder(MOE_BIAS), mesh, _parallel(mesh, sequence_parallel, distributed), TRAIN, torch.float32)
+    return runner_for(_build(MOE_BIAS), mesh, _parallel(mesh, sequence_parallel, distributed), TRAIN, torch.float32)
 
 
 def _reload(mesh: Mesh, load_dir: str, save_dir: str) -> None:
@@ -198,7 +198,7 @@ def _fused_step(mesh: Mesh) -> dict:
 
     triton_grouped_gemm.group_weight_grad = counted
     try:
-        model = _decoder(ModelConfig(**{**MOE.__dict__, "fused_kernels": "on"}))
+        model = _build(ModelConfig(**{**MOE.__dict__, "fused_kernels": "on"}))
         runner = runner_for(model, mesh, _parallel(mesh, False), TrainConfig(), torch.float32, prepare_blocks=apply_gradient_accumulation_fusion)
         runner.optimizer.zero_grad()
         loss = runner.forward_backward([_micro_batches()[i] for i in range(MICRO_BATCHES)[mesh.dp_rank :: mesh.dp]])
@@ -219,7 +219,7 @@ def _worker(rank: int, world_size: int, tmp: str) -> dict:
     for name, (sizes, config, sp) in LAYOUTS.items():
         mesh = Mesh(**sizes, rank=rank)
         mesh.init_process_groups()
-        out[name] = _train_step(_decoder(CONFIGS[config]), mesh, _parallel(mesh, sp))[1]
+        out[name] = _train_step(_build(CONFIGS[config]), mesh, _parallel(mesh, sp))[1]
     for name, (sizes, sp, distributed) in STEPS.items():
         mesh = Mesh(**sizes, rank=rank)
         mesh.init_process_groups()
@@ -248,7 +248,7 @@ def runs(tmp) -> dict[str, list[dict]]:
 
 @functools.lru_cache
 def _reference(config: str) -> dict:
-    return one_process_reference(_decoder(CONFIGS[config]))
+    return one_process_reference(_build(CONFIGS[config]))
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -43,7 +43,7 @@ from meshtron.parallel.setup import runner_for
 from test_expert_parallel import (CONFIGS, MOE_BIAS, STEP_RTOL, TRAIN, _assert_same_state, _bias_runner, _one_process_step, _parallel,
                                   _assert_rows_match, _reference, _reload, _state_in_one_process, _zero_token_experts, _zero_token_inputs,
                                   _zero_token_reference)  # fmt: skip
-from test_model_contract import MICRO_BATCHES, RTOL, _check, _decoder, _micro_batches, _train_step
+from test_model_contract import MICRO_BATCHES, RTOL, _check, _build, _micro_batches, _train_step
 
 
 try:
@@ -91,7 +91,7 @@ def _full(tensor: torch.Tensor, meta, mesh: Mesh) -> torch.Tensor:
 
 def _fsdp_runner(mesh: Mesh, config):
     parallel = ParallelConfig(expert_parallel=mesh.ep, fsdp=True)
-    return runner_for(_decoder(config), mesh, parallel, TRAIN, torch.float32)
+    return runner_for(_build(config), mesh, parallel, TRAIN, torch.float32)
 
 
 def _fsdp_train_step(mesh: Mesh) -> dict:
@@ -149,7 +149,7 @@ def _worker(rank: int, world_size: int, tmp: str) -> dict:
     out = {}
     for name, (sizes, config, sp) in LAYOUTS.items():
         mesh = _mesh(rank, sizes)
-        runner, out[name] = _train_step(_decoder(CONFIGS[config]), mesh, _parallel(mesh, sp))
+        runner, out[name] = _train_step(_build(CONFIGS[config]), mesh, _parallel(mesh, sp))
         out[name]["local_shapes"] = {n: tuple(p.shape) for n, p in runner.model.named_parameters()}
     for name, sizes in FSDP_LAYOUTS.items():
         out[name] = _fsdp_train_step(_mesh(rank, sizes))
@@ -174,7 +174,7 @@ def _worker(rank: int, world_size: int, tmp: str) -> dict:
 def _worker_world2(rank: int, world_size: int) -> dict:
     out = {}
     for name, (sizes, config, sp) in LAYOUTS_WORLD2.items():
-        runner, out[name] = _train_step(_decoder(CONFIGS[config]), (mesh := _mesh(rank, sizes)), _parallel(mesh, sp))
+        runner, out[name] = _train_step(_build(CONFIGS[config]), (mesh := _mesh(rank, sizes)), _parallel(mesh, sp))
         out[name]["local_shapes"] = {n: tuple(p.shape) for n, p in runner.model.named_parameters()}
     return out
 

@@ -10,7 +10,6 @@ import pytest
 
 from tests.e2e.ranks import Ranks, run_ranks
 
-pytestmark = pytest.mark.slow
 
 ARGS = ["--mock-data", "--preset", "tiny-gpt", "--vocab-size", "256", "--seq-length", "32", "--log-interval", "1",
         "--eval-interval", "0", "--global-batch-size", "4", "--micro-batch-size", "2", "--device", "cpu",
@@ -50,6 +49,7 @@ def test_sigterm_to_one_rank_stops_all_at_one_iteration_and_the_resume_equals_th
     assert sorted(whole) == list(range(1, stop + 3)) and resumed == whole
 
 
+@pytest.mark.slow
 def test_sigint_to_one_rank_saves_on_all_and_a_second_ctrl_c_aborts_at_once(tmp_path):
     once = Ranks([*ARGS, "--save", str(tmp_path / "once")], 2, tmp_path / "once-logs")
     once.wait_for("iteration       3/")
@@ -71,6 +71,7 @@ def test_sigint_to_one_rank_saves_on_all_and_a_second_ctrl_c_aborts_at_once(tmp_
     assert not (tmp_path / "twice" / "latest_checkpointed_iteration.txt").exists()
 
 
+@pytest.mark.slow
 def test_exit_duration_with_ranks_started_apart_stops_every_rank_at_one_iteration(tmp_path):
     save = tmp_path / "ckpt"
     # 0.25 minutes from each rank's own start, rank 1 starting 4 s after rank 0: their clocks disagree by 4 s.

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
 
 
 def meshtron(*args: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -10,7 +10,6 @@ import pytest
 
 from meshtron.data.tokenizers import train_bpe_tokenizer
 
-pytestmark = pytest.mark.slow
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog. " * 3,

@@ -16,6 +16,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "b8_encoders.py"
 LOSS = r"(\d+\.\d+)->\d+\.\d+"
 
 
+@pytest.mark.slow
 def test_tiny_bert_and_t5_run_both_sides_on_the_cpu():
     proc = subprocess.run([sys.executable, str(SCRIPT), "--model", "both", "--tiny", "--steps", "2", "--warmup", "0"],
                           capture_output=True, text=True, timeout=600, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})  # fmt: skip

@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton")
-pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORD = ROOT / "tests" / "data" / "triton_aot_record.json"

@@ -32,7 +32,7 @@ def _train(flags: list[str]) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("model", [["--preset", "tiny-gpt"], ["--preset", "tiny-llama", *MOE]], ids=["gpt", "moe"])
+@pytest.mark.parametrize("model", [["--preset", "tiny-gpt"], pytest.param(["--preset", "tiny-llama", *MOE], marks=pytest.mark.slow)], ids=["gpt", "moe"])
 def test_resume_is_bit_exact(tmp_path, model):
     jsonl = tmp_path / "docs.jsonl"
     jsonl.write_text("".join(json.dumps({"text": f"document {i}: " + "lorem ipsum dolor sit amet " * (i % 7 + 1)}) + "\n" for i in range(200)))

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from meshtron.config import build_config
-from meshtron.models import Decoder, build_model, num_parameters, padded_vocab_size
+from meshtron.models import build_model, num_parameters, padded_vocab_size
+from meshtron.models.decoder import Decoder
 
 VOCAB, SEQ = 96, 64
 
