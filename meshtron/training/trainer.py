@@ -35,6 +35,7 @@ from meshtron.training.divergence import DivergenceError, DivergenceMonitor
 from meshtron.training.metrics import (IntervalMeter, MetricsWriter, describe_bases, format_log_line, memory_scalars, mfu_bases,
                                       model_flops_per_token, sample_tokens)  # fmt: skip
 from meshtron.training.profiler import StepProfiler
+from meshtron.training.sample_plan import plan_samples, planned_datasets, schedule_note
 from meshtron.training.stop import StopAgreement, StopSignals, describe
 from meshtron.training.straggler import StragglerTimes, report
 from meshtron.training.vocab import model_vocab_size, run_tokenizer, token_vocab_size
@@ -140,18 +141,18 @@ class Trainer:
         eval_samples = 0
         if cfg.logging.eval_interval > 0 and cfg.logging.eval_iters > 0:
             eval_samples = cfg.logging.eval_iters * t.global_batch_size
-        self.train_data, self.valid_data, _ = build_datasets(
-            cfg.data,
-            self.tokenizer,
-            num_samples=(t.train_iters * t.global_batch_size, eval_samples, 0),
-            seed=t.seed,
-            data_prefixes=data_prefixes,
-            vocab_size=self.vocab_size,
-            model_type=cfg.model.model_type,
-            binary_head=cfg.model.bert_binary_head,
-        )
+        going_on = meta if meta and meta["consumed_samples"] else None  # a run continued, not one started from weights
+        self.sample_plan, note = plan_samples(going_on, t.train_iters * t.global_batch_size, t.seed)  # the checkpoint's order kept
+        for line in (note, schedule_note(going_on and going_on.get("lr_schedule"), self.schedule.state_dict())):
+            if line:
+                log(line)
+        self.train_data, self.valid_data, _ = planned_datasets(self.sample_plan, t.seed, lambda n, seed, first: build_datasets(
+            cfg.data, self.tokenizer, num_samples=(n, eval_samples if first else 0, 0), seed=seed, data_prefixes=data_prefixes,
+            vocab_size=self.vocab_size, model_type=cfg.model.model_type, binary_head=cfg.model.bert_binary_head,
+        ))  # fmt: skip
         if cfg.data.sft:
-            log("; ".join(ds.describe() for ds in (self.train_data, self.valid_data) if ds is not None))
+            parts = [*getattr(self.train_data, "datasets", [self.train_data]), self.valid_data]
+            log("; ".join(ds.describe() for ds in parts if ds is not None))
         self.train_batches = self._batches(self.train_data, self.consumed_samples, cfg.data.num_workers)
 
         num_params = parameter_count(cfg.model, self.padded_vocab_size, cfg.data.seq_length)
@@ -253,6 +254,7 @@ class Trainer:
         meta = {
             "iteration": self.iteration,
             "consumed_samples": self.consumed_samples,
+            "train_samples": self.sample_plan,  # the counts the data order was drawn for (sample_plan.py)
             "config": self.cfg.to_dict(),
             "vocab_size": self.vocab_size,  # tokens; the padding is the loading run's (rows are saved cut to these)
             "tokenizer": self._tokenizer_info,
