@@ -16,7 +16,8 @@ commands:
   train        train a model: meshtron train [--config FILE] [--flag value ...]
                (no arguments: a small GPT on the embedded corpus, then a sample)
   preprocess   jsonl -> Megatron-compatible .bin/.idx (preprocess_data.py's flags)
-  generate     sample from a checkpoint: meshtron generate --load DIR --prompt TEXT
+  generate     sample from a checkpoint: meshtron generate --load DIR --prompt TEXT [--max-new-tokens N]
+               (a checkpoint trained on --mock-data has no tokenizer: add --tokenizer-type NAME ...)
   finetune     fine-tune a BERT checkpoint to classify text: meshtron finetune --load BERT_CKPT
                --train-data train.jsonl --valid-data valid.jsonl ({"text", "label"} lines) [--epochs N]
   evaluate-retrieval
@@ -74,10 +75,14 @@ def generate_main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--ckpt-step", type=int, default=None, help="iteration to load (default: the newest)")
+    given = parser.add_argument_group("tokenizer", "for a checkpoint saved without one (--mock-data), or to use another")
+    for flag in ("--tokenizer-type", "--tokenizer-model", "--vocab-file", "--merge-file"):
+        given.add_argument(flag, default="")
     args = parser.parse_args(argv)
+    tokenizer = {key: getattr(args, key) for key in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")}
     text = generate_from_checkpoint(
-        args.load, args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, greedy=args.greedy, seed=args.seed, device=args.device, iteration=args.ckpt_step,
+        args.load, args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        greedy=args.greedy, seed=args.seed, device=args.device, iteration=args.ckpt_step, tokenizer=tokenizer,
     )
     print(text)
     return 0
