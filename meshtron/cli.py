@@ -7,14 +7,17 @@ import sys
 
 from meshtron.errors import CheckpointError, ConfigError, DivergenceError  # torch-free: `preprocess` starts fast
 
-# ``meshtron train`` with no arguments: the embedded corpus, a small GPT, a checkpoint and a sample.
-EMBEDDED_DEFAULT_ARGS = ["--save", "checkpoints/default", "--generate-prompt", "The"]
+# ``meshtron train`` with no arguments: the embedded corpus, a small GPT, a checkpoint, TensorBoard
+# events for ``meshtron plot`` and a sample. Run again, the demo replaces its own checkpoints.
+DEFAULT_RUN_DIR = "checkpoints/default"
+EMBEDDED_DEFAULT_ARGS = ["--save", DEFAULT_RUN_DIR, "--tensorboard-dir", f"{DEFAULT_RUN_DIR}/tensorboard", "--allow-existing-checkpoints",
+                         "--generate-prompt", "The"]  # fmt: skip
 
 USAGE = """usage: meshtron <command> [options]
 
 commands:
   train        train a model: meshtron train [--config FILE] [--flag value ...]
-               (no arguments: a small GPT on the embedded corpus, then a sample)
+               (no arguments: a small GPT on the embedded corpus into checkpoints/default, then a sample)
   preprocess   jsonl -> Megatron-compatible .bin/.idx (preprocess_data.py's flags)
   generate     sample from a checkpoint: meshtron generate --load DIR --prompt TEXT [--max-new-tokens N]
                (a checkpoint trained on --mock-data has no tokenizer: add --tokenizer-type NAME ...)
@@ -58,6 +61,9 @@ def train_main(argv: list[str]) -> int:
         print(format_config(cfg))
         return 0
     Trainer(cfg).run()
+    if not argv:
+        print(f"draw the run: meshtron plot {DEFAULT_RUN_DIR} (pip install 'meshtron[plot]'); sample more: "
+              f"meshtron generate --load {DEFAULT_RUN_DIR} --prompt 'The'")  # fmt: skip
     return 0
 
 
