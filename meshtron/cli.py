@@ -31,7 +31,8 @@ commands:
                or meshtron convert reshard --load CKPT --save OUT (one process, offline)
                Megatron-LM checkpoints: meshtron convert megatron-import --load MEGATRON_DIR --save OUT
                or meshtron convert megatron-export --load CKPT --save MEGATRON_DIR (torch_dist)
-  checkpoint   inspect a checkpoint: meshtron checkpoint info DIR [--ckpt-step N]
+  checkpoint   inspect a checkpoint: meshtron checkpoint info DIR [--ckpt-step N] [--tensors]
+               (the first line: OK, or FAILED and why)
   plot         a PNG of a run's loss, lr, grad norm, tokens/s and memory: meshtron plot RUN_DIR (its --tensorboard-dir)
   estimate     per-GPU memory of a config and layout: meshtron estimate [--config FILE] [--world-size N]
                [--print-mesh] [--flag value ...]
