@@ -27,7 +27,8 @@ commands:
                top-k accuracy of an ICT checkpoint on held-out blocks: meshtron evaluate-retrieval
                --load ICT_CKPT [--split valid|test] [--topk 1 5 20]
   convert      Hugging Face weights: meshtron convert hf-import --hf-dir DIR --save OUT [--dtype bf16|fp32]
-               or meshtron convert hf-export --load CKPT --hf-dir OUT [--dtype bf16|fp32] [--max-shard-size 5GB]
+               or meshtron convert hf-export --load CKPT --hf-dir OUT [--dtype bf16|fp16|fp32 (default: the checkpoint's)]
+               [--max-shard-size 5GB]
                or meshtron convert reshard --load CKPT --save OUT (one process, offline)
                Megatron-LM checkpoints: meshtron convert megatron-import --load MEGATRON_DIR --save OUT
                or meshtron convert megatron-export --load CKPT --save MEGATRON_DIR (torch_dist)

@@ -46,6 +46,7 @@ import yaml
 from meshtron.checkpoint.checkpoint import CheckpointError, save_checkpoint
 from meshtron.checkpoint.tensor_reader import CheckpointWeights
 from meshtron.config import Config, ModelConfig
+from meshtron.data.tokenizers import build_tokenizer
 from meshtron.layers.attention import num_kv_heads
 from meshtron.layers.mlp import ffn_hidden_size
 from meshtron.models import build_model
@@ -64,6 +65,7 @@ TOKENIZER = "tokenizer.json"
 # Written beside an imported checkpoint: ``meshtron train --config`` it to fine-tune that model.
 TRAIN_CONFIG = "model_config.yaml"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+EXPORT_DTYPES = {**DTYPES, "fp16": torch.float16}
 # Non-parameter buffers some checkpoints carry (recomputed by every implementation).
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias", "embeddings.position_ids", "embeddings.token_type_ids")
 # TF-era names of LayerNorm parameters in old BERT checkpoints, which transformers renames on load.
@@ -325,7 +327,7 @@ def import_hf(hf_dir: str | Path, save_dir: str | Path, dtype: str = "bf16") -> 
     return final
 
 
-def export_hf(load_dir: str | Path, hf_dir: str | Path, dtype: str = "bf16", iteration: int | None = None,
+def export_hf(load_dir: str | Path, hf_dir: str | Path, dtype: str | None = None, iteration: int | None = None,
               max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> Path:  # fmt: skip
     """Write the newest checkpoint in ``load_dir`` (or ``iteration``'s) as a Hugging Face model folder ``hf_dir``.
 
@@ -336,9 +338,11 @@ def export_hf(load_dir: str | Path, hf_dir: str | Path, dtype: str = "bf16", ite
     A decoder's vocabulary keeps every row the checkpoint has (a padded one included: HF models
     may have more rows than their tokenizer, as Llama's do), so the logits are those meshtron
     computes; BERT's is cropped to its tokenizer's (``hf_bert.py``), and what changed is printed.
+    ``dtype`` (bf16, fp16, fp32): the weights' type; default: the checkpoint's (an fp32 one stays fp32).
     """
     load_dir, hf_dir = Path(load_dir), Path(hf_dir)
-    weights = CheckpointWeights(load_dir, iteration, DTYPES[dtype])
+    weights = CheckpointWeights(load_dir, iteration, EXPORT_DTYPES[dtype] if dtype else None)
+    weights.dtype = weights.dtype or weights.stored_dtype()
     meta = weights.meta
     cfg = Config.from_dict(meta["config"])
     m = cfg.model
@@ -350,7 +354,9 @@ def export_hf(load_dir: str | Path, hf_dir: str | Path, dtype: str = "bf16", ite
         vocab = bert_export_vocab_size(cfg, vocab, load_dir, meta.get("tokenizer", {}))
         for note in bert_export_notes(m, meta["vocab_size"], vocab):
             print(f"hf-export: {note}")
-    hf_config = hf_config_from_model(m, vocab, model.max_positions, DTYPES[dtype])
+    hf_config = hf_config_from_model(m, vocab, model.max_positions, weights.dtype)
+    if m.model_type != "bert":
+        hf_config.update(_special_ids(load_dir, meta, cfg, vocab, hf_config["model_type"]))
     if m.model_type == "bert":
         exported = bert_export(weights, m, vocab)
     else:
@@ -367,6 +373,25 @@ def export_hf(load_dir: str | Path, hf_dir: str | Path, dtype: str = "bf16", ite
     return hf_dir
 
 
+def _special_ids(load_dir: Path, meta: dict[str, Any], cfg: Config, vocab: int, hf_type: str) -> dict[str, int | None]:
+    """``bos_token_id``/``eos_token_id`` of the checkpoint's tokenizer, below ``vocab``, else null:
+    left out, transformers would fill in its class defaults (GPT-2's 50256, beyond a smaller
+    vocabulary; Llama's 1 and 2, some other tokens). GPT-2 begins and ends with its end of text."""
+    saved = meta.get("tokenizer") or {}
+    ids: dict[str, int | None] = {"bos_token_id": None, "eos_token_id": None}
+    if not saved.get("tokenizer_type"):
+        return ids
+    files = {key: str(load_dir / path) for key, path in saved.items() if key != "tokenizer_type"}
+    try:
+        tokenizer = build_tokenizer(saved["tokenizer_type"], **files, vocab_extra_ids=cfg.data.vocab_extra_ids)
+    except (ValueError, OSError) as exc:
+        print(f"hf-export: bos_token_id and eos_token_id left null: the checkpoint's tokenizer does not load ({exc})")
+        return ids
+    bos = tokenizer.bos_id if tokenizer.bos_id is not None or hf_type != "gpt2" else tokenizer.eod
+    found = {"bos_token_id": bos, "eos_token_id": tokenizer.eod}
+    return {key: i if i is not None and 0 <= i < vocab else None for key, i in found.items()}
+
+
 def main(argv: list[str]) -> int:
     """``meshtron convert hf-import|hf-export``."""
     parser = argparse.ArgumentParser(prog="meshtron convert", description="exchange weights with Hugging Face")
@@ -378,7 +403,7 @@ def main(argv: list[str]) -> int:
     exp = sub.add_parser("hf-export", help="meshtron checkpoint -> Hugging Face folder")
     exp.add_argument("--load", required=True, help="checkpoint directory written by --save")
     exp.add_argument("--hf-dir", required=True, help="folder to write config.json and the safetensors shards into")
-    exp.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    exp.add_argument("--dtype", choices=list(EXPORT_DTYPES), default=None, help="the weights' type (default: the checkpoint's)")
     exp.add_argument("--ckpt-step", type=int, default=None, help="iteration to export (default: the newest)")
     exp.add_argument("--max-shard-size", type=parse_size, default=DEFAULT_MAX_SHARD_SIZE,
                      help="largest safetensors file to write, e.g. 5GB (the default, as save_pretrained), 500MB; "
