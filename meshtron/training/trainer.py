@@ -198,8 +198,7 @@ class Trainer:
             batches = [self._to_device(next(self.train_batches)) for _ in range(self.num_micro_batches)]
         self._last_batches = batches  # for the divergence check's re-run
         self.optimizer.zero_grad()
-        with self.straggler.section("forward-backward"):
-            loss = self.runner.forward_backward(batches)
+        loss = self.runner.forward_backward(batches, timed=self.straggler.section if self.straggler.enabled else None)
         # The loss and every logged term (a MoE model has two per layer) go to the host in one copy
         # started now and read after the optimizer step, whose gradient-norm read has waited for
         # it: no host sync of its own, so the host runs on into the next step while the GPU
