@@ -196,7 +196,7 @@ class Mesh:
             for ranks in self.group_ranks(dim):
                 key = tuple(ranks)
                 if key not in created:
-                    created[key] = dist.new_group(ranks, backend=backend)
+                    created[key] = dist.new_group(ranks, backend=backend, group_desc=dim)  # the name flight-recorder dumps show
                 if self.rank in ranks:
                     self._groups[dim] = created[key]
 

@@ -31,6 +31,7 @@ from meshtron.models import parameter_count
 from meshtron.optim.lr_schedule import LRSchedule
 from meshtron.parallel.mesh import init_distributed
 from meshtron.parallel.setup import build_runner
+from meshtron.training import flight_recorder
 from meshtron.training.divergence import DivergenceError, DivergenceMonitor
 from meshtron.training.metrics import (IntervalMeter, MetricsWriter, describe_bases, format_log_line, memory_scalars, mfu_bases,
                                       model_flops_per_token, sample_tokens)  # fmt: skip
@@ -101,6 +102,7 @@ class Trainer:
         if self.precision == "bf16" and self.device.type == "cpu":
             log("note: bf16 on the CPU is slow; fp32 is the CPU default")
 
+        flight_recorder.enable()  # before the first process group: the watchdog dumps it on a hang
         self.mesh = init_distributed(cfg.parallel, self.device.type)
         if self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())  # this rank's GPU
