@@ -29,7 +29,7 @@ from meshtron.data.builder import MicroBatchIterator, build_datasets
 from meshtron.flags import noted_flag_lines
 from meshtron.models import parameter_count
 from meshtron.optim.lr_schedule import LRSchedule
-from meshtron.parallel.mesh import init_distributed
+from meshtron.parallel.mesh import init_distributed, restart_store_note
 from meshtron.parallel.setup import build_runner
 from meshtron.training import flight_recorder
 from meshtron.training.divergence import DivergenceError, DivergenceMonitor
@@ -110,8 +110,9 @@ class Trainer:
             self.log = log = _silent  # one voice: global rank 0 logs
         self.say = log if self.mesh.world_size == 1 else lambda line: print(f"rank {self.mesh.rank}: {line}", flush=True)  # what any rank must tell
         log(self.mesh.describe() if self.mesh.world_size > 1 else "mesh: one process")
-        for line in noted_flag_lines(cfg.logging.noted_flags):
-            log(line)
+        for line in [*noted_flag_lines(cfg.logging.noted_flags), restart_store_note()]:
+            if line:
+                log(line)
 
         data_prefixes = self._setup_data_source_once()
         self.tokenizer = run_tokenizer(cfg)
