@@ -7,27 +7,33 @@ import sys
 
 from meshtron.errors import CheckpointError, ConfigError, DivergenceError  # torch-free: `preprocess` starts fast
 
-# ``meshtron train`` with no arguments: the embedded corpus, a small GPT, a checkpoint and a sample.
-EMBEDDED_DEFAULT_ARGS = ["--save", "checkpoints/default", "--generate-prompt", "The"]
+# ``meshtron train`` with no arguments: the embedded corpus, a small GPT, a checkpoint, TensorBoard
+# events for ``meshtron plot`` and a sample. Run again, the demo replaces its own checkpoints.
+DEFAULT_RUN_DIR = "checkpoints/default"
+EMBEDDED_DEFAULT_ARGS = ["--save", DEFAULT_RUN_DIR, "--tensorboard-dir", f"{DEFAULT_RUN_DIR}/tensorboard", "--allow-existing-checkpoints",
+                         "--generate-prompt", "The"]  # fmt: skip
 
 USAGE = """usage: meshtron <command> [options]
 
 commands:
   train        train a model: meshtron train [--config FILE] [--flag value ...]
-               (no arguments: a small GPT on the embedded corpus, then a sample)
+               (no arguments: a small GPT on the embedded corpus into checkpoints/default, then a sample)
   preprocess   jsonl -> Megatron-compatible .bin/.idx (preprocess_data.py's flags)
-  generate     sample from a checkpoint: meshtron generate --load DIR --prompt TEXT
+  generate     sample from a checkpoint: meshtron generate --load DIR --prompt TEXT [--max-new-tokens N]
+               (a checkpoint trained on --mock-data has no tokenizer: add --tokenizer-type NAME ...)
   finetune     fine-tune a BERT checkpoint to classify text: meshtron finetune --load BERT_CKPT
                --train-data train.jsonl --valid-data valid.jsonl ({"text", "label"} lines) [--epochs N]
   evaluate-retrieval
                top-k accuracy of an ICT checkpoint on held-out blocks: meshtron evaluate-retrieval
                --load ICT_CKPT [--split valid|test] [--topk 1 5 20]
   convert      Hugging Face weights: meshtron convert hf-import --hf-dir DIR --save OUT [--dtype bf16|fp32]
-               or meshtron convert hf-export --load CKPT --hf-dir OUT [--dtype bf16|fp32] [--max-shard-size 5GB]
+               or meshtron convert hf-export --load CKPT --hf-dir OUT [--dtype bf16|fp16|fp32 (default: the checkpoint's)]
+               [--max-shard-size 5GB]
                or meshtron convert reshard --load CKPT --save OUT (one process, offline)
                Megatron-LM checkpoints: meshtron convert megatron-import --load MEGATRON_DIR --save OUT
                or meshtron convert megatron-export --load CKPT --save MEGATRON_DIR [--ckpt-format torch_dist|torch]
-  checkpoint   inspect a checkpoint: meshtron checkpoint info DIR [--ckpt-step N]
+  checkpoint   inspect a checkpoint: meshtron checkpoint info DIR [--ckpt-step N] [--tensors]
+               (the first line: OK, or FAILED and why)
   plot         a PNG of a run's loss, lr, grad norm, tokens/s and memory: meshtron plot RUN_DIR (its --tensorboard-dir)
   estimate     per-GPU memory of a config and layout: meshtron estimate [--config FILE] [--world-size N]
                [--print-mesh] [--flag value ...]
@@ -57,6 +63,9 @@ def train_main(argv: list[str]) -> int:
         print(format_config(cfg))
         return 0
     Trainer(cfg).run()
+    if not argv:
+        print(f"draw the run: meshtron plot {DEFAULT_RUN_DIR} (pip install 'meshtron[plot]'); sample more: "
+              f"meshtron generate --load {DEFAULT_RUN_DIR} --prompt 'The'")  # fmt: skip
     return 0
 
 
@@ -74,10 +83,14 @@ def generate_main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--ckpt-step", type=int, default=None, help="iteration to load (default: the newest)")
+    given = parser.add_argument_group("tokenizer", "for a checkpoint saved without one (--mock-data), or to use another")
+    for flag in ("--tokenizer-type", "--tokenizer-model", "--vocab-file", "--merge-file"):
+        given.add_argument(flag, default="")
     args = parser.parse_args(argv)
+    tokenizer = {key: getattr(args, key) for key in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")}
     text = generate_from_checkpoint(
-        args.load, args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, greedy=args.greedy, seed=args.seed, device=args.device, iteration=args.ckpt_step,
+        args.load, args.prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        greedy=args.greedy, seed=args.seed, device=args.device, iteration=args.ckpt_step, tokenizer=tokenizer,
     )
     print(text)
     return 0

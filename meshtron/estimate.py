@@ -348,6 +348,25 @@ def mesh_table(cfg: Config, world_size: int) -> str:
     return "\n".join(lines)
 
 
+def default_batches(cfg: Config, config_file: str | None, overrides: list[str], world_size: int) -> str | None:
+    """Batch sizes the user gave neither on the command line nor in the config: micro batch 1 and
+    a global batch of micro x dp (Megatron-LM's rule without --global-batch-size), set on ``cfg``
+    and stated. The training defaults (8 and 16) suit small CPU runs, not a preset's layout."""
+    from meshtron.config import load_file, parse_overrides
+
+    given = {*parse_overrides(overrides), *(f"train.{k}" for k in (load_file(config_file) if config_file else {}).get("train", {}))}
+    t, missing = cfg.train, [f for f in ("micro_batch_size", "global_batch_size") if f"train.{f}" not in given]
+    if not missing:
+        return None
+    if "micro_batch_size" in missing:
+        t.micro_batch_size = 1
+    if "global_batch_size" in missing:
+        t.global_batch_size = t.micro_batch_size * max(1, data_parallel_size(cfg, world_size))
+    said = {"micro_batch_size": "micro 1", "global_batch_size": "global = micro x dp, Megatron-LM's rule"}
+    return (f"batch: micro {t.micro_batch_size}, global {t.global_batch_size} (not given, so {' and '.join(said[f] for f in missing)}; "
+            "set them with --micro-batch-size, --global-batch-size)")  # fmt: skip
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="meshtron estimate", description="predict per-GPU memory of a run")
     parser.add_argument("--config", default=None)
@@ -355,6 +374,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--print-mesh", action="store_true", help="also print every rank's place in the layout")
     known, overrides = parser.parse_known_args(argv)
     cfg = build_config(known.config, overrides)
+    batch_note = default_batches(cfg, known.config, overrides, known.world_size)
     validate(cfg, world_size=known.world_size)
     cfg.model.vocab_size = training_vocab_size(cfg)
     if known.print_mesh:
@@ -366,6 +386,8 @@ def main(argv: list[str]) -> int:
     print(f"layout: world {known.world_size}, tp {p.tensor_parallel}, pp {p.pipeline_parallel}, cp {p.context_parallel}, "
           f"dp {dp}{experts}, sp {p.sequence_parallel}, distributed optimizer {p.use_distributed_optimizer}, fsdp {p.fsdp}, "
           f"recompute '{m.recompute_granularity or 'none'}'")  # fmt: skip
+    if batch_note:
+        print(batch_note)
     print(f"vocabulary: {m.vocab_size} rows (padded)")
     total, active, active_body = model_parameters(cfg)
     if active < total:

@@ -1,5 +1,5 @@
-"""``meshtron checkpoint info DIR``: what a checkpoint holds and whether it can be trusted,
-without loading a tensor (the index is read by the restricted unpickler, the files are checked
+"""``meshtron checkpoint info DIR``: whether a checkpoint can be trusted (the first line: OK, or
+FAILED and why) and what it holds (``--tensors`` lists every tensor), without loading a tensor (the index is read by the restricted unpickler, the files are checked
 against the completion marker)."""
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from meshtron.checkpoint.save_dir import list_iterations
 from meshtron.checkpoint.integrity import verify
 
 
-def describe(root: Path, iteration: int | None = None) -> tuple[str, bool]:
-    """The report for ``iteration`` (default: the tracker's, else the newest directory), and
-    whether the checkpoint is complete and intact."""
+def describe(root: Path, iteration: int | None = None, tensors: bool = False) -> tuple[str, bool]:
+    """The report for ``iteration`` (default: the tracker's, else the newest directory), its
+    verdict on the first line, and whether the checkpoint is complete and intact. ``tensors``:
+    list every tensor's name, shape and dtype (hundreds of lines for a real model)."""
     iterations = list_iterations(root)
     if not iterations:
         raise CheckpointError(f"no checkpoint in {root}: expected iter_NNNNNNN directories written by --save")
@@ -39,11 +40,13 @@ def describe(root: Path, iteration: int | None = None) -> tuple[str, bool]:
     lines.append(f"  checksums: FAILED: {problem}" if problem else f"  checksums: verified OK ({len(files)} files, {on_disk} bytes)")
     try:
         lines.append("  " + _saved_under(read_record(directory / META)))
-        lines += _tensors(directory)
+        listing = _tensors(directory)
+        lines += listing if tensors else [f"{listing[0]} (--tensors lists them)"]
     except CheckpointError as exc:
         lines.append(f"  unreadable: {exc}")
         problem = problem or str(exc)
-    return "\n".join(lines), problem is None
+    verdict = f"FAILED: iteration {chosen} of {root}: {problem}" if problem else f"OK: iteration {chosen} of {root} is complete and intact"
+    return "\n".join([verdict, *lines]), problem is None
 
 
 def _tensors(directory: Path) -> list[str]:
@@ -72,10 +75,11 @@ def _saved_under(record: dict) -> str:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="meshtron checkpoint", description="inspect checkpoints")
     sub = parser.add_subparsers(dest="action", required=True)
-    info = sub.add_parser("info", help="iterations, layout, tensors, sizes and checksum status of a --save directory")
+    info = sub.add_parser("info", help="the verdict (OK or FAILED, why) first, then iterations, layout, sizes and checksums")
     info.add_argument("dir", help="directory written by --save")
     info.add_argument("--ckpt-step", type=int, default=None, help="iteration to describe (default: the tracker's)")
+    info.add_argument("--tensors", action="store_true", help="also list every tensor's name, global shape and dtype")
     args = parser.parse_args(argv)
-    report, ok = describe(Path(args.dir), args.ckpt_step)
+    report, ok = describe(Path(args.dir), args.ckpt_step, args.tensors)
     print(report)
     return 0 if ok else 1

@@ -16,6 +16,7 @@ restricted unpickler (``checkpoint.open_checkpoint``), as every load does.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -56,6 +57,14 @@ class CheckpointWeights(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self.shapes)
+
+    def stored_dtype(self) -> torch.dtype:
+        """The type most of the weights' elements are saved in (bf16 training saves bf16 weights)."""
+        counts: dict[torch.dtype, int] = {}
+        for name, shape in self.shapes.items():
+            dtype = self._metadata.state_dict_metadata[PREFIX + name].properties.dtype
+            counts[dtype] = counts.get(dtype, 0) + math.prod(shape)
+        return max(counts, key=counts.get)
 
     def check_shapes(self, expected: dict[str, tuple[int, ...]]) -> None:
         """Raise unless the checkpoint holds exactly the weights ``expected`` (a model's state-dict

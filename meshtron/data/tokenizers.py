@@ -2,7 +2,7 @@
 
 Every tokenizer has ``encode``, ``encode_batch`` (the preprocessing fast path), ``decode``,
 ``vocab_size`` (every id is below it), ``eod`` (the end-of-document id appended between
-documents) and ``name``.
+documents), ``bos_id`` (its begin-of-text id, None where it has none) and ``name``.
 
 Text that spells a special token (``<|endoftext|>``) becomes that token's id, as in Megatron-LM's
 tokenizers built on Hugging Face and tiktoken; ``split_special_tokens=True`` encodes it as plain
@@ -22,6 +22,7 @@ from typing import Iterable
 import numpy as np
 
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
+BOS_CANDIDATES = ("<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
 LLAMA3_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
@@ -34,6 +35,7 @@ class Tokenizer:
     name: str = ""
     vocab_size: int = 0
     eod: int = -1
+    bos_id: int | None = None  # what hf-export writes as bos_token_id
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -109,8 +111,9 @@ class HuggingFaceTokenizer(Tokenizer):
         self.split_special_tokens = split_special_tokens
         self.name = name
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+        self.bos_id = next((vocab[t] for t in BOS_CANDIDATES if t in vocab), None)
         if eod is None:
-            vocab = tokenizer.get_vocab(with_added_tokens=True)
             found = [vocab[t] for t in EOD_CANDIDATES if t in vocab]
             if not found:
                 raise ValueError(f"{source}: no end-of-document token among {list(EOD_CANDIDATES)}; add one to the tokenizer")
@@ -208,7 +211,8 @@ class SentencePieceTokenizer(Tokenizer):
         self.eod = self._sp.eos_id()
         if self.eod < 0:
             raise ValueError(f"--tokenizer-model {model_file} has no EOS piece, which {tokenizer_type} uses as end of document")
-        self._bos = [self._sp.bos_id()] if add_bos and self._sp.bos_id() >= 0 else []
+        self.bos_id = self._sp.bos_id() if self._sp.bos_id() >= 0 else None
+        self._bos = [self.bos_id] if add_bos and self.bos_id is not None else []
 
     def encode(self, text: str) -> list[int]:
         return self._bos + self._sp.encode(text)
@@ -273,6 +277,7 @@ class TikTokenizer(Tokenizer):
         self.name = f"TikTokenizer({model_file})"
         self.vocab_size = base + len(specials)
         self.eod = specials["<|end_of_text|>"]
+        self.bos_id = specials["<|begin_of_text|>"]
         self.split_special_tokens = split_special_tokens
 
     def _pieces(self, text: str) -> list[str]:

@@ -20,15 +20,17 @@ def generate_from_checkpoint(
     seed: int = 0,
     device: str = "auto",
     iteration: int | None = None,
+    tokenizer: dict[str, str] | None = None,
 ) -> str:
     """``meshtron generate``: rebuild the model and tokenizer a ``--save`` directory describes (its
     newest checkpoint, or ``iteration``'s; ``checkpoint/saved_model.py``), and return ``prompt``
     followed by its continuation (T5: the decoder's output for ``prompt``, whose ``<extra_id_N>``
     markers are the sentinels). Unlike ``hf-export``, which streams the checkpoint tensor by tensor,
-    this loads the whole model into one process: generating needs every weight in memory anyway."""
+    this loads the whole model into one process: generating needs every weight in memory anyway.
+    ``tokenizer``: ``build_tokenizer``'s arguments where the checkpoint has none (or another is wanted)."""
     if max_new_tokens < 0:
         raise ValueError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
-    saved = load_saved_model(load_dir, iteration)
+    saved = load_saved_model(load_dir, iteration, tokenizer=tokenizer)
     model, tokenizer, cfg = saved.model, saved.tokenizer, saved.config
     hook = spec_for(cfg.model).generate
     if hook is None:

@@ -61,6 +61,7 @@ TOKENIZER = "tokenizer.json"
 # Written beside an imported checkpoint: ``meshtron train --config`` it to fine-tune that model.
 TRAIN_CONFIG = "model_config.yaml"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+EXPORT_DTYPES = {**DTYPES, "fp16": torch.float16}
 # Non-parameter buffers some checkpoints carry (recomputed by every implementation).
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias", "embeddings.position_ids", "embeddings.token_type_ids")
 # TF-era names of LayerNorm parameters in old BERT checkpoints, which transformers renames on load.
@@ -249,7 +250,7 @@ def import_hf(hf_dir: str | Path, save_dir: str | Path, dtype: str = "bf16") -> 
     return final
 
 
-def export_hf(load_dir: str | Path, hf_dir: str | Path, dtype: str = "bf16", iteration: int | None = None,
+def export_hf(load_dir: str | Path, hf_dir: str | Path, dtype: str | None = None, iteration: int | None = None,
               max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> Path:  # fmt: skip
     """Write the newest checkpoint in ``load_dir`` (or ``iteration``'s) as a Hugging Face model folder ``hf_dir``.
 
@@ -261,9 +262,11 @@ def export_hf(load_dir: str | Path, hf_dir: str | Path, dtype: str = "bf16", ite
     A decoder's vocabulary keeps every row the checkpoint has (a padded one included: HF models
     may have more rows than their tokenizer, as Llama's do), so the logits are those meshtron
     computes; BERT's is cropped to its tokenizer's (``hf_bert.py``), and what changed is printed.
+    ``dtype`` (bf16, fp16, fp32): the weights' type; default: the checkpoint's (an fp32 one stays fp32).
     """
     load_dir, hf_dir = Path(load_dir), Path(hf_dir)
-    weights = CheckpointWeights(load_dir, iteration, DTYPES[dtype])
+    weights = CheckpointWeights(load_dir, iteration, EXPORT_DTYPES[dtype] if dtype else None)
+    weights.dtype = weights.dtype or weights.stored_dtype()
     meta = weights.meta
     cfg = Config.from_dict(meta["config"])
     m = cfg.model
@@ -273,7 +276,7 @@ def export_hf(load_dir: str | Path, hf_dir: str | Path, dtype: str = "bf16", ite
     with torch.device("meta"):  # names and shapes, no memory
         model = build_model(m, meta["vocab_size"], cfg.data.seq_length)
     weights.check_shapes({k: tuple(v.shape) for k, v in model.state_dict().items()})
-    hf_config, exported = adapter(weights, cfg, meta, load_dir, DTYPES[dtype], model.max_positions)
+    hf_config, exported = adapter(weights, cfg, meta, load_dir, weights.dtype, model.max_positions)
     hf_dir.mkdir(parents=True, exist_ok=True)
     write_shards(exported, hf_dir, max_shard_size)
     (hf_dir / CONFIG).write_text(json.dumps(hf_config, indent=2) + "\n")
@@ -295,7 +298,7 @@ def main(argv: list[str]) -> int:
     exp = sub.add_parser("hf-export", help="meshtron checkpoint -> Hugging Face folder")
     exp.add_argument("--load", required=True, help="checkpoint directory written by --save")
     exp.add_argument("--hf-dir", required=True, help="folder to write config.json and the safetensors shards into")
-    exp.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    exp.add_argument("--dtype", choices=list(EXPORT_DTYPES), default=None, help="the weights' type (default: the checkpoint's)")
     exp.add_argument("--ckpt-step", type=int, default=None, help="iteration to export (default: the newest)")
     exp.add_argument("--max-shard-size", type=parse_size, default=DEFAULT_MAX_SHARD_SIZE,
                      help="largest safetensors file to write, e.g. 5GB (the default, as save_pretrained), 500MB; "

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from meshtron.config import Config, ModelConfig
+from meshtron.data.tokenizers import build_tokenizer
 from meshtron.errors import CheckpointError
 from meshtron.layers.attention import num_kv_heads
 from meshtron.layers.mlp import ffn_hidden_size
@@ -95,10 +96,30 @@ _EXPORTERS = {"gpt2": _gpt2_export, "llama": export_llama_decoder, "deepseek_v2"
               "olmoe": olmoe_export, **dict.fromkeys(QWEN_TYPES, qwen_export)}  # fmt: skip
 
 
+def _special_ids(load_dir: Path, meta: dict[str, Any], cfg: Config, vocab: int, hf_type: str) -> dict[str, int | None]:
+    """``bos_token_id``/``eos_token_id`` of the checkpoint's tokenizer, below ``vocab``, else null:
+    left out, transformers would fill in its class defaults (GPT-2's 50256, beyond a smaller
+    vocabulary; Llama's 1 and 2, some other tokens). GPT-2 begins and ends with its end of text."""
+    saved = meta.get("tokenizer") or {}
+    ids: dict[str, int | None] = {"bos_token_id": None, "eos_token_id": None}
+    if not saved.get("tokenizer_type"):
+        return ids
+    files = {key: str(load_dir / path) for key, path in saved.items() if key != "tokenizer_type"}
+    try:
+        tokenizer = build_tokenizer(saved["tokenizer_type"], **files, vocab_extra_ids=cfg.data.vocab_extra_ids)
+    except (ValueError, OSError) as exc:
+        print(f"hf-export: bos_token_id and eos_token_id left null: the checkpoint's tokenizer does not load ({exc})")
+        return ids
+    bos = tokenizer.bos_id if tokenizer.bos_id is not None or hf_type != "gpt2" else tokenizer.eod
+    found = {"bos_token_id": bos, "eos_token_id": tokenizer.eod}
+    return {key: i if i is not None and 0 <= i < vocab else None for key, i in found.items()}
+
+
 def decoder_hf_export(weights: Mapping[str, torch.Tensor], cfg: Config, meta: dict[str, Any], load_dir: Path, dtype: torch.dtype,
                       max_positions: int) -> tuple[dict[str, Any], Iterator[tuple[str, torch.Tensor]]]:  # fmt: skip
     """The decoder family's ``hf_export``: its architecture's config.json and tensors. The
     vocabulary keeps every row the checkpoint has (a padded one included: HF models may have more
     rows than their tokenizer, as Llama's do), so the logits are those meshtron computes."""
     hf_config = hf_config_from_model(cfg.model, meta["vocab_size"], max_positions, dtype)
+    hf_config.update(_special_ids(load_dir, meta, cfg, meta["vocab_size"], hf_config["model_type"]))
     return hf_config, _EXPORTERS[hf_config["model_type"]](weights, cfg.model)

@@ -12,6 +12,7 @@ larger than the limit gets a shard of its own, as in transformers.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -66,6 +67,10 @@ def write_shards(tensors: Iterable[tuple[str, torch.Tensor]], hf_dir: Path, max_
     flush()
     names = [WEIGHTS] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     final = [path.rename(hf_dir / name) for path, name in zip(shards, names)]
+    mask = os.umask(0)  # safetensors writes 0600 files; give them the mode any new file gets here
+    os.umask(mask)
+    for path in final:
+        path.chmod(0o666 & ~mask)
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": {name: names[i] for name, i in sorted(where.items())}}
         (hf_dir / INDEX).write_text(json.dumps(index, indent=2) + "\n")

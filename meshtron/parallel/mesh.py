@@ -196,7 +196,7 @@ class Mesh:
             for ranks in self.group_ranks(dim):
                 key = tuple(ranks)
                 if key not in created:
-                    created[key] = dist.new_group(ranks, backend=backend)
+                    created[key] = dist.new_group(ranks, backend=backend, group_desc=dim)  # the name flight-recorder dumps show
                 if self.rank in ranks:
                     self._groups[dim] = created[key]
 
@@ -241,6 +241,17 @@ def launch_env() -> tuple[int, int, int]:
     if "SLURM_NTASKS" in env and "SLURM_PROCID" in env:
         return int(env["SLURM_NTASKS"]), int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", "0"))
     return 1, 0, 0
+
+
+def restart_store_note() -> str | None:
+    """torchrun --max-restarts sharing its agent's store with the workers (PyTorch's default since
+    2.5): the store outlives an attempt, so restarted workers can read the dead attempt's keys (a
+    peer's old address: connection refused, or a hang). pytorch/pytorch#135712, #167288."""
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(env.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) < 1:
+        return None
+    return ("note: torchrun keeps its store across restarts here, so a restarted job may fail to connect or hang on the last "
+            "attempt's keys; start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (pytorch/pytorch#135712)")  # fmt: skip
 
 
 def init_distributed(parallel_cfg: ParallelConfig, device_type: str) -> Mesh:

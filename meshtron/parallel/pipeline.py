@@ -120,6 +120,7 @@ def forward_backward(
     *,
     no_sync: Callable[[], ContextManager] | None = None,
     forward_only: bool = False,
+    timed: Callable[[str], ContextManager] | None = None,
 ) -> None:
     """Run schedule ``kind`` over this step's ``micro_batches`` (every pipeline rank passes the
     same ones) and accumulate gradients into the stages' parameters.
@@ -129,24 +130,28 @@ def forward_backward(
     backward). ``dtype``: the carry's dtype (the model's); ``seq_shards``: how many ways the
     carry's sequence is split (tp under sequence parallelism). ``no_sync`` (the optimizer's):
     every backward but each chunk's last runs inside it (``_synced``), so gradients are reduced
-    over data parallel once. ``forward_only``: evaluation, no graph kept.
+    over data parallel once. ``forward_only``: evaluation, no graph kept. ``timed(name)``: a
+    context around each micro batch's "forward" and "backward" (``--log-straggler``'s sections;
+    a split backward's ``W`` counts as backward).
     """
     pp, rank, virtual = mesh.pp, mesh.pp_rank, len(stages)
     plan = communication_plan(kind, pp, rank, len(micro_batches), virtual, forward_only)
     synced = _synced(plan, stages)
     store = WeightGradStore() if kind in SPLIT_BACKWARD and not forward_only else None
     run = _Run(kind, stages, micro_batches, mesh, dtype, seq_shards, keep_graph=not forward_only)
+    section = timed or (lambda _: contextlib.nullcontext())
     with torch.no_grad() if forward_only else contextlib.nullcontext():
         for step in plan:
             run.exchange(step.batch)
             for op in step.ops:
                 kind_, mb, v = op
                 if kind_ == "F":
-                    carry, objective = forward_step(stages[v], run.take_input(mb, v), mb)
+                    with section("forward"):
+                        carry, objective = forward_step(stages[v], run.take_input(mb, v), mb)
                     if not (forward_only and carry is None):
                         run.outputs[(mb, v)] = (carry, objective)
                 else:
-                    with contextlib.nullcontext() if no_sync is None or op in synced else no_sync():
+                    with section("backward"), contextlib.nullcontext() if no_sync is None or op in synced else no_sync():
                         if kind_ == "W":
                             store.run((mb, v))
                         elif store is not None:  # the input gradient; weight gradients wait for W

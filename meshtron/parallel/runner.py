@@ -18,7 +18,7 @@ over a micro batch (BERT's sentence-order loss) becomes exactly the global batch
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -52,12 +52,13 @@ class Runner:
     # Every stage's auxiliary term (and metric) names, learnt at the first step.
     _names: dict[str, list[str]] = field(default_factory=dict, init=False, repr=False)
 
-    def forward_backward(self, micro_batches: list[mc.Batch], forward_only: bool = False) -> mc.LossOutput:
+    def forward_backward(self, micro_batches: list[mc.Batch], forward_only: bool = False,
+                         timed: Callable[[str], ContextManager] | None = None) -> mc.LossOutput:  # fmt: skip
         """Forward (and unless ``forward_only``, backward) every micro batch of this rank's share
         of a global batch; gradients accumulate into the optimizer's storage, reduced over data
         parallel during the last backward. Returns the global batch's loss on every rank: the
         loss sum over all its micro batches and ranks, its count (``total / count`` is the mean),
-        and each auxiliary term's and metric's mean."""
+        and each auxiliary term's and metric's mean. ``timed``: the pipeline walk's section timer."""
         mesh, model = self.mesh, self.model
         batches = [shard_batch_for_cp(b, mesh) for b in micro_batches]
         device = next(iter(batches[0].values())).device
@@ -89,7 +90,7 @@ class Runner:
         seq_shards = mesh.tp if self.sequence_parallel else 1
         no_sync = None if forward_only else self.optimizer.no_sync
         forward_backward(self.schedule, self.stages, batches, mesh, step, self.dtype, seq_shards,
-                         no_sync=no_sync, forward_only=forward_only)  # fmt: skip
+                         no_sync=no_sync, forward_only=forward_only, timed=timed)  # fmt: skip
         total = torch.stack(totals).sum().float() if totals else torch.zeros((), device=device)
         if mesh.pp > 1:
             dist.broadcast(total, src=last_stage_rank(self.schedule, mesh, len(self.stages)), group=mesh.pp_group)

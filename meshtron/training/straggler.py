@@ -1,14 +1,14 @@
 """``--log-straggler``: which ranks are slow, and in what.
 
-Each rank times the sections of its steps (waiting for data, forward and backward, the optimizer
-with the gradient reduction, the whole step); at every log interval the ranks' means are
-gathered (one small all-gather) and rank 0 logs the ranks that spend the most time beyond the
-median rank in one section, and which section (``report``). On a GPU each section ends with a device
-synchronize so that its time is the device's, not the launch's: that costs some overlap, which
-is why the report is off unless asked for.
-
-Forward and backward are one section: the runner interleaves them over micro batches (and
-pipeline stages), so they have no boundary on the host to time.
+Each rank times the sections of its steps (waiting for data, the forward and the backward of
+each micro batch, the optimizer with the rest of the gradient reduction, the whole step); at
+every log interval the ranks' means are gathered (one small all-gather) and rank 0 logs the
+ranks that spend the most time beyond the median rank in one section, and which section
+(``report``). The runner interleaves forwards and backwards over micro batches and pipeline
+stages, so it times each one where its schedule runs it (``pipeline.forward_backward``'s
+``timed``); the pipeline's own sends and receives count in the step only. On a GPU each section
+ends with a device synchronize so that its time is the device's, not the launch's: that costs
+some overlap, which is why the report is off unless asked for.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-SECTIONS = ("data wait", "forward-backward", "optimizer")
+SECTIONS = ("data wait", "forward", "backward", "optimizer")
 NOISE = 0.1  # excess under this fraction of the median step is not named: step times jitter that much
 
 
@@ -75,4 +75,9 @@ def report(per_rank: list[dict[str, float]], count: int) -> tuple[str, dict[str,
     line = (f"stragglers (mean per step, {len(per_rank)} ranks, median step {1e3 * median['step']:.0f} ms): "
             + (", ".join(parts) if parts else "none beyond the median rank"))  # fmt: skip
     top = max(score, key=score.get)
-    return line, {"straggler/excess_ms": 1e3 * max(score[top], 0.0), "straggler/slowest_rank": float(top)}
+    scalars = {"straggler/excess_ms": 1e3 * max(score[top], 0.0), "straggler/slowest_rank": float(top)}
+    for k in SECTIONS:  # which section spreads the ranks: its slowest rank against the median one
+        tag = k.replace(" ", "_")
+        scalars[f"straggler/{tag}_max_ms"] = 1e3 * max(r[k] for r in per_rank)
+        scalars[f"straggler/{tag}_median_ms"] = 1e3 * median[k]
+    return line, scalars

@@ -29,11 +29,13 @@ from meshtron.data.builder import MicroBatchIterator
 from meshtron.flags import noted_flag_lines
 from meshtron.models import model_flops_per_token, parameter_count, sample_tokens, spec_for
 from meshtron.optim.lr_schedule import LRSchedule
-from meshtron.parallel.mesh import init_distributed
+from meshtron.parallel.mesh import init_distributed, restart_store_note
 from meshtron.parallel.setup import build_runner
+from meshtron.training import flight_recorder
 from meshtron.training.divergence import DivergenceError, DivergenceMonitor
 from meshtron.training.metrics import IntervalMeter, MetricsWriter, describe_bases, format_log_line, memory_scalars, mfu_bases
 from meshtron.training.profiler import StepProfiler
+from meshtron.training.sample_plan import plan_samples, planned_datasets, schedule_note
 from meshtron.training.stop import StopAgreement, StopSignals, describe
 from meshtron.training.straggler import StragglerTimes, report
 from meshtron.training.vocab import model_vocab_size, run_tokenizer, token_vocab_size
@@ -99,6 +101,7 @@ class Trainer:
         if self.precision == "bf16" and self.device.type == "cpu":
             log("note: bf16 on the CPU is slow; fp32 is the CPU default")
 
+        flight_recorder.enable()  # before the first process group: the watchdog dumps it on a hang
         self.mesh = init_distributed(cfg.parallel, self.device.type)
         if self.device.type == "cuda":
             self.device = torch.device("cuda", torch.cuda.current_device())  # this rank's GPU
@@ -106,8 +109,9 @@ class Trainer:
             self.log = log = _silent  # one voice: global rank 0 logs
         self.say = log if self.mesh.world_size == 1 else lambda line: print(f"rank {self.mesh.rank}: {line}", flush=True)  # what any rank must tell
         log(self.mesh.describe() if self.mesh.world_size > 1 else "mesh: one process")
-        for line in noted_flag_lines(cfg.logging.noted_flags):
-            log(line)
+        for line in [*noted_flag_lines(cfg.logging.noted_flags), restart_store_note()]:
+            if line:
+                log(line)
 
         data_prefixes = self._setup_data_source_once()
         self.tokenizer = run_tokenizer(cfg)
@@ -139,11 +143,17 @@ class Trainer:
         eval_samples = 0
         if cfg.logging.eval_interval > 0 and cfg.logging.eval_iters > 0:
             eval_samples = cfg.logging.eval_iters * t.global_batch_size
-        self.train_data, self.valid_data, _ = spec_for(cfg.model).datasets(
-            cfg, self.tokenizer, (t.train_iters * t.global_batch_size, eval_samples, 0), t.seed, data_prefixes, self.vocab_size
-        )
+        going_on = meta if meta and meta["consumed_samples"] else None  # a run continued, not one started from weights
+        self.sample_plan, note = plan_samples(going_on, t.train_iters * t.global_batch_size, t.seed)  # the checkpoint's order kept
+        for line in (note, schedule_note(going_on and going_on.get("lr_schedule"), self.schedule.state_dict())):
+            if line:
+                log(line)
+        datasets = spec_for(cfg.model).datasets
+        self.train_data, self.valid_data, _ = planned_datasets(self.sample_plan, t.seed, lambda n, seed, first: datasets(
+            cfg, self.tokenizer, (n, eval_samples if first else 0, 0), seed, data_prefixes, self.vocab_size))  # fmt: skip
         if cfg.data.sft:
-            log("; ".join(ds.describe() for ds in (self.train_data, self.valid_data) if ds is not None))
+            parts = [*getattr(self.train_data, "datasets", [self.train_data]), self.valid_data]
+            log("; ".join(ds.describe() for ds in parts if ds is not None))
         self.train_batches = self._batches(self.train_data, self.consumed_samples, cfg.data.num_workers)
 
         num_params = parameter_count(cfg.model, self.padded_vocab_size, cfg.data.seq_length)
@@ -189,8 +199,7 @@ class Trainer:
             batches = [self._to_device(next(self.train_batches)) for _ in range(self.num_micro_batches)]
         self._last_batches = batches  # for the divergence check's re-run
         self.optimizer.zero_grad()
-        with self.straggler.section("forward-backward"):
-            loss = self.runner.forward_backward(batches)
+        loss = self.runner.forward_backward(batches, timed=self.straggler.section if self.straggler.enabled else None)
         # The loss and every logged term (a MoE model has two per layer) go to the host in one copy
         # started now and read after the optimizer step, whose gradient-norm read has waited for
         # it: no host sync of its own, so the host runs on into the next step while the GPU
@@ -245,6 +254,7 @@ class Trainer:
         meta = {
             "iteration": self.iteration,
             "consumed_samples": self.consumed_samples,
+            "train_samples": self.sample_plan,  # the counts the data order was drawn for (sample_plan.py)
             "config": self.cfg.to_dict(),
             "vocab_size": self.vocab_size,  # tokens; the padding is the loading run's (rows are saved cut to these)
             "tokenizer": self._tokenizer_info,

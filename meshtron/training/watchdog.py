@@ -11,6 +11,8 @@ heartbeats, reads every rank's, and reports:
 
 - ranks whose counter did not advance (stopped, frozen or dead): they did not arrive;
 - live ranks behind the others (an earlier iteration): stuck before the collective;
+- this rank's last collectives from PyTorch's flight recorder, dumped to a file
+  (``flight_recorder.py``: which ones each process group waits in);
 - then the stacks of this rank's threads, and the process exits with ``EXIT_HANG``.
 
 Every live rank reports for itself, so the log has each one's stack. The process groups'
@@ -31,6 +33,8 @@ from collections import deque
 from typing import Callable
 
 import torch.distributed as dist
+
+from meshtron.training import flight_recorder
 
 EXIT_HANG = 4
 RECENT_STEPS = 20  # the step times the median is taken over
@@ -115,6 +119,8 @@ class Watchdog:
                 lines.append("every rank is alive at the same place: a collective or the device is stuck (see the stacks)")
         lines.append(f"this rank's threads follow; exiting with code {EXIT_HANG}")
         self.say("; ".join(lines))
+        for line in flight_recorder.dump(self.rank) if self.world_size > 1 else []:
+            self.say(line)
         sys.stdout.flush()
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.flush()

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -52,13 +53,23 @@ def test_preprocess_train_generate(tmp_path):
         assert out.stdout.startswith("The quick") and len(out.stdout.strip()) > len("The quick")
 
 
-def test_embedded_default_trains_and_samples(tmp_path):
-    out = meshtron("train", "--data-cache-path", str(tmp_path / "cache"), "--train-iters", "40", "--log-interval", "10",
-                   "--save", str(tmp_path / "ckpt"), "--generate-prompt", "The ", cwd=tmp_path)
+def test_embedded_default_trains_samples_and_is_plottable(tmp_path):
+    """The default run's flags, shortened: it learns, samples, writes what `meshtron plot` reads
+    into its run directory, and run again it replaces its own demo checkpoint."""
+    from meshtron.cli import DEFAULT_RUN_DIR, EMBEDDED_DEFAULT_ARGS
+    from meshtron.plot import event_dir, read_scalars
+
+    shorter = ["--data-cache-path", str(tmp_path / "cache"), "--log-interval", "10", "--generate-prompt", "The "]
+    out = meshtron("train", *EMBEDDED_DEFAULT_ARGS, *shorter, "--train-iters", "40", cwd=tmp_path)
     losses = [float(l.split("| loss ")[1].split()[0]) for l in out.stdout.splitlines() if l.startswith("iteration")]
     assert losses[-1] < losses[0] - 1.0, out.stdout
-    assert "sample: 'The " in out.stdout
-    assert (tmp_path / "ckpt" / "tokenizer").is_dir()
+    assert re.search(r"sample: ['\"]The ", out.stdout), out.stdout
+    run_dir = tmp_path / DEFAULT_RUN_DIR
+    assert (run_dir / "tokenizer").is_dir()
+    steps, values = read_scalars(event_dir(run_dir))["train/loss"]  # what `meshtron plot checkpoints/default` draws
+    assert steps == [10, 20, 30, 40] and values[-1] < values[0]
+    again = meshtron("train", *EMBEDDED_DEFAULT_ARGS, *shorter, "--train-iters", "2", cwd=tmp_path)
+    assert re.search(r"sample: ['\"]The ", again.stdout) and (run_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
 
 
 def test_bad_flag_fails_before_any_work(tmp_path):

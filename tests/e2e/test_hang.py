@@ -1,6 +1,9 @@
-"""A rank that stops (SIGSTOP: alive, silent) is named by the others, which print their stacks
+"""A rank that stops (SIGSTOP: alive, silent) is named by the others, which print their stacks and
+the collectives they wait in (PyTorch's flight recorder, which gloo keeps too, dumped to a file)
 and exit within the training timeout plus 30 s instead of waiting out the collective timeout."""
 
+import pickle
+import re
 import signal
 import time
 
@@ -14,7 +17,9 @@ TIMEOUT_S = 15
 
 
 def test_sigstop_of_one_rank_is_named_and_the_others_exit_in_time(tmp_path):
-    run = Ranks([*ARGS, "--train-iters", "100000", "--train-timeout-minutes", str(TIMEOUT_S / 60)], 2, tmp_path)
+    dumps = tmp_path / "fr" / "rank_"
+    run = Ranks([*ARGS, "--train-iters", "100000", "--train-timeout-minutes", str(TIMEOUT_S / 60)], 2, tmp_path,
+                env={"TORCH_FR_DUMP_TEMP_FILE": str(dumps)})  # fmt: skip
     run.wait_for("iteration       3/")
     run.procs[1].send_signal(signal.SIGSTOP)
     stopped = time.monotonic()
@@ -28,3 +33,8 @@ def test_sigstop_of_one_rank_is_named_and_the_others_exit_in_time(tmp_path):
     assert "rank 0: hang: iteration" in out and "over the --train-timeout-minutes 0.25" in out, out[-3000:]
     assert "ranks that did not arrive: 1 (no heartbeat" in out
     assert 'Thread 0x' in out and 'File "' in out  # this rank's stacks
+    assert f"rank 0: flight recorder: " in out and f"collectives written to {dumps}0 (every rank's: python -m" in out, out[-3000:]
+    waits = re.search(r"rank 0: flight recorder: process group \d+ \((\w+)\) completed #\d+, waits in #\d+ gloo:all_reduce", out)
+    assert waits and waits.group(1) in ("dp", "tp", "default_pg"), out[-3000:]  # the group the gradients or the stop flag wait in
+    trace = pickle.loads((tmp_path / "fr" / "rank_0").read_bytes())
+    assert trace["entries"] and any(s["last_enqueued_collective"] > s["last_completed_collective"] for s in trace["pg_status"].values())

@@ -239,6 +239,10 @@ def test_checkpoint_info(tmp_path, capsys):
     (ckpt_dir / MARKER).write_text(json.dumps(manifest(4, describe_files([p for p in ckpt_dir.iterdir() if p.name != MARKER]))))
     assert cli.main(["checkpoint", "info", str(tmp_path)]) == 0
     out = capsys.readouterr().out
+    assert out.splitlines()[0] == f"OK: iteration 4 of {tmp_path} is complete and intact" and len(out.splitlines()) == 6, out
+    assert re.search(r"tensors: 36, \d+ bytes \(--tensors lists them\)", out) and "model.1.weight" not in out
+    assert cli.main(["checkpoint", "info", str(tmp_path), "--tensors"]) == 0
+    out = capsys.readouterr().out
     assert f"{tmp_path}: iterations 2, 4 (tracker: 4)" in out and f"iteration 4: {ckpt_dir}" in out
     assert "checksums: verified OK (5 files" in out
     assert "saved by 8 processes (tp 2 x cp 1 x dp 2 x pp 2, distributed optimizer); optimizer state: yes; RNG states: yes" in out
@@ -247,12 +251,14 @@ def test_checkpoint_info(tmp_path, capsys):
 
     flip_byte(ckpt_dir / "__0_0.distcp")
     assert cli.main(["checkpoint", "info", str(tmp_path)]) == 1
-    assert f"checksums: FAILED: checkpoint file {ckpt_dir}/__0_0.distcp is corrupt" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert out.startswith(f"FAILED: iteration 4 of {tmp_path}: checkpoint file {ckpt_dir}/__0_0.distcp is corrupt")
+    assert f"checksums: FAILED: checkpoint file {ckpt_dir}/__0_0.distcp is corrupt" in out
     assert cli.main(["checkpoint", "info", str(tmp_path), "--ckpt-step", "2"]) == 0
     assert "iteration 2:" in capsys.readouterr().out
     (ckpt_dir / MARKER).unlink()
     assert cli.main(["checkpoint", "info", str(tmp_path)]) == 1
-    assert "the checkpoint is incomplete" in capsys.readouterr().out
+    assert "the checkpoint is incomplete" in capsys.readouterr().out.splitlines()[0]
 
 
 def test_ranks_split_the_checksum_reading_and_cover_every_file():

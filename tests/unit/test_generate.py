@@ -96,6 +96,25 @@ def test_generate_from_checkpoint_refuses_negative_lengths_and_says_when_positio
     assert f"note: the model has {positions} positions: at most {positions - 2} new tokens follow the 2-token prompt, not 300" in capsys.readouterr().err
 
 
+def test_generate_names_a_missing_tokenizer_and_takes_one_by_flag(tmp_path, capsys):
+    """A checkpoint of a --mock-data run without --tokenizer-type: the command says the checkpoint
+    has no tokenizer and what to pass (it was `unknown --tokenizer-type ''`), then takes it."""
+    from meshtron import cli
+
+    cfg = build_config(overrides=["--model.preset", "tiny-llama", "--mock-data", "--vocab-size", "384", "--seq-length", "16"])
+    model = build_model(cfg.model, 384, cfg.data.seq_length)
+    save_checkpoint(tmp_path, 1, model, None, {"config": cfg.to_dict(), "vocab_size": 384, "tokenizer": {"tokenizer_type": ""}}, save_optim=False)
+    argv = ["generate", "--load", str(tmp_path), "--prompt", "Hi", "--device", "cpu", "--greedy", "--max-new-tokens", "3"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"meshtron generate: error: {tmp_path} has no tokenizer: its run trained on --mock-data without --tokenizer-type" in err
+    assert "--tokenizer-type ByteTokenizer, or --tokenizer-type NAME with --tokenizer-model PATH" in err and "Traceback" not in err
+    assert cli.main([*argv, "--tokenizer-type", "ByteTokenizer"]) == 0
+    assert capsys.readouterr().out.startswith("Hi")
+    assert cli.main([*argv, "--tokenizer-type", "ByteTokenizer", "--max-new-tokens", "-5"]) == 2
+    assert "meshtron generate: error: --max-new-tokens must be >= 0, got -5" in capsys.readouterr().err
+
+
 def test_top_k_filter():
     logits = torch.tensor([1.0, 4.0, 3.0, 2.0])
     assert torch.isinf(top_k_filter(logits, 2)).tolist() == [True, False, False, True]

@@ -189,6 +189,9 @@ def test_cli_import_then_generate_and_finetune_config(tmp_path, capsys):
     assert cfg.model.vocab_size == 300 and cfg.model.make_vocab_size_divisible_by == 1 and cfg.data.tokenizer_type == "HuggingFaceTokenizer"
     assert cli_main(["convert", "hf-export", "--load", str(save), "--hf-dir", str(tmp_path / "out")]) == 0
     assert (tmp_path / "out" / "tokenizer.json").is_file()
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["torch_dtype"] == "bfloat16"  # the import's default, kept
+    assert config["bos_token_id"] is None and config["eos_token_id"] == 0  # the tokenizer has an end of text only
     assert cli_main(["convert", "hf-import", "--hf-dir", str(tmp_path / "nothing"), "--save", str(save)]) == 2
 
 
@@ -213,3 +216,46 @@ def test_gpt2_tanh_gelu_imports_exactly(tmp_path):
     torch.testing.assert_close(_meshtron_logits(tmp_path / "ckpt", tokens), _hf_logits(hf_model, tokens), atol=1e-5, rtol=1e-5)
     export_hf(tmp_path / "ckpt", tmp_path / "back")
     assert json.loads((tmp_path / "back" / "config.json").read_text())["activation_function"] == "gelu_new"
+
+def test_export_keeps_the_checkpoints_dtype_real_token_ids_and_a_normal_file_mode(tmp_path):
+    """A GPT trained as the default run trains one (a 4096-token BPE is ~300 here, fp32 on the CPU):
+    the export stays fp32 unless --dtype says otherwise, its bos/eos are the tokenizer's end of text
+    (left out, transformers' GPT-2 would say 50256, beyond the vocabulary), and the weights file
+    has the mode the umask gives a new file (safetensors writes 0600)."""
+    import os
+
+    from safetensors import safe_open
+
+    from meshtron.checkpoint.checkpoint import save_checkpoint
+    from meshtron.config import build_config
+
+    save = tmp_path / "ckpt"
+    (save / "tokenizer").mkdir(parents=True)
+    train_bpe_tokenizer(["hello world, the quick brown fox jumps over the lazy dog"] * 20, 300, str(save / "tokenizer" / "tokenizer.json"))
+    cfg = build_config(None, ["--preset", "tiny-gpt", "--tokenizer-type", "HuggingFaceTokenizer"])
+    model = build_model(cfg.model, 320, cfg.data.seq_length)
+    tokenizer = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": "tokenizer/tokenizer.json"}
+    save_checkpoint(save, 5, model, None, {"config": cfg.to_dict(), "vocab_size": 320, "tokenizer": tokenizer}, save_optim=False)
+    eod = json.loads((save / "tokenizer" / "tokenizer.json").read_text())["added_tokens"][0]["id"]
+
+    old_mask = os.umask(0o027)
+    try:
+        assert cli_main(["convert", "hf-export", "--load", str(save), "--hf-dir", str(tmp_path / "out")]) == 0
+    finally:
+        os.umask(old_mask)
+    weights = tmp_path / "out" / "model.safetensors"
+    assert weights.stat().st_mode & 0o777 == 0o640
+    with safe_open(str(weights), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["torch_dtype"] == "float32" and config["bos_token_id"] == config["eos_token_id"] == eod < config["vocab_size"]
+    hf_config = transformers.AutoConfig.from_pretrained(tmp_path / "out")
+    assert hf_config.bos_token_id == hf_config.eos_token_id == eod
+
+    assert cli_main(["convert", "hf-export", "--load", str(save), "--hf-dir", str(tmp_path / "bf16"), "--dtype", "bf16"]) == 0
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    (save / "tokenizer" / "tokenizer.json").unlink()  # no tokenizer to read the ids from: null, not transformers' defaults
+    assert cli_main(["convert", "hf-export", "--load", str(save), "--hf-dir", str(tmp_path / "none")]) == 0
+    config = json.loads((tmp_path / "none" / "config.json").read_text())
+    assert config["bos_token_id"] is None and config["eos_token_id"] is None
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "none").bos_token_id is None

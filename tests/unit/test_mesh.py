@@ -218,3 +218,16 @@ def test_one_process_mesh_is_free():
     labels[0, 0] = -100
     want = F.cross_entropy(logits.view(-1, 50), labels.view(-1), reduction="none").view(2, 8)
     assert torch.equal(vocab_parallel_cross_entropy(logits, labels, None), want)
+
+
+def test_torchrun_restarts_over_a_shared_store_are_noted(monkeypatch):
+    from meshtron.parallel.mesh import restart_store_note
+
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    assert "start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in restart_store_note()
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # what torchrun tells its workers under that variable
+    assert restart_store_note() is None
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
+    assert restart_store_note() is None
