@@ -24,7 +24,13 @@ from meshtron.checkpoint.megatron_files import open_megatron
 from meshtron.checkpoint.megatron_pickle import load_megatron_pickle
 from meshtron.errors import CheckpointError
 from meshtron.models.megatron import check_exportable, model_config_from_args
-from tests.unit.test_megatron_convert import DATA, _copy, _expect_error, _import, _import_dir, _logits
+from tests.unit.test_megatron_convert import (
+    DATA,
+    _copy,
+    _import,
+    _import_dir,
+    _logits,
+)
 from tests.unit.test_megatron_export import _export, _legacy_files, _legacy_flags
 
 

@@ -36,21 +36,30 @@ import types
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-from make_checkpoints import CONSUMED, HERE, ITERATION, SEQ, VOCAB, _cpu_cuda_rng, _fill, _forward, _tokens
+from make_checkpoints import (
+    CONSUMED,
+    HERE,
+    ITERATION,
+    SEQ,
+    VOCAB,
+    _cpu_cuda_rng,
+    _fill,
+    _forward,
+    _tokens,
+)
 
 TP = 2
-MODEL = dict(num_layers=1, hidden_size=16, num_attention_heads=2, ffn_hidden_size=16, num_moe_experts=4, moe_router_topk=2,
-             moe_ffn_hidden_size=8, moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="aux_loss", layernorm_epsilon=1e-6)  # fmt: skip
+MODEL = {"num_layers": 1, "hidden_size": 16, "num_attention_heads": 2, "ffn_hidden_size": 16, "num_moe_experts": 4, "moe_router_topk": 2,
+         "moe_ffn_hidden_size": 8, "moe_aux_loss_coeff": 0.0, "moe_router_load_balancing_type": "aux_loss", "layernorm_epsilon": 1e-6}  # fmt: skip
 # Megatron-LM's args for the same model (pretrain_gpt.py flags as in make_checkpoints.py's MOE, smaller).
-ARGS = dict(num_layers=1, hidden_size=16, ffn_hidden_size=16, num_attention_heads=2, group_query_attention=False, num_query_groups=1,
-            kv_channels=8, padded_vocab_size=VOCAB, max_position_embeddings=SEQ, seq_length=SEQ, normalization="RMSNorm",
-            norm_epsilon=1e-6, swiglu=True, position_embedding_type="rope", rotary_base=10000, rotary_percent=1.0,
-            add_bias_linear=False, untie_embeddings_and_output_weights=True, num_experts=4, moe_router_topk=2,
-            moe_ffn_hidden_size=8, moe_router_load_balancing_type="aux_loss", moe_router_score_function="softmax",
-            moe_grouped_gemm=True, moe_layer_freq=1, moe_shared_expert_intermediate_size=None, moe_aux_loss_coeff=0.0,
-            tensor_model_parallel_size=TP, pipeline_model_parallel_size=1, expert_model_parallel_size=1,
-            expert_tensor_parallel_size=TP, transformer_impl="local", consumed_train_samples=CONSUMED, iteration=ITERATION)  # fmt: skip
+ARGS = {"num_layers": 1, "hidden_size": 16, "ffn_hidden_size": 16, "num_attention_heads": 2, "group_query_attention": False, "num_query_groups": 1,
+        "kv_channels": 8, "padded_vocab_size": VOCAB, "max_position_embeddings": SEQ, "seq_length": SEQ, "normalization": "RMSNorm",
+        "norm_epsilon": 1e-6, "swiglu": True, "position_embedding_type": "rope", "rotary_base": 10000, "rotary_percent": 1.0,
+        "add_bias_linear": False, "untie_embeddings_and_output_weights": True, "num_experts": 4, "moe_router_topk": 2,
+        "moe_ffn_hidden_size": 8, "moe_router_load_balancing_type": "aux_loss", "moe_router_score_function": "softmax",
+        "moe_grouped_gemm": True, "moe_layer_freq": 1, "moe_shared_expert_intermediate_size": None, "moe_aux_loss_coeff": 0.0,
+        "tensor_model_parallel_size": TP, "pipeline_model_parallel_size": 1, "expert_model_parallel_size": 1,
+        "expert_tensor_parallel_size": TP, "transformer_impl": "local", "consumed_train_samples": CONSUMED, "iteration": ITERATION}  # fmt: skip
 CASES = ("grouped_tp2_dist", "grouped_tp2_torch")
 
 
@@ -90,7 +99,7 @@ def _run(rank: int, port: int) -> None:
     legacy.parent.mkdir(parents=True, exist_ok=True)
     torch.save({**common, "model": grouped.state_dict_for_save_checkpoint()}, legacy)
     dist.barrier()
-    import megatron.core.transformer.moe.moe_utils as moe_utils
+    from megatron.core.transformer.moe import moe_utils
 
     moe_utils.te_general_gemm = None  # 0.16.1 names it only where TE imports (NameError); its own test wants None
     sequential = _model(False, mpu)  # Megatron's own reading of GroupedMLP's weights
