@@ -32,7 +32,7 @@ from meshtron.checkpoint.megatron_pickle import Namespace
 from meshtron.config import Config, ModelConfig
 from meshtron.errors import CheckpointError
 from meshtron.models import build_model
-from meshtron.models.megatron import dist_candidates, layer_count, legacy_name, meshtron_name, merge_tp, model_config_from_args
+from meshtron.models.megatron import dist_candidates, layer_count, legacy_pieces, merge_tp, model_config_from_args
 from meshtron.optim.build import build_optimizer
 
 _PLAIN = (int, float, str, bool, type(None))
@@ -62,7 +62,7 @@ def _dist_tensors(ckpt: DistCheckpoint, expected: dict[str, torch.Size], prefix:
         raise CheckpointError(f"{ckpt.directory} holds {len(left)} tensors the model its args describe has no place for, e.g. {left[:3]}")
 
 
-def _legacy_tensors(ckpt: LegacyCheckpoint, m: ModelConfig, expert_tp: int) -> Iterator[tuple[str, torch.Tensor]]:
+def _legacy_tensors(ckpt: LegacyCheckpoint, m: ModelConfig, expert_tp: int, impl: str) -> Iterator[tuple[str, torch.Tensor]]:
     offset = 0
     local_experts = m.num_experts // ckpt.ep if m.num_experts else 0
     for stage, files in ckpt.stages():
@@ -70,17 +70,17 @@ def _legacy_tensors(ckpt: LegacyCheckpoint, m: ModelConfig, expert_tp: int) -> I
         experts: dict[str, dict[int, dict[int, torch.Tensor]]] = {}
         for (t, e), state in files.items():
             for key, tensor in state.items():
-                name, expert = meshtron_name(legacy_name(key), offset)
-                if expert is None and e == 0:
-                    dense.setdefault(name, {})[t] = tensor
-                elif expert is not None:
-                    experts.setdefault(name, {}).setdefault(e * local_experts + expert, {})[t] = tensor
+                for name, expert, piece in legacy_pieces(key, tensor, offset, m, local_experts):
+                    if expert is None and e == 0:
+                        dense.setdefault(name, {})[t] = piece
+                    elif expert is not None:
+                        experts.setdefault(name, {}).setdefault(e * local_experts + expert, {})[t] = piece
         for name, by_tp in dense.items():
-            yield name, merge_tp(name, [by_tp[t] for t in sorted(by_tp)], m)
+            yield name, merge_tp(name, [by_tp[t] for t in sorted(by_tp)], m, impl)
         for name, by_expert in experts.items():
             if sorted(by_expert) != list(range(m.num_experts)):
                 raise CheckpointError(f"{ckpt.directory}: stage {stage} holds experts {sorted(by_expert)} of {name}, not 0..{m.num_experts - 1}")
-            yield name, torch.stack([merge_tp(name, [by_expert[k][t] for t in range(expert_tp)], m) for k in range(m.num_experts)])
+            yield name, torch.stack([merge_tp(name, [by_expert[k][t] for t in range(expert_tp)], m, impl) for k in range(m.num_experts)])
         offset += layer_count(list(files[(0, 0)]))
     if offset != m.num_layers:
         raise CheckpointError(f"{ckpt.directory}: the pipeline stages hold {offset} layers, args.num_layers is {m.num_layers}")
@@ -104,7 +104,7 @@ def import_megatron(load_dir: str | Path, save_dir: str | Path, iteration: int |
         tensors = _dist_tensors(ckpt, expected)
     else:
         expert_tp = int(fields.get("expert_tensor_parallel_size") or ckpt.tp) if m.num_experts else ckpt.tp
-        tensors = _legacy_tensors(ckpt, m, expert_tp)
+        tensors = _legacy_tensors(ckpt, m, expert_tp, str(fields.get("transformer_impl") or "transformer_engine"))
     state = {}
     for name, tensor in tensors:
         if name not in expected:

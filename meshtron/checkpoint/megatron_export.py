@@ -97,7 +97,7 @@ def export_megatron(load_dir: str | Path, save_dir: str | Path, iteration: int |
     root = Path(save_dir)
     directory = root / f"iter_{step:07d}"
     directory.mkdir(parents=True, exist_ok=True)
-    fused = fused_norms(ckpt_format, impl, bool(m.num_experts))
+    fused = fused_norms(ckpt_format, impl, bool(m.num_experts), m.multi_latent_attention)
     if ckpt_format == "torch_dist":
         with quiet_single_process():
             # Unflattened: DCP's planner then stores each object as torch.save(object), Megatron-Core's bytes.

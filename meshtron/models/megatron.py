@@ -12,7 +12,15 @@ by name alone. What differs:
   ``mlp.linear_fc1.layer_norm_weight``;
 * experts: Megatron's SequentialMLP holds ``mlp.experts.local_experts.K.linear_fc1.weight`` per
   expert (``torch_dist``: ``mlp.experts.experts.linear_fc1.weight`` with an expert axis); meshtron
-  stacks them as ``mlp.experts.weight1`` [E, 2f, h] and ``weight2`` [E, h, f];
+  stacks them as ``mlp.experts.weight1`` [E, 2f, h] and ``weight2`` [E, h, f]. Grouped experts
+  write SequentialMLP's torch_dist keys (their ``sharded_state_dict`` says so); their legacy state
+  differs: Transformer Engine's ``mlp.experts.linear_fc1.weightK`` per local expert, the older
+  GroupedMLP's ``mlp.experts.weight1`` [h, experts*2f] and ``weight2`` [experts*f, h], unpacked
+  by ``legacy_pieces`` as that module's own ``view(experts, h, -1)`` reads them;
+* latent attention (MLA): the submodules carry Megatron's names; TE's spec fuses the latent norms
+  into the up-projections after them (``LATENT_NORMS``) and keeps the input norm apart, the local
+  spec fuses nothing; the local spec splits the down-projections' rows over tp, TE's keeps them
+  whole on every rank;
 * older checkpoints (``language_model.encoder.*``) use the pre-Core names, renamed here.
 
 The legacy ``torch`` format stores each tensor-parallel rank's shard; ``merge_tp`` joins them by
@@ -25,22 +33,35 @@ linear's ``_extra_state`` entry included.
 from __future__ import annotations
 
 import itertools
+import math
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from meshtron.config import ModelConfig
 from meshtron.errors import CheckpointError
+from meshtron.layers.rope import yarn_attention_factor, yarn_mscale
 
 TOP = {"embedding.weight": "embedding.word_embeddings.weight", "position_embedding.weight": "embedding.position_embeddings.weight",
        "final_norm.weight": "decoder.final_layernorm.weight", "final_norm.bias": "decoder.final_layernorm.bias",
        "output.weight": "output_layer.weight"}  # fmt: skip
 # meshtron's per-layer norm names -> the fused names torch_dist stores them under.
 FUSED_NORMS = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_", "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+# MLA's latent norms -> the up-projections Transformer Engine's spec fuses them into.
+LATENT_NORMS = {"self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+                "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_"}  # fmt: skip
+ALL_FUSED = {**FUSED_NORMS, **LATENT_NORMS}
 EXPERTS = {"mlp.experts.weight1": "linear_fc1.weight", "mlp.experts.weight2": "linear_fc2.weight"}
+_STACKED = {v: k for k, v in EXPERTS.items()}
 # The linear layers, each with an ``_extra_state`` entry Megatron's loader asks for.
-LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "linear_q_proj", "linear_q_down_proj", "linear_q_up_proj",
+           "linear_kv_down_proj", "linear_kv_up_proj")  # fmt: skip
+# MLA's down-projections: column-parallel rows in the local spec, whole on every rank in TE's.
+LATENT_DOWN = ("linear_q_down_proj.weight", "linear_kv_down_proj.weight")
+# Megatron's MLATransformerConfig defaults for the YaRN fields no Megatron arg of that name sets.
+MLA_YARN_DEFAULTS = {"original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0}
 # Pre-Core names (``language_model.*``) -> Core's.
 _OLD_TOP = {"language_model.embedding.word_embeddings.": "embedding.word_embeddings.",
             "language_model.embedding.position_embeddings.": "embedding.position_embeddings.",
@@ -49,7 +70,9 @@ _OLD_TOP = {"language_model.embedding.word_embeddings.": "embedding.word_embeddi
 _OLD_LAYER = {"self_attention.query_key_value.": "self_attention.linear_qkv.", "self_attention.dense.": "self_attention.linear_proj.",
               "post_attention_layernorm.": "pre_mlp_layernorm.", "mlp.dense_h_to_4h.": "mlp.linear_fc1.",
               "mlp.dense_4h_to_h.": "mlp.linear_fc2."}  # fmt: skip
+# A legacy expert tensor: SequentialMLP's (local expert first) or TE's grouped linear's (last).
 _LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)")
+_TE_EXPERT = re.compile(r"mlp\.experts\.(linear_fc[12]\.weight)(\d+)")
 
 
 # -- config ---------------------------------------------------------------------------------------
@@ -66,7 +89,8 @@ def model_config_from_args(args: dict[str, Any], source: str) -> ModelConfig:
     """The meshtron model a Megatron run's ``args`` describe, from the fields that define the
     model only; a value meshtron does not implement is refused, naming the field."""
     for field, must in (("rotary_interleaved", False), ("apply_layernorm_1p", False), ("layernorm_zero_centered_gamma", False),
-                        ("multi_latent_attention", False), ("use_rope_scaling", False), ("moe_grouped_gemm", False),
+                        ("mla_down_proj_fusion", False), ("use_rope_scaling", False), ("moe_single_grouped_weight", False),
+                        ("moe_single_grouped_bias", False), ("moe_mlp_glu_interleave_size", None),
                         ("moe_shared_expert_gate", False), ("squared_relu", False), ("mtp_num_layers", None),
                         ("heterogeneous_layers_config_path", None), ("hybrid_layer_pattern", None), ("qk_l2_norm", False),
                         ("softmax_type", "vanilla"), ("num_layers_per_virtual_pipeline_stage", None)):  # fmt: skip
@@ -76,7 +100,8 @@ def model_config_from_args(args: dict[str, Any], source: str) -> ModelConfig:
     if missing:
         raise CheckpointError(f"{source}: args lacks the model fields {missing}; is this a Megatron-LM GPT checkpoint?")
     normalization = _choice(args, "normalization", ("LayerNorm", "RMSNorm"), source)
-    positions = _choice(args, "position_embedding_type", ("rope", "learned_absolute"), source)
+    mla = bool(args.get("multi_latent_attention"))  # brings its own RoPE, under the model's type rope or none
+    positions = _choice(args, "position_embedding_type", ("rope", "none") if mla else ("rope", "learned_absolute"), source)
     epsilon = args.get("norm_epsilon", args.get("layernorm_epsilon", 1e-5))
     activation = "swiglu" if args.get("swiglu") else "gelu_tanh" if args.get("openai_gelu") else "gelu"
     experts = args.get("num_experts") or 0
@@ -86,13 +111,16 @@ def model_config_from_args(args: dict[str, Any], source: str) -> ModelConfig:
         num_query_groups=args["num_query_groups"] if args.get("group_query_attention") else 0,
         kv_channels=args.get("kv_channels") or 0, vocab_size=args["padded_vocab_size"], make_vocab_size_divisible_by=1,
         max_position_embeddings=args.get("max_position_embeddings") or args.get("seq_length"), normalization=normalization,
-        norm_epsilon=float(epsilon), activation=activation, position_embedding_type=positions,
+        norm_epsilon=float(epsilon), activation=activation, position_embedding_type="rope" if mla else positions,
         rotary_base=int(args.get("rotary_base", 10000)), rotary_percent=float(args.get("rotary_percent", 1.0)),
         add_bias_linear=bool(args.get("add_bias_linear", True)), add_qkv_bias=bool(args.get("add_qkv_bias", False)),
         tie_embeddings=not args.get("untie_embeddings_and_output_weights", False),
         apply_residual_connection_post_layernorm=bool(args.get("apply_residual_connection_post_layernorm", False)),
         qk_layernorm=bool(args.get("qk_layernorm", False)), attention_dropout=0.0, hidden_dropout=0.0,
     )  # fmt: skip
+    if mla:
+        for field, value in _mla_fields(args, source).items():
+            setattr(m, field, value)
     if experts:
         if str(args.get("moe_layer_freq", 1)) != "1":
             raise CheckpointError(f"{source}: args.moe_layer_freq = {args['moe_layer_freq']!r}: megatron-import reads models whose "
@@ -115,6 +143,32 @@ def model_config_from_args(args: dict[str, Any], source: str) -> ModelConfig:
     return m
 
 
+def _mla_fields(args: dict[str, Any], source: str) -> dict[str, Any]:
+    """MLA's model fields. Megatron builds its MLATransformerConfig from ``args`` by field name:
+    ``rope_type`` unset means YaRN there, and the YaRN context and betas keep the config's defaults
+    (``MLA_YARN_DEFAULTS``: Megatron-Core 0.19 has no args of those names; its ``--yarn-*`` flags
+    serve GPT's YaRN, not MLA). Megatron scales attention by YaRN's ``mscale_all_dim`` temperature
+    squared whatever the rope type, meshtron under YaRN only: a pair of values where the two
+    differ is refused rather than imported to other logits."""
+    rope_type = _choice(args, "rope_type", (None, "rope", "yarn"), source) or "yarn"
+    factor = float(args.get("rotary_scaling_factor") or 1.0)
+    mscale, mscale_all_dim = float(args.get("mscale", 1.0)), float(args.get("mscale_all_dim", 0.0))
+    yarn = rope_type == "yarn" and factor != 1.0
+    tables = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim) if rope_type == "yarn" else 1.0
+    mine = yarn_attention_factor(factor, mscale, mscale_all_dim) if yarn else 1.0
+    if not math.isclose(tables, mine) or (not yarn and yarn_mscale(factor, mscale_all_dim) != 1.0):
+        raise CheckpointError(f"{source}: args.rope_type = {rope_type!r} with rotary_scaling_factor {factor}, mscale {mscale}, "
+                              f"mscale_all_dim {mscale_all_dim}: Megatron's MLA scales its rotary tables or attention unlike "
+                              "meshtron's YaRN there; megatron-import does not read that combination")  # fmt: skip
+    defaults = {k: args.get(k) or v for k, v in MLA_YARN_DEFAULTS.items()}
+    return {"multi_latent_attention": True, "q_lora_rank": args.get("q_lora_rank") or 0, "kv_lora_rank": args["kv_lora_rank"],
+            "qk_head_dim": args["qk_head_dim"], "qk_pos_emb_head_dim": args["qk_pos_emb_head_dim"], "v_head_dim": args["v_head_dim"],
+            "kv_channels": 0, "num_query_groups": 0, "rope_scaling": "yarn" if yarn else "", "rope_scaling_factor": factor,
+            "rope_original_max_position_embeddings": int(defaults["original_max_position_embeddings"]),
+            "rope_beta_fast": float(defaults["beta_fast"]), "rope_beta_slow": float(defaults["beta_slow"]),
+            "rope_mscale": mscale, "rope_mscale_all_dim": mscale_all_dim}  # fmt: skip
+
+
 def args_from_model(m: ModelConfig, vocab_size: int, seq_length: int) -> dict[str, Any]:
     """The model-defining ``args`` fields Megatron-LM checks when it loads a checkpoint."""
     heads = m.num_attention_heads
@@ -128,6 +182,12 @@ def args_from_model(m: ModelConfig, vocab_size: int, seq_length: int) -> dict[st
             "add_bias_linear": m.add_bias_linear, "add_qkv_bias": m.add_qkv_bias, "untie_embeddings_and_output_weights": not m.tie_embeddings,
             "apply_residual_connection_post_layernorm": m.apply_residual_connection_post_layernorm, "qk_layernorm": m.qk_layernorm,
             "num_experts": m.num_experts or None}  # fmt: skip
+    if m.multi_latent_attention:  # kv_channels: the local spec's core attention sizes its output by it
+        yarn = m.rope_scaling == "yarn"
+        args.update(multi_latent_attention=True, group_query_attention=False, q_lora_rank=m.q_lora_rank or None,
+                    kv_lora_rank=m.kv_lora_rank, qk_head_dim=m.qk_head_dim, qk_pos_emb_head_dim=m.qk_pos_emb_head_dim,
+                    v_head_dim=m.v_head_dim, kv_channels=m.v_head_dim, rope_type="yarn" if yarn else "rope",
+                    rotary_scaling_factor=m.rope_scaling_factor if yarn else 1.0, mscale=m.rope_mscale, mscale_all_dim=m.rope_mscale_all_dim)  # fmt: skip
     if m.num_experts:
         args.update(moe_router_topk=m.moe_router_topk, moe_ffn_hidden_size=m.moe_ffn_hidden_size or m.ffn_hidden_size,
                     moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size or None,
@@ -142,8 +202,15 @@ def check_exportable(m: ModelConfig) -> None:
     """Refuse what has no Megatron-Core GPT equivalent written here."""
     if m.model_type != "gpt":
         raise CheckpointError(f"megatron-export writes GPT decoders; this checkpoint holds a '{m.model_type}' model")
-    if m.multi_latent_attention or m.position_embedding_type not in ("rope", "learned_absolute") or m.rope_scaling:
-        raise CheckpointError("megatron-export: latent attention, relative positions and RoPE scaling are not mapped to Megatron names here")
+    if m.position_embedding_type not in ("rope", "learned_absolute") or m.rope_scaling not in ("", "yarn" if m.multi_latent_attention else ""):
+        raise CheckpointError("megatron-export: relative positions and RoPE scaling (but latent attention's YaRN) are not mapped to "
+                              "Megatron names here")  # fmt: skip
+    if m.multi_latent_attention:  # what Megatron's MLA reads back from the args written
+        back = _mla_fields(args_from_model(m, 1, 1), "megatron-export")
+        lost = [f for f, v in back.items() if getattr(m, f) != v and (m.rope_scaling or not f.startswith("rope_"))]
+        if lost:
+            raise CheckpointError(f"megatron-export: Megatron's latent attention would read {', '.join(lost)} otherwise "
+                                  f"({', '.join(f'{f} {back[f]!r}' for f in lost)}): its MLA takes no args for them")  # fmt: skip
     if m.num_experts and (m.moe_shared_expert_gate or str(m.moe_layer_freq) != "1"):
         raise CheckpointError("megatron-export: a shared-expert gate or dense layers between MoE layers are not mapped here")
 
@@ -151,14 +218,17 @@ def check_exportable(m: ModelConfig) -> None:
 # -- names ----------------------------------------------------------------------------------------
 
 
-def fused_norms(ckpt_format: str, transformer_impl: str, moe: bool) -> dict[str, str]:
-    """The per-layer norms a Megatron spec stores under the linear they precede (``FUSED_NORMS``'s
-    subset): the local spec maps both in torch_dist (its sharded-state-dict key map) and neither
-    in its legacy state dict; Transformer Engine's fuses the input norm into ``linear_qkv`` and the
-    pre-MLP norm into ``linear_fc1`` when the MLP is dense (an MoE layer keeps its own norm)."""
+def fused_norms(ckpt_format: str, transformer_impl: str, moe: bool, mla: bool = False) -> dict[str, str]:
+    """The per-layer norms a Megatron spec stores under the linear they precede (``ALL_FUSED``'s
+    subset): the local spec maps both block norms in torch_dist (its sharded-state-dict key map;
+    none for MLA, whose local layer has no map) and neither in its legacy state dict; Transformer
+    Engine's fuses the input norm into ``linear_qkv`` (MLA's stays apart, its latent norms go into
+    the up-projections) and the pre-MLP norm into ``linear_fc1`` when the MLP is dense (an MoE
+    layer keeps its own norm)."""
     if transformer_impl == "local":
-        return dict(FUSED_NORMS) if ckpt_format == "torch_dist" else {}
-    return {k: v for k, v in FUSED_NORMS.items() if not (moe and k == "pre_mlp_layernorm.")}
+        return dict(FUSED_NORMS) if ckpt_format == "torch_dist" and not mla else {}
+    fused = {k: v for k, v in FUSED_NORMS.items() if not (moe and k == "pre_mlp_layernorm.") and not (mla and k == "input_layernorm.")}
+    return {**fused, **LATENT_NORMS} if mla else fused
 
 
 def layer_key(rest: str, fused: dict[str, str]) -> str:
@@ -183,8 +253,8 @@ def dist_key(name: str, fused: dict[str, str] = FUSED_NORMS) -> tuple[str, int |
 
 
 def dist_candidates(name: str) -> tuple[list[str], int | None]:
-    """``dist_key``'s key, then the unfused one a local-spec layer may be stored under."""
-    key, layer = dist_key(name)
+    """``dist_key``'s key (any spec's fused norm name), then the unfused one a layer may be stored under."""
+    key, layer = dist_key(name, ALL_FUSED)
     return ([key] if layer is None else [key, f"decoder.layers.{name.split('.', 2)[2]}"]), layer
 
 
@@ -225,7 +295,7 @@ def legacy_state(weights: dict[str, torch.Tensor], m: ModelConfig, layout: tuple
         match = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
         if match is None:
             if (last if name.startswith(("final_norm.", "output.")) else first):
-                model[TOP[name]] = split_tp(name, tensor, m, tp)[t]
+                model[TOP[name]] = split_tp(name, tensor, m, tp, impl)[t]
             continue
         layer, rest = int(match.group(1)), match.group(2)
         if layer // per_stage != p:
@@ -233,11 +303,11 @@ def legacy_state(weights: dict[str, torch.Tensor], m: ModelConfig, layout: tuple
         prefix = f"decoder.layers.{layer % per_stage}."
         if rest in EXPERTS:
             for k in range(local_experts):
-                model[f"{prefix}mlp.experts.local_experts.{k}.{EXPERTS[rest]}"] = split_tp(name, tensor[e * local_experts + k], m, tp)[t]
+                model[f"{prefix}mlp.experts.local_experts.{k}.{EXPERTS[rest]}"] = split_tp(name, tensor[e * local_experts + k], m, tp, impl)[t]
         else:
-            model[prefix + layer_key(rest, fused)] = split_tp(name, tensor, m, tp)[t]
+            model[prefix + layer_key(rest, fused)] = split_tp(name, tensor, m, tp, impl)[t]
     if last and m.tie_embeddings and pp > 1:  # the last stage's own copy of the shared embedding
-        model[TOP["output.weight"]] = split_tp("output.weight", weights["embedding.weight"], m, tp)[t]
+        model[TOP["output.weight"]] = split_tp("output.weight", weights["embedding.weight"], m, tp, impl)[t]
     modules = {key.rpartition(".")[0] for key in model if _is_linear(key.rpartition(".")[0])}
     if impl == "transformer_engine":
         modules |= {f"decoder.layers.{i}.self_attention.core_attention" for i in range(per_stage)}
@@ -259,7 +329,7 @@ def legacy_name(key: str) -> str:
     for old, new in _OLD_LAYER.items():
         if rest.startswith(old):
             rest = new + rest[len(old) :]
-    for norm, fused in FUSED_NORMS.items():
+    for norm, fused in ALL_FUSED.items():
         if rest.startswith(fused):
             rest = norm + rest[len(fused) :]
     return f"decoder.layers.{match.group(1)}.{rest}"
@@ -275,11 +345,30 @@ def meshtron_name(key: str, layer_offset: int) -> tuple[str, int | None]:
     if not match:
         raise CheckpointError(f"Megatron tensor {key} has no meshtron equivalent")
     layer, rest = int(match.group(1)) + layer_offset, match.group(2)
-    expert = _LOCAL_EXPERT.fullmatch(rest)
-    if expert:
-        stacked = {v: k for k, v in EXPERTS.items()}[expert.group(2)]
-        return f"layers.{layer}.{stacked}", int(expert.group(1))
-    return f"layers.{layer}.{rest}", None
+    if sequential := _LOCAL_EXPERT.fullmatch(rest):
+        index, linear = int(sequential.group(1)), sequential.group(2)
+    elif grouped := _TE_EXPERT.fullmatch(rest):
+        index, linear = int(grouped.group(2)), grouped.group(1)
+    else:
+        return f"layers.{layer}.{rest}", None
+    return f"layers.{layer}.{_STACKED[linear]}", index
+
+
+def legacy_pieces(key: str, tensor: torch.Tensor, layer_offset: int, m: ModelConfig, local_experts: int,
+                  ) -> Iterator[tuple[str, int | None, torch.Tensor]]:  # fmt: skip
+    """``meshtron_name``'s name and local expert for legacy ``key``, with its tensor; a GroupedMLP's
+    packed ``mlp.experts.weight1`` [h, experts*fc1] / ``weight2`` [experts*f, h] (its name is
+    meshtron's, its layout is not) gives one piece per local expert, read as that module's forward
+    reads it (``view(experts, h, -1)`` / ``view(experts, -1, h)``), each [in, out] transposed to the
+    [out, in] of SequentialMLP's shard of that expert."""
+    name, expert = meshtron_name(legacy_name(key), layer_offset)
+    if expert is not None or not name.endswith(tuple(EXPERTS)):
+        yield name, expert, tensor
+        return
+    h = m.hidden_size
+    packed = tensor.reshape(local_experts, h, -1) if name.endswith("weight1") else tensor.reshape(local_experts, -1, h)
+    for index, piece in enumerate(packed.transpose(-1, -2)):
+        yield name, index, piece
 
 
 def layer_count(keys: list[str]) -> int:
@@ -290,11 +379,15 @@ def layer_count(keys: list[str]) -> int:
     return len(numbers)
 
 
-def _tp_rule(name: str, m: ModelConfig) -> str | None:
-    """How the layer of tensor ``name`` splits it over tensor-parallel ranks: ``rows`` (vocabulary,
-    QKV in its per-group order), ``halves`` (SwiGLU's [gate | up] rows, each half split), ``columns``
+def _tp_rule(name: str, m: ModelConfig, impl: str) -> str | None:
+    """How the layer of tensor ``name`` splits it over tensor-parallel ranks under spec ``impl``:
+    ``rows`` (vocabulary, QKV in its per-group order, MLA's whole heads, the local spec's MLA
+    down-projections), ``halves`` (SwiGLU's [gate | up] rows, each half split), ``columns``
     (row-parallel layers), or None (every rank holds it whole)."""
-    if name in ("embedding.weight", "output.weight") or name.endswith(("linear_qkv.weight", "linear_qkv.bias")):
+    if name.endswith(LATENT_DOWN):
+        return "rows" if impl == "local" else None
+    if name in ("embedding.weight", "output.weight") or name.endswith(("linear_qkv.weight", "linear_qkv.bias", "linear_q_proj.weight",
+                                                                       "linear_q_up_proj.weight", "linear_kv_up_proj.weight")):  # fmt: skip
         return "rows"
     if name.endswith(("linear_fc1.weight", "linear_fc1.bias", "experts.weight1")):
         return "halves" if m.activation == "swiglu" else "rows"
@@ -303,12 +396,12 @@ def _tp_rule(name: str, m: ModelConfig) -> str | None:
     return None
 
 
-def merge_tp(name: str, pieces: list[torch.Tensor], m: ModelConfig) -> torch.Tensor:
+def merge_tp(name: str, pieces: list[torch.Tensor], m: ModelConfig, impl: str = "local") -> torch.Tensor:
     """The global tensor ``name`` from its tensor-parallel shards (rank order), by the rule of the
     layer that split it; a replicated tensor must be equal on every rank."""
     if len(pieces) == 1:
         return pieces[0]
-    rule = _tp_rule(name, m)
+    rule = _tp_rule(name, m, impl)
     if rule == "halves":
         halves = [p.chunk(2, 0) for p in pieces]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
@@ -319,10 +412,10 @@ def merge_tp(name: str, pieces: list[torch.Tensor], m: ModelConfig) -> torch.Ten
     return pieces[0]
 
 
-def split_tp(name: str, tensor: torch.Tensor, m: ModelConfig, tp: int) -> list[torch.Tensor]:
+def split_tp(name: str, tensor: torch.Tensor, m: ModelConfig, tp: int, impl: str = "local") -> list[torch.Tensor]:
     """``merge_tp``'s inverse: the ``tp`` shards of global tensor ``name``, each its own copy (a
     saved view would carry the whole tensor's storage)."""
-    rule = _tp_rule(name, m)
+    rule = _tp_rule(name, m, impl)
     if rule is None or tp == 1:
         return [tensor.clone()] * tp
     dim = 1 if rule == "columns" else 0

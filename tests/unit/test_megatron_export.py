@@ -25,7 +25,7 @@ from meshtron.cli import main as cli_main
 from tests.unit.test_megatron_convert import CASES, DATA, _import, _import_dir, _logits
 
 MEGATRON_PYTHON = os.environ.get("MEGATRON_PYTHON", "")  # opt-in: these runs take minutes
-LEGACY = {"llama_tp2pp2_torch": (2, 2, 1), "gpt_tp2_torch": (2, 1, 1), "moe_ep2_torch": (1, 1, 2)}
+LEGACY = {"llama_tp2pp2_torch": (2, 2, 1), "gpt_tp2_torch": (2, 1, 1), "moe_ep2_torch": (1, 1, 2), "mla_tp2_torch": (2, 1, 1)}
 
 
 def _export(load: Path, out: Path, *flags: str) -> Path:
@@ -127,6 +127,8 @@ MEGATRON_LOADS = [
     ("llama_tp1_dist", (2, 1, 1)),  # torch_dist, resharded to tp 2 by Megatron
     ("moe_ep2_dist", (1, 1, 2)),
     ("gpt_tp2_torch", (2, 1, 1)),  # legacy: tied embeddings, biases, LayerNorm, learned positions
+    ("mla_yarn_dist", (2, 1, 1)),  # latent attention with YaRN, resharded to tp 2
+    ("mla_tp2_torch", (2, 1, 1)),  # legacy latent attention: the down-projections' rows split over tp
     pytest.param("llama_tp2pp2_torch", (2, 2, 1), marks=pytest.mark.slow),  # legacy, four processes
 ]
 

@@ -60,6 +60,17 @@ MOE = [*DENSE, "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden
        "--moe-shared-expert-intermediate-size", "16", "--moe-router-load-balancing-type", "aux_loss",
        "--moe-token-dispatcher-type", "allgather", "--moe-aux-loss-coeff", "0.01"]  # fmt: skip
 
+# DeepSeek-V2's latent attention (local spec; Megatron forbids --group-query-attention with it).
+# --kv-channels = v_head_dim: the local DotProductAttention sizes its output by kv_channels.
+MLA = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "16", "--swiglu",
+       "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--disable-bias-linear", "--multi-latent-attention", "--kv-lora-rank", "16", "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "8",
+       "--v-head-dim", "8", "--kv-channels", "8"]  # fmt: skip
+# a low-rank query with the latent norms, YaRN (Megatron's MLA default rope type) stretched 4x
+# with both temperatures set; and a full query projection with plain RoPE, no position type
+MLA_YARN = [*MLA, "--position-embedding-type", "rope", "--q-lora-rank", "12", "--qk-layernorm", "--rope-type", "yarn",
+            "--rotary-scaling-factor", "4", "--mscale", "0.8", "--mscale-all-dim", "0.6"]  # fmt: skip
+MLA_ROPE = [*MLA, "--position-embedding-type", "none", "--rope-type", "rope", "--rotary-base", "500"]
+
 SMALL = ["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "2", "--num-query-groups", "1", "--ffn-hidden-size", "16", *DENSE[10:]]
 # Trained cases: Adam for ITERATION steps on the fixed tokens, saved with the optimizer, then
 # CONTINUED more steps whose losses are the reference a resumed run must reproduce.
@@ -75,6 +86,8 @@ CASES = {
     "gpt_tp2_torch": (GPT + NO_RNG, 2, 1, 1, "torch"),
     "moe_ep2_dist": (MOE + NO_RNG, 1, 1, 2, "torch_dist"),
     "moe_ep2_torch": (MOE + NO_RNG, 1, 1, 2, "torch"),
+    "mla_yarn_dist": (MLA_YARN + NO_RNG, 1, 1, 1, "torch_dist"),
+    "mla_tp2_torch": (MLA_ROPE + NO_RNG, 2, 1, 1, "torch"),
     "llama_adam_dist": (SMALL + NO_RNG, 1, 1, 1, "torch_dist"),
     "llama_adam_bf16_dist": (SMALL + NO_RNG + ["--bf16"], 1, 1, 1, "torch_dist"),
 }
@@ -105,6 +118,21 @@ def _cpu_factories() -> None:
     torch.Tensor.type = lambda self, *a, **k: plain_type(self, *a, **k) if a or k else plain_type(self).replace("torch.", "torch.cuda.", 1)
     # the gradient reduction waits on the current stream for CUDA-graph events (there are none)
     torch.cuda.current_stream = lambda device=None: SimpleNamespace(wait_event=lambda event: None, wait_stream=lambda stream: None)
+
+
+def _mla_core_attention(spec) -> None:
+    """Megatron-Core 0.19.2's MLA hands its core attention ``k_channels``/``v_channels``, which the
+    local spec's ``DotProductAttention`` does not take (TypeError: Transformer Engine's does): this
+    stand-in drops them and runs Megatron's own DotProductAttention, whose product already takes
+    qk dims unlike v dims (its output width is ``kv_channels`` x heads, so the cases set
+    ``--kv-channels`` = ``--v-head-dim``). Nothing else about MLA needs a GPU."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class LocalMLACoreAttention(DotProductAttention):
+        def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    spec.submodules.self_attention.submodules.core_attention = LocalMLACoreAttention
 
 
 def _fill(model: torch.nn.Module, mpu) -> None:
@@ -168,7 +196,10 @@ def _run(rank: int, name: str, world: int, port: int, load: tuple[str, tuple[int
     mpu.initialize_model_parallel(tp, pp, expert_model_parallel_size=ep)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
     config = core_transformer_config_from_args(args)
-    spec = get_gpt_layer_local_spec(args.num_experts, False, normalization=args.normalization)
+    spec = get_gpt_layer_local_spec(args.num_experts, args.moe_grouped_gemm, qk_layernorm=args.qk_layernorm,
+                                    multi_latent_attention=args.multi_latent_attention, normalization=args.normalization)
+    if args.multi_latent_attention:
+        _mla_core_attention(spec)
     model = GPTModel(config, spec, VOCAB, SEQ, pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage(),
                      parallel_output=False, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                      position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base)  # fmt: skip
