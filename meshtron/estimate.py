@@ -4,8 +4,9 @@
 
 Three parts, for the first pipeline stage (the embedding and the most micro batches in flight):
 
-- parameters: this rank's share (``models/rank_parameters.py``): the dense part split by tp (and
-  pp), the routed experts by ep and etp; in the compute dtype;
+- parameters: this rank's share, read from the plan's records on the meta-built model
+  (``parallel/sizes.py``): the dense part split by tp (and pp), the routed experts by ep and etp;
+  in the compute dtype;
 - gradients and optimizer state: the fp32 gradient buffer (4 bytes/param, never sharded by the
   distributed optimizer, which reduce-scatters out of it), fp32 masters (4, none in fp32 mode, where
   the master is the param) and Adam's two moments (8), the last two split by the distributed
@@ -37,10 +38,10 @@ from meshtron.layers.attention import head_dim, num_kv_heads
 from meshtron.layers.mlp import ffn_hidden_size
 from meshtron.layers.moe.experts import expert_ffn_hidden_size
 from meshtron.models import num_blocks, padded_vocab_size, parameter_count, pipeline_costs, spec_for
-from meshtron.models.rank_parameters import rank_parameters
 from meshtron.parallel.mesh import GROUP_DIMS, Mesh
 from meshtron.parallel.pipeline_balance import pipeline_split
 from meshtron.parallel.pipeline_schedules import model_chunk
+from meshtron.parallel.sizes import rank_parameters
 
 GIB = 2**30
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "auto": 2}  # auto: bf16, the GPU default

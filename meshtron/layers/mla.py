@@ -73,20 +73,6 @@ def rope_table_dim(cfg: ModelConfig) -> int:
     return cfg.qk_pos_emb_head_dim if cfg.multi_latent_attention else head_dim(cfg)
 
 
-def mla_parameter_count(cfg: ModelConfig) -> int:
-    """Parameters of one ``MultiLatentAttention`` of ``cfg``, without building it."""
-    h, heads, rank, rope = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim
-    q_out = heads * (cfg.qk_head_dim + rope)
-
-    def norm(dim: int) -> int:
-        return dim * (2 if cfg.normalization == "LayerNorm" else 1) if cfg.qk_layernorm else 0
-
-    lora = cfg.q_lora_rank
-    query = h * lora + norm(lora) + lora * q_out if lora else h * q_out
-    key_value = h * (rank + rope) + norm(rank) + rank * heads * (cfg.qk_head_dim + cfg.v_head_dim)
-    return query + key_value + heads * cfg.v_head_dim * h + (h if cfg.add_bias_linear else 0)
-
-
 class MultiLatentAttention(SelfAttentionBase):
     """MLA of block ``layer_number``; ``forward`` takes what ``Attention.forward`` takes, with
     ``cos``/``sin`` of width ``rope_table_dim(cfg)`` (YaRN's, as ``rope_tables`` builds them).

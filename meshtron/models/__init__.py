@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from meshtron.config import Config, ModelConfig
 from meshtron.models.contract import ModelFamily
-from meshtron.models.decoder import layer_parameter_counts, num_parameters
+from meshtron.models.decoder import num_parameters
 from meshtron.models.flops import flops_per_token
 from meshtron.models.registry import FamilySpec, family, family_error, family_names, register, spec_for
+from meshtron.models.sizes import model_sizes
 from meshtron.models import families  # noqa: F401  (registers the built-in families)
 
-__all__ = ["FamilySpec", "build_model", "family", "family_error", "family_names", "flops_per_token", "flops_shape", "layer_parameter_counts",
+__all__ = ["FamilySpec", "build_model", "family", "family_error", "family_names", "flops_per_token", "flops_shape",
            "model_config_errors", "model_flops_per_token", "model_layout_errors", "num_blocks", "num_parameters", "padded_vocab_size",
            "parameter_count", "pipeline_costs", "register", "sample_tokens", "spec_for"]  # fmt: skip
 
@@ -46,9 +47,10 @@ def model_layout_errors(model_cfg: ModelConfig, tp: int) -> list[str]:
 
 
 def parameter_count(cfg: ModelConfig, vocab_size: int, max_seq_length: int = 0, active: bool = False) -> int:
-    """``num_parameters(build_model(cfg, vocab_size, max_seq_length))`` without building it (``active``:
-    a mixture-of-experts layer counts only the experts a token passes); see ``decoder.parameter_count``."""
-    return spec_for(cfg).parameter_count(cfg, vocab_size, max_seq_length, active)
+    """``num_parameters(build_model(cfg, vocab_size, max_seq_length))``, read off the model built on
+    the meta device (``sizes.model_sizes``: no storage, cached per config); with ``active`` a routed
+    expert counts only the top-k share of it a token passes (shared experts whole)."""
+    return model_sizes(cfg, vocab_size, max_seq_length).total(active)
 
 
 def flops_shape(cfg: ModelConfig, vocab_size: int, seq_length: int) -> tuple[int, int]:

@@ -168,18 +168,6 @@ def tokentype_rows(cfg: ModelConfig) -> int:
     return cfg.bert_tokentypes or (2 if cfg.bert_binary_head else 0)
 
 
-def bert_parameter_count(cfg: ModelConfig, vocab_size: int, decoder_count: int) -> int:
-    """``num_parameters(Bert(...))`` from the count of the decoder of the same shape: BERT adds
-    the LM head (dense, norm), the output bias, the token types and, with the binary head, the
-    pooler and the two-way classifier."""
-    h = cfg.hidden_size
-    norm = h * (2 if cfg.normalization == "LayerNorm" else 1)
-    extra = h * h + h + norm + vocab_size + tokentype_rows(cfg) * h
-    if cfg.bert_binary_head:
-        extra += (h * h + h) + (2 * h + 2)
-    return decoder_count + extra
-
-
 def bert_config_errors(cfg: Config) -> list[str]:
     """What BERT does not take (yet), each naming the flag to change."""
     m, d, p = cfg.model, cfg.data, cfg.parallel

@@ -18,16 +18,11 @@ from torch.utils.checkpoint import checkpoint
 
 from meshtron.config import ModelConfig
 from meshtron.kernels.fp8_recompute import recompute_contexts
-from meshtron.layers.attention import Attention, head_dim, num_kv_heads, qk_norm_widths
+from meshtron.layers.attention import Attention, head_dim, num_kv_heads
 from meshtron.layers.kv_cache import KVCache, KVCacheBase, LatentKVCache
-from meshtron.layers.mla import (
-    MultiLatentAttention,
-    mla_parameter_count,
-    rope_table_dim,
-)
+from meshtron.layers.mla import MultiLatentAttention, rope_table_dim
 from meshtron.layers.mlp import MLP, ffn_hidden_size
 from meshtron.layers.moe import EXPERT_WEIGHTS, MoELayer, moe_layer_pattern
-from meshtron.layers.moe.experts import expert_ffn_hidden_size
 from meshtron.layers.norms import build_norm
 from meshtron.layers.output import OutputLayer
 from meshtron.layers.rope import rope_tables
@@ -293,40 +288,3 @@ def num_parameters(model: Decoder, exclude_embeddings: bool = False) -> int:
         tables = (model.embedding, model.position_embedding, model.output)  # a tied output layer holds no parameter
         total -= sum(p.numel() for m in tables if m is not None for p in m.parameters())
     return total
-
-
-def parameter_count(cfg: ModelConfig, vocab_size: int, max_seq_length: int = 0, active: bool = False) -> int:
-    """What ``num_parameters(Decoder(cfg, vocab_size, max_seq_length))`` returns, without building it;
-    with ``active``, a mixture-of-experts layer counts only the experts a token passes (top-k and
-    the shared ones), the parameters that multiply each token's activations.
-
-    For sizing models that do not fit in memory (presets, the memory estimator) and FLOP counts.
-    """
-    h = cfg.hidden_size
-    norm = h * (2 if cfg.normalization == "LayerNorm" else 1)
-    positions = 0 if cfg.position_embedding_type == "rope" else (cfg.max_position_embeddings or max_seq_length) * h
-    output = 0 if cfg.tie_embeddings else vocab_size * h
-    return vocab_size * h + positions + sum(layer_parameter_counts(cfg, active)) + norm + output
-
-
-def layer_parameter_counts(cfg: ModelConfig, active: bool = False) -> list[int]:
-    """Parameters of each transformer block in order (``active``: as in ``parameter_count``); the
-    pipeline's cost model weighs blocks by them, so a mixture-of-experts layer is not a dense one."""
-    h, bias = cfg.hidden_size, int(cfg.add_bias_linear)
-    norm = h * (2 if cfg.normalization == "LayerNorm" else 1)
-    qkv_out = (cfg.num_attention_heads + 2 * num_kv_heads(cfg)) * head_dim(cfg)
-    qkv_bias = int(cfg.add_bias_linear or cfg.add_qkv_bias)
-    attention = h * qkv_out + qkv_bias * qkv_out + cfg.num_attention_heads * head_dim(cfg) * h + bias * h
-    attention += sum(qk_norm_widths(cfg)) * (2 if cfg.normalization == "LayerNorm" else 1) if cfg.qk_layernorm else 0
-    if cfg.multi_latent_attention:
-        attention = mla_parameter_count(cfg)
-
-    def mlp(ffn: int, with_bias: int) -> int:
-        fc1_out = 2 * ffn if cfg.activation == "swiglu" else ffn
-        return h * fc1_out + with_bias * fc1_out + ffn * h + with_bias * h
-
-    experts = cfg.moe_router_topk if active else cfg.num_experts
-    shared = cfg.moe_shared_expert_intermediate_size
-    moe = cfg.num_experts * h + experts * mlp(expert_ffn_hidden_size(cfg), 0) + (mlp(shared, bias) if shared else 0)
-    moe += h if shared and cfg.moe_shared_expert_gate else 0
-    return [2 * norm + attention + (moe if is_moe else mlp(ffn_hidden_size(cfg), bias)) for is_moe in moe_layer_pattern(cfg)]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from meshtron.config import ModelConfig
-from meshtron.models.decoder import layer_parameter_counts
+from meshtron.models.sizes import model_sizes
 from meshtron.parallel.pipeline_balance import PipelineCosts
 
 
@@ -25,7 +25,7 @@ def flops_per_token(num_params: int, num_layers: int, seq_length: int, hidden_si
 
 
 def multiplying_shape(count: int, cfg: ModelConfig, vocab_size: int, seq_length: int) -> tuple[int, int]:
-    """``(P, L)`` from a model's parameter ``count`` (MoE layers counted by their active experts):
+    """``(P, L)`` from a model's parameter ``count`` (``models.sizes``; MoE layers counted by their active experts):
     all but the lookups (an untied input embedding, learned positions), which multiply nothing; a
     tied table counts once, as the output projection."""
     params = count - (0 if cfg.tie_embeddings else vocab_size * cfg.hidden_size)
@@ -43,7 +43,7 @@ def layer_costs(flops_shape: Callable[[ModelConfig, int, int], tuple[int, int]],
 
     def costs(cfg: ModelConfig, vocab_size: int, seq_length: int) -> PipelineCosts:
         h = cfg.hidden_size
-        layers = layer_parameter_counts(cfg, active=True)
+        layers = model_sizes(cfg, vocab_size, seq_length).block_counts(active=True)
         blocks = [flops_per_token(p, 1, seq_length, h, causal) for p in layers]
         head = flops_shape(cfg, vocab_size, seq_length)[0] - sum(layers)  # output layer (tied or not), final norm
         return PipelineCosts(embed=0.0, blocks=blocks, head=flops_per_token(head, 0, seq_length, h))

@@ -39,6 +39,7 @@ from meshtron.models import contract as c
 from meshtron.models.bert import BertEncoder, FirstToken, bert_config_errors, tokentype_rows
 from meshtron.models.decoder import RESIDUAL_OUTPUTS
 from meshtron.models.init import WeightInit, init_weights
+from meshtron.models.sizes import BLOCK, model_sizes
 
 SIDES = ("query", "context")
 
@@ -168,24 +169,15 @@ def topk_accuracies(scores: torch.Tensor, positives: torch.Tensor, ks: list[int]
     return out
 
 
-def ict_parameter_count(cfg: ModelConfig, vocab_size: int, decoder_count: int) -> int:
-    """``num_parameters(ICT(...))`` from the count of the decoder of the same shape: per tower the
-    decoder without its output layer, plus token types (with BERT's binary head) and the projection."""
-    h, dim = cfg.hidden_size, cfg.biencoder_projection_dim
-    tower = decoder_count - (0 if cfg.tie_embeddings else vocab_size * h) + (2 * h if cfg.bert_binary_head else 0)
-    towers = 1 if cfg.biencoder_shared_query_context_model else 2
-    return towers * (tower + (h * dim + dim if dim else 0))
-
-
-def ict_flops_shape(cfg: ModelConfig, vocab_size: int, seq_length: int, decoder_count: int) -> tuple[int, int]:
+def ict_flops_shape(cfg: ModelConfig, vocab_size: int, seq_length: int) -> tuple[int, int]:
     """``flops_shape`` per token of a sample: the query and the context each pass a tower (shared
-    or not), whose multiplying parameters are the decoder's less its lookups (embedding, positions)
-    and output layer; the projection reads one token per sequence and is left out."""
-    h = cfg.hidden_size
-    output = 0 if cfg.tie_embeddings else vocab_size * h
-    tower = decoder_count - vocab_size * h - (cfg.max_position_embeddings or seq_length) * h - output
-    return 2 * tower, 2 * cfg.num_layers
-
+    or not), whose multiplying parameters are its blocks and final norm (read off the meta-built
+    model, ``models.sizes``); lookups (embedding, positions, token types) multiply nothing and the
+    projection reads one token per sequence, so both are left out."""
+    towers = 1 if cfg.biencoder_shared_query_context_model else 2
+    sizes = model_sizes(cfg, vocab_size, seq_length)
+    body = sum(p.numel for p in sizes.params if p.place == BLOCK or ".final_norm." in p.name)
+    return 2 * body // towers, 2 * cfg.num_layers
 
 def ict_config_errors(cfg: Config) -> list[str]:
     """What the retriever does not take, each naming the flag to change: BERT's rules, one stage."""

@@ -57,18 +57,16 @@ def dense_blocks(cfg: Config) -> list[BlockShape]:
 @dataclass(frozen=True)
 class FamilySpec:
     """What the rest of meshtron needs to know about a family. Hooks take the config (or its
-    sections) and return plain values; none of them builds the model unless it says so.
+    sections) and return plain values.
 
-    Sizes and costs are analytic, so ``meshtron estimate``, validation and the pipeline split
-    answer before any model exists. ``pipeline_costs`` has no default: a family states either its
-    cost model or ``None``, the even split, so no family is split evenly by accident.
+    Parameter counts are no hook: they are read off ``build`` run on the meta device
+    (``models.sizes``, and per rank ``parallel.sizes`` through the family's plan), so a family
+    states no count beside its model. ``pipeline_costs`` has no default: a family states either
+    its cost model or ``None``, the even split, so no family is split evenly by accident.
     """
 
     name: str  # the --model-type that selects it
     build: Callable[[ModelConfig, int, int, int], ModelFamily]  # (cfg, vocab_size, max_seq_length, padded_vocab_size)
-    parameter_count: Callable[[ModelConfig, int, int, bool], int]  # (cfg, vocab, max_seq_length, active) = the built model's
-    # (cfg, vocab, seq, tp, ep, etp) -> rank_parameters.RankParameters: what one rank holds (meshtron estimate)
-    rank_parameters: Callable[[ModelConfig, int, int, int, int, int], Any]
     layout_errors: Callable[[ModelConfig, int], list[str]]  # why the shapes do not split over tp ranks
     # (P, L) of one token for ``flops_per_token``'s ``6 P + 6 L S h``: the parameters that multiply
     # its activations and the layers it attends through; None when one shape cannot say it

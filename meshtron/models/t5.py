@@ -41,13 +41,13 @@ from meshtron.config import Config, ModelConfig, encoder_decoder_layers
 from meshtron.layers.attention import head_dim, num_kv_heads
 from meshtron.layers.cross_attention import CrossAttention
 from meshtron.layers.kv_cache import KVCache
-from meshtron.layers.mlp import ffn_hidden_size
 from meshtron.layers.norms import build_norm
 from meshtron.layers.output import OutputLayer
 from meshtron.layers.relative_position import RelativePositionBias
 from meshtron.models import contract as c
 from meshtron.models.decoder import RESIDUAL_OUTPUTS, TransformerBlock, decoder_plan
 from meshtron.models.init import WeightInit, init_weights
+from meshtron.models.sizes import BLOCK, model_sizes
 
 Memory = list[tuple[torch.Tensor, torch.Tensor]]  # per decoder block: the cross-attention's keys and values
 
@@ -238,35 +238,20 @@ class T5(c.TokenLossModel):
         return None if table is None else table(q_len, kv_len)
 
 
-def t5_parameter_parts(cfg: ModelConfig) -> dict[str, int]:
-    """Parameters of one encoder block (``block``), of what a decoder block adds to it (its
-    cross-attention's ``cross_q`` (query and output projections, on decoder tokens) and
-    ``cross_kv`` (on encoder tokens), and its ``norm``): for counting parameters and FLOPs."""
-    h, bias, qkv_bias = cfg.hidden_size, int(cfg.add_bias_linear), int(cfg.add_bias_linear or cfg.add_qkv_bias)
-    norm = h * (2 if cfg.normalization == "LayerNorm" else 1)
-    width, kv = cfg.num_attention_heads * head_dim(cfg), num_kv_heads(cfg) * head_dim(cfg)
-    self_attention = h * (width + 2 * kv) + qkv_bias * (width + 2 * kv) + width * h + bias * h
-    ffn = ffn_hidden_size(cfg)
-    fc1_out = 2 * ffn if cfg.activation == "swiglu" else ffn
-    mlp = h * fc1_out + bias * fc1_out + ffn * h + bias * h
-    return {"block": 2 * norm + self_attention + mlp, "cross_q": 2 * h * width + bias * (width + h),
-            "cross_kv": 2 * h * width + bias * 2 * width, "norm": norm}  # fmt: skip
-
-
-def t5_parameter_count(cfg: ModelConfig, vocab_size: int, max_seq_length: int) -> int:
-    """``num_parameters(T5(...))`` without building it: embedding and positions (learned, or two
-    relative tables [buckets, heads]), the encoder's
-    blocks and final norm, the decoder's blocks (each with a cross-attention and its norm), the
-    decoder's final norm, the output bias (and weight when untied)."""
-    part, h = t5_parameter_parts(cfg), cfg.hidden_size
-    enc, dec = encoder_decoder_layers(cfg)
-    decoder_block = part["block"] + part["norm"] + part["cross_q"] + part["cross_kv"]
-    if cfg.position_embedding_type == "relative":
-        positions = 2 * cfg.relative_attention_num_buckets * cfg.num_attention_heads
-    else:
-        positions = (cfg.max_position_embeddings or max_seq_length) * h
-    output = vocab_size + (0 if cfg.tie_embeddings else vocab_size * h)
-    return vocab_size * h + positions + enc * part["block"] + dec * decoder_block + 2 * part["norm"] + output
+def t5_parameter_parts(cfg: ModelConfig, vocab_size: int, max_seq_length: int = 0) -> dict[str, int]:
+    """Read off the meta-built model (``models.sizes``): the parameters of one encoder block
+    without the encoder's final norm (``block``), and of a decoder block's cross-attention its
+    ``cross_q`` (query and output projections, on decoder tokens) and ``cross_kv`` (on encoder
+    tokens), for counting FLOPs."""
+    sizes = model_sizes(cfg, vocab_size, max_seq_length)
+    first_decoder = encoder_decoder_layers(cfg)[0]
+    part = {"block": 0, "cross_q": 0, "cross_kv": 0}
+    for p in sizes.params:
+        if p.place == BLOCK and p.block == 0 and ".final_norm." not in p.name:
+            part["block"] += p.numel
+        elif p.place == BLOCK and p.block == first_decoder and ".cross_attention." in p.name:
+            part["cross_kv" if ".linear_kv." in p.name else "cross_q"] += p.numel
+    return part
 
 
 def t5_flops_per_token(cfg: ModelConfig, vocab_size: int, encoder_length: int, decoder_length: int) -> float:
@@ -276,7 +261,7 @@ def t5_flops_per_token(cfg: ModelConfig, vocab_size: int, encoder_length: int, d
     the cross-attention and the output projection on decoder tokens), bidirectional attention in
     the encoder (12 L t^2 h), causal self-attention (6 L s^2 h) and cross-attention (12 L s t h) in
     the decoder."""
-    part, h = t5_parameter_parts(cfg), cfg.hidden_size
+    part, h = t5_parameter_parts(cfg, vocab_size, encoder_length), cfg.hidden_size
     (enc, dec), t, s = encoder_decoder_layers(cfg), encoder_length, decoder_length
     linear = t * (enc * part["block"] + dec * part["cross_kv"]) + s * (dec * (part["block"] + part["cross_q"]) + vocab_size * h)
     attention = 12.0 * enc * t * t * h + 6.0 * dec * s * s * h + 12.0 * dec * s * t * h

@@ -233,6 +233,26 @@ class Mesh:
 
 
 
+@dataclass(frozen=True)
+class ShapeGroup:
+    """A group's size and this rank's place in it, standing in for a process group where none
+    exists (``ShapeMesh``): the parallel modules read both (``tensor_parallel.group_size``)."""
+
+    size: int
+    rank: int
+
+
+@dataclass
+class ShapeMesh(Mesh):
+    """A mesh of sizes with no process group: rank 0's place in the grid, each group a
+    ``ShapeGroup``. The plan applied over it to a model on the meta device gives the shards'
+    shapes and records a rank of that layout would hold (``parallel/sizes.py``), with no
+    process started; nothing on it may communicate."""
+
+    def group(self, dim: str) -> ShapeGroup:
+        return ShapeGroup(self.size(dim), self.coords()[dim])
+
+
 def launch_env() -> tuple[int, int, int]:
     """(world size, rank, local rank) from torchrun's variables, else SLURM's, else one process."""
     env = os.environ

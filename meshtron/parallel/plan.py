@@ -14,7 +14,6 @@ optimizer, the gradient buffers and the checkpoint read.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 
 import torch
 import torch.distributed as dist
@@ -22,6 +21,7 @@ from torch import nn
 
 from meshtron.errors import ConfigError
 from meshtron.models import contract as mc
+from meshtron.models.sizes import styled_modules
 from meshtron.parallel.context_parallel import ContextParallelAttention
 from meshtron.parallel.data_parallel_gather import DataParallelRowGather
 from meshtron.parallel.expert_parallel import ExpertParallelExperts, experts_communicate, expert_tensor_parallel_split
@@ -40,16 +40,6 @@ from meshtron.parallel.tensor_parallel import (
 from meshtron.parallel.tp_overlap import resolve_backend
 
 ParamMetas = dict[str, mc.ParamMeta]
-
-
-def styled_modules(model: nn.Module, plan: mc.Plan) -> dict[str, mc.Style]:
-    """Module name -> the style of the first plan entry whose pattern matches it."""
-    out = {}
-    for name, _ in model.named_modules():
-        style = next((s for pattern, s in plan if fnmatch.fnmatchcase(name, pattern)), None)
-        if style is not None:
-            out[name] = style
-    return out
 
 
 def vocabulary_rows(model: nn.Module) -> dict[str, int]:

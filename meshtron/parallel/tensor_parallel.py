@@ -30,15 +30,20 @@ from meshtron.kernels.cross_entropy_sum import linear_cross_entropy_sum
 from meshtron.kernels.fp8_scaling import Fp8Scaling
 from meshtron.layers.output import labelled_rows, spread_to_tokens
 from meshtron.parallel import tp_overlap
+from meshtron.parallel.mesh import ShapeGroup
 
 SEQ_DIM = 1
 
 
-def group_size(group: dist.ProcessGroup | None) -> int:
+def group_size(group: dist.ProcessGroup | ShapeGroup | None) -> int:
+    if isinstance(group, ShapeGroup):  # a ShapeMesh's: sizes only, no process
+        return group.size
     return 1 if group is None else dist.get_world_size(group)
 
 
-def group_rank(group: dist.ProcessGroup | None) -> int:
+def group_rank(group: dist.ProcessGroup | ShapeGroup | None) -> int:
+    if isinstance(group, ShapeGroup):
+        return group.rank
     return 0 if group is None else dist.get_rank(group)
 
 

@@ -13,7 +13,7 @@ from meshtron.config import ConfigError, ModelConfig, build_config
 from meshtron.layers.attention import Attention
 from meshtron.layers.norms import FullWidthRMSNorm, RMSNorm
 from meshtron.models import build_model, parameter_count
-from meshtron.models.rank_parameters import rank_parameters
+from meshtron.parallel.sizes import rank_parameters
 from meshtron.validation import validate
 
 LLAMA = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96, normalization="RMSNorm",

@@ -7,11 +7,11 @@ from meshtron.config import Config, ModelConfig
 from meshtron.data.builder import decoder_datasets
 from meshtron.inference.sampling import continue_prompt
 from meshtron.layers.moe import moe_layer_pattern
-from meshtron.models.decoder import Decoder, decoder_layout_errors, parameter_count
+from meshtron.models.decoder import Decoder, decoder_layout_errors
 from meshtron.models.flops import layer_costs, multiplying_shape
 from meshtron.models.hf_decoder import decoder_hf_export
-from meshtron.models.rank_parameters import decoder_rank_parameters
 from meshtron.models.registry import BlockShape, FamilySpec, register
+from meshtron.models.sizes import model_sizes
 
 
 def decoder_config_errors(cfg: Config) -> list[str]:
@@ -21,7 +21,7 @@ def decoder_config_errors(cfg: Config) -> list[str]:
 
 
 def decoder_flops_shape(cfg: ModelConfig, vocab_size: int, seq_length: int) -> tuple[int, int]:
-    return multiplying_shape(parameter_count(cfg, vocab_size, seq_length, active=True), cfg, vocab_size, seq_length)
+    return multiplying_shape(model_sizes(cfg, vocab_size, seq_length).total(active=True), cfg, vocab_size, seq_length)
 
 
 def decoder_blocks(cfg: Config) -> list[BlockShape]:
@@ -30,8 +30,7 @@ def decoder_blocks(cfg: Config) -> list[BlockShape]:
 
 
 DECODER = register(FamilySpec(
-    name="gpt", build=Decoder, parameter_count=parameter_count, rank_parameters=decoder_rank_parameters,
-    layout_errors=decoder_layout_errors, flops_shape=decoder_flops_shape, causal=True,
+    name="gpt", build=Decoder, layout_errors=decoder_layout_errors, flops_shape=decoder_flops_shape, causal=True,
     pipeline_costs=layer_costs(decoder_flops_shape, causal=True), datasets=decoder_datasets,
     config_errors=decoder_config_errors, block_shapes=decoder_blocks, generate=continue_prompt, hf_export=decoder_hf_export, sft=True,
 ))  # fmt: skip

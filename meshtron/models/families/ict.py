@@ -3,26 +3,12 @@ contexts, one pipeline stage, optionally started from a BERT checkpoint (``--ber
 
 from __future__ import annotations
 
-from meshtron.config import Config, ModelConfig
+from meshtron.config import Config
 from meshtron.data.builder import ict_datasets
 from meshtron.data.masked_lm import ict_data_errors
 from meshtron.models import decoder
-from meshtron.models.ict import (
-    ICT,
-    ict_config_errors,
-    ict_flops_shape,
-    ict_parameter_count,
-)
-from meshtron.models.rank_parameters import ict_rank_parameters
+from meshtron.models.ict import ICT, ict_config_errors, ict_flops_shape
 from meshtron.models.registry import BlockShape, FamilySpec, register
-
-
-def ict_count(cfg: ModelConfig, vocab_size: int, max_seq_length: int = 0, active: bool = False) -> int:
-    return ict_parameter_count(cfg, vocab_size, decoder.parameter_count(cfg, vocab_size, max_seq_length, active))
-
-
-def ict_shape(cfg: ModelConfig, vocab_size: int, seq_length: int) -> tuple[int, int]:
-    return ict_flops_shape(cfg, vocab_size, seq_length, decoder.parameter_count(cfg, vocab_size, seq_length))
 
 
 def ict_errors(cfg: Config) -> list[str]:
@@ -36,8 +22,7 @@ def ict_blocks(cfg: Config) -> list[BlockShape]:
 
 
 ICT_FAMILY = register(FamilySpec(
-    name="ict", build=ICT, parameter_count=ict_count, rank_parameters=ict_rank_parameters,
-    layout_errors=decoder.decoder_layout_errors, flops_shape=ict_shape, causal=False,
+    name="ict", build=ICT, layout_errors=decoder.decoder_layout_errors, flops_shape=ict_flops_shape, causal=False,
     pipeline_costs=None,  # one stage (ict_config_errors refuses pp): nothing to balance
     datasets=ict_datasets, config_errors=ict_errors, output_tokens=lambda d: 0,  # scores, no vocabulary output
     block_shapes=ict_blocks, sentence_data=True, bert_load=True,

@@ -3,23 +3,13 @@ sequences (the encoder's and the decoder's), trained on span-corrupted sentences
 
 from __future__ import annotations
 
-from meshtron.config import Config, ModelConfig, encoder_decoder_layers
+from meshtron.config import Config, encoder_decoder_layers
 from meshtron.data.builder import t5_datasets
 from meshtron.data.masked_lm import t5_data_errors
 from meshtron.inference.sampling import fill_sentinels
 from meshtron.models.decoder import decoder_layout_errors
-from meshtron.models.rank_parameters import t5_rank_parameters
 from meshtron.models.registry import BlockShape, FamilySpec, register
-from meshtron.models.t5 import (
-    T5,
-    t5_config_errors,
-    t5_flops_per_token,
-    t5_parameter_count,
-)
-
-
-def t5_count(cfg: ModelConfig, vocab_size: int, max_seq_length: int = 0, active: bool = False) -> int:
-    return t5_parameter_count(cfg, vocab_size, max_seq_length)  # dense: every parameter is active
+from meshtron.models.t5 import T5, t5_config_errors, t5_flops_per_token
 
 
 def t5_errors(cfg: Config) -> list[str]:
@@ -35,7 +25,7 @@ def t5_blocks(cfg: Config) -> list[BlockShape]:
 
 
 T5_FAMILY = register(FamilySpec(
-    name="t5", build=T5, parameter_count=t5_count, rank_parameters=t5_rank_parameters, layout_errors=decoder_layout_errors,
+    name="t5", build=T5, layout_errors=decoder_layout_errors,
     flops_shape=None, flops_per_token=t5_flops_per_token, causal=True,  # its decoder; the FLOPs count both stacks
     # Two kinds of blocks over two sequences, and relative positions pin the split (t5_config_errors): the even split.
     pipeline_costs=None, datasets=t5_datasets, config_errors=t5_errors,

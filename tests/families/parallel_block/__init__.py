@@ -7,16 +7,13 @@ from meshtron.config import Config, ModelConfig
 from meshtron.data.builder import decoder_datasets
 from meshtron.models.decoder import decoder_layout_errors
 from meshtron.models.registry import FamilySpec, register
-from tests.families.parallel_block.model import ParallelBlockDecoder, rank_parameters
-
-
-def parameter_count(cfg: ModelConfig, vocab_size: int, max_seq_length: int = 0, active: bool = False) -> int:
-    return rank_parameters(cfg, vocab_size, max_seq_length).total  # dense: every parameter is active
+from meshtron.models.sizes import model_sizes
+from tests.families.parallel_block.model import ParallelBlockDecoder
 
 
 def flops_shape(cfg: ModelConfig, vocab_size: int, seq_length: int) -> tuple[int, int]:
     """All but the input embedding (a lookup) multiply a token's activations; every layer attends."""
-    return parameter_count(cfg, vocab_size, seq_length) - vocab_size * cfg.hidden_size, cfg.num_layers
+    return model_sizes(cfg, vocab_size, seq_length).total() - vocab_size * cfg.hidden_size, cfg.num_layers
 
 
 def config_errors(cfg: Config) -> list[str]:
@@ -25,7 +22,6 @@ def config_errors(cfg: Config) -> list[str]:
 
 
 PARALLEL_BLOCK = register(FamilySpec(
-    name="parallel_block", build=ParallelBlockDecoder, parameter_count=parameter_count, rank_parameters=rank_parameters,
-    layout_errors=decoder_layout_errors, flops_shape=flops_shape, causal=True, pipeline_costs=None,  # the even split
+    name="parallel_block", build=ParallelBlockDecoder, layout_errors=decoder_layout_errors, flops_shape=flops_shape, causal=True, pipeline_costs=None,  # the even split
     datasets=decoder_datasets, config_errors=config_errors,
 ))  # fmt: skip

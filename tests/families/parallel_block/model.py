@@ -10,7 +10,6 @@ pp2, dp2 and tp2 x pp2 against one process.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -24,11 +23,6 @@ from meshtron.layers.output import OutputLayer
 from meshtron.layers.rope import rope_frequencies
 from meshtron.models import contract as mc
 from meshtron.models.init import WeightInit, init_weights
-from meshtron.models.rank_parameters import (
-    BlockParameters,
-    RankParameters,
-    decoder_rank_parameters,
-)
 
 AUX_COEFF = 1e-2
 
@@ -99,11 +93,3 @@ class ParallelBlockDecoder(mc.TokenLossModel):
 
     def head(self, carry: mc.Carry, batch: mc.Batch) -> torch.Tensor:
         return self.output(self.final_norm(carry["hidden"]), batch["labels"])
-
-
-def rank_parameters(cfg: ModelConfig, vocab_size: int, max_seq_length: int = 0, tp: int = 1, ep: int = 1, etp: int = 1) -> RankParameters:
-    """One rank's parameters: the decoder's pieces (untied output, RoPE) with one norm per block, not two."""
-    parts = decoder_rank_parameters(dataclasses.replace(cfg, tie_embeddings=False, position_embedding_type="rope"), vocab_size,
-                                    max_seq_length, tp, ep, etp)  # fmt: skip
-    norm = cfg.hidden_size * (2 if cfg.normalization == "LayerNorm" else 1)
-    return RankParameters(parts.head, [BlockParameters(b.dense - norm) for b in parts.blocks], parts.tail)

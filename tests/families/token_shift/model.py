@@ -17,12 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtron.config import ModelConfig
-from meshtron.layers.mlp import MLP, ffn_hidden_size
+from meshtron.layers.mlp import MLP
 from meshtron.layers.norms import build_norm
 from meshtron.layers.output import OutputLayer
 from meshtron.models import contract as mc
 from meshtron.models.init import WeightInit, init_weights
-from meshtron.models.rank_parameters import BlockParameters, RankParameters
 
 
 class TokenShift(nn.Module):
@@ -91,13 +90,3 @@ class TokenShiftLM(mc.TokenLossModel):
 
     def head(self, carry: mc.Carry, batch: mc.Batch) -> torch.Tensor:
         return self.output(self.final_norm(carry["hidden"]), batch["labels"], tied_weight=self.embedding.weight)
-
-
-def rank_parameters(cfg: ModelConfig, vocab_size: int, max_seq_length: int = 0, tp: int = 1, ep: int = 1, etp: int = 1) -> RankParameters:
-    """The table split by vocabulary; per block the shift and the norm whole, the MLP split by its
-    width (fc1's bias with it, fc2's whole); the final norm (the output layer is the table)."""
-    h, ffn, bias = cfg.hidden_size, ffn_hidden_size(cfg), int(cfg.add_bias_linear)
-    norm = h * (2 if cfg.normalization == "LayerNorm" else 1)
-    fc1 = (2 * ffn if cfg.activation == "swiglu" else ffn) * (h + bias) // tp
-    block = BlockParameters(h + norm + fc1 + ffn * h // tp + bias * h)
-    return RankParameters(vocab_size * h // tp, [block] * cfg.num_layers, norm)
