@@ -13,7 +13,7 @@ from typing import Any
 
 from meshtron.checkpoint.checkpoint import CheckpointError, load_checkpoint, read_meta
 from meshtron.config import Config
-from meshtron.data.tokenizers import Tokenizer, build_tokenizer
+from meshtron.data.tokenizers import Tokenizer, build_tokenizer, saved_tokenizer
 from meshtron.models import build_model, family, spec_for
 from meshtron.models.contract import ModelFamily
 
@@ -57,5 +57,4 @@ def _tokenizer(root: Path, meta: dict[str, Any], cfg: Config, given: dict[str, s
         raise CheckpointError(f"{root} has no tokenizer: its run trained on --mock-data without --tokenizer-type. Name one whose ids "
                               f"fit its {vocab}-token vocabulary: --tokenizer-type ByteTokenizer, or --tokenizer-type NAME with "
                               "--tokenizer-model PATH (or --vocab-file and --merge-file)")  # fmt: skip
-    files = {key: str(root / path) for key, path in saved.items() if key != "tokenizer_type"}
-    return build_tokenizer(saved["tokenizer_type"], **files, vocab_extra_ids=cfg.data.vocab_extra_ids)
+    return saved_tokenizer(root, saved, cfg.data.vocab_extra_ids)

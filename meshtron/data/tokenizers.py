@@ -395,6 +395,13 @@ def build_tokenizer(
     raise ValueError(f"unknown --tokenizer-type '{tokenizer_type}'; valid types: {', '.join(TOKENIZER_TYPES)}.{hint}")
 
 
+def saved_tokenizer(root: str | os.PathLike, saved: dict[str, str], vocab_extra_ids: int = 0) -> Tokenizer:
+    """The tokenizer a checkpoint's meta names (``{"tokenizer_type": ..., file flags: paths}``),
+    its files relative to the checkpoint directory ``root``, where the trainer copied them."""
+    files = {key: os.path.join(root, path) for key, path in saved.items() if key != "tokenizer_type"}
+    return build_tokenizer(saved["tokenizer_type"], **files, vocab_extra_ids=vocab_extra_ids)
+
+
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, path: str) -> str:
     """Train a byte-level BPE (special token ``<|endoftext|>``) and save it as tokenizer.json at ``path``."""
     from tokenizers import Tokenizer as HFTokenizer

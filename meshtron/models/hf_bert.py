@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from meshtron.config import Config, ModelConfig
-from meshtron.data.tokenizers import build_tokenizer
+from meshtron.data.tokenizers import saved_tokenizer
 from meshtron.errors import CheckpointError
 from meshtron.layers.attention import head_dim, num_kv_heads
 from meshtron.layers.mlp import ffn_hidden_size
@@ -106,10 +106,9 @@ def bert_export_vocab_size(cfg: Config, padded: int, load_dir: Path, tokenizer: 
     (or ``--vocab-size`` when larger), as training sized it before padding; all ``padded`` rows
     when the checkpoint has no readable tokenizer and no ``--vocab-size``."""
     m, base = cfg.model, 0
-    files = {key: str(load_dir / path) for key, path in tokenizer.items() if key != "tokenizer_type"}
-    if tokenizer.get("tokenizer_type") and files:
+    if tokenizer.get("tokenizer_type") and len(tokenizer) > 1:  # files were copied beside the weights
         try:
-            base = build_tokenizer(tokenizer["tokenizer_type"], vocab_extra_ids=cfg.data.vocab_extra_ids, **files).vocab_size
+            base = saved_tokenizer(load_dir, tokenizer, cfg.data.vocab_extra_ids).vocab_size
         except (OSError, ValueError):
             return padded  # the tokenizer files were not kept beside the weights: nothing tells the real size
         base += m.extra_vocab_size

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from meshtron.config import Config, ModelConfig
-from meshtron.data.tokenizers import build_tokenizer
+from meshtron.data.tokenizers import saved_tokenizer
 from meshtron.errors import CheckpointError
 from meshtron.layers.attention import num_kv_heads
 from meshtron.layers.mlp import ffn_hidden_size
@@ -104,9 +104,8 @@ def _special_ids(load_dir: Path, meta: dict[str, Any], cfg: Config, vocab: int, 
     ids: dict[str, int | None] = {"bos_token_id": None, "eos_token_id": None}
     if not saved.get("tokenizer_type"):
         return ids
-    files = {key: str(load_dir / path) for key, path in saved.items() if key != "tokenizer_type"}
     try:
-        tokenizer = build_tokenizer(saved["tokenizer_type"], **files, vocab_extra_ids=cfg.data.vocab_extra_ids)
+        tokenizer = saved_tokenizer(load_dir, saved, cfg.data.vocab_extra_ids)
     except (ValueError, OSError) as exc:
         print(f"hf-export: bos_token_id and eos_token_id left null: the checkpoint's tokenizer does not load ({exc})")
         return ids

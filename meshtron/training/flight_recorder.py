@@ -21,8 +21,8 @@ that issued it) and ``pg_status`` (per group: the last enqueued, started and com
 
 from __future__ import annotations
 
+import json
 import os
-import pickle
 from pathlib import Path
 
 DEFAULT_ENTRIES = 2000
@@ -42,14 +42,13 @@ def dump(rank: int) -> list[str]:
     if not int(next((os.environ[v] for v in SIZE_VARIABLES if v in os.environ), "0") or 0):
         return [f"flight recorder off: set {SIZE_VARIABLES[0]}={DEFAULT_ENTRIES} for each rank's last collectives"]
     try:
-        from torch._C._distributed_c10d import _dump_fr_trace as read
+        from torch._C._distributed_c10d import _dump_fr_trace as dumped, _dump_fr_trace_json as read
     except ImportError:  # PyTorch before 2.7: NCCL's only
         try:
-            from torch._C._distributed_c10d import _dump_nccl_trace as read
+            from torch._C._distributed_c10d import _dump_nccl_trace as dumped, _dump_nccl_trace_json as read
         except ImportError:
             return ["flight recorder: this PyTorch has none to dump"]
-    raw = read()
-    trace = pickle.loads(raw)
+    raw, trace = dumped(), json.loads(read())  # the file is PyTorch's pickle (what fr_trace reads); the log reads the JSON
     path = Path(f"{next((os.environ[v] for v in FILE_VARIABLES if os.environ.get(v)), DEFAULT_FILE)}{rank}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -64,10 +63,10 @@ def pending(trace: dict) -> list[str]:
     """Per process group, the collectives enqueued but not completed (oldest first)."""
     lines = []
     for group, status in sorted(trace.get("pg_status", {}).items()):
-        done = status.get("last_completed_collective", -1)
-        if status.get("last_enqueued_collective", -1) <= done:
+        done = int(status.get("last_completed_collective", -1))  # numbers in the pickle, strings in the JSON
+        if int(status.get("last_enqueued_collective", -1)) <= done:
             continue
-        waiting = [e for e in trace.get("entries", []) if str(e["pg_id"]) == str(group) and not e.get("is_p2p") and e["collective_seq_id"] > done]
+        waiting = [e for e in trace.get("entries", []) if str(e["pg_id"]) == str(group) and not e.get("is_p2p") and int(e["collective_seq_id"]) > done]
         ops = ", ".join(f"#{e['collective_seq_id']} {e['profiling_name']} {e['input_sizes']} ({e['state']})" for e in waiting[:3])
         name = next((e["process_group"][1] for e in waiting), "")
         lines.append(f"flight recorder: process group {group}{f' ({name})' if name else ''} completed #{done}, waits in {ops or 'an unrecorded one'}")

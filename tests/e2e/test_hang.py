@@ -33,7 +33,7 @@ def test_sigstop_of_one_rank_is_named_and_the_others_exit_in_time(tmp_path):
     assert "rank 0: hang: iteration" in out and "over the --train-timeout-minutes 0.25" in out, out[-3000:]
     assert "ranks that did not arrive: 1 (no heartbeat" in out
     assert 'Thread 0x' in out and 'File "' in out  # this rank's stacks
-    assert f"rank 0: flight recorder: " in out and f"collectives written to {dumps}0 (every rank's: python -m" in out, out[-3000:]
+    assert "rank 0: flight recorder: " in out and f"collectives written to {dumps}0 (every rank's: python -m" in out, out[-3000:]
     waits = re.search(r"rank 0: flight recorder: process group \d+ \((\w+)\) completed #\d+, waits in #\d+ gloo:all_reduce", out)
     assert waits and waits.group(1) in ("dp", "tp", "default_pg"), out[-3000:]  # the group the gradients or the stop flag wait in
     trace = pickle.loads((tmp_path / "fr" / "rank_0").read_bytes())
