@@ -81,6 +81,9 @@ LAYOUTS = {
     "tp2_sp_sinkhorn": (dict(tp=2, dp=2), "sinkhorn", True),
     "ep2_cp2_tp2_sp_sinkhorn": (dict(tp=2, cp=2, ep=2), "sinkhorn", True),
 }
+# Layouts another one above covers (the same feature with experts, or the dispatcher elsewhere):
+# run by the slow-marked test only, to keep the default suite's time (``pytest -m slow``).
+EXTRA_LAYOUTS = {name: LAYOUTS.pop(name) for name in ("tp2_sp", "cp2_dp2", "cp2_dp2_sequence", "ep4_cp2_dp2_allgather", "ep2_cp2_tp2_sp_sinkhorn")}
 # name: (mesh sizes, sequence parallel, distributed optimizer), all with MOE_BIAS
 STEPS = {"ep2_dp4_distopt": (dict(dp=4, ep=2), False, True), "ep2_tp2_sp": (dict(tp=2, dp=2, ep=2), True, False),
          "ep2_cp2_dp2_distopt": (dict(cp=2, dp=2, ep=2), False, True)}
@@ -210,6 +213,16 @@ def _fused_step(mesh: Mesh) -> dict:
     return {"loss": (loss.total / loss.count).item(), "aux": aux, "grads": grads, "fused_wgrad_calls": calls[0]}
 
 
+def _layouts_worker(rank: int, world_size: int, names: list[str]) -> dict:
+    out = {}
+    for name in names:
+        sizes, config, sp = EXTRA_LAYOUTS[name]
+        mesh = Mesh(**sizes, rank=rank)
+        mesh.init_process_groups()
+        out[name] = _train_step(_build(CONFIGS[config]), mesh, _parallel(mesh, sp))[1]
+    return out
+
+
 def _worker(rank: int, world_size: int, tmp: str) -> dict:
     out = {}
     if FUSED_KERNELS_TESTABLE:
@@ -251,13 +264,27 @@ def _reference(config: str) -> dict:
     return one_process_reference(_build(CONFIGS[config]))
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_expert_and_sequence_parallel_match_one_process(runs, name):
-    config = LAYOUTS[name][1]
+def _check_layout(results: dict, name: str, config: str) -> None:
     ref = _reference(config)
     kinds = ("z_loss",) if config == "sinkhorn" else ("load_balancing", "z_loss")  # sinkhorn balances without a loss
     assert sorted(ref["aux"]) == [f"{kind}/{layer}" for kind in kinds for layer in (1, 2, 3)]
-    _check(runs[name], ref, f"{name} ({config})")
+    _check(results[name], ref, f"{name} ({config})")
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_expert_and_sequence_parallel_match_one_process(runs, name):
+    _check_layout(runs, name, LAYOUTS[name][1])
+
+
+@pytest.fixture(scope="module")
+def extra_runs() -> dict[str, list[dict]]:
+    return by_name(run_distributed(_layouts_worker, 4, list(EXTRA_LAYOUTS), timeout=300.0))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(EXTRA_LAYOUTS))
+def test_more_layouts_match_one_process(extra_runs, name):
+    _check_layout(extra_runs, name, EXTRA_LAYOUTS[name][1])
 
 
 @pytest.mark.parametrize("layout", ["ep4_dp4", "ep2_tp2"])

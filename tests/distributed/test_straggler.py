@@ -33,6 +33,7 @@ def _slow_rank_runs(rank, world_size):
     return out
 
 
+@pytest.mark.slow
 def test_the_slowed_rank_is_named_with_its_section():
     runs = run_distributed(_slow_rank_runs, 3, timeout=300)[0]
     for section, slowed in SLOWED.items():

@@ -92,17 +92,30 @@ def one_process():
     }
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("layouts")
+def _runs_on(tmp, worlds: tuple[int, ...]) -> dict:
     results = {"tmp": tmp}
-    for world in (2, 4, 8):
+    for world in worlds:
         names = [n for n, (w, _) in LAYOUTS.items() if w == world]
         out = run_distributed(_layouts, world, names, str(tmp), timeout=600)[0]
         if world in RESUMED:
             out[f"resumed_{world}"], out[f"continued_{world}"] = out.pop("resumed_losses"), out.pop("continued_losses")
         results.update(out)
     return results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return _runs_on(tmp_path_factory.mktemp("layouts"), (2, 4))
+
+
+@pytest.fixture(scope="module")
+def runs8(tmp_path_factory):
+    """Eight processes on CI's two cores: the slow-marked cases only (``pytest -m slow``)."""
+    return _runs_on(tmp_path_factory.mktemp("layouts8"), (8,))
+
+
+def _by_world(world: int) -> list:
+    return [pytest.mark.slow] if world == 8 else []
 
 
 def _close(a, b, rel=1e-5):
@@ -115,18 +128,19 @@ def test_gradient_accumulation_matches_one_big_batch(one_process):
     assert len(set(ref["losses"])) == STEPS and min(ref["grad_norms"]) > 0.05  # moving, and clipped
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_matches_one_process(runs, one_process, layout):
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=_by_world(world)) for name, (world, _) in LAYOUTS.items()])
+def test_layout_matches_one_process(request, one_process, layout):
     ref = one_process[REFERENCE.get(layout, "mbs8")]
-    got = runs[layout]
+    got = request.getfixturevalue("runs8" if LAYOUTS[layout][0] == 8 else "runs")[layout]
     assert _close(got["losses"], ref["losses"]), (got["losses"], ref["losses"])
     assert _close(got["grad_norms"], ref["grad_norms"], rel=1e-4), (got["grad_norms"], ref["grad_norms"])
     for name, weight in ref["weights"].items():
         torch.testing.assert_close(got["weights"][name], weight, rtol=1e-5, atol=2e-5, msg=lambda m, name=name: f"{layout}: {name}: {m}")
 
 
-@pytest.mark.parametrize("world", sorted(RESUMED))
-def test_checkpoint_resumes_exactly_and_reshards_to_one_process(runs, world):
+@pytest.mark.parametrize("world", [pytest.param(world, marks=_by_world(world)) for world in sorted(RESUMED)])
+def test_checkpoint_resumes_exactly_and_reshards_to_one_process(request, world):
+    runs = request.getfixturevalue("runs8" if world == 8 else "runs")
     assert runs[f"resumed_{world}"] == runs[RESUMED[world]]["losses"]  # bit for bit, same layout
     # The checkpoint of iteration 5 continues in one process as it does under its own layout.
     flags = ["--micro-batch-size", "8", "--train-iters", str(STEPS + 2), "--load", str(runs["tmp"] / f"ckpt{world}"), "--no-load-rng"]

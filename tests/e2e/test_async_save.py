@@ -20,8 +20,8 @@ def meshtron(*args, cwd):
     return subprocess.run([sys.executable, "-m", "meshtron", *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("delay", [pytest.param(0.0, marks=pytest.mark.slow), pytest.param(0.01, marks=pytest.mark.slow), 0.05,
-                                   pytest.param(0.2, marks=pytest.mark.slow)])  # seconds after a background write began
+@pytest.mark.slow
+@pytest.mark.parametrize("delay", [0.0, 0.01, 0.05, 0.2])  # seconds after a background write began
 def test_kill_9_during_async_save_leaves_a_loadable_checkpoint(tmp_path, delay):
     save = tmp_path / "ckpt"
     proc = subprocess.Popen([sys.executable, "-m", "meshtron", "train", *ARGS, "--train-iters", "100000", "--save", str(save)],

@@ -22,6 +22,7 @@ def _column(stdout: str, name: str) -> list[float]:
     return [float(line.split(f"| {name} ")[1].split()[0]) for line in stdout.splitlines() if line.startswith("iteration")]
 
 
+@pytest.mark.slow
 def test_tiny_bert_trains_on_the_embedded_corpus_and_resumes(tmp_path):
     common = ["--model-type", "bert", "--preset", "tiny-bert", "--data-cache-path", str(tmp_path / "cache"),
               "--micro-batch-size", "8", "--global-batch-size", "16", "--lr", "3e-3", "--lr-warmup-iters", "5",

@@ -60,6 +60,7 @@ def test_resume_is_bit_exact(tmp_path, model):
     assert len(set(straight["losses"])) > 10  # the losses move: the comparison is not between constants
 
 
+@pytest.mark.slow
 def test_a_resume_with_other_train_iters_keeps_the_checkpoints_sample_order(tmp_path):
     """--train-iters 10 -> 6 or 16 at iteration 4: the iterations up to 10 read the samples (and
     so give the losses) of the uninterrupted run, not a reshuffle drawn for 6 x 4 or 16 x 4
