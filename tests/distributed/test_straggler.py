@@ -4,6 +4,8 @@ step equally long (two runs in one launch)."""
 
 import time
 
+import pytest
+
 from meshtron.config import build_config
 from meshtron.training.straggler import report
 from meshtron.training.trainer import Trainer
