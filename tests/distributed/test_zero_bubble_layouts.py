@@ -38,6 +38,7 @@ from meshtron.models import build_model
 from meshtron.parallel.mesh import Mesh
 from meshtron.parallel.plan import gather_full
 from meshtron.parallel.setup import runner_for
+from test_pipeline import _micro_batches  # the same packed batches, as the constants below are test_pipeline's
 
 SEED, VOCAB, SEQ, MICRO_BATCH, MICRO_BATCHES = 1234, 128, 16, 2, 8
 RTOL = 1e-5
@@ -67,17 +68,6 @@ CASES = {
 def _model(name: str):
     torch.manual_seed(SEED)
     return build_model(ModelConfig(**MODELS[name]), VOCAB, SEQ)
-
-
-def _micro_batches() -> list[dict[str, torch.Tensor]]:
-    """Random tokens, labels and loss masks (~80% ones); two documents packed in each sequence."""
-    g = torch.Generator().manual_seed(7)
-    positions = torch.cat([torch.arange(SEQ // 2), torch.arange(SEQ - SEQ // 2)]).expand(MICRO_BATCH, SEQ)
-    return [{"tokens": torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), generator=g),
-             "labels": torch.randint(0, VOCAB, (MICRO_BATCH, SEQ), generator=g),
-             "loss_mask": (torch.rand(MICRO_BATCH, SEQ, generator=g) < 0.8).float(),
-             "position_ids": positions}
-            for _ in range(MICRO_BATCHES)]  # fmt: skip
 
 
 @functools.lru_cache
