@@ -50,6 +50,9 @@ LAYOUT_FLAGS = {
     "tp2ovsm": (2, ["--tp", "2", "--sequence-parallel", "--tp-comm-overlap", "--tp-comm-overlap-backend", "symm_mem"]),
     "tp4ov": (4, ["--tp", "4", "--sequence-parallel", "--tp-comm-overlap"]),
     "tp4ovsm": (4, ["--tp", "4", "--sequence-parallel", "--tp-comm-overlap", "--tp-comm-overlap-backend", "symm_mem"]),
+    # "b": one collective per op, the input-gradient reduce-scatter left in flight behind the wgrad GEMM
+    "tp2ovb": (2, ["--tp", "2", "--sequence-parallel", "--tp-comm-overlap", "--tp-comm-overlap-backend", "bulk"]),
+    "tp4ovb": (4, ["--tp", "4", "--sequence-parallel", "--tp-comm-overlap", "--tp-comm-overlap-backend", "bulk"]),
     "tp8ov": (8, ["--tp", "8", "--sequence-parallel", "--tp-comm-overlap"]),
     # pipeline: the last stage also carries the 128K-vocabulary output layer (~2 layers of work);
     # the default split by modeled cost gives it fewer layers (8 layers: pp2 5|3, pp2v2 2|3|3|0),

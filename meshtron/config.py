@@ -216,7 +216,7 @@ class ParallelConfig:
     expert_parallel: int = 1  # ranks splitting the experts
     sequence_parallel: bool = False  # with tp: norms and dropout on sequence shards
     tp_comm_overlap: bool = False  # with sp: pipeline the linears' sequence all-gathers / reduce-scatters with their GEMMs
-    tp_comm_overlap_backend: str = "p2p"  # p2p (send/recv, any backend: NCCL, RCCL, gloo) | symm_mem (PyTorch async-TP ops; CUDA builds, else p2p)
+    tp_comm_overlap_backend: str = "p2p"  # p2p (send/recv, any backend: NCCL, RCCL, gloo) | bulk (one collective per op; the input-gradient reduce-scatter behind the wgrad GEMM) | symm_mem (PyTorch async-TP ops; CUDA builds, else p2p)
     use_distributed_optimizer: bool = False  # shard fp32 masters and Adam moments over data-parallel ranks
     virtual_pipeline_parallel: int = 1  # model chunks per pipeline rank (interleaved 1F1B when > 1)
     num_layers_per_virtual_pipeline_stage: int = 0  # Megatron's way to set the above: layers / pp / this

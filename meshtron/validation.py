@@ -106,8 +106,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
 
     need(t.micro_batch_size > 0, f"--micro-batch-size must be positive, got {t.micro_batch_size}")
     need(p.cp_comm_type in ("p2p", "all_gather"), f"--cp-comm-type must be p2p or all_gather, got '{p.cp_comm_type}'")
-    need(p.tp_comm_overlap_backend in ("p2p", "symm_mem"),
-         f"--tp-comm-overlap-backend must be p2p or symm_mem, got '{p.tp_comm_overlap_backend}'")  # fmt: skip
+    need(p.tp_comm_overlap_backend in ("p2p", "bulk", "symm_mem"),
+         f"--tp-comm-overlap-backend must be p2p, bulk or symm_mem, got '{p.tp_comm_overlap_backend}'")  # fmt: skip
     if p.tp_comm_overlap:
         need(p.tensor_parallel > 1 and p.sequence_parallel,
              "--tp-comm-overlap overlaps sequence parallelism's gathers and reduce-scatters: it needs "

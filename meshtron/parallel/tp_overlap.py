@@ -20,6 +20,12 @@ compute stream wait for them, so no CUDA-only code is involved; on gloo (the CPU
 chunked arithmetic runs synchronously. The gathered input is kept for the weight gradient, as the
 plain path's linear keeps it, so backward moves no more bytes than before.
 
+Backend ``bulk`` keeps one collective per op (``all_gather_into_tensor`` / ``reduce_scatter_tensor``,
+as the plain path) and overlaps only where Megatron's default path does: the column backward's
+input-gradient reduce-scatter runs (``async_op``, on the process group's stream) while the
+weight-gradient GEMM computes. One NCCL kernel per op instead of ``p2p``'s 2 (tp - 1), so nothing
+competes with the GEMMs for SMs, and no per-op barrier as in ``symm_mem``.
+
 Backend ``symm_mem`` uses PyTorch's async-TP ops instead (``torch.ops.symm_mem.fused_all_gather_matmul``
 and ``fused_matmul_reduce_scatter``: copy-engine transfers through symmetric memory, no SMs taken
 from the GEMM), where ``symmetric_memory_usable`` finds them: NCCL (RCCL on ROCm) on a GPU whose
@@ -39,7 +45,7 @@ from meshtron.kernels import platform
 from meshtron.kernels.grad_accum_fusion import accumulate_wgrad_of
 
 SEQ_DIM = 1
-BACKENDS = ("p2p", "symm_mem")
+BACKENDS = ("p2p", "bulk", "symm_mem")
 
 
 def symmetric_memory_usable(group) -> bool:
@@ -101,6 +107,12 @@ def gather_matmul(shard: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     shard = shard.contiguous()
     chunks = shard.new_empty((n, *shard.shape))
+    if backend == "bulk":  # one all-gather into rank-major chunks, then one GEMM
+        dist.all_gather_into_tensor(chunks.flatten(0, 1), shard, group=group)
+        gathered = _chunk_major_to_sequence(chunks)
+        out = gathered.new_empty((*gathered.shape[:-1], b.shape[1]))
+        _mm_into(out, gathered.contiguous(), b, bias)
+        return gathered, out
     works = [_exchange(shard, chunks[(rank - k) % n], (rank + k) % n, (rank - k) % n, group) for k in range(1, n)]
     out = shard.new_empty((n, *shard.shape[:-1], b.shape[1]))
     _mm_into(out[rank], shard, b, bias)
@@ -142,6 +154,8 @@ def matmul_scatter(a: torch.Tensor, b: torch.Tensor, group, backend: str) -> Pen
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     if a.shape[SEQ_DIM] % n:
         raise ValueError(f"cannot reduce-scatter a sequence of {a.shape[SEQ_DIM]} over {n} tensor-parallel ranks")
+    if backend == "bulk":
+        return _bulk_matmul_scatter(a, b, group)
     chunks = a.chunk(n, dim=SEQ_DIM)
     sent, received, works = [], [], []
     for k in range(1, n):
@@ -150,6 +164,18 @@ def matmul_scatter(a: torch.Tensor, b: torch.Tensor, group, backend: str) -> Pen
         received.append(torch.empty_like(sent[-1]))
         works += _exchange(sent[-1], received[-1], to, frm, group)
     return PendingScatter(torch.matmul(chunks[rank], b), received, works, sent)
+
+
+def _bulk_matmul_scatter(a: torch.Tensor, b: torch.Tensor, group) -> PendingScatter:
+    """The whole product, then one reduce-scatter left in flight (``async_op``): the caller's next
+    GEMM runs while it moves. gloo lacks ``reduce_scatter_tensor``: an all-reduce, kept whole."""
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    chunks = torch.matmul(a, b).unflatten(SEQ_DIM, (n, -1)).movedim(SEQ_DIM, 0).contiguous()  # rank-major; a view at batch 1
+    if dist.get_backend(group) == "gloo":
+        return PendingScatter(chunks[rank], works=[dist.all_reduce(chunks, group=group, async_op=True)], sent=[chunks])
+    own = chunks.new_empty(chunks.shape[1:])
+    work = dist.reduce_scatter_tensor(own, chunks.flatten(0, 1), group=group, async_op=True)
+    return PendingScatter(own, works=[work], sent=[chunks])
 
 
 def _symm_mem_matmul_scatter(a: torch.Tensor, b: torch.Tensor, group) -> torch.Tensor:

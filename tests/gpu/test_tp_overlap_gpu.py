@@ -1,4 +1,4 @@
-"""``--tp-comm-overlap`` on two GPUs: the overlapped tp2+sp model (p2p backend over NCCL/RCCL, and
+"""``--tp-comm-overlap`` on two GPUs: the overlapped tp2+sp model (p2p and bulk backends over NCCL/RCCL, and
 PyTorch's symmetric-memory async-TP ops where ``symmetric_memory_usable`` finds them) against the
 plain tp2+sp model, same seed and batch: per-token losses and every full gradient. Two sequences
 per micro batch (so the chunk-major buffers are copied, not viewed), GQA and SwiGLU.
@@ -72,7 +72,7 @@ def _main() -> None:
     batch = {"tokens": torch.randint(0, 2048, (2, 4096), device="cuda", generator=g),
              "labels": torch.randint(0, 2048, (2, 4096), device="cuda", generator=g),
              "weights": torch.rand(2, 4096, device="cuda", generator=g)}  # fmt: skip
-    backends = ["p2p"] + (["symm_mem"] if symmetric_memory_usable(mesh.tp_group) else [])
+    backends = ["p2p", "bulk"] + (["symm_mem"] if symmetric_memory_usable(mesh.tp_group) else [])
     failures = []
     for dtype, (loss_tol, grad_tol) in TOLERANCES.items():
         want_losses, want_grads = _run("", dtype, mesh, batch)

@@ -124,7 +124,7 @@ def test_tp_comm_overlap_is_a_real_switch():
         (base + ["--tp-comm-overlap"], "--tp-comm-overlap .* needs --tensor-model-parallel-size > 1 and --sequence-parallel"),
         (["--mock-data", "--sequence-parallel", "--tp-comm-overlap"], "needs --tensor-model-parallel-size > 1"),
         (base + ["--sequence-parallel", "--tp-comm-overlap", "--fp8-format", "hybrid"], "does not cover FP8 linears"),
-        (base + ["--sequence-parallel", "--tp-comm-overlap-backend", "ub"], "--tp-comm-overlap-backend must be p2p or symm_mem"),
+        (base + ["--sequence-parallel", "--tp-comm-overlap-backend", "ub"], "--tp-comm-overlap-backend must be p2p, bulk or symm_mem"),
     ]:
         with pytest.raises(ConfigError, match=message):
             validate(build_config(None, flags), world_size=2)
