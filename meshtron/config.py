@@ -176,7 +176,7 @@ class TrainConfig:
 
     micro_batch_size: int = 8  # samples per forward/backward on one rank
     global_batch_size: int = 16  # samples per optimizer step over all data-parallel ranks
-    train_iters: int = 300  # optimizer steps
+    train_iters: int = 300  # optimizer steps (with train_samples: the iterations those take, set when the config is built)
     exit_interval: int = 0  # stop (after saving) once the iteration is a multiple of this
     exit_duration_in_mins: float = 0.0  # stop (after saving) after this many minutes; 0: no limit
     exit_signal: str = "SIGTERM"  # SIGTERM | SIGINT | SIGUSR1 | SIGUSR2: the signal that saves and stops (SIGINT always does too)
