@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshtron.data.data_sources import resolve_data_sources
 from meshtron.errors import ConfigError, unknown_name
 from meshtron.flags import MEGATRON_ALIASES, NOTED_FLAGS, VALUE_ALIASES
-from meshtron.data.data_sources import resolve_data_sources
 from meshtron.presets import preset_fields
 from meshtron.training.batch_schedule import resolve_sample_based_training
 
