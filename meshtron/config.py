@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshtron.data.data_sources import resolve_data_sources
 from meshtron.errors import ConfigError, unknown_name
 from meshtron.flags import MEGATRON_ALIASES, NOTED_FLAGS, VALUE_ALIASES
 from meshtron.presets import preset_fields
+from meshtron.training.batch_schedule import resolve_sample_based_training
 
 
 @dataclass
@@ -136,6 +138,12 @@ class DataConfig:
     """Where tokens come from. Empty ``data_path`` and ``mock`` off means the embedded corpus."""
 
     data_path: list[str] = field(default_factory=list)  # ["prefix"] or ["0.3", "a", "0.7", "b"]
+    # Per-split data (Megatron's; meshtron/data/data_sources.py): each split its own blend, no --split.
+    train_data_path: list[str] = field(default_factory=list)  # the train split's blend, written as data_path
+    valid_data_path: list[str] = field(default_factory=list)  # the validation split's blend
+    test_data_path: list[str] = field(default_factory=list)  # the test split's blend
+    data_args_path: str = ""  # a file holding the data_path value (read at start-up into data_path)
+    per_split_data_args_path: str = ""  # a JSON file with "train", "valid", "test" blends (read into the three above)
     split: str = "969,30,1"  # train,valid,test weights of the documents
     mock: bool = False  # random tokens instead of data (benchmarks)
     seq_length: int = 128  # tokens per sample
@@ -168,7 +176,7 @@ class TrainConfig:
 
     micro_batch_size: int = 8  # samples per forward/backward on one rank
     global_batch_size: int = 16  # samples per optimizer step over all data-parallel ranks
-    train_iters: int = 300  # optimizer steps
+    train_iters: int = 300  # optimizer steps (with train_samples: the iterations those take, set when the config is built)
     exit_interval: int = 0  # stop (after saving) once the iteration is a multiple of this
     exit_duration_in_mins: float = 0.0  # stop (after saving) after this many minutes; 0: no limit
     exit_signal: str = "SIGTERM"  # SIGTERM | SIGINT | SIGUSR1 | SIGUSR2: the signal that saves and stops (SIGINT always does too)
@@ -183,6 +191,12 @@ class TrainConfig:
     lr_warmup_iters: int = 30  # linear warm-up steps
     lr_decay_iters: int = 0  # 0: train_iters
     lr_wsd_decay_iters: int = 0  # wsd: length of the final decay phase; 0: 10% of decay iters
+    # Sample-based training (Megatron's; meshtron/training/batch_schedule.py): excludes the iteration flags above.
+    train_samples: int = 0  # train this many samples; 0: train_iters (else train_iters becomes the iterations they take)
+    rampup_batch_size: list[int] = field(default_factory=list)  # START INCREMENT RAMP_SAMPLES: the global batch grows to global_batch_size
+    lr_warmup_samples: int = 0  # with train_samples: linear warm-up samples
+    lr_decay_samples: int = 0  # with train_samples; 0: train_samples
+    lr_wsd_decay_samples: int = 0  # with train_samples, wsd: length of the final decay phase; 0: 10% of decay samples
     weight_decay: float = 0.1  # AdamW decoupled weight decay (not on norms and biases)
     adam_beta1: float = 0.9  # Adam first-moment decay
     adam_beta2: float = 0.95  # Adam second-moment decay
@@ -340,7 +354,8 @@ def _coerce(value: Any, typ: Any, name: str) -> Any:
     raise ConfigError(f"{name} must be {type_name}, got {value!r}")
 
 # Megatron flags that take several values until the next flag.
-_MULTI_VALUE = {"data.data_path", "model.retriever_report_topk_accuracies", "model.recompute_modules"}
+_MULTI_VALUE = {"data.data_path", "data.train_data_path", "data.valid_data_path", "data.test_data_path", "train.rampup_batch_size",
+                "model.retriever_report_topk_accuracies", "model.recompute_modules"}
 
 
 def _all_flags() -> dict[str, Any]:
@@ -487,6 +502,10 @@ def build_config(config_file: str | None = None, overrides: list[str] | None = N
     if model.get("position_embedding_type") == "yarn":  # Megatron's spelling of RoPE with YaRN's scaling
         model.update(position_embedding_type="rope", rope_scaling="yarn")
     cfg = Config.from_dict(merged)
+    given = {section: {k.replace("-", "_") for k in raw.get(section, {})} | {k.split(".")[1] for k in parsed if k.startswith(section + ".")}
+             for section in ("train", "data")}  # fmt: skip
+    resolve_sample_based_training(cfg.train, given["train"])
+    resolve_data_sources(cfg.data, split_given="split" in given["data"])
     _resolve_shared_experts(cfg.model)
     _resolve_device_limited_routing(cfg)
     _resolve_recompute_modules(cfg)

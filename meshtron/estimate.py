@@ -29,6 +29,7 @@ import argparse
 from dataclasses import dataclass
 
 from meshtron.config import Config, build_config, data_parallel_size, recomputes_core_attention, virtual_stages
+from meshtron.data.data_sources import names_data
 from meshtron.data.default_data import EMBEDDED_VOCAB_SIZE
 from meshtron.training.vocab import model_vocab_size, run_tokenizer
 from meshtron.validation import validate
@@ -334,7 +335,7 @@ def _count(n: int) -> str:
 def training_vocab_size(cfg: Config) -> int:
     """The padded vocabulary the run would train with: its tokenizer's when it names one (or the
     embedded corpus's when it names no data), else ``--vocab-size`` (32000 by default)."""
-    if not (cfg.data.mock or cfg.data.data_path):
+    if not (cfg.data.mock or names_data(cfg.data)):
         return max(cfg.model.vocab_size, EMBEDDED_VOCAB_SIZE)
     return model_vocab_size(cfg, run_tokenizer(cfg))
 

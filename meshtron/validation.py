@@ -10,6 +10,7 @@ from pathlib import Path
 from meshtron.checkpoint.checkpoint import checkpoint_config_errors
 from meshtron.config import KEPT_MODULES, RECOMPUTED_MODULES, Config, virtual_stages, world_size_from_env
 from meshtron.data.chat_template import TEMPLATE_CHOICES, conversation_template
+from meshtron.data.data_sources import SPLIT_FLAGS, names_data, split_blends
 from meshtron.data.masked_lm import masked_data_config_errors
 from meshtron.errors import ConfigError
 from meshtron.flags import noted_flag_errors
@@ -23,6 +24,7 @@ from meshtron.kernels import triton_available
 from meshtron.optim.optimizer import MOMENT_DTYPES, OPTIMIZER_IMPLS
 from meshtron.parallel.pipeline_balance import pipeline_split
 from meshtron.parallel.pipeline_schedules import KINDS, SPLIT_BACKWARD
+from meshtron.training.batch_schedule import batch_schedule_errors
 from meshtron.training.stop import stop_config_errors
 
 
@@ -144,7 +146,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     need(virtual == 1 or p.pipeline_parallel > 1, "virtual pipeline stages need --pipeline-model-parallel-size > 1")
     if p.pipeline_parallel > 1:
         errors.extend(zero_bubble_errors(cfg, virtual))
-    if p.pipeline_parallel > 1 and p.pipeline_schedule != "zbv" and (virtual > 1 or p.pipeline_schedule == "interleaved") and t.micro_batch_size > 0:
+    interleaved = p.pipeline_parallel > 1 and p.pipeline_schedule != "zbv" and (virtual > 1 or p.pipeline_schedule == "interleaved")
+    if interleaved and t.micro_batch_size > 0:
         micro = t.global_batch_size // max(1, t.micro_batch_size * dp)
         need(
             micro % p.pipeline_parallel == 0,
@@ -158,6 +161,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             f"x data-parallel size {dp} = {t.micro_batch_size * dp}; use e.g. "
             f"{max(1, round(t.global_batch_size / (t.micro_batch_size * dp))) * t.micro_batch_size * dp}",
         )
+    errors.extend(batch_schedule_errors(t, dp, p.pipeline_parallel if interleaved else 0))
     need(t.train_iters > 0, f"--train-iters must be positive, got {t.train_iters}")
     errors.extend(stop_config_errors(t))
     need(t.lr >= 0 and t.min_lr >= 0, "--lr and --min-lr must not be negative")
@@ -171,8 +175,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         errors.append("--mock-data and --data-path are both set; keep one")
     if d.sft:
         errors.extend(sft_errors(cfg))
-    elif d.data_path:
-        errors.extend(_check_data_path(d.data_path))
+    elif names_data(d):
+        for flag, blend in [("--data-path", d.data_path), *zip(SPLIT_FLAGS.values(), split_blends(d))]:
+            errors.extend(_check_data_path(blend, flag) if blend else [])
         if not d.tokenizer_type:
             errors.append("--data-path is set but --tokenizer-type is not; name the tokenizer the data was made with")
     try:
@@ -278,24 +283,24 @@ def _divisor_near(n: int, k: int) -> int:
     return min(divisors, key=lambda x: abs(x - k))
 
 
-def _check_data_path(tokens: list[str]) -> list[str]:
-    """``prefix`` or ``w1 prefix1 w2 prefix2 ...``: each prefix must have .bin and .idx."""
+def _check_data_path(tokens: list[str], flag: str) -> list[str]:
+    """``prefix`` or ``w1 prefix1 w2 prefix2 ...`` given to ``flag``: each prefix must have .bin and .idx."""
     errors = []
     prefixes = tokens
     if len(tokens) > 1:
         if len(tokens) % 2:
-            return [f"--data-path with several entries must be weight/prefix pairs, got {tokens}"]
+            return [f"{flag} with several entries must be weight/prefix pairs, got {tokens}"]
         try:
             [float(w) for w in tokens[0::2]]
         except ValueError:
-            return [f"--data-path with several entries must be weight/prefix pairs, got {tokens}"]
+            return [f"{flag} with several entries must be weight/prefix pairs, got {tokens}"]
         prefixes = tokens[1::2]
     for prefix in prefixes:
         for ext in (".bin", ".idx"):
             if not Path(prefix + ext).is_file():
-                errors.append(f"--data-path: '{prefix}{ext}' not found (give the prefix without extension, as written by `meshtron preprocess`)")
+                errors.append(f"{flag}: '{prefix}{ext}' not found (give the prefix without extension, as written by `meshtron preprocess`)")
         if prefix.endswith((".jsonl", ".json")):
-            errors.append(f"--data-path {prefix} is a jsonl: add --sft to fine-tune on its conversations, or `meshtron preprocess` its text")
+            errors.append(f"{flag} {prefix} is a jsonl: add --sft to fine-tune on its conversations, or `meshtron preprocess` its text")
     return errors
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -13,6 +14,7 @@ from meshtron.config import Config, DataConfig
 from meshtron.data.blended import BlendedDataset, build_blending_indices, parse_data_path
 from meshtron.data.gpt_dataset import GPTDataset, MockGPTDataset, split_document_ranges
 from meshtron.data.chat_template import conversation_template
+from meshtron.data.data_sources import has_per_split_data, names_data, split_blends
 from meshtron.data.indexed import IndexedDataset
 from meshtron.data.masked_lm import bert_data_errors, ict_data_errors, masked_data_config_errors, t5_data_errors
 from meshtron.data.sft_dataset import build_sft_datasets
@@ -49,20 +51,15 @@ def build_datasets(
     if data_cfg.sft:
         template = conversation_template(data_cfg.sft_chat_template, data_cfg.tokenizer_type, data_cfg.tokenizer_model)
         return build_sft_datasets(data_cfg, tokenizer, num_samples, seed, template)
-    if data_prefixes:
-        prefixes, weights = list(data_prefixes), [1.0 / len(data_prefixes)] * len(data_prefixes)
-    else:
-        prefixes, weights = parse_data_path(data_cfg.data_path)
-    indexed = [IndexedDataset(p) for p in prefixes]
-    ranges = [split_document_ranges(data_cfg.split, len(ds)) for ds in indexed]
+    sources = Sources.read(data_cfg, data_prefixes, len)
 
     def one(k: int, ds_i: int, n: int) -> GPTDataset:
         return GPTDataset(
-            indexed[ds_i], ranges[ds_i][k], n, data_cfg.seq_length, seed, data_cfg.data_cache_path or None, tokenizer.eod,
+            sources.indexed[ds_i], sources.ranges[ds_i][k], n, data_cfg.seq_length, seed, data_cfg.data_cache_path or None, tokenizer.eod,
             data_cfg.reset_position_ids, data_cfg.reset_attention_mask, data_cfg.eod_mask_loss, name=SPLIT_NAMES[k],
         )
 
-    return _splits(ranges, weights, num_samples, seed, one)
+    return _splits(sources, num_samples, seed, one)
 
 
 def decoder_datasets(cfg: Config, tokenizer, num_samples: tuple[int, int, int], seed: int, data_prefixes: list[str] | None = None,
@@ -71,15 +68,52 @@ def decoder_datasets(cfg: Config, tokenizer, num_samples: tuple[int, int, int], 
     return build_datasets(cfg.data, tokenizer, num_samples, seed, data_prefixes, vocab_size)
 
 
-def _splits(ranges: list, weights: list[float], num_samples: tuple[int, int, int], seed: int, one) -> tuple:
-    """Per split, ``one(split, dataset, n)`` alone or a blend of every dataset with documents in the split."""
+@dataclass
+class Sources:
+    """The indexed datasets a run reads, each with its weight in its blend and its document range
+    in each split, and which datasets make up each split's blend: every ``--data-path`` dataset,
+    its documents divided by ``--split``; or per-split blends (``data_sources.py``), each dataset
+    whole in its own split."""
+
+    indexed: list[IndexedDataset]
+    weights: list[float]
+    ranges: list[list[tuple[int, int]]]
+    blends: list[list[int]]
+
+    @classmethod
+    def read(cls, data_cfg: DataConfig, data_prefixes: list[str] | None, count: Callable[[IndexedDataset], int]) -> "Sources":
+        """``data_prefixes`` (equally weighted: the embedded corpus) or the config's data; ``count``
+        gives a dataset's documents."""
+        if has_per_split_data(data_cfg):
+            sources = cls([], [], [], [])
+            for k, blend in enumerate(split_blends(data_cfg)):
+                prefixes, weights = parse_data_path(blend) if blend else ([], [])
+                sources.blends.append(list(range(len(sources.indexed), len(sources.indexed) + len(prefixes))))
+                for prefix, weight in zip(prefixes, weights):
+                    sources.indexed.append(IndexedDataset(prefix))
+                    sources.weights.append(weight)
+                    sources.ranges.append([(0, count(sources.indexed[-1])) if split == k else (0, 0) for split in range(3)])
+            return sources
+        if data_prefixes:
+            prefixes, weights = list(data_prefixes), [1.0 / len(data_prefixes)] * len(data_prefixes)
+        else:
+            prefixes, weights = parse_data_path(data_cfg.data_path)
+        indexed = [IndexedDataset(p) for p in prefixes]
+        every = list(range(len(indexed)))
+        return cls(indexed, weights, [split_document_ranges(data_cfg.split, count(ds)) for ds in indexed], [every, every, every])
+
+
+def _splits(sources: Sources, num_samples: tuple[int, int, int], seed: int, one) -> tuple:
+    """Per split, ``one(split, dataset, n)`` alone (a blend of one dataset) or a blend of the
+    blend's datasets with documents in the split."""
     out = []
+    ranges, weights = sources.ranges, sources.weights
     for k, n in enumerate(num_samples):
-        members = [i for i in range(len(ranges)) if ranges[i][k][1] > ranges[i][k][0] and weights[i] > 0]
+        members = [i for i in sources.blends[k] if ranges[i][k][1] > ranges[i][k][0] and weights[i] > 0]
         if n <= 0 or not members:
             out.append(None)
-        elif len(ranges) == 1:
-            out.append(one(k, 0, n))
+        elif len(sources.blends[k]) == 1:
+            out.append(one(k, members[0], n))
         else:
             w = [weights[i] for i in members]
             w = [x / sum(w) for x in w]
@@ -105,23 +139,19 @@ def build_sentence_datasets(
     errors = masked_data_config_errors(data_cfg) + data_errors(data_cfg)
     if errors:
         raise ValueError("; ".join(errors))
-    if data_cfg.mock or not (data_cfg.data_path or data_prefixes):
+    if data_cfg.mock or not (names_data(data_cfg) or data_prefixes):
         raise ValueError(f"{what} needs sentence-split data: --data-path PREFIX_text_sentence (meshtron preprocess --split-sentences)")
-    if data_prefixes:
-        prefixes, weights = list(data_prefixes), [1.0 / len(data_prefixes)] * len(data_prefixes)
-    else:
-        prefixes, weights = parse_data_path(data_cfg.data_path)
-    indexed = [IndexedDataset(p) for p in prefixes]
-    ranges = [split_document_ranges(data_cfg.split, len(ds.document_indices) - 1) for ds in indexed]
+    sources = Sources.read(data_cfg, data_prefixes, lambda ds: len(ds.document_indices) - 1)
     titles = IndexedDataset(data_cfg.titles_data_path) if data_cfg.titles_data_path else None
-    if titles is not None and len(prefixes) > 1:
+    if titles is not None and len(sources.indexed) > 1:
         raise ValueError("--titles-data-path holds the titles of one --data-path; ICT blends are not supported")
     cache = data_cfg.data_cache_path or None
 
     def split(k: int, i: int, n: int):
-        return one(indexed[i], ranges[i][k], titles, num_samples=n, seed=seed, cache_dir=cache, tokenizer=tokenizer, name=SPLIT_NAMES[k])
+        return one(sources.indexed[i], sources.ranges[i][k], titles, num_samples=n, seed=seed, cache_dir=cache, tokenizer=tokenizer,
+                   name=SPLIT_NAMES[k])  # fmt: skip
 
-    return _splits(ranges, weights, num_samples, seed, split)
+    return _splits(sources, num_samples, seed, split)
 
 
 def bert_datasets(cfg: Config, tokenizer, num_samples: tuple[int, int, int], seed: int, data_prefixes: list[str] | None = None,

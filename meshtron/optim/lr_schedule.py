@@ -11,6 +11,12 @@ number of steps *after* the current one, ``n = i + 1``, except that its first st
 the first step uses ``max_lr / warmup_iters``, step ``warmup_iters - 1`` reaches ``max_lr``, and
 step ``decay_iters - 1`` (the last of a run whose ``decay_iters == train_iters``) reaches
 ``min_lr`` exactly.
+
+Sample-based training (``--train-samples``) counts every span in samples, as Megatron does
+(``--lr-warmup-samples``, ``--lr-decay-samples``, ``--lr-wsd-decay-samples``), and its formulas
+take the samples consumed once the step is done: ``lr_at(consumed, batch)`` evaluates them at
+``n = consumed + batch``, the same rule (a run of constant batch B with spans of k x B samples
+has the rates of spans of k iterations).
 """
 
 from __future__ import annotations
@@ -19,10 +25,12 @@ import math
 from typing import Any
 
 STYLES = ("constant", "linear", "cosine", "wsd")
+UNITS = ("iterations", "samples")
 
 
 class LRSchedule:
-    """lr(i) for i = completed steps; see the module docstring for the exact numbering."""
+    """lr(i) for i = completed steps (or samples); see the module docstring for the exact numbering.
+    The spans (``warmup_iters``, ``decay_iters``, ``wsd_decay_iters``) are counted in ``unit``."""
 
     def __init__(
         self,
@@ -32,6 +40,7 @@ class LRSchedule:
         decay_iters: int,
         style: str,
         wsd_decay_iters: int = 0,
+        unit: str = "iterations",
     ) -> None:
         if style not in STYLES:
             raise ValueError(f"lr decay style must be one of {', '.join(STYLES)}, got '{style}'")
@@ -39,6 +48,8 @@ class LRSchedule:
             raise ValueError(f"need 0 <= min_lr <= max_lr, got min_lr {min_lr}, max_lr {max_lr}")
         if warmup_iters < 0 or decay_iters <= 0:
             raise ValueError(f"need warmup_iters >= 0 and decay_iters > 0, got {warmup_iters} and {decay_iters}")
+        if unit not in UNITS:
+            raise ValueError(f"the schedule counts {' or '.join(UNITS)}, got '{unit}'")
         if wsd_decay_iters < 0:
             raise ValueError(f"wsd_decay_iters must not be negative, got {wsd_decay_iters}")
         self.max_lr = float(max_lr)
@@ -47,12 +58,18 @@ class LRSchedule:
         self.decay_iters = int(decay_iters)
         self.style = style
         self.wsd_decay_iters = int(wsd_decay_iters)
+        self.unit = unit
         # Megatron has no default for the WSD anneal length; 10% of the decay span is the common choice.
         self._wsd_anneal = self.wsd_decay_iters or max(1, self.decay_iters // 10)
 
     @classmethod
     def from_config(cls, train_cfg: Any) -> "LRSchedule":
-        """Build from a ``TrainConfig``; ``lr_decay_iters == 0`` means decay over the whole run."""
+        """Build from a ``TrainConfig``; ``lr_decay_iters == 0`` means decay over the whole run.
+        Under ``--train-samples`` the spans are its sample counts (``lr_decay_samples == 0``: all of them)."""
+        t = train_cfg
+        if t.train_samples:
+            return cls(t.lr, t.min_lr, t.lr_warmup_samples, t.lr_decay_samples or t.train_samples, t.lr_decay_style,
+                       t.lr_wsd_decay_samples, unit="samples")  # fmt: skip
         return cls(
             max_lr=train_cfg.lr,
             min_lr=train_cfg.min_lr,
@@ -62,14 +79,19 @@ class LRSchedule:
             wsd_decay_iters=train_cfg.lr_wsd_decay_iters,
         )
 
-    def lr_at(self, iteration: int) -> float:
-        """Rate for the step taken after ``iteration`` completed steps.
+    def lr_for_step(self, iteration: int, consumed_samples: int, batch_size: int) -> float:
+        """Rate for the step taken after ``iteration`` steps that consumed ``consumed_samples``,
+        itself training ``batch_size`` samples: ``lr_at`` in the schedule's unit."""
+        return self.lr_at(consumed_samples, batch_size) if self.unit == "samples" else self.lr_at(iteration)
+
+    def lr_at(self, done: int, step: int = 1) -> float:
+        """Rate for the step taken after ``done`` completed steps (or samples), itself ``step`` of them.
 
         A warmup longer than the decay span (a short test run with the default warmup) is allowed,
         as Megatron's formulas allow it: the rate rises until warmup ends or the run stops, and
         after ``decay_iters`` it is ``min_lr`` (``max_lr`` for the constant style, as in Megatron).
         """
-        n = iteration + 1
+        n = done + step
         if self.warmup_iters > 0 and n <= self.warmup_iters:
             return self.max_lr * n / self.warmup_iters
         if self.style == "constant":
@@ -96,4 +118,5 @@ class LRSchedule:
             "decay_iters": self.decay_iters,
             "style": self.style,
             "wsd_decay_iters": self.wsd_decay_iters,
+            "unit": self.unit,
         }

@@ -106,13 +106,15 @@ class IntervalMeter:
 
 
 def format_log_line(iteration: int, train_iters: int, consumed: int, lr: float, loss: float, grad_norm: float, loss_scale: float,
-                    stats: dict[str, float], aux: dict[str, float] | None = None) -> str:  # fmt: skip
+                    stats: dict[str, float], aux: dict[str, float] | None = None, batch_size: int = 0) -> str:  # fmt: skip
     """Megatron's log line, plus tokens/s, TFLOP/s per device, MFU against each base (``MFU 51.2% of
     peak, 66.4% of ceiling``) and memory, and each kind of
-    auxiliary loss summed over layers (``aux`` is per term, ``kind/layer``: TensorBoard gets those)."""
+    auxiliary loss summed over layers (``aux`` is per term, ``kind/layer``: TensorBoard gets those).
+    ``batch_size``: the step's global batch (it varies under --rampup-batch-size); 0 leaves it out."""
     parts = [
         f"iteration {iteration:>7d}/{train_iters}",
         f"consumed samples {consumed:>10d}",
+        *([f"global batch size {batch_size:>5d}"] if batch_size else []),
         f"ms/iter {stats['ms_per_iter']:8.1f}",
         f"lr {lr:.3e}",
         f"loss {loss:.4f}",

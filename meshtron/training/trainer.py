@@ -26,12 +26,14 @@ from meshtron.checkpoint.staging import HostStaging
 from meshtron.config import Config
 from meshtron.validation import validate
 from meshtron.data.builder import MicroBatchIterator
+from meshtron.data.data_sources import names_data
 from meshtron.flags import noted_flag_lines
 from meshtron.models import model_flops_per_token, parameter_count, sample_tokens, spec_for
 from meshtron.optim.lr_schedule import LRSchedule
 from meshtron.parallel.mesh import init_distributed, restart_store_note
 from meshtron.parallel.setup import build_runner
 from meshtron.training import flight_recorder
+from meshtron.training.batch_schedule import BatchSchedule, planned_samples
 from meshtron.training.divergence import DivergenceError, DivergenceMonitor
 from meshtron.training.metrics import IntervalMeter, MetricsWriter, describe_bases, format_log_line, memory_scalars, mfu_bases
 from meshtron.training.profiler import StepProfiler
@@ -65,7 +67,7 @@ def setup_data_source(cfg: Config, log: Callable[[str], None]) -> list[str] | No
     """Fill in the embedded corpus (as the model type reads it) when no data is named; returns its
     prefixes (None otherwise)."""
     data = cfg.data
-    if data.mock or data.data_path:
+    if data.mock or names_data(data):
         return None
     from meshtron.data.default_data import default_data
 
@@ -121,7 +123,10 @@ class Trainer:
         self.runner = build_runner(cfg, self.mesh, self.vocab_size, self.device, self.dtype)
         self.model, self.optimizer = self.runner.model, self.runner.optimizer
         self.schedule = LRSchedule.from_config(t)
-        self.num_micro_batches = t.global_batch_size // (t.micro_batch_size * self.mesh.dp)
+        self.batch_schedule = BatchSchedule.from_config(t)  # --rampup-batch-size: the step's batch follows the consumed samples
+        self.micro_samples = t.micro_batch_size * self.mesh.dp  # global samples per micro batch
+        self.num_micro_batches = t.global_batch_size // self.micro_samples  # of a full global batch (evaluation's)
+        self.last_batch_size, self.last_lr = t.global_batch_size, 0.0  # of the last step taken
 
         self.iteration, self.consumed_samples = 0, 0
         meta = None
@@ -144,7 +149,7 @@ class Trainer:
         if cfg.logging.eval_interval > 0 and cfg.logging.eval_iters > 0:
             eval_samples = cfg.logging.eval_iters * t.global_batch_size
         going_on = meta if meta and meta["consumed_samples"] else None  # a run continued, not one started from weights
-        self.sample_plan, note = plan_samples(going_on, t.train_iters * t.global_batch_size, t.seed)  # the checkpoint's order kept
+        self.sample_plan, note = plan_samples(going_on, planned_samples(t), t.seed)  # the checkpoint's order kept
         for line in (note, schedule_note(going_on and going_on.get("lr_schedule"), self.schedule.state_dict())):
             if line:
                 log(line)
@@ -167,6 +172,8 @@ class Trainer:
             f"{self.num_micro_batches} micro batches of {t.micro_batch_size} x {sample_tokens(cfg)} tokens per step; "
             f"MFU against {describe_bases(bases)}"
         )
+        if t.train_samples:
+            log(f"--train-samples {t.train_samples}: {t.train_iters} iterations, {self.batch_schedule.describe()}")
         if self.mesh.pp > 1:
             for line in self.runner.describe(self.num_micro_batches).splitlines():
                 log(line)
@@ -194,9 +201,12 @@ class Trainer:
     def train_step(self) -> tuple[float, object]:
         """One optimizer step over a global batch; the loss is the mean over the global batch (per
         token for a language model: each micro batch's loss sum divided by the count of the whole
-        batch, so gradients summed over data-parallel ranks equal the one-process gradient)."""
+        batch, so gradients summed over data-parallel ranks equal the one-process gradient). The
+        global batch is the batch schedule's at the samples consumed so far (it ramps up with
+        --rampup-batch-size), and so is the number of micro batches."""
+        self.last_batch_size = self.batch_schedule.batch_at(self.consumed_samples)
         with self.straggler.section("data wait"):
-            batches = [self._to_device(next(self.train_batches)) for _ in range(self.num_micro_batches)]
+            batches = [self._to_device(next(self.train_batches)) for _ in range(self.last_batch_size // self.micro_samples)]
         self._last_batches = batches  # for the divergence check's re-run
         self.optimizer.zero_grad()
         loss = self.runner.forward_backward(batches, timed=self.straggler.section if self.straggler.enabled else None)
@@ -209,7 +219,8 @@ class Trainer:
         with self.straggler.section("optimizer"):
             self.runner.finalize_grads()
             self.host_staging.before_state_changes()  # an async save's copies of the weights are done first
-            result = self.optimizer.step(self.schedule.lr_at(self.iteration))
+            self.last_lr = self.schedule.lr_for_step(self.iteration, self.consumed_samples, self.last_batch_size)
+            result = self.optimizer.step(self.last_lr)
             self.runner.after_step()
         mean_loss, *values = _read_host_copy(host)
         self.last_aux = {name: values[i] for i, name in enumerate(terms) if name in loss.aux}
@@ -365,7 +376,7 @@ class Trainer:
         agreement = StopAgreement(self.mesh.world_size, self.device, t.exit_duration_in_mins, self.started)
         signals = StopSignals(t.exit_signal, self.say).install()
         watchdog = self._start_watchdog()
-        tokens_per_step = t.global_batch_size * sample_tokens(cfg) // self.mesh.world_size  # per device
+        tokens_per_sample = sample_tokens(cfg)
         interval_loss, interval_steps = 0.0, 0
         try:
             while self.iteration < t.train_iters:
@@ -375,22 +386,23 @@ class Trainer:
                 with self.straggler.section("step"):
                     loss, step = self.train_step()
                 self.divergence.check(self.iteration + 1, loss, step, lambda: self.runner.forward_backward(self._last_batches, forward_only=True))
-                self.meter.end_step(tokens_per_step, step.skipped)
+                self.meter.end_step(self.last_batch_size * tokens_per_sample // self.mesh.world_size, step.skipped)  # tokens per device
                 self.iteration += 1
-                self.consumed_samples += t.global_batch_size
+                self.consumed_samples += self.last_batch_size
                 result.losses.append(loss)
                 result.grad_norms.append(step.grad_norm)
                 interval_loss += loss
                 interval_steps += 1
                 if self.iteration % logc.log_interval == 0 or self.iteration == t.train_iters:
                     stats = self.meter.summary()
-                    lr = self.schedule.lr_at(self.iteration - 1)
+                    lr = self.last_lr
                     mean_loss = interval_loss / interval_steps
-                    self.log(format_log_line(self.iteration, t.train_iters, self.consumed_samples, lr, mean_loss, step.grad_norm, step.loss_scale, stats, {**self.last_aux, **self.last_metrics}))
+                    self.log(format_log_line(self.iteration, t.train_iters, self.consumed_samples, lr, mean_loss, step.grad_norm, step.loss_scale, stats,
+                                             {**self.last_aux, **self.last_metrics}, self.last_batch_size))  # fmt: skip
                     self.tensorboard.scalars(
                         self.iteration,
                         {"train/loss": mean_loss, "train/lr": lr, "train/grad_norm": step.grad_norm, "train/loss_scale": step.loss_scale, "perf/tokens_per_s_per_device": stats["tokens_per_s"], "perf/tflops_per_device": stats["tflops_per_device"],
-                         "train/batch_size": t.global_batch_size, "perf/ms_per_iter": stats["ms_per_iter"], **memory_scalars(stats),
+                         "train/batch_size": self.last_batch_size, "perf/ms_per_iter": stats["ms_per_iter"], **memory_scalars(stats),
                          **{f"perf/{key}": value for key, value in stats.items() if key.startswith("mfu_")},
                          **{f"aux/{name}": value for name, value in self.last_aux.items()},
                          **{f"metrics/{name}": value for name, value in self.last_metrics.items()}},

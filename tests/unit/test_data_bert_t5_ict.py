@@ -313,6 +313,19 @@ def test_build_masked_datasets_blends(corpus, tok):
         family("t5").datasets(Config(data=DataConfig(data_path=[prefix], decoder_seq_length=24)), tok, (4, 0, 0), 3)
 
 
+def test_per_split_blends_give_each_split_whole_datasets(corpus, tok):
+    """--train-data-path / --valid-data-path for the sentence families: no --split division, each
+    split's datasets whole (the same prefix may serve two splits, as AMD's DeepSeek script does)."""
+    _, _, docs, d = corpus
+    prefix = str(d / "c_text_sentence")
+    cfg = DataConfig(train_data_path=["0.5", prefix, "0.5", prefix], valid_data_path=[prefix], seq_length=48,
+                     data_cache_path=str(d / "cache"), vocab_extra_ids=20, decoder_seq_length=24)  # fmt: skip
+    for model in ("bert", "t5"):
+        train, valid, test = family(model).datasets(Config(data=cfg), tok, (40, 8, 4), 3)
+        assert len(train) == 40 and len(valid) == 8 and test is None  # no test blend
+        assert [ds.document_range for ds in train.datasets] == [(0, len(docs))] * 2 and valid.document_range == (0, len(docs))
+
+
 def test_config_errors_and_flags():
     assert masked_data_config_errors(DataConfig()) == []
     bad = DataConfig(mask_prob=1.5, short_seq_prob=-0.1, query_in_block_prob=2.0, seq_length=512, decoder_seq_length=1, vocab_extra_ids=100)

@@ -74,7 +74,7 @@ def test_from_config_decays_over_the_run_when_unset():
     cfg = TrainConfig(lr=3e-3, min_lr=3e-4, lr_warmup_iters=5, lr_decay_iters=0, train_iters=50, lr_decay_style="linear")
     s = LRSchedule.from_config(cfg)
     assert s.state_dict() == {
-        "max_lr": 3e-3, "min_lr": 3e-4, "warmup_iters": 5, "decay_iters": 50, "style": "linear", "wsd_decay_iters": 0,
+        "max_lr": 3e-3, "min_lr": 3e-4, "warmup_iters": 5, "decay_iters": 50, "style": "linear", "wsd_decay_iters": 0, "unit": "iterations",
     }
     assert s.lr_at(49) == pytest.approx(3e-4)
 
