@@ -211,6 +211,7 @@ class Trainer:
             self.host_staging.before_state_changes()  # an async save's copies of the weights are done first
             result = self.optimizer.step(self.schedule.lr_at(self.iteration))
             self.runner.after_step()
+            self.optimizer.start_param_sync()  # --overlap-param-gather: after the step's last data-parallel collective
         mean_loss, *values = _read_host_copy(host)
         self.last_aux = {name: values[i] for i, name in enumerate(terms) if name in loss.aux}
         self.last_metrics = {name: values[i] for i, name in enumerate(terms) if name in loss.metrics}
@@ -220,6 +221,7 @@ class Trainer:
     def evaluate(self) -> float:
         self.meter.pause()
         """Mean loss over ``eval_iters`` global batches of the validation split (same batches each time)."""
+        self.optimizer.finish_param_sync()
         self.model.eval()
         batches = self._batches(self.valid_data, 0)
         total = torch.zeros((), device=self.device)
@@ -261,6 +263,7 @@ class Trainer:
             "lr_schedule": self.schedule.state_dict(),
         }
         self.finish_save(last)  # one checkpoint in flight at a time
+        self.optimizer.finish_param_sync()  # the saved weights are this step's, gathered
         start = time.perf_counter()
         try:
             pending = start_save(str(save_dir), self.iteration, self.model, self.optimizer, meta, mesh=self.mesh,
@@ -374,7 +377,7 @@ class Trainer:
                 self.meter.start_step()
                 with self.straggler.section("step"):
                     loss, step = self.train_step()
-                self.divergence.check(self.iteration + 1, loss, step, lambda: self.runner.forward_backward(self._last_batches, forward_only=True))
+                self.divergence.check(self.iteration + 1, loss, step, self._rerun_last_step)
                 self.meter.end_step(tokens_per_step, step.skipped)
                 self.iteration += 1
                 self.consumed_samples += t.global_batch_size
@@ -418,6 +421,7 @@ class Trainer:
                     self.log(f"stopping at iteration {self.iteration} ({why}; every rank stops and saves here)")
                     break
             agreement.close()
+            self.optimizer.finish_param_sync()  # the model is whole when training ends, saved or not
             watchdog.enter("save", self.iteration)
             self.save(last=True)
             self.finish_save(last=True)
@@ -450,9 +454,15 @@ class Trainer:
             watchdog.start()
         return watchdog
 
+    def _rerun_last_step(self) -> object:
+        """The last step's forward passes again, on the updated weights (the divergence check's locator)."""
+        self.optimizer.finish_param_sync()
+        return self.runner.forward_backward(self._last_batches, forward_only=True)
+
     def sample(self, prompt: str, max_new_tokens: int) -> str:
         from meshtron.inference.sampling import generate
 
+        self.optimizer.finish_param_sync()
         self.model.eval()
         ids = self.tokenizer.encode(prompt)
         out = generate(self.model, ids, max_new_tokens, temperature=0.8, top_k=40, eod=self.tokenizer.eod, generator=torch.Generator(device=self.device).manual_seed(self.cfg.train.seed))

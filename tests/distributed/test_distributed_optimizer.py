@@ -12,21 +12,30 @@ parameter all-gather. One spawn runs every case:
   bit-identical next steps; loaded into the one-process optimizer it continues like the
   one-process run (the state dict is keyed by parameter name, whatever the dp size);
 - the fused step (``--optimizer-impl fused``, Triton's interpreter; where Triton is installed and
-  no GPU is present), sharded and replicated over dp: fp32, as the first case.
+  no GPU is present), sharded and replicated over dp: fp32, as the first case;
+- ``--overlap-param-gather``: bit-equal to the gather at the end of the step (losses, norms,
+  params), with gloo's real asynchronous gathers and with gathers that happen only at their
+  wait (the other ranks' slices NaN until then, so a parameter read before its bucket's wait
+  shows); a save right after a step (after ``finish_param_sync``) holds the gathered weights.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import warnings
+from unittest import mock
 
 import torch
 import torch.distributed.checkpoint as dcp
 
 from launcher import run_distributed
 from meshtron.kernels import triton_available
+import torch.distributed as dist
+from meshtron.optim import param_gather
 from meshtron.optim.build import build_optimizer
+from meshtron.optim.grad_buffer import all_gather_single
 from test_data_parallel import (
     BUCKET,
     DP,
@@ -48,8 +57,52 @@ RESUME_AT = 3
 FUSED = triton_available() and not torch.cuda.is_available()
 
 
-def _dist_opt(model, mesh, dtype=torch.float32):
-    return build_optimizer(model, TRAIN, dtype, dp_group=mesh.dp_cp_group, distributed=True, bucket_size=BUCKET)
+def _dist_opt(model, mesh, dtype=torch.float32, overlap=False):
+    return build_optimizer(model, TRAIN, dtype, dp_group=mesh.dp_cp_group, distributed=True, bucket_size=BUCKET,
+                           overlap_param_gather=overlap)  # fmt: skip
+
+
+class _GatherAtWait:
+    """Stands in for an asynchronous parameter all-gather: the other ranks' slices of ``out`` read
+    NaN until ``wait()``, which gathers then (every rank waits in the same order, as the forward
+    runs the same modules). A parameter read before its bucket's wait turns the loss NaN."""
+
+    def __init__(self, out: torch.Tensor, own: torch.Tensor, group, async_op: bool) -> None:
+        assert async_op
+        self.out, self.own, self.group = out, own, group
+        for rank, part in enumerate(out.chunk(dist.get_world_size(group))):
+            if rank != dist.get_rank(group):
+                part.fill_(float("nan"))
+
+    def wait(self) -> bool:
+        all_gather_single(self.out, self.own, group=self.group)
+        return True
+
+
+def gathers_at_wait() -> contextlib.AbstractContextManager:
+    """Within: the parameter gathers of the distributed optimizer are ``_GatherAtWait``."""
+    return mock.patch.object(param_gather, "all_gather_single", _GatherAtWait)
+
+
+def _overlap_cases(run, mesh, ckpt_dir: str) -> dict:
+    """--overlap-param-gather with gloo's asynchronous gathers, then with gathers at their wait; a
+    DCP save right after step 3 (the trainer's order: finish the gathers, then save)."""
+    out = {}
+    for at_wait in (False, True):
+        with gathers_at_wait() if at_wait else contextlib.nullcontext():
+            model = make_model()
+            opt = _dist_opt(model, mesh, overlap=True)
+            out[f"overlap at_wait={at_wait}"] = run(model, opt, range(STEPS))
+            model = make_model()
+            opt = _dist_opt(model, mesh, overlap=True)
+            run(model, opt, range(RESUME_AT))
+            dcp.save({"model": model.state_dict()}, checkpoint_id=f"{ckpt_dir}/overlap{at_wait}")
+    saved = {}
+    for name in ("", "/overlapFalse", "/overlapTrue"):  # without overlap (the case above), then with
+        saved[name] = make_model(seed=7).state_dict()
+        dcp.load({"model": saved[name]}, checkpoint_id=ckpt_dir + name)
+    out["overlap saves equal"] = [all(torch.equal(saved[name][k], v) for k, v in saved[""].items()) for name in list(saved)[1:]]
+    return out
 
 
 def _worker(rank: int, world_size: int, ckpt_dir: str, fused: bool) -> dict:
@@ -78,6 +131,7 @@ def _worker(rank: int, world_size: int, ckpt_dir: str, fused: bool) -> dict:
     fresh.load_state_dict(state["model"])
     fresh_opt.load_state_dict(state["optimizer"])
     out["resumed"] = run(fresh, fresh_opt, range(RESUME_AT, STEPS))
+    out.update(_overlap_cases(run, mesh, ckpt_dir))
 
     if fused:
         fused_train = dataclasses.replace(TRAIN, optimizer_impl="fused")
@@ -111,6 +165,13 @@ def test_distributed_optimizer_matches_one_process(tmp_path):
         for name, value in r["continued"]["params"].items():
             assert torch.equal(value, r["resumed"]["params"][name]), name
 
+    for r in runs:
+        for key in ("overlap at_wait=False", "overlap at_wait=True"):
+            assert r[key]["losses"] == r["fp32"]["losses"], key
+            assert r[key]["norms"] == r["fp32"]["norms"], key
+            for name, value in r["fp32"]["params"].items():
+                assert torch.equal(r[key]["params"][name], value), f"{key}: {name}"
+        assert r["overlap saves equal"] == [True, True]  # the weights after step 3, as saved without overlap
     # dp 2 -> 1: the checkpoint resumes in one process as the one-process run would continue.
     model = make_model(seed=7)
     opt = build_optimizer(model, TRAIN, torch.float32)
