@@ -59,7 +59,7 @@ def build_optimizer(
     impl = train_cfg.optimizer_impl
     if impl == "auto":  # the fused step where it runs; a CPU under Triton's interpreter is for tests only
         impl = "fused" if grads.data.is_cuda and fused_step_runs(grads.data.device) else "reference"
-    sharding = dict(overlap_in=model if overlap_param_gather else None) if distributed else {}
+    sharding = {"overlap_in": model if overlap_param_gather else None} if distributed else {}
     return (DistributedOptimizer if distributed else MixedPrecisionOptimizer)(
         build_param_groups(model, train_cfg.weight_decay, metas),
         **optimizer_settings(train_cfg, param_dtype),

@@ -23,19 +23,25 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import warnings
 from unittest import mock
 
+import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from full_weights import full_weights
 from launcher import run_distributed
+from meshtron.config import build_config
 from meshtron.kernels import triton_available
-import torch.distributed as dist
 from meshtron.optim import param_gather
 from meshtron.optim.build import build_optimizer
 from meshtron.optim.grad_buffer import all_gather_single
+from meshtron.training.trainer import Trainer
+from test_trainer_layouts import BASE
 from test_data_parallel import (
     BUCKET,
     DP,
@@ -185,3 +191,57 @@ def test_distributed_optimizer_matches_one_process(tmp_path):
     assert_rel_close(torch.tensor(one_process["losses"]), torch.tensor(ref["losses"][RESUME_AT:]), 1e-5, "losses")
     for name, value in one_process["params"].items():
         assert_rel_close(value, ref["params"][name], 1e-5, f"param {name} after resuming in one process")
+
+
+# The whole training loop (trainer, runner, pipeline schedules), --overlap-param-gather on (gathers
+# at their wait) against off: bit-equal losses, grad norms, validation losses and final weights. The
+# dp2 layout also saves every 2 steps, right after a step (its validation runs every 3): the
+# iteration-2 checkpoint, loaded without optimizer state, resumes exactly as the one saved without
+# overlap. The 4-process layouts take minutes on two cores: slow-marked.
+OVERLAP_LAYOUTS = {  # name: (world size, flags)
+    "dp2": (2, ["--micro-batch-size", "2"]),
+    "dp2_tp2_sp": (4, ["--tp", "2", "--sequence-parallel", "--micro-batch-size", "2"]),
+    "dp2_pp2_interleaved": (4, ["--pp", "2", "--virtual-pipeline-model-parallel-size", "2", "--micro-batch-size", "1"]),
+    "dp2_pp2_zbv": (4, ["--pp", "2", "--pipeline-schedule", "zbv", "--virtual-pipeline-model-parallel-size", "2", "--micro-batch-size", "1"]),
+    "dp4_ep2_moe": (4, ["--ep", "2", "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32", "--micro-batch-size", "2"]),
+}
+SAVED_LAYOUT = "dp2"
+
+
+def _trainer_run(flags: list[str]) -> dict:
+    trainer = Trainer(build_config(None, BASE + flags), log=lambda _: None)
+    result = trainer.run()
+    weights = full_weights(trainer.model, trainer.runner.metas, trainer.mesh)
+    return {"losses": result.losses, "norms": result.grad_norms, "valid": result.valid_losses, "weights": weights}
+
+
+def _overlap_layouts(rank: int, world_size: int, names: list[str], tmp: str) -> dict:
+    out = {}
+    for name in names:
+        saved = name == SAVED_LAYOUT
+        flags = OVERLAP_LAYOUTS[name][1] + ["--use-distributed-optimizer", "--ddp-bucket-size", "5000",
+                                            "--eval-interval", "3" if saved else "2", "--eval-iters", "1"]  # fmt: skip
+        for overlap in (False, True):
+            save = ["--save", f"{tmp}/{name}{overlap}", "--save-interval", "2"] if saved else []
+            with gathers_at_wait() if overlap else contextlib.nullcontext():
+                out[f"{name} overlap={overlap}"] = _trainer_run(flags + save + (["--overlap-param-gather"] if overlap else []))
+            if saved:
+                resume = ["--load", f"{tmp}/{name}{overlap}", "--ckpt-step", "2", "--no-load-optim", "--no-load-rng", "--train-iters", "3"]
+                out[f"{name} resumed overlap={overlap}"] = _trainer_run(flags + resume)["losses"]
+    return out if rank == 0 else None
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_overlap_param_gather_in_the_training_loop_is_bit_equal(tmp_path, world):
+    names = [name for name, (w, _) in OVERLAP_LAYOUTS.items() if w == world]
+    runs = run_distributed(_overlap_layouts, world, names, str(tmp_path), timeout=600)[0]
+    for name in names:
+        off, on = runs[f"{name} overlap=False"], runs[f"{name} overlap=True"]
+        assert all(map(math.isfinite, off["losses"])) and len(off["valid"]) >= 2, name
+        for key in ("losses", "norms", "valid"):
+            assert on[key] == off[key], (name, key, on[key], off[key])
+        for weight, value in off["weights"].items():
+            assert torch.equal(on["weights"][weight], value), (name, weight)
+        if name == SAVED_LAYOUT:
+            resumed = runs[f"{name} resumed overlap=True"]
+            assert len(resumed) == 1 and resumed == runs[f"{name} resumed overlap=False"], resumed
