@@ -66,14 +66,11 @@ class Runner:
         # Summed asynchronously, waited at the first loss: a data-parallel collective waited here would
         # make the forward wait for the parameter gathers queued before it (--overlap-param-gather).
         summing = dist.all_reduce(count, group=mesh.dp_cp_group, async_op=True) if mesh.dp_cp > 1 else None
-        summed: list[torch.Tensor] = []
 
         def global_count() -> torch.Tensor:
-            if not summed:
-                if summing is not None:
-                    summing.wait()
-                summed.append(count.clamp(min=1))
-            return summed[0]
+            if summing is not None:
+                summing.wait()  # at once after the first time
+            return count.clamp(min=1)
 
         num_micro_total = len(batches) * mesh.dp_cp
         totals: list[torch.Tensor] = []
