@@ -12,10 +12,10 @@ reduce-scatters) comes from a profile of one more step: the share of the NCCL ke
 which a compute kernel ran too (``hidden``; the ``tp2ovsm`` layout's copy-engine transfers are no
 kernels and are not counted); ``comm s`` is the data-parallel collectives' time run alone. The
 ``dp*opg`` layouts add ``--overlap-param-gather`` to the distributed optimizer (the parameter
-all-gathers of one step run during the next step's forward; the profiled step's ``hidden`` then
-counts the gathers of the step before it, which ran during its forward, as far as the profiler
-saw them); against dp1 and the plain layouts: ``--layouts dp1,dp2,dp2opg --layers 8 --seq-length
-8192 --global-batch 8``. The ``tp*ov`` layouts add ``--tp-comm-overlap``; for the tp2-vs-dp2 ratio run
+all-gathers of one step run during the next step's forward: for the profile those of the step
+before are held back and launched by the profiled step's first forward, so ``hidden`` counts them
+beside its reduce-scatters); against dp1 and the plain layouts: ``--layouts dp1,dp2,dp2opg --layers
+8 --seq-length 8192 --global-batch 8``. The ``tp*ov`` layouts add ``--tp-comm-overlap``; for the tp2-vs-dp2 ratio run
 ``--layouts dp2,tp2,tp2ov --layers 8 --seq-length 8192 --global-batch 8``; one pair of linears at a
 time: ``benchmarks/tp_overlap_pairs.py``. For pipeline
 layouts the bubble column is ``measured/modeled/theory [layers per chunk]``: step time over dp1's
@@ -113,9 +113,12 @@ def worker(args) -> None:
     peak = torch.cuda.max_memory_allocated() / 2**30  # before the benchmark's own buffers below
     mesh = trainer.mesh
     profiled = (mesh.dp > 1 or mesh.tp > 1) and mesh.pp == 1
-    # With --overlap-param-gather the profiled step's own parameter gathers belong to the next
-    # step's forward, which is not profiled: every rank launches them after the profile instead.
+    # --overlap-param-gather: a step's parameter gathers run during the next step's forward. For the
+    # profile they are held back by one step, so the profiled step's first forward launches them
+    # (inside the window), and its own ones are launched after it; every rank alike.
     start_param_sync, trainer.optimizer.start_param_sync = trainer.optimizer.start_param_sync, lambda: None
+    if profiled:
+        trainer.train_step()
     hidden = _profile_comm_overlap(trainer, args.trace_dir, args.layout) if profiled and mesh.rank == 0 else None
     if profiled and mesh.rank != 0:
         trainer.train_step()  # rank 0 profiles one more step; the others take part in it
