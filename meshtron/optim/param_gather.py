@@ -6,8 +6,9 @@ all-gather that spreads the slices moves the model's bytes once per step. Waited
 the step it is exposed communication; the next forward needs the buckets one after another (the
 first layers first), so each bucket's gather can run while the layers before it compute.
 
-How (Megatron-Core's ``start_param_sync`` / ``finish_param_sync`` with forward pre-hooks, every
-bucket launched at once): ``start`` launches one ``async_op`` all-gather per bucket, in forward
+How (Megatron-Core's ``start_param_sync`` / ``finish_param_sync`` with forward pre-hooks; it
+dispatches each bucket when the one before is waited, here all go at once, as on NCCL they run one
+after another on the group's stream either way): ``start`` launches one ``async_op`` all-gather per bucket, in forward
 order (the gradient buffer lays buckets out in backward order, so reversed). A forward pre-hook
 on every module that holds parameters of its own waits the buckets of those parameters, so the
 first forward of each pipeline model chunk waits on its own. On NCCL a gather runs on the process
