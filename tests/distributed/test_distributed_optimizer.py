@@ -14,8 +14,8 @@ parameter all-gather. One spawn runs every case:
 - the fused step (``--optimizer-impl fused``, Triton's interpreter; where Triton is installed and
   no GPU is present), sharded and replicated over dp: fp32, as the first case;
 - ``--overlap-param-gather``: bit-equal to the gather at the end of the step (losses, norms,
-  params), with gloo's real asynchronous gathers and with gathers that happen only at their
-  wait (the other ranks' slices NaN until then, so a parameter read before its bucket's wait
+  params; fp32, bf16 and the fused step), with gloo's real asynchronous gathers and with gathers
+  that happen only at their wait (the other ranks' slices NaN until then, so a parameter read before its bucket's wait
   shows); a save right after a step (after ``finish_param_sync``) holds the gathered weights.
 """
 
@@ -123,6 +123,9 @@ def _worker(rank: int, world_size: int, ckpt_dir: str, fused: bool) -> dict:
 
     model = make_model(torch.bfloat16)
     out["bf16"] = run(model, _dist_opt(model, mesh, torch.bfloat16), range(STEPS))
+    with gathers_at_wait():  # the masters' copy into the model, then the gathers owed
+        model = make_model(torch.bfloat16)
+        out["bf16 overlap"] = run(model, _dist_opt(model, mesh, torch.bfloat16, overlap=True), range(STEPS))
 
     model = make_model()
     opt = _dist_opt(model, mesh)
@@ -146,6 +149,11 @@ def _worker(rank: int, world_size: int, ckpt_dir: str, fused: bool) -> dict:
             opt = build_optimizer(model, fused_train, torch.float32, dp_group=mesh.dp_cp_group, distributed=distributed, bucket_size=BUCKET)
             assert opt.fused
             out[f"fused distributed={distributed}"] = run(model, opt, range(STEPS))
+        with gathers_at_wait():  # the kernel writes this rank's slice of the model, the gathers are owed
+            model = make_model()
+            opt = build_optimizer(model, fused_train, torch.float32, dp_group=mesh.dp_cp_group, distributed=True, bucket_size=BUCKET,
+                                  overlap_param_gather=True)  # fmt: skip
+            out["fused overlap"] = run(model, opt, range(STEPS))
     return out
 
 
@@ -172,10 +180,11 @@ def test_distributed_optimizer_matches_one_process(tmp_path):
             assert torch.equal(value, r["resumed"]["params"][name]), name
 
     for r in runs:
-        for key in ("overlap at_wait=False", "overlap at_wait=True"):
-            assert r[key]["losses"] == r["fp32"]["losses"], key
-            assert r[key]["norms"] == r["fp32"]["norms"], key
-            for name, value in r["fp32"]["params"].items():
+        pairs = [("overlap at_wait=False", "fp32"), ("overlap at_wait=True", "fp32"), ("bf16 overlap", "bf16")]
+        for key, base in pairs + ([("fused overlap", "fused distributed=True")] if FUSED else []):
+            assert r[key]["losses"] == r[base]["losses"], key
+            assert r[key]["norms"] == r[base]["norms"], key
+            for name, value in r[base]["params"].items():
                 assert torch.equal(r[key]["params"][name], value), f"{key}: {name}"
         assert r["overlap saves equal"] == [True, True]  # the weights after step 3, as saved without overlap
     # dp 2 -> 1: the checkpoint resumes in one process as the one-process run would continue.
