@@ -202,6 +202,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Keep this rank's slice of each full tensor of ``state_dict``, then refresh the model.
         Collective over dp (the parameter all-gather)."""
+        self.finish_param_sync()  # in fp32 the masters are the model slices an owed gather reads
         self._check_names(state_dict, list(self.grads.names.values()))
         for piece in self._pieces:
             lo, hi = piece.start - piece.offset, piece.end - piece.offset
