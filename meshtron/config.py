@@ -232,6 +232,7 @@ class ParallelConfig:
     tp_comm_overlap: bool = False  # with sp: pipeline the linears' sequence all-gathers / reduce-scatters with their GEMMs
     tp_comm_overlap_backend: str = "p2p"  # p2p (send/recv, any backend: NCCL, RCCL, gloo) | bulk (one collective per op; the input-gradient reduce-scatter behind the wgrad GEMM) | symm_mem (PyTorch async-TP ops; CUDA builds, else p2p)
     use_distributed_optimizer: bool = False  # shard fp32 masters and Adam moments over data-parallel ranks
+    overlap_param_gather: bool = False  # with --use-distributed-optimizer: all-gather the updated params during the next forward (each bucket waited at its first use), not at the end of the step
     virtual_pipeline_parallel: int = 1  # model chunks per pipeline rank (interleaved 1F1B when > 1)
     num_layers_per_virtual_pipeline_stage: int = 0  # Megatron's way to set the above: layers / pp / this
     pipeline_schedule: str = "auto"  # auto (1f1b, interleaved with virtual stages) | 1f1b | afab | interleaved | zb-h1 | zbv (zero bubble: backward split, V with 2 virtual stages)

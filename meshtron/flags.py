@@ -114,6 +114,7 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "sequence-parallel": ("parallel.sequence_parallel", True),
     "tp-comm-overlap": ("parallel.tp_comm_overlap", True),
     "use-distributed-optimizer": ("parallel.use_distributed_optimizer", True),
+    "overlap-param-gather": ("parallel.overlap_param_gather", True),
     "use-torch-fsdp2": ("parallel.fsdp", True),
     "virtual-pipeline-model-parallel-size": "parallel.virtual_pipeline_parallel",
     "num-layers-per-virtual-pipeline-stage": "parallel.num_layers_per_virtual_pipeline_stage",
@@ -300,7 +301,6 @@ _MOE_NOTES = {
 }
 _PARALLELISM_NOTES = {
     "overlap-grad-reduce": (False, "always on (gradient buckets are reduced during backward)"),
-    "overlap-param-gather": (False, "not overlapped: the distributed optimizer all-gathers the updated parameters at the end of each step"),
     "ddp-average-in-collective": (False, "nothing to fold: losses are divided by the global batch's token count, so gradients are summed, never averaged"),
     "distributed-backend": (True, "chosen by device: nccl (rccl on ROCm) on GPUs, gloo on the CPU"),
     "no-async-tensor-model-parallel-allreduce": (False, "always: tensor-parallel linears do not overlap their input-gradient all-reduce with the weight-gradient GEMM"),

@@ -115,6 +115,13 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
              "--tp-comm-overlap overlaps sequence parallelism's gathers and reduce-scatters: it needs "
              "--tensor-model-parallel-size > 1 and --sequence-parallel; add them or drop --tp-comm-overlap")  # fmt: skip
         need(not m.fp8_format, "--tp-comm-overlap does not cover FP8 linears (--fp8-format); drop one of the two")
+    if p.overlap_param_gather:
+        need(not p.fsdp, "--overlap-param-gather is for the distributed optimizer; FSDP2 gathers each layer's parameters "
+             "in its forward already, the next layer's prefetched: drop --overlap-param-gather")
+        need(p.use_distributed_optimizer, "--overlap-param-gather overlaps the distributed optimizer's parameter all-gather "
+             "with the next forward: add --use-distributed-optimizer")
+        need(not t.compile, "--overlap-param-gather waits for each bucket in forward pre-hooks, which --compile would trace "
+             "into the compiled blocks: drop one of the two")  # fmt: skip
     if p.fsdp:
         need(p.pipeline_parallel == 1, "--fsdp does not combine with pipeline parallelism; use the distributed optimizer")
         need(p.tensor_parallel == 1, f"--fsdp needs --tensor-model-parallel-size 1 (got {p.tensor_parallel}); use the distributed optimizer with tp")

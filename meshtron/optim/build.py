@@ -29,6 +29,7 @@ def build_optimizer(
     distributed: bool = False,
     bucket_size: int = DEFAULT_BUCKET_SIZE,
     reduce_dtype: torch.dtype = torch.float32,
+    overlap_param_gather: bool = False,
 ) -> MixedPrecisionOptimizer:
     """The optimizer for a model already cast to ``param_dtype``.
 
@@ -38,7 +39,11 @@ def build_optimizer(
     replicating them. The grad norm is completed over ``tp_group`` and ``pp_group`` (None: one rank).
     Parameters whose record says ``grad_group`` "edp" (routed experts) are reduced and sharded
     over ``edp_group`` instead, and their norm summed over ``expert_group`` (etp x ep) instead of tp.
+    ``overlap_param_gather`` (with ``distributed``): the sharded step's parameter all-gathers run
+    during the next forward of ``model``, each bucket waited by the first module that uses it.
     """
+    if overlap_param_gather and not distributed:
+        raise ValueError("--overlap-param-gather overlaps the distributed optimizer's parameter all-gather: add --use-distributed-optimizer")
     dtypes = {p.dtype for p in model.parameters() if p.requires_grad}
     if dtypes != {param_dtype}:
         raise ValueError(
@@ -51,11 +56,11 @@ def build_optimizer(
     grad_group_of = {n: metas[n].grad_group for n, _ in trainable} if metas is not None else {}
     grads = GradBuffer(trainable, group=dp_group, bucket_size=bucket_size, shard=distributed, own_bucket=own_bucket,
                        groups={"edp": edp_group}, grad_group_of=grad_group_of, reduce_dtype=reduce_dtype)  # fmt: skip
-    optimizer_cls = DistributedOptimizer if distributed else MixedPrecisionOptimizer
     impl = train_cfg.optimizer_impl
     if impl == "auto":  # the fused step where it runs; a CPU under Triton's interpreter is for tests only
         impl = "fused" if grads.data.is_cuda and fused_step_runs(grads.data.device) else "reference"
-    return optimizer_cls(
+    sharding = {"overlap_in": model if overlap_param_gather else None} if distributed else {}
+    return (DistributedOptimizer if distributed else MixedPrecisionOptimizer)(
         build_param_groups(model, train_cfg.weight_decay, metas),
         **optimizer_settings(train_cfg, param_dtype),
         grads=grads,
@@ -65,4 +70,5 @@ def build_optimizer(
         expert_group=expert_group,
         impl=impl,
         moment_dtypes=(MOMENT_DTYPES[train_cfg.exp_avg_dtype], MOMENT_DTYPES[train_cfg.exp_avg_sq_dtype]),
+        **sharding,
     )

@@ -11,7 +11,8 @@ each parameter this rank touches has one *piece*: the elements ``[start, end)`` 
 buffer that lie in its slice. AdamW runs on the pieces, which are views into per-bucket flat
 tensors (masters, moments, and the reduced gradients in the buffer), so a step moves no data.
 The model's params become views of one flat tensor in the buffer's layout, so after the step one
-in-place all-gather per bucket writes every rank's updated slice into every rank's model.
+in-place all-gather per bucket writes every rank's updated slice into every rank's model: at once,
+or with ``--overlap-param-gather`` during the next forward (``param_gather.py``).
 
 The grad norm is the true global one: each rank sums the squares of its slices' gradients and the
 sums are all-reduced over dp (then tp); an inf or nan anywhere makes it non-finite everywhere.
@@ -25,8 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshtron.optim.optimizer import FlatSegment, MixedPrecisionOptimizer, ParamState, flatten_params, group_index_of
+from meshtron.optim.optimizer import FlatSegment, MixedPrecisionOptimizer, ParamState, StepResult, flatten_params, group_index_of
 from meshtron.optim.grad_buffer import GradBuffer, all_gather_single
+from meshtron.optim.param_gather import ParamGather
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -50,12 +52,16 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     group (dp x cp; the expert-data-parallel group for routed experts).
 
     Build it after the model is cast and placed: its params are re-pointed into a flat tensor.
+    ``overlap_in``: the model (this rank's part) whose next forward waits each bucket's parameter
+    gather (``--overlap-param-gather``); None: every step ends with the gathers done.
     """
 
-    def __init__(self, param_groups: list[dict[str, Any]], *, grads: GradBuffer, **kwargs: Any) -> None:
+    def __init__(self, param_groups: list[dict[str, Any]], *, grads: GradBuffer, overlap_in: nn.Module | None = None, **kwargs: Any) -> None:
         if not isinstance(grads, GradBuffer) or not grads.shard:
             raise ValueError("the distributed optimizer needs a GradBuffer built with shard=True (reduce-scatter)")
         super().__init__(param_groups, grads=grads, **kwargs)
+        self._param_gather = ParamGather(grads, self._param_flat, overlap_in)
+        self._overlapped = overlap_in is not None
         for key, groups in self._partial_norm_groups.items():  # each rank holds 1/n of a group's gradients
             if grads.groups.get(key) is not None:
                 groups.insert(0, grads.groups[key])
@@ -119,25 +125,39 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         flat = self._flat_moments[piece.bucket]
         return tuple(flat[k][piece.start - lo : piece.end - lo] for k in _MOMENTS)
 
+    def step(self, lr: float) -> StepResult:
+        self.finish_param_sync()  # the step rewrites the slices the last step's gathers read
+        return super().step(lr)
+
+    def start_param_sync(self) -> None:
+        self._param_gather.start()
+
+    def finish_param_sync(self) -> None:
+        self._param_gather.finish()
+
     def _copy_masters_to_model(self) -> None:
         self._publish_model(copy_masters=True)
 
     @torch.no_grad()
     def _publish_model(self, copy_masters: bool = False) -> None:
         """All-gather every bucket of the model in place from this rank's updated slice, first
-        written from the masters with ``copy_masters`` (the fused step wrote it itself)."""
-        handles = []
-        for bucket, (lo, hi, masters) in zip(self.grads.buckets, self._slices):
-            if copy_masters and self.mixed_precision:
+        written from the masters with ``copy_masters`` (the fused step wrote it itself); with
+        ``--overlap-param-gather`` the gathers are only owed, launched by ``start_param_sync``."""
+        self._param_gather.finish()
+        if copy_masters and self.mixed_precision:
+            for lo, hi, masters in self._slices:
                 self._param_flat[lo:hi].copy_(masters)
-            if bucket.group is not None:
-                out = self._param_flat[bucket.start : bucket.end]
-                handles.append(all_gather_single(out, self._param_flat[lo:hi], group=bucket.group, async_op=True))
-        for handle in handles:
-            handle.wait()
+        self._param_gather.mark_due()
+        if not self._overlapped:
+            self._param_gather.finish()
+
+    def finish_load(self, loss_scaler_state: dict[str, float]) -> None:
+        super().finish_load(loss_scaler_state)
+        self.finish_param_sync()  # a loaded model is whole at once, whatever reads it next
 
     @torch.no_grad()
     def reload_model_params(self) -> None:
+        self.finish_param_sync()
         if self.mixed_precision:
             for lo, hi, masters in self._slices:
                 masters.copy_(self._param_flat[lo:hi])
@@ -182,6 +202,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Keep this rank's slice of each full tensor of ``state_dict``, then refresh the model.
         Collective over dp (the parameter all-gather)."""
+        self.finish_param_sync()  # in fp32 the masters are the model slices an owed gather reads
         self._check_names(state_dict, list(self.grads.names.values()))
         for piece in self._pieces:
             lo, hi = piece.start - piece.offset, piece.end - piece.offset

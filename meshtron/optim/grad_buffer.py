@@ -194,6 +194,9 @@ class GradBuffer:
     def grad_of(self, param: nn.Parameter) -> torch.Tensor:
         return param.main_grad
 
+    def bucket_of(self, param: nn.Parameter) -> Bucket:
+        return self._bucket_of[param]
+
     def shard_range(self, bucket: Bucket) -> tuple[int, int]:
         """Buffer elements ``[lo, hi)`` of ``bucket`` that this rank reduces and owns when sharded."""
         size = (bucket.end - bucket.start) // _group_size(bucket.group)

@@ -240,6 +240,13 @@ class MixedPrecisionOptimizer:
         must read the reduced gradients before the step (tensor-parallel fix-ups)."""
         return self.grads.finish_grad_sync()
 
+    def start_param_sync(self) -> None:
+        """Launch the parameter gathers the last step owes (``--overlap-param-gather``; nothing here)."""
+
+    def finish_param_sync(self) -> None:
+        """Make the model whole before something other than the training forward reads it: wait for
+        the parameter gathers of ``--overlap-param-gather`` (nothing here)."""
+
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         scale = self.loss_scaler.scale
         return loss if scale == 1.0 else loss * scale

@@ -62,7 +62,16 @@ class Runner:
         mesh, model = self.mesh, self.model
         batches = [shard_batch_for_cp(b, mesh) for b in micro_batches]
         device = next(iter(batches[0].values())).device
-        count = self._sum_over_dp(sum(model.loss_count(b) for b in batches).float()).clamp(min=1)
+        count = sum(model.loss_count(b) for b in batches).float()
+        # Summed asynchronously, waited at the first loss: a data-parallel collective waited here would
+        # make the forward wait for the parameter gathers queued before it (--overlap-param-gather).
+        summing = dist.all_reduce(count, group=mesh.dp_cp_group, async_op=True) if mesh.dp_cp > 1 else None
+
+        def global_count() -> torch.Tensor:
+            if summing is not None:
+                summing.wait()  # at once after the first time
+            return count.clamp(min=1)
+
         num_micro_total = len(batches) * mesh.dp_cp
         totals: list[torch.Tensor] = []
         aux_logged: dict[str, torch.Tensor] = {}
@@ -74,7 +83,7 @@ class Runner:
             if stage.is_last:
                 loss = model.loss(batches[mb], out)
                 totals.append(loss.total.detach())
-                objective = loss.total / count
+                objective = loss.total / global_count()
                 aux = {**aux, **loss.aux}  # the loss's own terms (BERT's sentence order) count as the blocks' do
                 for name, value in loss.metrics.items():
                     metrics_logged[name] = metrics_logged.get(name, 0.0) + value.detach().float() / num_micro_total
@@ -96,7 +105,7 @@ class Runner:
             dist.broadcast(total, src=last_stage_rank(self.schedule, mesh, len(self.stages)), group=mesh.pp_group)
         aux = self._sum_terms("aux", aux_logged, device)
         metrics = self._sum_terms("metrics", metrics_logged, device)
-        return mc.LossOutput(total=self._sum_over_dp(total), count=count, aux=aux, metrics=metrics)
+        return mc.LossOutput(total=self._sum_over_dp(total), count=global_count(), aux=aux, metrics=metrics)
 
     def describe(self, num_micro_batches: int) -> str:
         """The schedule, with its theoretical bubble, and the split with its modeled costs, for

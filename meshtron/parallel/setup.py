@@ -108,7 +108,8 @@ def runner_for(model: ModelFamily, mesh: Mesh, parallel: ParallelConfig, train: 
         groups = {dim: mesh.group(dim) if mesh.size(dim) > 1 else None for dim in ("dp_cp", "tp", "pp", "etp_ep", "edp")}
         optimizer = build_optimizer(model, train, dtype, metas=metas, dp_group=groups["dp_cp"], tp_group=groups["tp"],
                                     pp_group=groups["pp"], expert_group=groups["etp_ep"], edp_group=groups["edp"],
-                                    distributed=parallel.use_distributed_optimizer, bucket_size=parallel.ddp_bucket_size, reduce_dtype=reduce_dtype)  # fmt: skip
+                                    distributed=parallel.use_distributed_optimizer, bucket_size=parallel.ddp_bucket_size, reduce_dtype=reduce_dtype,
+                                    overlap_param_gather=parallel.overlap_param_gather)  # fmt: skip
     return Runner(model, metas, stages, optimizer, mesh, dtype, kind, sequence_parallel, split, costs)
 
 

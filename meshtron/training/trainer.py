@@ -222,6 +222,7 @@ class Trainer:
             self.last_lr = self.schedule.lr_for_step(self.iteration, self.consumed_samples, self.last_batch_size)
             result = self.optimizer.step(self.last_lr)
             self.runner.after_step()
+            self.optimizer.start_param_sync()  # --overlap-param-gather: after the step's last data-parallel collective
         mean_loss, *values = _read_host_copy(host)
         self.last_aux = {name: values[i] for i, name in enumerate(terms) if name in loss.aux}
         self.last_metrics = {name: values[i] for i, name in enumerate(terms) if name in loss.metrics}
@@ -231,6 +232,7 @@ class Trainer:
     def evaluate(self) -> float:
         self.meter.pause()
         """Mean loss over ``eval_iters`` global batches of the validation split (same batches each time)."""
+        self.optimizer.finish_param_sync()
         self.model.eval()
         batches = self._batches(self.valid_data, 0)
         total = torch.zeros((), device=self.device)
@@ -272,6 +274,7 @@ class Trainer:
             "lr_schedule": self.schedule.state_dict(),
         }
         self.finish_save(last)  # one checkpoint in flight at a time
+        self.optimizer.finish_param_sync()  # the saved weights are this step's, gathered
         start = time.perf_counter()
         try:
             pending = start_save(str(save_dir), self.iteration, self.model, self.optimizer, meta, mesh=self.mesh,
@@ -385,7 +388,7 @@ class Trainer:
                 self.meter.start_step()
                 with self.straggler.section("step"):
                     loss, step = self.train_step()
-                self.divergence.check(self.iteration + 1, loss, step, lambda: self.runner.forward_backward(self._last_batches, forward_only=True))
+                self.divergence.check(self.iteration + 1, loss, step, self._rerun_last_step)
                 self.meter.end_step(self.last_batch_size * tokens_per_sample // self.mesh.world_size, step.skipped)  # tokens per device
                 self.iteration += 1
                 self.consumed_samples += self.last_batch_size
@@ -430,6 +433,7 @@ class Trainer:
                     self.log(f"stopping at iteration {self.iteration} ({why}; every rank stops and saves here)")
                     break
             agreement.close()
+            self.optimizer.finish_param_sync()  # the model is whole when training ends, saved or not
             watchdog.enter("save", self.iteration)
             self.save(last=True)
             self.finish_save(last=True)
@@ -462,9 +466,15 @@ class Trainer:
             watchdog.start()
         return watchdog
 
+    def _rerun_last_step(self) -> object:
+        """The last step's forward passes again, on the updated weights (the divergence check's locator)."""
+        self.optimizer.finish_param_sync()
+        return self.runner.forward_backward(self._last_batches, forward_only=True)
+
     def sample(self, prompt: str, max_new_tokens: int) -> str:
         from meshtron.inference.sampling import generate
 
+        self.optimizer.finish_param_sync()
         self.model.eval()
         ids = self.tokenizer.encode(prompt)
         out = generate(self.model, ids, max_new_tokens, temperature=0.8, top_k=40, eod=self.tokenizer.eod, generator=torch.Generator(device=self.device).manual_seed(self.cfg.train.seed))

@@ -110,6 +110,7 @@ def train(model, opt, steps: range, rank: int = 0, dp: int = 1, micro_batches: i
             dist.all_reduce(loss_sum, group=group)
         out["losses"].append(loss_sum.item())
         out["norms"].append(result.grad_norm)
+    opt.finish_param_sync()  # --overlap-param-gather: the last step's gathers are still owed
     out["params"] = {k: full(v).detach().float().clone() for k, v in model.state_dict().items()}
     return out
 

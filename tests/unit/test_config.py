@@ -154,3 +154,20 @@ def test_sequence_longer_than_the_position_tables_is_refused_up_front(positions)
     cfg = build_config(None, ["--mock-data", "--position-embedding-type", positions, "--max-position-embeddings", "64", "--seq-length", "128"])
     with pytest.raises(ConfigError, match="--seq-length 128 exceeds --max-position-embeddings 64"):
         validate(cfg)
+
+
+def test_overlap_param_gather_is_a_real_switch():
+    """Megatron's --overlap-param-gather sets the field (no longer a noted flag) and is refused
+    without the distributed optimizer whose gather it overlaps: under FSDP2 (which gathers per
+    layer in forward itself) and with --compile (its pre-hooks would be traced)."""
+    base = ["--mock-data", "--global-batch-size", "16"]
+    cfg = build_config(None, base + ["--use-distributed-optimizer", "--overlap-param-gather"])
+    validate(cfg, world_size=2)
+    assert cfg.parallel.overlap_param_gather and not cfg.logging.noted_flags
+    for flags, message in [
+        (["--overlap-param-gather"], "--overlap-param-gather .* add --use-distributed-optimizer"),
+        (["--overlap-param-gather", "--use-torch-fsdp2"], "FSDP2 gathers each layer's parameters in its forward already"),
+        (["--overlap-param-gather", "--use-distributed-optimizer", "--compile"], "--compile would trace"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            validate(build_config(None, base + flags), world_size=2)
