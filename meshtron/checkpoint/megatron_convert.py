@@ -31,8 +31,9 @@ from meshtron.checkpoint.megatron_optim import MASTERS, MOMENTS, PREFIX, fill_op
 from meshtron.checkpoint.megatron_pickle import Namespace
 from meshtron.config import Config, ModelConfig
 from meshtron.errors import CheckpointError
-from meshtron.models import build_model
-from meshtron.models.megatron import dist_candidates, layer_count, legacy_pieces, merge_tp, model_config_from_args
+from meshtron.models import build_model, num_blocks
+from meshtron.models.megatron import (Naming, dist_candidates, layer_count, legacy_pieces, megatron_family, merge_tp, model_config_from_args,
+                                      naming)
 from meshtron.optim.build import build_optimizer
 
 _PLAIN = (int, float, str, bool, type(None))
@@ -47,12 +48,12 @@ def _plain_args(fields: dict[str, Any]) -> dict[str, Any]:
     return keep
 
 
-def _dist_tensors(ckpt: DistCheckpoint, expected: dict[str, torch.Size], prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+def _dist_tensors(ckpt: DistCheckpoint, expected: dict[str, torch.Size], names: Naming, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
     """Each weight of the model (or, with ``prefix``, the optimizer tensor Megatron keeps under
     ``prefix`` + the weight's key), one layer read at a time."""
-    used = set()
+    used = set(names.aliases)
     for name in expected:
-        keys, layer = dist_candidates(name)
+        keys, layer = dist_candidates(name, names)
         keys = [prefix + k for k in keys]
         key = next((k for k in keys if k in ckpt.shapes), keys[0])
         used.add(key)
@@ -63,14 +64,17 @@ def _dist_tensors(ckpt: DistCheckpoint, expected: dict[str, torch.Size], prefix:
 
 
 def _legacy_tensors(ckpt: LegacyCheckpoint, m: ModelConfig, expert_tp: int, impl: str) -> Iterator[tuple[str, torch.Tensor]]:
-    offset = 0
+    names, offset = naming(m), 0
+    if len(names.stacks) > 1 and ckpt.pp > 1:
+        raise CheckpointError(f"{ckpt.directory}: a legacy {m.model_type.upper()} checkpoint saved with pipeline parallelism is not "
+                              "read (its stages split the encoder and decoder stacks); save it with --ckpt-format torch_dist")  # fmt: skip
     local_experts = m.num_experts // ckpt.ep if m.num_experts else 0
     for stage, files in ckpt.stages():
         dense: dict[str, dict[int, torch.Tensor]] = {}
         experts: dict[str, dict[int, dict[int, torch.Tensor]]] = {}
         for (t, e), state in files.items():
             for key, tensor in state.items():
-                for name, expert, piece in legacy_pieces(key, tensor, offset, m, local_experts):
+                for name, expert, piece in legacy_pieces(key, tensor, offset, m, local_experts, names):
                     if expert is None and e == 0:
                         dense.setdefault(name, {})[t] = piece
                     elif expert is not None:
@@ -82,8 +86,8 @@ def _legacy_tensors(ckpt: LegacyCheckpoint, m: ModelConfig, expert_tp: int, impl
                 raise CheckpointError(f"{ckpt.directory}: stage {stage} holds experts {sorted(by_expert)} of {name}, not 0..{m.num_experts - 1}")
             yield name, torch.stack([merge_tp(name, [by_expert[k][t] for t in range(expert_tp)], m, impl) for k in range(m.num_experts)])
         offset += layer_count(list(files[(0, 0)]))
-    if offset != m.num_layers:
-        raise CheckpointError(f"{ckpt.directory}: the pipeline stages hold {offset} layers, args.num_layers is {m.num_layers}")
+    if offset != num_blocks(m):
+        raise CheckpointError(f"{ckpt.directory}: the pipeline stages hold {offset} layers, its args imply {num_blocks(m)}")
 
 
 def import_megatron(load_dir: str | Path, save_dir: str | Path, iteration: int | None = None, log: Callable[[str], None] = print) -> Path:
@@ -93,7 +97,8 @@ def import_megatron(load_dir: str | Path, save_dir: str | Path, iteration: int |
     if not isinstance(args, Namespace):
         raise CheckpointError(f"{ckpt.directory}: the common state has no args Namespace (found {type(args).__name__})")
     fields = args.fields()
-    m = model_config_from_args(fields, f"{ckpt.directory} (args)")
+    m = model_config_from_args(fields, f"{ckpt.directory} (args)", megatron_family(ckpt.names))
+    names = naming(m)
     cfg = Config(model=m)
     cfg.data.seq_length = int(fields.get("seq_length") or m.max_position_embeddings)
     model = build_model(m, m.vocab_size, cfg.data.seq_length)
@@ -101,7 +106,7 @@ def import_megatron(load_dir: str | Path, save_dir: str | Path, iteration: int |
     kinds, reason = model_space_kinds(ckpt)
     master = next((kind for kind in MASTERS if kind in kinds), None)
     if isinstance(ckpt, DistCheckpoint):
-        tensors = _dist_tensors(ckpt, expected)
+        tensors = _dist_tensors(ckpt, expected, names)
     else:
         expert_tp = int(fields.get("expert_tensor_parallel_size") or ckpt.tp) if m.num_experts else ckpt.tp
         tensors = _legacy_tensors(ckpt, m, expert_tp, str(fields.get("transformer_impl") or "transformer_engine"))
@@ -118,7 +123,7 @@ def import_megatron(load_dir: str | Path, save_dir: str | Path, iteration: int |
     if missing:
         raise CheckpointError(f"{ckpt.directory} lacks {len(missing)} tensors its args imply, e.g. {missing[:3]}")
     if master is not None:  # the main params: the weights' precise values
-        state.update((name, t.float()) for name, t in _dist_tensors(ckpt, expected, f"{PREFIX}{master}."))
+        state.update((name, t.float()) for name, t in _dist_tensors(ckpt, expected, names, f"{PREFIX}{master}."))
     model.load_state_dict(state, strict=True)
     step = int(ckpt.common.get("iteration", 0) or 0)
     consumed = int(fields.get("consumed_train_samples") or 0)
@@ -127,7 +132,7 @@ def import_megatron(load_dir: str | Path, save_dir: str | Path, iteration: int |
         cfg.train = replace(cfg.train, **train_fields(fields))
         optimizer = build_optimizer(model, cfg.train, torch.float32)
         adam_step = megatron_step(ckpt)
-        fill_optimizer(optimizer, {kind: dict(_dist_tensors(ckpt, expected, f"{PREFIX}{kind}.")) for kind in MOMENTS}, adam_step)
+        fill_optimizer(optimizer, {kind: dict(_dist_tensors(ckpt, expected, names, f"{PREFIX}{kind}.")) for kind in MOMENTS}, adam_step)
         log(f"megatron-import: Adam's state imported (step {adam_step}{', main params as the weights' if master else ''}); "
             f"resume with: meshtron train --load {save_dir} --no-load-rng (the model flags as in meta.json) ...")  # fmt: skip
     else:

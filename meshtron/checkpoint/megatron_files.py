@@ -131,6 +131,7 @@ class DistCheckpoint:
         self.shapes = {k: tuple(e.size) for k, e in entries.items() if isinstance(e, TensorStorageMetadata)}
         self.objects = sorted(k for k, e in entries.items() if isinstance(e, BytesStorageMetadata))
         self.common = self._common()
+        self.names = list(self.shapes)  # the tensors' keys
 
     def _common(self) -> dict[str, Any]:
         legacy = self.directory / COMMON
@@ -176,6 +177,7 @@ class LegacyCheckpoint:
         if "model0" in self._first:
             raise CheckpointError(f"{first} holds virtual pipeline stages (model0, model1, ...), which megatron-import does not read")
         self.common = {k: v for k, v in self._first.items() if k not in ("model", "optimizer")}
+        self.names = list(self._first["model"])  # the first rank's keys
         args = self.common.get("args")
         fields = args.fields() if hasattr(args, "fields") else {}
         self.tp = int(fields.get("tensor_model_parallel_size", 1))
