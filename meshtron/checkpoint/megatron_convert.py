@@ -27,7 +27,8 @@ import torch
 from meshtron.checkpoint.checkpoint import save_checkpoint
 from meshtron.checkpoint.megatron_export import FORMATS, IMPLS, export_megatron
 from meshtron.checkpoint.megatron_files import DistCheckpoint, LegacyCheckpoint, open_megatron
-from meshtron.checkpoint.megatron_optim import MASTERS, MOMENTS, PREFIX, fill_optimizer, megatron_step, model_space_kinds, train_fields
+from meshtron.checkpoint.megatron_optim import (MASTERS, MOMENTS, PREFIX, fill_optimizer, legacy_adam, megatron_step, model_space_kinds,
+                                               train_fields)
 from meshtron.checkpoint.megatron_pickle import Namespace
 from meshtron.config import Config, ModelConfig
 from meshtron.errors import CheckpointError
@@ -63,13 +64,16 @@ def _dist_tensors(ckpt: DistCheckpoint, expected: dict[str, torch.Size], names: 
         raise CheckpointError(f"{ckpt.directory} holds {len(left)} tensors the model its args describe has no place for, e.g. {left[:3]}")
 
 
-def _legacy_tensors(ckpt: LegacyCheckpoint, m: ModelConfig, expert_tp: int, impl: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _legacy_tensors(ckpt: LegacyCheckpoint, m: ModelConfig, expert_tp: int, impl: str, kind: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Each weight of the model (or, with ``kind``, its optimizer tensor of that kind: ``exp_avg``,
+    ...), one pipeline stage read at a time."""
     names, offset = naming(m), 0
     if len(names.stacks) > 1 and ckpt.pp > 1:
         raise CheckpointError(f"{ckpt.directory}: a legacy {m.model_type.upper()} checkpoint saved with pipeline parallelism is not "
                               "read (its stages split the encoder and decoder stacks); save it with --ckpt-format torch_dist")  # fmt: skip
     local_experts = m.num_experts // ckpt.ep if m.num_experts else 0
-    for stage, files in ckpt.stages():
+    select = (lambda loaded, chunk, path: legacy_adam(loaded, ckpt.chunks, path)[kind][chunk]) if kind else None
+    for stage, files in ckpt.stages(select):
         dense: dict[str, dict[int, torch.Tensor]] = {}
         experts: dict[str, dict[int, dict[int, torch.Tensor]]] = {}
         for (t, e), state in files.items():
@@ -105,13 +109,18 @@ def import_megatron(load_dir: str | Path, save_dir: str | Path, iteration: int |
     expected = {k: v.shape for k, v in model.state_dict().items()}
     kinds, reason = model_space_kinds(ckpt)
     master = next((kind for kind in MASTERS if kind in kinds), None)
-    if isinstance(ckpt, DistCheckpoint):
-        tensors = _dist_tensors(ckpt, expected, names)
-    else:
-        expert_tp = int(fields.get("expert_tensor_parallel_size") or ckpt.tp) if m.num_experts else ckpt.tp
-        tensors = _legacy_tensors(ckpt, m, expert_tp, str(fields.get("transformer_impl") or "transformer_engine"))
+    adam_step = megatron_step(ckpt) if kinds else 0
+    expert_tp = int(fields.get("expert_tensor_parallel_size") or getattr(ckpt, "tp", 1)) if m.num_experts else getattr(ckpt, "tp", 1)
+    impl = str(fields.get("transformer_impl") or "transformer_engine")
+
+    def tensors(kind: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights (or the optimizer's tensors of ``kind``) by meshtron's names."""
+        if isinstance(ckpt, DistCheckpoint):
+            return _dist_tensors(ckpt, expected, names, f"{PREFIX}{kind}." if kind else "")
+        return _legacy_tensors(ckpt, m, expert_tp, impl, kind)
+
     state = {}
-    for name, tensor in tensors:
+    for name, tensor in tensors():
         if name not in expected:
             if name == "output.weight" and m.tie_embeddings:
                 continue  # the last stage's copy of the shared embedding
@@ -123,7 +132,7 @@ def import_megatron(load_dir: str | Path, save_dir: str | Path, iteration: int |
     if missing:
         raise CheckpointError(f"{ckpt.directory} lacks {len(missing)} tensors its args imply, e.g. {missing[:3]}")
     if master is not None:  # the main params: the weights' precise values
-        state.update((name, t.float()) for name, t in _dist_tensors(ckpt, expected, names, f"{PREFIX}{master}."))
+        state.update((name, t.float()) for name, t in tensors(master) if name in expected)
     model.load_state_dict(state, strict=True)
     step = int(ckpt.common.get("iteration", 0) or 0)
     consumed = int(fields.get("consumed_train_samples") or 0)
@@ -131,8 +140,7 @@ def import_megatron(load_dir: str | Path, save_dir: str | Path, iteration: int |
     if kinds:
         cfg.train = replace(cfg.train, **train_fields(fields))
         optimizer = build_optimizer(model, cfg.train, torch.float32)
-        adam_step = megatron_step(ckpt)
-        fill_optimizer(optimizer, {kind: dict(_dist_tensors(ckpt, expected, names, f"{PREFIX}{kind}.")) for kind in MOMENTS}, adam_step)
+        fill_optimizer(optimizer, {kind: dict(tensors(kind)) for kind in MOMENTS}, adam_step)
         log(f"megatron-import: Adam's state imported (step {adam_step}{', main params as the weights' if master else ''}); "
             f"resume with: meshtron train --load {save_dir} --no-load-rng (the model flags as in meta.json) ...")  # fmt: skip
     else:

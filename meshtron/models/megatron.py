@@ -162,7 +162,7 @@ def model_config_from_args(args: dict[str, Any], source: str, family: str = "gpt
                         ("moe_single_grouped_bias", False), ("moe_mlp_glu_interleave_size", None),
                         ("moe_shared_expert_gate", False), ("squared_relu", False), ("mtp_num_layers", None),
                         ("heterogeneous_layers_config_path", None), ("hybrid_layer_pattern", None), ("qk_l2_norm", False),
-                        ("softmax_type", "vanilla"), ("num_layers_per_virtual_pipeline_stage", None)):  # fmt: skip
+                        ("softmax_type", "vanilla")):  # fmt: skip
         if field in args and args[field] not in (must, None if must is False else must):
             raise CheckpointError(f"{source}: args.{field} = {args[field]!r} is not supported by megatron-import (only {must!r})")
     missing = [f for f in ("num_layers", "hidden_size", "num_attention_heads", "padded_vocab_size") if not isinstance(args.get(f), int)]
