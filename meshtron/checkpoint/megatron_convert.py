@@ -5,8 +5,10 @@ tp/pp/ep it was saved with, builds the model its ``args`` describe (``models/meg
 fills it tensor by tensor (a torch_dist tensor one layer at a time, a legacy checkpoint one
 pipeline stage at a time) and saves a meshtron checkpoint carrying Megatron's iteration and
 consumed samples, so ``meshtron train --load OUT --no-load-rng`` goes on where Megatron stopped.
-Adam's state comes along where Megatron keeps it in model space (``megatron_optim.py``); otherwise
-the reason is printed and the weights are written alone (resume with ``--no-load-optim``).
+Adam's state comes along where Megatron keeps it in model space, or position-keyed in legacy files
+whose param-group order is Megatron's standard one (``megatron_optim.py``); otherwise the reason
+is printed and the weights are written alone (resume with ``--no-load-optim``). BERT and T5 are
+told from GPT by their layer stacks (``megatron_family``) and mapped by their ``Naming``.
 The model-defining ``args`` are kept in the meta (``megatron_args``) so an export writes them back.
 
 Export (``megatron_export.py``) writes a meshtron checkpoint as Megatron-LM's ``torch_dist`` or
