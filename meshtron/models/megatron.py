@@ -132,7 +132,11 @@ def _choice(args: dict[str, Any], field: str, allowed: tuple, source: str) -> An
 
 def megatron_family(keys: Iterable[str]) -> str:
     """The model family of a checkpoint holding tensors ``keys``: T5 stacks an encoder and a
-    decoder, BERT an encoder (Megatron-Core's ``BertModel.encoder``), GPT a decoder."""
+    decoder, BERT an encoder (Megatron-Core's ``BertModel.encoder``), GPT a decoder; ``legacy-gpt``
+    for the pre-Core model's ``language_model.*`` names."""
+    keys = list(keys)
+    if any(key.startswith("language_model.") for key in keys):
+        return "legacy-gpt"
     stacks = {key.split(".", 1)[0] for key in keys if key.startswith(("encoder.layers.", "decoder.layers."))}
     return "t5" if stacks == {"encoder", "decoder"} else "bert" if stacks == {"encoder"} else "gpt"
 
@@ -156,7 +160,9 @@ def naming(m: ModelConfig) -> Naming:
 def model_config_from_args(args: dict[str, Any], source: str, family: str = "gpt") -> ModelConfig:
     """The meshtron model a Megatron run's ``args`` describe (a ``family`` of ``megatron_family``),
     from the fields that define the model only; a value meshtron does not implement is refused,
-    naming the field."""
+    naming the field. ``apply_residual_connection_post_layernorm`` is read for the pre-Core model
+    only: Megatron-Core's TransformerLayer takes the flag into its config and never reads it, so a
+    Core checkpoint saved with it ran pre-LN."""
     for field, must in (("rotary_interleaved", False), ("apply_layernorm_1p", False), ("layernorm_zero_centered_gamma", False),
                         ("mla_down_proj_fusion", False), ("use_rope_scaling", False), ("moe_single_grouped_weight", False),
                         ("moe_single_grouped_bias", False), ("moe_mlp_glu_interleave_size", None),
@@ -184,7 +190,7 @@ def model_config_from_args(args: dict[str, Any], source: str, family: str = "gpt
         rotary_base=int(args.get("rotary_base", 10000)), rotary_percent=float(args.get("rotary_percent", 1.0)),
         add_bias_linear=bool(args.get("add_bias_linear", True)), add_qkv_bias=bool(args.get("add_qkv_bias", False)),
         tie_embeddings=not args.get("untie_embeddings_and_output_weights", False),
-        apply_residual_connection_post_layernorm=bool(args.get("apply_residual_connection_post_layernorm", False)),
+        apply_residual_connection_post_layernorm=family == "legacy-gpt" and bool(args.get("apply_residual_connection_post_layernorm")),
         qk_layernorm=bool(args.get("qk_layernorm", False)), attention_dropout=0.0, hidden_dropout=0.0,
     )  # fmt: skip
     if mla:
@@ -209,7 +215,7 @@ def model_config_from_args(args: dict[str, Any], source: str, family: str = "gpt
         m.moe_router_num_groups = args.get("moe_router_num_groups") or 0
         m.moe_router_group_topk = args.get("moe_router_group_topk") or 0
         m.moe_router_dtype = _choice(args, "moe_router_dtype", (None, "fp32", "fp64"), source) or ""
-    if family != "gpt":
+    if family in ("bert", "t5"):
         _encoder_fields(m, args, family, source)
     return m
 
@@ -293,6 +299,9 @@ def check_exportable(m: ModelConfig) -> None:
     """Refuse what has no Megatron-Core GPT equivalent written here."""
     if m.model_type != "gpt":
         raise CheckpointError(f"megatron-export writes GPT decoders; this checkpoint holds a '{m.model_type}' model")
+    if m.apply_residual_connection_post_layernorm:
+        raise CheckpointError("megatron-export: a post-LN model (--apply-residual-connection-post-layernorm) would run pre-LN in "
+                              "Megatron-Core, whose TransformerLayer does not read that flag")  # fmt: skip
     if m.position_embedding_type not in ("rope", "learned_absolute") or m.rope_scaling not in ("", "yarn" if m.multi_latent_attention else ""):
         raise CheckpointError("megatron-export: relative positions and RoPE scaling (but latent attention's YaRN) are not mapped to "
                               "Megatron names here")  # fmt: skip

@@ -163,3 +163,22 @@ def test_virtual_pipeline_chunks_are_read_in_megatrons_interleaved_order(tmp_pat
     model.layers[1], model.layers[2] = model.layers[2], model.layers[1]
     with torch.no_grad():
         assert (model(reference["tokens"]) - reference["logits"]).abs().max() > 0.1
+
+
+def test_the_post_layernorm_flag_of_a_core_checkpoint_is_not_read(tmp_path):
+    """Megatron-Core's TransformerLayer never reads ``apply_residual_connection_post_layernorm``: a
+    Core run saved with it ran pre-LN, so gpt_tp2_torch with the flag set in its args still imports
+    to Megatron's logits; the export refuses a post-LN model, which Megatron-Core would run pre-LN."""
+    root = _copy("gpt_tp2_torch", tmp_path)
+    for path in sorted((root / "iter_0000007").glob("mp_rank_*/model_optim_rng.pt")):
+        state = load_megatron_pickle(path, str(path))
+        torch.save({**state, "args": _plain({**state["args"].fields(), "apply_residual_connection_post_layernorm": True})}, path)
+    out = _import_dir(root, tmp_path / "mt")
+    reference = _reference("gpt_tp2_torch")
+    torch.testing.assert_close(_logits(out, reference["tokens"]), reference["logits"], atol=1e-5, rtol=1e-5)
+    post = _logits(out, reference["tokens"], apply_residual_connection_post_layernorm=True)
+    assert (post - reference["logits"]).abs().max() > 0.1  # read as meshtron's post-LN, the logits would move
+    m = model_config_from_args({**_args("gpt_tp2_torch"), "apply_residual_connection_post_layernorm": True}, "args", "legacy-gpt")
+    assert m.apply_residual_connection_post_layernorm  # the pre-Core model honours it
+    with pytest.raises(CheckpointError, match="post-LN model .* would run pre-LN in Megatron-Core"):
+        check_exportable(m)
