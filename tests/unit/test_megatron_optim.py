@@ -6,7 +6,8 @@ saved with the optimizer (torch_dist, model-space state), then trained 3 more st
 ``reference.pt`` holds those losses. Imported, meshtron's optimizer holds Megatron's moments and
 step exactly and continues to the same losses; a fresh optimizer on the same weights does not.
 ``llama_adam_tp2_torch`` (fp32, two tensor-parallel ranks) and ``llama_adam_bf16_torch`` are the
-same runs saved in the legacy format, whose optimizer state is keyed by position.
+same runs saved in the legacy format, whose optimizer state is keyed by position;
+``llama_adam_pp2vpp2_torch`` one Adam step over virtual pipeline chunks (``make_vpp_checkpoint.py``).
 """
 
 from __future__ import annotations
@@ -135,6 +136,32 @@ def test_legacy_bf16_main_params_become_the_weights_and_the_run_continues(tmp_pa
     resumed = (_continued_losses(out, reference["tokens"], torch.bfloat16) - reference["losses"]).abs().max()
     fresh = (_continued_losses(out, reference["tokens"], torch.bfloat16, load_optim=False) - reference["losses"]).abs().max()
     assert resumed < 5e-3 and fresh > 10 * resumed
+
+
+def _one_step_residual(weight: torch.Tensor, exp_avg: torch.Tensor, decay: float, train) -> float:
+    """How far ``weight`` is from AdamW's first step from p0 = exp_avg / (1 - beta1) with the
+    gradient p0 (``make_vpp_checkpoint.py``'s step): p0 (1 - lr wd) - lr p0 / (|p0| + eps)."""
+    p0 = exp_avg / (1 - train.adam_beta1)
+    return (weight - (p0 * (1 - train.lr * decay) - train.lr * p0 / (p0.abs() + train.adam_eps))).abs().max().item()
+
+
+def test_legacy_adam_state_of_virtual_pipeline_chunks_belongs_to_its_weights(tmp_path, capsys):
+    """``llama_adam_pp2vpp2_torch``: Megatron's optimizer over two chunks per rank (its positions run
+    through chunk 0's params, then chunk 1's, in each group) took one step with each param as its
+    own gradient, which ties each moment to its weight; a moment of another layer of the same
+    shape (layer 0's for layer 2) does not fit."""
+    out, log = _import("llama_adam_pp2vpp2_torch", tmp_path / "mt", capsys)
+    assert "Adam's state imported (step 1)" in log
+    model, optimizer, cfg, _ = _resumed(out, torch.float32, load_optim=True)
+    weights, states = dict(model.named_parameters()), {ps.name: ps for ps in optimizer.param_states()}
+    assert len(states) == len(weights) and {int(ps.step.item()) for ps in states.values()} == {1}
+    for name, ps in states.items():
+        decay = 0.0 if name.endswith(".bias") or ps.tensors["exp_avg"].dim() == 1 else cfg.train.weight_decay
+        p0 = ps.tensors["exp_avg"] / (1 - cfg.train.adam_beta1)
+        torch.testing.assert_close(ps.tensors["exp_avg_sq"], (1 - cfg.train.adam_beta2) * p0 * p0, rtol=1e-5, atol=1e-9)
+        assert _one_step_residual(weights[name].detach(), ps.tensors["exp_avg"], decay, cfg.train) < 1e-6, name
+    other = states["layers.0.mlp.linear_fc1.weight"].tensors["exp_avg"]
+    assert _one_step_residual(weights["layers.2.mlp.linear_fc1.weight"].detach(), other, cfg.train.weight_decay, cfg.train) > 1e-2
 
 
 def test_a_legacy_optimizer_whose_order_is_not_known_is_named_and_the_weights_still_come(tmp_path, capsys):
