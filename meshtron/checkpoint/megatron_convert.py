@@ -51,7 +51,8 @@ def _plain_args(fields: dict[str, Any]) -> dict[str, Any]:
     return keep
 
 
-def _dist_tensors(ckpt: DistCheckpoint, expected: dict[str, torch.Size], names: Naming, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+def _dist_tensors(ckpt: DistCheckpoint, expected: dict[str, torch.Size], names: Naming, prefix: str = "",
+                  ) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
     """Each weight of the model (or, with ``prefix``, the optimizer tensor Megatron keeps under
     ``prefix`` + the weight's key), one layer read at a time."""
     used = set(names.aliases)

@@ -180,7 +180,8 @@ class LegacyCheckpoint:
             raise CheckpointError(f"{first} is not a Megatron model_optim_rng.pt (no 'model' entry)")
         chunks = sorted((int(m.group(1)) for k in self._first if (m := _CHUNK.fullmatch(k))))
         if chunks and chunks != list(range(len(chunks))):
-            raise CheckpointError(f"{first} holds virtual pipeline stages {[f'model{c}' for c in chunks]}, not model0..model{len(chunks) - 1}")
+            raise CheckpointError(f"{first} holds virtual pipeline stages {[f'model{c}' for c in chunks]}, "
+                                  f"not model0..model{len(chunks) - 1}")  # fmt: skip
         self.chunks = [f"model{c}" for c in chunks] or ["model"]  # the state dicts of a file, in order
         if any(not isinstance(self._first[c], dict) for c in self.chunks):
             raise CheckpointError(f"{first} is not a Megatron model_optim_rng.pt ({', '.join(self.chunks)} not all state dicts)")
@@ -191,7 +192,6 @@ class LegacyCheckpoint:
         self.tp = int(fields.get("tensor_model_parallel_size", 1))
         self.pp = int(fields.get("pipeline_model_parallel_size", 1))
         self.ep = int(fields.get("expert_model_parallel_size", 1))
-        self.has_optimizer = "optimizer" in self._first
 
     def _path(self, tp: int, pp: int, ep: int, probe: bool = False) -> Path:
         """The file of one rank; ``probe``: the first one, before the layout is known."""
@@ -230,7 +230,8 @@ class LegacyCheckpoint:
                         model = loaded.get(chunk) if isinstance(loaded, dict) else None
                         if not isinstance(model, dict):
                             raise CheckpointError(f"{path} is not a Megatron model_optim_rng.pt (no '{chunk}' state dict)")
-                        files[(t, e)] = select(loaded, chunk, path) if select else {k: x for k, x in model.items() if isinstance(x, torch.Tensor)}
+                        tensors = {k: x for k, x in model.items() if isinstance(x, torch.Tensor)}
+                        files[(t, e)] = select(loaded, chunk, path) if select else tensors
                 yield v * self.pp + p, files
                 self._first = {}
 

@@ -123,8 +123,8 @@ def _legacy_param_order(models: list[dict[str, Any]], groups: list[dict[str, Any
     wd = [g.get("wd_mult") for g in groups]
     odd = [g for g in groups if g.get("lr_mult", 1.0) != 1.0 or g.get("is_expert_parallel") or g.get("is_decoupled_lr")]
     if odd or sorted(wd, reverse=True) != wd or not set(wd) <= {1.0, 0.0} or len(set(wd)) != len(wd):
-        raise LegacyOptimizerUnread(f"{source}: its optimizer's param groups (wd_mult {wd}, lr_mult "
-                                    f"{[g.get('lr_mult') for g in groups]}) are not Megatron's standard two, whose order is rebuilt here")  # fmt: skip
+        raise LegacyOptimizerUnread(f"{source}: its optimizer's param groups (wd_mult {wd}, lr_mult {[g.get('lr_mult') for g in groups]}) "
+                                    "are not Megatron's standard two, whose order is rebuilt here")  # fmt: skip
     params = [(c, k) for c, model in enumerate(models) for k, v in model.items() if isinstance(v, torch.Tensor)]
     order = []
     for group in groups:
@@ -148,7 +148,7 @@ def legacy_adam(loaded: dict[str, Any], chunks: list[str], source: Any) -> dict[
                                     "its state apart, cut by Megatron's gradient buckets)")  # fmt: skip
     models = [loaded[c] for c in chunks]
     order = _legacy_param_order(models, optimizer["param_groups"], source)
-    positions = [i for g in optimizer["param_groups"] for i in g["params"]]
+    positions = [i for g in optimizer["param_groups"] for i in g.get("params", ())]
     out: dict[str, Any] = {kind: {c: {} for c in chunks} for kind in (*MOMENTS, *(["fp32_param"] if masters is not None else []))}
     steps = set()
     for (c, key), position in zip(order, positions, strict=True):
@@ -156,14 +156,15 @@ def legacy_adam(loaded: dict[str, Any], chunks: list[str], source: Any) -> dict[
         if not isinstance(entry, dict) or any(kind not in entry for kind in MOMENTS):
             raise LegacyOptimizerUnread(f"{source}: optimizer position {position} ({key}) has no Adam moments")
         for kind in MOMENTS:
-            if entry[kind].shape != models[c][key].shape:
-                raise LegacyOptimizerUnread(f"{source}: optimizer position {position} has {kind} of shape {list(entry[kind].shape)}, "
-                                            f"its param {key} by Megatron's group order {list(models[c][key].shape)}")  # fmt: skip
+            if not isinstance(entry[kind], torch.Tensor) or entry[kind].shape != models[c][key].shape:
+                raise LegacyOptimizerUnread(f"{source}: optimizer position {position} has {kind} of shape "
+                                            f"{list(getattr(entry[kind], 'shape', []))}, its param {key} by Megatron's group order "
+                                            f"{list(models[c][key].shape)}")  # fmt: skip
             out[kind][chunks[c]][key] = entry[kind]
         steps.add(int(entry["step"].item() if isinstance(entry.get("step"), torch.Tensor) else entry.get("step", -1)))
     if masters is not None:
         flat = [t for group in masters for t in group]
-        if len(flat) != len(order) or any(t.shape != models[c][k].shape for t, (c, k) in zip(flat, order, strict=False)):
+        if len(flat) != len(order) or any(getattr(t, "shape", None) != models[c][k].shape for t, (c, k) in zip(flat, order, strict=False)):
             raise LegacyOptimizerUnread(f"{source}: its fp32 main params do not follow the param groups' order")
         for t, (c, key) in zip(flat, order, strict=True):
             out["fp32_param"][chunks[c]][key] = t
