@@ -11,6 +11,7 @@ positions are all real.
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
@@ -18,11 +19,12 @@ import torch
 
 from meshtron.checkpoint.checkpoint import load_checkpoint, read_meta
 from meshtron.checkpoint.megatron_files import open_megatron
+from meshtron.checkpoint.megatron_pickle import load_megatron_pickle
 from meshtron.config import Config
 from meshtron.errors import CheckpointError
 from meshtron.models import build_model
 from meshtron.models.megatron import megatron_family, model_config_from_args
-from tests.unit.test_megatron_convert import DATA, _import
+from tests.unit.test_megatron_convert import DATA, _copy, _expect_error, _import
 
 TOLERANCE = 1e-5  # as the GPT cases: fp32 on the CPU, the same sums in another order
 
@@ -84,3 +86,13 @@ def test_the_family_comes_from_the_stacks_and_args_it_cannot_read_are_refused():
     bert = open_megatron(DATA / "bert_tp1_dist").common["args"].fields()
     with pytest.raises(CheckpointError, match="BERT with learned absolute positions only"):
         model_config_from_args({**bert, "position_embedding_type": "rope"}, "args", "bert")
+
+
+def test_a_legacy_t5_split_over_pipeline_stages_is_refused_by_name(tmp_path, capsys):
+    """Its stages would split the encoder and decoder stacks: refused, naming the format that works."""
+    root = _copy("t5_tp2_torch", tmp_path)
+    for path in sorted((root / "iter_0000007").glob("mp_rank_*/model_optim_rng.pt")):
+        state = load_megatron_pickle(path, str(path))
+        fields = {k: v for k, v in state["args"].fields().items() if isinstance(v, (int, float, str, bool, type(None)))}
+        torch.save({**state, "args": argparse.Namespace(**{**fields, "pipeline_model_parallel_size": 2})}, path)
+    _expect_error(capsys, root, "a legacy T5 checkpoint saved with pipeline parallelism is not read", "--ckpt-format torch_dist")
