@@ -5,8 +5,10 @@ tp/pp/ep it was saved with, builds the model its ``args`` describe (``models/meg
 fills it tensor by tensor (a torch_dist tensor one layer at a time, a legacy checkpoint one
 pipeline stage at a time) and saves a meshtron checkpoint carrying Megatron's iteration and
 consumed samples, so ``meshtron train --load OUT --no-load-rng`` goes on where Megatron stopped.
-Adam's state comes along where Megatron keeps it in model space (``megatron_optim.py``); otherwise
-the reason is printed and the weights are written alone (resume with ``--no-load-optim``).
+Adam's state comes along where Megatron keeps it in model space, or position-keyed in legacy files
+whose param-group order is Megatron's standard one (``megatron_optim.py``); otherwise the reason
+is printed and the weights are written alone (resume with ``--no-load-optim``). BERT and T5 are
+told from GPT by their layer stacks (``megatron_family``) and mapped by their ``Naming``.
 The model-defining ``args`` are kept in the meta (``megatron_args``) so an export writes them back.
 
 Export (``megatron_export.py``) writes a meshtron checkpoint as Megatron-LM's ``torch_dist`` or
@@ -27,12 +29,14 @@ import torch
 from meshtron.checkpoint.checkpoint import save_checkpoint
 from meshtron.checkpoint.megatron_export import FORMATS, IMPLS, export_megatron
 from meshtron.checkpoint.megatron_files import DistCheckpoint, LegacyCheckpoint, open_megatron
-from meshtron.checkpoint.megatron_optim import MASTERS, MOMENTS, PREFIX, fill_optimizer, megatron_step, model_space_kinds, train_fields
+from meshtron.checkpoint.megatron_optim import (MASTERS, MOMENTS, PREFIX, fill_optimizer, legacy_adam, megatron_step, model_space_kinds,
+                                               train_fields)
 from meshtron.checkpoint.megatron_pickle import Namespace
 from meshtron.config import Config, ModelConfig
 from meshtron.errors import CheckpointError
-from meshtron.models import build_model
-from meshtron.models.megatron import dist_candidates, layer_count, legacy_pieces, merge_tp, model_config_from_args
+from meshtron.models import build_model, num_blocks
+from meshtron.models.megatron import (Naming, dist_candidates, layer_count, legacy_pieces, megatron_family, merge_tp, model_config_from_args,
+                                      naming)
 from meshtron.optim.build import build_optimizer
 
 _PLAIN = (int, float, str, bool, type(None))
@@ -47,12 +51,13 @@ def _plain_args(fields: dict[str, Any]) -> dict[str, Any]:
     return keep
 
 
-def _dist_tensors(ckpt: DistCheckpoint, expected: dict[str, torch.Size], prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+def _dist_tensors(ckpt: DistCheckpoint, expected: dict[str, torch.Size], names: Naming, prefix: str = "",
+                  ) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
     """Each weight of the model (or, with ``prefix``, the optimizer tensor Megatron keeps under
     ``prefix`` + the weight's key), one layer read at a time."""
-    used = set()
+    used = set(names.aliases)
     for name in expected:
-        keys, layer = dist_candidates(name)
+        keys, layer = dist_candidates(name, names)
         keys = [prefix + k for k in keys]
         key = next((k for k in keys if k in ckpt.shapes), keys[0])
         used.add(key)
@@ -62,15 +67,21 @@ def _dist_tensors(ckpt: DistCheckpoint, expected: dict[str, torch.Size], prefix:
         raise CheckpointError(f"{ckpt.directory} holds {len(left)} tensors the model its args describe has no place for, e.g. {left[:3]}")
 
 
-def _legacy_tensors(ckpt: LegacyCheckpoint, m: ModelConfig, expert_tp: int, impl: str) -> Iterator[tuple[str, torch.Tensor]]:
-    offset = 0
+def _legacy_tensors(ckpt: LegacyCheckpoint, m: ModelConfig, expert_tp: int, impl: str, kind: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Each weight of the model (or, with ``kind``, its optimizer tensor of that kind: ``exp_avg``,
+    ...), one pipeline stage read at a time."""
+    names, offset = naming(m), 0
+    if len(names.stacks) > 1 and ckpt.pp > 1:
+        raise CheckpointError(f"{ckpt.directory}: a legacy {m.model_type.upper()} checkpoint saved with pipeline parallelism is not "
+                              "read (its stages split the encoder and decoder stacks); save it with --ckpt-format torch_dist")  # fmt: skip
     local_experts = m.num_experts // ckpt.ep if m.num_experts else 0
-    for stage, files in ckpt.stages():
+    select = (lambda loaded, chunk, path: legacy_adam(loaded, ckpt.chunks, path)[kind][chunk]) if kind else None
+    for stage, files in ckpt.stages(select):
         dense: dict[str, dict[int, torch.Tensor]] = {}
         experts: dict[str, dict[int, dict[int, torch.Tensor]]] = {}
         for (t, e), state in files.items():
             for key, tensor in state.items():
-                for name, expert, piece in legacy_pieces(key, tensor, offset, m, local_experts):
+                for name, expert, piece in legacy_pieces(key, tensor, offset, m, local_experts, names):
                     if expert is None and e == 0:
                         dense.setdefault(name, {})[t] = piece
                     elif expert is not None:
@@ -82,8 +93,8 @@ def _legacy_tensors(ckpt: LegacyCheckpoint, m: ModelConfig, expert_tp: int, impl
                 raise CheckpointError(f"{ckpt.directory}: stage {stage} holds experts {sorted(by_expert)} of {name}, not 0..{m.num_experts - 1}")
             yield name, torch.stack([merge_tp(name, [by_expert[k][t] for t in range(expert_tp)], m, impl) for k in range(m.num_experts)])
         offset += layer_count(list(files[(0, 0)]))
-    if offset != m.num_layers:
-        raise CheckpointError(f"{ckpt.directory}: the pipeline stages hold {offset} layers, args.num_layers is {m.num_layers}")
+    if offset != num_blocks(m):
+        raise CheckpointError(f"{ckpt.directory}: the pipeline stages hold {offset} layers, its args imply {num_blocks(m)}")
 
 
 def import_megatron(load_dir: str | Path, save_dir: str | Path, iteration: int | None = None, log: Callable[[str], None] = print) -> Path:
@@ -93,20 +104,26 @@ def import_megatron(load_dir: str | Path, save_dir: str | Path, iteration: int |
     if not isinstance(args, Namespace):
         raise CheckpointError(f"{ckpt.directory}: the common state has no args Namespace (found {type(args).__name__})")
     fields = args.fields()
-    m = model_config_from_args(fields, f"{ckpt.directory} (args)")
+    m = model_config_from_args(fields, f"{ckpt.directory} (args)", megatron_family(ckpt.names))
+    names = naming(m)
     cfg = Config(model=m)
     cfg.data.seq_length = int(fields.get("seq_length") or m.max_position_embeddings)
     model = build_model(m, m.vocab_size, cfg.data.seq_length)
     expected = {k: v.shape for k, v in model.state_dict().items()}
     kinds, reason = model_space_kinds(ckpt)
     master = next((kind for kind in MASTERS if kind in kinds), None)
-    if isinstance(ckpt, DistCheckpoint):
-        tensors = _dist_tensors(ckpt, expected)
-    else:
-        expert_tp = int(fields.get("expert_tensor_parallel_size") or ckpt.tp) if m.num_experts else ckpt.tp
-        tensors = _legacy_tensors(ckpt, m, expert_tp, str(fields.get("transformer_impl") or "transformer_engine"))
+    adam_step = megatron_step(ckpt) if kinds else 0
+    expert_tp = int(fields.get("expert_tensor_parallel_size") or getattr(ckpt, "tp", 1)) if m.num_experts else getattr(ckpt, "tp", 1)
+    impl = str(fields.get("transformer_impl") or "transformer_engine")
+
+    def tensors(kind: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+        """The weights (or the optimizer's tensors of ``kind``) by meshtron's names."""
+        if isinstance(ckpt, DistCheckpoint):
+            return _dist_tensors(ckpt, expected, names, f"{PREFIX}{kind}." if kind else "")
+        return _legacy_tensors(ckpt, m, expert_tp, impl, kind)
+
     state = {}
-    for name, tensor in tensors:
+    for name, tensor in tensors():
         if name not in expected:
             if name == "output.weight" and m.tie_embeddings:
                 continue  # the last stage's copy of the shared embedding
@@ -118,7 +135,7 @@ def import_megatron(load_dir: str | Path, save_dir: str | Path, iteration: int |
     if missing:
         raise CheckpointError(f"{ckpt.directory} lacks {len(missing)} tensors its args imply, e.g. {missing[:3]}")
     if master is not None:  # the main params: the weights' precise values
-        state.update((name, t.float()) for name, t in _dist_tensors(ckpt, expected, f"{PREFIX}{master}."))
+        state.update((name, t.float()) for name, t in tensors(master) if name in expected)
     model.load_state_dict(state, strict=True)
     step = int(ckpt.common.get("iteration", 0) or 0)
     consumed = int(fields.get("consumed_train_samples") or 0)
@@ -126,8 +143,7 @@ def import_megatron(load_dir: str | Path, save_dir: str | Path, iteration: int |
     if kinds:
         cfg.train = replace(cfg.train, **train_fields(fields))
         optimizer = build_optimizer(model, cfg.train, torch.float32)
-        adam_step = megatron_step(ckpt)
-        fill_optimizer(optimizer, {kind: dict(_dist_tensors(ckpt, expected, f"{PREFIX}{kind}.")) for kind in MOMENTS}, adam_step)
+        fill_optimizer(optimizer, {kind: dict(tensors(kind)) for kind in MOMENTS}, adam_step)
         log(f"megatron-import: Adam's state imported (step {adam_step}{', main params as the weights' if master else ''}); "
             f"resume with: meshtron train --load {save_dir} --no-load-rng (the model flags as in meta.json) ...")  # fmt: skip
     else:

@@ -8,7 +8,10 @@ either
   inside a ``.distcp`` under ``common_state``. Tensors are read one box at a time (one layer of a
   stacked tensor) through DCP's reader without a process group; or
 * ``torch`` (legacy): ``mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`` per model-parallel rank, read
-  one pipeline stage at a time (its tensor- and expert-parallel files together).
+  one pipeline stage at a time (its tensor- and expert-parallel files together). With virtual
+  pipeline stages each file holds its rank's model chunks as ``model0``, ``model1``, ...: stage
+  ``v * pp + p`` of the model is chunk v of pipeline rank p (Megatron's interleaving), so each file
+  is read once per chunk.
 
 Every pickle goes through ``megatron_pickle`` (nothing from the files is run), DCP's index through
 an unpickler that admits DCP's own classes only; data files shorter than the index says are named.
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +41,7 @@ LEGACY_FILE = "model_optim_rng.pt"
 COMMON = "common.pt"
 COMMON_KEY = "common_state"
 _RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")
+_CHUNK = re.compile(r"model(\d+)")  # a virtual pipeline stage's state dict
 
 
 def megatron_checkpoint_dir(load_dir: str | os.PathLike, iteration: int | None = None) -> Path:
@@ -131,6 +135,7 @@ class DistCheckpoint:
         self.shapes = {k: tuple(e.size) for k, e in entries.items() if isinstance(e, TensorStorageMetadata)}
         self.objects = sorted(k for k, e in entries.items() if isinstance(e, BytesStorageMetadata))
         self.common = self._common()
+        self.names = list(self.shapes)  # the tensors' keys
 
     def _common(self) -> dict[str, Any]:
         legacy = self.directory / COMMON
@@ -173,15 +178,20 @@ class LegacyCheckpoint:
         self._first = _load_pickle(first, str(first))
         if not isinstance(self._first, dict) or "model" not in self._first and "model0" not in self._first:
             raise CheckpointError(f"{first} is not a Megatron model_optim_rng.pt (no 'model' entry)")
-        if "model0" in self._first:
-            raise CheckpointError(f"{first} holds virtual pipeline stages (model0, model1, ...), which megatron-import does not read")
-        self.common = {k: v for k, v in self._first.items() if k not in ("model", "optimizer")}
+        chunks = sorted((int(m.group(1)) for k in self._first if (m := _CHUNK.fullmatch(k))))
+        if chunks and chunks != list(range(len(chunks))):
+            raise CheckpointError(f"{first} holds virtual pipeline stages {[f'model{c}' for c in chunks]}, "
+                                  f"not model0..model{len(chunks) - 1}")  # fmt: skip
+        self.chunks = [f"model{c}" for c in chunks] or ["model"]  # the state dicts of a file, in order
+        if any(not isinstance(self._first[c], dict) for c in self.chunks):
+            raise CheckpointError(f"{first} is not a Megatron model_optim_rng.pt ({', '.join(self.chunks)} not all state dicts)")
+        self.common = {k: v for k, v in self._first.items() if k not in ("optimizer", *self.chunks)}
+        self.names = [k for c in self.chunks for k in self._first[c]]  # the first rank's keys
         args = self.common.get("args")
         fields = args.fields() if hasattr(args, "fields") else {}
         self.tp = int(fields.get("tensor_model_parallel_size", 1))
         self.pp = int(fields.get("pipeline_model_parallel_size", 1))
         self.ep = int(fields.get("expert_model_parallel_size", 1))
-        self.has_optimizer = "optimizer" in self._first
 
     def _path(self, tp: int, pp: int, ep: int, probe: bool = False) -> Path:
         """The file of one rank; ``probe``: the first one, before the layout is known."""
@@ -197,21 +207,33 @@ class LegacyCheckpoint:
                                   f"tp {getattr(self, 'tp', '?')}, pp {getattr(self, 'pp', '?')}, ep {getattr(self, 'ep', '?')})")  # fmt: skip
         return path
 
-    def stages(self) -> Iterator[tuple[int, dict[tuple[int, int], dict[str, torch.Tensor]]]]:
-        """``(pipeline rank, {(tp rank, ep rank): model state dict})`` for each stage in order."""
+    def first_file(self) -> dict[str, Any]:
+        """Everything rank (0, 0, 0) saved (read again once ``stages`` has let it go)."""
+        if not self._first:
+            path = self._path(0, 0, 0)
+            self._first = _load_pickle(path, str(path))
+        return self._first
+
+    def stages(self, select: Callable[[dict[str, Any], str, Path], dict[str, torch.Tensor]] | None = None,
+               ) -> Iterator[tuple[int, dict[tuple[int, int], dict[str, torch.Tensor]]]]:  # fmt: skip
+        """``(stage, {(tp rank, ep rank): tensors})`` for each stage in the model's layer order (with
+        virtual stages, chunk v of every pipeline rank before chunk v + 1). The tensors are
+        ``select(file's content, chunk key, path)``, by default the chunk's model state."""
         paths = {(t, p, e): self._path(t, p, e) for p in range(self.pp) for t in range(self.tp) for e in range(self.ep)}
-        for p in range(self.pp):
-            files = {}
-            for t in range(self.tp):
-                for e in range(self.ep):
-                    path = paths[(t, p, e)]
-                    loaded = self._first if (t, p, e) == (0, 0, 0) else _load_pickle(path, str(path))
-                    model = loaded.get("model") if isinstance(loaded, dict) else None
-                    if not isinstance(model, dict):
-                        raise CheckpointError(f"{path} is not a Megatron model_optim_rng.pt (no 'model' state dict)")
-                    files[(t, e)] = {k: v for k, v in model.items() if isinstance(v, torch.Tensor)}
-            yield p, files
-            self._first = {}
+        for v, chunk in enumerate(self.chunks):
+            for p in range(self.pp):
+                files = {}
+                for t in range(self.tp):
+                    for e in range(self.ep):
+                        path = paths[(t, p, e)]
+                        loaded = self.first_file() if (t, p, e) == (0, 0, 0) else _load_pickle(path, str(path))
+                        model = loaded.get(chunk) if isinstance(loaded, dict) else None
+                        if not isinstance(model, dict):
+                            raise CheckpointError(f"{path} is not a Megatron model_optim_rng.pt (no '{chunk}' state dict)")
+                        tensors = {k: x for k, x in model.items() if isinstance(x, torch.Tensor)}
+                        files[(t, e)] = select(loaded, chunk, path) if select else tensors
+                yield v * self.pp + p, files
+                self._first = {}
 
 
 def open_megatron(load_dir: str | os.PathLike, iteration: int | None = None) -> DistCheckpoint | LegacyCheckpoint:

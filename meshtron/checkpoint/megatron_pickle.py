@@ -7,7 +7,10 @@ the Namespace with ``weights_only=True``, and without it would run any function 
 This unpickler resolves only a fixed list of globals to plain values: the Namespace and the enums
 become stand-ins built here (``Namespace``, ``EnumValue``: attributes and a name, nothing imported
 from the file's modules), tensors are rebuilt by torch's own ``_rebuild_tensor_v2`` from storages
-read out of the archive, and anything else is refused by its name before it is called.
+read out of the archive, and anything else is refused by its name before it is called. A tensor
+that carried attributes (the fp32 main params of a mixed-precision optimizer keep Megatron's
+``tensor_model_parallel`` / ``partition_dim``) is pickled through ``_rebuild_from_type_v2``: it is
+rebuilt as a plain tensor here, its attributes dropped (``_plain_tensor``).
 """
 
 from __future__ import annotations
@@ -54,6 +57,21 @@ class EnumValue:
     value: Any
 
 
+TENSOR_TYPE = "torch.Tensor"  # stands for the class in a pickle; a string, so a pickle cannot call it
+
+
+def _plain_tensor(rebuild: Any, kind: Any, args: tuple, state: Any) -> torch.Tensor:
+    """``torch._tensor._rebuild_from_type_v2`` for a plain ``torch.Tensor`` with attributes:
+    ``rebuild`` (an allowed global, as the pickle resolved it) applied to ``args``; ``state``, the
+    attributes, is dropped."""
+    if kind is not TENSOR_TYPE:
+        raise UnsafePickle(f"rebuilds a tensor as {kind!r}, not a plain torch.Tensor")
+    tensor = rebuild(*args)
+    if not isinstance(tensor, torch.Tensor):
+        raise UnsafePickle(f"rebuilds a {type(tensor).__name__} where a tensor was expected")
+    return tensor
+
+
 def _numpy_reconstruct() -> dict[tuple[str, str], Any]:
     reconstruct = numpy.ndarray.__reduce__(numpy.zeros(1))[0]  # numpy's own _reconstruct, whatever its module
     return {(m, "_reconstruct"): reconstruct for m in ("numpy.core.multiarray", "numpy._core.multiarray")}
@@ -63,6 +81,8 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("argparse", "Namespace"): Namespace,
     ("collections", "OrderedDict"): collections.OrderedDict,
     ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
+    ("torch._tensor", "_rebuild_from_type_v2"): _plain_tensor,
+    ("torch", "Tensor"): TENSOR_TYPE,
     ("_codecs", "encode"): codecs.encode,  # how protocol-2 pickles spell bytes
     ("numpy", "ndarray"): numpy.ndarray,
     ("numpy", "dtype"): numpy.dtype,

@@ -21,7 +21,13 @@ by name alone. What differs:
   into the up-projections after them (``LATENT_NORMS``) and keeps the input norm apart, the local
   spec fuses nothing; the local spec splits the down-projections' rows over tp, TE's keeps them
   whole on every rank;
-* older checkpoints (``language_model.encoder.*``) use the pre-Core names, renamed here.
+* older checkpoints (``language_model.encoder.*``) use the pre-Core names, renamed here;
+* BERT and T5 (``Naming``): BERT's one stack is ``encoder.layers``, its heads ``lm_head.dense`` /
+  ``lm_head.layer_norm`` / ``output_layer.bias`` / ``pooler.dense`` / ``binary_head`` and its token
+  types ``embedding.tokentype_embeddings``; T5 stacks ``encoder.layers`` then ``decoder.layers``
+  (meshtron's layers in that order), each with its ``final_layernorm`` (the encoder's is meshtron's
+  last encoder block's ``final_norm``), the head's bias ``lm_head.output_layer.bias``. The family is
+  told by the stacks a checkpoint holds (``megatron_family``).
 
 The legacy ``torch`` format stores each tensor-parallel rank's shard; ``merge_tp`` joins them by
 the rule of the layer that split them (vocabulary and QKV rows, SwiGLU's halves, row-parallel
@@ -35,12 +41,13 @@ from __future__ import annotations
 import itertools
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from meshtron.config import ModelConfig
+from meshtron.config import ModelConfig, encoder_decoder_layers
 from meshtron.errors import CheckpointError
 from meshtron.layers.rope import yarn_attention_factor, yarn_mscale
 
@@ -73,6 +80,44 @@ _OLD_LAYER = {"self_attention.query_key_value.": "self_attention.linear_qkv.", "
 # A legacy expert tensor: SequentialMLP's (local expert first) or TE's grouped linear's (last).
 _LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.weight)")
 _TE_EXPERT = re.compile(r"mlp\.experts\.(linear_fc[12]\.weight)(\d+)")
+_LAYER = re.compile(r"((?:en|de)coder\.layers\.)(\d+)\.(.+)")  # a legacy layer key: its stack, local number, the rest
+# BERT's tensors outside its layers (meshtron's name -> Megatron-Core's), beside the embeddings
+_BERT_TOP = {"tokentype_embedding.weight": "embedding.tokentype_embeddings.weight", "final_norm.weight": "encoder.final_layernorm.weight",
+             "final_norm.bias": "encoder.final_layernorm.bias", "lm_head.dense.weight": "lm_head.dense.weight",
+             "lm_head.dense.bias": "lm_head.dense.bias", "lm_head.norm.weight": "lm_head.layer_norm.weight",
+             "lm_head.norm.bias": "lm_head.layer_norm.bias", "output.bias": "output_layer.bias", "pooler.weight": "pooler.dense.weight",
+             "pooler.bias": "pooler.dense.bias", "binary_head.weight": "binary_head.weight", "binary_head.bias": "binary_head.bias"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Naming:
+    """Where a Megatron model family keeps its tensors: the ones outside its layers (meshtron's name
+    -> Megatron's), its layer stacks in meshtron's layer order (Megatron's prefix and layer count,
+    None: all), and the keys that repeat another tensor of the model (read once, under the other)."""
+
+    top: dict[str, str]
+    stacks: tuple[tuple[str, int | None], ...] = (("decoder.layers.", None),)
+    aliases: tuple[str, ...] = ()
+
+    def megatron_layer(self, layer: int) -> tuple[str, int]:
+        """The stack prefix and local number of meshtron's layer ``layer``."""
+        for prefix, count in self.stacks:
+            if count is None or layer < count:
+                return prefix, layer
+            layer -= count
+        raise CheckpointError(f"meshtron layer {layer} lies beyond the model's Megatron stacks {self.stacks}")
+
+    def meshtron_layer(self, prefix: str, local: int) -> int:
+        """meshtron's layer of layer ``local`` of Megatron's stack ``prefix``."""
+        first = 0
+        for stack, count in self.stacks:
+            if stack == prefix:
+                return first + local
+            first += count or 0
+        raise CheckpointError(f"Megatron tensors under {prefix} have no place in this model (its stacks: {[p for p, _ in self.stacks]})")
+
+
+GPT_NAMING = Naming(TOP)
 
 
 # -- config ---------------------------------------------------------------------------------------
@@ -85,15 +130,45 @@ def _choice(args: dict[str, Any], field: str, allowed: tuple, source: str) -> An
     return value
 
 
-def model_config_from_args(args: dict[str, Any], source: str) -> ModelConfig:
-    """The meshtron model a Megatron run's ``args`` describe, from the fields that define the
-    model only; a value meshtron does not implement is refused, naming the field."""
+def megatron_family(keys: Iterable[str]) -> str:
+    """The model family of a checkpoint holding tensors ``keys``: T5 stacks an encoder and a
+    decoder, BERT an encoder (Megatron-Core's ``BertModel.encoder``), GPT a decoder; ``legacy-gpt``
+    for the pre-Core model's ``language_model.*`` names."""
+    keys = list(keys)
+    if any(key.startswith("language_model.") for key in keys):
+        return "legacy-gpt"
+    stacks = {key.split(".", 1)[0] for key in keys if key.startswith(("encoder.layers.", "decoder.layers."))}
+    return "t5" if stacks == {"encoder", "decoder"} else "bert" if stacks == {"encoder"} else "gpt"
+
+
+def naming(m: ModelConfig) -> Naming:
+    """Megatron-Core's names for model ``m``'s family."""
+    if m.model_type == "bert":
+        return Naming({**TOP, **_BERT_TOP}, (("encoder.layers.", None),))
+    if m.model_type == "t5":
+        encoder, decoder = encoder_decoder_layers(m)
+        top = {"embedding.weight": TOP["embedding.weight"], "position_embedding.weight": TOP["position_embedding.weight"],
+               **{f"layers.{encoder - 1}.final_norm.{leaf}": f"encoder.final_layernorm.{leaf}" for leaf in ("weight", "bias")},
+               **{f"final_norm.{leaf}": f"decoder.final_layernorm.{leaf}" for leaf in ("weight", "bias")},
+               "output.weight": "lm_head.output_layer.weight", "output.bias": "lm_head.output_layer.bias"}  # fmt: skip
+        # T5Model also registers the position table and the head's output layer under their own names
+        return Naming(top, (("encoder.layers.", encoder), ("decoder.layers.", decoder)),
+                      ("position_embeddings.weight", "output_layer.weight", "output_layer.bias"))  # fmt: skip
+    return GPT_NAMING
+
+
+def model_config_from_args(args: dict[str, Any], source: str, family: str = "gpt") -> ModelConfig:
+    """The meshtron model a Megatron run's ``args`` describe (a ``family`` of ``megatron_family``),
+    from the fields that define the model only; a value meshtron does not implement is refused,
+    naming the field. ``apply_residual_connection_post_layernorm`` is read for the pre-Core model
+    only: Megatron-Core's TransformerLayer takes the flag into its config and never reads it, so a
+    Core checkpoint saved with it ran pre-LN."""
     for field, must in (("rotary_interleaved", False), ("apply_layernorm_1p", False), ("layernorm_zero_centered_gamma", False),
                         ("mla_down_proj_fusion", False), ("use_rope_scaling", False), ("moe_single_grouped_weight", False),
                         ("moe_single_grouped_bias", False), ("moe_mlp_glu_interleave_size", None),
                         ("moe_shared_expert_gate", False), ("squared_relu", False), ("mtp_num_layers", None),
                         ("heterogeneous_layers_config_path", None), ("hybrid_layer_pattern", None), ("qk_l2_norm", False),
-                        ("softmax_type", "vanilla"), ("num_layers_per_virtual_pipeline_stage", None)):  # fmt: skip
+                        ("softmax_type", "vanilla")):  # fmt: skip
         if field in args and args[field] not in (must, None if must is False else must):
             raise CheckpointError(f"{source}: args.{field} = {args[field]!r} is not supported by megatron-import (only {must!r})")
     missing = [f for f in ("num_layers", "hidden_size", "num_attention_heads", "padded_vocab_size") if not isinstance(args.get(f), int)]
@@ -115,7 +190,7 @@ def model_config_from_args(args: dict[str, Any], source: str) -> ModelConfig:
         rotary_base=int(args.get("rotary_base", 10000)), rotary_percent=float(args.get("rotary_percent", 1.0)),
         add_bias_linear=bool(args.get("add_bias_linear", True)), add_qkv_bias=bool(args.get("add_qkv_bias", False)),
         tie_embeddings=not args.get("untie_embeddings_and_output_weights", False),
-        apply_residual_connection_post_layernorm=bool(args.get("apply_residual_connection_post_layernorm", False)),
+        apply_residual_connection_post_layernorm=family == "legacy-gpt" and bool(args.get("apply_residual_connection_post_layernorm")),
         qk_layernorm=bool(args.get("qk_layernorm", False)), attention_dropout=0.0, hidden_dropout=0.0,
     )  # fmt: skip
     if mla:
@@ -140,7 +215,29 @@ def model_config_from_args(args: dict[str, Any], source: str) -> ModelConfig:
         m.moe_router_num_groups = args.get("moe_router_num_groups") or 0
         m.moe_router_group_topk = args.get("moe_router_group_topk") or 0
         m.moe_router_dtype = _choice(args, "moe_router_dtype", (None, "fp32", "fp64"), source) or ""
+    if family in ("bert", "t5"):
+        _encoder_fields(m, args, family, source)
     return m
+
+
+def _encoder_fields(m: ModelConfig, args: dict[str, Any], family: str, source: str) -> None:
+    """BERT's and T5's fields, in place: Megatron's ``pretrain_bert.py`` builds token types and the
+    sentence-order head with ``bert_binary_head``; ``pretrain_t5.py`` its two stacks from
+    ``encoder_num_layers`` / ``decoder_num_layers`` and a vocabulary bias only on a tied head."""
+    if m.num_experts or m.multi_latent_attention:
+        raise CheckpointError(f"{source}: a {family.upper()} checkpoint with experts or latent attention is not read by megatron-import")
+    if m.position_embedding_type != "learned_absolute":
+        raise CheckpointError(f"{source}: args.position_embedding_type = {m.position_embedding_type!r}: megatron-import reads "
+                              f"{family.upper()} with learned absolute positions only")  # fmt: skip
+    m.model_type = family
+    if family == "bert":
+        m.bert_binary_head = bool(args.get("bert_binary_head", True))
+        return
+    if not m.tie_embeddings:
+        raise CheckpointError(f"{source}: args.untie_embeddings_and_output_weights: Megatron's untied T5 head has no vocabulary "
+                              "bias, meshtron's T5 has; megatron-import reads tied T5 checkpoints only")  # fmt: skip
+    m.encoder_num_layers = int(args.get("encoder_num_layers") or m.num_layers)
+    m.decoder_num_layers = int(args.get("decoder_num_layers") or m.num_layers)
 
 
 def _mla_fields(args: dict[str, Any], source: str) -> dict[str, Any]:
@@ -202,6 +299,9 @@ def check_exportable(m: ModelConfig) -> None:
     """Refuse what has no Megatron-Core GPT equivalent written here."""
     if m.model_type != "gpt":
         raise CheckpointError(f"megatron-export writes GPT decoders; this checkpoint holds a '{m.model_type}' model")
+    if m.apply_residual_connection_post_layernorm:
+        raise CheckpointError("megatron-export: a post-LN model (--apply-residual-connection-post-layernorm) would run pre-LN in "
+                              "Megatron-Core, whose TransformerLayer does not read that flag")  # fmt: skip
     if m.position_embedding_type not in ("rope", "learned_absolute") or m.rope_scaling not in ("", "yarn" if m.multi_latent_attention else ""):
         raise CheckpointError("megatron-export: relative positions and RoPE scaling (but latent attention's YaRN) are not mapped to "
                               "Megatron names here")  # fmt: skip
@@ -240,22 +340,23 @@ def layer_key(rest: str, fused: dict[str, str]) -> str:
     return rest
 
 
-def dist_key(name: str, fused: dict[str, str] = FUSED_NORMS) -> tuple[str, int | None]:
-    """The torch_dist key of meshtron tensor ``name`` and its layer (the key's leading axis), or None."""
-    if name in TOP:
-        return TOP[name], None
+def dist_key(name: str, fused: dict[str, str] = FUSED_NORMS, names: Naming = GPT_NAMING) -> tuple[str, int | None]:
+    """The torch_dist key of meshtron tensor ``name`` and its layer in its stack (the key's leading
+    axis), or None."""
+    if name in names.top:
+        return names.top[name], None
     match = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
     if not match:
         raise CheckpointError(f"meshtron tensor {name} has no Megatron name")
-    layer, rest = int(match.group(1)), match.group(2)
+    (prefix, layer), rest = names.megatron_layer(int(match.group(1))), match.group(2)
     rest = "mlp.experts.experts." + EXPERTS[rest] if rest in EXPERTS else layer_key(rest, fused)
-    return f"decoder.layers.{rest}", layer
+    return prefix + rest, layer
 
 
-def dist_candidates(name: str) -> tuple[list[str], int | None]:
+def dist_candidates(name: str, names: Naming = GPT_NAMING) -> tuple[list[str], int | None]:
     """``dist_key``'s key (any spec's fused norm name), then the unfused one a layer may be stored under."""
-    key, layer = dist_key(name, ALL_FUSED)
-    return ([key] if layer is None else [key, f"decoder.layers.{name.split('.', 2)[2]}"]), layer
+    key, layer = dist_key(name, ALL_FUSED, names)
+    return ([key] if layer is None else [key, dist_key(name, {}, names)[0]]), layer
 
 
 def _is_linear(module: str) -> bool:
@@ -322,29 +423,29 @@ def legacy_name(key: str) -> str:
     for old, new in _OLD_TOP.items():
         if key.startswith(old):
             key = new + key[len(old) :]
-    match = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", key)
+    match = _LAYER.fullmatch(key)
     if not match:
         return key
-    rest = match.group(2)
+    rest = match.group(3)
     for old, new in _OLD_LAYER.items():
         if rest.startswith(old):
             rest = new + rest[len(old) :]
     for norm, fused in ALL_FUSED.items():
         if rest.startswith(fused):
             rest = norm + rest[len(fused) :]
-    return f"decoder.layers.{match.group(1)}.{rest}"
+    return f"{match.group(1)}{match.group(2)}.{rest}"
 
 
-def meshtron_name(key: str, layer_offset: int) -> tuple[str, int | None]:
+def meshtron_name(key: str, layer_offset: int, names: Naming = GPT_NAMING) -> tuple[str, int | None]:
     """meshtron's name for legacy key ``key`` (after ``legacy_name``) of a stage whose first layer
-    is ``layer_offset``, and the local expert index for a SequentialMLP expert's tensor."""
-    for mt, mg in TOP.items():
+    (in its stack) is ``layer_offset``, and the local expert index for a SequentialMLP expert's tensor."""
+    for mt, mg in names.top.items():
         if key == mg:
             return mt, None
-    match = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", key)
+    match = _LAYER.fullmatch(key)
     if not match:
         raise CheckpointError(f"Megatron tensor {key} has no meshtron equivalent")
-    layer, rest = int(match.group(1)) + layer_offset, match.group(2)
+    layer, rest = names.meshtron_layer(match.group(1), int(match.group(2)) + layer_offset), match.group(3)
     if sequential := _LOCAL_EXPERT.fullmatch(rest):
         index, linear = int(sequential.group(1)), sequential.group(2)
     elif grouped := _TE_EXPERT.fullmatch(rest):
@@ -354,14 +455,16 @@ def meshtron_name(key: str, layer_offset: int) -> tuple[str, int | None]:
     return f"layers.{layer}.{_STACKED[linear]}", index
 
 
-def legacy_pieces(key: str, tensor: torch.Tensor, layer_offset: int, m: ModelConfig, local_experts: int,
+def legacy_pieces(key: str, tensor: torch.Tensor, layer_offset: int, m: ModelConfig, local_experts: int, names: Naming = GPT_NAMING,
                   ) -> Iterator[tuple[str, int | None, torch.Tensor]]:  # fmt: skip
     """``meshtron_name``'s name and local expert for legacy ``key``, with its tensor; a GroupedMLP's
     packed ``mlp.experts.weight1`` [h, experts*fc1] / ``weight2`` [experts*f, h] (its name is
     meshtron's, its layout is not) gives one piece per local expert, read as that module's forward
     reads it (``view(experts, h, -1)`` / ``view(experts, -1, h)``), each [in, out] transposed to the
-    [out, in] of SequentialMLP's shard of that expert."""
-    name, expert = meshtron_name(legacy_name(key), layer_offset)
+    [out, in] of SequentialMLP's shard of that expert. A key in ``names.aliases`` gives nothing."""
+    if key in names.aliases:
+        return
+    name, expert = meshtron_name(legacy_name(key), layer_offset, names)
     if expert is not None or not name.endswith(tuple(EXPERTS)):
         yield name, expert, tensor
         return
@@ -372,11 +475,15 @@ def legacy_pieces(key: str, tensor: torch.Tensor, layer_offset: int, m: ModelCon
 
 
 def layer_count(keys: list[str]) -> int:
-    """How many layers a stage's legacy state dict holds (local numbers 0..n-1)."""
-    numbers = {int(m.group(1)) for k in keys if (m := re.match(r"decoder\.layers\.(\d+)\.", k))}
-    if numbers != set(range(len(numbers))):
-        raise CheckpointError(f"layer numbers {sorted(numbers)} are not 0..{len(numbers) - 1}")
-    return len(numbers)
+    """How many layers a stage's legacy state dict holds (local numbers 0..n-1 in each stack)."""
+    stacks: dict[str, set[int]] = {}
+    for key in keys:
+        if match := _LAYER.match(key):
+            stacks.setdefault(match.group(1), set()).add(int(match.group(2)))
+    for stack, numbers in stacks.items():
+        if numbers != set(range(len(numbers))):
+            raise CheckpointError(f"{stack} layer numbers {sorted(numbers)} are not 0..{len(numbers) - 1}")
+    return sum(map(len, stacks.values()))
 
 
 def _tp_rule(name: str, m: ModelConfig, impl: str) -> str | None:
@@ -386,8 +493,10 @@ def _tp_rule(name: str, m: ModelConfig, impl: str) -> str | None:
     (row-parallel layers), or None (every rank holds it whole)."""
     if name.endswith(LATENT_DOWN):
         return "rows" if impl == "local" else None
-    if name in ("embedding.weight", "output.weight") or name.endswith(("linear_qkv.weight", "linear_qkv.bias", "linear_q_proj.weight",
-                                                                       "linear_q_up_proj.weight", "linear_kv_up_proj.weight")):  # fmt: skip
+    if name in ("embedding.weight", "output.weight", "output.bias") or name.endswith(
+            ("linear_qkv.weight", "linear_qkv.bias", "linear_q_proj.weight", "linear_q_up_proj.weight", "linear_kv_up_proj.weight",
+             "cross_attention.linear_q.weight", "cross_attention.linear_q.bias", "cross_attention.linear_kv.weight",
+             "cross_attention.linear_kv.bias")):  # fmt: skip
         return "rows"
     if name.endswith(("linear_fc1.weight", "linear_fc1.bias", "experts.weight1")):
         return "halves" if m.activation == "swiglu" else "rows"

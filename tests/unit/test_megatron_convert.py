@@ -24,8 +24,9 @@ from meshtron.config import Config
 from meshtron.models import build_model
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "megatron"
-TRAINED = ("llama_adam_dist", "llama_adam_bf16_dist")  # saved with Adam's state; their losses: test_megatron_optim.py
-CASES = sorted(p.name for p in DATA.iterdir() if (p / "reference.pt").is_file() and p.name not in TRAINED)
+TRAINED = ("llama_adam_dist", "llama_adam_bf16_dist", "llama_adam_tp2_torch", "llama_adam_bf16_torch")  # with Adam: test_megatron_optim.py
+ENCODERS = ("bert_", "t5_")  # BERT and T5 cases (make_encoder_checkpoints.py): test_megatron_encoders.py
+CASES = sorted(p.name for p in DATA.iterdir() if (p / "reference.pt").is_file() and p.name not in TRAINED and not p.name.startswith(ENCODERS))
 
 
 def _import(case: str, out: Path) -> Path:

@@ -98,3 +98,21 @@ def test_not_an_archive_or_truncated_is_named(tmp_path):
     path.write_bytes(pickle.dumps({"a": 1}))
     with pytest.raises(ValueError, match="common.pt is not a torch.save archive"):
         load_megatron_pickle(path)
+
+
+class Marked(torch.Tensor):
+    """A tensor subclass: not a plain value of a Megatron checkpoint."""
+
+
+def test_a_tensor_with_attributes_comes_back_plain_and_a_subclass_is_refused(tmp_path):
+    """Megatron's fp32 main params carry ``tensor_model_parallel`` etc.: torch pickles them through
+    ``_rebuild_from_type_v2``; they load as plain tensors, attributes dropped. A tensor subclass
+    (another type in the same call) is refused."""
+    main = torch.arange(6.0).reshape(2, 3)
+    main.tensor_model_parallel, main.partition_dim = True, 0
+    torch.save({"fp32_from_fp16_params": [[main]]}, tmp_path / "a.pt")
+    loaded = load_megatron_pickle(tmp_path / "a.pt")["fp32_from_fp16_params"][0][0]
+    assert type(loaded) is torch.Tensor and torch.equal(loaded, main) and not hasattr(loaded, "tensor_model_parallel")
+    torch.save({"x": torch.ones(2).as_subclass(Marked)}, tmp_path / "b.pt")
+    with pytest.raises(UnsafePickle, match="Marked"):
+        load_megatron_pickle(tmp_path / "b.pt")

@@ -9,6 +9,7 @@ exercise what they are meant to (YaRN and its temperatures move the logits), how
 reads its args, the names Transformer Engine's spec gives MLA, and TE's grouped experts' legacy
 names, which no CPU can write (TEGroupedMLP needs Transformer Engine): moe_ep2_torch's experts
 renamed as TE's ``GroupedLinear`` names them in its state dict (``weight0``, ``weight1``, ...).
+And virtual pipeline stages in legacy files (``llama_pp2vpp2_torch``, ``make_vpp_checkpoint.py``).
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from meshtron.checkpoint.checkpoint import load_checkpoint, read_meta
 from meshtron.checkpoint.megatron_files import open_megatron
 from meshtron.checkpoint.megatron_pickle import load_megatron_pickle
+from meshtron.config import Config
 from meshtron.errors import CheckpointError
+from meshtron.models import build_model
 from meshtron.models.megatron import check_exportable, model_config_from_args
 from tests.unit.test_megatron_convert import (
     DATA,
@@ -141,3 +145,40 @@ def test_mla_yarn_context_megatron_cannot_express_is_refused_on_export():
     check_exportable(m)
     with pytest.raises(CheckpointError, match="would read rope_original_max_position_embeddings otherwise .*4096"):
         check_exportable(replace(m, rope_original_max_position_embeddings=8192))
+
+
+def test_virtual_pipeline_chunks_are_read_in_megatrons_interleaved_order(tmp_path):
+    """``llama_pp2vpp2_torch`` (``make_vpp_checkpoint.py``): each rank's file holds ``model0`` and
+    ``model1``, rank p's chunks being layers p and p + 2. Imported, the logits are Megatron's; the
+    chunks' weights differ, so reading them rank by rank instead (layers 1 and 2 swapped) moves them."""
+    files = _legacy_files(DATA / "llama_pp2vpp2_torch")
+    assert {k for k in files["mp_rank_00_001"] if k.startswith("model")} == {"model0", "model1"}
+    assert "output_layer.weight" in files["mp_rank_00_001"]["model1"] and "output_layer.weight" not in files["mp_rank_00_001"]["model0"]
+    out = _import("llama_pp2vpp2_torch", tmp_path / "mt")
+    reference = _reference("llama_pp2vpp2_torch")
+    torch.testing.assert_close(_logits(out, reference["tokens"]), reference["logits"], atol=1e-5, rtol=1e-5)
+    meta = read_meta(out)
+    model = build_model(Config.from_dict(meta["config"]).model, meta["vocab_size"], 16).eval()
+    load_checkpoint(out, model, load_rng=False, log=lambda _: None)
+    model.layers[1], model.layers[2] = model.layers[2], model.layers[1]
+    with torch.no_grad():
+        assert (model(reference["tokens"]) - reference["logits"]).abs().max() > 0.1
+
+
+def test_the_post_layernorm_flag_of_a_core_checkpoint_is_not_read(tmp_path):
+    """Megatron-Core's TransformerLayer never reads ``apply_residual_connection_post_layernorm``: a
+    Core run saved with it ran pre-LN, so gpt_tp2_torch with the flag set in its args still imports
+    to Megatron's logits; the export refuses a post-LN model, which Megatron-Core would run pre-LN."""
+    root = _copy("gpt_tp2_torch", tmp_path)
+    for path in sorted((root / "iter_0000007").glob("mp_rank_*/model_optim_rng.pt")):
+        state = load_megatron_pickle(path, str(path))
+        torch.save({**state, "args": _plain({**state["args"].fields(), "apply_residual_connection_post_layernorm": True})}, path)
+    out = _import_dir(root, tmp_path / "mt")
+    reference = _reference("gpt_tp2_torch")
+    torch.testing.assert_close(_logits(out, reference["tokens"]), reference["logits"], atol=1e-5, rtol=1e-5)
+    post = _logits(out, reference["tokens"], apply_residual_connection_post_layernorm=True)
+    assert (post - reference["logits"]).abs().max() > 0.1  # read as meshtron's post-LN, the logits would move
+    m = model_config_from_args({**_args("gpt_tp2_torch"), "apply_residual_connection_post_layernorm": True}, "args", "legacy-gpt")
+    assert m.apply_residual_connection_post_layernorm  # the pre-Core model honours it
+    with pytest.raises(CheckpointError, match="post-LN model .* would run pre-LN in Megatron-Core"):
+        check_exportable(m)

@@ -90,8 +90,10 @@ CASES = {
     "mla_tp2_torch": (MLA_ROPE + NO_RNG, 2, 1, 1, "torch"),
     "llama_adam_dist": (SMALL + NO_RNG, 1, 1, 1, "torch_dist"),
     "llama_adam_bf16_dist": (SMALL + NO_RNG + ["--bf16"], 1, 1, 1, "torch_dist"),
+    "llama_adam_tp2_torch": (SMALL + NO_RNG, 2, 1, 1, "torch"),
+    "llama_adam_bf16_torch": (SMALL + NO_RNG + ["--bf16"], 1, 1, 1, "torch"),
 }
-TRAINED = ("llama_adam_dist", "llama_adam_bf16_dist")
+TRAINED = ("llama_adam_dist", "llama_adam_bf16_dist", "llama_adam_tp2_torch", "llama_adam_bf16_torch")
 
 
 def _cpu_cuda_rng() -> None:
