@@ -124,25 +124,27 @@ def gemm_backend(a: torch.Tensor, fused_kernels: str = "auto") -> str:
 
 
 @torch.library.custom_op("meshtron::fp8_block_mm", mutates_args=())
-def _block_mm_op(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor, out_dtype: torch.dtype, backend: str) -> torch.Tensor:  # fmt: skip
+def _block_mm_op(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor, out_dtype: torch.dtype,
+                 fused_kernels: str, backend: str) -> torch.Tensor:  # fmt: skip
+    backend = gemm_backend(a, fused_kernels) if backend == "auto" else backend
     if backend == "scaled_mm":
         return _scaled_mm(a, a_inv, b, b_inv, out_dtype)
+    if backend == "reference":
+        return block_mm_reference(a, a_inv, b, b_inv, out_dtype)
     from meshtron.kernels import triton_fp8_blockwise
 
     return triton_fp8_blockwise.block_mm(a, a_inv, b, b_inv, out_dtype)
 
 
 @_block_mm_op.register_fake
-def _block_mm_shape(a, a_inv, b, b_inv, out_dtype, backend):
+def _block_mm_shape(a, a_inv, b, b_inv, out_dtype, fused_kernels, backend):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
 def block_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor, out_dtype: torch.dtype,
-             fused_kernels: str = "auto", backend: str | None = None) -> torch.Tensor:  # fmt: skip
+             fused_kernels: str = "auto", backend: str = "auto") -> torch.Tensor:  # fmt: skip
     """``(a * a_inv) @ (b * b_inv)^T`` for row-major FP8 ``a`` [M, K] with 1 x 128 scales and
-    ``b`` [N, K] with 1 x 128 or 128 x 128 scales; ``backend``: ``gemm_backend``'s pick when None.
-    The GPU GEMMs run as the custom op ``meshtron::fp8_block_mm``, opaque to ``torch.compile``."""
-    backend = backend or gemm_backend(a, fused_kernels)
-    if backend == "reference":
-        return block_mm_reference(a, a_inv, b, b_inv, out_dtype)
-    return torch.ops.meshtron.fp8_block_mm(a, a_inv, b, b_inv, out_dtype, backend)
+    ``b`` [N, K] with 1 x 128 or 128 x 128 scales, on ``backend`` (``auto``: ``gemm_backend``'s
+    pick). One custom op, ``meshtron::fp8_block_mm``: opaque to ``torch.compile``, which so never
+    traces the choice of GEMM."""
+    return torch.ops.meshtron.fp8_block_mm(a, a_inv, b, b_inv, out_dtype, fused_kernels, backend)

@@ -70,12 +70,12 @@ def _block_cast_kernel(
     if TILE:  # one scale for the tile: the same FP8 values in both layouts
         scale = _pow2_scale(tl.max(tl.max(a, 1), 0), fmax, floor)
         y = (x.to(tl.float32) * scale).to(x.dtype).to(tl.float32)
-        q = _to_fp8(y, fmax, out_dtype, ROUND_FIRST, MANTISSA, MIN_EXPONENT)
         if WRITE_ROWS:
-            tl.store(q_ptr + r2 * cols + c2, q)
+            tl.store(q_ptr + r2 * cols + c2, _to_fp8(y, fmax, out_dtype, ROUND_FIRST, MANTISSA, MIN_EXPONENT))
             tl.store(inv_ptr + tile_r * (cols // BLOCK) + tile_c, _inverse(scale))
-        if WRITE_TRANSPOSED:
-            tl.store(qt_ptr + tl.trans(c2 * rows + r2), tl.trans(q))
+        if WRITE_TRANSPOSED:  # transposed in fp32, then cast, as triton_fp8_cast does (no layout change of FP8 values)
+            qt = _to_fp8(tl.trans(y), fmax, out_dtype, ROUND_FIRST, MANTISSA, MIN_EXPONENT)
+            tl.store(qt_ptr + tl.trans(c2 * rows + r2), qt)
             tl.store(inv_t_ptr + tile_c * (rows // BLOCK) + tile_r, _inverse(scale))
     else:
         if WRITE_ROWS:  # a scale per row of the tile; stored [cols / 128, rows] (outer-dim-major)
