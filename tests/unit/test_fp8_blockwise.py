@@ -159,7 +159,7 @@ def test_refusals_fallback_and_no_state():
 
 def _tiny(**fields):
     base = build_config(overrides=["--model.preset", "tiny-llama", "--num-layers", "2"]).model
-    return dataclasses.replace(base, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4, **fields)
+    return dataclasses.replace(base, hidden_size=128, ffn_hidden_size=256, **fields)
 
 
 def _train(cfg, recipe: Fp8Recipe | None, steps: int, lr: float = 3e-3):
