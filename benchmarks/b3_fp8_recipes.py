@@ -42,6 +42,9 @@ def run_side(name: str, steps: int, warmup: int, limit: int) -> dict | None:
     if proc.returncode != 0 or not lines:
         print(f"{name}: failed (exit {proc.returncode}) after {time.perf_counter() - start:.0f} s\n{proc.stderr[-3000:]}", flush=True)
         return None
+    for line in proc.stderr.splitlines():  # say so when blockwise fell back from cuBLAS to its Triton GEMM
+        if "_scaled_mm" in line:
+            print(f"{name}: {line.strip()}", flush=True)
     result = json.loads(lines[-1])
     result["wall_s"] = time.perf_counter() - start
     print(f"{name}: {json.dumps(result)}", flush=True)

@@ -19,13 +19,16 @@ Layout of a copy ``q`` [n, k] (row-major) and its inverse scales: 1 x 128 -> [n,
 transpose of a contiguous [k/128, n] (``_scaled_mm``'s "outer-dim-major"); 128 x 128 ->
 [n/128, k/128] row-major. Every dimension must be a multiple of 128 (the linear runs bf16 otherwise).
 
-GEMMs: ``torch._scaled_mm`` where cuBLAS has blockwise scaling (``platform.blockwise_scaled_mm``:
-NVIDIA Hopper, CUDA 12.9+), else the Triton kernel of ``triton_fp8_blockwise`` on GPUs, else the
-reference below: the operands dequantized to fp32 and multiplied (the CPU path; slow, for
+GEMMs: ``torch._scaled_mm`` for bf16 outputs where cuBLAS has blockwise scaling
+(``platform.blockwise_scaled_mm``: NVIDIA Hopper, CUDA 12.9+) and a first small GEMM agrees with the
+reference, else the Triton kernel of ``triton_fp8_blockwise`` on GPUs, else the reference below: the operands dequantized to fp32 and multiplied (the CPU path; slow, for
 correctness only). The cast: the Triton kernel on GPUs, the reference in torch ops elsewhere.
 """
 
 from __future__ import annotations
+
+import functools
+import warnings
 
 import torch
 
@@ -114,11 +117,32 @@ def _scaled_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: tor
     return torch._scaled_mm(a, b.t(), scale_a=a_inv, scale_b=b_inv.t(), out_dtype=out_dtype)
 
 
-def gemm_backend(a: torch.Tensor, fused_kernels: str = "auto") -> str:
-    """Which GEMM ``block_mm`` runs for FP8 ``a`` [M, K]: ``scaled_mm`` (cuBLAS, where it has
-    blockwise scaling and K/128 is a multiple of 4, where every PyTorch release agrees on the
-    weight scales' layout), ``triton``, or ``reference``."""
-    if a.is_cuda and platform.blockwise_scaled_mm(a.device) and (a.shape[1] // BLOCK) % 4 == 0:
+@functools.cache
+def scaled_mm_takes_blocks(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this PyTorch build's ``_scaled_mm`` runs both block layouts of the recipe on
+    ``device`` and agrees with the reference: asked once per device on a small GEMM, so that a
+    build whose layout rules differ from ours takes the Triton GEMM (with a warning) instead of failing."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    x, w = (block_cast(torch.randn(256, 512, device=device, generator=gen), dtype, tile, fused_kernels="off") for tile in (False, True))
+    try:
+        for b in (w, x):  # 128 x 128 and 1 x 128 second operands
+            got = _scaled_mm(x.rows, x.rows_inv, b.rows, b.rows_inv, torch.bfloat16).float()
+            want = block_mm_reference(x.rows, x.rows_inv, b.rows, b.rows_inv, torch.float32)
+            if not (got - want).norm() <= 1e-2 * want.norm():  # bf16's rounding is 0.4 % at most
+                raise RuntimeError(f"relative error {((got - want).norm() / want.norm()).item():.1e} against the reference")
+    except RuntimeError as error:
+        warnings.warn(f"torch._scaled_mm with block scales failed its check ({error}); the blockwise FP8 recipe runs its Triton GEMM")
+        return False
+    return True
+
+
+def gemm_backend(a: torch.Tensor, out_dtype: torch.dtype, fused_kernels: str = "auto") -> str:
+    """Which GEMM ``block_mm`` runs for FP8 ``a`` [M, K]: ``scaled_mm`` (cuBLAS: a bf16 output, the
+    only one its block-scaled kernels write, where it has them and they pass ``scaled_mm_takes_blocks``,
+    and K/128 a multiple of 4, where every PyTorch release agrees on the weight scales' layout),
+    ``triton``, or ``reference``."""
+    blocks_fit = out_dtype == torch.bfloat16 and (a.shape[1] // BLOCK) % 4 == 0
+    if a.is_cuda and blocks_fit and platform.blockwise_scaled_mm(a.device) and scaled_mm_takes_blocks(a.device, a.dtype):
         return "scaled_mm"
     return "triton" if use_triton(fused_kernels, a) else "reference"
 
@@ -126,7 +150,7 @@ def gemm_backend(a: torch.Tensor, fused_kernels: str = "auto") -> str:
 @torch.library.custom_op("meshtron::fp8_block_mm", mutates_args=())
 def _block_mm_op(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor, out_dtype: torch.dtype,
                  fused_kernels: str, backend: str) -> torch.Tensor:  # fmt: skip
-    backend = gemm_backend(a, fused_kernels) if backend == "auto" else backend
+    backend = gemm_backend(a, out_dtype, fused_kernels) if backend == "auto" else backend
     if backend == "scaled_mm":
         return _scaled_mm(a, a_inv, b, b_inv, out_dtype)
     if backend == "reference":

@@ -110,7 +110,7 @@ def test_blockwise_linear_gpu(path, monkeypatch):
     _skip_unless_available(path)
     from meshtron.kernels import fp8_blockwise
 
-    monkeypatch.setattr(fp8_blockwise, "gemm_backend", lambda a, fused_kernels="auto": path)  # what the op's "auto" picks
+    monkeypatch.setattr(fp8_blockwise, "gemm_backend", lambda a, out_dtype, fused_kernels="auto": path)  # what the op's "auto" picks
     x, w, g = _rand(4096, 2048, seed=4).requires_grad_(), _rand(8192, 2048, scale=0.02, seed=5).requires_grad_(), _rand(4096, 8192, seed=6)
     y = fp8.linear(x, w, None, Fp8Scaling(Fp8Recipe("e4m3", "blockwise"), "cuda"))
     y.backward(g)

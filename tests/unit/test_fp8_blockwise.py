@@ -93,7 +93,7 @@ def test_cast_kernel_bit_equal_to_reference(family):
 def test_block_gemm_matches_float64_of_dequantized_operands(weight_tiles, kernels):
     a = block_cast(_tensor(256, 384, seed=3), torch.float8_e4m3fn, False, fused_kernels=kernels)
     b = block_cast(_tensor(384, 384, seed=4), torch.float8_e4m3fn, weight_tiles, fused_kernels=kernels)
-    assert gemm_backend(a.rows, kernels) == ("triton" if kernels == "on" else "reference")
+    assert gemm_backend(a.rows, torch.float32, kernels) == ("triton" if kernels == "on" else "reference")
     da, db = dequantize(a.rows, a.rows_inv).double(), dequantize(b.rows, b.rows_inv).double()
     want, bound = da @ db.t(), _FP32_SUMS * (da.abs() @ db.abs().t())
     got = block_mm(a.rows, a.rows_inv, b.rows, b.rows_inv, torch.float32, kernels)

@@ -195,9 +195,10 @@ def test_grouped_gemm_autotune_tiles(monkeypatch, arch, family):
                                                    ("sm80", "13.0", False), ("gfx942", None, False), ("gfx950", None, False)])  # fmt: skip
 def test_blockwise_fp8_gemm_per_platform(monkeypatch, arch, cuda, blockwise):
     """cuBLAS's 1x128 / 128x128 block-scaled GEMM (``torch._scaled_mm``) only on NVIDIA Hopper from
-    CUDA 12.9; elsewhere the blockwise recipe takes its Triton GEMM. The weight scales' layout is
-    the same in every PyTorch release only where K / 128 is a multiple of 4."""
-    from meshtron.kernels.fp8_blockwise import gemm_backend
+    CUDA 12.9, for bf16 outputs, where its first GEMM agrees with the reference; elsewhere the
+    blockwise recipe takes its Triton GEMM. The weight scales' layout is the same in every
+    PyTorch release only where K / 128 is a multiple of 4."""
+    from meshtron.kernels import fp8_blockwise
 
     simulate(monkeypatch, arch)
     monkeypatch.setattr(torch.version, "cuda", cuda)
@@ -206,6 +207,10 @@ def test_blockwise_fp8_gemm_per_platform(monkeypatch, arch, cuda, blockwise):
     a = torch.empty(256, 512, dtype=torch.float8_e4m3fn, device="meta")
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(torch.Tensor, "device", property(lambda self: GPU))
-    assert gemm_backend(a, "auto") == ("scaled_mm" if blockwise else "triton")
-    assert gemm_backend(a[:, :384], "auto") == "triton"  # K / 128 = 3
-    assert gemm_backend(a, "off") == ("scaled_mm" if blockwise else "reference")
+    for works in (True, False):
+        monkeypatch.setattr(fp8_blockwise, "scaled_mm_takes_blocks", lambda device, dtype: works)  # noqa: B023
+        cublas = blockwise and works
+        assert fp8_blockwise.gemm_backend(a, torch.bfloat16, "auto") == ("scaled_mm" if cublas else "triton")
+        assert fp8_blockwise.gemm_backend(a, torch.bfloat16, "off") == ("scaled_mm" if cublas else "reference")
+        assert fp8_blockwise.gemm_backend(a[:, :384], torch.bfloat16, "auto") == "triton"  # K / 128 = 3
+        assert fp8_blockwise.gemm_backend(a, torch.float32, "auto") == "triton"  # cuBLAS writes bf16 only
