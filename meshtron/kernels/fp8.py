@@ -1,7 +1,8 @@
 """FP8 linear layers for training: e4m3 forward, e5m2 ("hybrid") or e4m3 gradients (the OCP
 formats, or the fnuz ones on AMD gfx942: ``fp8_scaling.FP8_FAMILIES``), scaled by
 one of the recipes of ``meshtron.kernels.fp8_scaling`` (delayed, tensorwise, rowwise, blockwise), on
-``torch._scaled_mm`` (blockwise: ``meshtron.kernels.fp8_blockwise``'s GEMMs); or torchao's ``convert_to_float8_training`` (tensorwise only) when installed.
+``torch._scaled_mm`` (blockwise: ``meshtron.kernels.fp8_blockwise``'s GEMMs); or torchao's
+``convert_to_float8_training`` (tensorwise only) when installed.
 
 Why FP8: an H100 runs e4m3 GEMMs at ~1.8x its bf16 rate (1369 vs 762 TFLOP/s, BENCHMARKS.md).
 The weights stay bf16 with fp32 masters in the optimizer, exactly as without FP8; only the three

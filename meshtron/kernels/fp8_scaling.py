@@ -28,6 +28,7 @@ reads the histories but leaves them alone.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 from torch import nn
 

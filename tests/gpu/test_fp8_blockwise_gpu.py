@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from meshtron.kernels import fp8, platform, triton_available
-from meshtron.kernels.fp8_blockwise import block_cast, block_mm, dequantize
+from meshtron.kernels.fp8_blockwise import block_cast, block_mm, dequantize, scaled_mm_takes_blocks
 from meshtron.kernels.fp8_scaling import FP8_FAMILIES, Fp8Recipe, Fp8Scaling, platform_family
 
 E4M3 = FP8_FAMILIES[platform_family() if torch.cuda.is_available() else "ocp"][0]
@@ -69,6 +69,8 @@ def test_block_gemms_gpu(path):
     """Forward (x 1x128 by w 128x128), input gradient (g 1x128 by w^T 128x128) and weight gradient
     (g^T by x^T, both 1x128) of each B3 linear against float64, and their speed."""
     _skip_unless_available(path)
+    if path == "scaled_mm":  # what training's "auto" asks before it takes cuBLAS's GEMM
+        assert scaled_mm_takes_blocks(torch.device("cuda", torch.cuda.current_device()), E4M3)
     for name, (n, k) in B3_LINEARS.items():
         x, w, g = _rand(TOKENS, k, seed=1), _rand(n, k, scale=0.02, seed=2), _rand(TOKENS, n, seed=3)
         xq, wq, gq = (block_cast(t, E4M3, tile, True, True) for t, tile in ((x, False), (w, True), (g, False)))
