@@ -41,7 +41,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--fp8-format", default="hybrid")
-    parser.add_argument("--fp8-recipe", default="delayed", choices=["delayed", "tensorwise", "rowwise"])
+    parser.add_argument("--fp8-recipe", default="delayed", choices=["delayed", "tensorwise", "rowwise", "blockwise"])
     parser.add_argument("--fp8-backend", default="meshtron")
     parser.add_argument("--seeds", default="1234", help="comma-separated seeds, one bf16 and one FP8 run each")
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)

@@ -65,7 +65,7 @@ class ModelConfig:
     recompute_modules: list[str] = field(default_factory=lambda: ["core_attn"])  # selective: core_attn, moe recomputed; other Megatron names kept
     fp8_format: str = ""  # "" (off) | hybrid (e4m3 forward, e5m2 gradients) | e4m3: the blocks' linears in FP8
     fp8_backend: str = "auto"  # auto (torchao when installed and usable) | torchao | meshtron
-    fp8_recipe: str = "delayed"  # delayed (amax history) | tensorwise (current amax) | rowwise (per-row scales, all e4m3)
+    fp8_recipe: str = "delayed"  # delayed (amax history) | tensorwise (current amax) | rowwise (per-row scales, all e4m3) | blockwise (1x128 / 128x128 scales, e4m3)
     fp8_amax_history_len: int = 1  # delayed: amaxes kept per tensor (Megatron's default 1)
     fp8_amax_compute_algo: str = "most_recent"  # delayed: most_recent | max of the history
     fp8_margin: int = 0  # delayed: scale = fmax / amax / 2**margin

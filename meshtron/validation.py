@@ -14,7 +14,7 @@ from meshtron.data.data_sources import SPLIT_FLAGS, names_data, split_blends
 from meshtron.data.masked_lm import masked_data_config_errors
 from meshtron.errors import ConfigError
 from meshtron.flags import noted_flag_errors
-from meshtron.kernels.fp8_scaling import AMAX_COMPUTE_ALGOS, FP8_RECIPES
+from meshtron.kernels.fp8_scaling import AMAX_COMPUTE_ALGOS, FP8_RECIPES, recipe_formats
 from meshtron.layers.attention import attention_config_errors
 from meshtron.layers.mla import mla_config_errors
 from meshtron.layers.moe import moe_config_errors
@@ -80,9 +80,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
          "--recompute-modules needs --recompute-granularity selective")  # fmt: skip
     need(m.fp8_format in ("", "hybrid", "e4m3"), f"--fp8-format must be hybrid or e4m3 (or empty for off), got '{m.fp8_format}'")
     need(m.fp8_backend in ("auto", "torchao", "meshtron"), f"--fp8-backend must be auto, torchao or meshtron, got '{m.fp8_backend}'")
-    unbuilt = {"mxfp8": "MXFP8 (block scaling) is not implemented", "blockwise": "blockwise FP8 scaling is not implemented"}
+    unbuilt = {"mxfp8": "MXFP8 (1 x 32 scales, Blackwell's) is not implemented"}
     need(m.fp8_recipe in FP8_RECIPES,
-         f"--fp8-recipe {m.fp8_recipe}: {unbuilt.get(m.fp8_recipe, 'unknown recipe')}; use delayed, tensorwise or rowwise")  # fmt: skip
+         f"--fp8-recipe {m.fp8_recipe}: {unbuilt.get(m.fp8_recipe, 'unknown recipe')}; use delayed, tensorwise, rowwise or blockwise")  # fmt: skip
+    need(not m.fp8_format or m.fp8_format in recipe_formats(m.fp8_recipe),
+         f"--fp8-recipe {m.fp8_recipe} runs every operand in e4m3 (DeepSeek-V3's recipe; e5m2 gradients with 1 x 128 "
+         f"scales are not built): use --fp8-format e4m3, not {m.fp8_format}")  # fmt: skip
     need(m.fp8_amax_history_len >= 1, f"--fp8-amax-history-len must be at least 1, got {m.fp8_amax_history_len}")
     need(m.fp8_amax_compute_algo in AMAX_COMPUTE_ALGOS,
          f"--fp8-amax-compute-algo must be most_recent or max, got '{m.fp8_amax_compute_algo}'")  # fmt: skip

@@ -110,7 +110,7 @@ def _launch_everything(target: platform.Target) -> None:
     """Every launcher of the library, in the variants it launches on ``target``, on CPU tensors."""
     from meshtron.kernels import fp8, fused_adamw, triton_grouped_gemm as gg, triton_moe_permute as perm
     from meshtron.kernels.cross_entropy import linear_cross_entropy
-    from meshtron.kernels.fp8_scaling import FP8_RECIPES, Fp8Recipe, Fp8Scaling
+    from meshtron.kernels.fp8_scaling import FP8_RECIPES, Fp8Recipe, Fp8Scaling, gemm_multiple, recipe_formats
     from meshtron.kernels.norms import layer_norm, rms_norm
     from meshtron.kernels.rope import apply_rotary
     from meshtron.kernels.swiglu import swiglu
@@ -165,8 +165,9 @@ def _launch_everything(target: platform.Target) -> None:
     if _has_fp8(target):
         family = "fnuz" if target.arch in platform.FNUZ_FP8_ARCHS else "ocp"
         for recipe in FP8_RECIPES:
-            for fmt in ("hybrid", "e4m3"):
-                x, w = rand(48, 64, dtype=torch.bfloat16), rand(32, 64, dtype=torch.bfloat16)
+            for fmt in recipe_formats(recipe):
+                blocks = gemm_multiple(recipe) // 16  # blockwise: whole 128 x 128 tiles
+                x, w = rand(48 * blocks, 64 * blocks, dtype=torch.bfloat16), rand(32 * blocks, 64 * blocks, dtype=torch.bfloat16)
                 scaling = Fp8Scaling(Fp8Recipe(fmt, recipe, fused_kernels="on"), family=family)
                 _grad(fp8.linear(x, w, None, scaling), [x, w])
 
@@ -278,7 +279,8 @@ def compile_for(target_name: str, verbose: bool = False, record: CompileRecord |
             print(f"  {name} on {target_name}: {len(fitting)}/{len(configs)} fit", flush=True)
     missing = _defined_kernels() - set(results)
     missing -= set() if _tma(target) else {"triton_grouped_gemm._rows_tma_kernel"}
-    missing -= set() if _has_fp8(target) else {"triton_fp8_cast._cast_kernel"}
+    missing -= set() if _has_fp8(target) else {"triton_fp8_cast._cast_kernel", "triton_fp8_blockwise._block_cast_kernel",
+                                               "triton_fp8_blockwise._block_mm_kernel"}  # fmt: skip
     failures += [f"{name}: defined but never launched by compile_check._launch_everything (add its launcher)" for name in sorted(missing)]
     return list(results.values()), failures
 

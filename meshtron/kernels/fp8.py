@@ -1,7 +1,8 @@
 """FP8 linear layers for training: e4m3 forward, e5m2 ("hybrid") or e4m3 gradients (the OCP
 formats, or the fnuz ones on AMD gfx942: ``fp8_scaling.FP8_FAMILIES``), scaled by
-one of the recipes of ``meshtron.kernels.fp8_scaling`` (delayed, tensorwise, rowwise), on
-``torch._scaled_mm``; or torchao's ``convert_to_float8_training`` (tensorwise only) when installed.
+one of the recipes of ``meshtron.kernels.fp8_scaling`` (delayed, tensorwise, rowwise, blockwise), on
+``torch._scaled_mm`` (blockwise: ``meshtron.kernels.fp8_blockwise``'s GEMMs); or torchao's
+``convert_to_float8_training`` (tensorwise only) when installed.
 
 Why FP8: an H100 runs e4m3 GEMMs at ~1.8x its bf16 rate (1369 vs 762 TFLOP/s, BENCHMARKS.md).
 The weights stay bf16 with fp32 masters in the optimizer, exactly as without FP8; only the three
@@ -10,9 +11,9 @@ Each operand is cast once per layout it is used in by ``meshtron.kernels.fp8_cas
 pass writes both the row-major and the transposed copy on GPUs), so no GEMM needs a transposed
 copy of its own; the forward saves only the transposed copies the backward reads (1 byte each).
 
-``_scaled_mm`` wants every GEMM dimension a multiple of 16 and its second operand column-major;
-a layer whose features are not multiples of 16, or a call whose token count is not, runs the
-plain bf16 ``F.linear`` instead.
+``_scaled_mm`` wants every GEMM dimension a multiple of 16 and its second operand column-major
+(blockwise: multiples of 128, the block); a layer whose features are not such multiples, or a call
+whose token count is not, runs the plain bf16 ``F.linear`` instead.
 
 Tensor parallelism: the parallel linears of ``meshtron.parallel.tensor_parallel`` call
 ``linear`` below with their ``fp8`` scaling state, so a sharded layer runs the same function on
@@ -29,24 +30,27 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshtron.kernels import platform
+from meshtron.kernels.fp8_blockwise import block_mm
 from meshtron.kernels.fp8_scaling import (
     Fp8Recipe,
     Fp8Scaling,
+    gemm_multiple,
     grad_dtype,
     platform_family,
 )
 from meshtron.kernels.linear_swap import replace_linears, with_parameters_of
 
-_GEMM_MULTIPLE = 16
 
-
-def _mm(a: torch.Tensor, a_inv: torch.Tensor, b_t: torch.Tensor, b_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def _mm(scaling: Fp8Scaling, a: torch.Tensor, a_inv: torch.Tensor, b_t: torch.Tensor, b_inv: torch.Tensor,
+        out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
     """``(a * a_inv) @ (b_t * b_inv)^T`` for row-major FP8 ``a`` [M, K] and ``b_t`` [N, K]; inverse
-    scales 0-d, or per row ([M, 1] and [N, 1]).
+    scales 0-d, per row ([M, 1] and [N, 1]), or per block (``scaling``'s recipe blockwise).
 
     ``_scaled_mm`` takes its second operand column-major: ``b_t.t()`` is exactly that view of a
     row-major [N, K] tensor, and its per-row scales become the [1, N] per-column ones.
     """
+    if scaling.recipe.recipe == "blockwise":
+        return block_mm(a, a_inv, b_t, b_inv, out_dtype, scaling.recipe.fused_kernels)
     if b_inv.ndim:
         a_inv, b_inv = a_inv.reshape(-1, 1), b_inv.reshape(1, -1)
     return torch._scaled_mm(a, b_t.t(), scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype)
@@ -69,7 +73,7 @@ class _Fp8Linear(torch.autograd.Function):
         ctx.save_for_backward(xq.transposed, xq.transposed_inv, wq.transposed, wq.transposed_inv)
         ctx.scaling, ctx.seeded, ctx.update = scaling, seeded, update
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
-        return _mm(xq.rows, xq.rows_inv, wq.rows, wq.rows_inv, x.dtype).view(*x.shape[:-1], weight.shape[0])
+        return _mm(scaling, xq.rows, xq.rows_inv, wq.rows, wq.rows_inv, x.dtype).view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -79,21 +83,22 @@ class _Fp8Linear(torch.autograd.Function):
         gq = ctx.scaling.quantize(g2, "grad", need_x_grad, need_w_grad, ctx.seeded, ctx.update)
         grad_x = grad_w = None
         if need_x_grad:  # [M, K] = g [M, N] @ w [N, K]: w^T [K, N] is the second operand
-            grad_x = _mm(gq.rows, gq.rows_inv, wt, wt_inv, ctx.x_dtype).view(*grad.shape[:-1], wt.shape[0])
+            grad_x = _mm(ctx.scaling, gq.rows, gq.rows_inv, wt, wt_inv, ctx.x_dtype).view(*grad.shape[:-1], wt.shape[0])
         if need_w_grad:  # [N, K] = g^T [N, M] @ x [M, K]: x^T [K, M] is the second operand
-            grad_w = _mm(gq.transposed, gq.transposed_inv, xt, xt_inv, ctx.w_dtype)
+            grad_w = _mm(ctx.scaling, gq.transposed, gq.transposed_inv, xt, xt_inv, ctx.w_dtype)
         return grad_x, grad_w, None, None, None
 
 
-def fp8_shapes_ok(in_features: int, out_features: int, tokens: int = _GEMM_MULTIPLE) -> bool:
-    """Whether ``_scaled_mm`` takes the three GEMMs of this linear (every dimension a multiple of 16)."""
-    return all(n % _GEMM_MULTIPLE == 0 for n in (in_features, out_features, tokens))
+def fp8_shapes_ok(in_features: int, out_features: int, tokens: int | None = None, multiple: int = 16) -> bool:
+    """Whether the FP8 GEMMs take the three GEMMs of this linear (every dimension a multiple of
+    ``multiple``: ``gemm_multiple`` of the recipe)."""
+    return all(n % multiple == 0 for n in (in_features, out_features, multiple if tokens is None else tokens))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: Fp8Scaling | None = None) -> torch.Tensor:
     """``F.linear``, in FP8 when ``fp8`` (the layer's scaling state) is given and the shapes allow it (else bf16)."""
     tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if fp8 is None or not fp8_shapes_ok(weight.shape[1], weight.shape[0], tokens):
+    if fp8 is None or not fp8_shapes_ok(weight.shape[1], weight.shape[0], tokens, gemm_multiple(fp8.recipe.recipe)):
         return F.linear(x, weight, bias)
     update = torch.is_grad_enabled()  # evaluation forwards leave the amax histories alone
     y = _Fp8Linear.apply(x, weight, fp8, fp8.seeded, update)
@@ -156,7 +161,8 @@ def apply_fp8(blocks: nn.Module, recipe: Fp8Recipe, backend: str = "auto") -> st
         new.fp8 = Fp8Scaling(recipe, linear.weight.device)
         return new
 
-    replace_linears(blocks, fp8_linear, keep=lambda m: fp8_shapes_ok(m.in_features, m.out_features))
+    multiple = gemm_multiple(recipe.recipe)
+    replace_linears(blocks, fp8_linear, keep=lambda m: fp8_shapes_ok(m.in_features, m.out_features, multiple=multiple))
     for module in parallel:
         module.fp8 = Fp8Scaling(recipe, module.weight.device)
     return backend

@@ -18,6 +18,19 @@ import torch
 from meshtron.kernels import use_triton
 
 
+AMAX_FLOOR = 1e-12  # an all-zero tensor (or block) gets a finite scale
+
+
+class Quantized(NamedTuple):
+    """An operand's FP8 copies and their inverse scales (0-d, one per row of the copy: [n, 1], or
+    per block: ``fp8_blockwise``), as the GEMMs read them."""
+
+    rows: torch.Tensor | None
+    rows_inv: torch.Tensor | None
+    transposed: torch.Tensor | None
+    transposed_inv: torch.Tensor | None
+
+
 class Cast(NamedTuple):
     rows: torch.Tensor | None  # [rows, cols] FP8, when asked for
     transposed: torch.Tensor | None  # [cols, rows] FP8, when asked for

@@ -10,6 +10,9 @@
 - ``rowwise``: one scale per row of each GEMM operand along the GEMM's reduction dimension (as
   torchao's rowwise recipe), so every operand is cast twice, once per layout; all operands e4m3
   (``_scaled_mm``'s rowwise kernels take e4m3 only), the output bf16.
+- ``blockwise`` (DeepSeek-V3's recipe; Transformer Engine's ``Float8BlockScaling``): a scale per
+  1 x 128 block of activations and gradients and per 128 x 128 tile of weights, all e4m3
+  (``--fp8-format e4m3``): ``meshtron.kernels.fp8_blockwise``. Every dimension a multiple of 128.
 
 Formats per platform: the OCP ``float8_e4m3fn`` / ``float8_e5m2`` (NVIDIA, AMD gfx950) or the
 fnuz ``float8_e4m3fnuz`` / ``float8_e5m2fnuz`` (AMD gfx942, MI300X: max 240 and 57344), chosen
@@ -25,21 +28,20 @@ reads the histories but leaves them alone.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from meshtron.kernels import platform
-from meshtron.kernels.fp8_cast import fp8_cast
+from meshtron.kernels.fp8_blockwise import BLOCK, block_cast
+from meshtron.kernels.fp8_cast import AMAX_FLOOR, Quantized, fp8_cast
 
 # (e4m3, e5m2) of each FP8 family.
 FP8_FAMILIES = {"ocp": (torch.float8_e4m3fn, torch.float8_e5m2), "fnuz": (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)}
 FP8_FORMATS = ("hybrid", "e4m3")
-FP8_RECIPES = ("delayed", "tensorwise", "rowwise")
+FP8_RECIPES = ("delayed", "tensorwise", "rowwise", "blockwise")
 AMAX_COMPUTE_ALGOS = ("most_recent", "max")
 ROLES = ("input", "weight", "grad")  # the history rows of a linear
-AMAX_FLOOR = 1e-12  # an all-zero tensor gets a finite scale
 
 
 def grad_dtype(fp8_format: str, family: str = "ocp") -> torch.dtype:
@@ -55,6 +57,17 @@ def platform_family(device: torch.device | str | None = None) -> str:
     return "fnuz" if platform.fp8_fnuz(device) else "ocp"
 
 
+def recipe_formats(recipe: str) -> tuple[str, ...]:
+    """The ``--fp8-format`` values ``recipe`` runs: blockwise is all e4m3 (DeepSeek-V3, and
+    Transformer Engine's default for it; e5m2 gradients with 1 x 128 scales are not built)."""
+    return ("e4m3",) if recipe == "blockwise" else FP8_FORMATS
+
+
+def gemm_multiple(recipe: str) -> int:
+    """What every GEMM dimension must be a multiple of under ``recipe`` (``_scaled_mm``'s 16; the block)."""
+    return BLOCK if recipe == "blockwise" else 16
+
+
 @dataclass(frozen=True)
 class Fp8Recipe:
     """The FP8 settings of a model (``model.fp8_*``); Megatron's defaults."""
@@ -65,15 +78,6 @@ class Fp8Recipe:
     amax_compute_algo: str = "most_recent"
     margin: int = 0
     fused_kernels: str = "auto"  # the cast kernels: model.fused_kernels
-
-
-class Quantized(NamedTuple):
-    """An operand's FP8 copies and their inverse scales (0-d, or one per row of the copy: [n, 1])."""
-
-    rows: torch.Tensor | None
-    rows_inv: torch.Tensor | None
-    transposed: torch.Tensor | None
-    transposed_inv: torch.Tensor | None
 
 
 def _scale(amax: torch.Tensor, fmax: float, margin: int = 0) -> torch.Tensor:
@@ -94,6 +98,8 @@ class Fp8Scaling(nn.Module):
         grad_dtype(recipe.format)  # validates the format
         if recipe.recipe not in FP8_RECIPES:
             raise ValueError(f"fp8 recipe must be one of {FP8_RECIPES}, got '{recipe.recipe}'")
+        if recipe.format not in recipe_formats(recipe.recipe):
+            raise ValueError(f"--fp8-recipe {recipe.recipe} runs every operand in e4m3: use --fp8-format e4m3, not '{recipe.format}'")
         history_len = recipe.amax_history_len if recipe.recipe == "delayed" else 0
         self.register_buffer("amax_history", torch.zeros(len(ROLES), history_len, device=device), persistent=False)
         self.seeded = False  # a forward with grad has run: the histories hold amaxes
@@ -106,7 +112,7 @@ class Fp8Scaling(nn.Module):
         return self
 
     def dtype(self, role: str) -> torch.dtype:
-        if role == "grad" and self.recipe.recipe != "rowwise":
+        if role == "grad" and self.recipe.recipe not in ("rowwise", "blockwise"):
             return grad_dtype(self.recipe.format, self.family)
         return FP8_FAMILIES[self.family][0]
 
@@ -115,6 +121,8 @@ class Fp8Scaling(nn.Module):
         transposed one (reducing over n), as the recipe scales them. ``seeded``: the histories
         hold amaxes (else the current amax scales); ``update``: this call's amax enters them."""
         dtype, kernels = self.dtype(role), self.recipe.fused_kernels
+        if self.recipe.recipe == "blockwise":  # weights per 128 x 128 tile, the rest per 1 x 128 block
+            return block_cast(t, dtype, role == "weight", rows, transposed, kernels)
         if self.recipe.recipe == "rowwise":
             fmax, q, qt, q_inv, qt_inv = torch.finfo(dtype).max, None, None, None, None
             if rows:  # per row of t: amax over k

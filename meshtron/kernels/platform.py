@@ -107,6 +107,15 @@ def fp8_refusal(device: torch.device) -> str | None:
     return None
 
 
+def blockwise_scaled_mm(device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` takes 1 x 128 / 128 x 128 block scales on ``device``: cuBLAS's
+    blockwise kernels are NVIDIA Hopper's (sm_90) from CUDA 12.9 on; never on ROCm (hipBLASLt)."""
+    if is_rocm() or device.type != "cuda" or torch.version.cuda is None:
+        return False
+    major, minor = (int(v) for v in torch.version.cuda.split(".")[:2])
+    return (major, minor) >= (12, 9) and torch.cuda.get_device_properties(device).major == 9
+
+
 def fp8_fnuz(device: torch.device | str | int | None = None) -> bool:
     """Whether FP8 on ``device`` (or the current GPU) uses the fnuz formats (gfx942) rather than
     the OCP ones (NVIDIA, gfx950, and the CPU reference)."""

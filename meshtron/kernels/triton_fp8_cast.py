@@ -19,12 +19,12 @@ import triton.language as tl
 _BLOCK = 64  # a 64 x 64 tile: the transposed store stays coalesced after Triton's layout change
 # Mantissa bits and smallest normal exponent of each format the kernel rounds to, for the
 # interpreter: the OCP FP8 formats, the fnuz ones (AMD gfx942: exponent bias one higher), bf16, fp16.
-_GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14), torch.float8_e4m3fnuz: (3, -7),
+GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14), torch.float8_e4m3fnuz: (3, -7),
          torch.float8_e5m2fnuz: (2, -15), torch.bfloat16: (7, -126), torch.float16: (10, -14)}  # fmt: skip
 
 
 @triton.jit
-def _round_to_grid(y, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr):
+def round_to_grid(y, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr):
     """``y`` (fp32, within the format's range) rounded to nearest-even on a narrower float's grid.
 
     Only under Triton's interpreter, whose numpy conversions to FP8 and bf16 do not round to
@@ -62,11 +62,11 @@ def _cast_kernel(
         # a direct fp32 -> FP8 store gave wrong values on an H100 with Triton 3.6: neighbours duplicated).
         y = x.to(tl.float32) * scale
         if ROUND_FIRST and IN_MANTISSA > 0:
-            y = _round_to_grid(y, IN_MANTISSA, IN_MIN_EXPONENT)
+            y = round_to_grid(y, IN_MANTISSA, IN_MIN_EXPONENT)
         y = y.to(x.dtype, fp_downcast_rounding="rtne").to(tl.float32)
         y = tl.minimum(tl.maximum(y, -fmax), fmax)
         if ROUND_FIRST:
-            y = _round_to_grid(y, MANTISSA, MIN_EXPONENT)
+            y = round_to_grid(y, MANTISSA, MIN_EXPONENT)
         if WRITE_ROWS:
             tl.store(q_ptr + r2 * cols + c2, y.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
         if WRITE_TRANSPOSED:  # the tile transposed in fp32, then cast: no layout change of FP8 values
@@ -84,8 +84,8 @@ def cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, write_rows: b
     amax = torch.zeros((), dtype=torch.float32, device=x.device)
     scale = scale.float()
     row_stride, col_stride = scale.expand(rows, cols).stride()
-    mantissa, min_exponent = _GRID[dtype]
-    in_mantissa, in_min_exponent = _GRID.get(x.dtype, (0, 0))  # fp32 input: the product needs no rounding
+    mantissa, min_exponent = GRID[dtype]
+    in_mantissa, in_min_exponent = GRID.get(x.dtype, (0, 0))  # fp32 input: the product needs no rounding
     grid = (triton.cdiv(rows, _BLOCK), triton.cdiv(cols, _BLOCK))
     spare = torch.empty(1, dtype=dtype, device=x.device)  # stands for a copy not written
     _cast_kernel[grid](

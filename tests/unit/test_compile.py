@@ -1,6 +1,6 @@
 """``--compile`` compiles each block in place: same names, same numbers (checked with the
 ``aot_eager`` backend, which traces forward and backward like inductor without generating code),
-also through the FP8 linear's autograd function, each recipe, delayed scaling past its first call
+also through the FP8 linear's autograd function, each recipe (blockwise: its custom ops), delayed scaling past its first call
 (the amax histories updated inside the compiled forward and backward)."""
 
 import dataclasses
@@ -16,24 +16,27 @@ from meshtron.parallel.setup import compile_blocks
 
 
 def _loss_and_grads(compiled: bool, fp8_recipe: str = ""):
+    blockwise = fp8_recipe == "blockwise"  # every GEMM dimension a multiple of 128, all e4m3
+    width, seq = (128, 64) if blockwise else (64, 16)
     cfg = build_config(overrides=["--model.preset", "tiny-llama", "--num-layers", "2"]).model
-    cfg = dataclasses.replace(cfg, hidden_size=64, ffn_hidden_size=128)
+    cfg = dataclasses.replace(cfg, hidden_size=width, ffn_hidden_size=2 * width)
     torch.manual_seed(0)
-    model = build_model(cfg, 128, 16)
+    model = build_model(cfg, 128, seq)
     if fp8_recipe:
-        fp8.apply_fp8(model.layers, Fp8Recipe("hybrid", fp8_recipe, amax_history_len=2, amax_compute_algo="max"), "meshtron")
+        recipe = Fp8Recipe("e4m3" if blockwise else "hybrid", fp8_recipe, amax_history_len=2, amax_compute_algo="max")
+        fp8.apply_fp8(model.layers, recipe, "meshtron")
     if compiled:
         compile_blocks(model.blocks(), backend="aot_eager")
     gen = torch.Generator().manual_seed(1)
     for _ in range(2):  # the second call scales from the histories the first one filled
         model.zero_grad()
-        tokens = torch.randint(0, 128, (2, 16), generator=gen)
+        tokens = torch.randint(0, 128, (2, seq), generator=gen)
         loss = model(tokens, labels=torch.roll(tokens, -1, 1)).mean()
         loss.backward()
     return model, loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("fp8_recipe", ["", "delayed", "rowwise"])
+@pytest.mark.parametrize("fp8_recipe", ["", "delayed", "rowwise", "blockwise"])
 def test_compiled_blocks_match_eager(fp8_recipe):
     torch._dynamo.reset()
     ref_model, ref_loss, ref_grads = _loss_and_grads(False, fp8_recipe)

@@ -189,3 +189,28 @@ def test_grouped_gemm_autotune_tiles(monkeypatch, arch, family):
             assert all(c.kwargs[b] % 32 == 0 for c in tiles for b in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
             assert all(c.num_warps in (4, 8) for c in tiles)
     assert tgg.tile_configs("rows", "nvidia", False) != tgg.tile_configs("rows", "cdna", False)
+
+
+@pytest.mark.parametrize("arch, cuda, blockwise", [("sm90", "12.9", True), ("sm90", "13.0", True), ("sm90", "12.8", False),
+                                                   ("sm80", "13.0", False), ("gfx942", None, False), ("gfx950", None, False)])  # fmt: skip
+def test_blockwise_fp8_gemm_per_platform(monkeypatch, arch, cuda, blockwise):
+    """cuBLAS's 1x128 / 128x128 block-scaled GEMM (``torch._scaled_mm``) only on NVIDIA Hopper from
+    CUDA 12.9, for bf16 outputs, where its first GEMM agrees with the reference; elsewhere the
+    blockwise recipe takes its Triton GEMM. The weight scales' layout is the same in every
+    PyTorch release only where K / 128 is a multiple of 4."""
+    from meshtron.kernels import fp8_blockwise
+
+    simulate(monkeypatch, arch)
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    assert platform.blockwise_scaled_mm(GPU) is blockwise
+    assert not platform.blockwise_scaled_mm(torch.device("cpu"))
+    a = torch.empty(256, 512, dtype=torch.float8_e4m3fn, device="meta")
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: GPU))
+    for works in (True, False):
+        monkeypatch.setattr(fp8_blockwise, "scaled_mm_takes_blocks", lambda device, dtype: works)  # noqa: B023
+        cublas = blockwise and works
+        assert fp8_blockwise.gemm_backend(a, torch.bfloat16, "auto") == ("scaled_mm" if cublas else "triton")
+        assert fp8_blockwise.gemm_backend(a, torch.bfloat16, "off") == ("scaled_mm" if cublas else "reference")
+        assert fp8_blockwise.gemm_backend(a[:, :384], torch.bfloat16, "auto") == "triton"  # K / 128 = 3
+        assert fp8_blockwise.gemm_backend(a, torch.float32, "auto") == "triton"  # cuBLAS writes bf16 only

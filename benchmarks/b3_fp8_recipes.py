@@ -1,0 +1,80 @@
+"""B3 (Llama-3-8B layers x 8, 128 K vocabulary, seq 8192, micro batch 1, global batch 1) in bf16
+and under FP8 recipes, one training process per side, on one GPU:
+
+    python benchmarks/b3_fp8_recipes.py [--steps 6] [--warmup 3] [--sides bf16,delayed,blockwise]
+
+Sides: ``bf16``; ``delayed`` (``--fp8-format hybrid``, the default recipe: B3's FP8 figure in issue
+31), ``tensorwise`` (hybrid), ``rowwise`` and ``blockwise`` (``--fp8-format e4m3 --fp8-recipe
+blockwise``, DeepSeek-V3's 1 x 128 / 128 x 128 scales). Each side is ``train_bench.py`` on the
+training loop with mock data (steps timed with CUDA events after warm-up); the table gives tokens/s,
+model TFLOP/s (bf16-equivalent FLOPs, as every B3 figure), step time, peak memory, the ratio to
+bf16, and the losses of the timed steps (the same data on every side: FP8 should stay close).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+B3 = ["--preset", "llama3-8b", "--num-layers", "8", "--seq-length", "8192", "--micro-batch-size", "1", "--global-batch-size", "1", "--bf16"]
+SIDES = {
+    "bf16": [],
+    "delayed": ["--fp8-format", "hybrid", "--fp8-backend", "meshtron"],
+    "tensorwise": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-backend", "meshtron"],
+    "rowwise": ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise"],
+    "blockwise": ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"],
+}
+
+
+def run_side(name: str, steps: int, warmup: int, limit: int) -> dict | None:
+    cmd = [sys.executable, "train_bench.py", "--steps", str(steps), "--warmup", str(warmup), "--", *B3, *SIDES[name]]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=Path(__file__).parent, capture_output=True, text=True, timeout=limit)
+    except subprocess.TimeoutExpired:
+        print(f"{name}: over {limit} s, stopped", flush=True)
+        return None
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]  # train_bench's result: one JSON line
+    if proc.returncode != 0 or not lines:
+        print(f"{name}: failed (exit {proc.returncode}) after {time.perf_counter() - start:.0f} s\n{proc.stderr[-3000:]}", flush=True)
+        return None
+    for line in proc.stderr.splitlines():  # say so when blockwise fell back from cuBLAS to its Triton GEMM
+        if "_scaled_mm" in line:
+            print(f"{name}: {line.strip()}", flush=True)
+    result = json.loads(lines[-1])
+    result["wall_s"] = time.perf_counter() - start
+    print(f"{name}: {json.dumps(result)}", flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--sides", default="bf16,delayed,blockwise", help=f"comma-separated, of {', '.join(SIDES)}")
+    parser.add_argument("--limit", type=int, default=150, help="seconds each side may take, start-up included")
+    args = parser.parse_args()
+    sides = args.sides.split(",")
+    unknown = [s for s in sides if s not in SIDES]
+    if unknown:
+        parser.error(f"unknown sides {unknown}; choose from {', '.join(SIDES)}")
+    results = {name: run_side(name, args.steps, args.warmup, args.limit) for name in sides}
+    base = results.get("bf16")
+    print(f"\nB3 on {next((r['device'] for r in results.values() if r), '?')}, {args.steps} timed steps after {args.warmup}")
+    print("| side | tokens/s | TFLOP/s | step ms | peak GiB | vs bf16 | losses of the timed steps |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, r in results.items():
+        if r is None:
+            print(f"| {name} | failed | | | | | |")
+            continue
+        ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}x" if base else "-"
+        print(f"| {name} | {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {1000 * r['step_s']:.1f} | {r['peak_gib']:.1f} | {ratio} | "
+              f"{' '.join(f'{x:.3f}' for x in r['losses'][args.warmup:])} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
