@@ -22,7 +22,8 @@ One spawn of 4 gloo processes (fp32, CPU) runs every case through the same runne
   masters, Adam moments) and continues with its next step's loss and gradient norm;
 - one process's checkpoint loaded into a fresh ep2 x etp2 layout (and into FSDP2 ep2) and saved
   again reads back the same: resharding 1 -> ep2 x etp2 -> 1 and 1 -> FSDP2 ep2 -> 1;
-- the alltoall and allgather dispatchers stay bit-identical under etp; and the experts alone
+- the alltoall and allgather dispatchers stay bit-identical under etp, and so does the overlapped
+  all-to-all (``--overlap-moe-expert-parallel-comm``) against the plain one; and the experts alone
   (ep2 x etp2, sequence parallel) with an etp rank that sends no row and experts that receive
   none: outputs and gradients equal one process's experts.
 """
@@ -41,7 +42,7 @@ from meshtron.parallel.mesh import Mesh
 from meshtron.parallel.plan import gather_full
 from meshtron.parallel.setup import runner_for
 from test_expert_parallel import (CONFIGS, MOE_BIAS, STEP_RTOL, TRAIN, _assert_same_state, _bias_runner, _one_process_step, _parallel,
-                                  _assert_rows_match, _reference, _reload, _state_in_one_process, _zero_token_experts, _zero_token_inputs,
+                                  _assert_bit_identical, _assert_rows_match, _reference, _reload, _state_in_one_process, _zero_token_experts, _zero_token_inputs,
                                   _zero_token_reference)  # fmt: skip
 from test_model_contract import MICRO_BATCHES, RTOL, _check, _build, _micro_batches, _train_step
 
@@ -65,6 +66,8 @@ LAYOUTS = {
     "ep2_etp2_sp": (EP2_TP2, "sequence", True),
     "tp1_etp2_ep2": (ETP2_EP2_DP4, "moe", False),
     "tp1_etp2_ep2_allgather": (ETP2_EP2_DP4, "allgather", False),
+    "ep2_etp2_overlap": (EP2_TP2, "overlap", False),
+    "tp1_etp2_ep2_overlap": (ETP2_EP2_DP4, "overlap", False),
     "tp4_etp2": (TP4_ETP2, "moe", False),
     "tp4_etp2_sp": (TP4_ETP2, "sequence", True),
     "tp2_etp4": (dict(tp=2, dp=2, etp=4), "moe", False),
@@ -270,10 +273,13 @@ def test_one_process_checkpoint_loads_into_expert_layouts(runs, tmp, name):
 
 @pytest.mark.parametrize("layout", ["ep2_etp2", "tp1_etp2_ep2"])
 def test_dispatchers_are_bit_identical_under_expert_tensor_parallelism(runs, layout):
-    for a, b in zip(runs[layout], runs[f"{layout}_allgather"]):
-        assert a["loss"] == b["loss"] and a["aux"] == b["aux"]
-        for pname, grad in a["grads"].items():
-            assert torch.equal(grad, b["grads"][pname]), f"{layout}: {pname} differs between dispatchers"
+    _assert_bit_identical(runs[layout], runs[f"{layout}_allgather"], f"{layout}: alltoall vs allgather")
+
+
+@pytest.mark.parametrize("layout", ["ep2_etp2", "tp1_etp2_ep2"])
+def test_overlapped_all_to_all_is_bit_identical_under_expert_tensor_parallelism(runs, layout):
+    """etp = tp (rows shared by the etp group) and etp over dp ranks (rows gathered over etp per chunk)."""
+    _assert_bit_identical(runs[f"{layout}_overlap"], runs[layout], f"{layout}: overlapped vs not")
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
