@@ -208,9 +208,9 @@ def _profile_comm_overlap(trainer, trace_dir: str = "", layout: str = "") -> dic
         return sum(b - a for a, b in spans) / 1000, sum(max(0.0, min(b, d) - max(a, c)) for a, b in spans for c, d in merged) / 1000
 
     total, overlapped = hidden(comm)
-    # NCCL runs all_to_all_single as grouped sends and receives: the expert-parallel exchange (and its
-    # counts), apart from the data-parallel reduce-scatters and gathers
-    a2a_ms, a2a_hidden_ms = hidden([e for e in comm if "sendrecv" in e["name"].lower()])
+    # NCCL runs all_to_all_single as grouped sends and receives (newer builds: an AllToAll kernel): the
+    # expert-parallel exchange (and its counts), apart from the data-parallel reduce-scatters and gathers
+    a2a_ms, a2a_hidden_ms = hidden([e for e in comm if any(k in e["name"].lower() for k in ("sendrecv", "alltoall"))])
     return {"nccl_ms": total, "overlapped_ms": overlapped, "fraction": overlapped / total if total else 0.0,
             "a2a_ms": a2a_ms, "a2a_hidden_ms": a2a_hidden_ms}  # fmt: skip
 

@@ -269,8 +269,8 @@ _MODEL_AND_FUSION_NOTES = {
     "attention-softmax-in-fp32": (False, "always: SDPA's fused kernels accumulate the softmax in fp32"),
     "enable-shared-expert": (False, "shared experts are on when --num-shared-experts or --moe-shared-expert-intermediate-size is set"),
     "moe-use-legacy-grouped-gemm": (False, "meshtron's grouped GEMM per --moe-grouped-gemm; there is no legacy one"),
-    "moe-shared-expert-overlap": (False, "shared experts run in order after the routed ones: a side stream for them measured no gain "
-                                         "(DeepSeek-V2-Lite, 1 and 2 H200, ep2) and is not kept"),
+    "moe-shared-expert-overlap": (False, "no side stream for the shared experts (one measured no gain: DeepSeek-V2-Lite, 1 and 2 H200, "
+                                         "ep2); under --overlap-moe-expert-parallel-comm they run while the first chunk's rows travel"),
 }
 _NO_DEEPEP = "DeepEP is not used: tokens travel by NCCL's all-to-all (--moe-token-dispatcher-type alltoall)"
 _MOE_NOTES = {

@@ -18,6 +18,10 @@ last first, so the backward visits the chunks in the reverse of the forward's or
 chunk's experts' backward runs between another chunk's launch and wait (tests check the order).
 With ``C`` chunks the first dispatch and the last combine stay exposed: about 2 / C of the
 all-to-all's time in each direction, less where a chunk's computation is shorter than its transfer.
+The layer's shared experts (``beside``) are enqueued right after the first dispatch is launched,
+so they compute while it travels; autograd reaches their backward after chunk 0's experts', while
+chunk 0's dispatch gradient travels back. Only the last combine (forward) and its gradient
+(backward) then wait alone.
 
 Megatron-Core's flag of the same name overlaps one micro batch's all-to-all with another micro
 batch's computation (its combined 1F1B schedule); this one stays inside a layer and a micro batch,
@@ -103,13 +107,16 @@ def chunk_bounds(num_local: int, chunks: int) -> list[tuple[int, int]]:
     return [(c * num_local // chunks, (c + 1) * num_local // chunks) for c in range(chunks)]
 
 
+@torch.compiler.disable  # a graph break, as the plain exchange's host sync is: runs eagerly inside a compiled block
 def exchange_in_chunks(x: torch.Tensor, sent: torch.Tensor, received: torch.Tensor, bounds: list[tuple[int, int]],
-                       compute: Callable[[torch.Tensor, int], torch.Tensor], group) -> torch.Tensor:  # fmt: skip
+                       compute: Callable[[torch.Tensor, int], torch.Tensor], group,
+                       beside: Callable[[], torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """``x`` [R, h], rows grouped by global expert, ``sent[j, l]`` of them for rank j's local expert
     l, sent to their experts and their outputs brought back, chunk by chunk (``bounds``: local
-    experts per chunk) -> outputs [R, h] in x's rows. ``received[i, l]``: rows rank i sends to this
-    rank's expert l. ``compute(rows, c)``: outputs of chunk c's arrived rows, ordered [source rank]
-    [local expert of the chunk]."""
+    experts per chunk) -> (outputs [R, h] in x's rows, ``beside()``). ``received[i, l]``: rows rank
+    i sends to this rank's expert l. ``compute(rows, c)``: outputs of chunk c's arrived rows,
+    ordered [source rank][local expert of the chunk]. ``beside`` (the shared experts) runs while
+    the first chunk's rows travel; its backward falls while the first chunk's gradient travels back."""
     ep, local = sent.shape
     host_sent, host_received = torch.stack([sent, received]).tolist()  # the one host sync: split sizes
     grid = torch.arange(ep * local, device=x.device).view(ep, local)
@@ -119,13 +126,14 @@ def exchange_in_chunks(x: torch.Tensor, sent: torch.Tensor, received: torch.Tens
                for lo, hi in bounds]  # fmt: skip
     pieces = torch.split(x.index_select(0, index), [sum(f.send) for f in flights])
     arriving, returning = _Launch.apply(pieces[0], flights[0]), []
+    side = beside() if beside is not None else None
     for c, flight in enumerate(flights):
         following = _Launch.apply(pieces[c + 1], flights[c + 1]) if c + 1 < len(flights) else None
         back = _InFlight(flight.recv, flight.send, group)
         returning.append((_Launch.apply(compute(_Land.apply(arriving, flight), c), back), back))
         arriving = following
     out = torch.cat([_Land.apply(rows, back) for rows, back in returning])
-    return out.index_select(0, torch.argsort(index))
+    return out.index_select(0, torch.argsort(index)), side
 
 
 class _ChunkReports:

@@ -42,6 +42,8 @@ and edp see each row once whatever they have in common with tp.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -154,10 +156,16 @@ class ExpertParallelExperts(nn.Module):
                     local = local.index_select(dim, layout.local_index(param.shape[dim], etp, mesh.etp_rank).to(param.device))
                 self.register_parameter(name, nn.Parameter(local.clone(), requires_grad=param.requires_grad))
 
-    def forward(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-        """x [R, h] grouped by global expert (``group_sizes`` [E]) -> their outputs [R, h]."""
+    def forward(self, x: torch.Tensor, group_sizes: torch.Tensor, beside: Callable[[], torch.Tensor] | None = None):
+        """x [R, h] grouped by global expert (``group_sizes`` [E]) -> their outputs [R, h]; with
+        ``beside`` (``Experts``'), (outputs, its result): it runs while the first chunk's rows
+        travel when the exchange is overlapped, else after the experts."""
+        out, side = self._experts_of_own_rows(x, group_sizes, beside)
+        return out if beside is None else (out, side)
+
+    def _experts_of_own_rows(self, x: torch.Tensor, group_sizes: torch.Tensor, beside) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.split_group is None:
-            return self._dispatch(x, group_sizes)
+            return self._dispatch(x, group_sizes, beside)
         # Rows every tp rank holds: each keeps a run of 1/tp of them (padded to equal runs of at
         # least one row), computes those, and the outputs are gathered back.
         tp, rank, total = group_size(self.split_group), group_rank(self.split_group), x.shape[0]
@@ -166,15 +174,17 @@ class ExpertParallelExperts(nn.Module):
         mine = scatter_to_sequence_parallel(F.pad(x, (0, 0, 0, run * tp - total)), self.split_group, dim=0)[: hi - lo]
         ends = torch.cumsum(group_sizes, 0)
         my_sizes = (ends.clamp(max=hi) - (ends - group_sizes).clamp(min=lo)).clamp(min=0)
-        out = self._dispatch(mine, my_sizes)
-        return gather_from_sequence_parallel(F.pad(out, (0, 0, 0, run - (hi - lo))), self.split_group, dim=0)[:total]
+        out, side = self._dispatch(mine, my_sizes, beside)
+        return gather_from_sequence_parallel(F.pad(out, (0, 0, 0, run - (hi - lo))), self.split_group, dim=0)[:total], side
 
-    def _dispatch(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    def _dispatch(self, x: torch.Tensor, group_sizes: torch.Tensor, beside) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.bounds is not None:
+            return self._alltoall_in_chunks(x, group_sizes, beside)
         if self.ep == 1:
-            return self._ffn(x, group_sizes)
-        if self.dispatcher == "alltoall":
-            return self._alltoall(x, group_sizes) if self.bounds is None else self._alltoall_in_chunks(x, group_sizes)
-        return self._allgather(x, group_sizes)
+            out = self._ffn(x, group_sizes)
+        else:
+            out = self._alltoall(x, group_sizes) if self.dispatcher == "alltoall" else self._allgather(x, group_sizes)
+        return out, (beside() if beside is not None else None)
 
     def _ffn(self, rows: torch.Tensor, group_sizes: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Rows grouped by local expert (``group_sizes`` [L]) -> outputs, whole experts or split over
@@ -204,7 +214,7 @@ class ExpertParallelExperts(nn.Module):
         rows = _AllToAll.apply(x, send, recv, self.group)
         return _AllToAll.apply(_by_local_expert(rows, received, self._ffn), recv, send, self.group)
 
-    def _alltoall_in_chunks(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    def _alltoall_in_chunks(self, x: torch.Tensor, group_sizes: torch.Tensor, beside) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``_alltoall`` pipelined over chunks of local experts (``parallel/expert_overlap.py``)."""
         counts = group_sizes.to(torch.int64).view(self.ep, self.num_local).contiguous()
         received = torch.empty_like(counts)
@@ -215,7 +225,7 @@ class ExpertParallelExperts(nn.Module):
             lo, hi = self.bounds[c]
             return _by_local_expert(rows, received[:, lo:hi], lambda r, sizes: self._ffn(r, sizes, chunks[c]))
 
-        return exchange_in_chunks(x, counts, received, self.bounds, compute, self.group)
+        return exchange_in_chunks(x, counts, received, self.bounds, compute, self.group, beside)
 
     def _allgather(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
         counts = group_sizes.to(torch.int64).contiguous()

@@ -267,10 +267,11 @@ def _worker(rank: int, world_size: int, tmp: str) -> dict:
 
 
 class _LoggedCompute(torch.autograd.Function):
-    """A chunk's stand-in for the experts: rows x 2, logging (pass, chunk, all-to-alls in flight)."""
+    """A chunk's stand-in for the experts (or the shared experts'): rows x 2, logging (pass, chunk,
+    all-to-alls in flight)."""
 
     @staticmethod
-    def forward(ctx, rows: torch.Tensor, chunk: int, log: list, flying: set) -> torch.Tensor:
+    def forward(ctx, rows: torch.Tensor, chunk, log: list, flying: set) -> torch.Tensor:
         ctx.chunk, ctx.log, ctx.flying = chunk, log, flying
         log.append(("forward", chunk, len(flying)))
         return rows * 2
@@ -282,9 +283,9 @@ class _LoggedCompute(torch.autograd.Function):
 
 
 def _overlap_order(mesh: Mesh) -> dict:
-    """``exchange_in_chunks`` over 4 chunks (one local expert each) with ``_LoggedCompute``: which
-    all-to-alls were launched and not yet waited for while each chunk computed, forward and
-    backward; and the round trip's outputs and input gradient."""
+    """``exchange_in_chunks`` over 4 chunks (one local expert each) with ``_LoggedCompute`` for each
+    chunk and beside them: which all-to-alls were launched and not yet waited for while each
+    computed, forward and backward; and the round trip's outputs and input gradient."""
     from meshtron.parallel import expert_overlap
 
     flying, log = set(), []
@@ -307,8 +308,10 @@ def _overlap_order(mesh: Mesh) -> dict:
         x = torch.randn(int(sent.sum()), 3, generator=g, requires_grad=True)
         weighting = torch.randn(x.shape, generator=g)
         compute = lambda rows, c: _LoggedCompute.apply(rows, c, log, flying)  # noqa: E731
-        out = expert_overlap.exchange_in_chunks(x, sent, received, expert_overlap.chunk_bounds(4, 4), compute, mesh.ep_group)
-        (out * weighting).sum().backward()
+        beside_input = torch.randn(2, 3, generator=g, requires_grad=True)
+        beside = lambda: _LoggedCompute.apply(beside_input, "beside", log, flying)  # noqa: E731
+        out, side = expert_overlap.exchange_in_chunks(x, sent, received, expert_overlap.chunk_bounds(4, 4), compute, mesh.ep_group, beside)
+        ((out * weighting).sum() + side.sum()).backward()
     finally:
         expert_overlap._InFlight.launch, expert_overlap._InFlight.wait = launch, wait
     return {"log": log, "x": x.detach(), "out": out.detach(), "x_grad": x.grad, "weighting": weighting, "left": len(flying)}
@@ -374,12 +377,13 @@ def test_overlapped_all_to_all_is_bit_identical(runs, layout):
 
 def test_overlapped_chunks_compute_while_another_all_to_all_is_in_flight(runs):
     """Forward, every chunk computes while another chunk's all-to-all is launched and not waited
-    for; backward the same, chunks in reverse order (autograd does not serialize them); and the
-    round trip brings each row's output back to it."""
+    for, the work beside them (the shared experts) first, while chunk 0's rows travel; backward the
+    same, chunks in reverse order (autograd does not serialize them), the work beside them while
+    chunk 0's gradient travels back; and the round trip brings each row's output back to it."""
     for rank, r in enumerate(runs["overlap_order"]):
         forward = [(c, n) for kind, c, n in r["log"] if kind == "forward"]
         backward = [(c, n) for kind, c, n in r["log"] if kind == "backward"]
-        assert [c for c, _ in forward] == [0, 1, 2, 3] and [c for c, _ in backward] == [3, 2, 1, 0], r["log"]
+        assert [c for c, _ in forward] == ["beside", 0, 1, 2, 3] and [c for c, _ in backward] == [3, 2, 1, 0, "beside"], r["log"]
         assert all(n >= 1 for _, n in forward + backward), f"rank {rank}: a chunk computed with no all-to-all in flight: {r['log']}"
         assert r["left"] == 0
         assert torch.equal(r["out"], r["x"] * 2) and torch.equal(r["x_grad"], r["weighting"] * 2)

@@ -13,7 +13,7 @@ One spawn of 4 gloo processes (fp32, CPU) runs every case through the same runne
   cp ranks (cp2 x dp2) and etp2 inside each pipeline stage (pp2 x dp2): the step
   loss, each balancing term and every gradient equal one process's (1e-5 relative);
 - FSDP2 with ep2 (dp4: experts sharded over an edp group of 2), ep4 (edp 1) and etp2 (dp4, edp
-  2): loss, balancing terms and gradients the same way;
+  2): loss, balancing terms and gradients the same way (ep2 also with the all-to-all overlapped);
 - one optimizer step under ep2 x etp2 (the distributed optimizer sharding experts over edp),
   etp2 x sp (replicated optimizer), tp1 x etp2 x ep2 (distributed optimizer), tp4 x etp2 x sp
   and FSDP2 with ep2 and with etp2: the gradient norm (each expert slice counted once), the
@@ -78,7 +78,8 @@ LAYOUTS = {
 }
 # world 2: name -> (mesh sizes, config, sequence parallel)
 LAYOUTS_WORLD2 = {"tp1_etp2": (dict(dp=2, etp=2), "moe", False)}
-FSDP_LAYOUTS = {"fsdp_ep2_dp4": dict(dp=4, ep=2), "fsdp_ep4_dp4": dict(dp=4, ep=4), "fsdp_etp2_dp4": dict(dp=4, etp=2)}
+FSDP_LAYOUTS = {"fsdp_ep2_dp4": dict(dp=4, ep=2), "fsdp_ep4_dp4": dict(dp=4, ep=4), "fsdp_etp2_dp4": dict(dp=4, etp=2),
+                "fsdp_ep2_dp4_overlap": dict(dp=4, ep=2)}  # *_overlap: with --overlap-moe-expert-parallel-comm
 FSDP_STEPS = ("fsdp_ep2_dp4", "fsdp_etp2_dp4")
 # name: (mesh sizes, sequence parallel, distributed optimizer), all with MOE_BIAS
 STEPS = {"ep2_etp2_distopt": (EP2_TP2, False, True), "etp2_sp": (TP2, True, False),
@@ -97,9 +98,9 @@ def _fsdp_runner(mesh: Mesh, config):
     return runner_for(_build(config), mesh, parallel, TRAIN, torch.float32)
 
 
-def _fsdp_train_step(mesh: Mesh) -> dict:
+def _fsdp_train_step(mesh: Mesh, config: str = "moe") -> dict:
     """``_train_step``'s loss, balancing terms and gradients, under FSDP2 (gradients are DTensor shards)."""
-    runner = _fsdp_runner(mesh, CONFIGS["moe"])
+    runner = _fsdp_runner(mesh, CONFIGS[config])
     batches = _micro_batches()
     runner.optimizer.zero_grad()
     loss = runner.forward_backward([batches[i] for i in range(MICRO_BATCHES)[mesh.dp_rank :: mesh.dp]])
@@ -155,7 +156,7 @@ def _worker(rank: int, world_size: int, tmp: str) -> dict:
         runner, out[name] = _train_step(_build(CONFIGS[config]), mesh, _parallel(mesh, sp))
         out[name]["local_shapes"] = {n: tuple(p.shape) for n, p in runner.model.named_parameters()}
     for name, sizes in FSDP_LAYOUTS.items():
-        out[name] = _fsdp_train_step(_mesh(rank, sizes))
+        out[name] = _fsdp_train_step(_mesh(rank, sizes), "overlap" if name.endswith("_overlap") else "moe")
     for name, (sizes, sp, distributed) in STEPS.items():
         mesh = _mesh(rank, sizes)
         out[f"step/{name}"] = _step(_bias_runner(mesh, sp, distributed), f"{tmp}/step_{name}")
@@ -276,9 +277,10 @@ def test_dispatchers_are_bit_identical_under_expert_tensor_parallelism(runs, lay
     _assert_bit_identical(runs[layout], runs[f"{layout}_allgather"], f"{layout}: alltoall vs allgather")
 
 
-@pytest.mark.parametrize("layout", ["ep2_etp2", "tp1_etp2_ep2"])
+@pytest.mark.parametrize("layout", ["ep2_etp2", "tp1_etp2_ep2", "fsdp_ep2_dp4"])
 def test_overlapped_all_to_all_is_bit_identical_under_expert_tensor_parallelism(runs, layout):
-    """etp = tp (rows shared by the etp group) and etp over dp ranks (rows gathered over etp per chunk)."""
+    """etp = tp (rows shared by the etp group), etp over dp ranks (rows gathered over etp per
+    chunk) and FSDP2 with ep2 (each chunk a slice of the unsharded expert weights)."""
     _assert_bit_identical(runs[f"{layout}_overlap"], runs[layout], f"{layout}: overlapped vs not")
 
 
