@@ -25,7 +25,12 @@ chunks. ``pp2v2`` (split by modeled cost) against ``pp2v2even`` (``--pipeline-sp
 measures what balancing buys. ``--model deepseek-v2-lite --micro-batch-size 2 --seq-length 4096``
 runs its MoE shape instead (layer 0 dense, the rest 64 experts top-6 + 2 shared): ``ep2`` (experts
 split over the two ranks, tokens exchanged all-to-all; ``ep2ag``: all-gathered) against ``dp2``;
-``hidden`` then includes the all-to-all's NCCL kernels.
+``hidden`` then includes the all-to-all's NCCL kernels, and ``a2a hidden`` is theirs alone (NCCL's
+send/receive kernels). ``ep2ov`` / ``ep4ov`` / ``ep2etp2ov`` add ``--overlap-moe-expert-parallel-comm``
+(``*ov4``: 4 chunks of local experts); beside their plain layout a line says how much step time the
+overlap saves against the plain layout's all-to-all kernel time (which includes each kernel's wait
+for the slower rank). For ep at 2 GPUs: ``--model deepseek-v2-lite --micro-batch-size 2
+--seq-length 4096 --layers 4 --layouts dp1,ep2,ep2ov,ep2ov4``.
 """
 
 from __future__ import annotations
@@ -72,10 +77,20 @@ LAYOUT_FLAGS = {
     # mixture of experts (--model deepseek-v2-lite): experts split over 2 ranks, tokens exchanged all-to-all or all-gathered
     "ep2": (2, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer"]),
     "ep2ag": (2, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer", "--moe-token-dispatcher-type", "allgather"]),
+    # --overlap-moe-expert-parallel-comm: the all-to-all in chunks of local experts, each chunk's transfer under
+    # another chunk's experts (2 chunks; *ov4: 4)
+    "ep2ov": (2, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer", "--overlap-moe-expert-parallel-comm"]),
+    "ep2ov4": (2, ["--expert-model-parallel-size", "2", "--use-distributed-optimizer", "--overlap-moe-expert-parallel-comm",
+                   "--model.moe_ep_overlap_chunks", "4"]),
     # expert tensor parallelism: every expert's FFN split over 2 ranks (etp2), with ep on 4 GPUs, and ep beside tp + sp
     "etp2": (2, ["--expert-tensor-parallel-size", "2", "--use-distributed-optimizer"]),
     "ep4": (4, ["--expert-model-parallel-size", "4", "--use-distributed-optimizer"]),
     "ep2etp2": (4, ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2", "--use-distributed-optimizer"]),
+    "ep4ov": (4, ["--expert-model-parallel-size", "4", "--use-distributed-optimizer", "--overlap-moe-expert-parallel-comm"]),
+    "ep4ov4": (4, ["--expert-model-parallel-size", "4", "--use-distributed-optimizer", "--overlap-moe-expert-parallel-comm",
+                   "--model.moe_ep_overlap_chunks", "4"]),
+    "ep2etp2ov": (4, ["--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "2", "--use-distributed-optimizer",
+                      "--overlap-moe-expert-parallel-comm"]),
     "tp2ep2": (4, ["--tp", "2", "--sequence-parallel", "--expert-model-parallel-size", "2", "--use-distributed-optimizer"]),
     "pp4": (4, ["--pp", "4"]),
     "pp4v2": (4, ["--pp", "4", "--virtual-pipeline-model-parallel-size", "2"]),
@@ -197,7 +212,7 @@ def _profile_comm_overlap(trainer, trace_dir: str = "", layout: str = "") -> dic
         with open(path, "rb") as src, gzip.open(os.path.join(trace_dir, f"trace_{layout}.json.gz"), "wb") as dst:
             dst.write(src.read())
     kernels = [e for e in json.load(open(path))["traceEvents"] if e.get("cat") == "kernel"]
-    comm = [(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" in e["name"].lower()]
+    comm = [e for e in kernels if "nccl" in e["name"].lower()]
     compute = sorted((e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" not in e["name"].lower())
     merged = []
     for a, b in compute:
@@ -205,9 +220,31 @@ def _profile_comm_overlap(trainer, trace_dir: str = "", layout: str = "") -> dic
             merged[-1][1] = max(merged[-1][1], b)
         else:
             merged.append([a, b])
-    total = sum(b - a for a, b in comm)
-    overlapped = sum(max(0.0, min(b, d) - max(a, c)) for a, b in comm for c, d in merged)
-    return {"nccl_ms": total / 1000, "overlapped_ms": overlapped / 1000, "fraction": overlapped / total if total else 0.0}
+
+    def hidden(events: list[dict]) -> tuple[float, float]:
+        """(kernel time, the part of it a compute kernel ran beside), ms."""
+        spans = [(e["ts"], e["ts"] + e["dur"]) for e in events]
+        return sum(b - a for a, b in spans) / 1000, sum(max(0.0, min(b, d) - max(a, c)) for a, b in spans for c, d in merged) / 1000
+
+    total, overlapped = hidden(comm)
+    # NCCL runs all_to_all_single as grouped sends and receives (newer builds: an AllToAll kernel): the
+    # expert-parallel exchange (and its counts), apart from the data-parallel reduce-scatters and gathers
+    a2a_ms, a2a_hidden_ms = hidden([e for e in comm if any(k in e["name"].lower() for k in ("sendrecv", "alltoall"))])
+    return {"nccl_ms": total, "overlapped_ms": overlapped, "fraction": overlapped / total if total else 0.0,
+            "a2a_ms": a2a_ms, "a2a_hidden_ms": a2a_hidden_ms}  # fmt: skip
+
+
+def _print_overlap_gains(rows: list[dict]) -> None:
+    """Per overlapped expert layout (``ep2ov``...) beside its plain one (``ep2``): the step time it
+    saves against the plain layout's all-to-all kernel time (rank 0's profiled step, per step)."""
+    by_layout = {r["layout"]: r for r in rows}
+    for name, r in by_layout.items():
+        plain = by_layout.get(name.split("ov")[0]) if "ov" in name and name.startswith("ep") else None
+        if plain is None or not plain.get("hidden"):
+            continue
+        saved_ms, a2a_ms = 1000 * (plain["step_s"] - r["step_s"]), plain["hidden"]["a2a_ms"]
+        print(f"{name}: step {1000 * r['step_s']:.1f} ms vs {plain['layout']} {1000 * plain['step_s']:.1f} ms: saves {saved_ms:.1f} ms "
+              f"= {100 * saved_ms / a2a_ms:.0f}% of {plain['layout']}'s {a2a_ms:.1f} ms of all-to-all kernels")
 
 
 def main() -> None:
@@ -243,12 +280,14 @@ def main() -> None:
         return
     base = next((r for r in rows if r["layout"] == "dp1"), None)
     print(f"\nB5: {args.model} x {args.layers} layers, micro batch {args.micro_batch_size}, seq {args.seq_length}, global batch {args.global_batch}{' x dp (weak scaling)' if args.weak else ''}, bf16, {rows[0]['device']}")
-    print(f"{'layout':<7} {'GPUs':>4} {'tok/s/GPU':>10} {'TFLOP/s/GPU':>11} {'vs dp1':>7} {'peak GiB':>9} {'comm s':>7} {'hidden':>15} {'bubble':>13}  losses")
+    print(f"{'layout':<7} {'GPUs':>4} {'tok/s/GPU':>10} {'TFLOP/s/GPU':>11} {'vs dp1':>7} {'peak GiB':>9} {'comm s':>7} {'hidden':>15} {'a2a hidden':>15} {'bubble':>13}  losses")
     for r in rows:
         per_gpu = r["global_batch"] * args.seq_length / r["step_s"] / r["world"]
         tflops = per_gpu * r["flops_per_token"] / 1e12
         ratio = f"{per_gpu / (base['global_batch'] * args.seq_length / base['step_s']):.3f}" if base else "-"
         hidden = f"{100 * r['hidden']['fraction']:.0f}% of {r['hidden']['nccl_ms']:.0f}ms" if r.get("hidden") else "-"
+        a2a = r["hidden"]["a2a_ms"] if r.get("hidden") else 0.0
+        a2a_hidden = f"{100 * r['hidden']['a2a_hidden_ms'] / a2a:.0f}% of {a2a:.0f}ms" if a2a else "-"
         comm = f"{r['comm_s']:.3f}" if r["comm_s"] else "-"
         bubble = "-"
         if base and r["pp"] > 1:  # step time over the ideal split of dp1's work, against (pp-1)/(v m)
@@ -257,7 +296,8 @@ def main() -> None:
             modeled = f"{100 * r['modeled_bubble']:.1f}/" if r.get("modeled_bubble") is not None else ""
             bubble = f"{100 * measured:.1f}/{modeled}{100 * theory:.1f}% {r['split']}"
         losses = " ".join(f"{x:.4f}" for x in r["losses"][:4])
-        print(f"{r['layout']:<7} {r['world']:>4} {per_gpu:>10,.0f} {tflops:>11.1f} {ratio:>7} {r['peak_gib']:>9.1f} {comm:>7} {hidden:>15} {bubble:>13}  {losses}")
+        print(f"{r['layout']:<7} {r['world']:>4} {per_gpu:>10,.0f} {tflops:>11.1f} {ratio:>7} {r['peak_gib']:>9.1f} {comm:>7} {hidden:>15} {a2a_hidden:>15} {bubble:>13}  {losses}")
+    _print_overlap_gains(rows)
     dp2 = next((r for r in rows if r["layout"] == "dp2"), None)
     if dp2:  # the tensor-parallel target is per GPU against data parallelism on as many GPUs
         per_gpu = {r["layout"]: r["global_batch"] / r["step_s"] / r["world"] for r in rows}

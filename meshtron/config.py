@@ -128,6 +128,8 @@ class ModelConfig:
     # Expert parallelism (meshtron/parallel/expert_parallel.py). alltoall is the default here, unlike
     # Megatron's allgather: both compute the same, and alltoall moves ep times fewer rows.
     moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather
+    overlap_moe_expert_parallel_comm: bool = False  # alltoall's exchange in chunks of local experts, each chunk's all-to-all in flight while another chunk's experts compute (forward and backward)
+    moe_ep_overlap_chunks: int = 2  # chunks of local experts under --overlap-moe-expert-parallel-comm (2 to the experts per ep rank)
     # Flags of the ROCm fork's launch scripts (issue 14); checks in meshtron.validation.dropin_errors.
     extra_vocab_size: int = 0  # rows added after the tokenizer's vocabulary, before padding (PAI-Megatron's)
     moe_num_shared_experts: int = 0  # PAI-Megatron's shared-expert count: the shared MLP is this x moe_ffn_hidden_size wide

@@ -220,6 +220,7 @@ MEGATRON_ALIASES: dict[str, Any] = {
     # Expert parallelism (issue 10), Megatron-Core's names; --expert-model-parallel-size is above.
     "moe-token-dispatcher-type": "model.moe_token_dispatcher_type",
     "expert-tensor-parallel-size": "parallel.expert_tensor_parallel",
+    "overlap-moe-expert-parallel-comm": ("model.overlap_moe_expert_parallel_comm", True),
     # The ROCm fork's launch scripts (train_llama2.sh, train_llama3.sh, train_deepseekv2.sh, issue 14).
     # Model: older spellings of what the fields above set.
     "use-rotary-position-embeddings": ("model.position_embedding_type", "rope"),
@@ -279,8 +280,8 @@ _MODEL_AND_FUSION_NOTES = {
     "attention-softmax-in-fp32": (False, "always: SDPA's fused kernels accumulate the softmax in fp32"),
     "enable-shared-expert": (False, "shared experts are on when --num-shared-experts or --moe-shared-expert-intermediate-size is set"),
     "moe-use-legacy-grouped-gemm": (False, "meshtron's grouped GEMM per --moe-grouped-gemm; there is no legacy one"),
-    "moe-shared-expert-overlap": (False, "shared experts run in order after the routed ones: a side stream for them measured no gain "
-                                         "(DeepSeek-V2-Lite, 1 and 2 H200, ep2) and is not kept"),
+    "moe-shared-expert-overlap": (False, "no side stream for the shared experts (one measured no gain: DeepSeek-V2-Lite, 1 and 2 H200, "
+                                         "ep2); under --overlap-moe-expert-parallel-comm they run while the first chunk's rows travel"),
 }
 _NO_DEEPEP = "DeepEP is not used: tokens travel by NCCL's all-to-all (--moe-token-dispatcher-type alltoall)"
 _MOE_NOTES = {
@@ -289,7 +290,6 @@ _MOE_NOTES = {
     "moe-per-layer-logging": (False, "always: each MoE layer's balancing losses go to TensorBoard, and the expert loads to the log"),
     "moe-lbl-in-fp32": (False, "always: the balancing and z-losses are computed in fp32"),
     "moe-router-padding-for-fp8": (False, "not needed: the routed experts' grouped GEMMs stay bf16 under --fp8-format"),
-    "overlap-moe-expert-parallel-comm": (False, "not overlapped: the all-to-all runs between the router and the experts"),
     "delay-wgrad-compute": (False, "never: weight gradients are computed in backward order"),
     "moe-enable-deepep": (False, _NO_DEEPEP),
     "moe-flex-dispatcher-backend": (True, _NO_DEEPEP),

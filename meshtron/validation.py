@@ -8,7 +8,7 @@ import importlib.util
 from pathlib import Path
 
 from meshtron.checkpoint.checkpoint import checkpoint_config_errors
-from meshtron.config import KEPT_MODULES, RECOMPUTED_MODULES, Config, virtual_stages, world_size_from_env
+from meshtron.config import KEPT_MODULES, RECOMPUTED_MODULES, Config, ModelConfig, virtual_stages, world_size_from_env
 from meshtron.data.chat_template import TEMPLATE_CHOICES, conversation_template
 from meshtron.data.data_sources import SPLIT_FLAGS, names_data, split_blends
 from meshtron.data.masked_lm import masked_data_config_errors
@@ -331,6 +331,8 @@ def expert_parallel_errors(cfg: Config, dp: int) -> list[str]:
                       "(--moe-ffn-hidden-size); change either")  # fmt: skip
     if m.num_experts > 0 and m.moe_token_dispatcher_type not in ("alltoall", "allgather"):
         errors.append(f"--moe-token-dispatcher-type must be alltoall or allgather, got '{m.moe_token_dispatcher_type}'")
+    if m.overlap_moe_expert_parallel_comm:
+        errors.extend(expert_overlap_errors(m, ep))
     if ep <= 1:
         return errors
     if m.num_experts <= 0:
@@ -344,6 +346,23 @@ def expert_parallel_errors(cfg: Config, dp: int) -> list[str]:
                       f"{stage} ranks of a pipeline stage (tp {p.tensor_parallel} x cp {p.context_parallel} x dp {dp}; the "
                       "expert grid folds them); change either or the number of processes")  # fmt: skip
     return errors
+
+
+def expert_overlap_errors(m: ModelConfig, ep: int) -> list[str]:
+    """``--overlap-moe-expert-parallel-comm`` against the model and ``ep``: an all-to-all to hide
+    (ep > 1, the alltoall dispatcher) and at least one local expert per chunk."""
+    flag = "--overlap-moe-expert-parallel-comm"
+    if m.num_experts <= 0 or ep <= 1:
+        return [(f"{flag} overlaps the expert-parallel all-to-all, and with --expert-model-parallel-size {ep} "
+                 f"{'(a dense model) ' if m.num_experts <= 0 else ''}there is none; drop the flag or set ep > 1")]  # fmt: skip
+    if m.moe_token_dispatcher_type != "alltoall":
+        return [(f"{flag} pipelines the alltoall dispatcher, not --moe-token-dispatcher-type {m.moe_token_dispatcher_type}; "
+                 "use alltoall or drop the flag")]  # fmt: skip
+    local = m.num_experts // ep
+    if not 2 <= m.moe_ep_overlap_chunks <= local:
+        return [(f"--model.moe_ep_overlap_chunks {m.moe_ep_overlap_chunks} must be between 2 and the {local} experts per "
+                 f"ep rank (--num-experts {m.num_experts} / ep {ep}): each chunk is a run of local experts")]  # fmt: skip
+    return []
 
 
 def layout_errors(cfg: Config) -> list[str]:

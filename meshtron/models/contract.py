@@ -282,10 +282,12 @@ class ExpertParallel:
     ``weight1`` [E, fc1, h] by its fc1 rows in ``fc1_layout`` (``Halves(2)`` for SwiGLU's [gate;
     up]), ``weight2`` [E, h, ffn] by its ffn columns. Without it the experts are whole on every tp
     rank, and under sequence parallelism their gradients are partial sums over tp (each tp rank
-    routes its own sequence shard)."""
+    routes its own sequence shard). ``overlap_chunks`` > 1: the alltoall exchange runs in that many
+    chunks of local experts, each chunk's all-to-all in flight while another chunk's experts compute."""
 
     dispatcher: str = "alltoall"
     fc1_layout: Layout = Contiguous()
+    overlap_chunks: int = 0
 
 
 @dataclass(frozen=True)

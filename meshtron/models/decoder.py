@@ -101,6 +101,7 @@ def decoder_plan(cfg: ModelConfig) -> c.Plan:
     heads, kv = cfg.num_attention_heads, num_kv_heads(cfg)
     fc1 = c.Halves(2) if cfg.activation == "swiglu" else c.Contiguous()
     attn = "layers.*.self_attention."
+    overlap_chunks = cfg.moe_ep_overlap_chunks if cfg.overlap_moe_expert_parallel_comm else 0
     if cfg.multi_latent_attention:
         by_heads = [(attn + name, c.ColumnParallel()) for name in ("linear_q_proj", "linear_q_up_proj", "linear_kv_up_proj")]
         replicated = [(attn + name, c.SequenceParallelNorm())
@@ -124,7 +125,7 @@ def decoder_plan(cfg: ModelConfig) -> c.Plan:
         (attn + "core_attention", c.ContextParallelCore()),
         ("layers.*.mlp.linear_fc1", c.ColumnParallel(fc1)),
         ("layers.*.mlp.linear_fc2", c.RowParallel()),
-        ("layers.*.mlp.experts", c.ExpertParallel(cfg.moe_token_dispatcher_type, fc1)),
+        ("layers.*.mlp.experts", c.ExpertParallel(cfg.moe_token_dispatcher_type, fc1, overlap_chunks)),
         ("layers.*.mlp.token_sum", c.SequenceSum()),
         ("layers.*.mlp.router", c.SequenceParallelNorm()),
         ("layers.*.mlp.shared_experts", c.SequenceParallelNorm()),

@@ -42,6 +42,8 @@ and edp see each row once whatever they have in common with tp.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -51,6 +53,7 @@ from meshtron.errors import ConfigError
 from meshtron.layers.moe.experts import expert_ffn
 from meshtron.models.contract import Contiguous, Layout
 from meshtron.optim.grad_buffer import all_gather_single
+from meshtron.parallel.expert_overlap import chunk_bounds, exchange_in_chunks, runs_in_order, weight_chunks
 from meshtron.parallel.mesh import Mesh
 from meshtron.parallel.tensor_parallel import (
     all_gather_sequence,
@@ -91,22 +94,18 @@ class _AllToAll(torch.autograd.Function):
         return _all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None
 
 
-def source_major_to_expert_major(received: torch.Tensor) -> torch.Tensor:
-    """Row order that regroups a buffer of chunks [source][local expert] (sizes ``received``
-    [ep, L]) into [local expert][source]: ``buffer[index]`` has each local expert's rows contiguous."""
-    flat = received.reshape(-1)
-    starts = torch.cumsum(flat, 0) - flat
-    chunk_order = torch.arange(flat.numel(), device=flat.device).view(received.shape).t().reshape(-1)
-    sizes, chunk_starts = flat[chunk_order], starts[chunk_order]
-    total = int(flat.sum())
-    offset_in_chunk = torch.arange(total, device=flat.device) - torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, sizes)
-    return torch.repeat_interleave(chunk_starts, sizes) + offset_in_chunk
+def source_major_to_expert_major(received: torch.Tensor, total: int) -> torch.Tensor:
+    """Row order that regroups a buffer of ``total`` rows in chunks [source][local expert] (sizes
+    ``received`` [ep, L]) into [local expert][source]: ``buffer[index]`` has each local expert's
+    rows contiguous."""
+    chunk_order = torch.arange(received.numel(), device=received.device).view(received.shape).t().reshape(-1)
+    return runs_in_order(received.reshape(-1), chunk_order, total)
 
 
 def _by_local_expert(rows: torch.Tensor, received: torch.Tensor, ffn) -> torch.Tensor:
     """``ffn(rows grouped by local expert, group sizes)`` for rows ordered [source][local expert]
     (chunk sizes ``received`` [sources, L]); outputs back in the rows' order."""
-    index = source_major_to_expert_major(received)
+    index = source_major_to_expert_major(received, rows.shape[0])
     out = ffn(rows.index_select(0, index), received.sum(0))
     return out.index_select(0, torch.argsort(index))
 
@@ -126,7 +125,7 @@ class ExpertParallelExperts(nn.Module):
     the tp group (see the module docstring)."""
 
     def __init__(self, experts: nn.Module, mesh: Mesh, dispatcher: str = "alltoall", fc1_layout: Layout = Contiguous(),
-                 sequence_parallel: bool = False):  # fmt: skip
+                 sequence_parallel: bool = False, overlap_chunks: int = 0):  # fmt: skip
         super().__init__()
         num_experts = experts.weight1.shape[0]
         ep, etp = mesh.ep, mesh.etp
@@ -140,6 +139,10 @@ class ExpertParallelExperts(nn.Module):
         self.rows_shared_by_etp = shared_over_tp and etp == mesh.tp  # the etp group is then the tp group
         self.split_group = mesh.tp_group if shared_over_tp and etp != mesh.tp else None
         self.num_local, self.ep_rank = num_experts // ep, mesh.ep_rank
+        if overlap_chunks and not (ep > 1 and dispatcher == "alltoall" and 2 <= overlap_chunks <= self.num_local):
+            raise ConfigError(f"--overlap-moe-expert-parallel-comm needs ep > 1 (got {ep}), the alltoall dispatcher (got "
+                              f"{dispatcher}) and 2 to {self.num_local} chunks of local experts (got {overlap_chunks})")  # fmt: skip
+        self.bounds = chunk_bounds(self.num_local, overlap_chunks) if overlap_chunks else None
         self.grad_accum_fusion = experts.grad_accum_fusion  # set later by apply_gradient_accumulation_fusion
         first = self.ep_rank * self.num_local
         with torch.no_grad():
@@ -153,10 +156,16 @@ class ExpertParallelExperts(nn.Module):
                     local = local.index_select(dim, layout.local_index(param.shape[dim], etp, mesh.etp_rank).to(param.device))
                 self.register_parameter(name, nn.Parameter(local.clone(), requires_grad=param.requires_grad))
 
-    def forward(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-        """x [R, h] grouped by global expert (``group_sizes`` [E]) -> their outputs [R, h]."""
+    def forward(self, x: torch.Tensor, group_sizes: torch.Tensor, beside: Callable[[], torch.Tensor] | None = None):
+        """x [R, h] grouped by global expert (``group_sizes`` [E]) -> their outputs [R, h]; with
+        ``beside`` (``Experts``'), (outputs, its result): it runs while the first chunk's rows
+        travel when the exchange is overlapped, else after the experts."""
+        out, side = self._experts_of_own_rows(x, group_sizes, beside)
+        return out if beside is None else (out, side)
+
+    def _experts_of_own_rows(self, x: torch.Tensor, group_sizes: torch.Tensor, beside) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.split_group is None:
-            return self._dispatch(x, group_sizes)
+            return self._dispatch(x, group_sizes, beside)
         # Rows every tp rank holds: each keeps a run of 1/tp of them (padded to equal runs of at
         # least one row), computes those, and the outputs are gathered back.
         tp, rank, total = group_size(self.split_group), group_rank(self.split_group), x.shape[0]
@@ -165,22 +174,26 @@ class ExpertParallelExperts(nn.Module):
         mine = scatter_to_sequence_parallel(F.pad(x, (0, 0, 0, run * tp - total)), self.split_group, dim=0)[: hi - lo]
         ends = torch.cumsum(group_sizes, 0)
         my_sizes = (ends.clamp(max=hi) - (ends - group_sizes).clamp(min=lo)).clamp(min=0)
-        out = self._dispatch(mine, my_sizes)
-        return gather_from_sequence_parallel(F.pad(out, (0, 0, 0, run - (hi - lo))), self.split_group, dim=0)[:total]
+        out, side = self._dispatch(mine, my_sizes, beside)
+        return gather_from_sequence_parallel(F.pad(out, (0, 0, 0, run - (hi - lo))), self.split_group, dim=0)[:total], side
 
-    def _dispatch(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    def _dispatch(self, x: torch.Tensor, group_sizes: torch.Tensor, beside) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.bounds is not None:
+            return self._alltoall_in_chunks(x, group_sizes, beside)
         if self.ep == 1:
-            return self._ffn(x, group_sizes)
-        if self.dispatcher == "alltoall":
-            return self._alltoall(x, group_sizes)
-        return self._allgather(x, group_sizes)
+            out = self._ffn(x, group_sizes)
+        else:
+            out = self._alltoall(x, group_sizes) if self.dispatcher == "alltoall" else self._allgather(x, group_sizes)
+        return out, (beside() if beside is not None else None)
 
-    def _ffn(self, rows: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-        """Rows grouped by local expert (``group_sizes`` [L]) -> outputs, whole experts or split over etp."""
+    def _ffn(self, rows: torch.Tensor, group_sizes: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Rows grouped by local expert (``group_sizes`` [L]) -> outputs, whole experts or split over
+        etp; ``weights``: (weight1, weight2) of a chunk of the local experts instead of all."""
+        weight1, weight2 = weights or (self.weight1, self.weight2)
         if self.etp == 1:
-            return expert_ffn(rows, self.weight1, self.weight2, group_sizes, self.cfg, self.grad_accum_fusion)
+            return expert_ffn(rows, weight1, weight2, group_sizes, self.cfg, self.grad_accum_fusion)
         if self.rows_shared_by_etp:  # every etp rank holds these same rows
-            partial = expert_ffn(copy_to_tp_region(rows, self.etp_group), self.weight1, self.weight2, group_sizes, self.cfg,
+            partial = expert_ffn(copy_to_tp_region(rows, self.etp_group), weight1, weight2, group_sizes, self.cfg,
                                  self.grad_accum_fusion)
             return reduce_from_tp_region(partial, self.etp_group)
         counts = group_sizes.to(torch.int64).contiguous()
@@ -189,7 +202,7 @@ class ExpertParallelExperts(nn.Module):
         table = table.view(self.etp, -1)  # every etp rank's rows per local expert
         mine, theirs = [rows.shape[0]] * self.etp, table.sum(1).tolist()
         gathered = _AllToAll.apply(rows.repeat(self.etp, 1), mine, theirs, self.etp_group)
-        ffn = lambda r, sizes: expert_ffn(r, self.weight1, self.weight2, sizes, self.cfg, self.grad_accum_fusion)  # noqa: E731
+        ffn = lambda r, sizes: expert_ffn(r, weight1, weight2, sizes, self.cfg, self.grad_accum_fusion)  # noqa: E731
         partial = _by_local_expert(gathered, table, ffn)
         return _AllToAll.apply(partial, theirs, mine, self.etp_group).view(self.etp, *rows.shape).sum(0)
 
@@ -200,6 +213,19 @@ class ExpertParallelExperts(nn.Module):
         send, recv = counts.sum(1).tolist(), received.sum(1).tolist()  # the one host sync: split sizes
         rows = _AllToAll.apply(x, send, recv, self.group)
         return _AllToAll.apply(_by_local_expert(rows, received, self._ffn), recv, send, self.group)
+
+    def _alltoall_in_chunks(self, x: torch.Tensor, group_sizes: torch.Tensor, beside) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``_alltoall`` pipelined over chunks of local experts (``parallel/expert_overlap.py``)."""
+        counts = group_sizes.to(torch.int64).view(self.ep, self.num_local).contiguous()
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=self.group)
+        chunks = list(zip(weight_chunks(self.weight1, self.bounds), weight_chunks(self.weight2, self.bounds)))
+
+        def compute(rows: torch.Tensor, c: int) -> torch.Tensor:
+            lo, hi = self.bounds[c]
+            return _by_local_expert(rows, received[:, lo:hi], lambda r, sizes: self._ffn(r, sizes, chunks[c]))
+
+        return exchange_in_chunks(x, counts, received, self.bounds, compute, self.group, beside)
 
     def _allgather(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
         counts = group_sizes.to(torch.int64).contiguous()
@@ -219,4 +245,5 @@ class ExpertParallelExperts(nn.Module):
         return reduce_scatter_sequence(full, self.group, dim=0)[: x.shape[0]]
 
     def extra_repr(self) -> str:
-        return f"{self.num_local} of {self.num_local * self.ep} experts, ep {self.ep}, etp {self.etp}, {self.dispatcher}"
+        overlap = f", overlapped in {len(self.bounds)} chunks" if self.bounds else ""
+        return f"{self.num_local} of {self.num_local * self.ep} experts, ep {self.ep}, etp {self.etp}, {self.dispatcher}{overlap}"

@@ -93,7 +93,7 @@ def _replace(module: nn.Module, style: mc.Style, mesh: Mesh, sp: bool, cp_algori
     if isinstance(style, mc.ContextParallelCore):
         return ContextParallelAttention(mesh, cp_algorithm, cp_block_kernel, getattr(module, "scale", None)) if mesh.cp > 1 else None
     if isinstance(style, mc.ExpertParallel):
-        return ExpertParallelExperts(module, mesh, style.dispatcher, style.fc1_layout, sp) if experts_communicate(mesh, sp) else None
+        return ExpertParallelExperts(module, mesh, style.dispatcher, style.fc1_layout, sp, style.overlap_chunks) if experts_communicate(mesh, sp) else None
     if isinstance(style, mc.SequenceSum):
         if not (sp or mesh.cp > 1):
             return None

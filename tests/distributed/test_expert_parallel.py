@@ -25,7 +25,12 @@ One spawn of 4 gloo processes (fp32, CPU) runs every case through the same runne
   experts with no row: outputs and weight gradients equal one process's experts;
 - ep2 inside dp4 with the Triton kernels (interpreter: fused router, permute, grouped GEMM) and
   gradient-accumulation fusion, the experts' weight gradients written into the buffer by the
-  Triton kernel and reduced over edp: equal one unfused process's (and the fused path ran).
+  Triton kernel and reduced over edp: equal one unfused process's (and the fused path ran);
+- the overlapped all-to-all (``--overlap-moe-expert-parallel-comm``, 2 chunks of local experts)
+  at ep2 inside dp4, ep2 x tp2, ep2 x tp2 x sp (shared experts, per-sequence balancing loss) and
+  with ``--moe-layer-recompute``: equal one process's and bit-identical to the plain exchange;
+  with ranks and experts without rows; the order of its all-to-alls against each chunk's
+  computation, forward and backward; with fused kernels and the fused weight gradient (slow).
 """
 
 from __future__ import annotations
@@ -60,8 +65,12 @@ MOE_BIAS = ModelConfig(**{**MOE.__dict__, "moe_router_score_function": "sigmoid"
 # --moe-layer-recompute: the all-to-alls run again in backward, in the same order on every rank.
 MOE_RECOMPUTE = ModelConfig(**{**MOE.__dict__, "moe_layer_recompute": True})
 MOE_SINKHORN = ModelConfig(**{**MOE.__dict__, "moe_router_load_balancing_type": "sinkhorn", "moe_aux_loss_coeff": 0.0})
+# --overlap-moe-expert-parallel-comm: the alltoall exchange in 2 chunks of local experts (MOE's 4 experts at ep2).
+OVERLAP = {"overlap_moe_expert_parallel_comm": True, "moe_ep_overlap_chunks": 2}
 CONFIGS = {"moe": MOE, "allgather": MOE_ALLGATHER, "sequence": MOE_SEQUENCE, "bias": MOE_BIAS, "recompute": MOE_RECOMPUTE,
-           "sinkhorn": MOE_SINKHORN}  # fmt: skip
+           "sinkhorn": MOE_SINKHORN, "overlap": ModelConfig(**{**MOE.__dict__, **OVERLAP}),
+           "overlap_recompute": ModelConfig(**{**MOE_RECOMPUTE.__dict__, **OVERLAP}),
+           "overlap_sequence": ModelConfig(**{**MOE_SEQUENCE.__dict__, **OVERLAP})}  # fmt: skip
 # name: (mesh sizes, config, sequence parallel)
 LAYOUTS = {
     "ep2_dp4": (dict(dp=4, ep=2), "moe", False),
@@ -78,6 +87,10 @@ LAYOUTS = {
     "ep4_cp2_dp2_allgather": (dict(cp=2, dp=2, ep=4), "allgather", False),
     "ep2_cp2_tp2_sp": (dict(tp=2, cp=2, ep=2), "sequence", True),
     "ep2_dp4_moe_recompute": (dict(dp=4, ep=2), "recompute", False),
+    "ep2_dp4_overlap": (dict(dp=4, ep=2), "overlap", False),
+    "ep2_tp2_overlap": (dict(tp=2, dp=2, ep=2), "overlap", False),
+    "ep2_tp2_sp_overlap": (dict(tp=2, dp=2, ep=2), "overlap_sequence", True),
+    "ep2_dp4_moe_recompute_overlap": (dict(dp=4, ep=2), "overlap_recompute", False),
     "tp2_sp_sinkhorn": (dict(tp=2, dp=2), "sinkhorn", True),
     "ep2_cp2_tp2_sp_sinkhorn": (dict(tp=2, cp=2, ep=2), "sinkhorn", True),
 }
@@ -178,8 +191,8 @@ def _zero_token_experts() -> Experts:
     return Experts(MOE)
 
 
-def _zero_tokens(mesh: Mesh, dispatcher: str) -> dict:
-    experts = ExpertParallelExperts(_zero_token_experts(), mesh, dispatcher)
+def _zero_tokens(mesh: Mesh, dispatcher: str, overlap_chunks: int = 0) -> dict:
+    experts = ExpertParallelExperts(_zero_token_experts(), mesh, dispatcher, overlap_chunks=overlap_chunks)
     x, sizes, weighting = _zero_token_inputs(mesh.rank)
     x.requires_grad_(True)
     out = experts(x, sizes)
@@ -187,9 +200,10 @@ def _zero_tokens(mesh: Mesh, dispatcher: str) -> dict:
     return {"out": out.detach(), "x_grad": x.grad, "grads": {n: p.grad for n, p in experts.named_parameters()}}
 
 
-def _fused_step(mesh: Mesh) -> dict:
+def _fused_step(mesh: Mesh, overlap: bool = False) -> dict:
     """``_train_step`` of the MoE config with kernels on and the blocks' weight gradients fused into
-    the buffer; counts the fused expert weight-gradient calls."""
+    the buffer (``overlap``: the all-to-all overlapped, each chunk of experts writing its slice of
+    the buffer); counts the fused expert weight-gradient calls."""
     from meshtron.kernels import triton_grouped_gemm
     from meshtron.kernels.grad_accum_fusion import apply_gradient_accumulation_fusion
 
@@ -201,7 +215,7 @@ def _fused_step(mesh: Mesh) -> dict:
 
     triton_grouped_gemm.group_weight_grad = counted
     try:
-        model = _build(ModelConfig(**{**MOE.__dict__, "fused_kernels": "on"}))
+        model = _build(ModelConfig(**{**MOE.__dict__, "fused_kernels": "on", **(OVERLAP if overlap else {})}))
         runner = runner_for(model, mesh, _parallel(mesh, False), TrainConfig(), torch.float32, prepare_blocks=apply_gradient_accumulation_fusion)
         runner.optimizer.zero_grad()
         loss = runner.forward_backward([_micro_batches()[i] for i in range(MICRO_BATCHES)[mesh.dp_rank :: mesh.dp]])
@@ -245,7 +259,62 @@ def _worker(rank: int, world_size: int, tmp: str) -> dict:
     mesh.init_process_groups()
     for dispatcher in ("alltoall", "allgather"):
         out[f"zero/{dispatcher}"] = _zero_tokens(mesh, dispatcher)
+    mesh = Mesh(dp=4, ep=2, rank=rank)
+    mesh.init_process_groups()
+    out["zero/overlap"] = _zero_tokens(mesh, "alltoall", overlap_chunks=2)
+    out["overlap_order"] = _overlap_order(mesh)
     return out
+
+
+class _LoggedCompute(torch.autograd.Function):
+    """A chunk's stand-in for the experts (or the shared experts'): rows x 2, logging (pass, chunk,
+    all-to-alls in flight)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, chunk, log: list, flying: set) -> torch.Tensor:
+        ctx.chunk, ctx.log, ctx.flying = chunk, log, flying
+        log.append(("forward", chunk, len(flying)))
+        return rows * 2
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.log.append(("backward", ctx.chunk, len(ctx.flying)))
+        return grad * 2, None, None, None
+
+
+def _overlap_order(mesh: Mesh) -> dict:
+    """``exchange_in_chunks`` over 4 chunks (one local expert each) with ``_LoggedCompute`` for each
+    chunk and beside them: which all-to-alls were launched and not yet waited for while each
+    computed, forward and backward; and the round trip's outputs and input gradient."""
+    from meshtron.parallel import expert_overlap
+
+    flying, log = set(), []
+    launch, wait = expert_overlap._InFlight.launch, expert_overlap._InFlight.wait
+
+    def logged_launch(self, *args):
+        flying.add(id(self))
+        return launch(self, *args)
+
+    def logged_wait(self):
+        flying.discard(id(self))
+        return wait(self)
+
+    expert_overlap._InFlight.launch, expert_overlap._InFlight.wait = logged_launch, logged_wait
+    try:
+        g = torch.Generator().manual_seed(7 + mesh.rank)
+        sent = torch.randint(0, 3, (mesh.ep, 4), generator=g)
+        received = torch.empty_like(sent)
+        torch.distributed.all_to_all_single(received, sent, group=mesh.ep_group)
+        x = torch.randn(int(sent.sum()), 3, generator=g, requires_grad=True)
+        weighting = torch.randn(x.shape, generator=g)
+        compute = lambda rows, c: _LoggedCompute.apply(rows, c, log, flying)  # noqa: E731
+        beside_input = torch.randn(2, 3, generator=g, requires_grad=True)
+        beside = lambda: _LoggedCompute.apply(beside_input, "beside", log, flying)  # noqa: E731
+        out, side = expert_overlap.exchange_in_chunks(x, sent, received, expert_overlap.chunk_bounds(4, 4), compute, mesh.ep_group, beside)
+        ((out * weighting).sum() + side.sum()).backward()
+    finally:
+        expert_overlap._InFlight.launch, expert_overlap._InFlight.wait = launch, wait
+    return {"log": log, "x": x.detach(), "out": out.detach(), "x_grad": x.grad, "weighting": weighting, "left": len(flying)}
 
 
 @pytest.fixture(scope="module")
@@ -287,12 +356,37 @@ def test_more_layouts_match_one_process(extra_runs, name):
     _check_layout(extra_runs, name, EXTRA_LAYOUTS[name][1])
 
 
+def _assert_bit_identical(runs_a: list[dict], runs_b: list[dict], what: str) -> None:
+    for a, b in zip(runs_a, runs_b, strict=True):
+        assert a["loss"] == b["loss"] and a["aux"] == b["aux"], what
+        for pname, grad in a["grads"].items():
+            assert torch.equal(grad, b["grads"][pname]), f"{what}: {pname} differs"
+
+
 @pytest.mark.parametrize("layout", ["ep4_dp4", "ep2_tp2"])
 def test_alltoall_and_allgather_dispatchers_are_bit_identical(runs, layout):
-    for a, b in zip(runs[layout], runs[f"{layout}_allgather"]):
-        assert a["loss"] == b["loss"] and a["aux"] == b["aux"]
-        for pname, grad in a["grads"].items():
-            assert torch.equal(grad, b["grads"][pname]), f"{layout}: {pname} differs between dispatchers"
+    _assert_bit_identical(runs[layout], runs[f"{layout}_allgather"], f"{layout}: alltoall vs allgather")
+
+
+@pytest.mark.parametrize("layout", ["ep2_dp4", "ep2_tp2", "ep2_tp2_sp", "ep2_dp4_moe_recompute"])
+def test_overlapped_all_to_all_is_bit_identical(runs, layout):
+    """Each expert gets the same rows in the same order and computes its weight gradient in one
+    piece, chunked or not: loss, balancing terms and gradients bit-identical."""
+    _assert_bit_identical(runs[f"{layout}_overlap"], runs[layout], f"{layout}: overlapped vs not")
+
+
+def test_overlapped_chunks_compute_while_another_all_to_all_is_in_flight(runs):
+    """Forward, every chunk computes while another chunk's all-to-all is launched and not waited
+    for, the work beside them (the shared experts) first, while chunk 0's rows travel; backward the
+    same, chunks in reverse order (autograd does not serialize them), the work beside them while
+    chunk 0's gradient travels back; and the round trip brings each row's output back to it."""
+    for rank, r in enumerate(runs["overlap_order"]):
+        forward = [(c, n) for kind, c, n in r["log"] if kind == "forward"]
+        backward = [(c, n) for kind, c, n in r["log"] if kind == "backward"]
+        assert [c for c, _ in forward] == ["beside", 0, 1, 2, 3] and [c for c, _ in backward] == [3, 2, 1, 0, "beside"], r["log"]
+        assert all(n >= 1 for _, n in forward + backward), f"rank {rank}: a chunk computed with no all-to-all in flight: {r['log']}"
+        assert r["left"] == 0
+        assert torch.equal(r["out"], r["x"] * 2) and torch.equal(r["x_grad"], r["weighting"] * 2)
 
 
 @functools.lru_cache
@@ -351,10 +445,39 @@ def test_ranks_and_experts_without_tokens(runs, dispatcher):
                 assert not grad.any(), f"expert {rank} received no token but has a gradient"
 
 
+def test_ranks_and_experts_without_tokens_overlapped(runs):
+    """The same rows at ep2 with the all-to-all in 2 chunks (one expert each): rank 1 sends no row,
+    chunk 1 of rank 0 (expert 1) receives none."""
+    experts, outputs = _zero_token_reference()
+    results = runs["zero/overlap"]
+    for rank, r in enumerate(results):
+        _assert_rows_match(r, *outputs[rank])
+    for ep_rank in (0, 1):  # ep rank e (ranks e and e + 2, an edp pair) holds experts 2e, 2e + 1
+        for pname, grad in results[ep_rank]["grads"].items():
+            summed = grad + results[ep_rank + 2]["grads"][pname]
+            torch.testing.assert_close(summed, getattr(experts, pname).grad[2 * ep_rank : 2 * ep_rank + 2], rtol=RTOL, atol=1e-6)
+
+
 @pytest.mark.skipif(not FUSED_KERNELS_TESTABLE, reason="needs Triton and no GPU (the kernels run under the interpreter)")
 def test_fused_kernels_and_expert_weight_gradients_match_one_process(runs):
     results = runs["ep2_dp4_fused"]
     # 3 MoE layers x 2 expert weights x this rank's micro batches, each through the fused kernel
     assert all(r["fused_wgrad_calls"] == 6 * (MICRO_BATCHES // 4) for r in results), [r["fused_wgrad_calls"] for r in results]
     _check(results, _reference("moe"), "ep2_dp4 with kernels on and gradient-accumulation fusion")
+
+
+def _fused_overlap_worker(rank: int, world_size: int) -> dict:
+    mesh = Mesh(dp=4, ep=2, rank=rank)
+    mesh.init_process_groups()
+    return {"ep2_dp4_fused_overlap": _fused_step(mesh, overlap=True)}
+
+
+@pytest.mark.slow  # ~100 s of Triton interpreter; the unfused overlap is proven in the main spawn
+@pytest.mark.skipif(not FUSED_KERNELS_TESTABLE, reason="needs Triton and no GPU (the kernels run under the interpreter)")
+def test_fused_kernels_with_overlapped_all_to_all_match_one_process():
+    """Each of the 2 chunks writes its experts' slice of the buffer (2 kernel calls per weight),
+    the buffer sees one gradient per weight (a bucket launched early would miss the other chunk)."""
+    results = by_name(run_distributed(_fused_overlap_worker, 4, timeout=400.0))["ep2_dp4_fused_overlap"]
+    assert all(r["fused_wgrad_calls"] == 2 * 6 * (MICRO_BATCHES // 4) for r in results), [r["fused_wgrad_calls"] for r in results]
+    _check(results, _reference("moe"), "ep2_dp4 overlapped, with kernels on and gradient-accumulation fusion")
 

@@ -13,7 +13,7 @@ One spawn of 4 gloo processes (fp32, CPU) runs every case through the same runne
   cp ranks (cp2 x dp2) and etp2 inside each pipeline stage (pp2 x dp2): the step
   loss, each balancing term and every gradient equal one process's (1e-5 relative);
 - FSDP2 with ep2 (dp4: experts sharded over an edp group of 2), ep4 (edp 1) and etp2 (dp4, edp
-  2): loss, balancing terms and gradients the same way;
+  2): loss, balancing terms and gradients the same way (ep2 also with the all-to-all overlapped);
 - one optimizer step under ep2 x etp2 (the distributed optimizer sharding experts over edp),
   etp2 x sp (replicated optimizer), tp1 x etp2 x ep2 (distributed optimizer), tp4 x etp2 x sp
   and FSDP2 with ep2 and with etp2: the gradient norm (each expert slice counted once), the
@@ -22,7 +22,8 @@ One spawn of 4 gloo processes (fp32, CPU) runs every case through the same runne
   masters, Adam moments) and continues with its next step's loss and gradient norm;
 - one process's checkpoint loaded into a fresh ep2 x etp2 layout (and into FSDP2 ep2) and saved
   again reads back the same: resharding 1 -> ep2 x etp2 -> 1 and 1 -> FSDP2 ep2 -> 1;
-- the alltoall and allgather dispatchers stay bit-identical under etp; and the experts alone
+- the alltoall and allgather dispatchers stay bit-identical under etp, and so does the overlapped
+  all-to-all (``--overlap-moe-expert-parallel-comm``) against the plain one; and the experts alone
   (ep2 x etp2, sequence parallel) with an etp rank that sends no row and experts that receive
   none: outputs and gradients equal one process's experts.
 """
@@ -41,7 +42,7 @@ from meshtron.parallel.mesh import Mesh
 from meshtron.parallel.plan import gather_full
 from meshtron.parallel.setup import runner_for
 from test_expert_parallel import (CONFIGS, MOE_BIAS, STEP_RTOL, TRAIN, _assert_same_state, _bias_runner, _one_process_step, _parallel,
-                                  _assert_rows_match, _reference, _reload, _state_in_one_process, _zero_token_experts, _zero_token_inputs,
+                                  _assert_bit_identical, _assert_rows_match, _reference, _reload, _state_in_one_process, _zero_token_experts, _zero_token_inputs,
                                   _zero_token_reference)  # fmt: skip
 from test_model_contract import MICRO_BATCHES, RTOL, _check, _build, _micro_batches, _train_step
 
@@ -65,6 +66,8 @@ LAYOUTS = {
     "ep2_etp2_sp": (EP2_TP2, "sequence", True),
     "tp1_etp2_ep2": (ETP2_EP2_DP4, "moe", False),
     "tp1_etp2_ep2_allgather": (ETP2_EP2_DP4, "allgather", False),
+    "ep2_etp2_overlap": (EP2_TP2, "overlap", False),
+    "tp1_etp2_ep2_overlap": (ETP2_EP2_DP4, "overlap", False),
     "tp4_etp2": (TP4_ETP2, "moe", False),
     "tp4_etp2_sp": (TP4_ETP2, "sequence", True),
     "tp2_etp4": (dict(tp=2, dp=2, etp=4), "moe", False),
@@ -75,7 +78,8 @@ LAYOUTS = {
 }
 # world 2: name -> (mesh sizes, config, sequence parallel)
 LAYOUTS_WORLD2 = {"tp1_etp2": (dict(dp=2, etp=2), "moe", False)}
-FSDP_LAYOUTS = {"fsdp_ep2_dp4": dict(dp=4, ep=2), "fsdp_ep4_dp4": dict(dp=4, ep=4), "fsdp_etp2_dp4": dict(dp=4, etp=2)}
+FSDP_LAYOUTS = {"fsdp_ep2_dp4": dict(dp=4, ep=2), "fsdp_ep4_dp4": dict(dp=4, ep=4), "fsdp_etp2_dp4": dict(dp=4, etp=2),
+                "fsdp_ep2_dp4_overlap": dict(dp=4, ep=2)}  # *_overlap: with --overlap-moe-expert-parallel-comm
 FSDP_STEPS = ("fsdp_ep2_dp4", "fsdp_etp2_dp4")
 # name: (mesh sizes, sequence parallel, distributed optimizer), all with MOE_BIAS
 STEPS = {"ep2_etp2_distopt": (EP2_TP2, False, True), "etp2_sp": (TP2, True, False),
@@ -94,9 +98,9 @@ def _fsdp_runner(mesh: Mesh, config):
     return runner_for(_build(config), mesh, parallel, TRAIN, torch.float32)
 
 
-def _fsdp_train_step(mesh: Mesh) -> dict:
+def _fsdp_train_step(mesh: Mesh, config: str = "moe") -> dict:
     """``_train_step``'s loss, balancing terms and gradients, under FSDP2 (gradients are DTensor shards)."""
-    runner = _fsdp_runner(mesh, CONFIGS["moe"])
+    runner = _fsdp_runner(mesh, CONFIGS[config])
     batches = _micro_batches()
     runner.optimizer.zero_grad()
     loss = runner.forward_backward([batches[i] for i in range(MICRO_BATCHES)[mesh.dp_rank :: mesh.dp]])
@@ -152,7 +156,7 @@ def _worker(rank: int, world_size: int, tmp: str) -> dict:
         runner, out[name] = _train_step(_build(CONFIGS[config]), mesh, _parallel(mesh, sp))
         out[name]["local_shapes"] = {n: tuple(p.shape) for n, p in runner.model.named_parameters()}
     for name, sizes in FSDP_LAYOUTS.items():
-        out[name] = _fsdp_train_step(_mesh(rank, sizes))
+        out[name] = _fsdp_train_step(_mesh(rank, sizes), "overlap" if name.endswith("_overlap") else "moe")
     for name, (sizes, sp, distributed) in STEPS.items():
         mesh = _mesh(rank, sizes)
         out[f"step/{name}"] = _step(_bias_runner(mesh, sp, distributed), f"{tmp}/step_{name}")
@@ -270,10 +274,14 @@ def test_one_process_checkpoint_loads_into_expert_layouts(runs, tmp, name):
 
 @pytest.mark.parametrize("layout", ["ep2_etp2", "tp1_etp2_ep2"])
 def test_dispatchers_are_bit_identical_under_expert_tensor_parallelism(runs, layout):
-    for a, b in zip(runs[layout], runs[f"{layout}_allgather"]):
-        assert a["loss"] == b["loss"] and a["aux"] == b["aux"]
-        for pname, grad in a["grads"].items():
-            assert torch.equal(grad, b["grads"][pname]), f"{layout}: {pname} differs between dispatchers"
+    _assert_bit_identical(runs[layout], runs[f"{layout}_allgather"], f"{layout}: alltoall vs allgather")
+
+
+@pytest.mark.parametrize("layout", ["ep2_etp2", "tp1_etp2_ep2", "fsdp_ep2_dp4"])
+def test_overlapped_all_to_all_is_bit_identical_under_expert_tensor_parallelism(runs, layout):
+    """etp = tp (rows shared by the etp group), etp over dp ranks (rows gathered over etp per
+    chunk) and FSDP2 with ep2 (each chunk a slice of the unsharded expert weights)."""
+    _assert_bit_identical(runs[f"{layout}_overlap"], runs[layout], f"{layout}: overlapped vs not")
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])

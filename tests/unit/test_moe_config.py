@@ -1,6 +1,7 @@
 """MoE config: --moe-layer-freq parsing (never evaluated), value checks, Megatron and MegaBlocks flags."""
 
 import builtins
+import re
 
 import pytest
 
@@ -142,7 +143,7 @@ def test_megatron_moe_performance_flags_are_accepted_and_say_what_meshtron_does(
     from meshtron.validation import validate
 
     flags = ["--preset", "tiny-mixtral", "--mock-data", "--moe-permute-fusion", "--moe-router-fusion", "--moe-per-layer-logging",
-             "--moe-lbl-in-fp32", "--moe-router-padding-for-fp8", "--overlap-moe-expert-parallel-comm", "--moe-enable-deepep",
+             "--moe-lbl-in-fp32", "--moe-router-padding-for-fp8", "--moe-enable-deepep",
              "--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep", "--moe-deepep-num-sms", "20"]  # fmt: skip
     cfg = build_config(None, flags)
     validate(cfg)
@@ -150,6 +151,24 @@ def test_megatron_moe_performance_flags_are_accepted_and_say_what_meshtron_does(
     lines = "\n".join(noted_flag_lines(cfg.logging.noted_flags))
     assert "--moe-permute-fusion: always where Triton runs" in lines and "--moe-flex-dispatcher-backend deepep: DeepEP is not used" in lines
     assert "--moe-token-dispatcher-type flex: meshtron's alltoall, NCCL's variable-size all-to-all" in lines
+
+
+def test_overlap_moe_expert_parallel_comm_is_accepted_with_ep_and_refused_without():
+    from meshtron.errors import ConfigError
+    from meshtron.validation import validate
+
+    base = ["--preset", "tiny-mixtral", "--mock-data", "--overlap-moe-expert-parallel-comm"]
+    cfg = build_config(None, [*base, "--expert-model-parallel-size", "2"])
+    validate(cfg, world_size=2)
+    assert cfg.model.overlap_moe_expert_parallel_comm and cfg.model.moe_ep_overlap_chunks == 2
+    local = cfg.model.num_experts // 2
+    refused = [([], "with --expert-model-parallel-size 1 there is none; drop the flag or set ep > 1"),
+               (["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"], "use alltoall or drop the flag"),
+               (["--expert-model-parallel-size", "2", "--model.moe_ep_overlap_chunks", str(local + 1)],
+                f"must be between 2 and the {local} experts per ep rank")]  # fmt: skip
+    for flags, message in refused:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            validate(build_config(None, [*base, *flags]), world_size=2)
 
 
 @pytest.mark.parametrize("flags, message", [

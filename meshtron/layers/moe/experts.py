@@ -7,6 +7,7 @@ parallelism keep a slice of experts by slicing dim 0. No biases: MoE models run 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -27,7 +28,11 @@ def expert_ffn_hidden_size(cfg: ModelConfig) -> int:
 
 
 class Experts(nn.Module):
-    """Expert input [R, h], rows grouped by expert (``group_sizes`` [E]) -> output [R, h]."""
+    """Expert input [R, h], rows grouped by expert (``group_sizes`` [E]) -> output [R, h].
+
+    ``beside``: work of the layer's that does not depend on the experts (its shared experts),
+    handed in so that an expert-parallel replacement can run it while rows travel; the call then
+    returns (output, its result). Here it simply runs after the experts."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -39,8 +44,9 @@ class Experts(nn.Module):
         self.weight2 = nn.Parameter(torch.randn(cfg.num_experts, cfg.hidden_size, ffn) * cfg.init_method_std)
         self.grad_accum_fusion = False  # set by apply_gradient_accumulation_fusion
 
-    def forward(self, x: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-        return expert_ffn(x, self.weight1, self.weight2, group_sizes, self.cfg, self.grad_accum_fusion)
+    def forward(self, x: torch.Tensor, group_sizes: torch.Tensor, beside: Callable[[], torch.Tensor] | None = None):
+        out = expert_ffn(x, self.weight1, self.weight2, group_sizes, self.cfg, self.grad_accum_fusion)
+        return out if beside is None else (out, beside())
 
 
 def expert_ffn(x: torch.Tensor, weight1: torch.Tensor, weight2: torch.Tensor, group_sizes: torch.Tensor, cfg: ModelConfig,

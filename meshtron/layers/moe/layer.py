@@ -59,11 +59,15 @@ class MoELayer(nn.Module):
             cfg.moe_token_drop_policy, cfg.moe_pad_expert_input_to_capacity, seq_length=s,
         )  # fmt: skip
         self.last_tokens_per_expert = plan.tokens_per_expert.detach()
-        expert_output = self.experts(permute(tokens, plan, cfg.fused_kernels), plan.group_sizes)
-        out = unpermute(expert_output, plan, b * s, x.dtype, cfg.fused_kernels)
-        if self.shared_experts is not None:
-            shared = self.shared_experts(tokens)
-            if self.shared_expert_gate is not None:
-                shared = shared * torch.sigmoid(self.shared_expert_gate(tokens))
-            out = out + shared
-        return out.view(b, s, h)
+        rows = permute(tokens, plan, cfg.fused_kernels)
+        if self.shared_experts is None:
+            return unpermute(self.experts(rows, plan.group_sizes), plan, b * s, x.dtype, cfg.fused_kernels).view(b, s, h)
+        # The experts run the shared ones where that hides the expert-parallel exchange (``Experts``: ``beside``).
+        expert_output, shared = self.experts(rows, plan.group_sizes, beside=lambda: self._shared_experts(tokens))
+        return (unpermute(expert_output, plan, b * s, x.dtype, cfg.fused_kernels) + shared).view(b, s, h)
+
+    def _shared_experts(self, tokens: torch.Tensor) -> torch.Tensor:
+        shared = self.shared_experts(tokens)
+        if self.shared_expert_gate is not None:
+            shared = shared * torch.sigmoid(self.shared_expert_gate(tokens))
+        return shared
