@@ -38,6 +38,7 @@ from meshtron.layers.attention import head_dim, num_kv_heads
 from meshtron.layers.mlp import ffn_hidden_size
 from meshtron.layers.moe.experts import expert_ffn_hidden_size
 from meshtron.models import num_blocks, padded_vocab_size, parameter_count, pipeline_costs, spec_for
+from meshtron.models.mtp import mtp_parameter_count
 from meshtron.parallel.mesh import GROUP_DIMS, Mesh
 from meshtron.parallel.pipeline_balance import pipeline_split
 from meshtron.parallel.pipeline_schedules import model_chunk
@@ -391,11 +392,13 @@ def main(argv: list[str]) -> int:
         print(batch_note)
     print(f"vocabulary: {m.vocab_size} rows (padded)")
     total, active, active_body = model_parameters(cfg)
+    depths = f" ({_count(total - mtp_parameter_count(m, _vocab(cfg), cfg.data.seq_length))} without the {m.mtp_num_layers} " \
+             f"multi-token prediction depths)" if m.mtp_num_layers else ""  # fmt: skip
     if active < total:
-        print(f"model: {_count(total)} parameters, {_count(active)} active per token "
+        print(f"model: {_count(total)} parameters{depths}, {_count(active)} active per token "
               f"({_count(active_body)} without the input embedding); {m.num_experts} experts, top-{m.moe_router_topk}, "
               f"{m.num_experts // p.expert_parallel} per ep rank")  # fmt: skip
     else:
-        print(f"model: {_count(total)} parameters")
+        print(f"model: {_count(total)} parameters{depths}")
     print(estimate(cfg, known.world_size).table())
     return 0

@@ -60,7 +60,7 @@ class Runner:
         loss sum over all its micro batches and ranks, its count (``total / count`` is the mean),
         and each auxiliary term's and metric's mean. ``timed``: the pipeline walk's section timer."""
         mesh, model = self.mesh, self.model
-        batches = [shard_batch_for_cp(b, mesh) for b in micro_batches]
+        batches = [shard_batch_for_cp(model.prepare_batch(b), mesh) for b in micro_batches]
         device = next(iter(batches[0].values())).device
         count = self._sum_over_dp(sum(model.loss_count(b) for b in batches).float()).clamp(min=1)
         num_micro_total = len(batches) * mesh.dp_cp
