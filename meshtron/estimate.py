@@ -392,8 +392,10 @@ def main(argv: list[str]) -> int:
         print(batch_note)
     print(f"vocabulary: {m.vocab_size} rows (padded)")
     total, active, active_body = model_parameters(cfg)
-    depths = f" ({_count(total - mtp_parameter_count(m, _vocab(cfg), cfg.data.seq_length))} without the {m.mtp_num_layers} " \
-             f"multi-token prediction depths)" if m.mtp_num_layers else ""  # fmt: skip
+    depths = ""
+    if m.mtp_num_layers:
+        mtp, n = mtp_parameter_count(m, _vocab(cfg), cfg.data.seq_length), m.mtp_num_layers
+        depths = f" ({_count(total - mtp)} main model, {_count(mtp)} in {n} multi-token prediction depth{'s' if n > 1 else ''})"
     if active < total:
         print(f"model: {_count(total)} parameters{depths}, {_count(active)} active per token "
               f"({_count(active_body)} without the input embedding); {m.num_experts} experts, top-{m.moe_router_topk}, "
