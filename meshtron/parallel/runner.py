@@ -1,8 +1,9 @@
 """The runner: runs a step's micro batches through a parallel model and completes its gradients.
 
-It is the one place that knows the layout when training: it cuts each micro batch to this
-context-parallel rank's tokens, runs the pipeline schedule over this rank's stages (one stage
-and a plain forward-then-backward per micro batch when pp is 1: the same code), builds the
+It is the one place that knows the layout when training: it cuts each micro batch (with what
+the model derives from whole sequences, ``prepare_batch``) to this context-parallel rank's
+tokens, runs the pipeline schedule over this rank's stages (one stage and a plain
+forward-then-backward per micro batch when pp is 1: the same code), builds the
 objective from the model's ``LossOutput`` and auxiliary terms, and after backward completes what
 tensor and pipeline parallelism leave partial. The trainer sees ``forward_backward`` and
 ``finalize_grads`` only.
