@@ -51,3 +51,20 @@ def test_estimate_command_on_the_cpu(capsys, monkeypatch):
     total_gib = float(re.search(r"total +([\d.]+) GiB", out).group(1))
     assert 50 < total_gib < 400  # one H100-class rank's order of magnitude, not the whole model's 12 TiB
     assert max(made, default=0) < 2**22
+
+
+def test_estimate_counts_the_depths_where_they_run():
+    """At pp 1 each depth keeps one more block of the last one's kind and one more output-layer call;
+    with pp > 1 they run on the last stage, whose modeled cost (the head's) they raise, so the
+    cost-balanced split gives the first stage more of the blocks."""
+    from meshtron.estimate import activation_bytes, block_activations, first_stage_blocks, loss_bytes
+
+    def cfg(depths: int, *flags: str):
+        return build_config(overrides=["--preset", "tiny-deepseek-v3", "--vocab-size", "512", "--mtp-num-layers", str(depths),
+                                       "--micro-batch-size", "2", "--global-batch-size", "8", *flags])  # fmt: skip
+
+    last_block = block_activations(cfg(0))[-1][1]
+    assert activation_bytes(cfg(2)) - activation_bytes(cfg(0)) == int(2 * last_block)
+    assert loss_bytes(cfg(2)) > loss_bytes(cfg(1)) > loss_bytes(cfg(0))
+    first = [first_stage_blocks(cfg(depths, "--pp", "2"), 4, 2) for depths in (0, 2)]
+    assert len(first[1]) > len(first[0]), first
