@@ -257,10 +257,11 @@ class Decoder(c.TokenLossModel):
             aux.update(_balancing_terms(block))
         return {"hidden": hidden}, aux
 
-    def head(self, carry: c.Carry, batch: c.Batch) -> torch.Tensor | c.SummedTokenLoss:
+    def head(self, carry: c.Carry, batch: c.Batch) -> torch.Tensor | c.SummedTokenLoss | c.HeadWithAux:
         """Per-token loss [b, s] in fp32 with labels in the batch, else logits; with labels and a
         ``loss_mask`` under ``--cross-entropy-loss-fusion``, the masked sum (its gradients taken in
-        the forward)."""
+        the forward). With prediction depths and their targets in the batch (``prepare_batch``),
+        that with the depths' loss terms."""
         hidden = self.final_norm(carry["hidden"])
         main = self._token_loss(hidden, batch.get("labels"), batch.get("loss_mask"))
         if not self.cfg.mtp_num_layers or target_keys(1)[0] not in batch:

@@ -11,7 +11,8 @@ the model's and keep ``eh_proj`` and the depths' norms whole (sequence-partial g
 sp); pp2 puts the depths on the last stage with a copy of the embedding whose two gradients meet;
 ep2 spreads the depths' experts; cp2 reads the shifted targets cut from the whole sequence and
 sums each depth's loss and count over the cp ranks; dp2 and FSDP2 average the per-micro-batch
-depth losses like any auxiliary term.
+depth losses like any auxiliary term. The pp2 run's checkpoint (the embedding saved once, though
+both stages hold it) loads into one process with every weight it trained, bit for bit.
 """
 
 import math
@@ -49,8 +50,8 @@ def _run(flags: list[str]) -> dict:
             "weights": full_weights(trainer.model, trainer.runner.metas, trainer.mesh)}  # fmt: skip
 
 
-def _layouts(rank: int, world_size: int) -> dict | None:
-    out = {name: _run(flags) for name, flags in LAYOUTS.items()}
+def _layouts(rank: int, world_size: int, tmp: str) -> dict | None:
+    out = {name: _run(flags + (["--save", f"{tmp}/pp2"] if name == "pp2" else [])) for name, flags in LAYOUTS.items()}
     return out if rank == 0 else None
 
 
@@ -60,8 +61,13 @@ def one_process() -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict:
-    return run_distributed(_layouts, 2, timeout=900)[0]
+def tmp(tmp_path_factory):
+    return tmp_path_factory.mktemp("mtp_layouts")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp) -> dict:
+    return run_distributed(_layouts, 2, str(tmp), timeout=900)[0]
 
 
 def _close(a, b, rel=1e-5) -> bool:
@@ -90,3 +96,13 @@ def test_layout_matches_one_process(runs, one_process, layout):
     assert got["weights"].keys() == ref["weights"].keys()
     for name, weight in ref["weights"].items():
         torch.testing.assert_close(got["weights"][name], weight, rtol=1e-5, atol=2e-5, msg=lambda m, name=name: f"{layout}: {name}: {m}")
+
+
+def test_pp2_checkpoint_loads_into_one_process(runs, tmp):
+    trainer = Trainer(build_config(None, BASE + ["--micro-batch-size", "8", "--load", str(tmp / "pp2"), "--no-load-rng"]),
+                      log=lambda _: None)  # fmt: skip
+    assert trainer.run().iteration == STEPS  # nothing left to train: the loaded weights as they are
+    loaded = full_weights(trainer.model, trainer.runner.metas, trainer.mesh)
+    assert loaded.keys() == runs["pp2"]["weights"].keys()
+    for name, weight in runs["pp2"]["weights"].items():
+        assert torch.equal(loaded[name], weight), name
