@@ -122,7 +122,12 @@ def decoder_hf_export(weights: Mapping[str, torch.Tensor], cfg: Config, meta: di
                       max_positions: int) -> tuple[dict[str, Any], Iterator[tuple[str, torch.Tensor]]]:  # fmt: skip
     """The decoder family's ``hf_export``: its architecture's config.json and tensors. The
     vocabulary keeps every row the checkpoint has (a padded one included: HF models may have more
-    rows than their tokenizer, as Llama's do), so the logits are those meshtron computes."""
+    rows than their tokenizer, as Llama's do), so the logits are those meshtron computes.
+    Multi-token prediction depths go where the architecture has them (DeepSeek-V3); elsewhere
+    they are left out, which inference never reads, and the export says so."""
     hf_config = hf_config_from_model(cfg.model, meta["vocab_size"], max_positions, dtype)
     hf_config.update(_special_ids(load_dir, meta, cfg, meta["vocab_size"], hf_config["model_type"]))
+    if cfg.model.mtp_num_layers and "num_nextn_predict_layers" not in hf_config:
+        print(f"hf-export: {hf_config['architectures'][0]} has no multi-token prediction; its "
+              f"{cfg.model.mtp_num_layers} depth(s) (--mtp-num-layers) are left out")  # fmt: skip
     return hf_config, _EXPORTERS[hf_config["model_type"]](weights, cfg.model)

@@ -127,7 +127,6 @@ def deepseek_hf_config(m: ModelConfig, vocab_size: int, max_positions: int, dtyp
         or m.moe_router_enable_expert_bias or m.moe_shared_expert_gate,
         "groups scored by the sum of their best k / group_topk experts (group_limited_greedy takes the best one: "
         "--model.moe_router_group_score max)": bool(m.moe_router_group_topk) and not _groups_by_best_expert(m),
-        "multi-token prediction (--mtp-num-layers; DeepseekV3 has it)": m.mtp_num_layers > 0,
     }  # fmt: skip
     config = shared_hf_config("DeepseekV2ForCausalLM", m, vocab_size, max_positions, dtype_name, problems)
     if m.num_experts:

@@ -35,8 +35,10 @@ BEST_PER_GROUP = 2  # noaux_tc scores a group by the sum of its best two experts
 
 
 def is_deepseek_v3(m: ModelConfig) -> bool:
-    """A latent-attention model HF calls DeepSeek-V3: a sigmoid router, or prediction depths."""
-    return m.multi_latent_attention and (m.moe_router_score_function == "sigmoid" or m.mtp_num_layers > 0)
+    """A latent-attention model HF calls DeepSeek-V3: a sigmoid router (a softmax one is V2's, its
+    prediction depths then left out), or dense with prediction depths."""
+    routed = bool(m.num_experts) and m.moe_router_score_function == "sigmoid"
+    return m.multi_latent_attention and (routed or (not m.num_experts and m.mtp_num_layers > 0))
 
 
 def _depths_in(names: set[str], layers: int) -> int:
@@ -74,7 +76,6 @@ def deepseek_v3_hf_config(m: ModelConfig, vocab_size: int, max_positions: int, d
     """config.json for ``DeepseekV3ForCausalLM``; refuses what that class cannot express."""
     groups = bool(m.moe_router_group_topk)
     problems = {
-        "a softmax router (DeepseekV3's is sigmoid)": bool(m.num_experts) and m.moe_router_score_function != "sigmoid",
         "a shared-expert gate": m.moe_shared_expert_gate,
         "one routed expert per token (HF renormalizes its score to 1)": bool(m.num_experts) and m.moe_router_topk == 1,
         f"groups not scored by their best {BEST_PER_GROUP} experts (--moe-router-topk = {BEST_PER_GROUP} x --moe-router-group-topk, "

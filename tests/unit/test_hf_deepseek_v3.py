@@ -22,7 +22,7 @@ from meshtron.cli import main as cli_main  # noqa: E402
 from meshtron.config import Config, ModelConfig, build_config  # noqa: E402
 from meshtron.models import build_model  # noqa: E402
 from meshtron.models.hf import import_hf, model_config_from_hf  # noqa: E402
-from meshtron.models.hf_decoder import hf_config_from_model  # noqa: E402
+from meshtron.models.hf_decoder import decoder_hf_export, hf_config_from_model  # noqa: E402
 from tests.unit.test_hf_convert import _hf_logits, _meshtron_logits, _random_init  # noqa: E402
 
 LAYERS = 3
@@ -171,11 +171,14 @@ def test_group_rule_other_than_the_best_two_is_refused(tmp_path):
         hf_config_from_model(m, 128, 256, torch.float32)
 
 
-def test_export_refuses_a_softmax_router_with_prediction_depths():
-    m = build_config(overrides=["--model.preset", "tiny-deepseek"]).model
-    m.mtp_num_layers = 1
-    with pytest.raises(CheckpointError, match="DeepseekV3ForCausalLM cannot express a softmax router"):
-        hf_config_from_model(m, 128, 256, torch.float32)
+@pytest.mark.parametrize("preset, architecture", [("tiny-deepseek", "DeepseekV2ForCausalLM"), ("tiny-llama", "LlamaForCausalLM")])
+def test_architectures_without_prediction_depths_export_without_them(tmp_path, capsys, preset, architecture):
+    """A softmax-routed latent-attention model is V2's, a Llama is Llama's: neither has depths, which
+    inference never reads; the export leaves them out and says so."""
+    cfg = build_config(overrides=["--model.preset", preset, "--mtp-num-layers", "1"])
+    config, _ = decoder_hf_export({}, cfg, {"vocab_size": 128}, tmp_path, torch.float32, 256)
+    assert config["architectures"] == [architecture] and "num_nextn_predict_layers" not in config
+    assert f"hf-export: {architecture} has no multi-token prediction; its 1 depth(s) (--mtp-num-layers) are left out" in capsys.readouterr().out
 
 
 def test_preset_is_the_hub_config():
