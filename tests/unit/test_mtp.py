@@ -105,3 +105,13 @@ def test_flags_refused_with_the_fix(flags, message):
 def test_megatron_flag_names_parse():
     cfg = build_config(None, ["--preset", "tiny-llama", "--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"])
     assert (cfg.model.mtp_num_layers, cfg.model.mtp_loss_scaling_factor) == (2, 0.3)
+
+
+def test_megatron_export_refuses_the_depths():
+    from meshtron.checkpoint.checkpoint import CheckpointError
+    from meshtron.models.megatron import check_exportable
+
+    llama = build_config(None, ["--preset", "tiny-llama"]).model
+    check_exportable(llama)
+    with pytest.raises(CheckpointError, match="multi-token prediction depths"):
+        check_exportable(dataclasses.replace(llama, mtp_num_layers=1))
