@@ -133,6 +133,9 @@ class ModelConfig:
     # Flags of the ROCm fork's launch scripts (issue 14); checks in meshtron.validation.dropin_errors.
     extra_vocab_size: int = 0  # rows added after the tokenizer's vocabulary, before padding (PAI-Megatron's)
     moe_num_shared_experts: int = 0  # PAI-Megatron's shared-expert count: the shared MLP is this x moe_ffn_hidden_size wide
+    # Multi-token prediction (DeepSeek-V3; models/mtp.py), Megatron-Core's names.
+    mtp_num_layers: int = 0  # depths predicted beyond the next token, one block each after the last; 0: off
+    mtp_loss_scaling_factor: float = 0.1  # the depths' mean loss enters the objective times this
 
 
 @dataclass

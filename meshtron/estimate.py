@@ -39,6 +39,7 @@ from meshtron.layers.attention import head_dim, num_kv_heads
 from meshtron.layers.mlp import ffn_hidden_size
 from meshtron.layers.moe.experts import expert_ffn_hidden_size
 from meshtron.models import num_blocks, padded_vocab_size, parameter_count, pipeline_costs, spec_for
+from meshtron.models.mtp import mtp_parameter_count
 from meshtron.parallel.mesh import GROUP_DIMS, Mesh
 from meshtron.parallel.pipeline_balance import pipeline_split
 from meshtron.parallel.pipeline_schedules import model_chunk
@@ -257,17 +258,19 @@ def block_activations(cfg: Config) -> list[tuple[float, float]]:
 def activation_bytes(cfg: Config, world_size: int = 1) -> int:
     """Activations of the first pipeline stage: its blocks x micro batches in flight (1F1B keeps
     up to pp of them on the first stage), or under full recompute the checkpointed inputs plus one
-    recomputed group; with ``--moe-layer-recompute`` plus one MoE layer rerun."""
+    recomputed group; with ``--moe-layer-recompute`` plus one MoE layer rerun. At pp 1 the stage is
+    the last too: each multi-token prediction depth keeps a block like the last (never recomputed)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     all_blocks = block_activations(cfg)
     blocks = [all_blocks[i] for i in first_stage_blocks(cfg, len(all_blocks), world_size)]
+    depths = all_blocks[-1][1] * m.mtp_num_layers if p.pipeline_parallel == 1 else 0
     micro = t.global_batch_size // (t.micro_batch_size * max(1, data_parallel_size(cfg, world_size)))
     in_flight = min(p.pipeline_parallel, micro) if p.pipeline_parallel > 1 else 1
     moe_rerun = 0  # --moe-layer-recompute: one MoE layer's activations exist again while its backward runs
     if m.moe_layer_recompute and m.num_experts:
         moe_rerun = max(tokens for tokens, _ in blocks) * moe_bytes_per_token(cfg, _DTYPE_BYTES[t.precision])
     if m.recompute_granularity != "full":
-        return int(sum(kept for _, kept in blocks) * in_flight + moe_rerun)
+        return int(sum(kept for _, kept in blocks) * in_flight + moe_rerun + depths)
     kept_per_token = m.hidden_size * _DTYPE_BYTES[t.precision] / _token_shard(cfg)
     n = min(m.recompute_num_layers, len(blocks))
     if m.recompute_method == "uniform":  # groups of n blocks, each keeping its input
@@ -277,7 +280,7 @@ def activation_bytes(cfg: Config, world_size: int = 1) -> int:
     else:  # block: the first n blocks keep their inputs, the rest everything
         stage = sum(tokens * kept_per_token for tokens, _ in blocks[:n]) + sum(kept for _, kept in blocks[n:])
         recomputed = sum(kept for _, kept in blocks[:n])
-    return int(stage * in_flight + recomputed + moe_rerun)
+    return int(stage * in_flight + recomputed + moe_rerun + depths)
 
 
 def loss_bytes(cfg: Config) -> int:
@@ -285,7 +288,8 @@ def loss_bytes(cfg: Config) -> int:
     logits (``CHUNK_ELEMENTS``; the whole fp32 logits and their gradient when fused kernels are
     off; under ``--cross-entropy-loss-fusion``, the logits of a token block up to
     ``LOGITS_BUDGET_BYTES`` and the weight gradient kept until backward), and the fp32 sum of the
-    hidden-state gradient, over the tokens that have labels (T5's decoder tokens). Counted where
+    hidden-state gradient, over the tokens that have labels (T5's decoder tokens); what a call keeps
+    for backward once per call (the main head's and each multi-token prediction depth's). Counted where
     pp is 1 (with pp > 1 the last stage holds it and fewer micro batches); the retriever's
     in-batch scores are negligible."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
@@ -295,13 +299,14 @@ def loss_bytes(cfg: Config) -> int:
     a = _DTYPE_BYTES[t.precision]
     tokens = t.micro_batch_size * seq // p.context_parallel
     vocab = _vocab(cfg) // p.tensor_parallel
+    kept, transient = tokens * m.hidden_size * (2 * a + 4), 0
     if m.fused_kernels == "off":
-        logits = tokens * vocab * 4 * 2
+        kept += tokens * vocab * 4 * 2
     elif m.cross_entropy_loss_fusion:
-        logits = min(LOGITS_BUDGET_BYTES, tokens * vocab * a) + vocab * m.hidden_size * a
+        kept, transient = kept + vocab * m.hidden_size * a, min(LOGITS_BUDGET_BYTES, tokens * vocab * a)
     else:
-        logits = min(CHUNK_ELEMENTS, tokens * vocab) * a
-    return int(tokens * m.hidden_size * (2 * a + 4) + logits)
+        transient = min(CHUNK_ELEMENTS, tokens * vocab) * a
+    return int(kept * (1 + m.mtp_num_layers) + transient)
 
 
 def estimate(cfg: Config, world_size: int = 1) -> MemoryEstimate:
@@ -392,11 +397,15 @@ def main(argv: list[str]) -> int:
         print(batch_note)
     print(f"vocabulary: {m.vocab_size} rows (padded)")
     total, active, active_body = model_parameters(cfg)
+    depths = ""
+    if m.mtp_num_layers:
+        mtp, n = mtp_parameter_count(m, _vocab(cfg), cfg.data.seq_length), m.mtp_num_layers
+        depths = f" ({_count(total - mtp)} main model, {_count(mtp)} in {n} multi-token prediction depth{'s' if n > 1 else ''})"
     if active < total:
-        print(f"model: {_count(total)} parameters, {_count(active)} active per token "
+        print(f"model: {_count(total)} parameters{depths}, {_count(active)} active per token "
               f"({_count(active_body)} without the input embedding); {m.num_experts} experts, top-{m.moe_router_topk}, "
               f"{m.num_experts // p.expert_parallel} per ep rank")  # fmt: skip
     else:
-        print(f"model: {_count(total)} parameters")
+        print(f"model: {_count(total)} parameters{depths}")
     print(estimate(cfg, known.world_size).table())
     return 0

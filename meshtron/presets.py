@@ -170,6 +170,31 @@ def _deepseek(layers: int, hidden: int, heads: int, ffn: int, experts: int, expe
     }
 
 
+# DeepSeek-V3 (671 B, 37 B active): V2's blocks with one shared expert, a sigmoid router with the
+# auxiliary-loss-free expert bias choosing 8 of 256 experts from the best 4 of 8 groups (HF noaux_tc:
+# a group scores its best two, Megatron's sum_topk at 8 / 4), the chosen weights renormalized and
+# times 2.5, the first 3 layers dense, YaRN with mscale 1 / 1, and one multi-token prediction depth.
+# Numbers from the Hugging Face config.json of deepseek-ai/DeepSeek-V3; the training choices HF does
+# not record are the paper's (arXiv 2412.19437): the sequence-wise balance loss at 1e-4 beside the
+# bias, fp32 routing.
+def _deepseek_v3(layers: int, hidden: int, heads: int, ffn: int, experts: int, expert_ffn: int, dense: int, **fields: Any) -> dict[str, Any]:
+    return {
+        **_deepseek(layers, hidden, heads, ffn, experts, expert_ffn),
+        "model.moe_shared_expert_intermediate_size": expert_ffn,  # n_shared_experts 1
+        "model.moe_layer_freq": f"([0]*{dense}+[1]*{layers - dense})",
+        "model.rope_mscale": 1.0,
+        "model.rope_mscale_all_dim": 1.0,
+        "model.moe_router_score_function": "sigmoid",
+        "model.moe_router_pre_softmax": False,
+        "model.moe_router_enable_expert_bias": True,
+        "model.moe_router_group_score": "sum_topk",
+        "model.moe_router_dtype": "fp32",
+        "model.moe_aux_loss_coeff": 1e-4,
+        "model.mtp_num_layers": 1,
+        **{f"model.{k}": v for k, v in fields.items()},
+    }
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     "gpt2-124m": {**_GPT2, **_shape(12, 768, 12)},
     "gpt2-355m": {**_GPT2, **_shape(24, 1024, 16)},
@@ -201,6 +226,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     # routed_scaling_factor 16.
     "deepseek-v2": _deepseek(60, 5120, 128, 12288, 160, 1536, q_lora_rank=1536, moe_router_num_groups=8,
                              moe_router_group_topk=3, moe_router_group_score="max", moe_router_topk_scaling_factor=16.0),  # fmt: skip
+    "deepseek-v3": {
+        **_deepseek_v3(61, 7168, 128, 18432, 256, 2048, dense=3, q_lora_rank=1536, moe_router_topk=8, moe_router_num_groups=8,
+                       moe_router_group_topk=4, moe_router_topk_scaling_factor=2.5),
+        "model.vocab_size": 129280,
+    },
     # Tiny shapes for tests and CPU smoke runs; the vocabulary comes from the tokenizer.
     "tiny-gpt": {**_GPT, **_shape(2, 64, 4), "data.seq_length": 64},
     "tiny-llama": {**_LLAMA, **_shape(2, 64, 4, kv_heads=2), "data.seq_length": 64},
@@ -224,6 +254,14 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny-deepseek": {
         **_deepseek(4, 64, 4, 128, 4, 32, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
                     moe_router_topk=2, rope_original_max_position_embeddings=16, max_position_embeddings=256),
+        "model.vocab_size": 0,
+        "data.seq_length": 64,
+    },
+    # DeepSeek-V3's routing at a tiny size: 8 experts in 4 groups, top-4 from the best 2 groups (two per group, as V3's 8 / 4).
+    "tiny-deepseek-v3": {
+        **_deepseek_v3(4, 64, 4, 128, 8, 32, dense=1, q_lora_rank=24, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8,
+                       v_head_dim=16, moe_router_topk=4, moe_router_num_groups=4, moe_router_group_topk=2,
+                       moe_router_topk_scaling_factor=2.5, rope_original_max_position_embeddings=16, max_position_embeddings=256),
         "model.vocab_size": 0,
         "data.seq_length": 64,
     },

@@ -68,6 +68,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     errors.extend(moe_config_errors(m) + attention_config_errors(m) + mla_config_errors(m))
     errors.extend(masked_data_config_errors(d) + checkpoint_config_errors(cfg))
     errors.extend(model_config_errors(cfg))  # the family's own rules (its spec in models/)
+    need(m.mtp_num_layers == 0 or spec_for(m).mtp, f"--mtp-num-layers: --model-type {m.model_type} has no multi-token prediction; drop it")
     need(m.attention_backend in ("auto", "sdpa", "cudnn", "flash", "efficient", "math"),
          f"--attention-backend must be auto, sdpa, cudnn, flash, efficient or math, got '{m.attention_backend}'")  # fmt: skip
     need(m.fused_kernels in ("auto", "on", "off"), f"model.fused_kernels must be auto, on or off, got '{m.fused_kernels}'")

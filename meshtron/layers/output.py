@@ -39,16 +39,19 @@ def spread_to_tokens(loss: torch.Tensor, index: torch.Tensor, labels: torch.Tens
 class OutputLayer(nn.Module):
     """``weight`` [rows, h] of its own (untied), or none when the embedding is tied to it; with
     ``bias``, a [rows] bias of its own even when tied (BERT's LM head). The first ``vocab_size``
-    rows are tokens (0: all ``rows``), the others padding."""
+    rows are tokens (0: all ``rows``), the others padding. ``weight_reused``: several calls of one
+    forward use it (multi-token prediction's depths), so, as a tied weight's, its gradients meet in
+    autograd and are never written into ``main_grad`` by the loss itself."""
 
     def __init__(self, hidden_size: int, rows: int, tied: bool, fused_kernels: str = "auto", bias: bool = False,
-                 vocab_size: int = 0):  # fmt: skip
+                 vocab_size: int = 0, weight_reused: bool = False):  # fmt: skip
         super().__init__()
         if not 0 <= vocab_size <= rows:
             raise ValueError(f"a vocabulary of {vocab_size} tokens does not fit {rows} rows")
         self.vocab_size = vocab_size or rows
         self.fused_kernels = fused_kernels
         self.grad_accum_fusion = False  # set by apply_gradient_accumulation_fusion
+        self.weight_reused = weight_reused
         self.weight = None if tied else nn.Parameter(torch.empty(rows, hidden_size))
         self.bias = nn.Parameter(torch.zeros(rows)) if bias else None
 
@@ -70,6 +73,6 @@ class OutputLayer(nn.Module):
             loss = spread_to_tokens(F.cross_entropy(logits.float(), row_labels, reduction="none"), index, labels)
             return loss if loss_weights is None else (loss * loss_weights).sum()
         if loss_weights is not None:
-            fuse = self.grad_accum_fusion and self.weight is not None  # a tied weight's two gradients meet in autograd
+            fuse = self.grad_accum_fusion and self.weight is not None and not self.weight_reused  # a tied weight's two gradients meet in autograd
             return linear_cross_entropy_sum(hidden, weight, labels, loss_weights, self.fused_kernels, fuse_weight_grad=fuse, real_rows=real)
         return linear_cross_entropy(hidden, weight, labels, self.fused_kernels, real_rows=real)

@@ -52,6 +52,15 @@ class LossOutput:
 
 
 @dataclass
+class HeadWithAux:
+    """A head's outputs with auxiliary loss terms of its own (multi-token prediction's per-depth
+    losses): ``TokenLossModel.loss`` adds ``aux`` to the ``LossOutput`` of ``outputs``."""
+
+    outputs: Any
+    aux: dict[str, torch.Tensor]
+
+
+@dataclass
 class SummedTokenLoss:
     """A language-model head's loss already summed over the batch's ``loss_mask`` (fp32 scalar):
     what the head returns when its output layer takes the gradients in the forward
@@ -295,7 +304,11 @@ class SequenceSum:
     """A module summing per-token statistics over the tokens it sees (identity when it sees the
     whole micro batch): under sequence and context parallelism replaced by a sum over the tp and
     cp ranks holding the other tokens of the same sequences, so a statistic over whole sequences
-    (a balancing loss's token fractions, per sequence too) equals one process's, gradient included."""
+    (a balancing loss's token fractions, per sequence too) equals one process's, gradient included.
+    ``over_tp`` False: the values are whole on every tp rank already (sums of a loss the output
+    layer computed after gathering the sequence), so only the cp ranks' parts are summed."""
+
+    over_tp: bool = True
 
 
 @dataclass(frozen=True)
@@ -450,6 +463,11 @@ class ModelFamily(nn.Module):
     def blocks(self) -> nn.Module:
         return getattr(self, self.pipeline_pieces().blocks)
 
+    def prepare_batch(self, batch: Batch) -> Batch:
+        """The batch with what the model derives from whole sequences (multi-token prediction's
+        shifted targets), before the runner cuts it for context parallelism. Unchanged by default."""
+        return batch
+
     def pretrained_encoders(self) -> tuple[str, ...]:
         """Submodules (by name) that ``--bert-load`` starts from a BERT checkpoint: each holds
         BERT's body under BERT's parameter names (the retriever's towers). None by default."""
@@ -500,10 +518,13 @@ class TokenLossModel(ModelFamily):
 
     hidden_size: int = 0
 
-    def loss(self, batch: Batch, outputs: torch.Tensor | SummedTokenLoss) -> LossOutput:
+    def loss(self, batch: Batch, outputs: torch.Tensor | SummedTokenLoss | HeadWithAux) -> LossOutput:
+        aux = {}
+        if isinstance(outputs, HeadWithAux):
+            outputs, aux = outputs.outputs, outputs.aux
         mask = batch["loss_mask"]
         total = outputs.total if isinstance(outputs, SummedTokenLoss) else (outputs * mask).sum()
-        return LossOutput(total=total, count=mask.sum())
+        return LossOutput(total=total, count=mask.sum(), aux=aux)
 
     def loss_count(self, batch: Batch) -> torch.Tensor:
         return batch["loss_mask"].sum()

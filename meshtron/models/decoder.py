@@ -28,6 +28,7 @@ from meshtron.layers.output import OutputLayer
 from meshtron.layers.rope import rope_tables
 from meshtron.models import contract as c
 from meshtron.models.init import WeightInit, init_weights
+from meshtron.models.mtp import LossSums, PredictionDepth, depth_loss, mtp_plan, shifted_targets, target_keys
 
 # Output projections of each block: initialized with std / sqrt(2 * num_layers) so the residual
 # stream's variance does not grow with depth (GPT-2, Megatron's ``output_layer_init_method``).
@@ -116,10 +117,7 @@ def decoder_plan(cfg: ModelConfig) -> c.Plan:
     else:  # --qk-layernorm's norms act on this rank's heads: their gradients are partial over tp
         attention = [(attn + "linear_qkv", c.ColumnParallel(c.GroupedHeads(kv, heads // kv, head_dim(cfg)))),
                      *[(attn + name, c.SharedByHeads()) for name in ("q_layernorm", "k_layernorm")]]  # fmt: skip
-    return [
-        ("embedding", c.VocabParallelEmbedding()),
-        ("position_embedding", c.ScatterToSequence()),
-        ("output", c.VocabParallelOutput()),
+    blocks = [
         *attention,
         (attn + "linear_proj", c.RowParallel()),
         (attn + "core_attention", c.ContextParallelCore()),
@@ -132,8 +130,10 @@ def decoder_plan(cfg: ModelConfig) -> c.Plan:
         ("layers.*.mlp.shared_expert_gate", c.SequenceParallelNorm()),
         ("layers.*.input_layernorm", c.SequenceParallelNorm()),
         ("layers.*.pre_mlp_layernorm", c.SequenceParallelNorm()),
-        ("final_norm", c.SequenceParallelNorm()),
     ]
+    whole_model = [("embedding", c.VocabParallelEmbedding()), ("position_embedding", c.ScatterToSequence()),
+                   ("output", c.VocabParallelOutput()), ("final_norm", c.SequenceParallelNorm())]  # fmt: skip
+    return whole_model + blocks + mtp_plan(blocks, cfg.mtp_num_layers)
 
 
 def decoder_layout_errors(cfg: ModelConfig, tp: int) -> list[str]:
@@ -181,7 +181,12 @@ class Decoder(c.TokenLossModel):
         moe = moe_layer_pattern(cfg)
         self.layers = nn.ModuleList(TransformerBlock(cfg, i, moe[i]) for i in range(cfg.num_layers))
         self.final_norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, cfg.fused_kernels)
-        self.output = OutputLayer(cfg.hidden_size, self.padded_vocab_size, cfg.tie_embeddings, cfg.fused_kernels, vocab_size=vocab_size)
+        # Multi-token prediction (models/mtp.py): one block of the last block's kind per depth, numbered after them.
+        self.mtp = nn.ModuleList(PredictionDepth(cfg, TransformerBlock(cfg, cfg.num_layers + k, moe[-1]))
+                                 for k in range(cfg.mtp_num_layers))  # fmt: skip
+        self.mtp_loss_sums = LossSums()
+        self.output = OutputLayer(cfg.hidden_size, self.padded_vocab_size, cfg.tie_embeddings, cfg.fused_kernels, vocab_size=vocab_size,
+                                   weight_reused=cfg.mtp_num_layers > 0)  # fmt: skip
         # RoPE tables stay fp32 and out of the state dict: a buffer would be cast to bf16 along
         # with the weights by ``model.to(torch.bfloat16)``. Built per device on first use.
         self._rope_tables: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -224,8 +229,13 @@ class Decoder(c.TokenLossModel):
         return decoder_plan(self.cfg)
 
     def pipeline_pieces(self) -> c.PipelinePieces:
-        tied = ("embedding",) if self.cfg.tie_embeddings else ()
-        return c.PipelinePieces(("embedding", "position_embedding", "embedding_dropout"), "layers", ("final_norm", "output", *tied))
+        """The last stage holds the embedding too when it is tied or multi-token prediction embeds there."""
+        shared = ("embedding", "embedding_dropout") if self.cfg.tie_embeddings or self.cfg.mtp_num_layers else ()
+        mtp = ("mtp", "mtp_loss_sums") if self.cfg.mtp_num_layers else ()
+        return c.PipelinePieces(("embedding", "position_embedding", "embedding_dropout"), "layers", ("final_norm", "output", *mtp, *shared))
+
+    def prepare_batch(self, batch: c.Batch) -> c.Batch:
+        return shifted_targets(batch, self.cfg.mtp_num_layers)
 
     def embed(self, batch: c.Batch) -> c.Carry:
         tokens, position_ids = batch["tokens"], batch.get("position_ids")
@@ -245,20 +255,41 @@ class Decoder(c.TokenLossModel):
         hidden, aux = carry["hidden"], {}
         for block in blocks:
             hidden = block(hidden, **inputs)
-            if isinstance(block.mlp, MoELayer):
-                layer = block.self_attention.layer_number
-                aux.update({f"{kind}/{layer}": value for kind, value in block.mlp.last_aux_losses.items()})
+            aux.update(_balancing_terms(block))
         return {"hidden": hidden}, aux
 
-    def head(self, carry: c.Carry, batch: c.Batch) -> torch.Tensor | c.SummedTokenLoss:
+    def head(self, carry: c.Carry, batch: c.Batch) -> torch.Tensor | c.SummedTokenLoss | c.HeadWithAux:
         """Per-token loss [b, s] in fp32 with labels in the batch, else logits; with labels and a
         ``loss_mask`` under ``--cross-entropy-loss-fusion``, the masked sum (its gradients taken in
-        the forward)."""
+        the forward). With prediction depths and their targets in the batch (``prepare_batch``),
+        that with the depths' loss terms."""
+        hidden = self.final_norm(carry["hidden"])
+        main = self._token_loss(hidden, batch.get("labels"), batch.get("loss_mask"))
+        if not self.cfg.mtp_num_layers or target_keys(1)[0] not in batch:
+            return main
+        return c.HeadWithAux(main, self._multi_token_prediction(hidden, batch))
+
+    def _token_loss(self, hidden: torch.Tensor, labels: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor | c.SummedTokenLoss:
+        """The output layer on normalized ``hidden``: logits, per-token losses, or their masked sum (see ``head``)."""
         tied = self.embedding.weight if self.cfg.tie_embeddings else None
-        hidden, labels, mask = self.final_norm(carry["hidden"]), batch.get("labels"), batch.get("loss_mask")
         if labels is not None and mask is not None and self.cfg.cross_entropy_loss_fusion:
             return c.SummedTokenLoss(self.output(hidden, labels, tied_weight=tied, loss_weights=mask))
         return self.output(hidden, labels, tied_weight=tied)
+
+    def _multi_token_prediction(self, hidden: torch.Tensor, batch: c.Batch) -> dict[str, torch.Tensor]:
+        """Each depth's weighted loss (``mtp_loss/k``) and its block's balancing terms, from the
+        main model's final hidden states (after its final norm, as Megatron-Core and DeepSeek's
+        inference feed them; ``models/mtp.py``)."""
+        inputs, aux = self.block_inputs(batch), {}
+        scale = self.cfg.mtp_loss_scaling_factor / self.cfg.mtp_num_layers
+        for k, depth in enumerate(self.mtp, start=1):
+            tokens, labels, mask = (batch[key] for key in target_keys(k))
+            hidden = depth(hidden, self.embedding_dropout(self.embedding(tokens)), inputs)
+            loss = self._token_loss(hidden, labels, mask)
+            total = loss.total if isinstance(loss, c.SummedTokenLoss) else (loss * mask).sum()
+            aux[f"mtp_loss/{k}"] = depth_loss(self.mtp_loss_sums, total, mask, scale)
+            aux.update(_balancing_terms(depth.layer))
+        return aux
 
     # ------------------------------------------------------------------ helpers
 
@@ -276,6 +307,14 @@ class Decoder(c.TokenLossModel):
         if cfg.multi_latent_attention:
             return LatentKVCache(cfg.num_layers, batch_size, max_length, cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim, dtype, device)
         return KVCache(cfg.num_layers, batch_size, max_length, num_kv_heads(cfg), head_dim(cfg), dtype, device)
+
+
+def _balancing_terms(block: TransformerBlock) -> dict[str, torch.Tensor]:
+    """A mixture-of-experts block's balancing losses, named per kind and layer (``load_balancing/3``)."""
+    if not isinstance(block.mlp, MoELayer):
+        return {}
+    layer = block.self_attention.layer_number
+    return {f"{kind}/{layer}": value for kind, value in block.mlp.last_aux_losses.items()}
 
 
 def num_parameters(model: Decoder, exclude_embeddings: bool = False) -> int:

@@ -31,7 +31,7 @@ def multiplying_shape(count: int, cfg: ModelConfig, vocab_size: int, seq_length:
     params = count - (0 if cfg.tie_embeddings else vocab_size * cfg.hidden_size)
     if cfg.position_embedding_type == "learned_absolute":
         params -= (cfg.max_position_embeddings or seq_length) * cfg.hidden_size
-    return params, cfg.num_layers
+    return params, cfg.num_layers + cfg.mtp_num_layers  # a multi-token prediction depth attends like a layer
 
 
 def layer_costs(flops_shape: Callable[[ModelConfig, int, int], tuple[int, int]], causal: bool):

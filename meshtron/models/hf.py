@@ -11,7 +11,7 @@ plus one layer of memory, not the model's size. Llama-style models
 (``models/hf_mixtral.py``: Llama with routed experts), Qwen2-MoE, Qwen3 and Qwen3-MoE
 (``models/hf_qwen.py``: plus q/k/v biases and a gated shared expert, or per-head q/k norms), OLMoE
 (``models/hf_olmoe.py``: experts and q/k norms over the whole projections), DeepSeek-V2 (``models/hf_deepseek.py``: latent
-attention, YaRN, experts) and BERT (``models/hf_bert.py``: post-LN, token types, masked-LM and
+attention, YaRN, experts), DeepSeek-V3 (``models/hf_deepseek_v3.py``: sigmoid routing with the expert bias, prediction depths) and BERT (``models/hf_bert.py``: post-LN, token types, masked-LM and
 next-sentence heads) go both ways too.
 
 What changes between the two layouts:
@@ -50,6 +50,7 @@ from meshtron.models.hf_bert import bert_export_tokenizer, bert_import, bert_mod
 from meshtron.models.hf_common import fuse_qkv, import_llama_decoder, llama_model_config
 from meshtron.models.hf_decoder import gpt2_pairs
 from meshtron.models.hf_deepseek import deepseek_import, deepseek_model_config
+from meshtron.models.hf_deepseek_v3 import deepseek_v3_import, deepseek_v3_model_config
 from meshtron.models.hf_mixtral import mixtral_import, mixtral_model_config
 from meshtron.models.hf_olmoe import olmoe_import, olmoe_model_config
 from meshtron.models.hf_qwen import QWEN_TYPES, qwen_import, qwen_model_config
@@ -93,6 +94,8 @@ def model_config_from_hf(hf: dict[str, Any], source: str = CONFIG, names: set[st
         return _gpt2_model_config(hf, source)
     if kind == "deepseek_v2":
         return deepseek_model_config(hf, source)
+    if kind == "deepseek_v3":
+        return deepseek_v3_model_config(hf, source, names or set())
     if kind == "mixtral":
         return mixtral_model_config(hf, source)
     if kind in QWEN_TYPES:
@@ -100,7 +103,7 @@ def model_config_from_hf(hf: dict[str, Any], source: str = CONFIG, names: set[st
     if kind == "olmoe":
         return olmoe_model_config(hf, source)
     raise CheckpointError(f"{source}: model_type '{kind}' is not supported; hf-import reads 'llama', 'gpt2', 'mixtral', "
-                          "'qwen2_moe', 'qwen3', 'qwen3_moe', 'olmoe', 'deepseek_v2' and 'bert'")  # fmt: skip
+                          "'qwen2_moe', 'qwen3', 'qwen3_moe', 'olmoe', 'deepseek_v2', 'deepseek_v3' and 'bert'")  # fmt: skip
 
 
 def _gpt2_model_config(hf: dict[str, Any], source: str) -> ModelConfig:
@@ -222,6 +225,8 @@ def import_hf(hf_dir: str | Path, save_dir: str | Path, dtype: str = "bf16") -> 
         state = import_llama_decoder(tensors, m, m.vocab_size)
     elif hf["model_type"] == "deepseek_v2":
         state = deepseek_import(tensors, m, m.vocab_size)
+    elif hf["model_type"] == "deepseek_v3":
+        state = deepseek_v3_import(tensors, m, m.vocab_size)
     elif hf["model_type"] == "bert":
         state = bert_import(tensors, m, shapes)
     elif hf["model_type"] == "mixtral":
@@ -233,7 +238,8 @@ def import_hf(hf_dir: str | Path, save_dir: str | Path, dtype: str = "bf16") -> 
     else:
         state = _gpt2_import(tensors, m, shapes)
     tensors.check_all_taken()
-    model.load_state_dict({k: v.to(DTYPES[dtype]) for k, v in state.items()}, strict=True)
+    kept = model.state_dict()  # each tensor in the model's own dtype (a router's fp32 expert bias stays fp32)
+    model.load_state_dict({k: v.to(kept[k].dtype) for k, v in state.items()}, strict=True)
 
     tokenizer = {"tokenizer_type": ""}
     if (hf_dir / TOKENIZER).is_file():

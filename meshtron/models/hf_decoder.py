@@ -1,5 +1,5 @@
 """The decoder's Hugging Face export: which architecture a decoder's config is (GPT-2, Llama,
-Mixtral, Qwen, OLMoE, DeepSeek-V2), its ``config.json`` and its tensors under that architecture's
+Mixtral, Qwen, OLMoE, DeepSeek-V2 and V3), its ``config.json`` and its tensors under that architecture's
 names. ``decoder_hf_export`` is the decoder family's ``hf_export`` hook; ``hf.py`` runs it."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from meshtron.layers.attention import num_kv_heads
 from meshtron.layers.mlp import ffn_hidden_size
 from meshtron.models.hf_common import export_llama_decoder, llama_hf_config, split_qkv
 from meshtron.models.hf_deepseek import deepseek_export, deepseek_hf_config, is_deepseek
+from meshtron.models.hf_deepseek_v3 import deepseek_v3_export, deepseek_v3_hf_config, is_deepseek_v3
 from meshtron.models.hf_mixtral import mixtral_export, mixtral_hf_config
 from meshtron.models.hf_olmoe import is_olmoe, olmoe_export, olmoe_hf_config
 from meshtron.models.hf_qwen import QWEN_TYPES, qwen_export, qwen_family, qwen_hf_config
@@ -34,7 +35,7 @@ def _is_gpt2(m: ModelConfig) -> bool:
 def hf_config_from_model(m: ModelConfig, vocab_size: int, max_positions: int, dtype: torch.dtype) -> dict[str, Any]:
     """config.json for ``LlamaForCausalLM`` / ``MixtralForCausalLM`` / ``Qwen2MoeForCausalLM`` /
     ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` / ``OlmoeForCausalLM`` /
-    ``GPT2LMHeadModel`` / ``DeepseekV2ForCausalLM`` (transformers 4 and 5 read it)."""
+    ``GPT2LMHeadModel`` / ``DeepseekV2ForCausalLM`` / ``DeepseekV3ForCausalLM`` (transformers 4 and 5 read it)."""
     dtype_name = str(dtype).removeprefix("torch.")
     if m.apply_residual_connection_post_layernorm:
         raise CheckpointError("hf-export: Hugging Face's GPT-2 and Llama are pre-norm; a post-LN decoder "
@@ -45,6 +46,8 @@ def hf_config_from_model(m: ModelConfig, vocab_size: int, max_positions: int, dt
     if m.clip_qkv and not is_olmoe(m):
         raise CheckpointError("hf-export: model.clip_qkv is OLMoE's (with --qk-layernorm and model.qk_layernorm_span full); "
                               "no other Hugging Face family here clamps q, k and v")  # fmt: skip
+    if is_deepseek_v3(m):
+        return deepseek_v3_hf_config(m, vocab_size, max_positions, dtype_name)
     if is_deepseek(m):
         return deepseek_hf_config(m, vocab_size, max_positions, dtype_name)
     if _is_gpt2(m):
@@ -92,7 +95,8 @@ def _gpt2_export(state: Mapping[str, torch.Tensor], m: ModelConfig) -> Iterator[
             yield f"transformer.h.{i}.attn.c_attn.{kind}", fused.T.contiguous() if kind == "weight" else fused
 
 
-_EXPORTERS = {"gpt2": _gpt2_export, "llama": export_llama_decoder, "deepseek_v2": deepseek_export, "mixtral": mixtral_export,
+_EXPORTERS = {"gpt2": _gpt2_export, "llama": export_llama_decoder, "deepseek_v2": deepseek_export, "deepseek_v3": deepseek_v3_export,
+              "mixtral": mixtral_export,
               "olmoe": olmoe_export, **dict.fromkeys(QWEN_TYPES, qwen_export)}  # fmt: skip
 
 
@@ -118,7 +122,12 @@ def decoder_hf_export(weights: Mapping[str, torch.Tensor], cfg: Config, meta: di
                       max_positions: int) -> tuple[dict[str, Any], Iterator[tuple[str, torch.Tensor]]]:  # fmt: skip
     """The decoder family's ``hf_export``: its architecture's config.json and tensors. The
     vocabulary keeps every row the checkpoint has (a padded one included: HF models may have more
-    rows than their tokenizer, as Llama's do), so the logits are those meshtron computes."""
+    rows than their tokenizer, as Llama's do), so the logits are those meshtron computes.
+    Multi-token prediction depths go where the architecture has them (DeepSeek-V3); elsewhere
+    they are left out, which inference never reads, and the export says so."""
     hf_config = hf_config_from_model(cfg.model, meta["vocab_size"], max_positions, dtype)
     hf_config.update(_special_ids(load_dir, meta, cfg, meta["vocab_size"], hf_config["model_type"]))
+    if cfg.model.mtp_num_layers and "num_nextn_predict_layers" not in hf_config:
+        print(f"hf-export: {hf_config['architectures'][0]} has no multi-token prediction; its "
+              f"{cfg.model.mtp_num_layers} depth(s) (--mtp-num-layers) are left out")  # fmt: skip
     return hf_config, _EXPORTERS[hf_config["model_type"]](weights, cfg.model)

@@ -43,7 +43,7 @@ from meshtron.models.hf_common import (
     TensorSource, checked_config, export_block_mlp, export_body, import_block_mlp, import_body, refuse_unexpressible,
 )  # fmt: skip
 
-_YARN_KEYS = {"factor": "rope_scaling_factor", "original_max_position_embeddings": "rope_original_max_position_embeddings",
+YARN_KEYS = {"factor": "rope_scaling_factor", "original_max_position_embeddings": "rope_original_max_position_embeddings",
               "beta_fast": "rope_beta_fast", "beta_slow": "rope_beta_slow", "mscale": "rope_mscale",
               "mscale_all_dim": "rope_mscale_all_dim"}  # fmt: skip
 
@@ -57,10 +57,22 @@ def is_deepseek(m: ModelConfig) -> bool:
 
 def deepseek_model_config(hf: dict[str, Any], source: str) -> ModelConfig:
     """meshtron's shape of a ``deepseek_v2`` config.json; what it cannot run raises, naming ``source``."""
-    refused = {"hidden_act": lambda v: v != "silu", "attention_bias": bool, "mlp_bias": bool,
-               "scoring_func": lambda v: v != "softmax", "topk_method": lambda v: v not in (None, "greedy", "group_limited_greedy"),
-               "moe_layer_freq": lambda v: v != 1}  # fmt: skip
-    theta, scaling, rope_type = checked_config(hf, source, refused, ("default", "yarn"), "DeepSeek-V2")
+    refused = {"scoring_func": lambda v: v != "softmax", "topk_method": lambda v: v not in (None, "greedy", "group_limited_greedy")}
+    cfg = shared_deepseek_config(hf, source, refused, "DeepSeek-V2")
+    if cfg.num_experts:
+        cfg.moe_router_pre_softmax = not hf.get("norm_topk_prob", False)
+        if hf.get("topk_method") == "group_limited_greedy" and (hf.get("n_group") or 1) > (hf.get("topk_group") or 1):
+            cfg.moe_router_num_groups, cfg.moe_router_group_topk = hf["n_group"], hf["topk_group"]
+            cfg.moe_router_group_score = "max"
+    return cfg
+
+
+def shared_deepseek_config(hf: dict[str, Any], source: str, refused: dict[str, Any], family: str) -> ModelConfig:
+    """What DeepSeek-V2 and V3 config.json files say alike: the blocks, latent attention, YaRN, the
+    experts' shape and layers, the routed scaling and the balancing loss; ``refused`` adds the
+    version's own refusals (``checked_config``). Routing rules are the caller's."""
+    refused = {"hidden_act": lambda v: v != "silu", "attention_bias": bool, "mlp_bias": bool, "moe_layer_freq": lambda v: v != 1, **refused}
+    theta, scaling, rope_type = checked_config(hf, source, refused, ("default", "yarn"), family)
     layers, heads, experts = hf["num_hidden_layers"], hf["num_attention_heads"], hf.get("n_routed_experts") or 0
     dense = min(hf.get("first_k_dense_replace", 0), layers) if experts else layers
     cfg = ModelConfig(
@@ -73,7 +85,7 @@ def deepseek_model_config(hf: dict[str, Any], source: str) -> ModelConfig:
     )  # fmt: skip
     if rope_type == "yarn":
         cfg.rope_scaling = "yarn"
-        for key, field in _YARN_KEYS.items():
+        for key, field in YARN_KEYS.items():
             if key in scaling:
                 setattr(cfg, field, type(getattr(cfg, field))(scaling[key]))
     if dense < layers:
@@ -81,22 +93,18 @@ def deepseek_model_config(hf: dict[str, Any], source: str) -> ModelConfig:
         cfg.moe_ffn_hidden_size = hf["moe_intermediate_size"]
         cfg.moe_shared_expert_intermediate_size = (hf.get("n_shared_experts") or 0) * hf["moe_intermediate_size"]
         cfg.moe_layer_freq = f"([0]*{dense}+[1]*{layers - dense})" if dense else "1"
-        cfg.moe_router_pre_softmax = not hf.get("norm_topk_prob", False)
         cfg.moe_router_topk_scaling_factor = float(hf.get("routed_scaling_factor", 1.0))
         cfg.moe_router_load_balancing_type = "seq_aux_loss" if hf.get("seq_aux", True) else "aux_loss"
         cfg.moe_aux_loss_coeff = float(hf.get("aux_loss_alpha", 0.0))
-        if hf.get("topk_method") == "group_limited_greedy" and (hf.get("n_group") or 1) > (hf.get("topk_group") or 1):
-            cfg.moe_router_num_groups, cfg.moe_router_group_topk = hf["n_group"], hf["topk_group"]
-            cfg.moe_router_group_score = "max"
     return cfg
 
 
-def _first_dense_layers(m: ModelConfig) -> int:
+def first_dense_layers(m: ModelConfig) -> int:
     """How many leading layers are dense, for ``first_k_dense_replace``; refuses other patterns."""
     pattern = moe_layer_pattern(m)
     dense = pattern.index(True) if any(pattern) else m.num_layers
     if any(pattern) and not all(pattern[dense:]):
-        raise CheckpointError(f"hf-export: DeepseekV2 has dense layers only before its MoE ones; "
+        raise CheckpointError(f"hf-export: DeepSeek has dense layers only before its MoE ones; "
                               f"--moe-layer-freq {m.moe_layer_freq} mixes them")  # fmt: skip
     return dense
 
@@ -114,34 +122,46 @@ def _topk_method(m: ModelConfig) -> dict[str, Any]:
 
 def deepseek_hf_config(m: ModelConfig, vocab_size: int, max_positions: int, dtype_name: str) -> dict[str, Any]:
     """config.json for ``DeepseekV2ForCausalLM``; refuses what that class cannot express."""
-    shared, expert_ffn = m.moe_shared_expert_intermediate_size, expert_ffn_hidden_size(m)
     problems = {
-        "--qk-layernorm off (DeepseekV2 norms both latents)": not m.qk_layernorm,
         "a sigmoid router, expert bias or shared-expert gate": m.moe_router_score_function != "softmax"
         or m.moe_router_enable_expert_bias or m.moe_shared_expert_gate,
         "groups scored by the sum of their best k / group_topk experts (group_limited_greedy takes the best one: "
         "--model.moe_router_group_score max)": bool(m.moe_router_group_topk) and not _groups_by_best_expert(m),
+    }  # fmt: skip
+    config = shared_hf_config("DeepseekV2ForCausalLM", m, vocab_size, max_positions, dtype_name, problems)
+    if m.num_experts:
+        config.update({"norm_topk_prob": not m.moe_router_pre_softmax, "scoring_func": "softmax", **_topk_method(m)})
+    return {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", **config}
+
+
+def shared_hf_config(architecture: str, m: ModelConfig, vocab_size: int, max_positions: int, dtype_name: str,
+                     problems: dict[str, bool]) -> dict[str, Any]:  # fmt: skip
+    """The config.json keys DeepSeek-V2 and V3 share (the blocks, latent attention, YaRN, the experts'
+    shape and layers, the routed scaling, the balancing loss); refuses ``problems`` (the version's
+    own) and what neither expresses, naming ``architecture``."""
+    shared, expert_ffn = m.moe_shared_expert_intermediate_size, expert_ffn_hidden_size(m)
+    refuse_unexpressible(architecture, {
+        "--qk-layernorm off (DeepSeek norms both latents)": not m.qk_layernorm,
         "shared experts that are not a whole number of experts wide": bool(m.num_experts and shared % expert_ffn),
         "a non-Llama block (RMSNorm, SwiGLU, RoPE, no biases)": (m.normalization, m.activation, m.add_bias_linear)
         != ("RMSNorm", "swiglu", False),
         "rope scaling other than yarn": m.rope_scaling not in ("", "yarn"),
-    }  # fmt: skip
-    refuse_unexpressible("DeepseekV2ForCausalLM", problems)
+        **problems,
+    })  # fmt: skip
     rope: dict[str, Any] = {"rope_type": "default"}
     if m.rope_scaling == "yarn":
-        rope = {"rope_type": "yarn", **{key: getattr(m, field) for key, field in _YARN_KEYS.items()}}
+        rope = {"rope_type": "yarn", **{key: getattr(m, field) for key, field in YARN_KEYS.items()}}
     legacy_rope = {"type": "yarn", **{k: v for k, v in rope.items() if k != "rope_type"}} if m.rope_scaling else None
     experts = {}
     if m.num_experts:
         experts = {
             "n_routed_experts": m.num_experts, "num_experts_per_tok": m.moe_router_topk, "moe_intermediate_size": expert_ffn,
-            "n_shared_experts": shared // expert_ffn, "first_k_dense_replace": _first_dense_layers(m), "moe_layer_freq": 1,
-            "norm_topk_prob": not m.moe_router_pre_softmax, "routed_scaling_factor": m.moe_router_topk_scaling_factor,
-            "scoring_func": "softmax", **_topk_method(m),
+            "n_shared_experts": shared // expert_ffn, "first_k_dense_replace": first_dense_layers(m), "moe_layer_freq": 1,
+            "routed_scaling_factor": m.moe_router_topk_scaling_factor,
             "seq_aux": m.moe_router_load_balancing_type == "seq_aux_loss", "aux_loss_alpha": m.moe_aux_loss_coeff,
         }  # fmt: skip
     return {
-        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": m.hidden_size,
+        "hidden_size": m.hidden_size,
         "intermediate_size": ffn_hidden_size(m), "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_attention_heads,
         "num_key_value_heads": m.num_attention_heads, "q_lora_rank": m.q_lora_rank or None, "kv_lora_rank": m.kv_lora_rank,
         "qk_nope_head_dim": m.qk_head_dim, "qk_rope_head_dim": m.qk_pos_emb_head_dim, "v_head_dim": m.v_head_dim,
@@ -155,7 +175,7 @@ def deepseek_hf_config(m: ModelConfig, vocab_size: int, max_positions: int, dtyp
 # -- tensors --------------------------------------------------------------------------------------
 
 
-def _attention_tensors(m: ModelConfig) -> list[tuple[str, str, list[int]]]:
+def attention_tensors(m: ModelConfig) -> list[tuple[str, str, list[int]]]:
     """(HF name under ``self_attn.``, meshtron's under ``self_attention.``, shape) of one layer's
     attention weights: the names of ``layers/mla.py``'s table."""
     h, heads, lora, rank = m.hidden_size, m.num_attention_heads, m.q_lora_rank, m.kv_lora_rank
@@ -171,14 +191,23 @@ def _attention_tensors(m: ModelConfig) -> list[tuple[str, str, list[int]]]:
     ]  # fmt: skip
 
 
+def import_layer(t: TensorSource, hf: str, mt: str, m: ModelConfig, is_moe: bool) -> dict[str, torch.Tensor]:
+    """One layer's attention and MLP (not its two norms: ``import_body`` takes the blocks')."""
+    state = {f"{mt}self_attention.{ours}.weight": t.take(f"{hf}self_attn.{theirs}.weight", shape) for theirs, ours, shape in attention_tensors(m)}
+    return {**state, **import_block_mlp(t, hf, mt, m, is_moe)}
+
+
+def export_layer(state: Mapping[str, torch.Tensor], mt: str, hf: str, m: ModelConfig, is_moe: bool) -> dict[str, torch.Tensor]:
+    """The inverse of ``import_layer``."""
+    out = {f"{hf}self_attn.{theirs}.weight": state[f"{mt}self_attention.{ours}.weight"] for theirs, ours, _ in attention_tensors(m)}
+    return {**out, **export_block_mlp(state, mt, hf, m, is_moe)}
+
+
 def deepseek_import(t: TensorSource, m: ModelConfig, vocab: int) -> dict[str, torch.Tensor]:
     """meshtron's state dict from the tensors of a ``deepseek_v2`` folder."""
     state, pattern = import_body(t, m, vocab), moe_layer_pattern(m)
     for i in range(m.num_layers):
-        hf, mt = f"model.layers.{i}.", f"layers.{i}."
-        for hf_name, mt_name, shape in _attention_tensors(m):
-            state[f"{mt}self_attention.{mt_name}.weight"] = t.take(f"{hf}self_attn.{hf_name}.weight", shape)
-        state.update(import_block_mlp(t, hf, mt, m, pattern[i]))
+        state.update(import_layer(t, f"model.layers.{i}.", f"layers.{i}.", m, pattern[i]))
     return state
 
 
@@ -187,7 +216,4 @@ def deepseek_export(state: Mapping[str, torch.Tensor], m: ModelConfig) -> Iterat
     pattern = moe_layer_pattern(m)
     yield from export_body(state, m)
     for i in range(m.num_layers):
-        hf, mt = f"model.layers.{i}.", f"layers.{i}."
-        for hf_name, mt_name, _ in _attention_tensors(m):
-            yield f"{hf}self_attn.{hf_name}.weight", state[f"{mt}self_attention.{mt_name}.weight"]
-        yield from export_block_mlp(state, mt, hf, m, pattern[i]).items()
+        yield from export_layer(state, f"layers.{i}.", f"model.layers.{i}.", m, pattern[i]).items()

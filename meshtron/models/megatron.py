@@ -313,6 +313,9 @@ def check_exportable(m: ModelConfig) -> None:
                                   f"({', '.join(f'{f} {back[f]!r}' for f in lost)}): its MLA takes no args for them")  # fmt: skip
     if m.num_experts and (m.moe_shared_expert_gate or str(m.moe_layer_freq) != "1"):
         raise CheckpointError("megatron-export: a shared-expert gate or dense layers between MoE layers are not mapped here")
+    if m.mtp_num_layers:
+        raise CheckpointError("megatron-export: multi-token prediction depths (--mtp-num-layers) are not mapped to Megatron-Core's "
+                              "mtp.layers names here")  # fmt: skip
 
 
 # -- names ----------------------------------------------------------------------------------------

@@ -87,6 +87,7 @@ class FamilySpec:
     # (weights, cfg, meta, load_dir, dtype, max_positions) -> (config.json dict, (name, tensor) iterator); None: no exporter
     hf_export: Callable[..., tuple[dict, Any]] | None = None
     sft: bool = False  # fine-tunes on conversations (--sft)
+    mtp: bool = False  # trains multi-token prediction depths (--mtp-num-layers)
     bert_load: bool = False  # --bert-load starts its pretrained_encoders() from a BERT checkpoint
 
 

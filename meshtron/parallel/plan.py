@@ -95,9 +95,10 @@ def _replace(module: nn.Module, style: mc.Style, mesh: Mesh, sp: bool, cp_algori
     if isinstance(style, mc.ExpertParallel):
         return ExpertParallelExperts(module, mesh, style.dispatcher, style.fc1_layout, sp, style.overlap_chunks) if experts_communicate(mesh, sp) else None
     if isinstance(style, mc.SequenceSum):
-        if not (sp or mesh.cp > 1):
+        over_tp = sp and style.over_tp
+        if not (over_tp or mesh.cp > 1):
             return None
-        return SequenceShardSum(mesh.tp_group if sp else None, mesh.cp_group if mesh.cp > 1 else None)
+        return SequenceShardSum(mesh.tp_group if over_tp else None, mesh.cp_group if mesh.cp > 1 else None)
     if isinstance(style, mc.GatherOverDataParallel):
         return DataParallelRowGather(mesh.dp_group, mesh.dp_rank, mesh.dp) if mesh.dp > 1 else None
     if tp == 1:
@@ -110,7 +111,7 @@ def _replace(module: nn.Module, style: mc.Style, mesh: Mesh, sp: bool, cp_algori
         return _copy_weight(VocabParallelEmbedding(*module.weight.shape, mesh.tp_group, sp, device=module.weight.device,
                                                    dtype=module.weight.dtype), module, 0, mc.Contiguous(), tp, mesh.tp_rank)  # fmt: skip
     if isinstance(style, mc.VocabParallelOutput):
-        out = VocabParallelOutputLayer(mesh.tp_group, sp, module.fused_kernels, module.vocab_size)
+        out = VocabParallelOutputLayer(mesh.tp_group, sp, module.fused_kernels, module.vocab_size, module.weight_reused)
         for name in ("weight", "bias"):  # each when the layer has its own
             full = getattr(module, name)
             if full is not None:

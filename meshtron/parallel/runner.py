@@ -1,8 +1,9 @@
 """The runner: runs a step's micro batches through a parallel model and completes its gradients.
 
-It is the one place that knows the layout when training: it cuts each micro batch to this
-context-parallel rank's tokens, runs the pipeline schedule over this rank's stages (one stage
-and a plain forward-then-backward per micro batch when pp is 1: the same code), builds the
+It is the one place that knows the layout when training: it cuts each micro batch (with what
+the model derives from whole sequences, ``prepare_batch``) to this context-parallel rank's
+tokens, runs the pipeline schedule over this rank's stages (one stage and a plain
+forward-then-backward per micro batch when pp is 1: the same code), builds the
 objective from the model's ``LossOutput`` and auxiliary terms, and after backward completes what
 tensor and pipeline parallelism leave partial. The trainer sees ``forward_backward`` and
 ``finalize_grads`` only.
@@ -60,7 +61,7 @@ class Runner:
         loss sum over all its micro batches and ranks, its count (``total / count`` is the mean),
         and each auxiliary term's and metric's mean. ``timed``: the pipeline walk's section timer."""
         mesh, model = self.mesh, self.model
-        batches = [shard_batch_for_cp(b, mesh) for b in micro_batches]
+        batches = [shard_batch_for_cp(model.prepare_batch(b), mesh) for b in micro_batches]
         device = next(iter(batches[0].values())).device
         count = sum(model.loss_count(b) for b in batches).float()
         # Summed asynchronously, waited at the first loss: a data-parallel collective waited here would

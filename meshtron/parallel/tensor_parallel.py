@@ -363,11 +363,12 @@ class VocabParallelOutputLayer(nn.Module):
     real tokens; the rows past them (padding, on the last ranks' shards) take no part in the
     softmax or the loss, and generation's logits stop there."""
 
-    def __init__(self, group, sequence_parallel: bool, fused_kernels: str = "auto", vocab_size: int = 0):
+    def __init__(self, group, sequence_parallel: bool, fused_kernels: str = "auto", vocab_size: int = 0, weight_reused: bool = False):
         super().__init__()
         self.group, self.sequence_parallel, self.fused_kernels = group, sequence_parallel, fused_kernels
         self.vocab_size = vocab_size  # 0: every row is a token
         self.grad_accum_fusion = False  # set by apply_gradient_accumulation_fusion
+        self.weight_reused = weight_reused  # as OutputLayer's: gradients of several calls meet in autograd
         self.weight: nn.Parameter | None = None
         self.bias: nn.Parameter | None = None
 
@@ -383,7 +384,7 @@ class VocabParallelOutputLayer(nn.Module):
             whole = enter_tp_region(hidden, self.group, self.sequence_parallel)
             combine = None if group_size(self.group) == 1 else lambda lse, target: _combine_vocab_shards(lse, target, self.group)
             return linear_cross_entropy_sum(whole, weight, labels, loss_weights, self.fused_kernels, vocab_start=start,
-                                            combine_shards=combine, fuse_weight_grad=self.grad_accum_fusion and self.weight is not None,
+                                            combine_shards=combine, fuse_weight_grad=self.grad_accum_fusion and self.weight is not None and not self.weight_reused,
                                             real_rows=real)  # fmt: skip
         if labels is not None and self.bias is not None:  # the labelled rows only, as OutputLayer's
             rows, row_labels, index = labelled_rows(enter_tp_region(hidden, self.group, self.sequence_parallel), labels)

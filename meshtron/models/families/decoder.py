@@ -10,14 +10,16 @@ from meshtron.layers.moe import moe_layer_pattern
 from meshtron.models.decoder import Decoder, decoder_layout_errors
 from meshtron.models.flops import layer_costs, multiplying_shape
 from meshtron.models.hf_decoder import decoder_hf_export
+from meshtron.models.mtp import mtp_config_errors
 from meshtron.models.registry import BlockShape, FamilySpec, register
 from meshtron.models.sizes import model_sizes
 
 
 def decoder_config_errors(cfg: Config) -> list[str]:
+    errors = mtp_config_errors(cfg)
     if cfg.model.position_embedding_type == "relative":
-        return ["--position-embedding-type relative is T5's relative position buckets; use it with --model-type t5"]
-    return []
+        errors.append("--position-embedding-type relative is T5's relative position buckets; use it with --model-type t5")
+    return errors
 
 
 def decoder_flops_shape(cfg: ModelConfig, vocab_size: int, seq_length: int) -> tuple[int, int]:
@@ -32,5 +34,5 @@ def decoder_blocks(cfg: Config) -> list[BlockShape]:
 DECODER = register(FamilySpec(
     name="gpt", build=Decoder, layout_errors=decoder_layout_errors, flops_shape=decoder_flops_shape, causal=True,
     pipeline_costs=layer_costs(decoder_flops_shape, causal=True), datasets=decoder_datasets,
-    config_errors=decoder_config_errors, block_shapes=decoder_blocks, generate=continue_prompt, hf_export=decoder_hf_export, sft=True,
+    config_errors=decoder_config_errors, block_shapes=decoder_blocks, generate=continue_prompt, hf_export=decoder_hf_export, sft=True, mtp=True,
 ))  # fmt: skip
