@@ -84,6 +84,12 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         raise ValueError(f"cannot reduce-scatter size {x.shape[dim]} of dim {dim} over {n} tensor-parallel ranks")
     if dist.get_backend(group) == "gloo":
         return _split(_all_reduce(x, group), dim, group)
+    if torch.compiler.is_compiling():
+        # Compiled, the rank-major buffer below gave wrong gradients on 2 H200 (tp2 + sp, full
+        # recompute; tests/gpu/feature_matrix.py); the list form is right there, and its copies are fused.
+        out = torch.empty_like(x.chunk(n, dim=dim)[0], memory_format=torch.contiguous_format)
+        dist.reduce_scatter(out, [c.contiguous() for c in x.chunk(n, dim=dim)], group=group)
+        return out
     # rank-major chunks in one buffer: at batch 1 along the sequence, ``x`` itself (the list form
     # of ``reduce_scatter`` copies every chunk into a flat buffer first)
     dim = dim % x.dim()
