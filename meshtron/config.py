@@ -9,6 +9,7 @@ allocated, and every error says what to change.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 import typing
@@ -305,6 +306,7 @@ class Config:
 _SECTIONS = typing.get_type_hints(Config)
 
 
+@functools.cache  # typing.get_type_hints is slow, and the sections never change
 def _field_types(section_cls) -> dict[str, Any]:
     hints = typing.get_type_hints(section_cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
