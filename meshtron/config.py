@@ -345,6 +345,7 @@ def _coerce(value: Any, typ: Any, name: str) -> Any:
 _MULTI_VALUE = {"data.data_path", "model.retriever_report_topk_accuracies", "model.recompute_modules"}
 
 
+@functools.cache  # the sections and alias tables never change
 def _all_flags() -> dict[str, Any]:
     """Every accepted spelling -> target (dotted field name, or (field, constant))."""
     flags: dict[str, Any] = {}

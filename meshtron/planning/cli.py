@@ -43,6 +43,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute", default="none,selective,full", help="recompute granularities to try (none, selective, full)")
     p.add_argument("--max-tp", type=int, default=0, help="default: --gpus-per-node")
     p.add_argument("--max-cp", type=int, default=8)
+    p.add_argument("--max-pp", type=int, default=16)
     p.add_argument("--max-virtual", type=int, default=8)
     p.add_argument("--max-micro-batch", type=int, default=8)
     p.add_argument("--all", action="store_true", help="say why each losing layout lost, not only the best few of each kind")
@@ -58,7 +59,7 @@ def space_from(args: argparse.Namespace, gpus_per_node: int) -> Space:
     unknown = [r for r in recomputes if r not in RECOMPUTES]
     if unknown:
         raise ValueError(f"--recompute takes none, selective, full (comma-separated), got {args.recompute}")
-    return Space(max_tp=args.max_tp or gpus_per_node, max_cp=args.max_cp, max_virtual=args.max_virtual,
+    return Space(max_tp=args.max_tp or gpus_per_node, max_cp=args.max_cp, max_pp=args.max_pp, max_virtual=args.max_virtual,
                  max_micro_batch=args.max_micro_batch, recomputes=recomputes, fp8=(False, True) if args.fp8 else (False,),
                  fsdp=not args.no_fsdp)  # fmt: skip
 

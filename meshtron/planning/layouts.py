@@ -13,6 +13,7 @@ state (the distributed optimizer or FSDP2: replicated state only costs memory).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -74,8 +75,9 @@ class Layout:
 
 
 def apply(cfg: Config, layout: Layout) -> Config:
-    """A copy of ``cfg`` with the fields ``layout.flags()`` set (parsed as the trainer parses them)."""
-    out = copy.deepcopy(cfg)
+    """A copy of ``cfg`` with the fields ``layout.flags()`` set (parsed as the trainer parses them);
+    each section is copied, the values inside them shared (no layout flag sets a list)."""
+    out = Config(**{f.name: copy.copy(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)})
     for dotted, value in parse_overrides(layout.flags()).items():
         section, name = dotted.split(".")
         setattr(getattr(out, section), name, type(getattr(getattr(out, section), name))(value))
@@ -88,6 +90,7 @@ class Space:
 
     max_tp: int = 8  # tensor parallelism stays inside a node (the CLI sets it to the GPUs per node)
     max_cp: int = 8
+    max_pp: int = 16
     max_virtual: int = 8
     max_micro_batch: int = 8
     recomputes: tuple[str, ...] = RECOMPUTES
@@ -111,7 +114,7 @@ def candidates(cfg: Config, world: int, space: Space) -> Iterator[Layout]:
             continue
         for pp in divisors(world // (tp * cp)):
             dp = world // (tp * cp * pp)
-            if pp > blocks or batch % dp:
+            if pp > min(blocks, space.max_pp) or batch % dp:
                 continue
             stage = tp * cp * dp
             expert_tp = divisors(stage) if m.num_experts else [1]

@@ -38,6 +38,10 @@ class PlanResult:
     usable_bytes: float
 
 
+def _one_line(why: str) -> str:
+    return why.replace("invalid config:\n  - ", "").replace("\n  - ", "; ")
+
+
 def usable_bytes(machine: Machine) -> float:
     return machine.memory_gib * machine.memory_usable * GIB
 
@@ -47,7 +51,7 @@ def check(cfg: Config, layout: Layout, machine: Machine) -> tuple[str, int, str]
     ``estimate``, or fitting."""
     why = refusal(cfg, layout)
     if why:
-        return "refused", 0, why.replace("invalid config:\n  - ", "").replace("\n  - ", "; ")
+        return "refused", 0, _one_line(why)
     need = estimate(apply(cfg, layout), layout.world).total_bytes
     if need > usable_bytes(machine):
         return "memory", need, f"needs {need / GIB:.1f} GiB > {usable_bytes(machine) / GIB:.1f} GiB usable"
@@ -61,8 +65,8 @@ def search(cfg: Config, world: int, gpus_per_node: int, machine: Machine, space:
     for layout in candidates(cfg, world, space):
         try:
             ranked.append((model.predict(layout), layout))
-        except ValueError:  # a split the pipeline cannot make: validation says why
-            others.append(Verdict(layout, Prediction(float("inf"), 0.0, 0.0, 0.0), "refused", 0, refusal(cfg, layout) or ""))
+        except ValueError as exc:  # a schedule or split the pipeline cannot make, which validation refuses too
+            others.append(Verdict(layout, Prediction(float("inf"), 0.0, 0.0, 0.0), "refused", 0, _one_line(str(exc))))
     ranked.sort(key=lambda item: -item[0].tokens_per_s_gpu)
     considered = len(ranked) + len(others)
     fits: list[Verdict] = []

@@ -30,6 +30,7 @@ overhead per step and per micro batch.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from meshtron.config import Config, virtual_stages
@@ -97,6 +98,13 @@ class _Model:
     flops_per_token: float  # the trainer's count (MFU)
 
 
+@functools.lru_cache(maxsize=4096)
+def _clocked_bubble(kind: str, pp: int, micro: int, relative_chunks: tuple[float, ...]) -> float:
+    """``modeled_bubble`` on chunk costs relative to their mean, to the percent: layouts that differ
+    only in what scales every chunk alike (sharding, moments, often recompute) share one run of the clock."""
+    return modeled_bubble(kind, pp, micro, list(relative_chunks))
+
+
 def _spans(stride: int, size: int, gpus_per_node: int) -> bool:
     """Whether a group of ``size`` ranks ``stride`` apart (ranks numbered node by node) crosses a node."""
     return size > 1 and stride * size > gpus_per_node
@@ -109,6 +117,7 @@ class StepModel:
     def __init__(self, cfg: Config, machine: Machine, gpus_per_node: int) -> None:
         self.cfg, self.machine, self.gpus_per_node = cfg, machine, gpus_per_node
         self._shapes: dict[tuple[int, int, int], _Model] = {}
+        self._splits: dict[tuple[int, int, int, int], list[range]] = {}  # (tp, pp, vp, micro batches), 0s when ranking
 
     def vocab(self, tp: int) -> int:
         m = self.cfg.model
@@ -146,10 +155,19 @@ class StepModel:
         micro = t.global_batch_size // (t.micro_batch_size * lay.dp)
         model = self.shapes(lay.tp, lay.ep, lay.etp)
         costs = model.costs
-        blocks = [self._block(cfg, lay, shape, s) for shape, s in zip(spec_for(m).block_shapes(cfg), model.blocks)]
+        alike: dict[tuple[BlockShape, _Shape], _Block] = {}  # a dense model's blocks are all one
+        blocks = []
+        for key in zip(spec_for(m).block_shapes(cfg), model.blocks):
+            if key not in alike:
+                alike[key] = self._block(cfg, lay, *key)
+            blocks.append(alike[key])
         head = self._head(cfg, lay, vocab, costs)
         kind = schedule_kind(cfg.parallel, virtual_stages(cfg.parallel, num_blocks(m)))
-        ranges = pipeline_split(cfg.parallel, len(blocks), lay.vp, costs, kind, micro if exact_split else 0)
+        # ranking shares one split per (pp, vp): tp only pads the vocabulary, which barely moves it
+        split_key = (lay.tp if exact_split else 0, lay.pp, lay.vp, micro if exact_split else 0)
+        if split_key not in self._splits:
+            self._splits[split_key] = pipeline_split(cfg.parallel, len(blocks), lay.vp, costs, kind, split_key[-1])
+        ranges = self._splits[split_key]
         send, launch = self._p2p_seconds(cfg, lay), self.machine.microbatch_overhead_ms / 1e3
         chunks = [sum(blocks[i].total for i in r) + send + launch for r in ranges]
         chunks[-1] += head.total
@@ -232,12 +250,13 @@ class StepModel:
     # ------------------------------------------------------------------ per step
 
     def _pipeline(self, kind: str, pp: int, micro: int, chunks: list[float]) -> tuple[float, float]:
-        """(makespan, bubble) of ``micro`` micro batches: the schedule's clock for the first rounds,
-        then the busiest rank's load per further micro batch."""
+        """(makespan, bubble) of ``micro`` micro batches: the schedule's clock for up to 2 pp of them
+        (as the split's refinement runs it), then the busiest rank's load per further micro batch."""
         if pp == 1:
             return micro * chunks[0], 0.0
-        clocked = min(micro, 3 * pp)
-        bubble = modeled_bubble(kind, pp, clocked, chunks)
+        clocked = min(micro, 2 * pp)
+        mean = sum(chunks) / len(chunks)
+        bubble = _clocked_bubble(kind, pp, clocked, tuple(round(c / mean, 2) for c in chunks))
         load = [0.0] * pp
         for c, cost in enumerate(chunks):
             load[chunk_place(kind, pp, c)[0]] += cost

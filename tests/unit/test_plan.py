@@ -40,7 +40,7 @@ def _brute_force(cfg, world: int, space: Space) -> set[Layout]:
     out = set()
     sizes = range(1, world + 1)
     for tp, pp, vp, cp, ep, etp in itertools.product(sizes, sizes, range(1, space.max_virtual + 1), sizes, sizes, sizes):
-        if world % (tp * pp * cp) or tp > space.max_tp or cp > space.max_cp or etp > space.max_tp or (pp == 1 and vp > 1):
+        if world % (tp * pp * cp) or tp > space.max_tp or cp > space.max_cp or pp > space.max_pp or etp > space.max_tp or (pp == 1 and vp > 1):
             continue
         dp = world // (tp * pp * cp)
         for mbs, sharding in itertools.product(range(1, min(space.max_micro_batch, cfg.train.global_batch_size) + 1), SHARDINGS):
@@ -145,6 +145,7 @@ def test_refused_layouts_are_never_proposed_and_commands_validate(flags):
     assert result.fits and not any(v.status == "unchecked" for v in result.others)
     if not cfg.model.num_experts:
         assert any(v.status == "refused" and "interleaved schedule" in v.why for v in result.others)
+    assert all(refusal(cfg, v.layout) for v in result.others if v.status == "refused")
     for v in result.fits:
         assert refusal(cfg, v.layout) is None
         words = shlex.split(train_command(base, v))
@@ -187,3 +188,16 @@ def test_interpolate_is_log_linear_and_clamped():
     points = [[1e6, 10.0], [1e8, 30.0]]
     assert interpolate(points, 1.0) == 10.0 and interpolate(points, 1e9) == 30.0
     assert interpolate(points, 1e7) == pytest.approx(20.0)
+
+
+@pytest.mark.slow  # two trainer launches: ~80 s on 2 busy cores; the GPU proof is benchmarks/plan_check.py
+def test_measure_runs_the_printed_layout_through_the_trainer():
+    """``--measure``'s runner trains a layout with the planner's flags (one CPU process here) and
+    reads its tokens/s off the trainer's log; a refused flag comes back as a failure, not a number."""
+    from meshtron.planning.measure import run_layout
+
+    base = ["--device", "cpu", "--model.preset", "tiny-llama", "--global-batch-size", "4", "--seq-length", "32"]
+    got = run_layout(base, Layout(1, 1, 1, 1, 1, 1, 1, "none", 2), steps=4, timeout_s=300)
+    assert got.tokens_per_s_gpu > 0 and not got.error
+    bad = run_layout(base, Layout(1, 1, 1, 1, 1, 1, 1, "none", 3), steps=4, timeout_s=300)  # 3 does not divide 4
+    assert bad.tokens_per_s_gpu == 0 and "global-batch-size" in bad.error
