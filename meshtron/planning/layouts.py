@@ -58,7 +58,7 @@ class Layout:
         out += ["--micro-batch-size", str(self.micro_batch)]
         out += ["--recompute-granularity", self.recompute] if self.recompute else []
         out += ["--use-precision-aware-optimizer", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"] if self.bf16_moments else []
-        out += ["--fp8-format", "hybrid"] if self.fp8 else []
+        out += ["--fp8-format", "hybrid", "--compile"] if self.fp8 else []  # eager FP8 is slower than bf16 (RESULTS.md B2)
         return out
 
     def short(self) -> str:
