@@ -142,8 +142,3 @@ def refusal(cfg: Config, layout: Layout) -> str | None:
         return str(exc)
     return None
 
-
-def structure_key(layout: Layout) -> tuple:
-    """The fields validation rules on beside the model: layouts alike in these are accepted alike
-    unless an option itself is refused (``refusal`` of the full layout is still what decides)."""
-    return (layout.tp, layout.pp, layout.vp, layout.cp, layout.ep, layout.etp, layout.dp, layout.sharding, layout.micro_batch)

@@ -286,9 +286,9 @@ class StepModel:
                 continue
             scatter = params * grad_bytes / mc.bus_bandwidth("reduce_scatter", min(params, bucket) * grad_bytes, spans) * (group - 1) / group
             gather = params * BF16 / mc.bus_bandwidth("all_gather", min(params, bucket) * BF16, spans) * (group - 1) / group
-            if lay.sharding == "fsdp":  # per micro batch: gathered for forward and backward, gradients scattered
-                per_micro = (2 * gather + scatter * 4 / grad_bytes)
-                total += micro * per_micro * (1 - mc.fsdp_overlap) + max(0.0, micro * per_micro - compute)
+            if lay.sharding == "fsdp":  # per micro batch: gathered for forward and backward, fp32 gradients scattered
+                traffic = micro * (2 * gather + scatter * 4 / grad_bytes)
+                total += max(traffic * (1 - mc.fsdp_overlap), traffic - compute)
             else:
                 total += gather + scatter - min(mc.dp_overlap * scatter, window)
         return total
