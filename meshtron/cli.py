@@ -1,4 +1,4 @@
-"""The one entry point: ``meshtron train | preprocess | generate | finetune | evaluate-retrieval | convert | estimate``."""
+"""The one entry point: ``meshtron train | preprocess | generate | finetune | evaluate-retrieval | convert | estimate | plan``."""
 
 from __future__ import annotations
 
@@ -37,6 +37,9 @@ commands:
   plot         a PNG of a run's loss, lr, grad norm, tokens/s and memory: meshtron plot RUN_DIR (its --tensorboard-dir)
   estimate     per-GPU memory of a config and layout: meshtron estimate [--config FILE] [--world-size N]
                [--print-mesh] [--flag value ...]
+  plan         the parallel layout by a model of step time: meshtron plan --gpus N [--gpus-per-node G]
+               [--gpu h100|h200|mi300x | --calibration FILE] [--inter-node-gbps X] [--measure K] [--flag value ...]
+               (--calibrate times this machine into a calibration file)
 """
 
 
@@ -144,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
             from meshtron.estimate import main as estimate_main
 
             return estimate_main(rest)
+        if command == "plan":
+            from meshtron.planning.cli import main as plan_main
+
+            return plan_main(rest)
     except (ConfigError, CheckpointError, ValueError, FileNotFoundError) as exc:
         # Bad input: one clear line, no traceback. Bugs (other exceptions) keep their traceback.
         print(f"meshtron {command}: error: {exc}", file=sys.stderr)

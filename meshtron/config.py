@@ -9,6 +9,7 @@ allocated, and every error says what to change.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 import typing
@@ -325,6 +326,7 @@ class Config:
 _SECTIONS = typing.get_type_hints(Config)
 
 
+@functools.cache  # typing.get_type_hints is slow, and the sections never change
 def _field_types(section_cls) -> dict[str, Any]:
     hints = typing.get_type_hints(section_cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(section_cls)}
@@ -364,6 +366,7 @@ _MULTI_VALUE = {"data.data_path", "data.train_data_path", "data.valid_data_path"
                 "model.retriever_report_topk_accuracies", "model.recompute_modules"}
 
 
+@functools.cache  # the sections and alias tables never change
 def _all_flags() -> dict[str, Any]:
     """Every accepted spelling -> target (dotted field name, or (field, constant))."""
     flags: dict[str, Any] = {}

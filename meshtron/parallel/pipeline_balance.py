@@ -16,6 +16,7 @@ and ``--pipeline-split uniform`` override it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from meshtron.config import ParallelConfig
@@ -53,8 +54,8 @@ def pipeline_split(p: ParallelConfig, num_blocks: int, virtual: int, costs: Pipe
                             p.account_for_embedding_in_pipeline_split, p.account_for_loss_in_pipeline_split)  # fmt: skip
     sizes = min_max_split(costs, pp * virtual)
     if num_micro_batches:
-        sizes = _refine_on_the_clock(sizes, costs, kind, pp, num_micro_batches)
-    return _ranges(sizes)
+        sizes = _refine_on_the_clock(tuple(sizes), costs.embed, tuple(costs.blocks), costs.head, kind, pp, min(num_micro_batches, 2 * pp))
+    return _ranges(list(sizes))
 
 
 def min_max_split(costs: PipelineCosts, chunks: int) -> list[int]:
@@ -83,11 +84,15 @@ def min_max_split(costs: PipelineCosts, chunks: int) -> list[int]:
     return best[chunks][n][2]
 
 
-def _refine_on_the_clock(sizes: list[int], costs: PipelineCosts, kind: str, pp: int, m: int) -> list[int]:
-    """Move one layer at a time, keeping the best move, while the modeled step gets faster (the costliest chunk breaks ties). The clock runs at most ``2 pp`` micro
-    batches (a multiple of pp, as interleaving needs): more add steady state, where only the
-    busiest rank's load counts, and would make start-up slow at large pp."""
-    m = min(m, 2 * pp)
+@functools.lru_cache(maxsize=256)
+def _refine_on_the_clock(start: tuple[int, ...], embed: float, blocks: tuple[float, ...], head: float, kind: str, pp: int,
+                         m: int) -> tuple[int, ...]:  # fmt: skip
+    """Move one layer at a time, keeping the best move, while the modeled step gets faster (the
+    costliest chunk breaks ties). The caller clocks at most ``2 pp`` micro batches (a multiple of
+    pp, as interleaving needs): more add steady state, where only the busiest rank's load counts,
+    and would make start-up slow at large pp. Cached (arguments as tuples): the estimate, the
+    planner and every rank ask for the same split."""
+    sizes, costs = list(start), PipelineCosts(embed, list(blocks), head)
 
     def score(s: list[int]) -> tuple[float, float]:
         chunk = costs.chunk_costs(_ranges(s))
@@ -106,7 +111,7 @@ def _refine_on_the_clock(sizes: list[int], costs: PipelineCosts, kind: str, pp: 
             if min(s[:-1]) >= 1 and s[-1] >= 0:
                 moves.append((score(s), s))
         if not moves or min(moves)[0] >= current:
-            return sizes
+            return tuple(sizes)
         current, sizes = min(moves)
 
 

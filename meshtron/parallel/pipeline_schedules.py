@@ -470,6 +470,13 @@ def run_plans(plans: list[list[Step]], op_cost: Callable[[int, Op], float] = lam
     return Timeline(ran, busy, max(posted_at))
 
 
+@functools.lru_cache(maxsize=64)
+def _all_plans(kind: str, pp: int, m: int, virtual: int) -> tuple[tuple[Step, ...], ...]:
+    """Every rank's ``communication_plan``, cached: the split's refinement and ``meshtron plan``
+    run the same schedule on the clock under many chunk costs."""
+    return tuple(tuple(communication_plan(kind, pp, r, m, virtual)) for r in range(pp))
+
+
 def modeled_bubble(kind: str, pp: int, num_micro_batches: int, chunk_costs: list[float]) -> float:
     """The bubble of ``kind`` run on the clock when model chunk ``c`` costs ``chunk_costs[c]`` per
     micro batch (a third forward, two thirds backward, communication free; a split backward a
@@ -477,7 +484,7 @@ def modeled_bubble(kind: str, pp: int, num_micro_batches: int, chunk_costs: list
     work (all chunks' cost over ``pp``), minus one. Equal chunk costs give ``bubble_fraction``;
     unequal ones show what an unbalanced split costs."""
     virtual = len(chunk_costs) // pp
-    plans = [communication_plan(kind, pp, r, num_micro_batches, virtual) for r in range(pp)]
+    plans = _all_plans(kind, pp, num_micro_batches, virtual)
     backward = 1 / 3 if kind in SPLIT_BACKWARD else 2 / 3
 
     def cost(rank: int, op: Op) -> float:

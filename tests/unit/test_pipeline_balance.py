@@ -76,7 +76,7 @@ def test_b5_splits():
     two = ParallelConfig(pipeline_parallel=2, virtual_pipeline_parallel=2)
     assert max(costs.chunk_costs([range(0, 3), range(3, 6), range(6, 8), range(8, 8)])) == max(
         costs.chunk_costs(pipeline_split(two, 8, 2, costs)))  # min-max alone: ties 3 | 3 | 2 | 0
-    assert _refine_on_the_clock([3, 3, 2, 0], costs, "interleaved", 2, 8) == [2, 3, 3, 0]
+    assert _refine_on_the_clock((3, 3, 2, 0), costs.embed, tuple(costs.blocks), costs.head, "interleaved", 2, 4) == (2, 3, 3, 0)
     split = pipeline_split(two, 8, 2, costs, "interleaved", 8)
     assert [len(r) for r in split] == [2, 3, 3, 0]
     assert split[-1] == range(8, 8)

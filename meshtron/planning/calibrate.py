@@ -1,0 +1,176 @@
+"""``meshtron plan --calibrate``: this machine's rates, measured in well under a minute, into the
+JSON file ``--calibration`` reads.
+
+Measured: bf16 GEMMs of the model's own block shapes at tp 1, 2, 4 and 8 (and a few square ones
+to span the curve), attention forward + backward at the model's heads over query lengths up to its
+sequence, HBM bandwidth (a 1 GiB copy), and, with two or more GPUs, all-gather, reduce-scatter,
+all-reduce, all-to-all and send/recv over all of them by size (one process per GPU, NCCL). What one
+GPU cannot measure (collectives on one GPU, the network, FP8, overlaps, host overheads) keeps the
+shipped machine's value, and ``sources`` says which numbers were measured and which were kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from meshtron.config import Config
+from meshtron.layers.attention import head_dim
+from meshtron.planning.hardware import COLLECTIVES, Machine, load
+from meshtron.planning.step_time import StepModel
+from meshtron.training.peak_flops import datasheet_peak_tflops
+
+COLLECTIVE_BYTES = (2**20, 2**24, 2**26, 2**28, 2**30)
+
+
+def _seconds(fn, repeat: int = 10) -> float:
+    """Mean seconds of ``repeat`` runs of ``fn`` after three warm-up runs, by CUDA events."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeat):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / repeat
+
+
+def gemm_points(cfg: Config, machine: Machine) -> list[list[float]]:
+    """[FLOPs, TFLOP/s] of forward GEMMs: each tp's block matrix (the step model's representative
+    shape) at one sequence of tokens, and square GEMMs from 1024 to 8192."""
+    model, h = StepModel(cfg, machine, 8), cfg.model.hidden_size
+    shapes = {(n, n, n) for n in (1024, 2048, 4096, 8192)}
+    for tp in (1, 2, 4, 8):
+        try:
+            block = model.shapes(tp, 1, 1).blocks[0]
+        except ValueError:  # a tp the model's shapes do not split over
+            continue
+        for tokens in (cfg.data.seq_length // 2, cfg.data.seq_length, 2 * cfg.data.seq_length):
+            shapes.add((tokens, max(1, block.local_dense // block.matrices // h), h))
+    points = []
+    for m, n, k in sorted(shapes):
+        a, b = torch.randn(m, k, device="cuda", dtype=torch.bfloat16), torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+        seconds = _seconds(lambda: a @ b)
+        points.append([2.0 * m * n * k, 2.0 * m * n * k / seconds / 1e12])
+    return sorted(points)
+
+
+def attention_points(cfg: Config) -> list[list[float]]:
+    """[query tokens, TFLOP/s by 6 S h per token] of causal SDPA forward + backward at the model's
+    heads, one sequence of about the model's tokens per length."""
+    m = cfg.model
+    heads, dim = m.num_attention_heads, head_dim(m) if not m.multi_latent_attention else m.qk_head_dim + m.qk_pos_emb_head_dim
+    points = []
+    for seq in sorted({s for s in (1024, 2048, 4096, 8192, 16384, cfg.data.seq_length) if s <= max(1024, cfg.data.seq_length)}):
+        batch = max(1, cfg.data.seq_length // seq)
+        q, k, v = (torch.randn(batch, heads, seq, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        grad = torch.randn(batch, heads, seq, dim, device="cuda", dtype=torch.bfloat16)
+
+        def step() -> None:
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
+        seconds = _seconds(step, repeat=5)
+        points.append([float(seq), 6.0 * seq * m.hidden_size * batch * seq / seconds / 1e12])
+    return points
+
+
+def hbm_gbps() -> float:
+    x = torch.empty(2**29, device="cuda", dtype=torch.float16)  # 1 GiB
+    y = torch.empty_like(x)
+    return 2 * x.numel() * x.element_size() / _seconds(lambda: y.copy_(x)) / 1e9
+
+
+def _collective_worker(rank: int, world: int, port: int, out: str) -> None:
+    """One process per GPU: every collective of ``COLLECTIVES`` at each size; rank 0 writes
+    [bytes, bus GB/s] per op (NCCL's bus bandwidth convention)."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    result: dict[str, list[list[float]]] = {op: [] for op in COLLECTIVES}
+    for nbytes in COLLECTIVE_BYTES:
+        whole = torch.empty(nbytes // 2, device="cuda", dtype=torch.bfloat16)
+        other = torch.empty_like(whole)
+        part = torch.empty(nbytes // 2 // world, device="cuda", dtype=torch.bfloat16)
+
+        def exchange() -> None:  # ranks 0 and 1 swap a tensor, as neighbouring pipeline stages do
+            if rank < 2:
+                peer = 1 - rank
+                for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, whole, peer), dist.P2POp(dist.irecv, other, peer)]):
+                    work.wait()
+
+        ops = {
+            "all_gather": lambda: dist.all_gather_into_tensor(whole, part),
+            "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, whole),
+            "all_reduce": lambda: dist.all_reduce(whole),
+            "all_to_all": lambda: dist.all_to_all_single(other, whole),
+            "p2p": exchange,
+        }
+        for op, fn in ops.items():
+            dist.barrier()
+            seconds = _seconds(fn, repeat=5)
+            factor = {"all_reduce": 2 * (world - 1) / world, "p2p": 1.0}.get(op, (world - 1) / world)
+            result[op].append([float(nbytes), nbytes * factor / seconds / 1e9])
+    if rank == 0:
+        Path(out).write_text(repr(result))
+    dist.destroy_process_group()
+
+
+def collective_curves(world: int) -> dict[str, list[list[float]]]:
+    import ast
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = Path(f"/tmp/meshtron_calibrate_{os.getpid()}.txt")
+    mp.spawn(_collective_worker, args=(world, port, str(out)), nprocs=world)
+    curves = ast.literal_eval(out.read_text())
+    out.unlink()
+    return {op: points for op, points in curves.items() if points}
+
+
+def calibrate(cfg: Config, path: str) -> Machine:
+    """Measure this machine for ``cfg``'s shapes and write ``path``; prints what it measured."""
+    if not torch.cuda.is_available():
+        raise ValueError("meshtron plan --calibrate times this machine's GPUs, and it has none")
+    began = time.time()
+    name = torch.cuda.get_device_name(0)
+    base = load("h200" if "H200" in name else "mi300x" if "MI3" in name else "h100")
+    peak, _ = datasheet_peak_tflops(name)
+    when = time.strftime("%Y-%m-%d")
+    measured = f"measured by meshtron plan --calibrate on {name}, {when}"
+    sources = {key: f"kept from the shipped {base.device} file: {value}" for key, value in base.sources.items()}
+    fields = {
+        "device": name,
+        "peak_tflops": peak or base.peak_tflops,
+        "memory_gib": torch.cuda.get_device_properties(0).total_memory / 2**30,
+        "gemm_tflops": gemm_points(cfg, base),
+        "attention_tflops": attention_points(cfg),
+        "hbm_gbps": hbm_gbps(),
+        "on_paper": False,
+    }
+    world = torch.cuda.device_count()
+    if world >= 2:
+        fields["nvlink"] = {**base.nvlink, **collective_curves(world)}
+        sources["nvlink"] = f"{measured} over {world} GPUs (ops not measured kept from the shipped file)"
+    sources.update({key: measured for key in ("peak_tflops", "memory_gib", "gemm_tflops", "attention_tflops", "hbm_gbps")})
+    sources["peak_tflops"] = "datasheet dense bf16 peak (training/peak_flops.py)"
+    machine = dataclasses.replace(base, **fields, sources=sources)
+    Path(path).write_text(machine.to_json() + "\n")
+    print(f"calibration of {name} ({world} GPU{'s' if world > 1 else ''}) in {time.time() - began:.0f} s -> {path}")
+    print(f"  GEMM TFLOP/s by FLOPs: {', '.join(f'{f:.1e}: {t:.0f}' for f, t in machine.gemm_tflops)}")
+    print(f"  attention TFLOP/s by query tokens: {', '.join(f'{s:.0f}: {t:.0f}' for s, t in machine.attention_tflops)}")
+    print(f"  HBM {machine.hbm_gbps:.0f} GB/s" + (f"; collectives over {world}: " + "; ".join(
+        f"{op} {points[-1][1]:.0f} GB/s at {points[-1][0] / 2**20:.0f} MiB" for op, points in machine.nvlink.items()) if world >= 2 else
+        "; collectives: one GPU, the shipped curves kept"))  # fmt: skip
+    return machine

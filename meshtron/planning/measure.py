@@ -1,0 +1,73 @@
+"""``meshtron plan --measure K``: the top K layouts run through the real trainer for a few steps
+each, predicted tokens/s set beside measured.
+
+Each layout is one ``meshtron train`` under ``torchrun`` on this machine's GPUs with random tokens
+(``--mock-data``), ``--train-iters`` steps logged every step; its tokens/s is the median of the
+steps after the first two (start-up, first-call compilation), its memory the peak the log reports.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from meshtron.planning.layouts import Layout
+
+TOKENS = re.compile(r"tokens/s/device ([\d,]+)")
+MEMORY = re.compile(r"mem ([\d.]+) GiB")
+
+
+@dataclass
+class Measurement:
+    tokens_per_s_gpu: float  # 0: the run failed
+    peak_gib: float
+    error: str  # the run's last lines when it failed
+
+
+def train_argv(base_args: list[str], layout: Layout, steps: int) -> list[str]:
+    """The command that trains ``layout`` for ``steps`` steps on random tokens, logging each step."""
+    launcher = [sys.executable, "-m", "meshtron"] if layout.world == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(layout.world), "-m", "meshtron"]  # fmt: skip
+    return [*launcher, "train", *base_args, *layout.flags(), "--mock-data", "--train-iters", str(steps), "--log-interval", "1",
+            "--eval-interval", "0"]  # fmt: skip
+
+
+def run_layout(base_args: list[str], layout: Layout, steps: int, timeout_s: float = 600.0) -> Measurement:
+    """Train ``layout`` for ``steps`` steps and read its speed and memory off the log lines."""
+    try:
+        done = subprocess.run(train_argv(base_args, layout, steps), capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return Measurement(0.0, 0.0, f"no result within {timeout_s:.0f} s")
+    log = done.stdout + done.stderr
+    speeds = [float(s.replace(",", "")) for s in TOKENS.findall(log)]
+    peaks = [float(g) for g in MEMORY.findall(log)]
+    if done.returncode or not speeds:
+        return Measurement(0.0, max(peaks, default=0.0), "\n".join(log.strip().splitlines()[-3:]))
+    kept = speeds[2:] or speeds[-1:]
+    return Measurement(statistics.median(kept), max(peaks, default=0.0), "")
+
+
+def measure_top(result, base_args: list[str], k: int, steps: int) -> str:
+    """Run the top ``k`` of ``result`` (a ``search.PlanResult``) and print predicted against measured."""
+    import torch
+
+    gpus = torch.cuda.device_count()
+    lines = [f"measured ({steps} steps each, median after the first two) against predicted:",
+             f"  {'layout':<44} {'predicted':>10} {'measured':>10} {'error':>7} {'GiB est.':>8} {'GiB peak':>8}"]  # fmt: skip
+    for verdict in result.fits[:k]:
+        layout = verdict.layout
+        if layout.world > gpus:
+            lines.append(f"  {layout.short():<44} needs {layout.world} GPUs, this machine has {gpus}: not run")
+            continue
+        got = run_layout(base_args, layout, steps)
+        predicted = verdict.prediction.tokens_per_s_gpu
+        if not got.tokens_per_s_gpu:
+            lines.append(f"  {layout.short():<44} {predicted:>10,.0f}     failed: {got.error}")
+            continue
+        error = predicted / got.tokens_per_s_gpu - 1
+        lines.append(f"  {layout.short():<44} {predicted:>10,.0f} {got.tokens_per_s_gpu:>10,.0f} {100 * error:>+6.1f}% "
+                     f"{verdict.memory_bytes / 2**30:>8.1f} {got.peak_gib:>8.1f}")  # fmt: skip
+    return "\n".join(lines)

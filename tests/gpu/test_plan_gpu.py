@@ -1,0 +1,23 @@
+"""``meshtron plan --calibrate`` on this machine: under a minute, a file the planner reads, rates
+that make sense (GEMMs faster at larger sizes and below the datasheet peak)."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from meshtron.planning.hardware import load
+
+
+@pytest.mark.gpu
+def test_calibrate_is_quick_and_readable(tmp_path):
+    path = tmp_path / "cal.json"
+    began = time.time()
+    subprocess.run([sys.executable, "-m", "meshtron", "plan", "--calibrate", "--calibration-out", str(path), "--model.preset",
+                    "llama3-8b", "--num-layers", "2", "--seq-length", "8192"], check=True)  # fmt: skip
+    assert time.time() - began < 60
+    machine = load(str(path))
+    rates = [t for _, t in machine.gemm_tflops]
+    assert rates[-1] > rates[0] and max(rates) < machine.peak_tflops
+    assert all(t > 0 for _, t in machine.attention_tflops) and machine.hbm_gbps > 500

@@ -1,0 +1,203 @@
+"""``meshtron plan``: the enumeration against a brute-force list, the memory pruning against
+``estimate``, the step-time model's directions, and the printed commands against the config's
+own parsing and validation."""
+
+import dataclasses
+import itertools
+import json
+import shlex
+
+import pytest
+
+from meshtron.cli import main
+from meshtron.config import build_config
+from meshtron.estimate import estimate, training_vocab_size
+from meshtron.planning.hardware import SHIPPED, Machine, interpolate, load
+from meshtron.planning.layouts import SHARDINGS, Layout, Space, apply, candidates, refusal
+from meshtron.planning.report import train_command
+from meshtron.planning.search import GIB, check, search
+from meshtron.planning.step_time import StepModel
+from meshtron.validation import validate
+
+D = "distributed-optimizer"
+
+
+def _cfg(*flags: str):
+    cfg = build_config(None, ["--mock-data", *flags])
+    cfg.model.vocab_size = training_vocab_size(cfg)
+    return cfg
+
+
+TINY_DENSE = ("--model.preset", "tiny-llama", "--num-layers", "4", "--global-batch-size", "8")
+TINY_MOE = ("--model.preset", "tiny-mixtral", "--num-layers", "2", "--global-batch-size", "4")
+
+
+def _brute_force(cfg, world: int, space: Space) -> set[Layout]:
+    """Every combination of sizes 1..world (micro batch 1..global batch, every sharding) that the
+    space's rules allow and ``validate`` accepts; the space's rules, restated: sizes within its
+    bounds, tp x pp x cp x dp = world, dp x cp > 1 shards state (distributed optimizer, or FSDP2
+    when tp = pp = 1), dp x cp = 1 shards none."""
+    out = set()
+    sizes = range(1, world + 1)
+    for tp, pp, vp, cp, ep, etp in itertools.product(sizes, sizes, range(1, space.max_virtual + 1), sizes, sizes, sizes):
+        if world % (tp * pp * cp) or tp > space.max_tp or cp > space.max_cp or pp > space.max_pp or etp > space.max_tp or (pp == 1 and vp > 1):
+            continue
+        dp = world // (tp * pp * cp)
+        for mbs, sharding in itertools.product(range(1, min(space.max_micro_batch, cfg.train.global_batch_size) + 1), SHARDINGS):
+            if (sharding == "none") != (dp * cp == 1) or (sharding == "fsdp" and not (space.fsdp and tp == pp == 1)):
+                continue
+            layout = Layout(tp, pp, vp, cp, ep, etp, dp, sharding, mbs)
+            if refusal(cfg, layout) is None:
+                out.add(layout)
+    return out
+
+
+@pytest.mark.parametrize("flags", [TINY_DENSE, TINY_MOE], ids=["dense", "moe"])
+def test_enumeration_is_complete(flags):
+    """On 4 GPUs the candidates that validation accepts are exactly the brute-force list, and
+    every candidate the enumeration skips is one validation refuses too."""
+    cfg = _cfg(*flags)
+    space = Space(max_tp=4, max_cp=4, max_virtual=3, recomputes=("",), bf16_moments=(False,))
+    enumerated = {layout for layout in candidates(cfg, 4, space) if refusal(cfg, layout) is None}
+    assert enumerated and enumerated == _brute_force(cfg, 4, space)
+    if cfg.model.num_experts:
+        assert any(layout.ep > 1 for layout in enumerated) and any(layout.etp > 1 for layout in enumerated)
+
+
+def test_options_expand_every_layout():
+    """Recompute, bf16 moments and FP8 multiply the layouts, FSDP2 keeping fp32 moments."""
+    cfg = _cfg(*TINY_DENSE)
+    plain = set(candidates(cfg, 2, Space(recomputes=("",), bf16_moments=(False,))))
+    full = list(candidates(cfg, 2, Space(fp8=(False, True))))
+    fsdp = sum(1 for layout in plain if layout.sharding == "fsdp")
+    assert len(full) == (len(plain) * 3 * 2 - fsdp * 3) * 2
+    assert not any(layout.sharding == "fsdp" and layout.bf16_moments for layout in full)
+
+
+def _small_machine(gib: float) -> Machine:
+    return dataclasses.replace(load("h100"), memory_gib=gib, memory_usable=1.0)
+
+
+def test_memory_pruning_equals_estimate():
+    """Every checked layout's bytes are ``estimate``'s for that layout, and a layout is pruned
+    exactly when they exceed the usable memory."""
+    cfg = _cfg("--model.preset", "tiny-llama", "--num-layers", "4", "--global-batch-size", "8", "--seq-length", "256",
+               "--max-position-embeddings", "256")  # fmt: skip
+    layouts = [layout for layout in candidates(cfg, 2, Space(bf16_moments=(False,))) if refusal(cfg, layout) is None]
+    needs = {layout: estimate(apply(cfg, layout), layout.world).total_bytes for layout in layouts}
+    limit = sorted(needs.values())[len(needs) // 2] / GIB  # half of them fit
+    machine = _small_machine(limit)
+    pruned = 0
+    for layout in layouts:
+        status, need, _ = check(cfg, layout, machine)
+        assert need == needs[layout]
+        assert status == ("memory" if need > limit * GIB else "fits")
+        pruned += status == "memory"
+    assert 0 < pruned < len(layouts)
+    result = search(cfg, 2, 2, machine, Space(bf16_moments=(False,)), top=3)
+    assert all(v.memory_bytes == needs[v.layout] <= limit * GIB for v in result.fits)
+    assert all(v.memory_bytes == needs[v.layout] > limit * GIB for v in result.others if v.status == "memory")
+
+
+LLAMA8B = ("--model.preset", "llama3-8b", "--num-layers", "8", "--seq-length", "8192", "--global-batch-size", "8")
+
+
+def test_more_pipeline_stages_more_bubble():
+    """At 8 micro batches, pp 2, 4, 8 (one rank per stage) idle more, on both splits."""
+    cfg = _cfg(*LLAMA8B)
+    model = StepModel(cfg, load("h100"), 8)
+    for exact in (False, True):
+        bubbles = [model.predict(Layout(1, pp, 1, 1, 1, 1, 1, "none", 1), exact_split=exact).bubble for pp in (2, 4, 8)]
+        assert 0 < bubbles[0] < bubbles[1] < bubbles[2]
+    one = model.predict(Layout(1, 4, 1, 1, 1, 1, 1, "none", 1))
+    two = model.predict(Layout(1, 4, 2, 1, 1, 1, 1, "none", 1))
+    assert two.bubble < one.bubble  # interleaving shrinks it
+
+
+def test_more_tensor_parallelism_more_communication():
+    cfg = _cfg(*LLAMA8B)
+    model = StepModel(cfg, load("h100"), 8)
+    shares = [model.predict(Layout(tp, 1, 1, 1, 1, 1, 8 // tp, D, 1)).share(("tp comm",)) for tp in (1, 2, 4, 8)]
+    assert shares[0] == 0 < shares[1] < shares[2] < shares[3]
+
+
+def test_recompute_costs_compute_and_saves_memory():
+    cfg = _cfg(*LLAMA8B)
+    model = StepModel(cfg, load("h100"), 8)
+    steps, memory = [], []
+    for recompute in ("", "selective", "full"):
+        layout = Layout(1, 1, 1, 1, 1, 1, 8, D, 1, recompute)
+        prediction = model.predict(layout)
+        steps.append(prediction.step_s)
+        memory.append(estimate(apply(cfg, layout), 8).total_bytes)
+        assert (prediction.parts["recompute"] > 0) == bool(recompute)
+    assert steps[0] < steps[1] < steps[2] and memory[0] > memory[1] > memory[2]
+
+
+@pytest.mark.parametrize("flags", [TINY_DENSE, TINY_MOE], ids=["dense", "moe"])
+def test_refused_layouts_are_never_proposed_and_commands_validate(flags):
+    """Every proposed layout passes validation, and its printed command parses back to that layout
+    and validates at its world size. With every layout checked (a large ``top``), the dense
+    model's interleaved layouts with fewer micro batches than stages were refused, not proposed."""
+    cfg = _cfg(*flags)
+    base = ["--mock-data", *flags]
+    result = search(cfg, 4, 4, load("h100"), Space(max_virtual=3, recomputes=("",), bf16_moments=(False,)), top=10_000)
+    assert result.fits and not any(v.status == "unchecked" for v in result.others)
+    if not cfg.model.num_experts:
+        assert any(v.status == "refused" and "interleaved schedule" in v.why for v in result.others)
+    assert all(refusal(cfg, v.layout) for v in result.others if v.status == "refused")
+    for v in result.fits:
+        assert refusal(cfg, v.layout) is None
+        words = shlex.split(train_command(base, v))
+        flags = words[words.index("train") + 1:]
+        parsed = build_config(None, flags)
+        validate(parsed, world_size=v.layout.world)
+        assert dataclasses.asdict(parsed.parallel) == dataclasses.asdict(apply(cfg, v.layout).parallel)
+        assert parsed.train.micro_batch_size == v.layout.micro_batch
+
+
+def test_plan_command(capsys):
+    assert main(["plan", "--gpus", "2", "--top", "2", "--mock-data", *TINY_DENSE]) == 0
+    out = capsys.readouterr().out
+    assert "torchrun --nproc-per-node 2 -m meshtron train" in out and "why the others lost" in out
+    assert main(["plan", "--gpus", "2", "--tp", "2", *TINY_DENSE]) == 2
+    assert "the planner chooses the layout" in capsys.readouterr().err
+    assert main(["plan", *TINY_DENSE]) == 2  # no --gpus
+
+
+def test_shipped_machines_name_their_sources():
+    for name in SHIPPED:
+        machine = load(name)
+        numbers = [f.name for f in dataclasses.fields(Machine) if f.name not in ("device", "on_paper", "sources")]
+        assert set(numbers) <= set(machine.sources), f"{name}: say where {set(numbers) - set(machine.sources)} come from"
+    assert load("mi300x").on_paper and not load("h100").on_paper
+
+
+def test_calibration_file_round_trip(tmp_path):
+    path = tmp_path / "cal.json"
+    path.write_text(load("h200").to_json())
+    assert load(str(path)) == load("h200")
+    raw = json.loads(path.read_text())
+    del raw["hbm_gbps"]
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="missing fields \\['hbm_gbps'\\]"):
+        load(str(path))
+
+
+def test_interpolate_is_log_linear_and_clamped():
+    points = [[1e6, 10.0], [1e8, 30.0]]
+    assert interpolate(points, 1.0) == 10.0 and interpolate(points, 1e9) == 30.0
+    assert interpolate(points, 1e7) == pytest.approx(20.0)
+
+
+@pytest.mark.slow  # two trainer launches: ~80 s on 2 busy cores; the GPU proof is benchmarks/plan_check.py
+def test_measure_runs_the_printed_layout_through_the_trainer():
+    """``--measure``'s runner trains a layout with the planner's flags (one CPU process here) and
+    reads its tokens/s off the trainer's log; a refused flag comes back as a failure, not a number."""
+    from meshtron.planning.measure import run_layout
+
+    base = ["--device", "cpu", "--model.preset", "tiny-llama", "--global-batch-size", "4", "--seq-length", "32"]
+    got = run_layout(base, Layout(1, 1, 1, 1, 1, 1, 1, "none", 2), steps=4, timeout_s=300)
+    assert got.tokens_per_s_gpu > 0 and not got.error
+    bad = run_layout(base, Layout(1, 1, 1, 1, 1, 1, 1, "none", 3), steps=4, timeout_s=300)  # 3 does not divide 4
+    assert bad.tokens_per_s_gpu == 0 and "global-batch-size" in bad.error
