@@ -1,7 +1,8 @@
 """``meshtron train --help``: every config field with its one-line description, type, default and
 Megatron alias(es), then the Megatron flags accepted for what meshtron does its own way.
 
-The descriptions are the trailing comments of the fields in ``meshtron/config.py``, read once with
+The descriptions are the trailing comments of the fields in ``meshtron/config.py`` (and
+``model_config.py``, the model section), read once with
 ``tokenize`` and ``ast`` (the comment is the one source of truth; allowed values are written
 there as ``a | b | c``). The aliases come from ``meshtron/flags.py``.
 """
@@ -14,22 +15,23 @@ import io
 import tokenize
 from pathlib import Path
 
-from meshtron import config
+from meshtron import config, model_config
 from meshtron.flags import MEGATRON_ALIASES, NOTED_FLAGS, NOTED_VALUE_CHOICES, VALUE_ALIASES
 
 
 def field_descriptions() -> dict[str, str]:
-    """``section.field`` -> the comment at the end of its line in config.py ("" when none)."""
-    source = Path(config.__file__).read_text()
-    comments = {tok.start[0]: tok.string.lstrip("# ").strip()
-                for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}  # fmt: skip
+    """``section.field`` -> the comment at the end of its line in the module defining its section ("" when none)."""
     section_of = {cls.__name__: name for name, cls in config._SECTIONS.items()}
     out = {}
-    for node in ast.parse(source).body:
-        if isinstance(node, ast.ClassDef) and node.name in section_of:
-            for item in node.body:
-                if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
-                    out[f"{section_of[node.name]}.{item.target.id}"] = comments.get(item.end_lineno, "")
+    for module in (config, model_config):
+        source = Path(module.__file__).read_text()
+        comments = {tok.start[0]: tok.string.lstrip("# ").strip()
+                    for tok in tokenize.generate_tokens(io.StringIO(source).readline) if tok.type == tokenize.COMMENT}  # fmt: skip
+        for node in ast.parse(source).body:
+            if isinstance(node, ast.ClassDef) and node.name in section_of:
+                for item in node.body:
+                    if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                        out[f"{section_of[node.name]}.{item.target.id}"] = comments.get(item.end_lineno, "")
     return out
 
 
