@@ -261,6 +261,7 @@ VALUE_ALIASES: dict[str, dict[str, tuple[str, str]]] = {
     },
     "data.tokenizer_type": {
         "DeepSeekV2Tokenizer": ("HuggingFaceTokenizer", "the tokenizer.json in --tokenizer-model (a local directory or file)"),
+        "DeepSeekV3Tokenizer": ("HuggingFaceTokenizer", "the tokenizer.json in --tokenizer-model (a local directory or file)"),
     },
 }
 
@@ -280,16 +281,24 @@ _MODEL_AND_FUSION_NOTES = {
     "attention-softmax-in-fp32": (False, "always: SDPA's fused kernels accumulate the softmax in fp32"),
     "enable-shared-expert": (False, "shared experts are on when --num-shared-experts or --moe-shared-expert-intermediate-size is set"),
     "moe-use-legacy-grouped-gemm": (False, "meshtron's grouped GEMM per --moe-grouped-gemm; there is no legacy one"),
+    "apply-query-key-layer-scaling": (False, "not needed for fp16: SDPA's fused kernels scale the scores and take the softmax in fp32"),
+    "enable-experimental": (False, "no experimental switch: each feature has its own flag (RoPE fusion follows --fused-kernels)"),
+    "fused-padded-mla-attention": (False, "MLA pads v to the qk head dim where the attention kernel needs equal dims (flash, or auto on ROCm)"),
+    # Refused for any value but the one in ACCEPTED_ONLY_VALUE (the ROCm fork's attention variants).
+    "attention-sink-k": (True, "no attention-sink keys"),
+    "window-size": (True, ""),
     "moe-shared-expert-overlap": (False, "no side stream for the shared experts (one measured no gain: DeepSeek-V2-Lite, 1 and 2 H200, "
                                          "ep2); under --overlap-moe-expert-parallel-comm they run while the first chunk's rows travel"),
 }
+_FP8_EXPERTS_STAY_BF16 = "not needed: the routed experts' grouped GEMMs stay bf16 under --fp8-format"
 _NO_DEEPEP = "DeepEP is not used: tokens travel by NCCL's all-to-all (--moe-token-dispatcher-type alltoall)"
 _MOE_NOTES = {
     "moe-permute-fusion": (False, "always where Triton runs (--fused-kernels): gather kernels permute the tokens and combine the experts' outputs"),
     "moe-router-fusion": (False, "always where it applies (--fused-kernels): one Triton kernel for the scores, the top-k and the balancing statistics"),
     "moe-per-layer-logging": (False, "always: each MoE layer's balancing losses go to TensorBoard, and the expert loads to the log"),
     "moe-lbl-in-fp32": (False, "always: the balancing and z-losses are computed in fp32"),
-    "moe-router-padding-for-fp8": (False, "not needed: the routed experts' grouped GEMMs stay bf16 under --fp8-format"),
+    "moe-router-padding-for-fp8": (False, _FP8_EXPERTS_STAY_BF16),
+    "moe-router-padding-for-quantization": (False, _FP8_EXPERTS_STAY_BF16),
     "delay-wgrad-compute": (False, "never: weight gradients are computed in backward order"),
     "moe-enable-deepep": (False, _NO_DEEPEP),
     "moe-flex-dispatcher-backend": (True, _NO_DEEPEP),
@@ -333,6 +342,7 @@ _DATA_NOTES = {
     "dataset": (True, "meshtron reads --data-path .bin/.idx files (PAI's idxmap), a chat jsonl with --sft, or --mock-data"),
     "max-padding-length": (True, "documents are packed into --seq-length tokens; only --sft pads a row's end, with no loss"),
     "train-mode": (True, "pretraining"),
+    "legacy-tokenizer": (False, "one tokenizer loader: --tokenizer-type picks it"),
 }
 _LOGGING_NOTES = {
     "log-throughput": (False, "always: every log line has tokens/s and TFLOP/s per device"),
@@ -340,6 +350,7 @@ _LOGGING_NOTES = {
     "log-batch-size-to-tensorboard": (False, "always: the global batch size goes to TensorBoard as train/batch_size"),
     "log-validation-ppl-to-tensorboard": (False, "always: validation perplexity goes to TensorBoard as valid/ppl"),
     "use-pytorch-profiler": (False, "always: --profile uses the PyTorch profiler"),
+    "profile-ranks": (True, "global rank 0 records the trace"),
 }
 _OTHER_NOTES = {
     "exit-signal-handler": (False, "always: --exit-signal (SIGTERM by default) and SIGINT save and stop at an iteration all ranks agree on"),
@@ -377,6 +388,13 @@ REFUSED_NOTED_VALUES: dict[tuple[str, str], str] = {
     ("moe-apply-probs-on-input", ""): "the routing weights scale the experts' outputs (unpermute), never their inputs; drop the flag",
 }
 
+# Noted flags meshtron honours at one value only (Megatron's default; None: at none): any other is refused with what to do.
+ACCEPTED_ONLY_VALUE: dict[str, tuple[str | None, str]] = {
+    "attention-sink-k": ("0", "meshtron's attention has no sink keys; drop --attention-sink-k or give 0"),
+    "window-size": (None, "meshtron's attention sees the whole causal context (no sliding window); drop --window-size"),
+    "profile-ranks": ("0", "only global rank 0 records a trace; drop --profile-ranks or give 0"),
+}
+
 
 def noted_flag_lines(noted: list[str]) -> list[str]:
     """One start-up line per noted flag (the first time it was given): ``--flag [value]: what meshtron does``."""
@@ -402,4 +420,6 @@ def noted_flag_errors(noted: list[str]) -> list[str]:
             errors.append(f"--{name} {value}: not one of Megatron's values ({' | '.join(NOTED_VALUE_CHOICES[name])})")
         elif (name, value) in REFUSED_NOTED_VALUES:
             errors.append(f"--{name} {value}: {REFUSED_NOTED_VALUES[name, value]}")
+        elif name in ACCEPTED_ONLY_VALUE and value != ACCEPTED_ONLY_VALUE[name][0]:
+            errors.append(f"--{name} {value}: {ACCEPTED_ONLY_VALUE[name][1]}")
     return errors

@@ -204,6 +204,6 @@ def mla_config_errors(cfg: ModelConfig) -> list[str]:
         errors.append("--multi-latent-attention needs --position-embedding-type rope (its decoupled RoPE key)")
     if cfg.num_query_groups not in (0, cfg.num_attention_heads):
         errors.append("--multi-latent-attention has no key/value groups: drop --num-query-groups")
-    if cfg.kv_channels:
+    if cfg.kv_channels not in (0, cfg.v_head_dim):  # ROCm's DeepSeek-V3 script passes the v head dim, which Megatron ignores under MLA
         errors.append("--kv-channels does not apply to --multi-latent-attention: set --qk-head-dim, --qk-pos-emb-head-dim and --v-head-dim")
     return errors

@@ -1,12 +1,14 @@
 """Every flag the ROCm fork's launch scripts pass to ``pretrain_gpt.py`` is accepted.
 
 The flag sets below are those of ROCm/Megatron-LM's ``examples/llama/train_llama3.sh``,
-``examples/llama/train_llama2.sh`` and ``examples/deepseek_v2/train_deepseekv2.sh`` (read from the
-repository; the ``*_flags`` functions follow each script's branches for its knobs), on 8 GPUs of one
-node. Each goes through ``build_config`` and ``validate``; flags that meshtron does its own way must
-then be in the start-up notes, each said once.
+``examples/llama/train_llama2.sh``, ``examples/deepseek_v2/train_deepseekv2.sh`` and
+``examples/deepseek_v3/train_deepseekv3.sh`` (read from the repository; the ``*_flags`` functions
+follow each script's branches for its knobs), on 8 GPUs of one node, and DeepSeek-V3's also on the
+8 nodes of its Slurm wrapper. Each goes through ``build_config`` and ``validate``; flags that
+meshtron does its own way must then be in the start-up notes, each said once.
 
-Not tested: the FP4, Megatron-FSDP/HSDP and real-data (DeepSeek's ``--train-data-path``) knobs.
+Not tested: the FP4 and Megatron-FSDP/HSDP knobs. DeepSeek-V3's script has no dry-run mode, no
+multi-token prediction and no batch ramp-up (its README's "dryrun" names only log files).
 """
 
 from __future__ import annotations
@@ -137,6 +139,84 @@ def deepseek_flags(PR="bf16", AC="sel") -> str:
     return " ".join([megatron, data, pr, ac, "--use-distributed-optimizer", moe, "--train-mode pretrain", "--use-flash-attn"])
 
 
+def deepseek_v3_flags(MODEL_SIZE="16B", MOCK_DATA=1, DATA_DIR="../data", PR="bf16", FP8_RECIPE="delayed", AC="none", RECOMPUTE_METHOD="block",
+                      TP=1, PP=1, EP=8, ETP=1, NUM_LAYERS=None, MBS=1, GBS=128, SEQ_LEN=4096, TRAIN_ITERS=10, MP_VP=None,
+                      ENABLE_DEEP_EP=False, APPLY_ROPE_FUSION=False, MOE_ROUTER_FUSION=False, MOE_SHARED_EXPERT_OVERLAP=False,
+                      MOE_USE_LEGACY_GROUPED_GEMM=True, GPT_LAYER_IN_TE=True, USE_PRECISION_AWARE_OPTIMIZER=False,
+                      GA_FUSION=False, CE_FUSION_ARGS="", PROFILE=False, FORCE_BALANCE=False, WINDOW_SIZE=None,
+                      FUSED_PADDED_MLA_ATTENTION=False, MOE_LAYER_FREQ=None) -> str:  # fmt: skip
+    """train_deepseekv3.sh (2026) with the given knobs (its environment variables), everything else at its default.
+
+    The 671B proxy (proxy_mi355x_deepseekv3_671B.sh) and the 8-node Slurm wrapper only set these knobs."""
+    if ETP == 1 and TP != EP and TP != 1:
+        raise ValueError("the script itself stops: TP and EP must be equal when ETP is 1")
+    layers, hidden, heads, ffn, expert_ffn, q_lora, experts, topk, shared, freq = {
+        "671B": (61, 7168, 128, 18432, 2048, 1536, 256, 8, 1, "1"),
+        "236B": (60, 5120, 128, 12288, 1536, 1536, 160, 6, 2, "1"),
+        "16B": (27, 2048, 16, 10944, 1408, 512, 64, 6, 2, "([0]*3+[1]*24)")}[MODEL_SIZE]  # fmt: skip
+    layers, freq = NUM_LAYERS or layers, MOE_LAYER_FREQ or freq
+    data = ("--mock-data --data-cache-path ../.cache" if MOCK_DATA else
+            " ".join(f"--{split}-data-path {DATA_DIR}/mmap_deepseekv3_datasets_text_document" for split in ("train", "valid", "test")))
+    legacy_gg = MOE_USE_LEGACY_GROUPED_GEMM and PR != "fp8"  # FP8 MoE needs TE's grouped GEMM
+    megatron = (f"--log-throughput{'' if GA_FUSION else ' --no-gradient-accumulation-fusion'} --no-async-tensor-model-parallel-allreduce {data} "
+                "--lr 1e-5 --min-lr 1e-6 --lr-decay-style cosine --adam-beta1 0.9 --adam-beta2 0.95 --weight-decay 0.1 --clip-grad 1.0 "
+                "--init-method-std 0.008 --attention-dropout 0.0 --hidden-dropout 0.0 --dataloader-type cyclic "
+                f"--lr-decay-iters {TRAIN_ITERS - 2} --lr-warmup-iters 2 --train-iters {TRAIN_ITERS} --micro-batch-size {MBS} "
+                f"--global-batch-size {GBS} --num-layers {layers} --hidden-size {hidden} --num-attention-heads {heads} "
+                f"--ffn-hidden-size {ffn} --seq-length {SEQ_LEN} --max-position-embeddings {SEQ_LEN} --max-padding-length 4096 "
+                "--log-interval 1 --eval-interval 10000 --eval-iters -1 --save-interval 500000 --ckpt-format torch "
+                "--tensorboard-queue-size 1 --tensorboard-dir output/tensorboard/ --log-timers-to-tensorboard "
+                "--log-batch-size-to-tensorboard --log-validation-ppl-to-tensorboard "
+                f"--tensor-model-parallel-size {TP} --pipeline-model-parallel-size {PP} --num-workers 8 --extra-vocab-size 0 "
+                "--tokenizer-type DeepSeekV3Tokenizer --tokenizer-model deepseek-ai/DeepSeek-V3 --legacy-tokenizer "
+                "--dataset LLama-Pretrain-Idxmap --swiglu --use-te-activation-func --no-bias-swiglu-fusion --normalization RMSNorm "
+                "--norm-epsilon 1e-06 --use-rotary-position-embeddings --position-embedding-type rope "
+                "--untie-embeddings-and-output-weights --disable-bias-linear --rotary-base 10000 --rotary-scaling-factor 40 "
+                f"--transformer-impl {'transformer_engine' if GPT_LAYER_IN_TE or PR == 'fp8' else 'local'} --moe-grouped-gemm"
+                f"{' --moe-use-legacy-grouped-gemm' if legacy_gg else ''} --distributed-timeout-minutes 60 --eod-mask-loss")  # fmt: skip
+    if USE_PRECISION_AWARE_OPTIMIZER:
+        megatron += " --use-precision-aware-optimizer --main-grads-dtype bf16 --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16"
+    megatron += f" {CE_FUSION_ARGS}"
+    pr = {"fp16": "--fp16 --apply-query-key-layer-scaling", "bf16": "--bf16",
+          "fp8": {"delayed": "--bf16 --fp8-recipe delayed --fp8-format hybrid --fp8-margin 0 --fp8-amax-compute-algo max "
+                             "--fp8-amax-history-len 1024 --attention-softmax-in-fp32",
+                  "tensorwise": "--bf16 --fp8-recipe tensorwise --fp8-format hybrid",
+                  "mxfp8": "--bf16 --fp8-recipe mxfp8 --fp8-format e4m3",
+                  "blockwise": "--bf16 --fp8-recipe blockwise --fp8-format hybrid"}[FP8_RECIPE]}[PR]  # fmt: skip
+    ac = {"full": f"--recompute-method {RECOMPUTE_METHOD} --recompute-granularity full --recompute-num-layers 1",
+          "sel": "--recompute-activations", "none": ""}[AC]  # fmt: skip
+    moe = {"671B": "--q-lora-rank 1536 --moe-router-score-function sigmoid --moe-router-num-groups {EP} --moe-router-group-topk 4 "
+                   "--moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-3",
+           "236B": "--q-lora-rank 1536 --moe-router-num-groups {EP} --moe-router-group-topk 3",
+           "16B": "--q-lora-rank 512 --moe-router-num-groups {EP}"}[MODEL_SIZE].format(EP=EP)  # fmt: skip
+    moe += (" --moe-router-dtype fp32 --multi-latent-attention --qk-layernorm --rerun-mode disabled --attention-sink-k 0 "
+            f"--moe-ffn-hidden-size {expert_ffn} --enable-shared-expert --moe-layer-freq {freq} --num-shared-experts {shared} "
+            f"--moe-shared-expert-intermediate-size {shared * expert_ffn} --moe-router-load-balancing-type seq_aux_loss "
+            f"--moe-router-topk {topk} --moe-permute-fusion --num-experts {experts} --moe-router-pre-softmax --mscale 1.0 "
+            f"--mscale-all-dim 1.0 --moe-aux-loss-coeff 1e-2 --expert-model-parallel-size {EP} --expert-tensor-parallel-size {ETP} "
+            "--kv-lora-rank 512 --qk-head-dim 128 --qk-pos-emb-head-dim 64 --v-head-dim 128 --kv-channels 128 "
+            f"{'--enable-experimental' if APPLY_ROPE_FUSION else '--no-rope-fusion'}")  # fmt: skip
+    if ENABLE_DEEP_EP:
+        moe += " --moe-token-dispatcher-type flex --moe-enable-deepep"
+    else:
+        moe += " --moe-token-dispatcher-type alltoall" + (" --moe-shared-expert-overlap" if MOE_SHARED_EXPERT_OVERLAP else "")
+    if PR == "fp8" and FP8_RECIPE == "mxfp8":
+        moe += " --moe-router-padding-for-quantization"
+    if MOE_ROUTER_FUSION:
+        moe += " --moe-router-fusion"
+    if WINDOW_SIZE:
+        moe += f" --window-size {WINDOW_SIZE}"
+    if FUSED_PADDED_MLA_ATTENTION:
+        moe += " --fused-padded-mla-attention"
+    sp = "--sequence-parallel" if TP > 1 else ""
+    vp = f"--num-layers-per-virtual-pipeline-stage {MP_VP}" if MP_VP else ""
+    overlap = "--overlap-grad-reduce --ddp-bucket-size 629145600 --overlap-param-gather"
+    profile = ("--profile --profile-ranks 0 --use-pytorch-profiler --profile-step-start 6 --profile-step-end 7 "
+               "--moe-router-force-load-balancing" if PROFILE else "--moe-router-force-load-balancing" if FORCE_BALANCE else "")  # fmt: skip
+    return " ".join([megatron, pr, ac, "--use-distributed-optimizer", sp, moe, overlap, "--train-mode pretrain", vp,
+                     "--use-flash-attn", profile])  # fmt: skip
+
+
 CASES = {
     "llama3 defaults": llama3_flags(),
     "llama3 FSDP": llama3_flags(FSDP=1),
@@ -148,19 +228,73 @@ CASES = {
     "deepseek defaults": deepseek_flags(),
     "deepseek FP8 + full recompute": deepseek_flags(PR="fp8", AC="full"),
 }
+# DeepSeek-V3: every model size x precision x recompute, then the other knobs; (flags, world size).
+V3_CASES = {
+    f"deepseek-v3 {size} {pr} AC={ac}": (deepseek_v3_flags(MODEL_SIZE=size, PR=pr, FP8_RECIPE=recipe, AC=ac), WORLD)
+    for size in ("16B", "236B", "671B") for pr, recipe in (("bf16", "delayed"), ("fp16", "delayed"), ("fp8", "delayed"), ("fp8", "tensorwise"))
+    for ac in ("none", "sel", "full")
+}  # fmt: skip
+V3_CASES.update({
+    "deepseek-v3 full uniform recompute, TP=EP=8": (deepseek_v3_flags(AC="full", RECOMPUTE_METHOD="uniform", TP=8, EP=8), WORLD),
+    "deepseek-v3 knobs on": (deepseek_v3_flags(MODEL_SIZE="671B", ENABLE_DEEP_EP=True, APPLY_ROPE_FUSION=True, MOE_ROUTER_FUSION=True,
+                                               GA_FUSION=True, PROFILE=True, GPT_LAYER_IN_TE=False, MOE_USE_LEGACY_GROUPED_GEMM=False,
+                                               FUSED_PADDED_MLA_ATTENTION=True,
+                                               CE_FUSION_ARGS="--cross-entropy-fusion-impl te --cross-entropy-loss-fusion"), WORLD),
+    "deepseek-v3 shared-expert overlap + force balance": (deepseek_v3_flags(MOE_SHARED_EXPERT_OVERLAP=True, FORCE_BALANCE=True), WORLD),
+    "deepseek-v3 671B PP=2 + virtual stages": (deepseek_v3_flags(MODEL_SIZE="671B", NUM_LAYERS=32, PP=2, EP=4, MP_VP=4, GBS=32), WORLD),
+    # The Slurm wrapper's 8 nodes (its TP=2 EP=4 ETP=1 the script itself stops on: TP=1 here).
+    "deepseek-v3 671B 8 nodes": (deepseek_v3_flags(MODEL_SIZE="671B", NUM_LAYERS=32, GBS=32, AC="full", TP=1, PP=16, EP=4), 8 * WORLD),
+    "deepseek-v3 16B 8 nodes, EP=64": (deepseek_v3_flags(EP=64, GBS=512), 8 * WORLD),
+})  # fmt: skip
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_rocm_script_flags_are_accepted(name):
-    argv = shlex.split(CASES[name])
+def _accepted_and_noted_once(flags: str, world: int) -> None:
+    argv = shlex.split(flags)
     cfg = build_config(None, argv)
-    validate(cfg, world_size=WORLD)
+    validate(cfg, world_size=world)
     given = {a.removeprefix("--").split("=")[0] for a in argv if a.startswith("--")}
     noted = {line.split(":")[0].split()[0].removeprefix("--") for line in noted_flag_lines(cfg.logging.noted_flags)}
     assert {f for f in given if f in NOTED_FLAGS} <= noted
     lines = noted_flag_lines(cfg.logging.noted_flags)
     assert len(lines) == len({line.split(":")[0].split()[0] for line in lines}), "a flag is noted twice"
 
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_rocm_script_flags_are_accepted(name):
+    _accepted_and_noted_once(CASES[name], WORLD)
+
+
+@pytest.mark.parametrize("name", list(V3_CASES))
+def test_deepseek_v3_script_flags_are_accepted(name):
+    _accepted_and_noted_once(*V3_CASES[name])
+
+
+def test_deepseek_v3_real_data_goes_to_the_per_split_paths(tmp_path):
+    """MOCK_DATA=0: one indexed dataset for --train/valid/test-data-path (a tiny one written here)."""
+    from meshtron.data.indexed import IndexedDatasetBuilder
+
+    prefix = str(tmp_path / "mmap_deepseekv3_datasets_text_document")
+    builder = IndexedDatasetBuilder(prefix + ".bin")
+    builder.add_document([1, 2, 3, 4])
+    builder.finalize(prefix + ".idx")
+    cfg = build_config(None, shlex.split(deepseek_v3_flags(MOCK_DATA=0, DATA_DIR=str(tmp_path))))
+    validate(cfg, world_size=WORLD)
+    assert not cfg.data.mock and cfg.data.train_data_path == cfg.data.valid_data_path == cfg.data.test_data_path
+    assert cfg.data.train_data_path in (prefix, [prefix])
+
+
+def test_meanings_of_deepseek_v3_flags():
+    """The 671B branch gives the preset's router; what Megatron ignores under MLA and sigmoid is accepted as it is there."""
+    cfg = build_config(None, shlex.split(deepseek_v3_flags(MODEL_SIZE="671B")))
+    m = cfg.model
+    assert (m.moe_router_score_function, m.moe_router_num_groups, m.moe_router_group_topk, m.moe_router_enable_expert_bias) == ("sigmoid", 8, 4, True)
+    assert (m.q_lora_rank, m.kv_lora_rank, m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim) == (1536, 512, 128, 64, 128)
+    assert m.moe_layer_freq == "1" and m.moe_shared_expert_intermediate_size == 2048 and cfg.data.tokenizer_type == "HuggingFaceTokenizer"
+    small = build_config(None, shlex.split(deepseek_v3_flags()))
+    assert small.model.moe_router_num_groups == 8 and not small.model.moe_router_group_topk  # plain top-k, as in Megatron
+    assert small.model.moe_layer_freq == "([0]*3+[1]*24)"
+    with pytest.raises(ValueError, match="TP and EP must be equal"):
+        deepseek_v3_flags(TP=2, EP=4)
 
 def test_meanings_of_translated_flags():
     cfg = build_config(None, shlex.split(llama3_flags()))
@@ -184,6 +318,12 @@ def test_meanings_of_translated_flags():
     ("--rerun-mode validate-results", "--rerun-mode validate-results: not one of Megatron's values (disabled "),
     ("--dataloader-type external", "drop --dataloader-type external"),
     ("--transformer-impl te", "not one of Megatron's values (local "),
+    ("--window-size 128,0", "no sliding window"),
+    ("--attention-sink-k 4", "no sink keys"),
+    ("--profile-ranks 1", "only global rank 0"),
+    (deepseek_v3_flags(PR="fp8", FP8_RECIPE="mxfp8"), "MXFP8"),
+    (deepseek_v3_flags(PR="fp8", FP8_RECIPE="blockwise"), "use --fp8-format e4m3, not hybrid"),
+    (deepseek_v3_flags(USE_PRECISION_AWARE_OPTIMIZER=True), "drop --main-grads-dtype bf16"),
 ])  # fmt: skip
 def test_values_meshtron_cannot_honour_are_refused_with_the_fix(argv, message):
     from meshtron.errors import ConfigError

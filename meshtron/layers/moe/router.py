@@ -143,7 +143,8 @@ class Router(nn.Module):
         self.topk = cfg.moe_router_topk
         self.sinkhorn = cfg.moe_router_load_balancing_type == "sinkhorn"
         self.score_function = cfg.moe_router_score_function
-        self.pre_softmax = cfg.moe_router_pre_softmax
+        # Megatron ignores --moe-router-pre-softmax with sigmoid scores (ROCm's DeepSeek-V3 script passes both).
+        self.pre_softmax = cfg.moe_router_pre_softmax and cfg.moe_router_score_function == "softmax"
         self.scaling_factor = cfg.moe_router_topk_scaling_factor
         self.num_groups = cfg.moe_router_num_groups
         self.group_topk = cfg.moe_router_group_topk

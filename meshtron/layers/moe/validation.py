@@ -34,8 +34,6 @@ def moe_config_errors(m: ModelConfig) -> list[str]:
          "--moe-aux-loss-coeff (per layer) and --moe-loss-weight (averaged over layers) set the same loss; keep one")  # fmt: skip
     need(m.moe_router_score_function in ("softmax", "sigmoid"),
          f"--moe-router-score-function must be softmax or sigmoid, got '{m.moe_router_score_function}'")  # fmt: skip
-    need(not (m.moe_router_pre_softmax and m.moe_router_score_function != "softmax"),
-         "--moe-router-pre-softmax applies to the softmax score function only; drop it with sigmoid")  # fmt: skip
     # A softmax over a single chosen logit is constant 1: the router would get no gradient (sinkhorn's k 1 is a sigmoid).
     need(sinkhorn or not (k == 1 and m.moe_router_score_function == "softmax" and not m.moe_router_pre_softmax),
          "--moe-router-topk 1 with softmax needs --moe-router-pre-softmax (a softmax over one logit has no gradient)")  # fmt: skip
@@ -96,7 +94,7 @@ def _sinkhorn_errors(m: ModelConfig) -> list[str]:
 def _group_errors(m: ModelConfig) -> list[str]:
     """Group-limited routing: equal groups, enough experts in the chosen groups for the top-k."""
     groups, chosen, k = m.moe_router_num_groups, m.moe_router_group_topk, m.moe_router_topk
-    if not groups and not chosen:
+    if not chosen:  # Megatron's rule: --moe-router-num-groups alone leaves plain top-k (ROCm's 16B script passes it so)
         return []
     if m.moe_router_group_score not in GROUP_SCORES:
         return [f"model.moe_router_group_score must be one of {', '.join(GROUP_SCORES)}, got '{m.moe_router_group_score}'"]
