@@ -145,9 +145,10 @@ def deepseek_v3_flags(MODEL_SIZE="16B", MOCK_DATA=1, DATA_DIR="../data", PR="bf1
                       MOE_USE_LEGACY_GROUPED_GEMM=True, GPT_LAYER_IN_TE=True, USE_PRECISION_AWARE_OPTIMIZER=False,
                       GA_FUSION=False, CE_FUSION_ARGS="", PROFILE=False, FORCE_BALANCE=False, WINDOW_SIZE=None,
                       FUSED_PADDED_MLA_ATTENTION=False, MOE_LAYER_FREQ=None) -> str:  # fmt: skip
-    """train_deepseekv3.sh (2026) with the given knobs (its environment variables), everything else at its default.
+    """train_deepseekv3.sh (as of commit 430335a) with the given knobs (its environment variables), everything else at its default.
 
-    The 671B proxy (proxy_mi355x_deepseekv3_671B.sh) and the 8-node Slurm wrapper only set these knobs."""
+    The 671B proxy (proxy_mi355x_deepseekv3_671B.sh) and the 8-node Slurm wrapper only set these knobs; the
+    proxy's USE_PRECISION_AWARE_OPTIMIZER (bf16 main gradients) is refused, the rest of it accepted."""
     if ETP == 1 and TP != EP and TP != 1:
         raise ValueError("the script itself stops: TP and EP must be equal when ETP is 1")
     layers, hidden, heads, ffn, expert_ffn, q_lora, experts, topk, shared, freq = {
@@ -185,10 +186,10 @@ def deepseek_v3_flags(MODEL_SIZE="16B", MOCK_DATA=1, DATA_DIR="../data", PR="bf1
                   "blockwise": "--bf16 --fp8-recipe blockwise --fp8-format hybrid"}[FP8_RECIPE]}[PR]  # fmt: skip
     ac = {"full": f"--recompute-method {RECOMPUTE_METHOD} --recompute-granularity full --recompute-num-layers 1",
           "sel": "--recompute-activations", "none": ""}[AC]  # fmt: skip
-    moe = {"671B": "--q-lora-rank 1536 --moe-router-score-function sigmoid --moe-router-num-groups {EP} --moe-router-group-topk 4 "
+    moe = {"671B": "--q-lora-rank {q_lora} --moe-router-score-function sigmoid --moe-router-num-groups {EP} --moe-router-group-topk 4 "
                    "--moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-3",
-           "236B": "--q-lora-rank 1536 --moe-router-num-groups {EP} --moe-router-group-topk 3",
-           "16B": "--q-lora-rank 512 --moe-router-num-groups {EP}"}[MODEL_SIZE].format(EP=EP)  # fmt: skip
+           "236B": "--q-lora-rank {q_lora} --moe-router-num-groups {EP} --moe-router-group-topk 3",
+           "16B": "--q-lora-rank {q_lora} --moe-router-num-groups {EP}"}[MODEL_SIZE].format(EP=EP, q_lora=q_lora)  # fmt: skip
     moe += (" --moe-router-dtype fp32 --multi-latent-attention --qk-layernorm --rerun-mode disabled --attention-sink-k 0 "
             f"--moe-ffn-hidden-size {expert_ffn} --enable-shared-expert --moe-layer-freq {freq} --num-shared-experts {shared} "
             f"--moe-shared-expert-intermediate-size {shared * expert_ffn} --moe-router-load-balancing-type seq_aux_loss "
@@ -242,6 +243,10 @@ V3_CASES.update({
                                                CE_FUSION_ARGS="--cross-entropy-fusion-impl te --cross-entropy-loss-fusion"), WORLD),
     "deepseek-v3 shared-expert overlap + force balance": (deepseek_v3_flags(MOE_SHARED_EXPERT_OVERLAP=True, FORCE_BALANCE=True), WORLD),
     "deepseek-v3 671B PP=2 + virtual stages": (deepseek_v3_flags(MODEL_SIZE="671B", NUM_LAYERS=32, PP=2, EP=4, MP_VP=4, GBS=32), WORLD),
+    "deepseek-v3 671B proxy, precision-aware optimizer off": (deepseek_v3_flags(
+        MODEL_SIZE="671B", NUM_LAYERS=3, MOE_LAYER_FREQ="([0]*1+[1]*2)", MBS=2, GBS=16, TRAIN_ITERS=20, AC="full", APPLY_ROPE_FUSION=True,
+        MOE_ROUTER_FUSION=True, MOE_USE_LEGACY_GROUPED_GEMM=False, FORCE_BALANCE=True, GA_FUSION=True, PROFILE=True,
+        CE_FUSION_ARGS="--cross-entropy-fusion-impl te --cross-entropy-loss-fusion"), WORLD),
     # The Slurm wrapper's 8 nodes (its TP=2 EP=4 ETP=1 the script itself stops on: TP=1 here).
     "deepseek-v3 671B 8 nodes": (deepseek_v3_flags(MODEL_SIZE="671B", NUM_LAYERS=32, GBS=32, AC="full", TP=1, PP=16, EP=4), 8 * WORLD),
     "deepseek-v3 16B 8 nodes, EP=64": (deepseek_v3_flags(EP=64, GBS=512), 8 * WORLD),
@@ -281,6 +286,34 @@ def test_deepseek_v3_real_data_goes_to_the_per_split_paths(tmp_path):
     validate(cfg, world_size=WORLD)
     assert not cfg.data.mock and cfg.data.train_data_path == cfg.data.valid_data_path == cfg.data.test_data_path
     assert cfg.data.train_data_path in (prefix, [prefix])
+
+
+def test_deepseek_v3_671b_is_estimated_without_being_built(tmp_path, monkeypatch, capsys):
+    """The script's closest thing to a dry run: ``meshtron estimate`` with its flags unchanged sizes the
+    671B model from a meta build, in seconds and a few hundred MiB, on 8 GPUs and on the Slurm wrapper's 64.
+    Expected count: 671 B (DeepSeek-V3 without MTP) - 1.85 B of embeddings (the cached tokenizer here has
+    384 rows, not 129280) + 3 x 10.9 B (the script makes all 61 layers MoE; the model's first 3 are dense)."""
+    import re
+    import resource
+
+    from huggingface_hub import constants
+
+    from meshtron.cli import main
+    from meshtron.data.tokenizers import train_bpe_tokenizer
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    snapshot = tmp_path / "models--deepseek-ai--DeepSeek-V3" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (tmp_path / "models--deepseek-ai--DeepSeek-V3" / "refs").mkdir()
+    (tmp_path / "models--deepseek-ai--DeepSeek-V3" / "refs" / "main").write_text("abc123")
+    train_bpe_tokenizer(["cached text, cached merges"] * 20, 400, str(snapshot / "tokenizer.json"))
+    assert main(["estimate", "--world-size", str(WORLD), *shlex.split(deepseek_v3_flags(MODEL_SIZE="671B"))]) == 0
+    out = capsys.readouterr().out
+    assert 700 < float(re.search(r"model: ([\d.]+) B parameters", out).group(1)) < 704 and "256 experts, top-8, 32 per ep rank" in out
+    slurm = deepseek_v3_flags(MODEL_SIZE="671B", NUM_LAYERS=32, GBS=32, AC="full", TP=1, PP=16, EP=4)
+    assert main(["estimate", "--world-size", str(8 * WORLD), *shlex.split(slurm)]) == 0
+    assert "layout: world 64, tp 1, pp 16, cp 1, dp 4, ep 4" in capsys.readouterr().out
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss < 4 * 2**20  # KiB: far below the 1.4 TB of bf16 weights
 
 
 def test_meanings_of_deepseek_v3_flags():
