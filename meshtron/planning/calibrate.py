@@ -29,7 +29,7 @@ from meshtron.training.peak_flops import datasheet_peak_tflops
 COLLECTIVE_BYTES = (2**20, 2**24, 2**26, 2**28, 2**30)
 
 
-def _seconds(fn, repeat: int = 10) -> float:
+def cuda_seconds(fn, repeat: int = 10) -> float:
     """Mean seconds of ``repeat`` runs of ``fn`` after three warm-up runs, by CUDA events."""
     for _ in range(3):
         fn()
@@ -57,7 +57,7 @@ def gemm_points(cfg: Config, machine: Machine) -> list[list[float]]:
     points = []
     for m, n, k in sorted(shapes):
         a, b = torch.randn(m, k, device="cuda", dtype=torch.bfloat16), torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
-        seconds = _seconds(lambda: a @ b)
+        seconds = cuda_seconds(lambda: a @ b)
         points.append([2.0 * m * n * k, 2.0 * m * n * k / seconds / 1e12])
     return sorted(points)
 
@@ -76,7 +76,7 @@ def attention_points(cfg: Config) -> list[list[float]]:
         def step() -> None:
             F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
 
-        seconds = _seconds(step, repeat=5)
+        seconds = cuda_seconds(step, repeat=5)
         points.append([float(seq), 6.0 * seq * m.hidden_size * batch * seq / seconds / 1e12])
     return points
 
@@ -84,7 +84,7 @@ def attention_points(cfg: Config) -> list[list[float]]:
 def hbm_gbps() -> float:
     x = torch.empty(2**29, device="cuda", dtype=torch.float16)  # 1 GiB
     y = torch.empty_like(x)
-    return 2 * x.numel() * x.element_size() / _seconds(lambda: y.copy_(x)) / 1e9
+    return 2 * x.numel() * x.element_size() / cuda_seconds(lambda: y.copy_(x)) / 1e9
 
 
 def _collective_worker(rank: int, world: int, port: int, out: str) -> None:
@@ -116,7 +116,7 @@ def _collective_worker(rank: int, world: int, port: int, out: str) -> None:
         }
         for op, fn in ops.items():
             dist.barrier()
-            seconds = _seconds(fn, repeat=5)
+            seconds = cuda_seconds(fn, repeat=5)
             factor = {"all_reduce": 2 * (world - 1) / world, "p2p": 1.0}.get(op, (world - 1) / world)
             result[op].append([float(nbytes), nbytes * factor / seconds / 1e9])
     if rank == 0:

@@ -10,6 +10,7 @@ import torch
 from meshtron.kernels import fp8, platform, triton_available
 from meshtron.kernels.fp8_blockwise import block_cast, block_mm, dequantize, scaled_mm_takes_blocks
 from meshtron.kernels.fp8_scaling import FP8_FAMILIES, Fp8Recipe, Fp8Scaling, platform_family
+from meshtron.planning.calibrate import cuda_seconds
 
 E4M3 = FP8_FAMILIES[platform_family() if torch.cuda.is_available() else "ocp"][0]
 pytestmark = pytest.mark.skipif(
@@ -32,15 +33,8 @@ def _skip_unless_available(path: str) -> None:
         pytest.skip("Triton is not installed")
 
 
-def _ms(fn, repeat: int = 10) -> float:
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeat):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeat
+def _ms(fn) -> float:
+    return cuda_seconds(fn) * 1e3
 
 
 def _rand(*shape, scale=1.0, seed=0):
