@@ -1,11 +1,13 @@
-"""``meshtron plan`` against measurement on this machine's GPUs (one or two), in one call of under
-nine minutes.
+"""``meshtron plan`` against measurement on this machine's GPUs, one workload per device call of
+under ten minutes.
 
-    PYTHONPATH=$PWD python benchmarks/plan_check.py --out $OUT [--workloads llama,deepseek] [--budget-s 500]
+    PYTHONPATH=$PWD python benchmarks/plan_check.py --out $OUT --workloads llama [--calibration FILE] [--budget-s 520]
 
-1. ``meshtron plan --calibrate`` on the first workload's shapes (timed: it must take under 60 s);
-2. for each workload — Llama-3-8B layers x ``--llama-layers`` at seq 8192, DeepSeek-V2-Lite layers x
-   ``--deepseek-layers`` at seq 4096 (layer 0 dense), global batch 8 — the planner checks every
+1. ``meshtron plan --calibrate`` on the first workload's shapes (timed: it must take under 60 s),
+   (each call calibrates: the GEMM, attention and grouped-expert shapes are the workload's own);
+2. for each workload — the issue's three: Llama-3-8B x ``--llama-layers`` (32) at seq 8192,
+   DeepSeek-V2-Lite x ``--deepseek-layers`` (27, layer 0 dense) at seq 4096, Llama-3-70B layers x
+   ``--llama70b-layers`` (12) at seq 8192; global batch 8 — the planner checks every
    layout on all the GPUs (memory by ``estimate``, validation) with the calibration, and a grid of
    ``--per-workload`` fitting layouts is picked: the planner's first choice, then layouts spread
    over its ranking;
@@ -42,6 +44,8 @@ WORKLOADS = {
                         "--global-batch-size", "8"],
     "deepseek": lambda a: ["--model.preset", "deepseek-v2-lite", "--num-layers", str(a.deepseek_layers), "--moe-layer-freq",
                            f"([0]+[1]*{a.deepseek_layers - 1})", "--seq-length", "4096", "--global-batch-size", "8"],
+    "llama70b": lambda a: ["--model.preset", "llama3-70b", "--num-layers", str(a.llama70b_layers), "--seq-length", "8192",
+                           "--global-batch-size", "8"],
 }  # fmt: skip
 FIELDS = ["workload", "gpus", "planner_rank", "layout", "predicted", "measured", "error_pct", "estimate_gib", "peak_gib", "note", "flags"]
 
@@ -54,15 +58,30 @@ def grid(fits: list, size: int) -> list:
     return [(i + 1, fits[i]) for i in picks]
 
 
+def write(out: Path, rows: list[dict], summary: list[str]) -> str:
+    """plan_check.csv and plan_check.md as they stand (rewritten after each run: a call cut short keeps them)."""
+    with open(out / "plan_check.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    table = ["| " + " | ".join(FIELDS[:-1]) + " |", "|" + " --- |" * (len(FIELDS) - 1)]
+    table += ["| " + " | ".join(str(r.get(k, "")) for k in FIELDS[:-1]) + " |" for r in rows]
+    text = "\n".join(["# meshtron plan: predicted against measured", "", *summary, "", *table, ""])
+    (out / "plan_check.md").write_text(text)
+    return text
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--workloads", default="llama,deepseek")
-    parser.add_argument("--llama-layers", type=int, default=4)
-    parser.add_argument("--deepseek-layers", type=int, default=4)
+    parser.add_argument("--llama-layers", type=int, default=32)
+    parser.add_argument("--deepseek-layers", type=int, default=27)
+    parser.add_argument("--llama70b-layers", type=int, default=12)
     parser.add_argument("--per-workload", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--budget-s", type=float, default=500.0)
+    parser.add_argument("--layout-timeout-s", type=float, default=180.0, help="one layout's run, start-up included")
     parser.add_argument("--no-infeasible", action="store_true", help="skip running a layout the planner pruned for memory")
     args = parser.parse_args()
     import torch
@@ -93,10 +112,11 @@ def main() -> int:
             if left < 60:
                 rows.append({**row, "note": "not run: budget spent"})
                 continue
-            got = run_layout(flags, verdict.layout, args.steps, timeout_s=left)
+            got = run_layout(flags, verdict.layout, args.steps, timeout_s=min(left, args.layout_timeout_s))
             note = "" if got.tokens_per_s_gpu else f"failed: {got.error[-200:]}"
             error = round(100 * (verdict.prediction.tokens_per_s_gpu / got.tokens_per_s_gpu - 1), 1) if got.tokens_per_s_gpu else ""
             rows.append({**row, "measured": round(got.tokens_per_s_gpu), "error_pct": error, "peak_gib": got.peak_gib, "note": note})
+            write(out, rows, summary)
             if got.tokens_per_s_gpu:
                 measured.append((got.tokens_per_s_gpu, rank, verdict.prediction.tokens_per_s_gpu))
             print(f"{name} #{rank} {verdict.layout.short()}: predicted {verdict.prediction.tokens_per_s_gpu:,.0f}, "
@@ -104,7 +124,7 @@ def main() -> int:
         pruned = [v for v in result.others if v.status == "memory"]
         if pruned and not args.no_infeasible and args.budget_s - (time.time() - began) > 90:
             v = max(pruned, key=lambda v: v.prediction.tokens_per_s_gpu)
-            got = run_layout(flags, v.layout, 3, timeout_s=args.budget_s - (time.time() - began))
+            got = run_layout(flags, v.layout, 3, timeout_s=min(args.budget_s - (time.time() - began), args.layout_timeout_s))
             oom = "out of memory" in got.error.lower() or "outofmemory" in got.error.lower()
             rows.append({"workload": name, "gpus": gpus, "planner_rank": "pruned", "layout": v.layout.short(),
                          "predicted": round(v.prediction.tokens_per_s_gpu), "estimate_gib": round(v.memory_bytes / 2**30, 1),
@@ -118,15 +138,7 @@ def main() -> int:
                            f"(planner rank {best[1]}); planner's first choice "
                            + (f"{first[0]:,.0f} = {100 * first[0] / best[0]:.1f}% of the best" if first else "not measured")
                            + f"; |error| mean {100 * statistics.mean(errors):.1f}%, max {100 * max(errors):.1f}%")  # fmt: skip
-    with open(out / "plan_check.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
-    table = ["| " + " | ".join(FIELDS[:-1]) + " |", "|" + " --- |" * (len(FIELDS) - 1)]
-    table += ["| " + " | ".join(str(r.get(k, "")) for k in FIELDS[:-1]) + " |" for r in rows]
-    text = "\n".join(["# meshtron plan: predicted against measured", "", *summary, "", *table, ""])
-    (out / "plan_check.md").write_text(text)
-    print(text)
+    print(write(out, rows, summary))
     print(f"wall time {time.time() - began:.0f} s")
     return 0
 

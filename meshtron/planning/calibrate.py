@@ -3,7 +3,7 @@ JSON file ``--calibration`` reads.
 
 Measured: bf16 GEMMs of the model's own block shapes at tp 1, 2, 4 and 8 (and a few square ones
 to span the curve), attention forward + backward at the model's heads over query lengths up to its
-sequence, HBM bandwidth (a 1 GiB copy), and, with two or more GPUs, all-gather, reduce-scatter,
+sequence, the routed experts' grouped GEMMs against dense ones (MoE models), HBM bandwidth (a 1 GiB copy), and, with two or more GPUs, all-gather, reduce-scatter,
 all-reduce, all-to-all and send/recv over all of them by size (one process per GPU, NCCL). What one
 GPU cannot measure (collectives on one GPU, the network, FP8, overlaps, host overheads) keeps the
 shipped machine's value, and ``sources`` says which numbers were measured and which were kept.
@@ -79,6 +79,28 @@ def attention_points(cfg: Config) -> list[list[float]]:
         seconds = cuda_seconds(step, repeat=5)
         points.append([float(seq), 6.0 * seq * m.hidden_size * batch * seq / seconds / 1e12])
     return points
+
+
+def grouped_gemm_factor(cfg: Config) -> float:
+    """Routed experts' fc1 and fc2, forward and backward, through the layer's own grouped GEMM
+    (``--model.moe_grouped_gemm``) at the rows one sequence sends each expert under even routing,
+    as a share of the speed of the same per-expert GEMMs run as plain dense matmuls."""
+    from meshtron.layers.moe.grouped_gemm import grouped_mm
+
+    m = cfg.model
+    h, f = m.hidden_size, m.moe_ffn_hidden_size or m.ffn_hidden_size
+    experts, rows = m.num_experts, max(16, cfg.data.seq_length * m.moe_router_topk // m.num_experts)
+    fc1 = 2 * f if m.activation == "swiglu" else f
+    dense_s = grouped_s = 0.0
+    for n, k in ((fc1, h), (h, f)):
+        x = torch.randn(experts * rows, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        sizes = torch.full((experts,), rows, device="cuda", dtype=torch.int64)
+        grad = torch.randn(experts * rows, n, device="cuda", dtype=torch.bfloat16)
+        grouped_s += cuda_seconds(lambda: grouped_mm(x, w, sizes, m.moe_grouped_gemm).backward(grad), repeat=5)
+        xe, we = x[:rows].detach().requires_grad_(), w[0].detach().requires_grad_()
+        dense_s += experts * cuda_seconds(lambda: (xe @ we.t()).backward(grad[:rows]), repeat=5)
+    return dense_s / grouped_s
 
 
 def hbm_gbps() -> float:
@@ -159,6 +181,9 @@ def calibrate(cfg: Config, path: str) -> Machine:
         "hbm_gbps": hbm_gbps(),
         "on_paper": False,
     }
+    if cfg.model.num_experts:
+        fields["grouped_gemm_factor"] = grouped_gemm_factor(cfg)
+        sources["grouped_gemm_factor"] = f"{measured}: the model's expert fc1 and fc2, forward and backward, against dense matmuls"
     world = torch.cuda.device_count()
     if world >= 2:
         fields["nvlink"] = {**base.nvlink, **collective_curves(world)}
@@ -170,6 +195,7 @@ def calibrate(cfg: Config, path: str) -> Machine:
     print(f"calibration of {name} ({world} GPU{'s' if world > 1 else ''}) in {time.time() - began:.0f} s -> {path}")
     print(f"  GEMM TFLOP/s by FLOPs: {', '.join(f'{f:.1e}: {t:.0f}' for f, t in machine.gemm_tflops)}")
     print(f"  attention TFLOP/s by query tokens: {', '.join(f'{s:.0f}: {t:.0f}' for s, t in machine.attention_tflops)}")
+    print(f"  grouped expert GEMMs at {machine.grouped_gemm_factor:.2f} of dense" if cfg.model.num_experts else "  no experts")
     print(f"  HBM {machine.hbm_gbps:.0f} GB/s" + (f"; collectives over {world}: " + "; ".join(
         f"{op} {points[-1][1]:.0f} GB/s at {points[-1][0] / 2**20:.0f} MiB" for op, points in machine.nvlink.items()) if world >= 2 else
         "; collectives: one GPU, the shipped curves kept"))  # fmt: skip

@@ -21,3 +21,13 @@ def test_calibrate_is_quick_and_readable(tmp_path):
     rates = [t for _, t in machine.gemm_tflops]
     assert rates[-1] > rates[0] and max(rates) < machine.peak_tflops
     assert all(t > 0 for _, t in machine.attention_tflops) and machine.hbm_gbps > 500
+
+
+@pytest.mark.gpu
+def test_calibrate_measures_the_grouped_expert_gemms(tmp_path):
+    path = tmp_path / "cal.json"
+    subprocess.run([sys.executable, "-m", "meshtron", "plan", "--calibrate", "--calibration-out", str(path), "--model.preset",
+                    "deepseek-v2-lite", "--num-layers", "2", "--seq-length", "4096"], check=True)  # fmt: skip
+    machine = load(str(path))
+    assert "measured" in machine.sources["grouped_gemm_factor"]
+    assert 0.2 < machine.grouped_gemm_factor < 1.5  # a share of dense speed, not a unit slip
