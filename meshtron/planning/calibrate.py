@@ -3,7 +3,7 @@ JSON file ``--calibration`` reads.
 
 Measured: bf16 GEMMs of the model's own block shapes at tp 1, 2, 4 and 8 (and a few square ones
 to span the curve), attention forward + backward at the model's heads over query lengths up to its
-sequence, the routed experts' grouped GEMMs against dense ones (MoE models), HBM bandwidth (a 1 GiB copy), and, with two or more GPUs, all-gather, reduce-scatter,
+sequence, the routed experts' grouped GEMMs against the GEMM curve (MoE models), HBM bandwidth (a 1 GiB copy), and, with two or more GPUs, all-gather, reduce-scatter,
 all-reduce, all-to-all and send/recv over all of them by size (one process per GPU, NCCL). What one
 GPU cannot measure (collectives on one GPU, the network, FP8, overlaps, host overheads) keeps the
 shipped machine's value, and ``sources`` says which numbers were measured and which were kept.
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from meshtron.config import Config
 from meshtron.layers.attention import head_dim
-from meshtron.planning.hardware import COLLECTIVES, Machine, load
+from meshtron.planning.hardware import COLLECTIVES, Machine, interpolate, load
 from meshtron.planning.step_time import StepModel
 from meshtron.training.peak_flops import datasheet_peak_tflops
 
@@ -59,7 +59,7 @@ def gemm_points(cfg: Config, machine: Machine) -> list[list[float]]:
         a, b = torch.randn(m, k, device="cuda", dtype=torch.bfloat16), torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
         seconds = cuda_seconds(lambda: a @ b)
         points.append([2.0 * m * n * k, 2.0 * m * n * k / seconds / 1e12])
-    return sorted(points)
+    return monotone(sorted(points))
 
 
 def attention_points(cfg: Config) -> list[list[float]]:
@@ -81,26 +81,41 @@ def attention_points(cfg: Config) -> list[list[float]]:
     return points
 
 
-def grouped_gemm_factor(cfg: Config) -> float:
+def grouped_gemm_factor(cfg: Config, gemm_tflops: list[list[float]]) -> float:
     """Routed experts' fc1 and fc2, forward and backward, through the layer's own grouped GEMM
-    (``--model.moe_grouped_gemm``) at the rows one sequence sends each expert under even routing,
-    as a share of the speed of the same per-expert GEMMs run as plain dense matmuls."""
+    (``--model.moe_grouped_gemm``) at the rows one sequence sends each expert under even routing:
+    their speed as a share of ``gemm_tflops``' rate at one grouped GEMM's FLOPs (the step model's
+    ``grouped_gemm_factor``: a grouped GEMM against one dense GEMM of the same FLOPs)."""
     from meshtron.layers.moe.grouped_gemm import grouped_mm
 
     m = cfg.model
     h, f = m.hidden_size, m.moe_ffn_hidden_size or m.ffn_hidden_size
     experts, rows = m.num_experts, max(16, cfg.data.seq_length * m.moe_router_topk // m.num_experts)
     fc1 = 2 * f if m.activation == "swiglu" else f
-    dense_s = grouped_s = 0.0
+    seconds = 0.0
     for n, k in ((fc1, h), (h, f)):
         x = torch.randn(experts * rows, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         w = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         sizes = torch.full((experts,), rows, device="cuda", dtype=torch.int64)
         grad = torch.randn(experts * rows, n, device="cuda", dtype=torch.bfloat16)
-        grouped_s += cuda_seconds(lambda: grouped_mm(x, w, sizes, m.moe_grouped_gemm).backward(grad), repeat=5)
-        xe, we = x[:rows].detach().requires_grad_(), w[0].detach().requires_grad_()
-        dense_s += experts * cuda_seconds(lambda: (xe @ we.t()).backward(grad[:rows]), repeat=5)
-    return dense_s / grouped_s
+        seconds += cuda_seconds(lambda: grouped_mm(x, w, sizes, m.moe_grouped_gemm).backward(grad), repeat=5)
+    flops = 2.0 * experts * rows * (fc1 * h + h * f)  # one forward of both
+    return 3 * flops / seconds / 1e12 / interpolate(gemm_tflops, flops / 2)
+
+
+def monotone(points: list[list[float]]) -> list[list[float]]:
+    """``points`` ([FLOPs, TFLOP/s]) made non-decreasing by pooling adjacent violators: shapes of
+    equal FLOPs differ (a narrow projection runs slower than a square GEMM), and the step model
+    reads one rate per size, so each size gets the mean of the shapes around it, not an outlier."""
+    blocks: list[list[float]] = []  # [sum of rates, count, first index]
+    for i, (_, rate) in enumerate(points):
+        blocks.append([rate, 1, i])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count, _ = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    rates = [b[0] / b[1] for b in blocks for _ in range(int(b[1]))]
+    return [[size, rate] for (size, _), rate in zip(points, rates)]
 
 
 def hbm_gbps() -> float:
@@ -182,8 +197,8 @@ def calibrate(cfg: Config, path: str) -> Machine:
         "on_paper": False,
     }
     if cfg.model.num_experts:
-        fields["grouped_gemm_factor"] = grouped_gemm_factor(cfg)
-        sources["grouped_gemm_factor"] = f"{measured}: the model's expert fc1 and fc2, forward and backward, against dense matmuls"
+        fields["grouped_gemm_factor"] = grouped_gemm_factor(cfg, fields["gemm_tflops"])
+        sources["grouped_gemm_factor"] = f"{measured}: the model's expert fc1 and fc2, forward and backward, against the GEMM curve"
     world = torch.cuda.device_count()
     if world >= 2:
         fields["nvlink"] = {**base.nvlink, **collective_curves(world)}

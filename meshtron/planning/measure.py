@@ -18,6 +18,7 @@ from meshtron.planning.layouts import Layout
 
 TOKENS = re.compile(r"tokens/s/device ([\d,]+)")
 MEMORY = re.compile(r"mem ([\d.]+) GiB")
+CAUSE = re.compile(r"Error|error:|Exception|out of memory")
 
 
 @dataclass
@@ -35,6 +36,14 @@ def train_argv(base_args: list[str], layout: Layout, steps: int) -> list[str]:
             "--eval-interval", "0"]  # fmt: skip
 
 
+def failure_lines(log: str) -> str:
+    """The lines of a failed run's log that say why: the first rank error or exception and the two
+    lines after it, not the launcher's summary of which rank exited (torchrun's names no cause)."""
+    lines = [line for line in log.strip().splitlines() if "ChildFailedError" not in line and "elastic" not in line]
+    first = next((i for i, line in enumerate(lines) if CAUSE.search(line)), max(0, len(lines) - 3))
+    return "\n".join(lines[first : first + 3])
+
+
 def run_layout(base_args: list[str], layout: Layout, steps: int, timeout_s: float = 600.0) -> Measurement:
     """Train ``layout`` for ``steps`` steps and read its speed and memory off the log lines."""
     try:
@@ -45,7 +54,7 @@ def run_layout(base_args: list[str], layout: Layout, steps: int, timeout_s: floa
     speeds = [float(s.replace(",", "")) for s in TOKENS.findall(log)]
     peaks = [float(g) for g in MEMORY.findall(log)]
     if done.returncode or not speeds:
-        return Measurement(0.0, max(peaks, default=0.0), "\n".join(log.strip().splitlines()[-3:]))
+        return Measurement(0.0, max(peaks, default=0.0), failure_lines(log))
     kept = speeds[2:] or speeds[-1:]
     return Measurement(statistics.median(kept), max(peaks, default=0.0), "")
 

@@ -4,8 +4,8 @@ Per micro batch, each block costs on one rank (tokens t = micro batch x the bloc
 
 - GEMMs: ``6 P t / tp`` FLOPs (P its parameters a token passes: the family's sizes, routed experts
   by their top-k share) at the machine's rate for a GEMM of that block's shape (one rank's
-  matrices, ``rank_parameters``); routed experts as grouped GEMMs of the rows each local expert
-  gets; FP8 block linears at ``fp8_gemm_speedup`` plus the casts;
+  matrices, ``rank_parameters``); routed experts as one grouped GEMM per matrix over all local
+  experts, at ``grouped_gemm_factor`` of a dense GEMM of its FLOPs; FP8 block linears at ``fp8_gemm_speedup`` plus the casts;
 - attention: the family's attention FLOPs (``pipeline_costs`` minus 6 P) at the attention rate of
   one rank's query length;
 - elementwise work (norms, activations, RoPE): the bytes autograd keeps per token
@@ -197,8 +197,7 @@ class StepModel:
         ep_comm = 0.0
         if s.expert_all:  # routed experts (bf16 under --fp8-format): grouped GEMMs, rows exchanged over ep and etp
             rows = tokens / lay.tp * lay.etp * lay.ep * s.expert_active / s.expert_all  # per local expert
-            local_experts = max(1, m.num_experts // lay.ep)
-            rate = mc.gemm_rate(2 * rows * s.local_expert / local_experts / 2) * mc.grouped_gemm_factor
+            rate = mc.gemm_rate(2 * rows * s.local_expert / 2) * mc.grouped_gemm_factor  # one grouped GEMM: all local experts
             gemm += 6 * s.expert_active * tokens / lay.tp / rate
             routed = tokens / lay.tp * m.moe_router_topk * m.hidden_size * BF16
             ep_comm = 4 * mc.collective_seconds("all_to_all", routed, lay.ep, _spans(lay.etp, lay.ep, self.gpus_per_node))

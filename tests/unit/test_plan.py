@@ -190,6 +190,22 @@ def test_interpolate_is_log_linear_and_clamped():
     assert interpolate(points, 1e7) == pytest.approx(20.0)
 
 
+def test_calibrated_gemm_curve_is_made_non_decreasing():
+    from meshtron.planning.calibrate import monotone
+
+    points = [[1e9, 100.0], [2e9, 400.0], [3e9, 200.0], [4e9, 600.0], [5e9, 500.0], [6e9, 700.0]]
+    assert monotone(points) == [[1e9, 100.0], [2e9, 300.0], [3e9, 300.0], [4e9, 550.0], [5e9, 550.0], [6e9, 700.0]]
+    assert monotone(points[:1]) == points[:1]
+
+
+def test_failed_measurement_names_the_rank_error_not_the_launcher_summary():
+    from meshtron.planning.measure import failure_lines
+
+    log = "iteration 1\n[rank0]: torch.OutOfMemoryError: CUDA out of memory.\ntorch.distributed.elastic...ChildFailedError:\n  x"
+    assert failure_lines(log) == "[rank0]: torch.OutOfMemoryError: CUDA out of memory.\n  x"
+    assert failure_lines("a\nb\nc\nd") == "b\nc\nd"  # no error line: the log's end
+
+
 @pytest.mark.slow  # two trainer launches: ~80 s on 2 busy cores; the GPU proof is benchmarks/plan_check.py
 def test_measure_runs_the_printed_layout_through_the_trainer():
     """``--measure``'s runner trains a layout with the planner's flags (one CPU process here) and
