@@ -1,4 +1,5 @@
-"""Triton kernels for the row-wise and elementwise ops: cross-entropy chunk steps, SwiGLU, RoPE.
+"""Triton kernels for the row-wise and elementwise ops: cross-entropy chunk steps, SwiGLU, RoPE,
+dropout + residual add.
 
 Imported only when a kernel runs (``meshtron.kernels.use_triton``), so Triton stays optional.
 Each kernel reads its input once and writes its output once, computing in fp32 whatever the
@@ -196,3 +197,58 @@ def scale_into(out: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, accumula
     ``x`` any float dtype, both contiguous and of one size, ``scale`` a 0-d fp32 tensor."""
     n = x.numel()
     _scale_into_kernel[(triton.cdiv(n, 4096),)](x, out, scale, n, ACCUMULATE=accumulate, BLOCK=4096, num_warps=8)
+
+
+# ---------------------------------------------------------------------- dropout + residual add
+
+
+@triton.jit
+def _kept(seed_ptr, start, p, BLOCK: tl.constexpr):
+    """Keep decisions of elements ``start ..< start + BLOCK``: a Philox uniform above p. The counter
+    is the index's low 31 bits and the seed is offset by the rest (a block never straddles the
+    boundary: BLOCK divides 2**31), so no two elements of a tensor share a draw."""
+    seed = tl.load(seed_ptr) + (start >> 31)
+    counters = (start & 0x7FFFFFFF).to(tl.int32) + tl.arange(0, BLOCK)
+    return tl.rand(seed, counters) > p
+
+
+@triton.jit
+def _dropout_add_kernel(x_ptr, residual_ptr, out_ptr, seed_ptr, n, p, scale, BLOCK: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    residual = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    out = residual + tl.where(_kept(seed_ptr, start, p, BLOCK), x * scale, 0.0)
+    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dropout_backward_kernel(grad_ptr, grad_x_ptr, seed_ptr, n, p, scale, BLOCK: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
+    mask = offs < n
+    grad = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    grad_x = tl.where(_kept(seed_ptr, start, p, BLOCK), grad * scale, 0.0)
+    tl.store(grad_x_ptr + offs, grad_x.to(grad_x_ptr.dtype.element_ty), mask=mask)
+
+
+_DROPOUT_BLOCK = 2048
+
+
+def dropout_add_forward(x: torch.Tensor, residual: torch.Tensor, seed: torch.Tensor, p: float, dtype: torch.dtype) -> torch.Tensor:
+    """``residual + x * keep / (1 - p)`` in ``dtype``; x, residual contiguous of one shape, 0 <= p < 1."""
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    n = x.numel()
+    grid = (triton.cdiv(n, _DROPOUT_BLOCK),)
+    _dropout_add_kernel[grid](x, residual, out, seed, n, p, 1.0 / (1.0 - p), BLOCK=_DROPOUT_BLOCK, num_warps=8)
+    return out
+
+
+def dropout_backward(grad: torch.Tensor, seed: torch.Tensor, p: float, dtype: torch.dtype) -> torch.Tensor:
+    """``grad * keep / (1 - p)`` in ``dtype``, the mask recomputed from ``seed`` as the forward drew it."""
+    grad_x = torch.empty(grad.shape, dtype=dtype, device=grad.device)
+    n = grad.numel()
+    grid = (triton.cdiv(n, _DROPOUT_BLOCK),)
+    _dropout_backward_kernel[grid](grad, grad_x, seed, n, p, 1.0 / (1.0 - p), BLOCK=_DROPOUT_BLOCK, num_warps=8)
+    return grad_x

@@ -134,3 +134,46 @@ def test_cross_entropy_kernels_stop_at_the_real_rows(chunk):
         torch.testing.assert_close(h.grad, ref_h.grad)
         torch.testing.assert_close(w.grad[:tokens], ref_w.grad)
         assert w.grad[tokens:].abs().max() == 0
+
+
+def test_dropout_add_kernel_keeps_one_mask_for_forward_and_backward(dtype=torch.float32):
+    """``residual + dropout(x)`` in one pass: each element is either the residual alone or the
+    residual plus x * (1 / (1 - p)) (F.dropout's arithmetic, rounded once), about 1 - p of them kept;
+    the backward recomputes the same mask from the seed (x's gradient is g / (1 - p) exactly where
+    the forward kept x), the residual's gradient is the upstream one; the seed comes from torch's
+    generator, so a reseed repeats the masks and consecutive calls draw new ones. fp32 here (the
+    interpreter rounds to bf16 its own way); tests/gpu runs it in bf16 too."""
+    from meshtron.kernels.dropout_add import dropout_add
+
+    p = 0.3
+    gen = torch.Generator().manual_seed(0)
+    x, residual = (torch.randn(64, 257, generator=gen).to(dtype).requires_grad_() for _ in range(2))
+    torch.manual_seed(5)
+    out = dropout_add(x, residual, p, True, "on")
+    assert out.dtype == dtype
+    kept = (out != residual).detach()
+    assert abs(kept.float().mean().item() - (1 - p)) < 0.02
+    expected = torch.where(kept, (residual.float() + x.float() * (1 / (1 - p))).to(dtype), residual)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    upstream = torch.randn(out.shape, generator=gen).to(dtype)
+    out.backward(upstream)
+    torch.testing.assert_close(x.grad, torch.where(kept, (upstream.float() * (1 / (1 - p))).to(dtype), 0), rtol=0, atol=0)
+    torch.testing.assert_close(residual.grad, upstream, rtol=0, atol=0)
+    torch.manual_seed(5)
+    again = dropout_add(x, residual, p, True, "on")
+    assert torch.equal(again, out)
+    assert not torch.equal(dropout_add(x, residual, p, True, "on"), out)
+
+
+def test_dropout_add_recompute_draws_the_forward_mask():
+    """Under activation recompute (the RNG state restored) the backward's mask is the first forward's."""
+    from torch.utils.checkpoint import checkpoint
+
+    from meshtron.kernels.dropout_add import dropout_add
+
+    gen = torch.Generator().manual_seed(1)
+    x, residual = (torch.randn(8, 300, generator=gen).requires_grad_() for _ in range(2))
+    out = checkpoint(lambda a, r: dropout_add(a * 2, r, 0.5, True, "on"), x, residual, use_reentrant=False)
+    kept = out.detach() != residual.detach()
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, torch.where(kept, 4.0, 0.0), rtol=0, atol=0)

@@ -1,0 +1,81 @@
+"""BERT's fused elementwise paths against the unfused ones, whole model, on the CPU through
+Triton's interpreter (fp32): the fused residual dropout + add (``--bias-dropout-fusion``)."""
+
+import os
+
+import pytest
+import torch
+
+from meshtron.config import build_config
+from meshtron.kernels import triton_available
+from meshtron.models import build_model
+
+pytestmark = pytest.mark.skipif(
+    not triton_available() or torch.cuda.is_available(), reason="needs Triton, and no GPU (then tests/gpu covers it)"
+)
+if triton_available() and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from meshtron.kernels.dropout_add import dropout_add  # noqa: E402
+from meshtron.models import decoder  # noqa: E402
+
+VOCAB, SEQ, HIDDEN_DROPOUT = 96, 12, 0.2
+POST_LN_BERT = ["--model-type", "bert", "--preset", "tiny-bert", "--num-layers", "2", "--hidden-size", "32",
+                "--apply-residual-connection-post-layernorm", "--attention-dropout", "0", "--fused-kernels", "on"]  # fmt: skip
+
+
+def _batch():
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    labels = torch.where(torch.rand(2, SEQ, generator=g) < 0.3, tokens, -100)
+    labels[0, 0] = tokens[0, 0]
+    return {"tokens": tokens, "types": (torch.arange(SEQ) >= 4).long().expand(2, SEQ), "padding_mask": torch.ones(2, SEQ, dtype=torch.bool),
+            "labels": labels, "loss_mask": (labels >= 0).float(), "is_random": torch.tensor([0, 1])}  # fmt: skip
+
+
+def _loss_and_grads(*flags: str):
+    cfg = build_config(overrides=[*POST_LN_BERT, "--hidden-dropout", str(HIDDEN_DROPOUT), *flags]).model
+    torch.manual_seed(0)
+    model = build_model(cfg, VOCAB, SEQ).train()
+    batch = _batch()
+    out, _ = model.run_stage(None, batch, list(model.layers), True, True)
+    loss = model.loss(batch, out)
+    (loss.total / loss.count + loss.aux["sop_loss"]).backward()
+    return loss.total.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+def test_fused_dropout_add_equals_the_unfused_blocks_given_its_masks(monkeypatch):
+    """The fused pass draws its masks from its own Philox stream, so the unfused model replays
+    them (the elements where the fused output differs from the residual): loss and every
+    parameter's gradient then agree within 1e-6 relative (fp32; the arithmetic is F.dropout's), and
+    the backward used the forward's masks. Four calls: two blocks, each with two branches."""
+    masks = []
+
+    def recording(x, residual, p, training, mode):
+        assert mode == "on" and training and p == HIDDEN_DROPOUT
+        out = dropout_add(x, residual, p, training, mode)
+        masks.append((out != residual).detach())
+        return out
+
+    monkeypatch.setattr(decoder, "dropout_add", recording)
+    fused_loss, fused_grads = _loss_and_grads()
+    assert len(masks) == 4 and all(0.5 < m.float().mean() < 0.95 for m in masks)
+    replay = iter(masks)
+
+    def replaying(x, residual, p, training, mode):
+        assert mode == "off"
+        return residual + x * next(replay) * (1 / (1 - p))
+
+    monkeypatch.setattr(decoder, "dropout_add", replaying)
+    loss, grads = _loss_and_grads("--no-bias-dropout-fusion")
+    torch.testing.assert_close(fused_loss, loss, rtol=1e-6, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, rtol=1e-6, atol=1e-9, msg=name)
+
+
+def test_unfused_flag_runs_the_reference():
+    """Megatron's ``--no-bias-dropout-fusion`` turns the fused pass off: the blocks run F.dropout."""
+    cfg = build_config(overrides=[*POST_LN_BERT, "--no-bias-dropout-fusion"]).model
+    assert not cfg.bias_dropout_fusion
+    assert build_model(cfg, VOCAB, SEQ).layers[0].dropout_add_kernels == "off"
+    assert build_model(build_config(overrides=POST_LN_BERT).model, VOCAB, SEQ).layers[0].dropout_add_kernels == "on"
