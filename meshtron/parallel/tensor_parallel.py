@@ -235,7 +235,10 @@ class ColumnParallelLinear(nn.Module):
     ``out_features`` is this rank's share. ``gather_output`` concatenates the shards (for a
     consumer that needs all features); usually a row-parallel layer consumes the shard instead.
     ``comm_overlap`` (a ``tp_overlap`` backend, set by the plan) pipelines SP's gather with the GEMM.
+    ``skip_bias_add``: the bias is left to the caller (``layers/mlp.enable_bias_gelu_fusion``).
     """
+
+    skip_bias_add = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group, sequence_parallel: bool = False,
                  gather_output: bool = False, device=None, dtype=None):  # fmt: skip
@@ -249,7 +252,8 @@ class ColumnParallelLinear(nn.Module):
         self.comm_overlap = ""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = column_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel, self.fp8,
+        bias = None if self.skip_bias_add else self.bias
+        y = column_parallel_linear(x, self.weight, bias, self.group, self.sequence_parallel, self.fp8,
                                    self.grad_accum_fusion, self.comm_overlap)  # fmt: skip
         return gather_from_tp_region(y, self.group) if self.gather_output else y
 

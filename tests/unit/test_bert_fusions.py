@@ -1,5 +1,6 @@
 """BERT's fused elementwise paths against the unfused ones, whole model, on the CPU through
-Triton's interpreter (fp32): the fused residual dropout + add (``--bias-dropout-fusion``)."""
+Triton's interpreter (fp32): the fused residual dropout + add (``--bias-dropout-fusion``) and fc1's
+bias + GELU (``--bias-gelu-fusion``)."""
 
 import os
 
@@ -17,6 +18,8 @@ if triton_available() and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from meshtron.kernels.dropout_add import dropout_add  # noqa: E402
+from meshtron.kernels.grad_accum_fusion import apply_gradient_accumulation_fusion  # noqa: E402
+from meshtron.layers.mlp import enable_bias_gelu_fusion  # noqa: E402
 from meshtron.models import decoder  # noqa: E402
 
 VOCAB, SEQ, HIDDEN_DROPOUT = 96, 12, 0.2
@@ -33,10 +36,16 @@ def _batch():
             "labels": labels, "loss_mask": (labels >= 0).float(), "is_random": torch.tensor([0, 1])}  # fmt: skip
 
 
-def _loss_and_grads(*flags: str):
-    cfg = build_config(overrides=[*POST_LN_BERT, "--hidden-dropout", str(HIDDEN_DROPOUT), *flags]).model
+def _loss_and_grads(*flags: str, bias_gelu: bool = False, dropout: float = HIDDEN_DROPOUT):
+    """Loss and parameter gradients of one step; ``bias_gelu``: the blocks' linears swapped as training
+    swaps them (gradient-accumulation fusion's class, which falls back to the plain product without a
+    gradient buffer) and the bias + GELU fusion switched on."""
+    cfg = build_config(overrides=[*POST_LN_BERT, "--hidden-dropout", str(dropout), *flags]).model
     torch.manual_seed(0)
     model = build_model(cfg, VOCAB, SEQ).train()
+    if bias_gelu:
+        apply_gradient_accumulation_fusion(model.layers)
+        assert enable_bias_gelu_fusion(model.layers) == cfg.num_layers
     batch = _batch()
     out, _ = model.run_stage(None, batch, list(model.layers), True, True)
     loss = model.loss(batch, out)
@@ -79,3 +88,57 @@ def test_unfused_flag_runs_the_reference():
     assert not cfg.bias_dropout_fusion
     assert build_model(cfg, VOCAB, SEQ).layers[0].dropout_add_kernels == "off"
     assert build_model(build_config(overrides=POST_LN_BERT).model, VOCAB, SEQ).layers[0].dropout_add_kernels == "on"
+
+
+def test_fused_bias_gelu_equals_the_unfused_mlp():
+    """fc1 without its bias, then bias + GELU in one kernel whose backward sums the bias gradient:
+    loss and every gradient as the plain linear + F.gelu within 1e-5 relative (fp32; only
+    the order of the bias gradient's sum differs). No dropout, so nothing else differs."""
+    fused_loss, fused_grads = _loss_and_grads(bias_gelu=True, dropout=0.0)
+    loss, grads = _loss_and_grads(dropout=0.0)
+    torch.testing.assert_close(fused_loss, loss, rtol=1e-5, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert "layers.0.mlp.linear_fc1.bias" in grads
+
+
+def _column_parallel(linear):
+    from meshtron.parallel.tensor_parallel import ColumnParallelLinear
+
+    new = ColumnParallelLinear(linear.in_features, linear.out_features, True, None)
+    new.weight, new.bias = linear.weight, linear.bias
+    return new
+
+
+def _fp8_class(linear):
+    from meshtron.kernels.fp8 import Fp8Linear
+    from meshtron.kernels.linear_swap import with_parameters_of
+
+    new = with_parameters_of(Fp8Linear, linear)
+    new.fp8 = None  # its bf16 path: what matters here is where the bias goes
+    return new
+
+
+@pytest.mark.parametrize("swap", [_column_parallel, _fp8_class])
+def test_every_linear_that_takes_the_switch_leaves_its_bias_to_the_mlp(swap):
+    """The column-parallel linear (tp's, here over one rank) and FP8's class honour ``skip_bias_add``
+    (gradient-accumulation fusion's is the model test's): the MLP's output and fc1's gradients are
+    the unfused MLP's; a plain ``nn.Linear`` is left alone."""
+    from meshtron.layers.mlp import MLP
+
+    cfg = build_config(overrides=POST_LN_BERT).model
+    torch.manual_seed(0)
+    mlp = MLP(cfg)
+    x = torch.randn(2, 5, cfg.hidden_size)
+    assert enable_bias_gelu_fusion(mlp) == 0
+    expected = mlp(x)
+    expected.square().sum().backward()
+    reference_grads = [p.grad.clone() for p in mlp.linear_fc1.parameters()]
+    mlp.zero_grad()
+    mlp.linear_fc1 = swap(mlp.linear_fc1)
+    assert enable_bias_gelu_fusion(mlp) == 1
+    out = mlp(x)
+    out.square().sum().backward()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    for grad, reference in zip((p.grad for p in mlp.linear_fc1.parameters()), reference_grads):
+        torch.testing.assert_close(grad, reference, rtol=1e-5, atol=1e-6)
