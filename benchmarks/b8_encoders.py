@@ -20,8 +20,9 @@ The sides: ``meshtron`` is the trainer's own step (``Trainer.train_step``, ``--b
 weights, fp32 master weights and gradients, fused kernels, SDPA backend ``auto``); it reads its
 data source at start-up (the embedded corpus), but the timed steps get the same random batches as
 HF, swapped in for its data iterator. ``meshtron-unfused`` is the same step with the eager
-elementwise fusions off (``--no-bias-gelu-fusion --no-bias-dropout-fusion``): what they are worth,
-in its own row against HF. ``hf`` is the transformers model with SDPA attention, fp32
+fusions off (``--no-bias-gelu-fusion --no-bias-dropout-fusion --no-cross-entropy-loss-fusion``:
+GELU, dropout and residual add as separate PyTorch ops, BERT's LM head through full logits of its
+labelled rows): what they are worth, in its own row against HF. ``hf`` is the transformers model with SDPA attention, fp32
 weights under ``torch.autocast(bf16)`` and ``torch.optim.AdamW(fused=True)``. No sequence is
 padded, so neither side passes an attention mask. Each side of each model runs in its own process
 (clean peak memory); warm-up steps are not timed. The table has a row per model: tokens/s of
@@ -44,7 +45,7 @@ from child import report, run_child  # benchmarks/child.py: the child-process pr
 
 MASKED_FRACTION = 0.15
 # meshtron's sides: the flags each adds to the common ones.
-MESHTRON_SIDES = {"meshtron": [], "meshtron-unfused": ["--no-bias-gelu-fusion", "--no-bias-dropout-fusion"]}
+MESHTRON_SIDES = {"meshtron": [], "meshtron-unfused": ["--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-cross-entropy-loss-fusion"]}
 # The embedded corpus's WordPiece tokenizer (4098 tokens; T5 adds 100 sentinels) sets a floor under the vocabulary.
 TINY = dict(layers=2, hidden=64, heads=4, ffn=256, vocab=4224, seq=32, batch=2)
 

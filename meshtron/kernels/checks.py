@@ -21,6 +21,7 @@ import torch
 
 from meshtron.kernels.bias_gelu import bias_gelu
 from meshtron.kernels.cross_entropy import linear_cross_entropy
+from meshtron.kernels.cross_entropy_sum import linear_cross_entropy_sum
 from meshtron.kernels.dropout_add import dropout_add
 from meshtron.kernels.norms import layer_norm, rms_norm
 from meshtron.kernels.rope import apply_rotary
@@ -74,6 +75,7 @@ def run_checks(device: torch.device | str, dtype: torch.dtype, large: bool = Fal
     positions = torch.randint(0, s + 7, (b, s), generator=gen).to(device)
     labels = torch.randint(0, vocab, (b, s), generator=gen).to(device)
     labels[0, :3] = -100
+    loss_weights = (torch.rand(b, s, generator=gen) < 0.5).float().to(device)
     group = heads // kv
 
     def rotary(mode, t, pos):
@@ -94,6 +96,8 @@ def run_checks(device: torch.device | str, dtype: torch.dtype, large: bool = Fal
         _compare("rope+positions", lambda m, t: rotary(m, t, positions), (rand(b, s, kv * (group + 2) * hd),)),
         _compare("linear+cross-entropy", lambda m, t: linear_cross_entropy(t[0], t[1], labels, m, chunk),
                  (rand(b, s, hidden), rand(vocab, hidden, scale=0.02))),
+        _compare("linear+bias+cross-entropy sum", lambda m, t: linear_cross_entropy_sum(t[0], t[1], labels, loss_weights, m, chunk, bias=t[2]),
+                 (rand(b, s, hidden), rand(vocab, hidden, scale=0.02), rand(vocab))),
     ]  # fmt: skip
 
 

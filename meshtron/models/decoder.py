@@ -278,10 +278,7 @@ class Decoder(c.TokenLossModel):
 
     def _token_loss(self, hidden: torch.Tensor, labels: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor | c.SummedTokenLoss:
         """The output layer on normalized ``hidden``: logits, per-token losses, or their masked sum (see ``head``)."""
-        tied = self.embedding.weight if self.cfg.tie_embeddings else None
-        if labels is not None and mask is not None and self.cfg.cross_entropy_loss_fusion:
-            return c.SummedTokenLoss(self.output(hidden, labels, tied_weight=tied, loss_weights=mask))
-        return self.output(hidden, labels, tied_weight=tied)
+        return token_loss(self, hidden, labels, mask)
 
     def _multi_token_prediction(self, hidden: torch.Tensor, batch: c.Batch) -> dict[str, torch.Tensor]:
         """Each depth's weighted loss (``mtp_loss/k``) and its block's balancing terms, from the
@@ -314,6 +311,16 @@ class Decoder(c.TokenLossModel):
         if cfg.multi_latent_attention:
             return LatentKVCache(cfg.num_layers, batch_size, max_length, cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim, dtype, device)
         return KVCache(cfg.num_layers, batch_size, max_length, num_kv_heads(cfg), head_dim(cfg), dtype, device)
+
+
+def token_loss(model: c.TokenLossModel, hidden: torch.Tensor, labels: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor | c.SummedTokenLoss:
+    """``model.output`` (the embedding's weight given when tied) on ``hidden``: logits without
+    labels, per-token losses, or with a loss ``mask`` under ``--cross-entropy-loss-fusion`` their
+    masked sum, its gradients taken in the forward (shared with BERT's LM head)."""
+    tied = model.embedding.weight if model.cfg.tie_embeddings else None
+    if labels is not None and mask is not None and model.cfg.cross_entropy_loss_fusion:
+        return c.SummedTokenLoss(model.output(hidden, labels, tied_weight=tied, loss_weights=mask))
+    return model.output(hidden, labels, tied_weight=tied)
 
 
 def _balancing_terms(block: TransformerBlock) -> dict[str, torch.Tensor]:
