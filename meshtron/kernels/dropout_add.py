@@ -4,8 +4,8 @@ whose GEMM epilogue adds it without a pass of its own).
 
 Unfused, the forward is two kernels (dropout writes its output and a byte mask, the add reads
 that output back) and the backward reads the mask again. The kernel draws each element's keep
-decision from Philox counters (``tl.rand``) keyed by a seed and the element's index, so no mask
-is stored: the forward reads x and the residual and writes the sum; the backward recomputes the
+decision from Philox (``tl.rand4x``: one call gives four elements their uniforms, as curand's
+4x32-10 does for ``F.dropout``) keyed by a seed and the elements' index, so no mask is stored: the forward reads x and the residual and writes the sum; the backward recomputes the
 mask, reads the gradient and writes x's (the residual's gradient is the incoming one itself).
 
 The seed is a one-element tensor drawn from the device's default generator when the op runs (no

@@ -277,45 +277,63 @@ def scale_into(out: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, accumula
 
 
 @triton.jit
-def _kept(seed_ptr, start, p, BLOCK: tl.constexpr):
-    """Keep decisions of elements ``start ..< start + BLOCK``: a Philox uniform above p. The counter
-    is the index's low 31 bits and the seed is offset by the rest (a block never straddles the
-    boundary: BLOCK divides 2**31), so no two elements of a tensor share a draw."""
-    seed = tl.load(seed_ptr) + (start >> 31)
-    counters = (start & 0x7FFFFFFF).to(tl.int32) + tl.arange(0, BLOCK)
-    return tl.rand(seed, counters) > p
+def _uniforms(seed_ptr, start, QUARTER: tl.constexpr):
+    """Four uniforms for each of ``QUARTER`` counters: one Philox call (as curand's 4x32-10) serves
+    element j of each quarter of the block ``start ..< start + 4 * QUARTER``. The counter is
+    start / 4 + j in 31 bits and the seed is offset by the rest (a block never straddles the
+    boundary), so no two elements of a tensor share a draw."""
+    seed = tl.load(seed_ptr) + (start >> 33)
+    counters = ((start >> 2) & 0x7FFFFFFF).to(tl.int32) + tl.arange(0, QUARTER)
+    return tl.rand4x(seed, counters)
 
 
 @triton.jit
-def _dropout_add_kernel(x_ptr, residual_ptr, out_ptr, seed_ptr, n, p, scale, BLOCK: tl.constexpr):
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    offs = start + tl.arange(0, BLOCK)
+def _dropout_add_quarter(x_ptr, residual_ptr, out_ptr, first, n, kept, scale, QUARTER: tl.constexpr):
+    offs = first + tl.arange(0, QUARTER)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     residual = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    out = residual + tl.where(_kept(seed_ptr, start, p, BLOCK), x * scale, 0.0)
+    out = residual + tl.where(kept, x * scale, 0.0)
     tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _dropout_backward_kernel(grad_ptr, grad_x_ptr, seed_ptr, n, p, scale, BLOCK: tl.constexpr):
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    offs = start + tl.arange(0, BLOCK)
+def _dropout_add_kernel(x_ptr, residual_ptr, out_ptr, seed_ptr, n, p, scale, QUARTER: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * 4 * QUARTER
+    u0, u1, u2, u3 = _uniforms(seed_ptr, start, QUARTER)
+    _dropout_add_quarter(x_ptr, residual_ptr, out_ptr, start, n, u0 > p, scale, QUARTER)
+    _dropout_add_quarter(x_ptr, residual_ptr, out_ptr, start + QUARTER, n, u1 > p, scale, QUARTER)
+    _dropout_add_quarter(x_ptr, residual_ptr, out_ptr, start + 2 * QUARTER, n, u2 > p, scale, QUARTER)
+    _dropout_add_quarter(x_ptr, residual_ptr, out_ptr, start + 3 * QUARTER, n, u3 > p, scale, QUARTER)
+
+
+@triton.jit
+def _dropout_grad_quarter(grad_ptr, grad_x_ptr, first, n, kept, scale, QUARTER: tl.constexpr):
+    offs = first + tl.arange(0, QUARTER)
     mask = offs < n
     grad = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    grad_x = tl.where(_kept(seed_ptr, start, p, BLOCK), grad * scale, 0.0)
-    tl.store(grad_x_ptr + offs, grad_x.to(grad_x_ptr.dtype.element_ty), mask=mask)
+    tl.store(grad_x_ptr + offs, tl.where(kept, grad * scale, 0.0).to(grad_x_ptr.dtype.element_ty), mask=mask)
 
 
-_DROPOUT_BLOCK = 2048
+@triton.jit
+def _dropout_backward_kernel(grad_ptr, grad_x_ptr, seed_ptr, n, p, scale, QUARTER: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * 4 * QUARTER
+    u0, u1, u2, u3 = _uniforms(seed_ptr, start, QUARTER)
+    _dropout_grad_quarter(grad_ptr, grad_x_ptr, start, n, u0 > p, scale, QUARTER)
+    _dropout_grad_quarter(grad_ptr, grad_x_ptr, start + QUARTER, n, u1 > p, scale, QUARTER)
+    _dropout_grad_quarter(grad_ptr, grad_x_ptr, start + 2 * QUARTER, n, u2 > p, scale, QUARTER)
+    _dropout_grad_quarter(grad_ptr, grad_x_ptr, start + 3 * QUARTER, n, u3 > p, scale, QUARTER)
+
+
+_DROPOUT_QUARTER = 1024  # a program takes 4 x 1024 elements
 
 
 def dropout_add_forward(x: torch.Tensor, residual: torch.Tensor, seed: torch.Tensor, p: float, dtype: torch.dtype) -> torch.Tensor:
     """``residual + x * keep / (1 - p)`` in ``dtype``; x, residual contiguous of one shape, 0 <= p < 1."""
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     n = x.numel()
-    grid = (triton.cdiv(n, _DROPOUT_BLOCK),)
-    _dropout_add_kernel[grid](x, residual, out, seed, n, p, 1.0 / (1.0 - p), BLOCK=_DROPOUT_BLOCK, num_warps=8)
+    grid = (triton.cdiv(n, 4 * _DROPOUT_QUARTER),)
+    _dropout_add_kernel[grid](x, residual, out, seed, n, p, 1.0 / (1.0 - p), QUARTER=_DROPOUT_QUARTER, num_warps=8)
     return out
 
 
@@ -323,6 +341,6 @@ def dropout_backward(grad: torch.Tensor, seed: torch.Tensor, p: float, dtype: to
     """``grad * keep / (1 - p)`` in ``dtype``, the mask recomputed from ``seed`` as the forward drew it."""
     grad_x = torch.empty(grad.shape, dtype=dtype, device=grad.device)
     n = grad.numel()
-    grid = (triton.cdiv(n, _DROPOUT_BLOCK),)
-    _dropout_backward_kernel[grid](grad, grad_x, seed, n, p, 1.0 / (1.0 - p), BLOCK=_DROPOUT_BLOCK, num_warps=8)
+    grid = (triton.cdiv(n, 4 * _DROPOUT_QUARTER),)
+    _dropout_backward_kernel[grid](grad, grad_x, seed, n, p, 1.0 / (1.0 - p), QUARTER=_DROPOUT_QUARTER, num_warps=8)
     return grad_x

@@ -65,7 +65,7 @@ class OutputLayer(nn.Module):
                 tied_weight: torch.Tensor | None = None, loss_weights: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """Logits [..., vocab_size] (the real tokens' only) without ``labels``; with them, per-token cross-entropy in fp32 (label
         -100 gives 0) without holding the [..., V] logits at once (``kernels/cross_entropy``; with a
-        bias, from the logits of the labelled rows only: the chunked kernels take no bias). With ``loss_weights`` (shaped
+        bias, from the full logits of the labelled rows only: the per-token chunks take no bias). With ``loss_weights`` (shaped
         like ``labels``) the fp32 scalar ``sum(loss_weights * loss)`` instead, its gradients taken
         in the forward (``kernels/cross_entropy_sum``: one logits GEMM fewer; with a bias, over
         the labelled rows only, the bias in each chunk's GEMM)."""

@@ -27,13 +27,14 @@ def test_dropout_add_matches_reference_gpu(dtype):
 
 
 @pytest.mark.gpu
-def test_dropout_add_masks_do_not_repeat_past_two_to_the_31_elements():
-    """Past 2**31 elements the Philox counters start over under the next seed: the mask there is
-    not the first elements' mask again (14 GiB of GPU memory)."""
+def test_dropout_add_masks_do_not_repeat_past_two_to_the_33_elements():
+    """Past 2**33 elements (2**31 Philox counters of four draws) the counters start over under the
+    next seed: the mask there is not the first elements' mask again (56 GiB of GPU memory)."""
     head = 2**20
-    x = torch.ones(2**31 + head, dtype=torch.bfloat16, device="cuda")
+    x = torch.ones(2**33 + head, dtype=torch.bfloat16, device="cuda")
     torch.manual_seed(0)
     kept = dropout_add(x, torch.zeros_like(x), 0.5, True, "on") != 0
-    tail = kept[2**31 :]
+    del x
+    tail = kept[2**33 :]
     assert not torch.equal(kept[:head], tail)
     assert abs(tail.float().mean().item() - 0.5) < 0.01 and abs(kept[:head].float().mean().item() - 0.5) < 0.01
