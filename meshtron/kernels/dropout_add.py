@@ -55,9 +55,10 @@ class _DropoutAdd(torch.autograd.Function):
 
 def dropout_add(x: torch.Tensor, residual: torch.Tensor, p: float, training: bool, fused_kernels: str = "auto") -> torch.Tensor:
     """``residual + dropout(x, p)`` (dropout only in ``training``); x and residual of one shape.
-    The Triton kernel where ``use_triton`` says so and something is dropped, else the reference."""
+    The Triton kernel where ``use_triton`` says so and something is dropped, else the reference
+    (also inside a compiled block: inductor fuses the two ops itself, masks drawn its own way)."""
     if not training or p == 0.0:
         return residual + x
-    if p < 1.0 and x.shape == residual.shape and use_triton(fused_kernels, x):
+    if p < 1.0 and x.shape == residual.shape and use_triton(fused_kernels, x) and not torch.compiler.is_compiling():
         return _DropoutAdd.apply(x, residual, p)
     return dropout_add_reference(x, residual, p, training)
