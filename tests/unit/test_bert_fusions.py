@@ -142,3 +142,18 @@ def test_every_linear_that_takes_the_switch_leaves_its_bias_to_the_mlp(swap):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
     for grad, reference in zip((p.grad for p in mlp.linear_fc1.parameters()), reference_grads):
         torch.testing.assert_close(grad, reference, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("flags, switched", [((), True), (("--no-bias-gelu-fusion",), False), (("--compile",), False)])
+def test_the_runner_switches_bias_gelu_on_where_it_applies(flags, switched):
+    """Training's block preparation (``parallel/setup.py``) switches the fusion on where the kernels
+    run (here ``--fused-kernels on``, the interpreter), not with ``--no-bias-gelu-fusion``, not under
+    ``--compile`` (inductor fuses those ops itself)."""
+    from meshtron.parallel.mesh import Mesh
+    from meshtron.parallel.setup import build_runner
+
+    cfg = build_config(overrides=[*POST_LN_BERT, "--vocab-size", str(VOCAB), "--seq-length", str(SEQ), "--micro-batch-size", "1",
+                                  "--global-batch-size", "1", "--device", "cpu", "--fp32", *flags])  # fmt: skip
+    mesh = Mesh.from_config(cfg.parallel, world_size=1, rank=0, local_rank=0)
+    runner = build_runner(cfg, mesh, 128, torch.device("cpu"), torch.float32)
+    assert [getattr(block.mlp.linear_fc1, "skip_bias_add", False) for block in runner.model.layers] == [switched] * 2
