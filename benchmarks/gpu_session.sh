@@ -334,5 +334,5 @@ b8fuse)
   python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_kernels_gpu.py tests/gpu/test_bert_fusions_gpu.py > "$out/gpu_tests_b8fuse.txt" 2>&1
   grep -E "passed|failed|error|dropout|bias" "$out/gpu_tests_b8fuse.txt" | tail -20
   python3 benchmarks/bert_fusions.py 2>&1 | tee "$out/bert_fusions.txt"
-  python3 benchmarks/b8_encoders.py --model bert --steps 10 --warmup 3 --sides meshtron,meshtron-unfused,hf 2>"$out/b8_stderr.txt" | tee "$out/b8_fuse.txt" ;;
+  python3 benchmarks/b8_encoders.py --model bert --steps 8 --warmup 3 --sides meshtron,meshtron-unfused,hf 2>"$out/b8_stderr.txt" | tee "$out/b8_fuse.txt" ;;
 esac
