@@ -1,7 +1,7 @@
 """B8: encoder and encoder-decoder training throughput, meshtron against Hugging Face in one command.
 
     python benchmarks/b8_encoders.py [--model bert|t5|both] [--steps 10] [--warmup 3]
-        [--micro-batch-size 32] [--seq-length 512] [--dropout 0.1] [--sides meshtron,hf] [--tiny]
+        [--micro-batch-size 32] [--seq-length 512] [--dropout 0.1] [--sides meshtron,meshtron-unfused,hf] [--tiny]
         [-- extra meshtron flags]
 
 One training step = forward + backward + optimizer step, dropout 0.1 on both sides, micro batch 32.
@@ -19,12 +19,15 @@ One training step = forward + backward + optimizer step, dropout 0.1 on both sid
 The sides: ``meshtron`` is the trainer's own step (``Trainer.train_step``, ``--bf16``: bf16
 weights, fp32 master weights and gradients, fused kernels, SDPA backend ``auto``); it reads its
 data source at start-up (the embedded corpus), but the timed steps get the same random batches as
-HF, swapped in for its data iterator. ``hf`` is the transformers model with SDPA attention, fp32
+HF, swapped in for its data iterator. ``meshtron-unfused`` is the same step with the eager
+fusions off (``--no-bias-gelu-fusion --no-bias-dropout-fusion --no-cross-entropy-loss-fusion``:
+GELU, dropout and residual add as separate PyTorch ops, BERT's LM head through full logits of its
+labelled rows): what they are worth, in its own row against HF. ``hf`` is the transformers model with SDPA attention, fp32
 weights under ``torch.autocast(bf16)`` and ``torch.optim.AdamW(fused=True)``. No sequence is
 padded, so neither side passes an attention mask. Each side of each model runs in its own process
 (clean peak memory); warm-up steps are not timed. The table has a row per model: tokens/s of
 each side, their ratio, TFLOP/s (meshtron's FLOP count for both), peak memory and the loss.
-A side that fails fails the command. ``--tiny``: 2-layer (T5: 2 + 2), 64-wide models at sequence
+Each meshtron side gets a row (``bert``, ``bert unfused``). A side that fails fails the command. ``--tiny``: 2-layer (T5: 2 + 2), 64-wide models at sequence
 32 (T5's decoder 16) that run on the CPU in fp32, a smoke test of the script, no timing worth reading.
 """
 
@@ -41,6 +44,8 @@ import torch
 from child import report, run_child  # benchmarks/child.py: the child-process protocol
 
 MASKED_FRACTION = 0.15
+# meshtron's sides: the flags each adds to the common ones.
+MESHTRON_SIDES = {"meshtron": [], "meshtron-unfused": ["--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-cross-entropy-loss-fusion"]}
 # The embedded corpus's WordPiece tokenizer (4098 tokens; T5 adds 100 sentinels) sets a floor under the vocabulary.
 TINY = dict(layers=2, hidden=64, heads=4, ffn=256, vocab=4224, seq=32, batch=2)
 
@@ -163,7 +168,7 @@ def random_batches(model: str, shape: dict, device: torch.device):
         yield MODELS[model].batch(shape, device, gen)
 
 
-def meshtron_overrides(model: str, args, shape: dict, device: torch.device) -> list[str]:
+def meshtron_overrides(model: str, args, shape: dict, device: torch.device, side: str = "meshtron") -> list[str]:
     return MODELS[model].meshtron_flags(shape) + [
         "--num-layers", str(shape["layers"]), "--hidden-size", str(shape["hidden"]), "--num-attention-heads", str(shape["heads"]),
         "--ffn-hidden-size", str(shape["ffn"]), "--vocab-size", str(shape["vocab"]),
@@ -172,14 +177,14 @@ def meshtron_overrides(model: str, args, shape: dict, device: torch.device) -> l
         "--micro-batch-size", str(shape["batch"]), "--global-batch-size", str(shape["batch"]),
         "--train-iters", str(args.warmup + args.steps + 1), "--log-interval", "1000000", "--eval-interval", "0",
         "--lr", "1e-4", "--min-lr", "1e-5", "--lr-warmup-iters", "1", "--precision", "bf16" if device.type == "cuda" else "fp32",
-    ] + args.meshtron_args  # fmt: skip
+    ] + MESHTRON_SIDES[side] + args.meshtron_args  # fmt: skip
 
 
 def run_meshtron(model: str, args, shape: dict, device: torch.device) -> dict:
     from meshtron.config import build_config
     from meshtron.training.trainer import Trainer
 
-    cfg = build_config(None, meshtron_overrides(model, args, shape, device))
+    cfg = build_config(None, meshtron_overrides(model, args, shape, device, args.child))
     trainer = Trainer(cfg, log=lambda s: print("[meshtron]", s, file=sys.stderr))
     trainer.train_batches.close()
     trainer.train_batches = random_batches(model, shape, trainer.device)
@@ -191,7 +196,7 @@ def run_meshtron(model: str, args, shape: dict, device: torch.device) -> dict:
         losses.append(loss)
 
     times = seconds_per_step(step, args.warmup, args.steps, device)
-    _profile(step, args, model, "meshtron")
+    _profile(step, args, model, args.child)
     return dict(times=times, first_loss=losses[0], last_loss=losses[-1], vocab=trainer.vocab_size)
 
 
@@ -236,9 +241,9 @@ def child(args) -> None:
     report(result)
 
 
-def table_row(model: str, args, shape: dict, sides: dict) -> str:
-    """One model's line: each side's tokens/s, meshtron over HF, then TFLOP/s, peak GiB and loss
-    first->last as ``meshtron / hf`` (``-`` for a side not run, ``failed`` for one that failed)."""
+def table_row(model: str, args, shape: dict, sides: dict, mesh_side: str = "meshtron") -> str:
+    """One line of a model: ``mesh_side``'s and HF's tokens/s, their ratio, then TFLOP/s, peak GiB and
+    loss first->last as ``meshtron / hf`` (``-`` for a side not run, ``failed`` for one that failed)."""
     from meshtron.config import build_config
     from meshtron.models import model_flops_per_token
 
@@ -252,7 +257,7 @@ def table_row(model: str, args, shape: dict, sides: dict) -> str:
         return "failed" if sides[side] is None else fmt(sides[side], rates[side])
 
     def both(fmt) -> str:
-        return " / ".join(cell(side, fmt) for side in ("meshtron", "hf"))
+        return " / ".join(cell(side, fmt) for side in (mesh_side, "hf"))
 
     def tflops(r, rate) -> str:
         return f"{rate * model_flops_per_token(model_cfg, r['vocab'], shape['seq'], shape['dec']) / 1e12:.2f}"
@@ -266,10 +271,11 @@ def table_row(model: str, args, shape: dict, sides: dict) -> str:
     def loss(r, rate) -> str:
         return f"{r['first_loss']:.3f}->{r['last_loss']:.3f}"
 
-    ratio = f"{rates['meshtron'] / rates['hf']:.2f}x" if {"meshtron", "hf"} <= rates.keys() else "-"
+    ratio = f"{rates[mesh_side] / rates['hf']:.2f}x" if {mesh_side, "hf"} <= rates.keys() else "-"
     layers = f"{shape['layers']}+{shape['layers']}" if shape["dec"] else str(shape["layers"])
     length = f"{shape['seq']}/{shape['dec']}" if shape["dec"] else str(shape["seq"])
-    return (f"{model:<5} {layers + 'x' + str(shape['hidden']):>9} {length:>7} {cell('meshtron', tokens):>11} {cell('hf', tokens):>11} "
+    label = model if mesh_side == "meshtron" else f"{model} {mesh_side.removeprefix('meshtron-')}"
+    return (f"{label:<12} {layers + 'x' + str(shape['hidden']):>9} {length:>7} {cell(mesh_side, tokens):>11} {cell('hf', tokens):>11} "
             f"{ratio:>7} {both(tflops):>17} {both(peak):>13} {both(loss):>29}")  # fmt: skip
 
 
@@ -281,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--micro-batch-size", type=int, default=0, help="0: the model's (32)")
     parser.add_argument("--seq-length", type=int, default=0, help="0: the model's (512; T5's encoder)")
     parser.add_argument("--dropout", type=float, default=0.1, help="hidden and attention dropout on both sides")
-    parser.add_argument("--sides", default="meshtron,hf", help="comma-separated: meshtron, hf")
+    parser.add_argument("--sides", default="meshtron,hf", help=f"comma-separated: {', '.join(MESHTRON_SIDES)}, hf")
     parser.add_argument("--tiny", action="store_true", help="tiny models that run on the CPU (smoke test)")
     parser.add_argument("--profile-dir", default="", help="profile two steps of each side into this directory (GPU)")
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
@@ -291,6 +297,9 @@ def main(argv: list[str] | None = None) -> None:
         child(args)
         return
 
+    unknown = set(args.sides.split(",")) - {*MESHTRON_SIDES, "hf"}
+    if unknown:
+        parser.error(f"--sides: unknown {', '.join(sorted(unknown))}; choose from {', '.join(MESHTRON_SIDES)}, hf")
     models = list(MODELS) if args.model == "both" else [args.model]
     results = {}
     for model in models:
@@ -305,10 +314,11 @@ def main(argv: list[str] | None = None) -> None:
     device = next((r["device"] for sides in results.values() for r in sides.values() if r), "-")
     print(f"\nB8{' (tiny)' if args.tiny else ''}: dropout {args.dropout}, median of {args.steps} steps on {device}; "
           "tokens count encoder + decoder; the last three columns are meshtron / hf")  # fmt: skip
-    print(f"{'model':<5} {'shape':>9} {'seq':>7} {'meshtron/s':>11} {'hf/s':>11} {'ratio':>7} {'TFLOP/s':>17} "
+    print(f"{'model':<12} {'shape':>9} {'seq':>7} {'meshtron/s':>11} {'hf/s':>11} {'ratio':>7} {'TFLOP/s':>17} "
           f"{'peak GiB':>13} {'loss first->last':>29}")  # fmt: skip
     for model, sides in results.items():
-        print(table_row(model, args, shape_of(model, args), sides))
+        for mesh_side in [side for side in sides if side in MESHTRON_SIDES] or ["meshtron"]:
+            print(table_row(model, args, shape_of(model, args), sides, mesh_side))
     if any(r is None for sides in results.values() for r in sides.values()):
         sys.exit(1)  # a side that crashed fails the command, not just its row
 

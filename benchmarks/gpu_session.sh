@@ -39,6 +39,7 @@
 #   s6c    the session's final tree: grouped GEMM / qk-layernorm / router / permute / estimate GPU tests; B4b this tree against OLD's (arg 3) and on triton; B4 layer on both
 #   s6d    B1 this tree against OLD's (arg 3), with HF; OLMoE (2 layers, full-width q/k norms) and sinkhorn routing trained on the GPU
 #   b1tune B1 eager / --compile / HF, then B1 with --gemm-tuning twice (the tuning run, then a run reading its file)
+#   b8fuse BERT's eager fusions: their GPU kernel tests, each op fused vs unfused, then B8 BERT fused / unfused / HF
 set -uo pipefail
 part="$1" out="$2"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONPATH="$PWD"
@@ -329,4 +330,9 @@ b1tune)
     python3 benchmarks/b1_llama.py --steps 8 --warmup 3 --sides meshtron -- --gemm-tuning --data-cache-path "$out/tunableop" 2>>"$out/b1_tune_stderr.txt" | tee "$out/b1_tune_$run.txt"
   done
   ls -la "$out/tunableop" ;;
+b8fuse)
+  python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_kernels_gpu.py tests/gpu/test_bert_fusions_gpu.py > "$out/gpu_tests_b8fuse.txt" 2>&1
+  grep -E "passed|failed|error|dropout|bias" "$out/gpu_tests_b8fuse.txt" | tail -20
+  python3 benchmarks/bert_fusions.py 2>&1 | tee "$out/bert_fusions.txt"
+  python3 benchmarks/b8_encoders.py --model bert --steps 8 --warmup 3 --sides meshtron,meshtron-unfused,hf 2>"$out/b8_stderr.txt" | tee "$out/b8_fuse.txt" ;;
 esac

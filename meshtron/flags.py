@@ -274,6 +274,7 @@ _MODEL_AND_FUSION_NOTES = {
     "no-bias-swiglu-fusion": (False, "SwiGLU fusion follows --fused-kernels (turn it off with --no-fused-kernels)"),
     "no-masked-softmax-fusion": (False, "never fused: attention runs in PyTorch SDPA (--attention-backend), which has no separate masked softmax"),
     "no-rope-fusion": (False, "RoPE fusion follows --fused-kernels (turn it off with --no-fused-kernels)"),
+    "no-persist-layer-norm": (False, "LayerNorm runs meshtron's one Triton kernel per --fused-kernels (Apex's persistent variant is not used)"),
     "fused-single-qkv-rope": (False, "always: one QKV projection, RoPE applied to q and k (fused per --fused-kernels)"),
     "cross-entropy-fusion-impl": (True, "meshtron's chunked cross-entropy (--cross-entropy-loss-fusion: gradients taken in its forward), whichever implementation is named"),
     "use-mcore-models": (False, "always: meshtron has one model implementation, built like Megatron-Core's"),

@@ -30,6 +30,11 @@ def triton_available() -> bool:
 
 def use_triton(mode: str, x: torch.Tensor) -> bool:
     """Whether the op on ``x`` should run its Triton kernel under ``model.fused_kernels = mode``."""
+    return triton_runs_on(mode, x.device)
+
+
+def triton_runs_on(mode: str, device: torch.device) -> bool:
+    """Whether ops on ``device`` run their Triton kernels under ``model.fused_kernels = mode``."""
     if mode == "off":
         return False
     if mode == "on":
@@ -38,4 +43,4 @@ def use_triton(mode: str, x: torch.Tensor) -> bool:
         return True
     if mode != "auto":
         raise ValueError(f"model.fused_kernels must be one of {FUSED_KERNEL_MODES}, got '{mode}'")
-    return x.is_cuda and triton_available()
+    return device.type == "cuda" and triton_available()

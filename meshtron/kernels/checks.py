@@ -19,7 +19,10 @@ from typing import Callable
 
 import torch
 
+from meshtron.kernels.bias_gelu import bias_gelu
 from meshtron.kernels.cross_entropy import linear_cross_entropy
+from meshtron.kernels.cross_entropy_sum import linear_cross_entropy_sum
+from meshtron.kernels.dropout_add import dropout_add
 from meshtron.kernels.norms import layer_norm, rms_norm
 from meshtron.kernels.rope import apply_rotary
 from meshtron.kernels.swiglu import swiglu
@@ -72,6 +75,7 @@ def run_checks(device: torch.device | str, dtype: torch.dtype, large: bool = Fal
     positions = torch.randint(0, s + 7, (b, s), generator=gen).to(device)
     labels = torch.randint(0, vocab, (b, s), generator=gen).to(device)
     labels[0, :3] = -100
+    loss_weights = (torch.rand(b, s, generator=gen) < 0.5).float().to(device)
     group = heads // kv
 
     def rotary(mode, t, pos):
@@ -86,10 +90,14 @@ def run_checks(device: torch.device | str, dtype: torch.dtype, large: bool = Fal
         _compare("layernorm", lambda m, t: layer_norm(t[0], t[1], t[2], 1e-5, m),
                  (rand(rows, hidden, scale=2) + 0.5, 1 + rand(hidden, scale=0.1), rand(hidden, scale=0.1))),
         _compare("swiglu", lambda m, t: swiglu(t[0], m), (rand(b, s, 2 * ffn),)),
+        _compare("bias+gelu", lambda m, t: bias_gelu(t[0], t[1], "none", m), (rand(b, s, ffn), rand(ffn))),
+        _compare("bias+gelu tanh", lambda m, t: bias_gelu(t[0], t[1], "tanh", m), (rand(b, s, ffn), rand(ffn))),
         _compare("rope", lambda m, t: rotary(m, t, None), (rand(b, s, kv * (group + 2) * hd),)),
         _compare("rope+positions", lambda m, t: rotary(m, t, positions), (rand(b, s, kv * (group + 2) * hd),)),
         _compare("linear+cross-entropy", lambda m, t: linear_cross_entropy(t[0], t[1], labels, m, chunk),
                  (rand(b, s, hidden), rand(vocab, hidden, scale=0.02))),
+        _compare("linear+bias+cross-entropy sum", lambda m, t: linear_cross_entropy_sum(t[0], t[1], labels, loss_weights, m, chunk, bias=t[2]),
+                 (rand(b, s, hidden), rand(vocab, hidden, scale=0.02), rand(vocab))),
     ]  # fmt: skip
 
 
@@ -118,6 +126,37 @@ def grouped_gemm_checks(device: torch.device | str, dtype: torch.dtype, large: b
         op = lambda mode, t: grouped_mm(t[0], t[1], group_sizes, "triton" if mode == "on" else "loop")  # noqa: E731
         results.append(_compare(f"grouped gemm {name}", op, (x, weight)))
     return results
+
+
+@dataclass
+class DropoutAddResult:
+    kept: float  # fraction of the elements kept
+    forward: float  # largest |out - (residual + x * scale, or residual where dropped)|, by the backward's mask
+    backward: float  # largest |grad_x - upstream * scale where kept, 0 elsewhere| and |grad_residual - upstream|
+    repeats: bool  # reseeding torch's generator repeats the output
+    fresh: bool  # the next call draws another mask
+
+
+def dropout_add_check(device: torch.device | str, dtype: torch.dtype, rows: int, cols: int, p: float, seed: int = 0) -> DropoutAddResult:
+    """The fused ``residual + dropout(x)`` against F.dropout's arithmetic. Its mask cannot be drawn by
+    the reference, so it is read off the backward (x's gradient under a positive upstream gradient is
+    nonzero exactly where x was kept) and the forward is checked against it: both passes agree on
+    the mask, and each is the reference's arithmetic rounded once (errors exactly 0 expected)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    x, residual = ((torch.randn(rows, cols, generator=gen)).to(device=device, dtype=dtype).requires_grad_() for _ in range(2))
+    upstream = (1 + torch.rand(rows, cols, generator=gen)).to(device=device, dtype=dtype)
+    scale = 1 / (1 - p)
+    torch.manual_seed(seed)
+    out = dropout_add(x, residual, p, True, "on")
+    grad_x, grad_residual = torch.autograd.grad(out, (x, residual), upstream)
+    kept = grad_x != 0
+    expected = torch.where(kept, (residual.float() + x.float() * scale).to(dtype), residual)
+    expected_grad = torch.where(kept, (upstream.float() * scale).to(dtype), 0)
+    backward = max((grad_x - expected_grad).abs().max().item(), (grad_residual - upstream).abs().max().item())
+    torch.manual_seed(seed)
+    again = dropout_add(x, residual, p, True, "on")
+    return DropoutAddResult(kept.float().mean().item(), (out - expected).abs().max().item(), backward, torch.equal(again, out),
+                            not torch.equal(dropout_add(x, residual, p, True, "on"), out))  # fmt: skip
 
 
 # (name, score function, pre-softmax, k, experts, balancing type, z coeff, scaling, sequences, tokens per sequence)

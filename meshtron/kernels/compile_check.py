@@ -109,7 +109,9 @@ def _grad(out: torch.Tensor, inputs: list[torch.Tensor]) -> None:
 def _launch_everything(target: platform.Target) -> None:
     """Every launcher of the library, in the variants it launches on ``target``, on CPU tensors."""
     from meshtron.kernels import fp8, fused_adamw, triton_grouped_gemm as gg, triton_moe_permute as perm
+    from meshtron.kernels.bias_gelu import bias_gelu
     from meshtron.kernels.cross_entropy import linear_cross_entropy
+    from meshtron.kernels.dropout_add import dropout_add
     from meshtron.kernels.fp8_scaling import FP8_RECIPES, Fp8Recipe, Fp8Scaling, gemm_multiple, recipe_formats
     from meshtron.kernels.norms import layer_norm, rms_norm
     from meshtron.kernels.rope import apply_rotary
@@ -128,6 +130,10 @@ def _launch_everything(target: platform.Target) -> None:
         _grad(layer_norm(x, w, rand(96, dtype=dtype), 1e-5, "on"), [x, w])
         h = rand(2, 16, 160, dtype=dtype)
         _grad(swiglu(h, "on"), [h])
+        fc1_bias = rand(160, dtype=dtype)
+        for approximate in ("none", "tanh"):
+            _grad(bias_gelu(h, fc1_bias, approximate, "on"), [h, fc1_bias])
+        _grad(dropout_add(x, rand(64, 96, dtype=dtype), 0.1, True, "on"), [x])
         qkv, cos, sin = rand(2, 16, 4, 64, dtype=dtype), torch.randn(32, 64), torch.randn(32, 64)
         for positions in (None, torch.randint(0, 32, (2, 16))):
             _grad(apply_rotary(qkv, cos, sin, positions, "on"), [qkv])

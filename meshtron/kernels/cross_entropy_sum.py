@@ -35,7 +35,9 @@ gradient is the very GEMM of the per-token path's backward, rounded once more by
 The elementwise steps are ``cross_entropy``'s chunk functions (Triton or the PyTorch reference).
 A padded vocabulary's rows past ``real_rows`` are never computed, as there (zero gradient).
 Under tensor parallelism each rank runs this on its vocabulary shard, the log-sum-exp and target
-logit combined over tp between the two passes (``parallel/tensor_parallel.py``).
+logit combined over tp between the two passes (``parallel/tensor_parallel.py``). A bias of the
+logits (BERT's LM head) joins each chunk's GEMM (``addmm``); its gradient is each chunk's
+gradient summed over the tokens in fp32, stored and scaled in backward as the weight's.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from meshtron.kernels import use_triton
 from meshtron.kernels.cross_entropy import (
@@ -67,8 +70,8 @@ def block_tokens_for(num_tokens: int, vocab_size: int, element_size: int, budget
 
 class _LinearCrossEntropySum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, token_weights, chunk_size, block_tokens, fused, vocab_start, combine_shards, fuse_weight_grad,
-                real_rows):  # fmt: skip
+    def forward(ctx, hidden, weight, bias, labels, token_weights, chunk_size, block_tokens, fused, vocab_start, combine_shards,
+                fuse_weight_grad, real_rows):  # fmt: skip
         if fused:
             from meshtron.kernels.triton_pointwise import ce_chunk_backward as chunk_backward
             from meshtron.kernels.triton_pointwise import ce_chunk_forward as chunk_forward
@@ -86,6 +89,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         elif need_weight:
             grad_weight = padded_grad(weight, real_rows)
+        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if ctx.needs_input_grad[2] else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         chunks = [slice(start, min(start + chunk_size, real_rows)) for start in range(0, real_rows, chunk_size)]
         for first in range(0, n, block_tokens):
@@ -94,7 +98,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             logits, lse_parts = [], []
             target = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device)
             for cols in chunks:
-                logits.append(h @ weight[cols].t())
+                logits.append(h @ weight[cols].t() if bias is None else torch.addmm(bias[cols], h, weight[cols].t()))
                 lse, tgt = chunk_forward(logits[-1], block_labels, vocab_start + cols.start)
                 lse_parts.append(lse)
                 target += tgt
@@ -103,7 +107,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             if combine_shards is not None:
                 lse, target = combine_shards(lse, target)
             total += (torch.where(ignored[rows], 0.0, lse - target) * weights[rows]).sum()
-            if not (need_hidden or need_weight):
+            if not (need_hidden or need_weight or grad_bias is not None):
                 continue
             for i, cols in enumerate(chunks):
                 dlogits = chunk_backward(logits[i], block_labels, vocab_start + cols.start, lse, grad_scale[rows])
@@ -114,17 +118,22 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                     torch.mm(dlogits.t(), h, out=grad_weight[cols])
                 if need_hidden:
                     grad_hidden[rows] += dlogits @ weight[cols]
+                if grad_bias is not None:
+                    grad_bias[cols] += dlogits.sum(0, dtype=torch.float32)
         if need_weight and several_blocks:
             grad_weight = grad_weight.to(weight.dtype)
-        ctx.save_for_backward(grad_hidden, grad_weight, weight)
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.num_tokens, ctx.hidden_dtype, ctx.fused = n, hidden.dtype, fused
+        ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.param = weight if fuse_weight_grad else None  # the parameter, with its main_grad (see grad_accum_fusion)
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
-        grad_hidden, grad_weight, _ = ctx.saved_tensors
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
         factor = grad_total.float() * ctx.num_tokens
+        if grad_bias is not None:
+            grad_bias = (grad_bias * factor).to(ctx.bias_dtype)
         if grad_hidden is not None:
             grad_hidden = (grad_hidden * factor).to(ctx.hidden_dtype)
         if grad_weight is not None and ctx.param is not None:
@@ -132,7 +141,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             grad_weight = None
         elif grad_weight is not None:
             grad_weight = grad_weight.mul_(factor)  # in place: the stored gradient is ours alone, backward runs once
-        return grad_hidden, grad_weight, None, None, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy_sum(
@@ -147,8 +156,10 @@ def linear_cross_entropy_sum(
     combine_shards: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
     fuse_weight_grad: bool = False,
     real_rows: int | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``sum(token_weights * ce)`` (fp32 scalar; label -100 counts 0) of logits ``hidden @ weight.T``.
+    """``sum(token_weights * ce)`` (fp32 scalar; label -100 counts 0) of logits ``hidden @ weight.T``
+    (``+ bias``, [V] like the weight's rows, when given).
 
     ``hidden`` [..., h] in the compute dtype, ``weight`` [V, h], ``labels`` and ``token_weights``
     shaped like ``hidden[..., 0]``. Gradients are taken in the forward (3 GEMMs, see the module
@@ -170,12 +181,16 @@ def linear_cross_entropy_sum(
     is padding, kept out of the softmax, its gradient zero.
     """
     rows = real_rows_of(weight, real_rows)
-    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     if combine_shards is None and (fused_kernels == "off" or not needs_grad):
+        if bias is not None:  # the unfused reference: full logits
+            logits = F.linear(hidden, weight[:rows], bias[:rows]).float()
+            per_token = F.cross_entropy(logits.reshape(-1, rows), labels.reshape(-1), reduction="none").view(labels.shape)
+            return (per_token * token_weights).sum()
         return (linear_cross_entropy(hidden, weight, labels, fused_kernels, chunk_size, rows) * token_weights).sum()
     flat = hidden.reshape(-1, hidden.shape[-1])
     block = block_tokens_for(flat.shape[0], rows, flat.element_size(), budget_bytes)
     chunk = chunk_size or default_chunk_size(block, rows)
     fuse_weight_grad = fuse_weight_grad and hasattr(weight, "main_grad") and weight.requires_grad
-    return _LinearCrossEntropySum.apply(flat, weight, labels.reshape(-1), token_weights.reshape(-1), chunk, block,
+    return _LinearCrossEntropySum.apply(flat, weight, bias, labels.reshape(-1), token_weights.reshape(-1), chunk, block,
                                         use_triton(fused_kernels, flat), vocab_start, combine_shards, fuse_weight_grad, rows)  # fmt: skip

@@ -110,12 +110,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8
 class Fp8Linear(nn.Linear):
     """An ``nn.Linear`` whose GEMMs run in FP8; ``apply_fp8`` puts one in each linear's place (same
     parameters) and gives each its ``fp8`` scaling state (the parameters, their names and the state dict stay
-    those of the ``nn.Linear``: the state's histories are not persistent)."""
+    those of the ``nn.Linear``: the state's histories are not persistent). ``skip_bias_add``: the
+    bias is left to the caller (``layers/mlp.enable_bias_gelu_fusion``)."""
 
     fp8: Fp8Scaling
+    skip_bias_add = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.fp8)
+        return linear(x, self.weight, None if self.skip_bias_add else self.bias, self.fp8)
 
 
 @functools.cache

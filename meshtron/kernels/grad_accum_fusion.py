@@ -117,10 +117,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8
 
 class FusedWgradLinear(nn.Linear):
     """An ``nn.Linear`` whose weight gradient goes straight into ``main_grad``; put in each plain
-    linear's place by ``apply_gradient_accumulation_fusion`` (same parameters, names and state dict)."""
+    linear's place by ``apply_gradient_accumulation_fusion`` (same parameters, names and state dict).
+    ``skip_bias_add``: the bias is left to the caller (``layers/mlp.enable_bias_gelu_fusion``)."""
+
+    skip_bias_add = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, fuse=True)
+        return linear(x, self.weight, None if self.skip_bias_add else self.bias, fuse=True)
 
 
 def apply_gradient_accumulation_fusion(blocks: nn.Module, heads: list[nn.Module] = ()) -> None:

@@ -1,4 +1,5 @@
-"""Triton kernels for the row-wise and elementwise ops: cross-entropy chunk steps, SwiGLU, RoPE.
+"""Triton kernels for the row-wise and elementwise ops: cross-entropy chunk steps, SwiGLU, bias +
+GELU, RoPE, dropout + residual add.
 
 Imported only when a kernel runs (``meshtron.kernels.use_triton``), so Triton stays optional.
 Each kernel reads its input once and writes its output once, computing in fp32 whatever the
@@ -121,6 +122,80 @@ def swiglu_backward(h: torch.Tensor, grad_out: torch.Tensor) -> torch.Tensor:
     return grad_h
 
 
+# ---------------------------------------------------------------------- bias + GELU
+
+
+@triton.jit
+def _gelu_and_slope(x, TANH: tl.constexpr):
+    """(gelu(x), gelu'(x)) in fp32: the exact erf form, or (TANH) the tanh approximation."""
+    if TANH:
+        k = 0.7978845608028654  # sqrt(2 / pi)
+        inner = k * (x + 0.044715 * x * x * x)
+        t = 2.0 * tl.sigmoid(2.0 * inner) - 1.0  # tanh(inner)
+        return 0.5 * x * (1.0 + t), 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 3 * 0.044715 * x * x)
+    cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    return x * cdf, cdf + x * 0.3989422804014327 * tl.exp(-0.5 * x * x)
+
+
+@triton.jit
+def _bias_gelu_forward_kernel(h_ptr, bias_ptr, out_ptr, n_cols, TANH: tl.constexpr, BLOCK: tl.constexpr):
+    """out[r, c] = gelu(h[r, c] + bias[c])."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(h_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    x += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    out, _ = _gelu_and_slope(x, TANH)
+    tl.store(out_ptr + row * n_cols + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _bias_gelu_backward_kernel(h_ptr, bias_ptr, grad_ptr, grad_h_ptr, partial_ptr, n_rows, n_cols,
+                               TANH: tl.constexpr, ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+    """grad_h = grad * gelu'(h + bias) over ``ROWS`` rows and ``BLOCK_C`` columns, and those rows'
+    column sums of grad_h (fp32) into row ``program_id(0)`` of ``partial``: the bias gradient's
+    share, so grad_h is never read again to sum it."""
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < n_cols
+    bias = tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    first = tl.program_id(0).to(tl.int64) * ROWS
+    for r in range(0, ROWS, BLOCK_R):
+        rows = first + r + tl.arange(0, BLOCK_R)
+        mask = (rows < n_rows)[:, None] & col_mask[None, :]
+        offs = rows[:, None] * n_cols + cols[None, :]
+        x = tl.load(h_ptr + offs, mask=mask, other=0.0).to(tl.float32) + bias[None, :]
+        _, slope = _gelu_and_slope(x, TANH)
+        grad_h = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32) * slope
+        grad_h = tl.where(mask, grad_h, 0.0)
+        tl.store(grad_h_ptr + offs, grad_h.to(grad_h_ptr.dtype.element_ty), mask=mask)
+        acc += tl.sum(grad_h, axis=0)
+    tl.store(partial_ptr + tl.program_id(0) * n_cols + cols, acc, mask=col_mask)
+
+
+_GELU_BLOCK = 1024
+_GELU_ROWS, _GELU_BLOCK_R, _GELU_BLOCK_C = 256, 32, 128
+
+
+def bias_gelu_forward(h: torch.Tensor, bias: torch.Tensor, tanh: bool) -> torch.Tensor:
+    """h [rows, cols] contiguous, bias [cols] -> gelu(h + bias) in h's dtype."""
+    rows, cols = h.shape
+    out = torch.empty_like(h)
+    _bias_gelu_forward_kernel[(rows, triton.cdiv(cols, _GELU_BLOCK))](h, bias, out, cols, TANH=tanh, BLOCK=_GELU_BLOCK)
+    return out
+
+
+def bias_gelu_backward(h: torch.Tensor, bias: torch.Tensor, grad: torch.Tensor, tanh: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad of h in h's dtype, grad of bias in bias's dtype, summed over the rows in fp32)."""
+    rows, cols = h.shape
+    grad_h = torch.empty_like(h)
+    partial = torch.empty((triton.cdiv(rows, _GELU_ROWS), cols), dtype=torch.float32, device=h.device)
+    grid = (partial.shape[0], triton.cdiv(cols, _GELU_BLOCK_C))
+    _bias_gelu_backward_kernel[grid](h, bias, grad, grad_h, partial, rows, cols, TANH=tanh, ROWS=_GELU_ROWS,
+                                     BLOCK_R=_GELU_BLOCK_R, BLOCK_C=_GELU_BLOCK_C, num_warps=4)  # fmt: skip
+    return grad_h, partial.sum(0).to(bias.dtype)
+
+
 # ---------------------------------------------------------------------- RoPE
 
 
@@ -196,3 +271,76 @@ def scale_into(out: torch.Tensor, x: torch.Tensor, scale: torch.Tensor, accumula
     ``x`` any float dtype, both contiguous and of one size, ``scale`` a 0-d fp32 tensor."""
     n = x.numel()
     _scale_into_kernel[(triton.cdiv(n, 4096),)](x, out, scale, n, ACCUMULATE=accumulate, BLOCK=4096, num_warps=8)
+
+
+# ---------------------------------------------------------------------- dropout + residual add
+
+
+@triton.jit
+def _uniforms(seed_ptr, start, QUARTER: tl.constexpr):
+    """Four uniforms for each of ``QUARTER`` counters: one Philox call (as curand's 4x32-10) serves
+    element j of each quarter of the block ``start ..< start + 4 * QUARTER``. The counter is
+    start / 4 + j in 31 bits and the seed is offset by the rest (a block never straddles the
+    boundary), so no two elements of a tensor share a draw."""
+    seed = tl.load(seed_ptr) + (start >> 33)
+    counters = ((start >> 2) & 0x7FFFFFFF).to(tl.int32) + tl.arange(0, QUARTER)
+    return tl.rand4x(seed, counters)
+
+
+@triton.jit
+def _dropout_add_quarter(x_ptr, residual_ptr, out_ptr, first, n, kept, scale, QUARTER: tl.constexpr):
+    offs = first + tl.arange(0, QUARTER)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    residual = tl.load(residual_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    out = residual + tl.where(kept, x * scale, 0.0)
+    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dropout_add_kernel(x_ptr, residual_ptr, out_ptr, seed_ptr, n, p, scale, QUARTER: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * 4 * QUARTER
+    u0, u1, u2, u3 = _uniforms(seed_ptr, start, QUARTER)
+    _dropout_add_quarter(x_ptr, residual_ptr, out_ptr, start, n, u0 > p, scale, QUARTER)
+    _dropout_add_quarter(x_ptr, residual_ptr, out_ptr, start + QUARTER, n, u1 > p, scale, QUARTER)
+    _dropout_add_quarter(x_ptr, residual_ptr, out_ptr, start + 2 * QUARTER, n, u2 > p, scale, QUARTER)
+    _dropout_add_quarter(x_ptr, residual_ptr, out_ptr, start + 3 * QUARTER, n, u3 > p, scale, QUARTER)
+
+
+@triton.jit
+def _dropout_grad_quarter(grad_ptr, grad_x_ptr, first, n, kept, scale, QUARTER: tl.constexpr):
+    offs = first + tl.arange(0, QUARTER)
+    mask = offs < n
+    grad = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(grad_x_ptr + offs, tl.where(kept, grad * scale, 0.0).to(grad_x_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dropout_backward_kernel(grad_ptr, grad_x_ptr, seed_ptr, n, p, scale, QUARTER: tl.constexpr):
+    start = tl.program_id(0).to(tl.int64) * 4 * QUARTER
+    u0, u1, u2, u3 = _uniforms(seed_ptr, start, QUARTER)
+    _dropout_grad_quarter(grad_ptr, grad_x_ptr, start, n, u0 > p, scale, QUARTER)
+    _dropout_grad_quarter(grad_ptr, grad_x_ptr, start + QUARTER, n, u1 > p, scale, QUARTER)
+    _dropout_grad_quarter(grad_ptr, grad_x_ptr, start + 2 * QUARTER, n, u2 > p, scale, QUARTER)
+    _dropout_grad_quarter(grad_ptr, grad_x_ptr, start + 3 * QUARTER, n, u3 > p, scale, QUARTER)
+
+
+_DROPOUT_QUARTER = 1024  # a program takes 4 x 1024 elements
+
+
+def dropout_add_forward(x: torch.Tensor, residual: torch.Tensor, seed: torch.Tensor, p: float, dtype: torch.dtype) -> torch.Tensor:
+    """``residual + x * keep / (1 - p)`` in ``dtype``; x, residual contiguous of one shape, 0 <= p < 1."""
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    n = x.numel()
+    grid = (triton.cdiv(n, 4 * _DROPOUT_QUARTER),)
+    _dropout_add_kernel[grid](x, residual, out, seed, n, p, 1.0 / (1.0 - p), QUARTER=_DROPOUT_QUARTER, num_warps=8)
+    return out
+
+
+def dropout_backward(grad: torch.Tensor, seed: torch.Tensor, p: float, dtype: torch.dtype) -> torch.Tensor:
+    """``grad * keep / (1 - p)`` in ``dtype``, the mask recomputed from ``seed`` as the forward drew it."""
+    grad_x = torch.empty(grad.shape, dtype=dtype, device=grad.device)
+    n = grad.numel()
+    grid = (triton.cdiv(n, 4 * _DROPOUT_QUARTER),)
+    _dropout_backward_kernel[grid](grad, grad_x, seed, n, p, 1.0 / (1.0 - p), QUARTER=_DROPOUT_QUARTER, num_warps=8)
+    return grad_x

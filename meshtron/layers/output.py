@@ -31,6 +31,12 @@ def labelled_rows(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Ten
     return hidden.reshape(-1, hidden.shape[-1]).index_select(0, index), labels.reshape(-1).index_select(0, index), index
 
 
+def labelled_rows_and_weights(hidden: torch.Tensor, labels: torch.Tensor, loss_weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``labelled_rows``' rows [n, h] and labels [n], with their ``loss_weights`` [n]."""
+    rows, row_labels, index = labelled_rows(hidden, labels)
+    return rows, row_labels, loss_weights.reshape(-1).index_select(0, index)
+
+
 def spread_to_tokens(loss: torch.Tensor, index: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Per-row losses [n] back to ``labels``' shape, zero at the rows ``labelled_rows`` skipped."""
     return loss.new_zeros(labels.numel()).index_copy(0, index, loss).view(labels.shape)
@@ -59,20 +65,23 @@ class OutputLayer(nn.Module):
                 tied_weight: torch.Tensor | None = None, loss_weights: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """Logits [..., vocab_size] (the real tokens' only) without ``labels``; with them, per-token cross-entropy in fp32 (label
         -100 gives 0) without holding the [..., V] logits at once (``kernels/cross_entropy``; with a
-        bias, from the logits of the labelled rows only: the chunked kernels take no bias). With ``loss_weights`` (shaped
+        bias, from the full logits of the labelled rows only: the per-token chunks take no bias). With ``loss_weights`` (shaped
         like ``labels``) the fp32 scalar ``sum(loss_weights * loss)`` instead, its gradients taken
-        in the forward (``kernels/cross_entropy_sum``: one logits GEMM fewer)."""
+        in the forward (``kernels/cross_entropy_sum``: one logits GEMM fewer; with a bias, over
+        the labelled rows only, the bias in each chunk's GEMM)."""
         weight = self.weight if self.weight is not None else tied_weight
         real = self.vocab_size
-        bias = None if self.bias is None else self.bias[:real]
         if labels is None:
-            return F.linear(hidden, weight[:real], bias)
-        if bias is not None:
+            return F.linear(hidden, weight[:real], None if self.bias is None else self.bias[:real])
+        if loss_weights is not None and (self.bias is None or self.fused_kernels != "off"):
+            if self.bias is not None:  # a masked LM: its labelled rows only
+                hidden, labels, loss_weights = labelled_rows_and_weights(hidden, labels, loss_weights)
+            fuse = self.grad_accum_fusion and self.weight is not None and not self.weight_reused  # a tied weight's two gradients meet in autograd
+            return linear_cross_entropy_sum(hidden, weight, labels, loss_weights, self.fused_kernels, fuse_weight_grad=fuse, real_rows=real,
+                                            bias=self.bias)  # fmt: skip
+        if self.bias is not None:
             rows, row_labels, index = labelled_rows(hidden, labels)
-            logits = F.linear(rows, weight[:real], bias)
+            logits = F.linear(rows, weight[:real], self.bias[:real])
             loss = spread_to_tokens(F.cross_entropy(logits.float(), row_labels, reduction="none"), index, labels)
             return loss if loss_weights is None else (loss * loss_weights).sum()
-        if loss_weights is not None:
-            fuse = self.grad_accum_fusion and self.weight is not None and not self.weight_reused  # a tied weight's two gradients meet in autograd
-            return linear_cross_entropy_sum(hidden, weight, labels, loss_weights, self.fused_kernels, fuse_weight_grad=fuse, real_rows=real)
         return linear_cross_entropy(hidden, weight, labels, self.fused_kernels, real_rows=real)

@@ -30,7 +30,7 @@ from meshtron.config import Config, ModelConfig
 from meshtron.layers.norms import build_norm
 from meshtron.layers.output import OutputLayer
 from meshtron.models import contract as c
-from meshtron.models.decoder import RESIDUAL_OUTPUTS, TransformerBlock, decoder_plan
+from meshtron.models.decoder import RESIDUAL_OUTPUTS, TransformerBlock, decoder_plan, token_loss
 from meshtron.models.init import WeightInit, init_weights
 
 SOP_LOSS = "sop_loss"  # the auxiliary term's name in logs
@@ -143,12 +143,13 @@ class Bert(BertEncoder, c.TokenLossModel):
         head = ("final_norm", "lm_head", "output", "first_token", "pooler", "binary_head", *tied)
         return c.PipelinePieces(embed, "layers", head)
 
-    def head(self, carry: c.Carry, batch: c.Batch) -> dict[str, torch.Tensor]:
-        """{"lm": per-token loss [b, s] (fp32) with labels in the batch, else logits; "sop": the
-        sentence-order logits [b, 2] of the [CLS] token, with the binary head}."""
+    def head(self, carry: c.Carry, batch: c.Batch) -> dict[str, Any]:
+        """{"lm": per-token loss [b, s] (fp32) with labels in the batch, their masked sum
+        (``SummedTokenLoss``, over the labelled rows only) with a loss mask too under
+        ``--cross-entropy-loss-fusion``, else logits; "sop": the sentence-order logits [b, 2] of the
+        [CLS] token, with the binary head}."""
         hidden = self.final_norm(carry["hidden"])
-        tied = self.embedding.weight if self.cfg.tie_embeddings else None
-        out = {"lm": self.output(self.lm_head(hidden), batch.get("labels"), tied_weight=tied)}
+        out = {"lm": token_loss(self, self.lm_head(hidden), batch.get("labels"), batch.get("loss_mask"))}
         if self.binary_head is not None:
             out["sop"] = self.binary_head(torch.tanh(self.pooler(self.first_token(hidden))))
         return out

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from meshtron.config import ModelConfig
+from meshtron.kernels.dropout_add import dropout_add
 from meshtron.kernels.fp8_recompute import recompute_contexts
 from meshtron.layers.attention import Attention, head_dim, num_kv_heads
 from meshtron.layers.kv_cache import KVCache, KVCacheBase, LatentKVCache
@@ -36,7 +37,8 @@ RESIDUAL_OUTPUTS = ("linear_proj.weight", "linear_fc2.weight")
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)), dropout on each branch. The MLP
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)), dropout on each branch (fused
+    with the add, ``add_branch``). The MLP
     is a mixture of experts in the layers ``--moe-layer-freq`` picks (``moe``); the attention is
     multi-head latent attention with ``--multi-latent-attention`` (DeepSeek-V2); ``causal=False``
     makes the attention bidirectional (encoders).
@@ -55,7 +57,8 @@ class TransformerBlock(nn.Module):
         self.pre_mlp_layernorm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, cfg.fused_kernels)
         self.mlp = MoELayer(cfg) if moe else MLP(cfg)
         self.recompute_mlp = moe and cfg.moe_layer_recompute
-        self.dropout = nn.Dropout(cfg.hidden_dropout)
+        self.hidden_dropout = cfg.hidden_dropout
+        self.dropout_add_kernels = cfg.fused_kernels if cfg.bias_dropout_fusion else "off"
         self.residual_after_norm = cfg.apply_residual_connection_post_layernorm
 
     def forward(
@@ -73,13 +76,17 @@ class TransformerBlock(nn.Module):
         normed = self.input_layernorm(x)
         bias = {} if position_bias is None else {"position_bias": position_bias}
         attn = self.self_attention(normed, cos, sin, position_ids, document_ids, kv_cache, padding_mask, **bias)
-        x = (normed if self.residual_after_norm else x) + self.dropout(attn)
+        x = self.add_branch(attn, normed if self.residual_after_norm else x)
         normed = self.pre_mlp_layernorm(x)
         if self.recompute_mlp and torch.is_grad_enabled():  # --moe-layer-recompute: the jitter's RNG state is replayed
             mlp = checkpoint(self.mlp, normed, use_reentrant=False, context_fn=functools.partial(recompute_contexts, [self.mlp]))
         else:
             mlp = self.mlp(normed)
-        return (normed if self.residual_after_norm else x) + self.dropout(mlp)
+        return self.add_branch(mlp, normed if self.residual_after_norm else x)
+
+    def add_branch(self, branch: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + dropout(branch)``: one fused pass under ``--bias-dropout-fusion`` (``kernels/dropout_add``)."""
+        return dropout_add(branch, residual, self.hidden_dropout, self.training, self.dropout_add_kernels)
 
 
 def decoder_plan(cfg: ModelConfig) -> c.Plan:
@@ -271,10 +278,7 @@ class Decoder(c.TokenLossModel):
 
     def _token_loss(self, hidden: torch.Tensor, labels: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor | c.SummedTokenLoss:
         """The output layer on normalized ``hidden``: logits, per-token losses, or their masked sum (see ``head``)."""
-        tied = self.embedding.weight if self.cfg.tie_embeddings else None
-        if labels is not None and mask is not None and self.cfg.cross_entropy_loss_fusion:
-            return c.SummedTokenLoss(self.output(hidden, labels, tied_weight=tied, loss_weights=mask))
-        return self.output(hidden, labels, tied_weight=tied)
+        return token_loss(self, hidden, labels, mask)
 
     def _multi_token_prediction(self, hidden: torch.Tensor, batch: c.Batch) -> dict[str, torch.Tensor]:
         """Each depth's weighted loss (``mtp_loss/k``) and its block's balancing terms, from the
@@ -307,6 +311,16 @@ class Decoder(c.TokenLossModel):
         if cfg.multi_latent_attention:
             return LatentKVCache(cfg.num_layers, batch_size, max_length, cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim, dtype, device)
         return KVCache(cfg.num_layers, batch_size, max_length, num_kv_heads(cfg), head_dim(cfg), dtype, device)
+
+
+def token_loss(model: c.TokenLossModel, hidden: torch.Tensor, labels: torch.Tensor | None, mask: torch.Tensor | None) -> torch.Tensor | c.SummedTokenLoss:
+    """``model.output`` (the embedding's weight given when tied) on ``hidden``: logits without
+    labels, per-token losses, or with a loss ``mask`` under ``--cross-entropy-loss-fusion`` their
+    masked sum, its gradients taken in the forward (shared with BERT's LM head)."""
+    tied = model.embedding.weight if model.cfg.tie_embeddings else None
+    if labels is not None and mask is not None and model.cfg.cross_entropy_loss_fusion:
+        return c.SummedTokenLoss(model.output(hidden, labels, tied_weight=tied, loss_weights=mask))
+    return model.output(hidden, labels, tied_weight=tied)
 
 
 def _balancing_terms(block: TransformerBlock) -> dict[str, torch.Tensor]:

@@ -82,11 +82,11 @@ class T5DecoderBlock(TransformerBlock):
         self-attention's relative position bias."""
         normed = self.input_layernorm(x)
         attn = self.self_attention(normed, None, None, kv_cache=kv_cache, position_bias=position_bias)
-        x = self._residual(x, normed) + self.dropout(attn)
+        x = self.add_branch(attn, self._residual(x, normed))
         normed = self.pre_cross_attn_layernorm(x)
-        x = self._residual(x, normed) + self.dropout(self.cross_attention(normed, encoder_output, encoder_padding_mask, memory))
+        x = self.add_branch(self.cross_attention(normed, encoder_output, encoder_padding_mask, memory), self._residual(x, normed))
         normed = self.pre_mlp_layernorm(x)
-        return self._residual(x, normed) + self.dropout(self.mlp(normed))
+        return self.add_branch(self.mlp(normed), self._residual(x, normed))
 
     def _residual(self, x: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
         return normed if self.residual_after_norm else x

@@ -10,9 +10,11 @@ import torch
 from torch import nn
 
 from meshtron.config import Config, ParallelConfig, TrainConfig, virtual_stages
+from meshtron.kernels import triton_runs_on
 from meshtron.kernels.fp8 import apply_fp8, check_fp8_device
 from meshtron.kernels.fp8_scaling import Fp8Recipe
 from meshtron.kernels.grad_accum_fusion import apply_gradient_accumulation_fusion
+from meshtron.layers.mlp import enable_bias_gelu_fusion
 from meshtron.layers.output import OutputLayer
 from meshtron.models import build_model, padded_vocab_size, pipeline_costs
 from meshtron.models.contract import ModelFamily
@@ -56,6 +58,9 @@ def build_runner(cfg: Config, mesh: Mesh, vocab_size: int, device: torch.device,
         if cfg.train.gradient_accumulation_fusion and not cfg.train.compile:
             heads = [m for m in model.modules() if isinstance(m, (OutputLayer, VocabParallelOutputLayer))]
             apply_gradient_accumulation_fusion(blocks, heads)
+        # Eager only (inductor fuses the bias and GELU itself), and where the kernel runs.
+        if m.bias_gelu_fusion and not cfg.train.compile and triton_runs_on(m.fused_kernels, device):
+            enable_bias_gelu_fusion(blocks)
         if cfg.train.compile:
             compile_blocks(blocks)
 

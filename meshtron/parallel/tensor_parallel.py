@@ -28,7 +28,7 @@ from torch import nn
 from meshtron.kernels import grad_accum_fusion
 from meshtron.kernels.cross_entropy_sum import linear_cross_entropy_sum
 from meshtron.kernels.fp8_scaling import Fp8Scaling
-from meshtron.layers.output import labelled_rows, spread_to_tokens
+from meshtron.layers.output import labelled_rows, labelled_rows_and_weights, spread_to_tokens
 from meshtron.parallel import tp_overlap
 from meshtron.parallel.mesh import ShapeGroup
 
@@ -235,7 +235,10 @@ class ColumnParallelLinear(nn.Module):
     ``out_features`` is this rank's share. ``gather_output`` concatenates the shards (for a
     consumer that needs all features); usually a row-parallel layer consumes the shard instead.
     ``comm_overlap`` (a ``tp_overlap`` backend, set by the plan) pipelines SP's gather with the GEMM.
+    ``skip_bias_add``: the bias is left to the caller (``layers/mlp.enable_bias_gelu_fusion``).
     """
+
+    skip_bias_add = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group, sequence_parallel: bool = False,
                  gather_output: bool = False, device=None, dtype=None):  # fmt: skip
@@ -249,7 +252,8 @@ class ColumnParallelLinear(nn.Module):
         self.comm_overlap = ""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = column_parallel_linear(x, self.weight, self.bias, self.group, self.sequence_parallel, self.fp8,
+        bias = None if self.skip_bias_add else self.bias
+        y = column_parallel_linear(x, self.weight, bias, self.group, self.sequence_parallel, self.fp8,
                                    self.grad_accum_fusion, self.comm_overlap)  # fmt: skip
         return gather_from_tp_region(y, self.group) if self.gather_output else y
 
@@ -380,18 +384,20 @@ class VocabParallelOutputLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None,
                 tied_weight: torch.Tensor | None = None, loss_weights: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-        """As ``OutputLayer.forward``. With ``loss_weights`` (and no bias, fused kernels not off)
-        the masked sum takes its gradients in the forward on this rank's vocabulary shard, the
-        log-sum-exp and target logit summed over tp (``_combine_vocab_shards``)."""
+        """As ``OutputLayer.forward``. With ``loss_weights`` (fused kernels not off) the masked sum
+        takes its gradients in the forward on this rank's vocabulary shard (with a bias, over the
+        labelled rows only), the log-sum-exp and target logit summed over tp (``_combine_vocab_shards``)."""
         weight = self.weight if self.weight is not None else tied_weight
         start, shard = group_rank(self.group) * weight.shape[0], weight.shape[0]
         real = min(shard, max(0, self.vocab_size - start)) if self.vocab_size else shard  # this shard's token rows
-        if labels is not None and loss_weights is not None and self.bias is None and self.fused_kernels != "off":
+        if labels is not None and loss_weights is not None and self.fused_kernels != "off":
             whole = enter_tp_region(hidden, self.group, self.sequence_parallel)
+            if self.bias is not None:  # a masked LM: its labelled rows only
+                whole, labels, loss_weights = labelled_rows_and_weights(whole, labels, loss_weights)
             combine = None if group_size(self.group) == 1 else lambda lse, target: _combine_vocab_shards(lse, target, self.group)
             return linear_cross_entropy_sum(whole, weight, labels, loss_weights, self.fused_kernels, vocab_start=start,
                                             combine_shards=combine, fuse_weight_grad=self.grad_accum_fusion and self.weight is not None and not self.weight_reused,
-                                            real_rows=real)  # fmt: skip
+                                            real_rows=real, bias=self.bias)  # fmt: skip
         if labels is not None and self.bias is not None:  # the labelled rows only, as OutputLayer's
             rows, row_labels, index = labelled_rows(enter_tp_region(hidden, self.group, self.sequence_parallel), labels)
             logits = _without_padding(F.linear(rows, weight, self.bias), real)

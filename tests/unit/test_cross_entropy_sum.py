@@ -12,6 +12,7 @@ from meshtron.config import build_config
 from meshtron.kernels.cross_entropy import linear_cross_entropy
 from meshtron.kernels.cross_entropy_sum import block_tokens_for, linear_cross_entropy_sum
 from meshtron.models import build_model
+from meshtron.models.contract import SummedTokenLoss
 
 VOCAB, HIDDEN = 300, 24
 
@@ -136,3 +137,48 @@ def test_flag_and_default():
     assert build_config().model.cross_entropy_loss_fusion
     assert not build_config(overrides=["--no-cross-entropy-loss-fusion"]).model.cross_entropy_loss_fusion
     assert build_config(overrides=["--cross-entropy-loss-fusion"]).model.cross_entropy_loss_fusion
+
+
+@pytest.mark.parametrize("chunk, budget, real", [(0, 2**30, VOCAB), (64, 2**30, VOCAB - 20), (64, 5 * VOCAB * 4, VOCAB - 20)])
+def test_bias_joins_the_logits_and_gets_its_gradient(chunk, budget, real):
+    """A bias of the logits (BERT's LM head): loss and the gradients of the hidden states, the weight
+    and the bias equal full logits + bias + ``F.cross_entropy`` (fp32), over vocabulary chunks and
+    token blocks, with padded rows (``real``) that take no part and get a zero gradient."""
+    torch.manual_seed(0)
+    hidden, weight, bias = torch.randn(33, HIDDEN), torch.randn(VOCAB, HIDDEN) * 0.3, torch.randn(VOCAB)
+    labels, mask = torch.randint(0, real, (33,)), torch.rand(33) * 2
+    labels[:4] = -100
+    results = []
+    for fused in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+        if fused:
+            total = linear_cross_entropy_sum(*leaves[:2], labels, mask, "auto", chunk, budget, real_rows=real, bias=leaves[2])
+        else:
+            logits = F.linear(leaves[0], leaves[1][:real], leaves[2][:real])
+            total = (F.cross_entropy(logits, labels, reduction="none") * mask).sum()
+        results.append((total, *torch.autograd.grad(total * 3.0, leaves)))
+    for got, want, name in zip(*results, ("loss", "hidden grad", "weight grad", "bias grad")):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
+    assert not results[0][3][real:].any()
+
+
+def test_bert_head_fusion_equals_per_token_loss():
+    """BERT's LM head (a bias, the labelled rows only) through the contract's loss: the fused
+    masked sum's total and every gradient equal the per-token head's (fp32, 1e-5)."""
+    tokens = torch.randint(0, 96, (2, 16))
+    labels = torch.where(torch.rand(2, 16) < 0.3, tokens, -100)
+    batch = {"tokens": tokens, "labels": labels, "loss_mask": (labels >= 0).float(), "is_random": torch.tensor([0, 1])}
+    results = []
+    for fusion in (False, True):
+        cfg = build_config(overrides=["--model-type", "bert", "--preset", "tiny-bert", "--num-layers", "2", "--hidden-size", "32",
+                                      *([] if fusion else ["--no-cross-entropy-loss-fusion"])]).model  # fmt: skip
+        torch.manual_seed(0)
+        model = build_model(cfg, 96, 16)
+        out, _ = model.run_stage(None, batch, list(model.layers), True, True)
+        assert isinstance(out["lm"], SummedTokenLoss) == fusion
+        loss = model.loss(batch, out)
+        (loss.total / loss.count).backward()
+        results.append((loss.total.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    torch.testing.assert_close(results[1][0], results[0][0])
+    for name, g in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], g, rtol=1e-5, atol=1e-7, msg=name)

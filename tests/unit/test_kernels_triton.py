@@ -24,7 +24,7 @@ from meshtron.kernels.checks import run_checks  # noqa: E402
 @pytest.mark.parametrize("seed", [0, 1])
 def test_kernels_match_references_fp32(seed):
     results = run_checks("cpu", torch.float32, seed=seed)
-    assert {r.name for r in results} >= {"rmsnorm", "layernorm", "swiglu", "rope", "linear+cross-entropy"}
+    assert {r.name for r in results} >= {"rmsnorm", "layernorm", "swiglu", "bias+gelu", "bias+gelu tanh", "rope", "linear+cross-entropy", "linear+bias+cross-entropy sum"}
     for r in results:
         assert r.forward < 1e-5 and r.backward < 1e-5, r
 
@@ -134,3 +134,49 @@ def test_cross_entropy_kernels_stop_at_the_real_rows(chunk):
         torch.testing.assert_close(h.grad, ref_h.grad)
         torch.testing.assert_close(w.grad[:tokens], ref_w.grad)
         assert w.grad[tokens:].abs().max() == 0
+
+
+def test_dropout_add_kernel_keeps_one_mask_for_forward_and_backward():
+    """``residual + dropout(x)`` in one pass (``checks.dropout_add_check``): forward and backward use
+    one mask, each F.dropout's arithmetic rounded once; about 1 - p kept; the seed comes from
+    torch's generator, so a reseed repeats the masks and the next call draws a new one. fp32 here
+    (the interpreter rounds to bf16 its own way); tests/gpu runs it in bf16 too."""
+    from meshtron.kernels.checks import dropout_add_check
+
+    result = dropout_add_check("cpu", torch.float32, 64, 257, p=0.3)
+    assert result.forward == 0 and result.backward == 0, result
+    assert abs(result.kept - 0.7) < 0.02 and result.repeats and result.fresh, result
+
+
+def test_dropout_add_recompute_draws_the_forward_mask():
+    """Under activation recompute (the RNG state restored) the backward's mask is the first forward's."""
+    from torch.utils.checkpoint import checkpoint
+
+    from meshtron.kernels.dropout_add import dropout_add
+
+    gen = torch.Generator().manual_seed(1)
+    x, residual = (torch.randn(8, 300, generator=gen).requires_grad_() for _ in range(2))
+    out = checkpoint(lambda a, r: dropout_add(a * 2, r, 0.5, True, "on"), x, residual, use_reentrant=False)
+    kept = out.detach() != residual.detach()
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, torch.where(kept, 4.0, 0.0), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_bias_gelu_kernel_sums_the_bias_gradient_over_row_blocks(approximate):
+    """More rows than one program sums (600: two full blocks of 256 and a ragged one) and a ragged
+    column block: output, input gradient and the bias gradient from the per-block partial sums
+    against ``F.gelu(h + bias)`` (fp32, 1e-6 of the norm)."""
+    from meshtron.kernels.bias_gelu import bias_gelu
+    from meshtron.kernels.checks import relative_error
+
+    gen = torch.Generator().manual_seed(2)
+    h, bias, upstream = torch.randn(600, 200, generator=gen), torch.randn(200, generator=gen), torch.randn(600, 200, generator=gen)
+    results = []
+    for mode in ("on", "off"):
+        leaves = (h.clone().requires_grad_(), bias.clone().requires_grad_())
+        out = bias_gelu(*leaves, approximate, mode)
+        out.backward(upstream)
+        results.append((out.detach(), leaves[0].grad, leaves[1].grad))
+    for fast, ref in zip(*results):
+        assert relative_error(fast, ref) < 1e-6
