@@ -1,0 +1,102 @@
+"""Triton kernels for the FP8 cast of stacked expert weights [E, N, K] (each expert in nn.Linear
+layout): one pass for both amaxes, one pass for both FP8 copies.
+
+The forward GEMM reads each expert's rows scaled per output row (one scale per (e, n), over k);
+the input gradient reads each expert transposed, [E, K, N], scaled per input column (one scale
+per (e, k), over n). Reading the bf16 weights once for both amaxes and once for both copies
+replaces two reductions, two casts and a transposed bf16 copy. Imported only when a kernel runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from meshtron.kernels.triton_fp8_cast import GRID, round_to_grid
+
+_BLOCK = 64
+
+
+@triton.jit
+def _amax_kernel(w_ptr, row_amax_ptr, col_amax_ptr, N, K, BLOCK: tl.constexpr):
+    """Max-reduce |w| of one [BLOCK, BLOCK] tile of expert e into its rows' and columns' amaxes."""
+    e = tl.program_id(0).to(tl.int64)
+    n = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    k = (tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    mask = (n[:, None] < N) & (k[None, :] < K)
+    x = tl.abs(tl.load(w_ptr + e * N * K + n[:, None] * K + k[None, :], mask=mask, other=0.0).to(tl.float32))
+    tl.atomic_max(row_amax_ptr + e * N + n, tl.max(x, 1), mask=n < N)
+    tl.atomic_max(col_amax_ptr + e * K + k, tl.max(x, 0), mask=k < K)
+
+
+@triton.jit
+def _to_fp8(y, fmax, IN_DTYPE: tl.constexpr, ROUND_FIRST: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr,
+            IN_MANTISSA: tl.constexpr, IN_MIN_EXPONENT: tl.constexpr):  # fmt: skip
+    """fp32 ``y`` rounded as ``fp8_cast`` rounds: to the input's dtype, clamped, then (interpreter only) to FP8's grid."""
+    if ROUND_FIRST and IN_MANTISSA > 0:  # an fp32 input needs no rounding
+        y = round_to_grid(y, IN_MANTISSA, IN_MIN_EXPONENT)
+    y = y.to(IN_DTYPE, fp_downcast_rounding="rtne").to(tl.float32)
+    y = tl.minimum(tl.maximum(y, -fmax), fmax)
+    if ROUND_FIRST:
+        y = round_to_grid(y, MANTISSA, MIN_EXPONENT)
+    return y
+
+
+@triton.jit
+def _cast_kernel(
+    w_ptr, q_ptr, qt_ptr, row_scale_ptr, col_scale_ptr, N, K, fmax,
+    WRITE_ROWS: tl.constexpr, WRITE_TRANSPOSED: tl.constexpr, ROUND_FIRST: tl.constexpr, MANTISSA: tl.constexpr,
+    MIN_EXPONENT: tl.constexpr, IN_MANTISSA: tl.constexpr, IN_MIN_EXPONENT: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One tile of expert e: its rows copy q[e, n, k] (row scales) and transposed copy qt[e, k, n] (column scales)."""
+    e = tl.program_id(0).to(tl.int64)
+    n = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    k = (tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    mask = (n[:, None] < N) & (k[None, :] < K)
+    w = tl.load(w_ptr + e * N * K + n[:, None] * K + k[None, :], mask=mask, other=0.0)
+    x = w.to(tl.float32)
+    if WRITE_ROWS:
+        scale = tl.load(row_scale_ptr + e * N + n, mask=n < N, other=1.0)
+        y = _to_fp8(x * scale[:, None], fmax, w.dtype, ROUND_FIRST, MANTISSA, MIN_EXPONENT, IN_MANTISSA, IN_MIN_EXPONENT)
+        tl.store(q_ptr + e * N * K + n[:, None] * K + k[None, :], y.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+    if WRITE_TRANSPOSED:  # transposed in fp32, then cast: no layout change of FP8 values
+        scale = tl.load(col_scale_ptr + e * K + k, mask=k < K, other=1.0)
+        y = _to_fp8(x * scale[None, :], fmax, w.dtype, ROUND_FIRST, MANTISSA, MIN_EXPONENT, IN_MANTISSA, IN_MIN_EXPONENT)
+        qt = tl.trans(y).to(qt_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        tl.store(qt_ptr + e * K * N + k[:, None] * N + n[None, :], qt, mask=tl.trans(mask))
+
+
+def _grid(w: torch.Tensor) -> tuple[int, int, int]:
+    experts, n, k = w.shape
+    return experts, triton.cdiv(n, _BLOCK), triton.cdiv(k, _BLOCK)
+
+
+def weight_amaxes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [E, N, K] contiguous -> (amax over k [E, N], amax over n [E, K]), fp32."""
+    experts, n, k = w.shape
+    row_amax = torch.zeros(experts, n, dtype=torch.float32, device=w.device)
+    col_amax = torch.zeros(experts, k, dtype=torch.float32, device=w.device)
+    _amax_kernel[_grid(w)](w, row_amax, col_amax, n, k, BLOCK=_BLOCK)
+    return row_amax, col_amax
+
+
+def cast_weights(w: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor, dtype: torch.dtype, write_rows: bool,
+                 write_transposed: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+    """w [E, N, K] contiguous -> (rows copy [E, N, K] scaled by ``row_scale`` [E, N], transposed
+    copy [E, K, N] scaled by ``col_scale`` [E, K]), each None where not asked for."""
+    experts, n, k = w.shape
+    q = torch.empty(experts, n, k, dtype=dtype, device=w.device) if write_rows else None
+    qt = torch.empty(experts, k, n, dtype=dtype, device=w.device) if write_transposed else None
+    spare = torch.empty(1, dtype=dtype, device=w.device)  # stands for a copy not written
+    mantissa, min_exponent = GRID[dtype]
+    in_mantissa, in_min_exponent = GRID.get(w.dtype, (0, 0))
+    _cast_kernel[_grid(w)](
+        w, spare if q is None else q, spare if qt is None else qt, row_scale.float().contiguous(), col_scale.float().contiguous(),
+        n, k, torch.finfo(dtype).max, WRITE_ROWS=write_rows, WRITE_TRANSPOSED=write_transposed,
+        ROUND_FIRST=os.environ.get("TRITON_INTERPRET") == "1", MANTISSA=mantissa, MIN_EXPONENT=min_exponent,
+        IN_MANTISSA=in_mantissa, IN_MIN_EXPONENT=in_min_exponent, BLOCK=_BLOCK,
+    )  # fmt: skip
+    return q, qt
