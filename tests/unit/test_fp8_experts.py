@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshtron.config import ModelConfig
+from meshtron.config import ModelConfig, build_config
+from meshtron.errors import ConfigError
 from meshtron.kernels import triton_available
 from meshtron.layers.moe import MoELayer
 from meshtron.layers.moe.fp8_grouped_gemm import (
@@ -24,6 +25,7 @@ from meshtron.layers.moe.fp8_grouped_gemm import (
     scaled_grouped_mm,
 )
 from meshtron.layers.moe.validation import moe_config_errors
+from meshtron.validation import validate
 
 E4M3 = torch.float8_e4m3fn
 NORMAL, SUBNORMAL, BF16 = 2.0**-4, 2.0**-10, 2.0**-8
@@ -191,3 +193,15 @@ def test_config_checks():
     assert not moe_config_errors(ModelConfig(**moe, fp8_format="e4m3", moe_grouped_gemm="triton", moe_fp8="off"))
     assert not moe_config_errors(ModelConfig(**moe, moe_grouped_gemm="triton"))  # bf16: any backend
     assert any("model.moe_fp8 must be" in e for e in moe_config_errors(ModelConfig(**moe, moe_fp8="tensorwise")))
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--fp8-format", "e4m3", "--model.moe_grouped_gemm", "triton"], "no Triton FP8 grouped GEMM; change triton or set model.moe_fp8 off"),
+    (["--fp8-format", "hybrid", "--fp32"], "FP8 experts .* train in bf16 \\(not fp32\\)"),
+    (["--fp8-format", "hybrid", "--model.moe_fp8", "blockwise"], "model.moe_fp8 must be one of rowwise, off"),
+])  # fmt: skip
+def test_bad_combinations_fail_before_anything_is_built(flags, message):
+    moe = ["--preset", "tiny-deepseek", "--mock-data", "--device", "cuda"]
+    with pytest.raises(ConfigError, match=message):
+        validate(build_config(None, moe + flags))
+    validate(build_config(None, moe + ["--fp8-format", "hybrid", "--bf16"]))  # the good combination passes
