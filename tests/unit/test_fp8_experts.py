@@ -17,6 +17,7 @@ from meshtron.config import ModelConfig, build_config
 from meshtron.errors import ConfigError
 from meshtron.kernels import triton_available
 from meshtron.layers.moe import MoELayer
+from meshtron.layers.moe.experts import expert_ffn
 from meshtron.layers.moe.fp8_grouped_gemm import (
     fp8_grouped_mm,
     quantize_rows,
@@ -152,6 +153,17 @@ def test_moe_layer_with_fp8_experts_stays_close_to_bf16():
     assert 0 < (outs["e4m3"] - outs[""]).norm() <= 0.12 * outs[""].norm()  # FP8 ran, and stayed close
     for name, ref in grads[""].items():
         assert (grads["e4m3"][name] - ref).norm() <= (0.2 if name == "router.weight" else 0.12) * ref.norm(), name
+
+
+def test_no_rows_run_the_bf16_path():
+    """A rank whose experts receive no rows (expert parallelism) has nothing to scale: the bf16 GEMM's empty result."""
+    _, w = _operands()  # [5, 32, 64]: fc1 64 -> 32, and its transpose as fc2 32 -> 64
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_experts=5, moe_ffn_hidden_size=32, add_bias_linear=False, fp8_format="e4m3")
+    x = torch.zeros(0, 64, dtype=torch.bfloat16, requires_grad=True)
+    w1 = w.clone().requires_grad_(True)
+    out = expert_ffn(x, w1, w.transpose(1, 2).contiguous(), torch.zeros(5, dtype=torch.long), cfg)
+    out.backward(torch.ones_like(out))
+    assert out.shape == (0, 64) and (w1.grad == 0).all()
 
 
 def test_widths_not_multiples_of_16_run_bf16():

@@ -51,9 +51,10 @@ def fp8_experts(cfg) -> bool:
 
 
 def fp8_shapes_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """bf16 operands and both GEMM widths multiples of 16 (``_scaled_grouped_mm``'s rule); else the bf16 GEMM runs."""
+    """bf16 operands, both GEMM widths multiples of 16 (``_scaled_grouped_mm``'s rule) and some rows
+    (an expert-parallel rank may receive none); else the bf16 GEMM runs."""
     widths_ok = weight.shape[1] % 16 == 0 and weight.shape[2] % 16 == 0
-    return widths_ok and x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2
+    return widths_ok and x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] > 0
 
 
 def e4m3(device: torch.device) -> torch.dtype:
