@@ -17,15 +17,19 @@ import triton.language as tl
 
 from meshtron.kernels.triton_fp8_cast import GRID, round_to_grid
 
-_BLOCK = 64
+# Tiles (BLOCK_N, BLOCK_K, warps) the autotuner tries per weight shape: memory-bound passes whose
+# best tile depends on the GPU (not timed here: no GPU); the interpreter runs one fixed tile.
+_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for bn, bk, w in
+            [(64, 64, 4), (64, 128, 4), (128, 64, 8), (128, 128, 8)]]  # fmt: skip
+_INTERPRETER_TILE = {"BLOCK_N": 32, "BLOCK_K": 32}
 
 
 @triton.jit
-def _amax_kernel(w_ptr, row_amax_ptr, col_amax_ptr, N, K, BLOCK: tl.constexpr):
-    """Max-reduce |w| of one [BLOCK, BLOCK] tile of expert e into its rows' and columns' amaxes."""
+def _amax_kernel(w_ptr, row_amax_ptr, col_amax_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Max-reduce |w| of one [BLOCK_N, BLOCK_K] tile of expert e into its rows' and columns' amaxes."""
     e = tl.program_id(0).to(tl.int64)
-    n = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
-    k = (tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    n = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    k = (tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
     mask = (n[:, None] < N) & (k[None, :] < K)
     x = tl.abs(tl.load(w_ptr + e * N * K + n[:, None] * K + k[None, :], mask=mask, other=0.0).to(tl.float32))
     tl.atomic_max(row_amax_ptr + e * N + n, tl.max(x, 1), mask=n < N)
@@ -49,12 +53,13 @@ def _to_fp8(y, fmax, IN_DTYPE: tl.constexpr, ROUND_FIRST: tl.constexpr, MANTISSA
 def _cast_kernel(
     w_ptr, q_ptr, qt_ptr, row_scale_ptr, col_scale_ptr, N, K, fmax,
     WRITE_ROWS: tl.constexpr, WRITE_TRANSPOSED: tl.constexpr, ROUND_FIRST: tl.constexpr, MANTISSA: tl.constexpr,
-    MIN_EXPONENT: tl.constexpr, IN_MANTISSA: tl.constexpr, IN_MIN_EXPONENT: tl.constexpr, BLOCK: tl.constexpr,
+    MIN_EXPONENT: tl.constexpr, IN_MANTISSA: tl.constexpr, IN_MIN_EXPONENT: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """One tile of expert e: its rows copy q[e, n, k] (row scales) and transposed copy qt[e, k, n] (column scales)."""
     e = tl.program_id(0).to(tl.int64)
-    n = (tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
-    k = (tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    n = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    k = (tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.int64)
     mask = (n[:, None] < N) & (k[None, :] < K)
     w = tl.load(w_ptr + e * N * K + n[:, None] * K + k[None, :], mask=mask, other=0.0)
     x = w.to(tl.float32)
@@ -69,9 +74,19 @@ def _cast_kernel(
         tl.store(qt_ptr + e * K * N + k[:, None] * N + n[None, :], qt, mask=tl.trans(mask))
 
 
-def _grid(w: torch.Tensor) -> tuple[int, int, int]:
+# Autotuning reruns a launch per tile: harmless here (a max, and copies written whole).
+_amax_tuned = triton.autotune(configs=_CONFIGS, key=["N", "K"])(_amax_kernel)
+_cast_tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "WRITE_ROWS", "WRITE_TRANSPOSED"])(_cast_kernel)
+
+
+def _launch(kernel, tuned, w: torch.Tensor, *args, **meta) -> None:
+    """``kernel`` over w [E, N, K]'s tiles: autotuned on a GPU, one fixed tile under the interpreter."""
     experts, n, k = w.shape
-    return experts, triton.cdiv(n, _BLOCK), triton.cdiv(k, _BLOCK)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        grid = (experts, triton.cdiv(n, _INTERPRETER_TILE["BLOCK_N"]), triton.cdiv(k, _INTERPRETER_TILE["BLOCK_K"]))
+        kernel[grid](w, *args, **meta, **_INTERPRETER_TILE)
+    else:
+        tuned[lambda c: (experts, triton.cdiv(n, c["BLOCK_N"]), triton.cdiv(k, c["BLOCK_K"]))](w, *args, **meta)
 
 
 def weight_amaxes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +94,7 @@ def weight_amaxes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     experts, n, k = w.shape
     row_amax = torch.zeros(experts, n, dtype=torch.float32, device=w.device)
     col_amax = torch.zeros(experts, k, dtype=torch.float32, device=w.device)
-    _amax_kernel[_grid(w)](w, row_amax, col_amax, n, k, BLOCK=_BLOCK)
+    _launch(_amax_kernel, _amax_tuned, w, row_amax, col_amax, n, k)
     return row_amax, col_amax
 
 
@@ -93,10 +108,10 @@ def cast_weights(w: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tens
     spare = torch.empty(1, dtype=dtype, device=w.device)  # stands for a copy not written
     mantissa, min_exponent = GRID[dtype]
     in_mantissa, in_min_exponent = GRID.get(w.dtype, (0, 0))
-    _cast_kernel[_grid(w)](
-        w, spare if q is None else q, spare if qt is None else qt, row_scale.float().contiguous(), col_scale.float().contiguous(),
-        n, k, torch.finfo(dtype).max, WRITE_ROWS=write_rows, WRITE_TRANSPOSED=write_transposed,
+    _launch(
+        _cast_kernel, _cast_tuned, w, spare if q is None else q, spare if qt is None else qt, row_scale.float().contiguous(),
+        col_scale.float().contiguous(), n, k, torch.finfo(dtype).max, WRITE_ROWS=write_rows, WRITE_TRANSPOSED=write_transposed,
         ROUND_FIRST=os.environ.get("TRITON_INTERPRET") == "1", MANTISSA=mantissa, MIN_EXPONENT=min_exponent,
-        IN_MANTISSA=in_mantissa, IN_MIN_EXPONENT=in_min_exponent, BLOCK=_BLOCK,
+        IN_MANTISSA=in_mantissa, IN_MIN_EXPONENT=in_min_exponent,
     )  # fmt: skip
     return q, qt
