@@ -24,9 +24,11 @@ pytestmark = pytest.mark.skipif(
 )
 EXPERTS, ROWS = 64, 49152
 LAYERS = {"fc1": (2816, 2048), "fc2": (2048, 1408)}  # (out, in) per expert
-# FP8 tensor-core sums keep fewer bits than fp32 (DeepSeek-V3 measured about 14 with fast accumulation):
-# each result within this fraction of the sum of its terms' magnitudes, on top of bf16's rounding.
-TENSOR_CORE_SUMS = 2.0**-12
+# FP8 tensor-core sums keep fewer bits than fp32: each result within this fraction of the sum of
+# its terms' magnitudes, on top of bf16's rounding. Exact accumulation promotes partial sums to
+# fp32 (as the blockwise GEMMs' test allows); fast accumulation keeps about 14 bits over the whole
+# reduction (DeepSeek-V3's measurement), so over 2048 terms its error may reach 2^-9 of the magnitudes.
+TENSOR_CORE_SUMS = {False: 2.0**-12, True: 2.0**-9}
 
 
 def _sizes(device) -> torch.Tensor:
@@ -76,7 +78,7 @@ def test_fp8_grouped_gemm_matches_float64_gpu(layer, backend, fast_accum):
     got = scaled_grouped_mm(xq, x_inv, wq.rows, wq.rows_inv, sizes, backend, torch.bfloat16, fast_accum).double()
     a, b = xq.double() * x_inv[:, None].double(), wq.rows.double() * wq.rows_inv[:, :, None].double()
     want, magnitude = _grouped64(a, b, sizes), _grouped64(a.abs(), b.abs(), sizes)
-    excess = ((got - want).abs() - (2.0**-8 * want.abs() + TENSOR_CORE_SUMS * magnitude)).max().item()
+    excess = ((got - want).abs() - (2.0**-8 * want.abs() + TENSOR_CORE_SUMS[fast_accum] * magnitude)).max().item()
     exact = _grouped64(x.double(), w.double(), sizes)
     rel = ((got - exact).norm() / exact.norm()).item()
     print(f"{layer} {backend} fast_accum={fast_accum}: bound excess {excess:.2e}, against the unquantized product {rel:.2e}")

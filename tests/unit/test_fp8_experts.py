@@ -130,6 +130,31 @@ def test_fp8_grouped_mm_forward_and_gradients(backend):
     assert (w.grad.double() - dw).norm() <= 4e-3 * dw.norm() and (w.grad[1] == 0).all()
 
 
+@pytest.mark.skipif(not triton_available() or torch.cuda.is_available(), reason="needs Triton and no GPU (the interpreter)")
+def test_weight_gradient_fused_into_main_grad(monkeypatch):
+    """With gradient-accumulation fusion the weight gradient goes into ``main_grad`` by the Triton
+    kernel (two micro batches summed there), as the unfused path computes it. fp32 operands: the
+    interpreter's bf16 dot products are not exact on the CPU (the GPU test covers bf16)."""
+    from meshtron.kernels import triton_grouped_gemm
+    from meshtron.optim.grad_buffer import GradBuffer
+
+    fused_calls, kernel = [], triton_grouped_gemm.group_weight_grad
+    monkeypatch.setattr(triton_grouped_gemm, "group_weight_grad", lambda *a, **k: fused_calls.append(k.get("out")) or kernel(*a, **k))
+
+    x, w = _operands(4)
+    x, w = x.float(), w.float()
+    weight = torch.nn.Parameter(w.clone())
+    buffer = GradBuffer([("experts.weight1", weight)])
+    plain = w.clone().requires_grad_(True)
+    for seed in (5, 6):
+        grad = torch.randn(x.shape[0], w.shape[1], generator=torch.Generator().manual_seed(seed))
+        fp8_grouped_mm(x, weight, SIZES, "reference", fuse_wgrad=True).backward(grad)
+        fp8_grouped_mm(x, plain, SIZES, "reference").backward(grad)
+    buffer.finish_grad_sync()
+    assert len(fused_calls) == 2 and all(out is not None for out in fused_calls)  # both micro batches into main_grad
+    torch.testing.assert_close(weight.main_grad, plain.grad, rtol=1e-5, atol=1e-4)
+
+
 def test_moe_layer_with_fp8_experts_stays_close_to_bf16():
     """A MoE layer (bf16, 8 experts top-2, SwiGLU) with FP8 experts against the same layer in bf16:
     the output, the input's and the experts' gradients within 12 % normwise, the router's within
