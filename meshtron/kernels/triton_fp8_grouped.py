@@ -1,10 +1,14 @@
-"""Triton kernels for the FP8 cast of stacked expert weights [E, N, K] (each expert in nn.Linear
-layout): one pass for both amaxes, one pass for both FP8 copies.
+"""Triton kernels for the FP8 experts' casts (``layers/moe/fp8_grouped_gemm.py``): stacked expert
+weights [E, N, K] (each expert in nn.Linear layout) in one pass for both amaxes and one pass for
+both FP8 copies, and a row-scaled activation [M, K] in one kernel.
 
 The forward GEMM reads each expert's rows scaled per output row (one scale per (e, n), over k);
 the input gradient reads each expert transposed, [E, K, N], scaled per input column (one scale
 per (e, k), over n). Reading the bf16 weights once for both amaxes and once for both copies
-replaces two reductions, two casts and a transposed bf16 copy. Imported only when a kernel runs.
+replaces two reductions, two casts and a transposed bf16 copy. An activation's rows each get the
+largest power-of-two scale that fits: each program reads its rows twice (the amax, then the cast,
+the second read mostly from L2) where an amax pass, the scale's small ops and a cast pass were
+separate kernels. Imported only when a kernel runs.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from meshtron.kernels.fp8_cast import AMAX_FLOOR
 from meshtron.kernels.triton_fp8_cast import GRID, round_to_grid
 
 # Tiles (BLOCK_N, BLOCK_K, warps) the autotuner tries per weight shape: memory-bound passes whose
@@ -22,6 +27,11 @@ from meshtron.kernels.triton_fp8_cast import GRID, round_to_grid
 _CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for bn, bk, w in
             [(64, 64, 4), (64, 128, 4), (128, 64, 8), (128, 128, 8)]]  # fmt: skip
 _INTERPRETER_TILE = {"BLOCK_N": 32, "BLOCK_K": 32}
+# Row blocks (BLOCK_M, BLOCK_K, warps) of the activation cast.
+_ROW_CONFIGS = [triton.Config({"BLOCK_M": bm, "BLOCK_K": bk}, num_warps=w) for bm, bk, w in
+                [(8, 512, 4), (16, 512, 4), (32, 256, 4), (16, 1024, 8)]]  # fmt: skip
+_INTERPRETER_ROWS = {"BLOCK_M": 8, "BLOCK_K": 32}
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)  # fp8_cast's: an all-zero row gets a finite scale
 
 
 @triton.jit
@@ -74,9 +84,35 @@ def _cast_kernel(
         tl.store(qt_ptr + e * K * N + k[:, None] * N + n[None, :], qt, mask=tl.trans(mask))
 
 
+@triton.jit
+def _rows_kernel(
+    x_ptr, q_ptr, inv_ptr, M, K, fmax, ROUND_FIRST: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr,
+    IN_MANTISSA: tl.constexpr, IN_MIN_EXPONENT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """BLOCK_M rows of x: their amax, the largest power-of-two scale with amax * scale <= fmax
+    (``fp8_blockwise.pow2_scale``: IEEE division, the exponent bits kept), the scaled FP8 rows and
+    the inverse scales."""
+    m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + m[:, None] * K + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), 1))
+    ratio = tl.math.div_rn(tl.full((BLOCK_M,), fmax, tl.float32), tl.maximum(amax, _AMAX_FLOOR))
+    scale = (ratio.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        mask = (m[:, None] < M) & (k[None, :] < K)
+        x = tl.load(x_ptr + m[:, None] * K + k[None, :], mask=mask, other=0.0)
+        y = _to_fp8(x.to(tl.float32) * scale[:, None], fmax, x.dtype, ROUND_FIRST, MANTISSA, MIN_EXPONENT, IN_MANTISSA, IN_MIN_EXPONENT)
+        tl.store(q_ptr + m[:, None] * K + k[None, :], y.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+    tl.store(inv_ptr + m, tl.math.div_rn(tl.full((BLOCK_M,), 1.0, tl.float32), scale), mask=m < M)
+
+
 # Autotuning reruns a launch per tile: harmless here (a max, and copies written whole).
 _amax_tuned = triton.autotune(configs=_CONFIGS, key=["N", "K"])(_amax_kernel)
 _cast_tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "WRITE_ROWS", "WRITE_TRANSPOSED"])(_cast_kernel)
+_rows_tuned = triton.autotune(configs=_ROW_CONFIGS, key=["K"])(_rows_kernel)
 
 
 def _launch(kernel, tuned, w: torch.Tensor, *args, **meta) -> None:
@@ -115,3 +151,21 @@ def cast_weights(w: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tens
         IN_MANTISSA=in_mantissa, IN_MIN_EXPONENT=in_min_exponent,
     )  # fmt: skip
     return q, qt
+
+
+def cast_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] contiguous -> (FP8 copy, inverse scales [M] fp32), one power-of-two scale per row."""
+    rows, k = x.shape
+    q = torch.empty(rows, k, dtype=dtype, device=x.device)
+    inv = torch.empty(rows, dtype=torch.float32, device=x.device)
+    mantissa, min_exponent = GRID[dtype]
+    in_mantissa, in_min_exponent = GRID.get(x.dtype, (0, 0))
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    args = (x, q, inv, rows, k, torch.finfo(dtype).max)
+    meta = dict(ROUND_FIRST=interpreted, MANTISSA=mantissa, MIN_EXPONENT=min_exponent, IN_MANTISSA=in_mantissa,
+                IN_MIN_EXPONENT=in_min_exponent)  # fmt: skip
+    if interpreted:
+        _rows_kernel[(triton.cdiv(rows, _INTERPRETER_ROWS["BLOCK_M"]),)](*args, **meta, **_INTERPRETER_ROWS)
+    else:
+        _rows_tuned[lambda c: (triton.cdiv(rows, c["BLOCK_M"]),)](*args, **meta)
+    return q, inv

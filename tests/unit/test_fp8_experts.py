@@ -204,12 +204,18 @@ def test_widths_not_multiples_of_16_run_bf16():
 @pytest.mark.skipif(not triton_available() or torch.cuda.is_available(), reason="needs Triton and no GPU (the interpreter)")
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e4m3fnuz])
 def test_weight_cast_kernels_are_bit_equal_to_the_reference(dtype):
-    """Both amaxes in one pass, both copies in another (Triton's interpreter), as the torch ops make them."""
+    """The weights' kernels (both amaxes in one pass, both copies in another) and the rows' one
+    (Triton's interpreter) make what the torch ops make, bit for bit."""
     _, w = _operands(2, k=80, n=48)  # tiles cut at the edges
     w[1, :, 7] = 0  # an all-zero column and row
     w[3, 2] = 0
     kernel = quantize_weights(w, dtype, True, True, fused_kernels="on")
     reference = quantize_weights(w, dtype, True, True, fused_kernels="off")
+    x, _ = _operands(3, rows=50, k=80)
+    x[7] = 2.0**-130  # subnormal bf16: the scale's division at the edge of fp32
+    x[9] = 448 / 1024  # amax * scale exactly fmax
+    kernel += quantize_rows(x, dtype, "on")
+    reference += quantize_rows(x, dtype, "off")
     for got, want in zip(kernel, reference):
         assert torch.equal(got.view(torch.uint8) if got.dtype == dtype else got, want.view(torch.uint8) if want.dtype == dtype else want)
 

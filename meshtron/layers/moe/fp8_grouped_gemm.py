@@ -35,7 +35,7 @@ import torch
 
 from meshtron.kernels import use_triton
 from meshtron.kernels.fp8_blockwise import pow2_scale
-from meshtron.kernels.fp8_cast import Quantized, cast_reference, fp8_cast
+from meshtron.kernels.fp8_cast import Quantized, cast_reference
 from meshtron.kernels.fp8_scaling import FP8_FAMILIES, platform_family
 from meshtron.layers.moe.grouped_gemm import fuses_weight_grad, grouped_weight_grad, resolve_backend, weight_grad_into_main_grad
 
@@ -63,8 +63,12 @@ def e4m3(device: torch.device) -> torch.dtype:
 
 def quantize_rows(t: torch.Tensor, dtype: torch.dtype, fused_kernels: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """``t`` [M, K] -> (FP8 copy, inverse scales [M] fp32), one power-of-two scale per row."""
+    if use_triton(fused_kernels, t):
+        from meshtron.kernels.triton_fp8_grouped import cast_rows
+
+        return cast_rows(t.contiguous(), dtype)
     scale = pow2_scale(torch.linalg.vector_norm(t, float("inf"), dim=1), torch.finfo(dtype).max)
-    return fp8_cast(t.contiguous(), scale[:, None], dtype, True, False, fused_kernels=fused_kernels).rows, scale.reciprocal()
+    return cast_reference(t, scale[:, None], dtype, True, False, False).rows, scale.reciprocal()
 
 
 def quantize_weights(w: torch.Tensor, dtype: torch.dtype, rows: bool, transposed: bool, fused_kernels: str = "auto") -> Quantized:
