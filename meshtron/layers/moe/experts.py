@@ -15,7 +15,7 @@ from torch import nn
 from meshtron.config import ModelConfig
 from meshtron.kernels import use_triton
 from meshtron.layers.mlp import ffn_hidden_size, mlp_activation
-from meshtron.layers.moe.fp8_grouped_gemm import fp8_experts, fp8_grouped_mm, fp8_shapes_ok
+from meshtron.layers.moe.fp8_grouped_gemm import fp8_experts, fp8_grouped_mm, fp8_grouped_usable
 from meshtron.layers.moe.grouped_gemm import grouped_mm
 
 # Parameter-name endings of stacked expert weights; their dim 0 is the expert id. weight2 is a
@@ -62,6 +62,6 @@ def expert_ffn(x: torch.Tensor, weight1: torch.Tensor, weight2: torch.Tensor, gr
 
 def _grouped(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, cfg: ModelConfig, fuse_wgrad: bool) -> torch.Tensor:
     """One grouped GEMM of the experts: FP8 under ``--fp8-format`` where the shapes allow it, else bf16."""
-    if fp8_experts(cfg) and fp8_shapes_ok(x, weight):
+    if fp8_experts(cfg) and fp8_grouped_usable(x, weight):
         return fp8_grouped_mm(x, weight, group_sizes, cfg.moe_grouped_gemm, cfg.fused_kernels, fuse_wgrad)
     return grouped_mm(x, weight, group_sizes, cfg.moe_grouped_gemm, fuse_wgrad)

@@ -33,6 +33,7 @@ import functools
 
 import torch
 
+from meshtron.config import ModelConfig
 from meshtron.kernels import use_triton
 from meshtron.kernels.fp8_blockwise import pow2_scale
 from meshtron.kernels.fp8_cast import Quantized, cast_reference
@@ -45,12 +46,12 @@ FP8_GEMM_BACKENDS = ("auto", "scaled", "loop", "reference")
 FOR_GROUPED_GEMM = {"auto": "auto", "torch": "scaled", "loop": "loop"}
 
 
-def fp8_experts(cfg) -> bool:
+def fp8_experts(cfg: ModelConfig) -> bool:
     """Whether ``cfg``'s routed experts run FP8 grouped GEMMs (``--fp8-format`` set, ``model.moe_fp8 rowwise``)."""
     return bool(cfg.fp8_format) and cfg.moe_fp8 == "rowwise"
 
 
-def fp8_shapes_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def fp8_grouped_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """bf16 operands, both GEMM widths multiples of 16 (``_scaled_grouped_mm``'s rule) and some rows
     (an expert-parallel rank may receive none); else the bf16 GEMM runs."""
     widths_ok = weight.shape[1] % 16 == 0 and weight.shape[2] % 16 == 0
@@ -181,7 +182,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
 def fp8_grouped_mm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, grouped_gemm: str = "auto",
                    fused_kernels: str = "auto", fuse_wgrad: bool = False) -> torch.Tensor:  # fmt: skip
     """As ``grouped_mm`` (x [R, K] grouped by ``group_sizes`` [E] times weight [E, N, K] -> [R, N]),
-    the forward and input gradient in FP8 (``fp8_shapes_ok`` must hold). ``grouped_gemm``: the
+    the forward and input gradient in FP8 (``fp8_grouped_usable`` must hold). ``grouped_gemm``: the
     ``--model.moe_grouped_gemm`` setting, or an FP8 backend by name; the weight gradient runs on
     that setting's bf16 backend (``fuse_wgrad``: into ``weight.main_grad``)."""
     backend = resolve_fp8_backend(x, grouped_gemm)
