@@ -10,6 +10,8 @@ errs by at most the sum of those terms, plus bf16's rounding of the output (2^-8
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -248,3 +250,58 @@ def test_bad_combinations_fail_before_anything_is_built(flags, message):
     with pytest.raises(ConfigError, match=message):
         validate(build_config(None, moe + flags))
     validate(build_config(None, moe + ["--fp8-format", "hybrid", "--bf16"]))  # the good combination passes
+
+
+def test_step_cache_keeps_a_parameters_values_inside_its_scope_only():
+    from meshtron.kernels import step_cache
+
+    param, made = torch.nn.Parameter(torch.ones(4)), []
+
+    def make():
+        made.append(1)
+        return len(made)
+
+    assert step_cache.derived(param, "v", make) == 1 and step_cache.derived(param, "v", make) == 2  # no scope: made each call
+    with step_cache.scope():
+        assert step_cache.derived(param, "v", make) == 3 and step_cache.derived(param, "v", make) == 3
+        with step_cache.scope():  # an inner scope shares the outer one's values
+            assert step_cache.derived(param, "v", make) == 3
+        assert step_cache.derived(param[:2], "v", make) == 4 and step_cache.derived(param[:2], "v", make) == 5  # views: never kept
+        assert step_cache.derived(param, "w", make) == 6  # another value of the same parameter
+    assert step_cache.derived(param, "v", make) == 7  # the scope's values are gone
+
+
+def test_a_step_of_several_micro_batches_casts_each_expert_weight_once(monkeypatch):
+    """Two micro batches through the runner: each expert weight is cast once for both (and the
+    results are bit for bit those of casting it for each micro batch)."""
+    from meshtron.config import ParallelConfig, TrainConfig
+    from meshtron.kernels import step_cache
+    from meshtron.layers.moe import fp8_grouped_gemm
+    from meshtron.models import build_model
+    from meshtron.parallel.mesh import Mesh
+    from meshtron.parallel.setup import runner_for
+
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
+                      activation="swiglu", add_bias_linear=False, fp8_format="e4m3", moe_layer_freq="([0]+[1])")  # fmt: skip
+    g = torch.Generator().manual_seed(7)
+    batches = [{"tokens": torch.randint(0, 100, (2, 16), generator=g), "labels": torch.randint(0, 100, (2, 16), generator=g),
+                "loss_mask": torch.ones(2, 16)} for _ in range(2)]  # fmt: skip
+    casts, quantize = [], fp8_grouped_gemm.quantize_weights
+    monkeypatch.setattr(fp8_grouped_gemm, "quantize_weights", lambda *a, **k: casts.append(1) or quantize(*a, **k))
+
+    def step() -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        runner = runner_for(build_model(cfg, 100, 16), Mesh(rank=0), ParallelConfig(), TrainConfig(), torch.bfloat16)
+        runner.optimizer.zero_grad()
+        runner.forward_backward(batches)
+        runner.finalize_grads()
+        return {n: p.main_grad.clone() for n, p in runner.model.named_parameters()}
+
+    kept = step()
+    assert len(casts) == 2  # one MoE layer: weight1 and weight2, once each for both micro batches
+    monkeypatch.setattr(step_cache, "scope", contextlib.nullcontext)
+    casts.clear()
+    each = step()
+    assert len(casts) == 4
+    for name, grad in kept.items():
+        assert torch.equal(grad, each[name]), name

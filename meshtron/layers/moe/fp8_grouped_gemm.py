@@ -34,7 +34,7 @@ import functools
 import torch
 
 from meshtron.config import ModelConfig
-from meshtron.kernels import use_triton
+from meshtron.kernels import step_cache, use_triton
 from meshtron.kernels.fp8_blockwise import pow2_scale
 from meshtron.kernels.fp8_cast import Quantized, cast_reference
 from meshtron.kernels.fp8_scaling import FP8_FAMILIES, platform_family
@@ -147,6 +147,14 @@ def resolve_fp8_backend(x: torch.Tensor, grouped_gemm: str) -> str:
     return backend
 
 
+def _weight_copies(weight: torch.Tensor, dtype: torch.dtype, transposed: bool, fused_kernels: str) -> Quantized:
+    """The weight's FP8 copies: both, once per step, where ``step_cache`` keeps them (a step of
+    several micro batches), else those this call needs."""
+    if step_cache.keeps(weight):
+        return step_cache.derived(weight, f"fp8 experts {dtype}", lambda: quantize_weights(weight, dtype, True, True, fused_kernels))
+    return quantize_weights(weight, dtype, True, transposed, fused_kernels)
+
+
 class _Fp8GroupedMM(torch.autograd.Function):
     """x [R, K] grouped times weight [E, N, K]: forward and input gradient in FP8, weight gradient
     in bf16 (into ``main_grad`` when ``fuse``). Saves x (the weight gradient's operand, as bf16's
@@ -157,7 +165,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
                 fused_kernels: str, fuse: bool) -> torch.Tensor:  # fmt: skip
         dtype = e4m3(x.device)
         xq, x_inv = quantize_rows(x, dtype, fused_kernels)
-        wq = quantize_weights(weight, dtype, True, ctx.needs_input_grad[0], fused_kernels)
+        wq = _weight_copies(weight, dtype, ctx.needs_input_grad[0], fused_kernels)
         ctx.save_for_backward(x, wq.transposed, wq.transposed_inv, group_sizes)
         ctx.param, ctx.experts, ctx.dtype = weight, weight.shape[0], dtype  # the parameter, with its main_grad
         ctx.backend, ctx.wgrad_backend, ctx.fused_kernels, ctx.fuse = backend, wgrad_backend, fused_kernels, fuse
