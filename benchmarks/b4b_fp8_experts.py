@@ -7,7 +7,9 @@ per side, on one GPU:
 Sides: ``bf16``; ``fp8`` (``--fp8-format hybrid``: the blocks' linears on the default delayed
 recipe, the routed experts' grouped GEMMs in FP8 with rowwise scales); ``fp8_linears`` (the same
 with ``--model.moe_fp8 off``: the experts stay bf16, so ``fp8`` against ``fp8_linears`` is what the
-FP8 experts add); ``rowwise`` (``--fp8-format e4m3 --fp8-recipe rowwise``: linears rowwise too).
+FP8 experts add); ``rowwise`` (``--fp8-format e4m3 --fp8-recipe rowwise``: linears rowwise too);
+``bf16_4mb``, ``fp8_4mb``, ``fp8_linears_4mb``: the same with four micro batches a step (global
+batch 8), where each expert weight is cast to FP8 once for the four (``kernels/step_cache.py``).
 The table (``b3_fp8_recipes.print_table``) gives tokens/s, model TFLOP/s (active parameters),
 step time, peak memory, the ratio to bf16 and the losses of the timed steps (the same mock data on
 every side).
@@ -24,6 +26,10 @@ SIDES = {
     "fp8": ["--fp8-format", "hybrid", "--fp8-backend", "meshtron"],
     "fp8_linears": ["--fp8-format", "hybrid", "--fp8-backend", "meshtron", "--model.moe_fp8", "off"],
     "rowwise": ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise"],
+    # Four micro batches a step (gradient accumulation): the experts' weights are cast once for all four.
+    "bf16_4mb": ["--global-batch-size", "8"],
+    "fp8_4mb": ["--fp8-format", "hybrid", "--fp8-backend", "meshtron", "--global-batch-size", "8"],
+    "fp8_linears_4mb": ["--fp8-format", "hybrid", "--fp8-backend", "meshtron", "--model.moe_fp8", "off", "--global-batch-size", "8"],
 }
 
 if __name__ == "__main__":
