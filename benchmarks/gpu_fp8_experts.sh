@@ -4,8 +4,10 @@
 # reference, torch._scaled_grouped_mm and the _scaled_mm loop against float64 at B4's shapes, the
 # autograd function against the reference path), then B4's expert GEMMs in FP8 against bf16
 # (b4_fp8_grouped_gemm.py), then B4b in bf16, with FP8 linears and experts, and with FP8 linears only
-# (b4b_fp8_experts.py). Each part has its own time limit and writes its file as soon as it ends.
+# (b4b_fp8_experts.py). Each part has its own time limit (at most 60 + 45 + 280 s; B4b sides 90 s
+# each, start-up included) and writes its file as soon as it ends.
 # Usage on the GPU machine: bash benchmarks/gpu_fp8_experts.sh [OUT_DIR] [B4b sides]
+#   (sides bf16_4mb,fp8_4mb,fp8_linears_4mb: four micro batches a step, the weight casts shared)
 set -uo pipefail
 out="${1:-${OUT:-/tmp/meshtron-gpu}}"
 sides="${2:-bf16,fp8,fp8_linears}"
@@ -17,6 +19,6 @@ export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   git rev-parse --short HEAD 2>/dev/null; date -u; } | tee "$out/gpu.txt"
 timeout "${TEST_LIMIT:-60}" python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/gpu/test_fp8_experts_gpu.py 2>&1 \
   | grep -v "^$" | tail -40 | tee "$out/fp8_experts_checks.txt"
-timeout "${GEMM_LIMIT:-40}" python3 benchmarks/b4_fp8_grouped_gemm.py --steps 20 --warmup 5 2>&1 | tee "$out/b4_fp8_grouped_gemm.txt"
-cd benchmarks && timeout "${B4B_LIMIT:-200}" python3 b4b_fp8_experts.py --steps 6 --warmup 3 --sides "$sides" --limit "${SIDE_LIMIT:-65}" \
+timeout "${GEMM_LIMIT:-45}" python3 benchmarks/b4_fp8_grouped_gemm.py --steps 20 --warmup 5 2>&1 | tee "$out/b4_fp8_grouped_gemm.txt"
+cd benchmarks && timeout "${B4B_LIMIT:-280}" python3 b4b_fp8_experts.py --steps 6 --warmup 3 --sides "$sides" --limit "${SIDE_LIMIT:-90}" \
   2>&1 | tee "$out/b4b_fp8_experts.txt"
