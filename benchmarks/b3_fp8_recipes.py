@@ -30,8 +30,9 @@ SIDES = {
 }
 
 
-def run_side(name: str, steps: int, warmup: int, limit: int) -> dict | None:
-    cmd = [sys.executable, "train_bench.py", "--steps", str(steps), "--warmup", str(warmup), "--", *B3, *SIDES[name]]
+def run_side(name: str, flags: list[str], steps: int, warmup: int, limit: int) -> dict | None:
+    """``train_bench.py`` on ``flags`` in its own process -> its result (None, said why, if it failed)."""
+    cmd = [sys.executable, "train_bench.py", "--steps", str(steps), "--warmup", str(warmup), "--", *flags]
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=Path(__file__).parent, capture_output=True, text=True, timeout=limit)
@@ -51,20 +52,26 @@ def run_side(name: str, steps: int, warmup: int, limit: int) -> dict | None:
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def compare(workload: str, flags: list[str], sides: dict[str, list[str]], default_sides: str, doc: str) -> None:
+    """The command line of a recipe comparison: each side ``flags`` plus its own, timed in its own process, then the table."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--sides", default="bf16,delayed,blockwise", help=f"comma-separated, of {', '.join(SIDES)}")
+    parser.add_argument("--sides", default=default_sides, help=f"comma-separated, of {', '.join(sides)}")
     parser.add_argument("--limit", type=int, default=150, help="seconds each side may take, start-up included")
     args = parser.parse_args()
-    sides = args.sides.split(",")
-    unknown = [s for s in sides if s not in SIDES]
+    chosen = args.sides.split(",")
+    unknown = [s for s in chosen if s not in sides]
     if unknown:
-        parser.error(f"unknown sides {unknown}; choose from {', '.join(SIDES)}")
-    results = {name: run_side(name, args.steps, args.warmup, args.limit) for name in sides}
+        parser.error(f"unknown sides {unknown}; choose from {', '.join(sides)}")
+    results = {name: run_side(name, flags + sides[name], args.steps, args.warmup, args.limit) for name in chosen}
+    print_table(workload, results, args.steps, args.warmup)
+
+
+def print_table(workload: str, results: dict[str, dict | None], steps: int, warmup: int) -> None:
+    """The sides' table, each against the ``bf16`` side."""
     base = results.get("bf16")
-    print(f"\nB3 on {next((r['device'] for r in results.values() if r), '?')}, {args.steps} timed steps after {args.warmup}")
+    print(f"\n{workload} on {next((r['device'] for r in results.values() if r), '?')}, {steps} timed steps after {warmup}")
     print("| side | tokens/s | TFLOP/s | step ms | peak GiB | vs bf16 | losses of the timed steps |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, r in results.items():
@@ -73,8 +80,8 @@ def main() -> None:
             continue
         ratio = f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}x" if base else "-"
         print(f"| {name} | {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | {1000 * r['step_s']:.1f} | {r['peak_gib']:.1f} | {ratio} | "
-              f"{' '.join(f'{x:.3f}' for x in r['losses'][args.warmup:])} |")  # fmt: skip
+              f"{' '.join(f'{x:.3f}' for x in r['losses'][warmup:])} |")  # fmt: skip
 
 
 if __name__ == "__main__":
-    main()
+    compare("B3", B3, SIDES, "bf16,delayed,blockwise", __doc__)

@@ -291,15 +291,15 @@ _MODEL_AND_FUSION_NOTES = {
     "moe-shared-expert-overlap": (False, "no side stream for the shared experts (one measured no gain: DeepSeek-V2-Lite, 1 and 2 H200, "
                                          "ep2); under --overlap-moe-expert-parallel-comm they run while the first chunk's rows travel"),
 }
-_FP8_EXPERTS_STAY_BF16 = "not needed: the routed experts' grouped GEMMs stay bf16 under --fp8-format"
+_FP8_EXPERTS_NEED_NO_PADDING = "not needed: the FP8 experts' grouped GEMMs (model.moe_fp8 rowwise) take any rows per expert"
 _NO_DEEPEP = "DeepEP is not used: tokens travel by NCCL's all-to-all (--moe-token-dispatcher-type alltoall)"
 _MOE_NOTES = {
     "moe-permute-fusion": (False, "always where Triton runs (--fused-kernels): gather kernels permute the tokens and combine the experts' outputs"),
     "moe-router-fusion": (False, "always where it applies (--fused-kernels): one Triton kernel for the scores, the top-k and the balancing statistics"),
     "moe-per-layer-logging": (False, "always: each MoE layer's balancing losses go to TensorBoard, and the expert loads to the log"),
     "moe-lbl-in-fp32": (False, "always: the balancing and z-losses are computed in fp32"),
-    "moe-router-padding-for-fp8": (False, _FP8_EXPERTS_STAY_BF16),
-    "moe-router-padding-for-quantization": (False, _FP8_EXPERTS_STAY_BF16),
+    "moe-router-padding-for-fp8": (False, _FP8_EXPERTS_NEED_NO_PADDING),
+    "moe-router-padding-for-quantization": (False, _FP8_EXPERTS_NEED_NO_PADDING),
     "delay-wgrad-compute": (False, "never: weight gradients are computed in backward order"),
     "moe-enable-deepep": (False, _NO_DEEPEP),
     "moe-flex-dispatcher-backend": (True, _NO_DEEPEP),

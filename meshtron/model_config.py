@@ -85,6 +85,7 @@ class ModelConfig:
     moe_shared_expert_gate: bool = False  # scale the shared experts' output by sigmoid(gate(x))
     moe_layer_freq: str = "1"  # N: every N-th layer (from 0) is MoE; or a list like ([0]+[1]*26)
     moe_grouped_gemm: str = "auto"  # auto | loop (per-expert reference) | torch (torch._grouped_mm) | triton (our kernels)
+    moe_fp8: str = "off"  # under --fp8-format the routed experts' grouped GEMMs: rowwise (FP8, per-row scales) | off (bf16)
     # DeepSeek-V2 multi-head latent attention (meshtron/layers/mla.py; checked by mla_config_errors there)
     # and YaRN (rope_scaling "yarn", which also reads rope_scaling_factor and
     # rope_original_max_position_embeddings). Head dims use Megatron's names; HF's in comments.

@@ -94,6 +94,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     need(not (m.fp8_format and m.fp8_backend == "torchao" and (m.fp8_recipe != "tensorwise" or m.fp8_format != "hybrid")),
          "--fp8-backend torchao runs only --fp8-format hybrid --fp8-recipe tensorwise; use --fp8-backend meshtron")  # fmt: skip
     need(not (t.device == "cpu" and (m.fp8_format or t.gemm_tuning)), "--fp8-format and --gemm-tuning need a GPU; drop them for --device cpu")
+    need(not (m.fp8_format and m.num_experts and m.moe_fp8 == "rowwise" and t.precision in ("fp32", "fp16")),
+         f"FP8 experts (--fp8-format with --num-experts) write bf16 outputs (torch._scaled_grouped_mm): train in bf16 "
+         f"(not {t.precision}), or set model.moe_fp8 off to keep the experts in {t.precision}")  # fmt: skip
     need(t.optimizer_impl in OPTIMIZER_IMPLS, f"--optimizer-impl must be one of {', '.join(OPTIMIZER_IMPLS)}, got '{t.optimizer_impl}'")
     need(not (t.optimizer_impl == "fused" and t.device == "cpu"), "--optimizer-impl fused needs a GPU (a Triton kernel); use auto or reference")
     for flag, dtype in (("--exp-avg-dtype", t.exp_avg_dtype), ("--exp-avg-sq-dtype", t.exp_avg_sq_dtype)):

@@ -112,7 +112,7 @@ def _launch_everything(target: platform.Target) -> None:
     from meshtron.kernels.bias_gelu import bias_gelu
     from meshtron.kernels.cross_entropy import linear_cross_entropy
     from meshtron.kernels.dropout_add import dropout_add
-    from meshtron.kernels.fp8_scaling import FP8_RECIPES, Fp8Recipe, Fp8Scaling, gemm_multiple, recipe_formats
+    from meshtron.kernels.fp8_scaling import FP8_FAMILIES, FP8_RECIPES, Fp8Recipe, Fp8Scaling, gemm_multiple, recipe_formats
     from meshtron.kernels.norms import layer_norm, rms_norm
     from meshtron.kernels.rope import apply_rotary
     from meshtron.kernels.swiglu import swiglu
@@ -120,6 +120,7 @@ def _launch_everything(target: platform.Target) -> None:
     from meshtron.kernels.triton_pointwise import scale_into
     from meshtron.layers.moe.router import _fused_routing
     from meshtron.layers.moe.balancing import statistics_needed
+    from meshtron.layers.moe.fp8_grouped_gemm import quantize_rows, quantize_weights
 
     def rand(*shape, dtype=torch.float32):
         return torch.randn(*shape).to(dtype).requires_grad_(dtype.is_floating_point)
@@ -176,6 +177,10 @@ def _launch_everything(target: platform.Target) -> None:
                 x, w = rand(48 * blocks, 64 * blocks, dtype=torch.bfloat16), rand(32 * blocks, 64 * blocks, dtype=torch.bfloat16)
                 scaling = Fp8Scaling(Fp8Recipe(fmt, recipe, fused_kernels="on"), family=family)
                 _grad(fp8.linear(x, w, None, scaling), [x, w])
+        experts = torch.randn(3, 80, 48).to(torch.bfloat16)  # FP8 experts' casts: weights (both copies, rows only), rows
+        for transposed in (True, False):
+            quantize_weights(experts, FP8_FAMILIES[family][0], True, transposed, "on")
+        quantize_rows(experts[0], FP8_FAMILIES[family][0], "on")
 
 
 def _has_fp8(target: platform.Target) -> bool:
@@ -286,7 +291,8 @@ def compile_for(target_name: str, verbose: bool = False, record: CompileRecord |
     missing = _defined_kernels() - set(results)
     missing -= set() if _tma(target) else {"triton_grouped_gemm._rows_tma_kernel"}
     missing -= set() if _has_fp8(target) else {"triton_fp8_cast._cast_kernel", "triton_fp8_blockwise._block_cast_kernel",
-                                               "triton_fp8_blockwise._block_mm_kernel"}  # fmt: skip
+                                               "triton_fp8_blockwise._block_mm_kernel", "triton_fp8_grouped._amax_kernel",
+                                               "triton_fp8_grouped._cast_kernel", "triton_fp8_grouped._rows_kernel"}  # fmt: skip
     failures += [f"{name}: defined but never launched by compile_check._launch_everything (add its launcher)" for name in sorted(missing)]
     return list(results.values()), failures
 

@@ -18,12 +18,14 @@ over a micro batch (BERT's sentence-order loss) becomes exactly the global batch
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager
 
 import torch
 import torch.distributed as dist
 
+from meshtron.kernels import step_cache
 from meshtron.models import contract as mc
 from meshtron.parallel.context_parallel import shard_batch_for_cp
 from meshtron.parallel.mesh import Mesh
@@ -99,8 +101,11 @@ class Runner:
 
         seq_shards = mesh.tp if self.sequence_parallel else 1
         no_sync = None if forward_only else self.optimizer.no_sync
-        forward_backward(self.schedule, self.stages, batches, mesh, step, self.dtype, seq_shards,
-                         no_sync=no_sync, forward_only=forward_only, timed=timed)  # fmt: skip
+        # Several micro batches: values derived from the (unchanging) parameters, the FP8 experts'
+        # weight copies, are made once for all of them (kernels.step_cache).
+        with step_cache.scope() if len(batches) > 1 else contextlib.nullcontext():
+            forward_backward(self.schedule, self.stages, batches, mesh, step, self.dtype, seq_shards,
+                             no_sync=no_sync, forward_only=forward_only, timed=timed)  # fmt: skip
         total = torch.stack(totals).sum().float() if totals else torch.zeros((), device=device)
         if mesh.pp > 1:
             dist.broadcast(total, src=last_stage_rank(self.schedule, mesh, len(self.stages)), group=mesh.pp_group)

@@ -15,6 +15,7 @@ from torch import nn
 from meshtron.config import ModelConfig
 from meshtron.kernels import use_triton
 from meshtron.layers.mlp import ffn_hidden_size, mlp_activation
+from meshtron.layers.moe.fp8_grouped_gemm import fp8_experts, fp8_grouped_mm, fp8_grouped_usable
 from meshtron.layers.moe.grouped_gemm import grouped_mm
 
 # Parameter-name endings of stacked expert weights; their dim 0 is the expert id. weight2 is a
@@ -55,5 +56,12 @@ def expert_ffn(x: torch.Tensor, weight1: torch.Tensor, weight2: torch.Tensor, gr
     ``weight2`` (all of them, or an expert-parallel rank's slice) -> [R, h]. Call it once per
     forward per weight when ``fuse_wgrad`` (each call reports its weight's gradient as landed)."""
     fuse_wgrad = fuse_wgrad and use_triton(cfg.fused_kernels, x)  # the fused weight gradient is a Triton kernel
-    hidden = mlp_activation(grouped_mm(x, weight1, group_sizes, cfg.moe_grouped_gemm, fuse_wgrad), cfg)
-    return grouped_mm(hidden, weight2, group_sizes, cfg.moe_grouped_gemm, fuse_wgrad)
+    hidden = mlp_activation(_grouped(x, weight1, group_sizes, cfg, fuse_wgrad), cfg)
+    return _grouped(hidden, weight2, group_sizes, cfg, fuse_wgrad)
+
+
+def _grouped(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, cfg: ModelConfig, fuse_wgrad: bool) -> torch.Tensor:
+    """One grouped GEMM of the experts: FP8 under ``--fp8-format`` where the shapes allow it, else bf16."""
+    if fp8_experts(cfg) and fp8_grouped_usable(x, weight):
+        return fp8_grouped_mm(x, weight, group_sizes, cfg.moe_grouped_gemm, cfg.fused_kernels, fuse_wgrad)
+    return grouped_mm(x, weight, group_sizes, cfg.moe_grouped_gemm, fuse_wgrad)

@@ -134,7 +134,7 @@ def triton_grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return triton_available() and on_device and x.dtype == weight.dtype
 
 
-def _resolved(x: torch.Tensor, weight: torch.Tensor, backend: str) -> str:
+def resolve_backend(x: torch.Tensor, weight: torch.Tensor, backend: str) -> str:
     """The backend ``backend`` means for these tensors, or a clear error where it cannot run."""
     if backend not in GROUPED_GEMM_BACKENDS:
         raise ValueError(f"--model.moe_grouped_gemm must be one of {', '.join(GROUPED_GEMM_BACKENDS)}, got '{backend}'")
@@ -179,22 +179,49 @@ class _GroupedMMIntoMainGrad(torch.autograd.Function):
         x, weight, group_sizes = ctx.saved_tensors
         grad_out = grad_out.contiguous()  # an expanded (stride-0) gradient, e.g. of out.sum()
         grad_x = _rows_times(grad_out, weight, group_sizes, ctx.backend) if ctx.needs_input_grad[0] else None
-        param, offsets = ctx.param, group_offsets(group_sizes)
-
-        def wgrad(overwrite: bool) -> None:
-            group_weight_grad(grad_out, x, offsets, weight.shape[0], out=param.main_grad, accumulate=not overwrite)
-
-        deferred_wgrad.defer_or_run(param, wgrad)  # now, or in a zero-bubble schedule's W
+        weight_grad_into_main_grad(ctx.param, grad_out, x, group_sizes)
         return grad_x, None, None, None
+
+
+def weight_grad_into_main_grad(param: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor, group_sizes: torch.Tensor) -> None:
+    """The experts' weight gradient ``grad_out_g^T @ x_g`` by the Triton kernel into ``param.main_grad``
+    in fp32 (written if it is the step's first, else added), now or in a zero-bubble schedule's W."""
+    from meshtron.kernels.triton_grouped_gemm import group_offsets, group_weight_grad
+
+    offsets = group_offsets(group_sizes)
+
+    def wgrad(overwrite: bool) -> None:
+        group_weight_grad(grad_out, x, offsets, param.shape[0], out=param.main_grad, accumulate=not overwrite)
+
+    deferred_wgrad.defer_or_run(param, wgrad)
+
+
+def grouped_weight_grad(grad_out: torch.Tensor, x: torch.Tensor, group_sizes: torch.Tensor, experts: int, backend: str) -> torch.Tensor:
+    """grad_out [R, N] and x [R, K] grouped by ``group_sizes`` -> [E, N, K], expert g's
+    ``grad_out_g^T @ x_g`` (zeros for an empty group), on ``backend`` (``resolve_backend``'s)."""
+    if backend == "triton":
+        from meshtron.kernels.triton_grouped_gemm import group_offsets, group_weight_grad
+
+        return group_weight_grad(grad_out, x, group_offsets(group_sizes), experts)
+    if backend == "torch":
+        return torch._grouped_mm(grad_out.t(), x, offs=torch.cumsum(group_sizes, 0, dtype=torch.int32))
+    sizes = group_sizes.tolist()
+    return torch.stack([g.t() @ rows for g, rows in zip(torch.split(grad_out, sizes), torch.split(x, sizes))])
+
+
+def fuses_weight_grad(x: torch.Tensor, weight: torch.Tensor, backend: str, fuse_wgrad: bool) -> bool:
+    """Whether the weight gradient goes into ``weight.main_grad`` by the Triton kernel: asked for,
+    the weight has one and gets a gradient now, the backend is not the loop, and Triton runs here."""
+    wanted = fuse_wgrad and backend != "loop" and hasattr(weight, "main_grad") and weight.requires_grad
+    return wanted and torch.is_grad_enabled() and triton_grouped_mm_usable(x, weight)
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, backend: str = "auto",
                fuse_wgrad: bool = False) -> torch.Tensor:  # fmt: skip
     """x [R, K] grouped by ``group_sizes`` [E] (summing to R) times weight [E, N, K] -> [R, N];
     ``fuse_wgrad``: the weight gradient into ``weight.main_grad`` where it has one (see module doc)."""
-    backend = _resolved(x, weight, backend)
-    fuse = fuse_wgrad and backend != "loop" and hasattr(weight, "main_grad") and weight.requires_grad and torch.is_grad_enabled()
-    if fuse and triton_grouped_mm_usable(x, weight):
+    backend = resolve_backend(x, weight, backend)
+    if fuses_weight_grad(x, weight, backend, fuse_wgrad):
         return _fused_grouped_mm(x, weight, group_sizes, backend)
     if backend == "triton":
         from meshtron.kernels.triton_grouped_gemm import grouped_mm_triton  # Triton stays optional

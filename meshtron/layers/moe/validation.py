@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from meshtron.config import ModelConfig
+from meshtron.layers.moe.fp8_grouped_gemm import FOR_GROUPED_GEMM, FP8_EXPERT_MODES
 from meshtron.layers.moe.grouped_gemm import GROUPED_GEMM_BACKENDS
 from meshtron.layers.moe.layer_pattern import parse_layer_freq
 from meshtron.layers.moe.router import GROUP_SCORES, ROUTER_DTYPES
@@ -58,6 +59,10 @@ def moe_config_errors(m: ModelConfig) -> list[str]:
          "--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")  # fmt: skip
     need(m.moe_grouped_gemm in GROUPED_GEMM_BACKENDS,
          f"model.moe_grouped_gemm must be one of {', '.join(GROUPED_GEMM_BACKENDS)}, got '{m.moe_grouped_gemm}'")  # fmt: skip
+    need(m.moe_fp8 in FP8_EXPERT_MODES, f"model.moe_fp8 must be one of {', '.join(FP8_EXPERT_MODES)}, got '{m.moe_fp8}'")
+    need(not (m.fp8_format and m.moe_fp8 == "rowwise" and m.moe_grouped_gemm not in FOR_GROUPED_GEMM),
+         f"FP8 experts (--fp8-format, model.moe_fp8 rowwise) run on --model.moe_grouped_gemm auto, torch or loop: there is "
+         f"no Triton FP8 grouped GEMM; change {m.moe_grouped_gemm} or set model.moe_fp8 off")  # fmt: skip
     try:
         need(any(parse_layer_freq(m.moe_layer_freq, m.num_layers)),
              f"--moe-layer-freq {m.moe_layer_freq} makes no layer MoE; set --num-experts 0 for a dense model")  # fmt: skip
