@@ -12,7 +12,7 @@ from meshtron.kernels.grad_accum_fusion import apply_gradient_accumulation_fusio
 from meshtron.layers.mlp import enable_bias_gelu_fusion
 from meshtron.models import build_model
 
-VOCAB, SEQ, BATCH = 1024, 128, 4
+VOCAB, SEQ, BATCH = 1024, 64, 8  # tiny-bert has 64 positions
 POST_LN_BERT = ["--model-type", "bert", "--preset", "tiny-bert", "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
                 "--apply-residual-connection-post-layernorm", "--bert-no-binary-head", "--hidden-dropout", "0", "--attention-dropout", "0"]  # fmt: skip
 

@@ -104,9 +104,12 @@ def scaled_grouped_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_i
     for g, (rows, rows_inv) in enumerate(zip(torch.split(a, sizes), torch.split(a_inv, sizes))):
         if not sizes[g]:
             continue
-        if backend == "loop":
+        if backend == "loop":  # cuBLASLt's FP8 GEMM wants the rows in multiples of 16: zero rows pad the group
+            pad = -sizes[g] % 16
+            rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])]) if pad else rows
+            rows_inv = torch.cat([rows_inv, rows_inv.new_ones(pad)]) if pad else rows_inv
             parts.append(torch._scaled_mm(rows, b[g].t(), scale_a=rows_inv[:, None], scale_b=b_inv[g][None, :],
-                                          out_dtype=out_dtype, use_fast_accum=fast_accum))  # fmt: skip
+                                          out_dtype=out_dtype, use_fast_accum=fast_accum)[: sizes[g]])  # fmt: skip
         else:
             parts.append(((rows.float() * rows_inv[:, None]) @ (b[g].float() * b_inv[g][:, None]).t()).to(out_dtype))
     return torch.cat(parts) if parts else a.new_zeros(0, b.shape[1], dtype=out_dtype)
