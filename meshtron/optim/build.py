@@ -57,11 +57,11 @@ def build_optimizer(
     grads = GradBuffer(trainable, group=dp_group, bucket_size=bucket_size, shard=distributed, own_bucket=own_bucket,
                        groups={"edp": edp_group}, grad_group_of=grad_group_of, reduce_dtype=reduce_dtype)  # fmt: skip
     impl = train_cfg.optimizer_impl
-    if impl == "auto":  # the fused step where it runs; a CPU under Triton's interpreter is for tests only
-        impl = "fused" if grads.data.is_cuda and fused_step_runs(grads.data.device) else "reference"
+    if impl == "auto":  # AdamW's fused step where it runs; a CPU under Triton's interpreter is for tests only
+        impl = "fused" if train_cfg.optimizer == "adam" and grads.data.is_cuda and fused_step_runs(grads.data.device) else "reference"
     sharding = {"overlap_in": model if overlap_param_gather else None} if distributed else {}
     return (DistributedOptimizer if distributed else MixedPrecisionOptimizer)(
-        build_param_groups(model, train_cfg.weight_decay, metas),
+        build_param_groups(model, train_cfg.weight_decay, metas, train_cfg.optimizer),
         **optimizer_settings(train_cfg, param_dtype),
         grads=grads,
         metas=metas,
