@@ -280,8 +280,8 @@ def optimizer_choice_errors(cfg: Config) -> list[str]:
         errors.append(f"{flag}: --optimizer-impl fused is AdamW's kernel; use --optimizer-impl auto or reference")
     if t.exp_avg_dtype != "fp32" or t.exp_avg_sq_dtype != "fp32":
         errors.append(f"{flag}: --exp-avg-dtype / --exp-avg-sq-dtype narrow AdamW's moments in its fused step; drop them")
-    if p.use_distributed_optimizer:
-        errors.append(f"{flag} with --use-distributed-optimizer is not implemented yet; drop --use-distributed-optimizer")
+    if p.overlap_param_gather:
+        errors.append(f"{flag}: --overlap-param-gather overlaps the flat-range (AdamW) distributed optimizer's gathers; drop it")
     if p.fsdp:
         errors.append(f"{flag} with --fsdp is not implemented yet; drop --fsdp")
     if t.optimizer == "sgd" and not 0.0 <= t.sgd_momentum < 1.0:
