@@ -282,8 +282,6 @@ def optimizer_choice_errors(cfg: Config) -> list[str]:
         errors.append(f"{flag}: --exp-avg-dtype / --exp-avg-sq-dtype narrow AdamW's moments in its fused step; drop them")
     if p.overlap_param_gather:
         errors.append(f"{flag}: --overlap-param-gather overlaps the flat-range (AdamW) distributed optimizer's gathers; drop it")
-    if p.fsdp:
-        errors.append(f"{flag} with --fsdp is not implemented yet; drop --fsdp")
     if t.optimizer == "sgd" and not 0.0 <= t.sgd_momentum < 1.0:
         errors.append(f"--sgd-momentum {t.sgd_momentum}: must be in [0, 1)")
     if t.optimizer == "muon":

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
 
 from meshtron.models.contract import GroupedHeads, Halves, ParamMeta
 
@@ -162,7 +163,14 @@ def _gather_whole(local: torch.Tensor, meta: ParamMeta, group: dist.ProcessGroup
 
 
 def orthogonalize(update: torch.Tensor, plan: MatrixPlan, s: MuonSettings) -> torch.Tensor:
-    """``update`` (this rank's part of one weight) orthogonalized block by block and scaled."""
+    """``update`` (this rank's part of one weight) orthogonalized block by block and scaled.
+
+    An FSDP2 shard (a DTensor) is gathered whole, orthogonalized on every rank and cut back to
+    its placement (a local slice, no communication)."""
+    if isinstance(update, DTensor):
+        whole = orthogonalize(update.full_tensor(), plan, s)
+        replicated = DTensor.from_local(whole, update.device_mesh, [Replicate()] * update.device_mesh.ndim)
+        return replicated.redistribute(update.device_mesh, update.placements)
     whole = _gather_whole(update, plan.meta, plan.gather) if plan.gather is not None else update
     in_bf16 = s.fp32_matmul_prec != "high"
 

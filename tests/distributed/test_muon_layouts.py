@@ -11,6 +11,7 @@ rounding):
   gathered whole over tp, its q / k / v blocks orthogonalized apart, the local rows kept);
 - dp2 with the distributed optimizer (layer-wise: each rank owns whole matrices, broadcast after
   the step), and tp2 x dp2 with it (4 processes, slow);
+- FSDP2 at dp2 (each matrix's shards gathered whole for the update, the own shard kept);
 - ``--muon-tp-mode blockwise`` at tp2 differs from one process (each shard alone): the flag acts.
 """
 
@@ -30,6 +31,7 @@ LAYOUTS = {  # name: (world size, extra flags, one-process reference)
     "tp2": (2, ["--tp", "2", "--micro-batch-size", "4"], "mbs8"),
     "tp2_kv1": (2, ["--tp", "2", "--micro-batch-size", "4", "--num-query-groups", "1"], "mbs8_kv1"),
     "dp2_distopt": (2, ["--micro-batch-size", "2", "--use-distributed-optimizer"], "mbs8"),
+    "fsdp_dp2": (2, ["--micro-batch-size", "2", "--fsdp"], "mbs8"),
     "tp2_blockwise": (2, ["--tp", "2", "--micro-batch-size", "4", "--muon-tp-mode", "blockwise"], "mbs8"),
     "tp2_dp2_distopt": (4, ["--tp", "2", "--micro-batch-size", "2", "--use-distributed-optimizer"], "mbs8"),
 }
@@ -70,7 +72,7 @@ def _assert_matches(got: dict, ref: dict, layout: str) -> None:
         torch.testing.assert_close(got["weights"][name], weight, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{layout}: {name}: {m}")
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2_kv1", "dp2_distopt"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2_kv1", "dp2_distopt", "fsdp_dp2"])
 def test_muon_layout_matches_one_process(one_process, runs, layout):
     ref = one_process[LAYOUTS[layout][2]]
     assert len(set(ref["losses"])) == len(ref["losses"]) and min(ref["grad_norms"]) > 0.05  # moving, and clipped
