@@ -12,6 +12,8 @@ rounding):
 - dp2 with the distributed optimizer (layer-wise: each rank owns whole matrices, broadcast after
   the step), and tp2 x dp2 with it (4 processes, slow);
 - FSDP2 at dp2 (each matrix's shards gathered whole for the update, the own shard kept);
+- checkpoints (masters and Muon's momentum buffers) saved under the layer-wise distributed
+  optimizer, FSDP2 and tp2 resume bit for bit under their layout and continue in one process;
 - ``--muon-tp-mode blockwise`` at tp2 differs from one process (each shard alone): the flag acts.
 """
 
@@ -24,7 +26,7 @@ from meshtron.config import build_config
 from meshtron.training.trainer import Trainer
 from tests.distributed.full_weights import full_weights
 from tests.distributed.launcher import run_distributed
-from tests.distributed.test_trainer_layouts import BASE
+from tests.distributed.test_trainer_layouts import BASE, STEPS
 
 MUON = BASE + ["--optimizer", "muon", "--muon-fp32-matmul-prec", "high", "--lr", "2e-2"]
 LAYOUTS = {  # name: (world size, extra flags, one-process reference)
@@ -35,6 +37,7 @@ LAYOUTS = {  # name: (world size, extra flags, one-process reference)
     "tp2_blockwise": (2, ["--tp", "2", "--micro-batch-size", "4", "--muon-tp-mode", "blockwise"], "mbs8"),
     "tp2_dp2_distopt": (4, ["--tp", "2", "--micro-batch-size", "2", "--use-distributed-optimizer"], "mbs8"),
 }
+RESUMED = ("dp2_distopt", "fsdp_dp2", "tp2")  # their checkpoints resume exactly, and continue in one process
 REFERENCES = {"mbs8": ["--micro-batch-size", "8"], "mbs8_kv1": ["--micro-batch-size", "8", "--num-query-groups", "1"]}
 
 
@@ -45,8 +48,15 @@ def _run(flags: list[str]) -> dict:
             "weights": full_weights(trainer.model, trainer.runner.metas, trainer.mesh)}  # fmt: skip
 
 
-def _layouts(rank: int, world_size: int, names: list[str]) -> dict:
+def _layouts(rank: int, world_size: int, names: list[str], tmp: str = "") -> dict:
     out = {name: _run(LAYOUTS[name][1]) for name in names}
+    for name in RESUMED if tmp else ():
+        flags, ckpt = LAYOUTS[name][1] + ["--save", f"{tmp}/{name}"], f"{tmp}/{name}"
+        first = Trainer(build_config(None, MUON + flags + ["--exit-interval", "2"]), log=lambda _: None).run()
+        second = Trainer(build_config(None, MUON + flags + ["--load", ckpt]), log=lambda _: None).run()
+        out[f"{name} resumed"] = first.losses + second.losses
+        more = ["--train-iters", str(STEPS + 2), "--load", ckpt, "--no-load-rng"]
+        out[f"{name} continued"] = Trainer(build_config(None, MUON + LAYOUTS[name][1] + more), log=lambda _: None).run().losses
     return out if rank == 0 else None
 
 
@@ -56,9 +66,10 @@ def one_process():
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(tmp_path_factory):
     names = [n for n, (w, _, _) in LAYOUTS.items() if w == 2]
-    return run_distributed(_layouts, 2, names, timeout=600)[0]
+    tmp = tmp_path_factory.mktemp("muon")
+    return {"tmp": tmp, **run_distributed(_layouts, 2, names, str(tmp), timeout=900)[0]}
 
 
 def _close(a, b, rel):
@@ -89,3 +100,14 @@ def test_blockwise_tp_mode_orthogonalizes_each_shard_alone(one_process, runs):
 def test_muon_tp2_dp2_distributed_optimizer_matches_one_process(one_process):
     got = run_distributed(_layouts, 4, ["tp2_dp2_distopt"], timeout=600)[0]["tp2_dp2_distopt"]
     _assert_matches(got, one_process["mbs8"], "tp2_dp2_distopt")
+
+
+@pytest.mark.parametrize("layout", RESUMED)
+def test_muon_checkpoint_resumes_exactly_and_reshards_to_one_process(runs, layout):
+    """Momentum buffers saved at iteration 2 resume bit for bit under the same layout; the
+    checkpoint of iteration 5 continues in one process as under its own layout (to 1e-5)."""
+    assert runs[f"{layout} resumed"] == runs[layout]["losses"]
+    flags = ["--micro-batch-size", "8", "--train-iters", str(STEPS + 2), "--load", str(runs["tmp"] / layout), "--no-load-rng"]
+    result = Trainer(build_config(None, MUON + flags), log=lambda _: None).run()
+    assert result.iteration == STEPS + 2
+    assert _close(result.losses, runs[f"{layout} continued"], 1e-5), (result.losses, runs[f"{layout} continued"])
