@@ -159,3 +159,17 @@ def test_muon_flags_reach_the_settings():
                                    "--muon-extra-scale-factor", "0.2", "--muon-tp-mode", "blockwise", "--sgd-momentum", "0.8"]).train  # fmt: skip
     assert (t.muon_momentum, t.muon_nesterov, t.muon_split_qkv, t.muon_scale_mode, t.muon_extra_scale_factor, t.muon_tp_mode, t.sgd_momentum) == (
         0.95, True, False, "unit_rms_norm", 0.2, "blockwise", 0.8)
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "muon", "sgd"])
+def test_estimate_counts_each_rules_state_as_the_built_optimizer_holds_it(optimizer):
+    """``meshtron estimate``'s optimizer bytes (bf16: fp32 masters, then AdamW's two moments per
+    non-matrix, Muon's one momentum per matrix, SGD's one momentum) equal what the optimizer allocates."""
+    from meshtron.estimate import estimate
+
+    flags = TINY + MOE + ["--bf16", "--optimizer", optimizer]
+    cfg = build_config(None, flags)
+    built = Trainer(cfg, log=lambda _: None).optimizer.memory_bytes()
+    assert estimate(cfg).optimizer_bytes == built
+    if optimizer == "muon":  # less than AdamW's: a matrix keeps 8 bytes, not 12
+        assert built < estimate(build_config(None, flags + ["--optimizer", "adam"])).optimizer_bytes
