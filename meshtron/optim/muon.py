@@ -128,11 +128,24 @@ def row_parts(meta: ParamMeta, rows: int, split_qkv: bool) -> torch.Tensor | Non
 @dataclass
 class MatrixPlan:
     """How one master is orthogonalized: ``gather`` (tp group) when its tp shards are gathered
-    whole first, ``parts`` the block of each row of what is orthogonalized (None: one block)."""
+    whole first, each tp rank's shard at ``placed[rank]`` along the tp dim; ``blocks`` the rows of
+    each block of what is orthogonalized (None: one block). Index tensors move to the update's
+    device at the first step and stay (no copy or host sync per step)."""
 
     meta: ParamMeta
     gather: dist.ProcessGroup | None
-    parts: torch.Tensor | None
+    blocks: list[torch.Tensor] | None
+    placed: list[torch.Tensor] | None
+
+    def on(self, device: torch.device) -> MatrixPlan:
+        self.blocks, self.placed = _moved(self.blocks, device), _moved(self.placed, device)
+        return self
+
+
+def _moved(tensors: list[torch.Tensor] | None, device: torch.device) -> list[torch.Tensor] | None:
+    if tensors is None or tensors[0].device == device:
+        return tensors
+    return [t.to(device) for t in tensors]
 
 
 def plan_matrix(meta: ParamMeta, local_shape: tuple[int, ...], s: MuonSettings, tp_group: dist.ProcessGroup | None) -> MatrixPlan:
@@ -146,18 +159,21 @@ def plan_matrix(meta: ParamMeta, local_shape: tuple[int, ...], s: MuonSettings, 
     parts = row_parts(meta, global_rows, s.split_qkv)
     if parts is not None and split and gather is None and meta.tp_dim == rows_dim:  # blockwise: the local rows' blocks
         parts = parts[meta.local_index()]
-    return MatrixPlan(meta, gather, parts)
+    blocks = None if parts is None else [(parts == part).nonzero().squeeze(1) for part in range(int(parts.max()) + 1)]
+    size = meta.global_shape[meta.tp_dim] if split else 0
+    placed = [meta.layout.local_index(size, meta.tp_size, rank) for rank in range(meta.tp_size)] if gather is not None else None
+    return MatrixPlan(meta, gather, blocks, placed)
 
 
-def _gather_whole(local: torch.Tensor, meta: ParamMeta, group: dist.ProcessGroup) -> torch.Tensor:
+def _gather_whole(local: torch.Tensor, plan: MatrixPlan) -> torch.Tensor:
     """The global matrix from every tp rank's shard (placed by the layout; copied rows twice)."""
+    meta = plan.meta
     shards = [torch.empty_like(local) for _ in range(meta.tp_size)]
-    dist.all_gather(shards, local.contiguous(), group=group)
+    dist.all_gather(shards, local.contiguous(), group=plan.gather)
     shape = list(local.shape)
     shape[meta.tp_dim] = meta.global_shape[meta.tp_dim]
     whole = local.new_empty(shape)
-    for rank, shard in enumerate(shards):
-        index = meta.layout.local_index(meta.global_shape[meta.tp_dim], meta.tp_size, rank).to(local.device)
+    for index, shard in zip(plan.placed, shards):
         whole.index_copy_(meta.tp_dim, index, shard)
     return whole
 
@@ -171,24 +187,23 @@ def orthogonalize(update: torch.Tensor, plan: MatrixPlan, s: MuonSettings) -> to
         whole = orthogonalize(update.full_tensor(), plan, s)
         replicated = DTensor.from_local(whole, update.device_mesh, [Replicate()] * update.device_mesh.ndim)
         return replicated.redistribute(update.device_mesh, update.placements)
-    whole = _gather_whole(update, plan.meta, plan.gather) if plan.gather is not None else update
+    plan = plan.on(update.device)
+    whole = _gather_whole(update, plan) if plan.gather is not None else update
     in_bf16 = s.fp32_matmul_prec != "high"
 
     def scaled(block: torch.Tensor) -> torch.Tensor:
         factor = scale_factor(block.shape[-2], block.shape[-1], s.scale_mode) * s.extra_scale_factor
         return newton_schulz(block, s.num_ns_steps, s.coefficient_type, in_bf16) * factor
 
-    if plan.parts is None:
+    if plan.blocks is None:
         out = scaled(whole)
     else:
         out = torch.empty_like(whole)
-        parts = plan.parts.to(whole.device)
-        for part in range(int(parts.max()) + 1):
-            rows = (parts == part).nonzero().squeeze(1)
+        for rows in plan.blocks:
             out.index_copy_(-2, rows, scaled(whole.index_select(-2, rows)))
     if plan.gather is None:
         return out
-    return out.index_select(plan.meta.tp_dim, plan.meta.local_index().to(out.device))
+    return out.index_select(plan.meta.tp_dim, plan.placed[plan.meta.tp_rank])
 
 
 class Muon(torch.optim.Optimizer):
