@@ -12,6 +12,8 @@ rounding):
 - dp2 with the distributed optimizer (layer-wise: each rank owns whole matrices, broadcast after
   the step), and tp2 x dp2 with it (4 processes, slow);
 - FSDP2 at dp2 (each matrix's shards gathered whole for the update, the own shard kept);
+- pp2; a mixture of experts at ep2 (each rank's experts orthogonalized one by one, the router
+  with AdamW), with and without the layer-wise distributed optimizer;
 - checkpoints (masters and Muon's momentum buffers) saved under the layer-wise distributed
   optimizer, FSDP2 and tp2 resume bit for bit under their layout and continue in one process;
 - ``--muon-tp-mode blockwise`` at tp2 differs from one process (each shard alone): the flag acts.
@@ -28,17 +30,22 @@ from tests.distributed.full_weights import full_weights
 from tests.distributed.launcher import run_distributed
 from tests.distributed.test_trainer_layouts import BASE, STEPS
 
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32"]
 MUON = BASE + ["--optimizer", "muon", "--muon-fp32-matmul-prec", "high", "--lr", "2e-2"]
 LAYOUTS = {  # name: (world size, extra flags, one-process reference)
     "tp2": (2, ["--tp", "2", "--micro-batch-size", "4"], "mbs8"),
     "tp2_kv1": (2, ["--tp", "2", "--micro-batch-size", "4", "--num-query-groups", "1"], "mbs8_kv1"),
     "dp2_distopt": (2, ["--micro-batch-size", "2", "--use-distributed-optimizer"], "mbs8"),
     "fsdp_dp2": (2, ["--micro-batch-size", "2", "--fsdp"], "mbs8"),
+    "pp2": (2, ["--pp", "2", "--micro-batch-size", "2"], "mbs8"),
+    "ep2_moe": (2, ["--ep", "2", *MOE, "--micro-batch-size", "4"], "moe_mbs8"),
+    "ep2_moe_distopt": (2, ["--ep", "2", *MOE, "--micro-batch-size", "4", "--use-distributed-optimizer"], "moe_mbs8"),
     "tp2_blockwise": (2, ["--tp", "2", "--micro-batch-size", "4", "--muon-tp-mode", "blockwise"], "mbs8"),
     "tp2_dp2_distopt": (4, ["--tp", "2", "--micro-batch-size", "2", "--use-distributed-optimizer"], "mbs8"),
 }
 RESUMED = ("dp2_distopt", "fsdp_dp2", "tp2")  # their checkpoints resume exactly, and continue in one process
-REFERENCES = {"mbs8": ["--micro-batch-size", "8"], "mbs8_kv1": ["--micro-batch-size", "8", "--num-query-groups", "1"]}
+REFERENCES = {"mbs8": ["--micro-batch-size", "8"], "mbs8_kv1": ["--micro-batch-size", "8", "--num-query-groups", "1"],
+              "moe_mbs8": ["--micro-batch-size", "8", *MOE]}  # fmt: skip
 
 
 def _run(flags: list[str]) -> dict:
@@ -83,7 +90,7 @@ def _assert_matches(got: dict, ref: dict, layout: str) -> None:
         torch.testing.assert_close(got["weights"][name], weight, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{layout}: {name}: {m}")
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2_kv1", "dp2_distopt", "fsdp_dp2"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2_kv1", "dp2_distopt", "fsdp_dp2", "pp2", "ep2_moe", "ep2_moe_distopt"])
 def test_muon_layout_matches_one_process(one_process, runs, layout):
     ref = one_process[LAYOUTS[layout][2]]
     assert len(set(ref["losses"])) == len(ref["losses"]) and min(ref["grad_norms"]) > 0.05  # moving, and clipped
