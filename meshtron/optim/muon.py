@@ -95,9 +95,10 @@ def newton_schulz(x: torch.Tensor, steps: int, coefficient_type: str = "quintic"
     x = x / x.norm(dim=(-2, -1), keepdim=True).clamp_min(_NORM_EPS)
     if in_bf16:
         x = x.to(torch.bfloat16)
+    fma = torch.addmm if x.dim() == 2 else torch.baddbmm  # beta * input + alpha * m1 @ m2 as one GEMM
     for a, b, c in itertools.islice(itertools.cycle(NS_COEFFICIENTS[coefficient_type]), steps):
         gram = x @ x.mT
-        x = a * x + (b * gram + c * (gram @ gram)) @ x
+        x = fma(x, fma(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     x = x.to(torch.float32)
     return x.mT if transpose else x
 
