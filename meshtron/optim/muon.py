@@ -85,7 +85,7 @@ def newton_schulz(x: torch.Tensor, steps: int, coefficient_type: str = "quintic"
 
     Normalized to Frobenius norm 1 (so every singular value is at most 1), the quintic
     ``X <- a X + (b A + c A^2) X`` with ``A = X X^T`` pushes every singular value towards ~1
-    (within 0.7..1.2: the tuned coefficients trade exactness for speed). Run on the smaller
+    (to roughly 0.7..1.2: the tuned coefficients trade exactness for speed). Run on the smaller
     Gram side (transposed when rows > cols). ``in_bf16``: the iterations in bf16
     (``--muon-fp32-matmul-prec medium``, Megatron's default), else in fp32.
     """
@@ -105,7 +105,7 @@ def newton_schulz(x: torch.Tensor, steps: int, coefficient_type: str = "quintic"
 
 def scale_factor(rows: int, cols: int, mode: str) -> float:
     """What the orthogonalized update is multiplied by: ``spectral`` sqrt(max(rows, cols)) (an
-    update of RMS ~1, so AdamW's learning rates carry over), ``unit_rms_norm`` sqrt(rows / cols),
+    update of RMS ~1 whatever the shape), ``unit_rms_norm`` sqrt(rows / cols),
     ``shape_scaling`` sqrt(max(1, rows / cols)) (Keller Jordan's)."""
     if mode == "spectral":
         return max(rows, cols) ** 0.5

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from meshtron.config import build_config
-from meshtron.errors import ConfigError
+from meshtron.errors import CheckpointError, ConfigError
 from meshtron.optim.muon import newton_schulz
 from meshtron.training.trainer import Trainer
 from meshtron.validation import validate
@@ -173,3 +173,11 @@ def test_estimate_counts_each_rules_state_as_the_built_optimizer_holds_it(optimi
     assert estimate(cfg).optimizer_bytes == built
     if optimizer == "muon":  # less than AdamW's: a matrix keeps 8 bytes, not 12
         assert built < estimate(build_config(None, flags + ["--optimizer", "adam"])).optimizer_bytes
+
+
+def test_a_checkpoint_of_another_optimizer_is_refused_with_the_fix(tmp_path):
+    Trainer(build_config(None, TINY + ["--optimizer", "adam", "--save", str(tmp_path), "--train-iters", "1"]), log=lambda _: None).run()
+    with pytest.raises(CheckpointError, match="another --optimizer than the checkpoint's"):
+        Trainer(build_config(None, TINY + ["--load", str(tmp_path)]), log=lambda _: None).run()
+    resumed = Trainer(build_config(None, TINY + ["--load", str(tmp_path), "--no-load-optim", "--no-load-rng"]), log=lambda _: None).run()
+    assert resumed.iteration == 2
