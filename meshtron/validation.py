@@ -271,6 +271,8 @@ def dropin_errors(cfg: Config) -> list[str]:
 def optimizer_choice_errors(cfg: Config) -> list[str]:
     """``--optimizer`` and the SGD / Muon flags, and the layouts each rule runs under."""
     t, p = cfg.train, cfg.parallel
+    if t.optimizer == "dist_muon":
+        return ["--optimizer dist_muon is Megatron's deprecated spelling: use --optimizer muon --use-distributed-optimizer"]
     if t.optimizer not in OPTIMIZERS:
         return [f"--optimizer {t.optimizer}: one of {' | '.join(OPTIMIZERS)}"]
     if t.optimizer == "adam":

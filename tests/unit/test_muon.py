@@ -142,6 +142,9 @@ def test_sgd_is_torch_sgd_with_momentum():
 
 @pytest.mark.parametrize("flags, message", [
     (["--optimizer", "lion"], "--optimizer lion: one of adam | sgd | muon"),
+    (["--optimizer", "dist_muon"], "use --optimizer muon --use-distributed-optimizer"),
+    (["--use-distributed-optimizer", "--overlap-param-gather"], "--overlap-param-gather overlaps the flat-range"),
+    (["--optimizer", "sgd", "--sgd-momentum", "1.5"], "--sgd-momentum 1.5: must be in"),
     (["--optimizer-impl", "fused"], "fused is AdamW's kernel"),
     (["--muon-num-ns-steps", "3"], "--muon-num-ns-steps 3: must be a positive multiple of 5"),
     (["--muon-tp-mode", "distributed"], "--muon-tp-mode distributed"),
