@@ -12,7 +12,7 @@ rounding):
 - dp2 with the distributed optimizer (layer-wise: each rank owns whole matrices, broadcast after
   the step), and tp2 x dp2 with it (4 processes, slow);
 - FSDP2 at dp2 (each matrix's shards gathered whole for the update, the own shard kept);
-- pp2; a mixture of experts at ep2 (each rank's experts orthogonalized one by one, the router
+- dp2 (replicated masters), cp2, pp2; a mixture of experts at ep2 (each rank's experts orthogonalized one by one, the router
   with AdamW), with and without the layer-wise distributed optimizer;
 - checkpoints (masters and Muon's momentum buffers) saved under the layer-wise distributed
   optimizer, FSDP2 and tp2 resume bit for bit under their layout and continue in one process;
@@ -37,6 +37,8 @@ LAYOUTS = {  # name: (world size, extra flags, one-process reference)
     "tp2_kv1": (2, ["--tp", "2", "--micro-batch-size", "4", "--num-query-groups", "1"], "mbs8_kv1"),
     "dp2_distopt": (2, ["--micro-batch-size", "2", "--use-distributed-optimizer"], "mbs8"),
     "fsdp_dp2": (2, ["--micro-batch-size", "2", "--fsdp"], "mbs8"),
+    "dp2": (2, ["--micro-batch-size", "2"], "mbs8"),
+    "cp2": (2, ["--cp", "2", "--micro-batch-size", "8"], "mbs8"),
     "pp2": (2, ["--pp", "2", "--micro-batch-size", "2"], "mbs8"),
     "ep2_moe": (2, ["--ep", "2", *MOE, "--micro-batch-size", "4"], "moe_mbs8"),
     "ep2_moe_distopt": (2, ["--ep", "2", *MOE, "--micro-batch-size", "4", "--use-distributed-optimizer"], "moe_mbs8"),
@@ -90,7 +92,7 @@ def _assert_matches(got: dict, ref: dict, layout: str) -> None:
         torch.testing.assert_close(got["weights"][name], weight, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{layout}: {name}: {m}")
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2_kv1", "dp2_distopt", "fsdp_dp2", "pp2", "ep2_moe", "ep2_moe_distopt"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2_kv1", "dp2", "dp2_distopt", "fsdp_dp2", "cp2", "pp2", "ep2_moe", "ep2_moe_distopt"])
 def test_muon_layout_matches_one_process(one_process, runs, layout):
     ref = one_process[LAYOUTS[layout][2]]
     assert len(set(ref["losses"])) == len(ref["losses"]) and min(ref["grad_norms"]) > 0.05  # moving, and clipped
