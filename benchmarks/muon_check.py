@@ -4,7 +4,7 @@
         [--loss-steps 300] [--adam-lrs 1e-3,3e-3] [--muon-lrs 3e-4,1e-3,3e-3] [--parts speed,loss]
 
 speed: the B1 model (``llama-1.24b-bench``: 1.24 B, seq 4096, micro-batch 4, bf16 with fp32
-masters) in one process, AdamW (its fused step, the default) and then Muon (``--optimizer muon``,
+masters), AdamW (its fused step, the default) and Muon (``--optimizer muon``,
 Megatron-Core's defaults: Newton-Schulz in bf16, 5 quintic steps, spectral scale), each timed
 over ``--steps`` training steps after warm-up (CUDA events, median), at B1's global batch (one
 micro batch) and at ``--accumulate`` micro batches per step (Muon's work is per step, so its
@@ -16,7 +16,7 @@ BPE), the same seed, data order and tokens for every run (``--loss-steps`` steps
 tokens), AdamW and Muon each at a few peak learning rates (warm-up then cosine to a tenth); the
 table gives the training loss (mean of the last 20 steps) and the final validation loss.
 
-Each part runs in its own child process; the tables are printed last and written to
+Each timed configuration and the loss part run in their own child process; the tables are printed last and written to
 ``DIR/muon_check.md`` (and the raw numbers to ``DIR/muon_check.json``).
 """
 
@@ -49,25 +49,17 @@ def _trainer(flags: list[str]):
 
 
 def speed(args) -> dict:
-    """Median step and optimizer-step seconds of AdamW and Muon at B1, at 1 and ``accumulate`` micro batches."""
-    out = {}
-    for micro in (1, args.accumulate):
-        for optimizer in ("adam", "muon"):
-            trainer = _trainer(B1 + ["--global-batch-size", str(4 * micro), "--optimizer", optimizer])
+    """Median step and optimizer-step seconds at B1 of ``args.optimizer`` at ``args.micro`` micro batches a step."""
+    trainer = _trainer(B1 + ["--global-batch-size", str(4 * args.micro), "--optimizer", args.optimizer])
 
-            def step(trainer=trainer):
-                trainer.train_step()
-                trainer.iteration += 1
+    def step():
+        trainer.train_step()
+        trainer.iteration += 1
 
-            times = time_steps(step, args.warmup, args.steps)
-            opt_times = time_steps(lambda t=trainer: t.optimizer.step(1e-5), 1, args.steps)
-            out[f"{optimizer} x{micro}"] = {"step": statistics.median(times), "optimizer": statistics.median(opt_times),
-                                            "peak_gib": torch.cuda.max_memory_allocated() / 2**30}  # fmt: skip
-            del trainer, step
-            gc.collect()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-    return out
+    times = time_steps(step, args.warmup, args.steps)
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    optimizer_times = time_steps(lambda: trainer.optimizer.step(1e-5), 1, args.steps)  # on the last step's gradients
+    return {"step": statistics.median(times), "optimizer": statistics.median(optimizer_times), "peak_gib": peak}
 
 
 def loss(args) -> dict:
@@ -92,7 +84,10 @@ def tables(args, results: dict) -> str:
                   "| micro batches | AdamW step ms | Muon step ms | overhead | AdamW optimizer ms | Muon optimizer ms | AdamW peak GiB | Muon peak GiB |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
         for micro in (1, args.accumulate):
-            a, m = s[f"adam x{micro}"], s[f"muon x{micro}"]
+            a, m = s.get(f"adam x{micro}"), s.get(f"muon x{micro}")
+            if a is None or m is None:
+                lines.append(f"| {micro} | failed |")
+                continue
             lines.append(f"| {micro} | {1000 * a['step']:.1f} | {1000 * m['step']:.1f} | {100 * (m['step'] / a['step'] - 1):+.1f} % | "
                          f"{1000 * a['optimizer']:.1f} | {1000 * m['optimizer']:.1f} | {a['peak_gib']:.1f} | {m['peak_gib']:.1f} |")  # fmt: skip
         lines.append("")
@@ -118,15 +113,24 @@ def main() -> None:
     parser.add_argument("--muon-lrs", default="3e-4,1e-3,3e-3")
     parser.add_argument("--parts", default="speed,loss")
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--optimizer", default="adam", help=argparse.SUPPRESS)
+    parser.add_argument("--micro", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         torch.backends.cuda.matmul.allow_tf32 = True
-        report({args.child: {"speed": speed, "loss": loss}[args.child](args), "device": torch.cuda.get_device_name()})
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        report({"result": speed(args) if args.child == "speed" else loss(args), "device": device})
         return
-    results = {}
-    for part in args.parts.split(","):
-        cmd = [sys.executable, __file__, "--child", part, *(f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k != "child")]
-        results.update(run_child(cmd, part) or {})
+    results: dict = {}
+    children = [("speed", f"{optimizer} x{micro}", ["--optimizer", optimizer, "--micro", str(micro)])
+                for micro in (1, args.accumulate) for optimizer in ("adam", "muon") if "speed" in args.parts]
+    children += [("loss", "loss", [])] if "loss" in args.parts else []
+    for part, name, extra in children:  # each in its own process: clean peak memory, nothing left over from the last
+        shared = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("child", "optimizer", "micro")]
+        out = run_child([sys.executable, __file__, "--child", part, *shared, *extra], name)
+        if out is not None:
+            results["device"] = out["device"]
+            results.setdefault(part, {}).update({name: out["result"]} if part == "speed" else out["result"])
     text = tables(args, results)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "muon_check.md"), "w") as f:
@@ -134,8 +138,8 @@ def main() -> None:
     with open(os.path.join(args.out, "muon_check.json"), "w") as f:
         json.dump(results, f, indent=1)
     print("\n" + text)
-    if not all(part in results for part in args.parts.split(",")):
-        sys.exit(1)  # a part that crashed fails the command
+    if len(results.get("speed", {})) + ("loss" in results) < len(children):
+        sys.exit(1)  # a child that crashed fails the command
 
 
 if __name__ == "__main__":
