@@ -53,7 +53,8 @@ REFERENCES = {"mbs8": ["--micro-batch-size", "8"], "mbs8_kv1": ["--micro-batch-s
 def _run(flags: list[str]) -> dict:
     trainer = Trainer(build_config(None, MUON + flags), log=lambda _: None)
     result = trainer.run()
-    return {"losses": result.losses, "grad_norms": result.grad_norms,
+    memory = trainer.optimizer.memory_bytes() if hasattr(trainer.optimizer, "memory_bytes") else 0
+    return {"losses": result.losses, "grad_norms": result.grad_norms, "optimizer_bytes": memory,
             "weights": full_weights(trainer.model, trainer.runner.metas, trainer.mesh)}  # fmt: skip
 
 
@@ -97,6 +98,13 @@ def test_muon_layout_matches_one_process(one_process, runs, layout):
     ref = one_process[LAYOUTS[layout][2]]
     assert len(set(ref["losses"])) == len(ref["losses"]) and min(ref["grad_norms"]) > 0.05  # moving, and clipped
     _assert_matches(runs[layout], ref, layout)
+
+
+def test_layer_wise_ownership_halves_the_optimizer_state(one_process, runs):
+    """Rank 0's masters and momentum under the layer-wise distributed optimizer at dp2: about half
+    of one process's (whole parameters balanced by size: not exactly half)."""
+    ratio = runs["dp2_distopt"]["optimizer_bytes"] / one_process["mbs8"]["optimizer_bytes"]
+    assert 0.4 < ratio < 0.6, ratio
 
 
 def test_blockwise_tp_mode_orthogonalizes_each_shard_alone(one_process, runs):
