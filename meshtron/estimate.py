@@ -9,7 +9,8 @@ Three parts, for the first pipeline stage (the embedding and the most micro batc
   in the compute dtype;
 - gradients and optimizer state: the fp32 gradient buffer (4 bytes/param, never sharded by the
   distributed optimizer, which reduce-scatters out of it), fp32 masters (4, none in fp32 mode, where
-  the master is the param) and Adam's two moments (8), the last two split by the distributed
+  the master is the param) and the update rule's state (AdamW's two moments, 8; Muon's momentum of
+  a matrix, 4; SGD's momentum, 4), the last two split by the distributed
   optimizer over the group each parameter reduces over: dp x cp for dense parameters, the
   expert-data-parallel group (dp x cp / ep) for routed experts; FSDP2 shards all three over the
   same groups and keeps fp32 params;
@@ -28,7 +29,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from meshtron.config import Config, build_config, data_parallel_size, recomputes_core_attention, virtual_stages
+from meshtron.config import Config, TrainConfig, build_config, data_parallel_size, recomputes_core_attention, virtual_stages
 from meshtron.data.data_sources import names_data
 from meshtron.data.default_data import EMBEDDED_VOCAB_SIZE
 from meshtron.training.vocab import model_vocab_size, run_tokenizer
@@ -44,6 +45,7 @@ from meshtron.parallel.mesh import GROUP_DIMS, Mesh
 from meshtron.parallel.pipeline_balance import pipeline_split
 from meshtron.parallel.pipeline_schedules import model_chunk
 from meshtron.parallel.sizes import rank_parameters
+from meshtron.optim.update_rules import rule_of_param
 
 GIB = 2**30
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "auto": 2}  # auto: bf16, the GPU default
@@ -69,7 +71,7 @@ class MemoryEstimate:
 
     def table(self) -> str:
         rows = [("parameters", self.param_bytes), ("gradients (fp32 buffer)", self.grad_bytes),
-                ("optimizer (masters + Adam)", self.optimizer_bytes), ("activations", self.activation_bytes),
+                ("optimizer (masters + state)", self.optimizer_bytes), ("activations", self.activation_bytes),
                 ("loss workspace", self.loss_bytes), ("total", self.total_bytes)]  # fmt: skip
         split = f" (dense {self.dense_params / 1e6:,.1f} M, routed experts {self.expert_params / 1e6:,.1f} M)" if self.expert_params else ""
         lines = [f"parameters on this rank: {self.params / 1e6:,.1f} M{split}"]
@@ -113,11 +115,15 @@ def first_stage_blocks(cfg: Config, count: int, world_size: int = 1) -> list[int
     return [i for v in range(virtual) for i in ranges[model_chunk(kind, p.pipeline_parallel, 0, v)]]
 
 
-def stage_parameters(cfg: Config, world_size: int = 1) -> StageParameters:
-    """Parameters of one rank on the first pipeline stage (the embedding's; with pp 1 the whole model)."""
+def stage_parameters(cfg: Config, world_size: int = 1, matrices: bool = False) -> StageParameters:
+    """Parameters of one rank on the first pipeline stage (the embedding's; with pp 1 the whole
+    model); ``matrices``: only those that are matrices (``ParamMeta.matrix``, Muon's)."""
     p = cfg.parallel
     parts = rank_parameters(cfg.model, _vocab(cfg), cfg.data.seq_length, p.tensor_parallel, p.expert_parallel, p.expert_tensor_parallel)
     blocks = [parts.blocks[i] for i in first_stage_blocks(cfg, len(parts.blocks), world_size)]
+    if matrices:
+        tail = parts.tail_matrix if p.pipeline_parallel == 1 else 0
+        return StageParameters(parts.head_matrix + tail + sum(b.dense_matrix for b in blocks), sum(b.expert_matrix for b in blocks))
     tail = parts.tail if p.pipeline_parallel == 1 else 0
     return StageParameters(parts.head + tail + sum(b.dense for b in blocks), sum(b.expert for b in blocks))
 
@@ -320,17 +326,37 @@ def estimate(cfg: Config, world_size: int = 1) -> MemoryEstimate:
         """``per_param`` bytes of every parameter, each part split over the group it reduces over."""
         return per_param * params.dense // (dp_cp if shard else 1) + per_param * params.expert // (edp if shard else 1)
 
-    if p.fsdp and dp_cp > 1:  # fp32 sharded params (the masters), gradients and moments; one rank trains plainly
-        param_bytes, grad_bytes, opt_bytes = sharded(4), sharded(4), sharded(8)
+    matrices = stage_parameters(cfg, world_size, matrices=True)
+
+    def optimizer_bytes(per_param: int, shard: bool) -> int:
+        """``per_param`` bytes of every parameter plus its rule's state (``rule_state_bytes``: Muon's
+        matrices differ from the rest), each part split over the group it reduces over when ``shard``
+        (the layer-wise split of whole parameters, for Muon and SGD, balanced by size: counted as even)."""
+        matrix, other = per_param + rule_state_bytes(t, True), per_param + rule_state_bytes(t, False)
+        dense = matrix * matrices.dense + other * (params.dense - matrices.dense)
+        expert = matrix * matrices.expert + other * (params.expert - matrices.expert)
+        return dense // (dp_cp if shard else 1) + expert // (edp if shard else 1)
+
+    if p.fsdp and dp_cp > 1:  # fp32 sharded params (the masters), gradients and the rules' state; one rank trains plainly
+        param_bytes, grad_bytes, opt_bytes = sharded(4), sharded(4), optimizer_bytes(0, True)
     else:
-        # fp32 masters, two Adam moments, and the fused step's uint8 parameter-group index per element
-        # (the step is fused wherever it runs on a GPU, unless --optimizer-impl reference).
-        fused = t.optimizer_impl == "fused" or (t.optimizer_impl == "auto" and t.device != "cpu")
-        moments = sum(_DTYPE_BYTES[d] for d in (t.exp_avg_dtype, t.exp_avg_sq_dtype))  # 8 in fp32
-        opt = (4 if t.precision != "fp32" else 0) + moments + (1 if fused else 0)
+        # fp32 masters, the rules' state, and AdamW's fused step's uint8 parameter-group index per element
+        # (the step is fused wherever it runs on a GPU, unless --optimizer-impl reference or another rule).
+        fused = t.optimizer == "adam" and (t.optimizer_impl == "fused" or (t.optimizer_impl == "auto" and t.device != "cpu"))
         param_bytes, grad_bytes = _DTYPE_BYTES[t.precision] * params.total, 4 * params.total
-        opt_bytes = sharded(opt, p.use_distributed_optimizer)
+        opt_bytes = optimizer_bytes((4 if t.precision != "fp32" else 0) + (1 if fused else 0), p.use_distributed_optimizer)
     return MemoryEstimate(params.dense, params.expert, param_bytes, grad_bytes, opt_bytes, activation_bytes(cfg, world_size), loss_bytes(cfg))
+
+
+def rule_state_bytes(t: TrainConfig, matrix: bool) -> int:
+    """Bytes per parameter of its update rule's state (masters apart): AdamW's two moments (8 in
+    fp32), Muon's momentum (4, matrices only), SGD's momentum (4; none without momentum)."""
+    rule = rule_of_param(t.optimizer, matrix)
+    if rule == "muon":
+        return 4
+    if rule == "sgd":
+        return 4 if t.sgd_momentum else 0
+    return sum(_DTYPE_BYTES[d] for d in (t.exp_avg_dtype, t.exp_avg_sq_dtype))
 
 
 def _count(n: int) -> str:

@@ -230,6 +230,17 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "num-shared-experts": "model.moe_num_shared_experts",
     # Parallelism, data, checkpoints, logging, profiling.
     "optimizer": "train.optimizer",
+    # The rules beside AdamW (issue 32), Megatron-Core's names and defaults.
+    "sgd-momentum": "train.sgd_momentum",
+    "muon-momentum": "train.muon_momentum",
+    "muon-nesterov": ("train.muon_nesterov", True),
+    "muon-no-split-qkv": ("train.muon_split_qkv", False),
+    "muon-num-ns-steps": "train.muon_num_ns_steps",
+    "muon-coefficient-type": "train.muon_coefficient_type",
+    "muon-scale-mode": "train.muon_scale_mode",
+    "muon-extra-scale-factor": "train.muon_extra_scale_factor",
+    "muon-fp32-matmul-prec": "train.muon_fp32_matmul_prec",
+    "muon-tp-mode": "train.muon_tp_mode",
     "optimizer-impl": "train.optimizer_impl",
     "grad-reduce-in-bf16": ("parallel.grad_reduce_in_bf16", True),
     "distributed-timeout-minutes": "parallel.distributed_timeout_minutes",
@@ -354,6 +365,8 @@ _LOGGING_NOTES = {
     "profile-ranks": (True, "global rank 0 records the trace"),
 }
 _OTHER_NOTES = {
+    "muon-scalar-optimizer": (True, "AdamW takes Muon's non-matrix parameters (embeddings, output layer, routers, norms, biases)"),
+    "muon-use-syrk": (False, "never: the Newton-Schulz Gram matrices are plain matmuls"),
     "exit-signal-handler": (False, "always: --exit-signal (SIGTERM by default) and SIGINT save and stop at an iteration all ranks agree on"),
     "rerun-mode": (True, "no re-run engine: --check-for-nan-in-loss-and-grad stops on a non-finite loss and the divergence check re-runs a step"),
     "use-checkpoint-args": (False, "never: the model comes from this run's flags; a checkpoint of another shape is refused at load"),
@@ -394,6 +407,7 @@ ACCEPTED_ONLY_VALUE: dict[str, tuple[str | None, str]] = {
     "attention-sink-k": ("0", "meshtron's attention has no sink keys; drop --attention-sink-k or give 0"),
     "window-size": (None, "meshtron's attention sees the whole causal context (no sliding window); drop --window-size"),
     "profile-ranks": ("0", "only global rank 0 records a trace; drop --profile-ranks or give 0"),
+    "muon-scalar-optimizer": ("adam", "AdamW is the only rule for Muon's non-matrix parameters; drop --muon-scalar-optimizer or give adam"),
 }
 
 

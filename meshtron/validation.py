@@ -21,7 +21,9 @@ from meshtron.layers.moe import moe_config_errors
 from meshtron.layers.moe.experts import expert_ffn_hidden_size
 from meshtron.models import family_error, model_config_errors, model_layout_errors, num_blocks, pipeline_costs, spec_for
 from meshtron.kernels import triton_available
-from meshtron.optim.optimizer import MOMENT_DTYPES, OPTIMIZER_IMPLS
+from meshtron.optim.muon import muon_settings_errors
+from meshtron.optim.optimizer import MOMENT_DTYPES, OPTIMIZER_IMPLS, muon_settings
+from meshtron.optim.update_rules import OPTIMIZERS
 from meshtron.parallel.pipeline_balance import pipeline_split
 from meshtron.parallel.pipeline_schedules import KINDS, SPLIT_BACKWARD
 from meshtron.training.batch_schedule import batch_schedule_errors
@@ -245,8 +247,7 @@ def dropin_errors(cfg: Config) -> list[str]:
     if "--no-position-embedding" in log.noted_flags and m.position_embedding_type != "rope":
         errors.append("--no-position-embedding: a model without any position information is not implemented; "
                       "add --position-embedding-type rope")  # fmt: skip
-    if t.optimizer != "adam":
-        errors.append(f"--optimizer {t.optimizer}: only adam (AdamW) is implemented; use --optimizer adam")
+    errors.extend(optimizer_choice_errors(cfg))
     if d.tokenizer_model and not d.tokenizer_type:
         errors.append("--tokenizer-model is set but --tokenizer-type is not; name its type (e.g. HuggingFaceTokenizer)")
     if m.extra_vocab_size < 0 or m.moe_num_shared_experts < 0:
@@ -267,6 +268,32 @@ def dropin_errors(cfg: Config) -> list[str]:
     if log.wandb_project and importlib.util.find_spec("wandb") is None:
         errors.append("--wandb-project needs the wandb package, which is not installed: `pip install wandb` "
                       "(WANDB_MODE=offline logs without an account), or drop --wandb-project")  # fmt: skip
+    return errors
+
+
+def optimizer_choice_errors(cfg: Config) -> list[str]:
+    """``--optimizer`` and the SGD / Muon flags, and the layouts each rule runs under."""
+    t, p = cfg.train, cfg.parallel
+    if t.optimizer == "dist_muon":
+        return ["--optimizer dist_muon is Megatron's deprecated spelling: use --optimizer muon --use-distributed-optimizer"]
+    if t.optimizer not in OPTIMIZERS:
+        return [f"--optimizer {t.optimizer}: one of {' | '.join(OPTIMIZERS)}"]
+    if t.optimizer == "adam":
+        return []
+    errors, flag = [], f"--optimizer {t.optimizer}"
+    if t.optimizer_impl == "fused":
+        errors.append(f"{flag}: --optimizer-impl fused is AdamW's kernel; use --optimizer-impl auto or reference")
+    if t.exp_avg_dtype != "fp32" or t.exp_avg_sq_dtype != "fp32":
+        errors.append(f"{flag}: --exp-avg-dtype / --exp-avg-sq-dtype narrow AdamW's moments in its fused step; drop them")
+    if p.overlap_param_gather:
+        errors.append(f"{flag}: --overlap-param-gather overlaps the flat-range (AdamW) distributed optimizer's gathers; drop it")
+    if t.optimizer == "sgd" and not 0.0 <= t.sgd_momentum < 1.0:
+        errors.append(f"--sgd-momentum {t.sgd_momentum}: must be in [0, 1)")
+    if t.optimizer == "muon":
+        errors.extend(muon_settings_errors(muon_settings(t)))
+        if p.expert_tensor_parallel > 1:
+            errors.append("--optimizer muon orthogonalizes each expert's matrix whole, which --expert-tensor-parallel-size > 1 "
+                          "splits (not gathered yet): set it to 1")  # fmt: skip
     return errors
 
 

@@ -527,7 +527,9 @@ def _check_tensors(state: dict[str, Any], model: nn.Module, metadata: Any, direc
     saved = metadata.state_dict_metadata
     lacking = [k for k in state if k not in saved]
     if lacking:
-        raise CheckpointError(f"{directory} lacks {len(lacking)} tensors this run needs, e.g. {lacking[:3]} (another model shape or precision?)")
+        hint = ("another --optimizer than the checkpoint's? keep its --optimizer, or resume with --no-load-optim"
+                if all(k.startswith("optimizer.state.") for k in lacking) else "another model shape or precision?")
+        raise CheckpointError(f"{directory} lacks {len(lacking)} tensors this run needs, e.g. {lacking[:3]} ({hint})")
     for key, sharded in state.items():
         if tuple(saved[key].size) != tuple(sharded.shape):
             raise CheckpointError(f"{directory} holds {key} of shape {list(saved[key].size)} but this run's is {list(sharded.shape)} "

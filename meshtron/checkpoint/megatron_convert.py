@@ -141,7 +141,7 @@ def import_megatron(load_dir: str | Path, save_dir: str | Path, iteration: int |
     consumed = int(fields.get("consumed_train_samples") or 0)
     optimizer = None
     if kinds:
-        cfg.train = replace(cfg.train, **train_fields(fields))
+        cfg.train = replace(cfg.train, **train_fields(fields), optimizer="adam")  # the imported state is Adam's
         optimizer = build_optimizer(model, cfg.train, torch.float32)
         fill_optimizer(optimizer, {kind: dict(tensors(kind)) for kind in MOMENTS}, adam_step)
         log(f"megatron-import: Adam's state imported (step {adam_step}{', main params as the weights' if master else ''}); "

@@ -348,6 +348,9 @@ class ParamMeta:
     columns): a rank's part is the product of the two.
     ``split_over``: the mesh dimension ``tp_size`` / ``tp_rank`` count (``tp_dim`` is split over it,
     whole copies repeat over it): "tp", or "etp" for routed experts, whose grid is the expert one.
+    ``matrix``: a linear layer's weight (routed experts: a stack of them), what Muon orthogonalizes
+    (``layout`` then also says how its rows split into blocks, SwiGLU's halves or QKV's heads);
+    embeddings, the output layer, routers, norms and biases are not.
     """
 
     global_shape: tuple[int, ...]
@@ -362,6 +365,7 @@ class ParamMeta:
     ep_size: int = 1
     ep_rank: int = 0
     split_over: str = "tp"
+    matrix: bool = False
 
     def expert_index(self) -> torch.Tensor | None:
         """Global expert ids (positions along dim 0) this rank holds (None when whole)."""

@@ -12,6 +12,7 @@ from torch import nn
 from meshtron.models.contract import ParamMeta
 from meshtron.optim.distributed_optimizer import DistributedOptimizer
 from meshtron.optim.grad_buffer import DEFAULT_BUCKET_SIZE, GradBuffer
+from meshtron.optim.layer_wise import LayerWiseOptimizer
 from meshtron.optim.optimizer import MOMENT_DTYPES, MixedPrecisionOptimizer, build_param_groups, fused_step_runs, optimizer_settings
 
 
@@ -35,8 +36,9 @@ def build_optimizer(
 
     With a ``dp_group`` (several data-parallel x context-parallel ranks), gradients are summed
     over it in buckets of ``bucket_size`` elements during backward; ``distributed``
-    (``--use-distributed-optimizer``) shards masters and Adam state over those ranks instead of
-    replicating them. The grad norm is completed over ``tp_group`` and ``pp_group`` (None: one rank).
+    (``--use-distributed-optimizer``) shards masters and the rules' state over those ranks instead
+    of replicating them: AdamW's by flat ranges, Muon's and SGD's by whole parameters
+    (``layer_wise.py``). The grad norm is completed over ``tp_group`` and ``pp_group`` (None: one rank).
     Parameters whose record says ``grad_group`` "edp" (routed experts) are reduced and sharded
     over ``edp_group`` instead, and their norm summed over ``expert_group`` (etp x ep) instead of tp.
     ``overlap_param_gather`` (with ``distributed``): the sharded step's parameter all-gathers run
@@ -54,14 +56,17 @@ def build_optimizer(
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     own_bucket = frozenset(n for n, _ in trainable if metas is not None and metas[n].pipeline_copy)
     grad_group_of = {n: metas[n].grad_group for n, _ in trainable} if metas is not None else {}
-    grads = GradBuffer(trainable, group=dp_group, bucket_size=bucket_size, shard=distributed, own_bucket=own_bucket,
+    # Muon and SGD shard over dp by whole parameters (``layer_wise.py``), AdamW by flat ranges (reduce-scattered).
+    layer_wise = distributed and train_cfg.optimizer != "adam"
+    grads = GradBuffer(trainable, group=dp_group, bucket_size=bucket_size, shard=distributed and not layer_wise, own_bucket=own_bucket,
                        groups={"edp": edp_group}, grad_group_of=grad_group_of, reduce_dtype=reduce_dtype)  # fmt: skip
     impl = train_cfg.optimizer_impl
-    if impl == "auto":  # the fused step where it runs; a CPU under Triton's interpreter is for tests only
-        impl = "fused" if grads.data.is_cuda and fused_step_runs(grads.data.device) else "reference"
-    sharding = {"overlap_in": model if overlap_param_gather else None} if distributed else {}
-    return (DistributedOptimizer if distributed else MixedPrecisionOptimizer)(
-        build_param_groups(model, train_cfg.weight_decay, metas),
+    if impl == "auto":  # AdamW's fused step where it runs; a CPU under Triton's interpreter is for tests only
+        impl = "fused" if train_cfg.optimizer == "adam" and grads.data.is_cuda and fused_step_runs(grads.data.device) else "reference"
+    sharding = {"overlap_in": model if overlap_param_gather else None} if distributed and not layer_wise else {}
+    cls = LayerWiseOptimizer if layer_wise else DistributedOptimizer if distributed else MixedPrecisionOptimizer
+    return cls(
+        build_param_groups(model, train_cfg.weight_decay, metas, train_cfg.optimizer),
         **optimizer_settings(train_cfg, param_dtype),
         grads=grads,
         metas=metas,

@@ -59,6 +59,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def __init__(self, param_groups: list[dict[str, Any]], *, grads: GradBuffer, overlap_in: nn.Module | None = None, **kwargs: Any) -> None:
         if not isinstance(grads, GradBuffer) or not grads.shard:
             raise ValueError("the distributed optimizer needs a GradBuffer built with shard=True (reduce-scatter)")
+        if any(group["optimizer"] != "adam" for group in param_groups):
+            raise ValueError("flat-range sharding cuts through matrices: Muon and SGD shard by whole parameters (LayerWiseOptimizer)")
         super().__init__(param_groups, grads=grads, **kwargs)
         self._param_gather = ParamGather(grads, self._param_flat, overlap_in)
         self._overlapped = overlap_in is not None

@@ -39,6 +39,8 @@ from meshtron.kernels import triton_available
 from meshtron.models.contract import ParamMeta, default_meta
 from meshtron.optim.grad_buffer import GradBuffer
 from meshtron.optim.loss_scaler import ConstantLossScaler, DynamicLossScaler
+from meshtron.optim.muon import MuonSettings, plan_matrix
+from meshtron.optim.update_rules import RuleSettings, build_rules, rule_of_param, run_rules
 
 OPTIMIZER_IMPLS = ("auto", "fused", "reference")
 # Storage of the Adam moments (``--exp-avg-dtype`` / ``--exp-avg-sq-dtype``, with Megatron's
@@ -131,27 +133,27 @@ class GradStorage(Protocol):
     def finish_grad_sync(self) -> Any: ...
 
 
-def build_param_groups(model: nn.Module, weight_decay: float, metas: dict[str, ParamMeta] | None = None) -> list[dict[str, Any]]:
+def build_param_groups(model: nn.Module, weight_decay: float, metas: dict[str, ParamMeta] | None = None,
+                       optimizer: str = "adam") -> list[dict[str, Any]]:  # fmt: skip
     """Weight decay where each parameter's record says (Megatron's split by default: every matrix,
-    embeddings included, and no 1-D bias or norm gain), none elsewhere.
+    embeddings included, and no 1-D bias or norm gain), none elsewhere; each group names its
+    update rule (``"optimizer"``: ``update_rules.rule_of_param``).
 
     Params are given as ``(name, tensor)`` pairs so torch keeps their names (``param_names``) in
     each group for logging. Frozen params are left out.
     """
-    decay, no_decay = [], []
+    groups: dict[tuple[str, bool], list] = {}
     for name, param in model.named_parameters():
         if param.requires_grad:
             meta = metas[name] if metas is not None else default_meta(name, param)
-            (decay if meta.weight_decay else no_decay).append((name, param))
-    return [
-        {"params": params, "weight_decay": wd}
-        for params, wd in ((decay, weight_decay), (no_decay, 0.0))
-        if params
-    ]
+            groups.setdefault((rule_of_param(optimizer, meta.matrix), meta.weight_decay), []).append((name, param))
+    return [{"params": params, "weight_decay": weight_decay if decay else 0.0, "optimizer": rule}
+            for (rule, decay), params in sorted(groups.items(), key=lambda kv: (kv[0][0] != "muon", not kv[0][1]))]  # fmt: skip
 
 
 class MixedPrecisionOptimizer:
-    """AdamW on fp32 masters of a model whose params are fp32, bf16 or fp16.
+    """The update rules of its groups (AdamW, SGD, Muon: ``update_rules.py``) on fp32 masters of a
+    model whose params are fp32, bf16 or fp16.
 
     Per iteration the caller does: ``zero_grad()``; for each micro batch
     ``optimizer.scale_loss(loss).backward()``, every micro batch but the last inside
@@ -165,7 +167,8 @@ class MixedPrecisionOptimizer:
     ``expert_group``: the ranks holding the other slices of the routed experts (``grad_group``
     "edp"; the mesh's etp x ep group), over which their squares are summed instead of over tp
     (their grid is the expert one), before they join the rest over pp. ``impl``: "reference" or "fused" (the Triton step;
-    needs a ``GradBuffer`` and a device it runs on).
+    needs a ``GradBuffer``, a device it runs on and AdamW in every group). ``rules``: SGD's and
+    Muon's settings (Muon gathers tp-split matrices over ``tp_group``).
     """
 
     def __init__(
@@ -184,6 +187,7 @@ class MixedPrecisionOptimizer:
         expert_group: dist.ProcessGroup | None = None,
         impl: str = "reference",
         moment_dtypes: tuple[torch.dtype, torch.dtype] = (torch.float32, torch.float32),
+        rules: RuleSettings | None = None,
     ) -> None:
         named = [pair for group in param_groups for pair in group["params"]]
         metas = metas if metas is not None else {name: default_meta(name, p) for name, p in named}
@@ -201,6 +205,8 @@ class MixedPrecisionOptimizer:
         self.fused = impl == "fused"
         if self.fused and not (isinstance(self.grads, GradBuffer) and fused_step_runs(self.grads.data.device)):
             raise ValueError("--optimizer-impl fused needs Triton, a GPU and meshtron's gradient buffer (not FSDP); use reference")
+        if self.fused and any(group["optimizer"] != "adam" for group in param_groups):
+            raise ValueError("--optimizer-impl fused is AdamW's kernel; with --optimizer sgd or muon use --optimizer-impl reference (or auto)")
         self.moment_dtypes = moment_dtypes
         if not self.fused and moment_dtypes != (torch.float32, torch.float32):
             raise ValueError("--exp-avg-dtype / --exp-avg-sq-dtype other than fp32 need the fused optimizer step (a GPU with Triton)")
@@ -209,9 +215,13 @@ class MixedPrecisionOptimizer:
         self._host_step: int | None = None  # the fused step's count, read from the state once after a load
 
         master_groups = self._build_masters(param_groups)
-        fused = True if all(m.is_cuda for m in self._master_params()) else None
-        self.adamw = torch.optim.AdamW(master_groups, lr=lr, betas=betas, eps=eps, fused=fused)
-        self._init_adam_state()
+        settings = rules or RuleSettings()
+        self.rules = build_rules(master_groups, lr=lr, betas=betas, eps=eps, settings=settings,
+                                 plan_of=lambda name, m: plan_matrix(metas[name], tuple(m.shape), settings.muon, tp_group))  # fmt: skip
+        self.adamw = self.rules.get("adam")
+        self._rule_of = {id(m): rule for rule in self.rules.values() for g in rule.param_groups for m in g["params"]}
+        if self.adamw is not None:
+            self._init_adam_state()
         self._norm_groups = [pp_group] if pp_group is not None else []
         # Per gradient group, the groups completing its partial sum of squares; keys from every
         # parameter (not only this rank's shards), so all ranks issue the same collectives.
@@ -225,8 +235,12 @@ class MixedPrecisionOptimizer:
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        """AdamW's groups (``lr``, ``weight_decay``, ``param_names``), for logging."""
-        return self.adamw.param_groups
+        """Every rule's groups (``lr``, ``weight_decay``, ``param_names``, ``optimizer``), for logging."""
+        return [group for rule in self.rules.values() for group in rule.param_groups]
+
+    def _state(self, master: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The state its rule keeps for ``master`` (AdamW's moments, SGD's or Muon's momentum, ``step``)."""
+        return self._rule_of[id(master)].state[master]
 
     def zero_grad(self) -> None:
         self.grads.zero_()
@@ -277,14 +291,12 @@ class MixedPrecisionOptimizer:
             coef = coef if scale == 1.0 else coef / scale
         elif scale != 1.0 or self.fused:
             coef = torch.full((), 1.0 / scale, device=norm.device)
-        for group in self.adamw.param_groups:
-            group["lr"] = lr
         if self.fused:
             self._fused_step(coef, lr)
         else:
             if coef is not None:
                 self._scale_grads(grads, coef)
-            self.adamw.step()
+            run_rules(self.rules, lr)
             self._copy_masters_to_model()
         return StepResult(grad_norm, False, self.loss_scaler.scale)
 
@@ -297,6 +309,8 @@ class MixedPrecisionOptimizer:
             self._host_step = int(steps[0].item()) if steps else 0
         self._host_step += 1
         torch._foreach_add_(steps, 1.0)
+        for group in self.adamw.param_groups:
+            group["lr"] = lr
         group = self.adamw.param_groups[0]
         decay = [1 - lr * wd for wd in self._weight_decays]
         for s in self._segments:
@@ -323,10 +337,10 @@ class MixedPrecisionOptimizer:
                 master.copy_(param)
 
     def memory_bytes(self) -> int:
-        """Bytes of fp32 masters and Adam moments this rank holds (masters counted even where they
+        """Bytes of fp32 masters and the rules' state this rank holds (masters counted even where they
         are the model's own fp32 params; the 4-byte step counters left out), and the fused step's
         per-element parameter-group index."""
-        moments = [s[k] for s in self.adamw.state.values() for k in ("exp_avg", "exp_avg_sq")]
+        moments = [t for m in self._master_params() for k, t in self._state(m).items() if k != "step"]
         index = [s.group_index for s in self._segments] if self.fused else []
         return sum(t.numel() * t.element_size() for t in self._master_params() + moments + index)
 
@@ -342,7 +356,7 @@ class MixedPrecisionOptimizer:
         """
         return {
             "master": {name: master for name, _, master in self._params},
-            "state": {name: dict(self.adamw.state[master]) for name, _, master in self._params},
+            "state": {name: dict(self._state(master)) for name, _, master in self._params},
             "loss_scaler": self._scaler_state(),
         }
 
@@ -351,8 +365,8 @@ class MixedPrecisionOptimizer:
         return [self._param_state(name, param, master, 0, True) for name, param, master in self._params]
 
     def _param_state(self, name: str, param: nn.Parameter, master: torch.Tensor, start: int, dp_replicated: bool) -> ParamState:
-        state = self.adamw.state[master]
-        tensors = {"master": master, **{k: state[k] for k in ("exp_avg", "exp_avg_sq")}}
+        state = self._state(master)
+        tensors = {"master": master, **{k: t for k, t in state.items() if k != "step"}}
         return ParamState(name, tuple(param.shape), start, tensors, state["step"], dp_replicated)
 
     @torch.no_grad()
@@ -383,7 +397,7 @@ class MixedPrecisionOptimizer:
         self._check_names(state_dict, [name for name, _, _ in self._params])
         for name, _, master in self._params:
             master.copy_(state_dict["master"][name])
-            current, saved = self.adamw.state[master], state_dict["state"][name]
+            current, saved = self._state(master), state_dict["state"][name]
             if current.keys() != saved.keys():
                 raise ValueError(f"optimizer state of '{name}' has keys {sorted(saved)}, expected {sorted(current)}")
             for key, value in saved.items():
@@ -527,12 +541,21 @@ def build_loss_scaler(train_cfg: Any, param_dtype: torch.dtype) -> ConstantLossS
     )
 
 
+def muon_settings(t: Any) -> MuonSettings:
+    """Muon's settings from the train config (its ``muon_*`` fields)."""
+    return MuonSettings(momentum=t.muon_momentum, nesterov=t.muon_nesterov, split_qkv=t.muon_split_qkv, num_ns_steps=t.muon_num_ns_steps,
+                        coefficient_type=t.muon_coefficient_type, scale_mode=t.muon_scale_mode, extra_scale_factor=t.muon_extra_scale_factor,
+                        fp32_matmul_prec=t.muon_fp32_matmul_prec, tp_mode=t.muon_tp_mode)  # fmt: skip
+
+
 def optimizer_settings(train_cfg: Any, compute_dtype: torch.dtype) -> dict[str, Any]:
-    """AdamW's hyper-parameters, clipping and the loss scaler, from the train config."""
+    """The rules' hyper-parameters (AdamW's, SGD's, Muon's), clipping and the loss scaler, from the train config."""
+    t = train_cfg
     return dict(
-        lr=train_cfg.lr,
-        betas=(train_cfg.adam_beta1, train_cfg.adam_beta2),
-        eps=train_cfg.adam_eps,
-        clip_grad=train_cfg.clip_grad,
-        loss_scaler=build_loss_scaler(train_cfg, compute_dtype),
+        lr=t.lr,
+        betas=(t.adam_beta1, t.adam_beta2),
+        eps=t.adam_eps,
+        clip_grad=t.clip_grad,
+        loss_scaler=build_loss_scaler(t, compute_dtype),
+        rules=RuleSettings(sgd_momentum=t.sgd_momentum, muon=muon_settings(t)),
     )

@@ -68,6 +68,9 @@ def parallelize(model: mc.ModelFamily, mesh: Mesh, sequence_parallel: bool = Fal
     # norm count it once (on tp rank 0), not once per rank.
     whole = dict(tp_size=mesh.tp, tp_rank=mesh.tp_rank)
     metas = {name: dataclasses.replace(mc.default_meta(name, p), **whole) for name, p in model.named_parameters()}
+    linear_weights = [f"{name}.weight" for name, module in model.named_modules() if isinstance(module, nn.Linear) and name]
+    for name in linear_weights:  # Muon's matrices; found before any module is replaced
+        metas[name] = dataclasses.replace(metas[name], matrix=True)
     sp = sequence_parallel and mesh.tp > 1
     overlap = resolve_backend(tp_comm_overlap, mesh.tp_group) if tp_comm_overlap and sp else ""
     for name, style in styled_modules(model, model.parallel_plan()).items():
@@ -182,11 +185,9 @@ def _meta(meta: mc.ParamMeta, style: mc.Style, pname: str, mesh: Mesh, sp: bool)
         # Every rank's expert rows are its own (replicated rows are split first): a gradient is
         # whole for this rank's tokens and completed over the ranks holding the same slice (edp).
         expert = dict(grad_group="edp", ep_size=mesh.ep, ep_rank=mesh.ep_rank, tp_size=mesh.etp, tp_rank=mesh.etp_rank,
-                      split_over="etp")  # fmt: skip
-        if mesh.etp > 1:
-            dim, layout = expert_tensor_parallel_split(pname, style.fc1_layout)
-            return dataclasses.replace(meta, tp_dim=dim, layout=layout, **expert)
-        return dataclasses.replace(meta, **expert)
+                      split_over="etp", matrix=len(meta.global_shape) == 3)  # fmt: skip
+        dim, layout = expert_tensor_parallel_split(pname, style.fc1_layout)  # the layout names fc1's halves even when whole
+        return dataclasses.replace(meta, tp_dim=dim if mesh.etp > 1 else None, layout=layout, **expert)
     return dataclasses.replace(meta, **tp)
 
 

@@ -25,10 +25,13 @@ from meshtron.parallel.plan import parallelize
 
 @dataclass(frozen=True)
 class BlockParameters:
-    """One block's parameters on one rank: ``dense`` (split by tp) and ``expert`` (routed experts)."""
+    """One block's parameters on one rank: ``dense`` (split by tp) and ``expert`` (routed experts);
+    ``*_matrix``: how many of them are matrices (``ParamMeta.matrix``: Muon's, AdamW's the rest)."""
 
     dense: int
     expert: int = 0
+    dense_matrix: int = 0
+    expert_matrix: int = 0
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,8 @@ class RankParameters:
     head: int
     blocks: list[BlockParameters]
     tail: int
+    head_matrix: int = 0  # of ``head`` and ``tail``, the matrices (``ParamMeta.matrix``)
+    tail_matrix: int = 0
 
     @property
     def total(self) -> int:
@@ -79,14 +84,15 @@ def rank_parameters(cfg: ModelConfig, vocab_size: int, max_seq_length: int = 0, 
 def _measure(cfg: ModelConfig, vocab_size: int, max_seq_length: int, mesh: ShapeMesh) -> RankParameters:
     model = meta_model(cfg, vocab_size, max_seq_length)
     metas = parallelize(model, mesh)
-    head, tail = 0, 0
-    dense, expert = [0] * len(model.blocks()), [0] * len(model.blocks())
+    counts = {key: [0, 0] for key in (HEAD, "tail")}  # [all, matrices]
+    blocks = [{"dense": [0, 0], "expert": [0, 0]} for _ in model.blocks()]
     for name, (place, block) in places(model).items():
-        n = local_numel(metas[name])
+        meta = metas[name]
         if place == BLOCK:
-            (expert if metas[name].grad_group == "edp" else dense)[block] += n
-        elif place == HEAD:
-            head += n
+            count = blocks[block]["expert" if meta.grad_group == "edp" else "dense"]
         else:
-            tail += n
-    return RankParameters(head, [BlockParameters(d, e) for d, e in zip(dense, expert)], tail)
+            count = counts[HEAD if place == HEAD else "tail"]
+        count[0] += local_numel(meta)
+        count[1] += local_numel(meta) if meta.matrix else 0
+    per_block = [BlockParameters(b["dense"][0], b["expert"][0], b["dense"][1], b["expert"][1]) for b in blocks]
+    return RankParameters(counts[HEAD][0], per_block, counts["tail"][0], counts[HEAD][1], counts["tail"][1])

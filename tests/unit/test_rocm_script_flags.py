@@ -342,7 +342,7 @@ def test_meanings_of_translated_flags():
 
 
 @pytest.mark.parametrize("argv, message", [
-    ("--optimizer sgd", "only adam"),
+    ("--optimizer lion", "--optimizer lion: one of adam"),
     ("--fp8-recipe mxfp8", "MXFP8"),
     ("--train-mode finetune", "with --sft"),
     ("--no-position-embedding", "--position-embedding-type rope"),
