@@ -29,6 +29,7 @@ def steps(out: str) -> list[tuple]:
     return [(int(i), int(total), int(consumed), int(batch), rest) for i, total, consumed, batch, rest in STEP.findall(out)]
 
 
+@pytest.mark.slow  # ~26 s on 2 cores; the ramp's arithmetic is tests/unit/test_batch_schedule.py, in the default suite
 def test_ramped_sample_based_run_and_its_resume_in_the_middle_of_the_ramp(tmp_path):
     jsonl = tmp_path / "docs.jsonl"
     jsonl.write_text("".join(json.dumps({"text": f"document {i}: " + "lorem ipsum dolor sit amet " * (i % 7 + 1)}) + "\n" for i in range(200)))
