@@ -1,7 +1,7 @@
 """``meshtron plan`` against measurement on this machine's GPUs, one workload per device call of
 under ten minutes.
 
-    PYTHONPATH=$PWD python benchmarks/plan_check.py --out $OUT --workloads llama [--calibration FILE] [--budget-s 520]
+    PYTHONPATH=$PWD python benchmarks/plan_check.py --out $OUT --workloads llama [--gpus 2] [--budget-s 520]
 
 1. ``meshtron plan --calibrate`` on the first workload's shapes (timed: it must take under 60 s),
    (each call calibrates: the GEMM, attention and grouped-expert shapes are the workload's own);
@@ -78,6 +78,7 @@ def main() -> int:
     parser.add_argument("--llama-layers", type=int, default=32)
     parser.add_argument("--deepseek-layers", type=int, default=27)
     parser.add_argument("--llama70b-layers", type=int, default=12)
+    parser.add_argument("--gpus", type=int, default=0, help="plan and run on the first N GPUs (default: all of them)")
     parser.add_argument("--per-workload", type=int, default=8)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--budget-s", type=float, default=500.0)
@@ -88,7 +89,7 @@ def main() -> int:
 
     began, out = time.time(), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    gpus = torch.cuda.device_count()
+    gpus = args.gpus or torch.cuda.device_count()  # ranks 0..N-1 of torchrun take GPUs 0..N-1
     names = args.workloads.split(",")
     calibration = out / "calibration.json"
     start = time.time()
