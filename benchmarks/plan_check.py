@@ -3,8 +3,8 @@ under ten minutes.
 
     PYTHONPATH=$PWD python benchmarks/plan_check.py --out $OUT --workloads llama [--gpus 2] [--budget-s 520]
 
-1. ``meshtron plan --calibrate`` on the first workload's shapes (timed: it must take under 60 s),
-   (each call calibrates: the GEMM, attention and grouped-expert shapes are the workload's own);
+1. ``meshtron plan --calibrate`` on the first workload's shapes, timed (it must take under 60 s);
+   each call calibrates, since the GEMM, attention and grouped-expert shapes are the workload's own;
 2. for each workload — the issue's three: Llama-3-8B x ``--llama-layers`` (32) at seq 8192,
    DeepSeek-V2-Lite x ``--deepseek-layers`` (27, layer 0 dense) at seq 4096, Llama-3-70B layers x
    ``--llama70b-layers`` (12) at seq 8192; global batch 8 — the planner checks every
