@@ -23,18 +23,10 @@ import json
 import os
 
 import torch
-from b4_grouped_gemm import EXPERTS, LAYERS, ragged_sizes, time_ms
+from b4_grouped_gemm import EXPERTS, LAYERS, forward_backward, ragged_sizes, time_ms
 
 from meshtron.layers.moe.fp8_grouped_gemm import e4m3, fp8_grouped_mm, quantize_rows, quantize_weights, scaled_grouped_mm
 from meshtron.layers.moe.grouped_gemm import grouped_mm
-
-
-def _forward_and_input_grad(x: torch.Tensor, weight: torch.Tensor, upstream: torch.Tensor, run):
-    def step():
-        x.grad = None
-        run(x, weight).backward(upstream)
-
-    return step
 
 
 def main() -> None:
@@ -64,8 +56,8 @@ def main() -> None:
             "input-gradient GEMM": (lambda: torch._grouped_mm(g, w, offs=offsets),
                                     lambda: scaled_grouped_mm(gq, g_inv, wq.transposed, wq.transposed_inv, sizes, "scaled", bf16), 1),
             "forward + input gradient, casts in": (
-                _forward_and_input_grad(x.clone().requires_grad_(True), w, g, lambda a, b: grouped_mm(a, b, sizes, "torch")),
-                _forward_and_input_grad(x.clone().requires_grad_(True), w, g, lambda a, b: fp8_grouped_mm(a, b, sizes, "torch")), 2),
+                forward_backward(x.clone().requires_grad_(True), w, lambda a, b: grouped_mm(a, b, sizes, "torch")),
+                forward_backward(x.clone().requires_grad_(True), w, lambda a, b: fp8_grouped_mm(a, b, sizes, "torch")), 2),
         }  # fmt: skip
         row = {}
         for what, (bf16_run, fp8_run, gemms) in pairs.items():

@@ -42,7 +42,7 @@ def time_ms(fn, warmup: int, steps: int) -> float:
 
 
 def forward_backward(x: torch.Tensor, weight: torch.Tensor, run) -> Callable[[], None]:
-    """One forward and backward (input and weight gradients) of ``run(x, weight)``."""
+    """One forward and backward of ``run(x, weight)``: the input gradient, and the weight's where it requires one."""
     upstream = torch.randn(x.shape[0], weight.shape[-2], device=x.device, dtype=x.dtype)  # out [R, N]
 
     def step():

@@ -44,9 +44,7 @@ def derived(param: torch.Tensor, what: str, make: Callable[[], T]) -> T:
     """``make()``, made once per ``(param, what)`` inside a scope (see ``keeps``), else every call."""
     if not keeps(param):
         return make()
-    key = (id(param), what)
-    hit = _kept.get(key)
-    if hit is None or hit[0] is not param:
-        hit = (param, make())
-        _kept[key] = hit
-    return hit[1]
+    key = (id(param), what)  # the entry holds ``param``, so its id is not reused while the scope lasts
+    if key not in _kept:
+        _kept[key] = (param, make())
+    return _kept[key][1]
