@@ -40,6 +40,7 @@
 #   s6d    B1 this tree against OLD's (arg 3), with HF; OLMoE (2 layers, full-width q/k norms) and sinkhorn routing trained on the GPU
 #   b1tune B1 eager / --compile / HF, then B1 with --gemm-tuning twice (the tuning run, then a run reading its file)
 #   b8fuse BERT's eager fusions: their GPU kernel tests, each op fused vs unfused, then B8 BERT fused / unfused / HF
+#   s7a    the GPU tests of paths merged or fixed since last run (BERT fusions, FP8 experts, MTP, MLA, qk-layernorm, T5, MoE); Muon's speed and loss (muon_check.py)
 set -uo pipefail
 part="$1" out="$2"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONPATH="$PWD"
@@ -335,4 +336,10 @@ b8fuse)
   grep -E "passed|failed|error|dropout|bias" "$out/gpu_tests_b8fuse.txt" | tail -20
   python3 benchmarks/bert_fusions.py 2>&1 | tee "$out/bert_fusions.txt"
   python3 benchmarks/b8_encoders.py --model bert --steps 8 --warmup 3 --sides meshtron,meshtron-unfused,hf 2>"$out/b8_stderr.txt" | tee "$out/b8_fuse.txt" ;;
+s7a)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_bert_fusions_gpu.py tests/gpu/test_fp8_experts_gpu.py \
+    tests/gpu/test_mtp_gpu.py tests/gpu/test_mla_gpu.py tests/gpu/test_qk_layernorm_gpu.py tests/gpu/test_t5_gpu.py \
+    tests/gpu/test_moe_permute_gpu.py tests/gpu/test_moe_router_gpu.py > "$out/gpu_tests_s7a.txt" 2>&1
+  tail -25 "$out/gpu_tests_s7a.txt"
+  timeout 370 python3 benchmarks/muon_check.py --out "$out/muon_check" 2>"$out/muon_stderr.txt" | tail -30 ;;
 esac
