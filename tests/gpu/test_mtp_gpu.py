@@ -38,5 +38,7 @@ def test_fused_paths_equal_the_reference_gpu():
     assert {"mtp_loss/1", "mtp_loss/2"} <= fused["aux"].keys()
     for name, value in reference["aux"].items():
         assert math.isclose(fused["aux"][name], value, rel_tol=1e-3, abs_tol=1e-6), (name, fused["aux"][name], value)
+    # Adam's normalized step (lr 1e-2) turns summation-order differences of a near-zero gradient
+    # element into up to a few percent of lr: weights agree to a tenth of one step's size.
     for name, weight in reference["weights"].items():
-        torch.testing.assert_close(fused["weights"][name], weight, rtol=1e-3, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(fused["weights"][name], weight, rtol=1e-3, atol=1e-3, msg=lambda m, name=name: f"{name}: {m}")

@@ -100,16 +100,19 @@ def scaled_grouped_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_i
         return torch._scaled_grouped_mm(a, b.transpose(1, 2), a_inv, b_inv, offs=offsets, out_dtype=out_dtype,
                                         use_fast_accum=fast_accum)  # fmt: skip
     sizes = group_sizes.tolist()
-    parts = []
+    parts, unit = [], torch.ones((), device=a.device)
     for g, (rows, rows_inv) in enumerate(zip(torch.split(a, sizes), torch.split(a_inv, sizes))):
         if not sizes[g]:
             continue
-        if backend == "loop":  # cuBLASLt's FP8 GEMM wants the rows in multiples of 16: zero rows pad the group
+        if backend == "loop":
+            # Tensorwise _scaled_mm (unit scales, fp32 out) runs on every FP8 GPU, where rowwise scaling
+            # is refused by some cuBLASLt builds; the power-of-two row scales applied after it give
+            # the same product. cuBLASLt's FP8 GEMM wants the rows in multiples of 16: zero rows pad.
             pad = -sizes[g] % 16
             rows = torch.cat([rows, rows.new_zeros(pad, rows.shape[1])]) if pad else rows
-            rows_inv = torch.cat([rows_inv, rows_inv.new_ones(pad)]) if pad else rows_inv
-            parts.append(torch._scaled_mm(rows, b[g].t(), scale_a=rows_inv[:, None], scale_b=b_inv[g][None, :],
-                                          out_dtype=out_dtype, use_fast_accum=fast_accum)[: sizes[g]])  # fmt: skip
+            product = torch._scaled_mm(rows, b[g].t(), scale_a=unit, scale_b=unit, out_dtype=torch.float32,
+                                       use_fast_accum=fast_accum)[: sizes[g]]  # fmt: skip
+            parts.append((product * rows_inv[:, None] * b_inv[g][None, :]).to(out_dtype))
         else:
             parts.append(((rows.float() * rows_inv[:, None]) @ (b[g].float() * b_inv[g][:, None]).t()).to(out_dtype))
     return torch.cat(parts) if parts else a.new_zeros(0, b.shape[1], dtype=out_dtype)
