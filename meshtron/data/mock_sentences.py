@@ -47,7 +47,7 @@ class MockVocabulary:
     words: np.ndarray
 
     @classmethod
-    def build(cls, tokenizer, vocab_size: int | None, num_sentinels: int) -> "MockVocabulary":
+    def build(cls, tokenizer, vocab_size: int | None, num_sentinels: int) -> MockVocabulary:
         """The tokenizer's ids, or without one the reserved ids in a vocabulary of ``vocab_size``."""
         if tokenizer is not None:
             special, continuation = special_ids(tokenizer), continuation_table(tokenizer)
