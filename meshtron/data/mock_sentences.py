@@ -38,6 +38,21 @@ RESERVED_IDS = 6  # [PAD] [CLS] [SEP] [MASK] [BOS] [EOS] are ids 0..5 without a 
 SENTENCE_TOKENS = (8, 40)  # a mock sentence's length, drawn uniformly in this range (inclusive)
 
 
+def reserved_id_errors(vocab_size: int, num_sentinels: int) -> list[str]:
+    """Without a tokenizer: whether ``vocab_size`` leaves a word id beside the reserved ones."""
+    if vocab_size <= RESERVED_IDS + num_sentinels:
+        return [f"--mock-data without a tokenizer reserves ids 0-5 and the top --vocab-extra-ids ({num_sentinels}) for special "
+                f"tokens; --vocab-size {vocab_size} leaves no word id: raise it"]  # fmt: skip
+    return []
+
+
+def mock_vocabulary_errors(cfg) -> list[str]:
+    """``reserved_id_errors`` of a config's mock run without a tokenizer, checked before any process
+    starts (``--vocab-size`` 0 is the default vocabulary, large enough)."""
+    d, vocab = cfg.data, cfg.model.vocab_size
+    return reserved_id_errors(vocab, d.vocab_extra_ids) if d.mock and not d.tokenizer_type and vocab else []
+
+
 @dataclass(frozen=True)
 class MockVocabulary:
     """The ids mock sentences are made of: special ids, which ids continue a word, the word ids."""
@@ -54,11 +69,9 @@ class MockVocabulary:
         else:
             if not vocab_size:
                 raise ValueError("--mock-data needs a vocabulary size: pass vocab_size or a tokenizer")
-            first_sentinel = vocab_size - num_sentinels
-            if first_sentinel <= RESERVED_IDS:
-                raise ValueError(f"--mock-data without a tokenizer reserves ids 0-5 and the top --vocab-extra-ids ({num_sentinels}) "
-                                 f"for special tokens; --vocab-size {vocab_size} leaves no word id: raise it")  # fmt: skip
-            special = SpecialIds(*range(RESERVED_IDS), tuple(range(first_sentinel, vocab_size)), vocab_size)
+            for error in reserved_id_errors(vocab_size, num_sentinels):
+                raise ValueError(error)
+            special = SpecialIds(*range(RESERVED_IDS), tuple(range(vocab_size - num_sentinels, vocab_size)), vocab_size)
             continuation = np.zeros(vocab_size, dtype=bool)
         taken = [special.pad, special.cls, special.sep, special.mask, special.bos, special.eos, *special.sentinels]
         return cls(special, continuation, np.setdiff1d(np.arange(special.vocab_size), taken))

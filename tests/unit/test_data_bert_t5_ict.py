@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from meshtron.config import Config, DataConfig, parse_overrides
+from meshtron.config import Config, ConfigError, DataConfig, build_config, parse_overrides
 from meshtron.data import preprocess
 from meshtron.data.bert_dataset import BERTDataset
 from meshtron.data.builder import MicroBatchIterator
@@ -28,6 +28,7 @@ from meshtron.data.masked_lm import (
 from meshtron.data.t5_dataset import T5Dataset
 from meshtron.data.tokenizers import build_tokenizer
 from meshtron.models import family
+from meshtron.validation import validate
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 WORDS = ("the quick brown fox jump over lazy dog mr smith went to washington he arrived on time it rain walk cat sat mat "
@@ -368,6 +369,11 @@ def test_mock_reserved_ids():
     assert vocab.words.tolist() == list(range(6, 980)) and not vocab.continuation.any()
     with pytest.raises(ValueError, match="--vocab-size 26 leaves no word id"):
         MockVocabulary.build(None, 26, 20)
+    assert MockVocabulary.build(None, 27, 20).words.tolist() == [6]
+    for model in ("bert", "t5", "ict"):  # refused with the config, before any process starts
+        flags = ["--model-type", model, "--mock-data", "--vocab-size", "26", "--vocab-extra-ids", "20", "--decoder-seq-length", "8"]
+        with pytest.raises(ConfigError, match="--vocab-size 26 leaves no word id"):
+            validate(build_config(overrides=flags))
 
 
 @pytest.mark.parametrize("with_tokenizer", [False, True])
