@@ -17,9 +17,9 @@ One training step = forward + backward + optimizer step, dropout 0.1 on both sid
   same shape and work per token, not the same function. Tokens count encoder + decoder (640 a sample).
 
 The sides: ``meshtron`` is the trainer's own step (``Trainer.train_step``, ``--bf16``: bf16
-weights, fp32 master weights and gradients, fused kernels, SDPA backend ``auto``); it reads its
-data source at start-up (the embedded corpus), but the timed steps get the same random batches as
-HF, swapped in for its data iterator. ``meshtron-unfused`` is the same step with the eager
+weights, fp32 master weights and gradients, fused kernels, SDPA backend ``auto``); it starts on
+``--mock-data`` (random masked sentences: no corpus, no tokenizer, no NLTK), but the timed steps
+get the same random batches as HF, swapped in for its data iterator. ``meshtron-unfused`` is the same step with the eager
 fusions off (``--no-bias-gelu-fusion --no-bias-dropout-fusion --no-cross-entropy-loss-fusion``:
 GELU, dropout and residual add as separate PyTorch ops, BERT's LM head through full logits of its
 labelled rows): what they are worth, in its own row against HF. ``hf`` is the transformers model with SDPA attention, fp32
@@ -46,7 +46,6 @@ from child import report, run_child  # benchmarks/child.py: the child-process pr
 MASKED_FRACTION = 0.15
 # meshtron's sides: the flags each adds to the common ones.
 MESHTRON_SIDES = {"meshtron": [], "meshtron-unfused": ["--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-cross-entropy-loss-fusion"]}
-# The embedded corpus's WordPiece tokenizer (4098 tokens; T5 adds 100 sentinels) sets a floor under the vocabulary.
 TINY = dict(layers=2, hidden=64, heads=4, ffn=256, vocab=4224, seq=32, batch=2)
 
 
@@ -170,7 +169,7 @@ def random_batches(model: str, shape: dict, device: torch.device):
 
 def meshtron_overrides(model: str, args, shape: dict, device: torch.device, side: str = "meshtron") -> list[str]:
     return MODELS[model].meshtron_flags(shape) + [
-        "--num-layers", str(shape["layers"]), "--hidden-size", str(shape["hidden"]), "--num-attention-heads", str(shape["heads"]),
+        "--mock-data", "--num-layers", str(shape["layers"]), "--hidden-size", str(shape["hidden"]), "--num-attention-heads", str(shape["heads"]),
         "--ffn-hidden-size", str(shape["ffn"]), "--vocab-size", str(shape["vocab"]),
         "--seq-length", str(shape["seq"]), "--max-position-embeddings", str(shape["seq"]),
         "--hidden-dropout", str(args.dropout), "--attention-dropout", str(args.dropout),

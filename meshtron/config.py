@@ -37,7 +37,7 @@ class DataConfig:
     data_args_path: str = ""  # a file holding the data_path value (read at start-up into data_path)
     per_split_data_args_path: str = ""  # a JSON file with "train", "valid", "test" blends (read into the three above)
     split: str = "969,30,1"  # train,valid,test weights of the documents
-    mock: bool = False  # random tokens instead of data (benchmarks)
+    mock: bool = False  # random tokens (sentences, for BERT/T5/ICT) instead of data: benchmarks, smoke runs
     seq_length: int = 128  # tokens per sample
     tokenizer_type: str = ""  # HuggingFaceTokenizer | GPT2BPETokenizer | SentencePieceTokenizer | TikTokenizer | ByteTokenizer
     tokenizer_model: str = ""  # tokenizer file or folder (tokenizer.json, .model, tiktoken file)

@@ -19,6 +19,8 @@ Batch of one sample (the model's batch after collation adds a leading batch dime
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -27,41 +29,42 @@ from meshtron.data.masked_lm import (
     BERT_MAX_NGRAM,
     IGNORE_INDEX,
     SentenceSampleDataset,
+    SpecialIds,
     build_mapping,
     continuation_table,
     create_masked_lm_predictions,
     pad,
+    special_ids,
 )
 
 
-class BERTDataset(SentenceSampleDataset):
-    """``num_samples`` BERT samples from documents ``document_range`` of a sentence-level ``indexed``."""
+@dataclass(frozen=True)
+class BertSampler:
+    """How a BERT sample is made from its sentences: the sentence-order pair, the trimming, the
+    masking and the padding. ``BERTDataset`` feeds it a mapping row's sentences, mock data
+    (``mock_sentences.py``) random ones."""
 
-    def __init__(self, indexed: IndexedDataset, document_range: tuple[int, int], num_samples: int, seq_length: int, seed: int,
-                 cache_dir: str | None, tokenizer, mask_prob: float = 0.15, short_seq_prob: float = 0.1, binary_head: bool = True,
-                 name: str = "train"):
-        super().__init__(indexed, document_range, num_samples, seed, cache_dir, name)
-        if seq_length < 5:
-            raise ValueError(f"{name}: BERT needs --seq-length >= 5 ([CLS] A [SEP] B [SEP]), got {seq_length}")
-        self.tokenizer, self.seq_length, self.mask_prob, self.binary_head = tokenizer, seq_length, mask_prob, binary_head
-        self.continuation = continuation_table(tokenizer)
-        target, min_sentences = seq_length - 3, 2 if binary_head else 1
-        self._load_mapping(
-            {"seq_length": seq_length, "short_seq_prob": short_seq_prob, "min_sentences": min_sentences},
-            lambda docs: build_mapping(docs, indexed.sequence_lengths, num_samples, target, short_seq_prob, seed, min_sentences),
-        )
+    special: SpecialIds
+    continuation: np.ndarray  # ``continuation_table``: which ids join the word before them
+    seq_length: int
+    mask_prob: float
+    binary_head: bool
+
+    def __post_init__(self):
+        if self.seq_length < 5:
+            raise ValueError(f"BERT needs --seq-length >= 5 ([CLS] A [SEP] B [SEP]), got {self.seq_length}")
 
     def _replacement(self, rng: np.random.RandomState):
         """80% [MASK], 10% a uniformly random id of the vocabulary, 10% unchanged (None)."""
         if rng.random() < 0.8:
-            return self.tokenizer.mask
+            return self.special.mask
         if rng.random() >= 0.5:
-            return int(rng.randint(0, self.tokenizer.vocab_size))
+            return int(rng.randint(0, self.special.vocab_size))
         return None
 
-    def __getitem__(self, i: int) -> dict:
-        rng, (first, end, target) = self._row(i)
-        sentences = self._sentences(first, end)
+    def __call__(self, sentences: list[list[int]], target: int, rng: np.random.RandomState) -> dict:
+        """The sample of ``sentences`` (token ids, consecutive in one document) cut to ``target``
+        tokens, drawing from the sample's ``rng``."""
         pivot, swapped = len(sentences), False
         if self.binary_head:
             pivot = int(rng.randint(1, len(sentences))) if len(sentences) >= 3 else 1
@@ -73,14 +76,14 @@ class BERTDataset(SentenceSampleDataset):
         while len(a) + len(b) > target:  # trim the longer segment from a random end
             longer = a if len(a) > len(b) else b
             del longer[0 if rng.random() < 0.5 else -1]
-        tok = self.tokenizer
-        tokens = [tok.cls, *a, tok.sep] + ([*b, tok.sep] if b else [])
+        sp = self.special
+        tokens = [sp.cls, *a, sp.sep] + ([*b, sp.sep] if b else [])
         types = [0] * (len(a) + 2) + [1] * (len(tokens) - len(a) - 2)
         masked, positions, originals, _ = create_masked_lm_predictions(
             tokens, target, rng, mask_prob=self.mask_prob, max_ngram=BERT_MAX_NGRAM, continuation=self.continuation,
-            skip_ids=(tok.cls, tok.sep), geometric=False, replacement=self._replacement,
+            skip_ids=(sp.cls, sp.sep), geometric=False, replacement=self._replacement,
         )
-        tokens_t, padding_mask = pad(masked, self.seq_length, tok.pad)
+        tokens_t, padding_mask = pad(masked, self.seq_length, sp.pad)
         where = torch.tensor(positions, dtype=torch.int64)
         labels = torch.full((self.seq_length,), IGNORE_INDEX, dtype=torch.int64)
         labels[where] = torch.tensor(originals, dtype=torch.int64)
@@ -94,3 +97,22 @@ class BERTDataset(SentenceSampleDataset):
             "padding_mask": padding_mask,
             "is_random": torch.tensor(int(swapped), dtype=torch.int64),
         }
+
+
+class BERTDataset(SentenceSampleDataset):
+    """``num_samples`` BERT samples from documents ``document_range`` of a sentence-level ``indexed``."""
+
+    def __init__(self, indexed: IndexedDataset, document_range: tuple[int, int], num_samples: int, seq_length: int, seed: int,
+                 cache_dir: str | None, tokenizer, mask_prob: float = 0.15, short_seq_prob: float = 0.1, binary_head: bool = True,
+                 name: str = "train"):
+        super().__init__(indexed, document_range, num_samples, seed, cache_dir, name)
+        self.make = BertSampler(special_ids(tokenizer), continuation_table(tokenizer), seq_length, mask_prob, binary_head)
+        target, min_sentences = seq_length - 3, 2 if binary_head else 1
+        self._load_mapping(
+            {"seq_length": seq_length, "short_seq_prob": short_seq_prob, "min_sentences": min_sentences},
+            lambda docs: build_mapping(docs, indexed.sequence_lengths, num_samples, target, short_seq_prob, seed, min_sentences),
+        )
+
+    def __getitem__(self, i: int) -> dict:
+        rng, (first, end, target) = self._row(i)
+        return self.make(self._sentences(first, end), target, rng)

@@ -127,19 +127,23 @@ def _splits(sources: Sources, num_samples: tuple[int, int, int], seed: int, one)
 
 def build_sentence_datasets(
     what: str, data_cfg: DataConfig, tokenizer, num_samples: tuple[int, int, int], seed: int, data_prefixes: list[str] | None,
-    data_errors: Callable[[DataConfig], list[str]], one: Callable[..., Any],
+    data_errors: Callable[[DataConfig], list[str]], one: Callable[..., Any], mock: Callable[[int, int], Any],
 ):  # fmt: skip
     """(train, valid, test) on sentence-level ``--data-path`` files (or ``data_prefixes``, equally
     weighted: the embedded corpus) for the family ``what`` (named in messages), once the shared
     and its own ``data_errors`` are none. ``one(indexed, documents, titles, **common)`` builds a
     split's dataset over a prefix's document range; ``common`` holds what every sentence dataset takes.
+    With ``--mock-data``, ``mock(num_samples, seed)`` builds each split instead (``mock_sentences.py``),
+    each with its own seed as for GPT.
 
     ``--split`` divides documents (not sentences); several weighted prefixes blend as for GPT.
     """
     errors = masked_data_config_errors(data_cfg) + data_errors(data_cfg)
     if errors:
         raise ValueError("; ".join(errors))
-    if data_cfg.mock or not (names_data(data_cfg) or data_prefixes):
+    if data_cfg.mock:
+        return tuple(mock(n, seed + k) if n > 0 else None for k, n in enumerate(num_samples))
+    if not (names_data(data_cfg) or data_prefixes):
         raise ValueError(f"{what} needs sentence-split data: --data-path PREFIX_text_sentence (meshtron preprocess --split-sentences)")
     sources = Sources.read(data_cfg, data_prefixes, lambda ds: len(ds.document_indices) - 1)
     titles = IndexedDataset(data_cfg.titles_data_path) if data_cfg.titles_data_path else None
@@ -156,44 +160,59 @@ def build_sentence_datasets(
 
 def bert_datasets(cfg: Config, tokenizer, num_samples: tuple[int, int, int], seed: int, data_prefixes: list[str] | None = None,
                   vocab_size: int | None = None):  # fmt: skip
-    """BERT's ``BERTDataset`` splits; ``--bert-no-binary-head`` drops the sentence-order pairs."""
+    """BERT's ``BERTDataset`` splits (``MockBERTDataset`` with ``--mock-data``); ``--bert-no-binary-head``
+    drops the sentence-order pairs."""
     from meshtron.data.bert_dataset import BERTDataset
+    from meshtron.data.mock_sentences import MockBERTDataset, MockVocabulary
 
     d = cfg.data
+    shared = dict(seq_length=d.seq_length, mask_prob=d.mask_prob, short_seq_prob=d.short_seq_prob, binary_head=cfg.model.bert_binary_head)
 
     def one(indexed, documents, titles, **common):
-        return BERTDataset(indexed, documents, seq_length=d.seq_length, mask_prob=d.mask_prob, short_seq_prob=d.short_seq_prob,
-                           binary_head=cfg.model.bert_binary_head, **common)  # fmt: skip
+        return BERTDataset(indexed, documents, **shared, **common)
 
-    return build_sentence_datasets("bert", d, tokenizer, num_samples, seed, data_prefixes, bert_data_errors, one)
+    def mock(n: int, split_seed: int):
+        return MockBERTDataset(n, split_seed, MockVocabulary.build(tokenizer, vocab_size, d.vocab_extra_ids), **shared)
+
+    return build_sentence_datasets("bert", d, tokenizer, num_samples, seed, data_prefixes, bert_data_errors, one, mock)
 
 
 def t5_datasets(cfg: Config, tokenizer, num_samples: tuple[int, int, int], seed: int, data_prefixes: list[str] | None = None,
                 vocab_size: int | None = None):  # fmt: skip
-    """T5's ``T5Dataset`` splits (span corruption with sentinels)."""
+    """T5's ``T5Dataset`` splits (span corruption with sentinels; ``MockT5Dataset`` with ``--mock-data``)."""
+    from meshtron.data.mock_sentences import MockT5Dataset, MockVocabulary
     from meshtron.data.t5_dataset import T5Dataset
 
     d = cfg.data
+    shared = dict(encoder_seq_length=d.encoder_seq_length or d.seq_length, decoder_seq_length=d.decoder_seq_length, mask_prob=d.mask_prob,
+                  short_seq_prob=d.short_seq_prob)  # fmt: skip
 
     def one(indexed, documents, titles, **common):
-        return T5Dataset(indexed, documents, encoder_seq_length=d.encoder_seq_length or d.seq_length,
-                         decoder_seq_length=d.decoder_seq_length, mask_prob=d.mask_prob, short_seq_prob=d.short_seq_prob, **common)  # fmt: skip
+        return T5Dataset(indexed, documents, **shared, **common)
 
-    return build_sentence_datasets("t5", d, tokenizer, num_samples, seed, data_prefixes, t5_data_errors, one)
+    def mock(n: int, split_seed: int):
+        return MockT5Dataset(n, split_seed, MockVocabulary.build(tokenizer, vocab_size, d.vocab_extra_ids), **shared)
+
+    return build_sentence_datasets("t5", d, tokenizer, num_samples, seed, data_prefixes, t5_data_errors, one, mock)
 
 
 def ict_datasets(cfg: Config, tokenizer, num_samples: tuple[int, int, int], seed: int, data_prefixes: list[str] | None = None,
                  vocab_size: int | None = None):  # fmt: skip
-    """The retriever's ``ICTDataset`` splits (a sentence as the query of its block; titles optional)."""
+    """The retriever's ``ICTDataset`` splits (a sentence as the query of its block; titles optional;
+    ``MockICTDataset`` with ``--mock-data``)."""
     from meshtron.data.ict_dataset import ICTDataset
+    from meshtron.data.mock_sentences import MockICTDataset, MockVocabulary
 
     d = cfg.data
+    shared = dict(seq_length=d.seq_length, query_in_block_prob=d.query_in_block_prob, use_one_sent_docs=d.use_one_sent_docs)
 
     def one(indexed, documents, titles, **common):
-        return ICTDataset(indexed, documents, seq_length=d.seq_length, titles=titles, query_in_block_prob=d.query_in_block_prob,
-                          use_one_sent_docs=d.use_one_sent_docs, **common)  # fmt: skip
+        return ICTDataset(indexed, documents, titles=titles, **shared, **common)
 
-    return build_sentence_datasets("ict", d, tokenizer, num_samples, seed, data_prefixes, ict_data_errors, one)
+    def mock(n: int, split_seed: int):
+        return MockICTDataset(n, split_seed, MockVocabulary.build(tokenizer, vocab_size, d.vocab_extra_ids), **shared)
+
+    return build_sentence_datasets("ict", d, tokenizer, num_samples, seed, data_prefixes, ict_data_errors, one, mock)
 
 
 def collate(samples: list[dict]) -> dict:

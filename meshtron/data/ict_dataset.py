@@ -22,11 +22,47 @@ sample draws from its own ``RandomState(seed + index)``, so samples are reproduc
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from meshtron.data.indexed import IndexedDataset
-from meshtron.data.masked_lm import SentenceSampleDataset, build_blocks_mapping, pad
+from meshtron.data.masked_lm import SentenceSampleDataset, SpecialIds, build_blocks_mapping, pad, special_ids
+
+
+@dataclass(frozen=True)
+class ICTSampler:
+    """How an ICT sample is made from its block: the query drawn and kept or removed, the title,
+    the padding. ``ICTDataset`` feeds it a mapping row's sentences, mock data (``mock_sentences.py``)
+    random ones."""
+
+    special: SpecialIds
+    seq_length: int
+    query_in_block_prob: float
+
+    def __post_init__(self):
+        if self.seq_length < 4:
+            raise ValueError(f"ICT needs --seq-length >= 4, got {self.seq_length}")
+
+    def __call__(self, block: list[list[int]], title: list[int] | None, rng: np.random.RandomState, row: list[int]) -> dict:
+        """The sample of ``block`` (sentences of one document) under ``title`` (None: untitled),
+        drawing from the sample's ``rng``; ``row`` becomes its ``block_indices``."""
+        block = list(block)
+        q = int(rng.randint(0, len(block)))
+        query = list(block[q]) if rng.random() < self.query_in_block_prob else block.pop(q)
+        sp = self.special
+        prefix = [sp.cls, *title, sp.sep] if title is not None else [sp.cls]
+        context = [t for s in block for t in s][: self.seq_length - len(prefix) - 1]
+        query_tokens, query_mask = pad([sp.cls, *query[: self.seq_length - 2], sp.sep], self.seq_length, sp.pad)
+        context_tokens, context_mask = pad([*prefix, *context, sp.sep], self.seq_length, sp.pad)
+        return {
+            "query_tokens": query_tokens,
+            "query_padding_mask": query_mask,
+            "context_tokens": context_tokens,
+            "context_padding_mask": context_mask,
+            "block_indices": torch.tensor(row, dtype=torch.int64),
+        }
 
 
 class ICTDataset(SentenceSampleDataset):
@@ -39,10 +75,8 @@ class ICTDataset(SentenceSampleDataset):
         num_docs = len(indexed.document_indices) - 1
         if titles is not None and len(titles) != num_docs:
             raise ValueError(f"--titles-data-path {titles.path_prefix} has {len(titles)} titles but {indexed.path_prefix} has {num_docs} documents")
-        if seq_length < 4:
-            raise ValueError(f"{name}: ICT needs --seq-length >= 4, got {seq_length}")
-        self.tokenizer, self.titles, self.seq_length = tokenizer, titles, seq_length
-        self.query_in_block_prob = query_in_block_prob
+        self.make = ICTSampler(special_ids(tokenizer), seq_length, query_in_block_prob)
+        self.titles = titles
         start, end = self.document_range
         if titles is not None:
             title_sizes = np.asarray(titles.sequence_lengths[start:end])
@@ -57,22 +91,5 @@ class ICTDataset(SentenceSampleDataset):
     def __getitem__(self, i: int) -> dict:
         rng, row = self._row(i)
         first, end, doc, _ = row
-        block = self._sentences(first, end)
-        q = int(rng.randint(0, len(block)))
-        query = list(block[q]) if rng.random() < self.query_in_block_prob else block.pop(q)
-        tok = self.tokenizer
-        if self.titles is not None:
-            title = self.titles[doc].tolist()
-            prefix = [tok.cls, *title, tok.sep]
-        else:
-            prefix = [tok.cls]
-        context = [t for s in block for t in s][: self.seq_length - len(prefix) - 1]
-        query_tokens, query_mask = pad([tok.cls, *query[: self.seq_length - 2], tok.sep], self.seq_length, tok.pad)
-        context_tokens, context_mask = pad([*prefix, *context, tok.sep], self.seq_length, tok.pad)
-        return {
-            "query_tokens": query_tokens,
-            "query_padding_mask": query_mask,
-            "context_tokens": context_tokens,
-            "context_padding_mask": context_mask,
-            "block_indices": torch.tensor(row, dtype=torch.int64),
-        }
+        title = self.titles[doc].tolist() if self.titles is not None else None
+        return self.make(self._sentences(first, end), title, rng, row)

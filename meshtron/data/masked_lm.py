@@ -19,6 +19,7 @@ options, which neither pretraining script turns on, are left out.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from itertools import islice
 
 import numpy as np
@@ -192,6 +193,27 @@ def build_blocks_mapping(docs: np.ndarray, sizes: np.ndarray, title_sizes: np.nd
 
     rows = _epochs(num_samples, one_epoch, "block")
     return shuffle_rows(np.array(rows, dtype=_mapping_dtype(len(sizes))), seed)
+
+
+@dataclass(frozen=True)
+class SpecialIds:
+    """The ids the BERT, T5 and ICT samples place around and in place of text: a WordPiece
+    tokenizer's (``special_ids``) or, for mock data without one, reserved ids (``mock_sentences.py``)."""
+
+    pad: int
+    cls: int
+    sep: int
+    mask: int
+    bos: int
+    eos: int
+    sentinels: tuple[int, ...]  # T5's <extra_id_k>, in k order
+    vocab_size: int  # every id is below it (BERT's random replacements draw below it)
+
+
+def special_ids(tokenizer) -> SpecialIds:
+    """A BERT WordPiece tokenizer's special ids (``--vocab-extra-ids`` sentinels included)."""
+    return SpecialIds(tokenizer.pad, tokenizer.cls, tokenizer.sep, tokenizer.mask, tokenizer.bos, tokenizer.eos,
+                      tuple(getattr(tokenizer, "additional_special_tokens_ids", ())), tokenizer.vocab_size)  # fmt: skip
 
 
 def continuation_table(tokenizer) -> np.ndarray:

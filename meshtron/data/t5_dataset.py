@@ -19,16 +19,73 @@ Batch of one sample (collation adds a leading batch dimension):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
+
 from meshtron.data.indexed import IndexedDataset
 from meshtron.data.masked_lm import (
     IGNORE_INDEX,
     T5_MAX_NGRAM,
     SentenceSampleDataset,
+    SpecialIds,
     build_mapping,
     continuation_table,
     create_masked_lm_predictions,
     pad,
+    special_ids,
 )
+
+
+@dataclass(frozen=True)
+class T5Sampler:
+    """How a T5 sample is made from its tokens: span corruption, the sentinels, the decoder's
+    input and targets, the padding. ``T5Dataset`` feeds it a mapping row's sentences, mock data
+    (``mock_sentences.py``) random ones."""
+
+    special: SpecialIds
+    continuation: np.ndarray  # ``continuation_table``: which ids join the word before them
+    encoder_seq_length: int
+    decoder_seq_length: int
+    mask_prob: float
+
+    def __post_init__(self):
+        if not self.special.sentinels:
+            raise ValueError("T5 needs sentinel tokens; set --vocab-extra-ids (T5 uses 100)")
+        if self.encoder_seq_length < 3 or self.decoder_seq_length < 2:
+            raise ValueError(f"T5 needs --encoder-seq-length >= 3 and --decoder-seq-length >= 2, got {self.encoder_seq_length}, "
+                             f"{self.decoder_seq_length}")  # fmt: skip
+
+    def __call__(self, sentences: list[list[int]], target: int, rng: np.random.RandomState, where: str) -> dict:
+        """The sample of ``sentences`` (token ids, consecutive in one document) cut to ``target``
+        tokens, drawing from the sample's ``rng``; ``where`` names the sample in errors."""
+        sp = self.special
+        tokens = [t for s in sentences for t in s][:target]
+        masked, _, _, spans = create_masked_lm_predictions(
+            tokens, target, rng, mask_prob=self.mask_prob, max_ngram=T5_MAX_NGRAM, continuation=self.continuation,
+            skip_ids=(sp.cls, sp.sep), geometric=True, replacement=lambda _: sp.mask,
+        )
+        if len(spans) > len(sp.sentinels):
+            raise ValueError(f"{where}: {len(spans)} masked spans but only {len(sp.sentinels)} sentinels; raise --vocab-extra-ids")
+        encoder, targets, start = [], [], 0
+        for sentinel, (positions, originals) in zip(sp.sentinels, spans):
+            encoder += masked[start : positions[0]] + [sentinel]
+            targets += [sentinel, *originals]
+            start = positions[-1] + 1
+        encoder += masked[start:]
+        decoder, labels = [sp.bos, *targets], [*targets, sp.eos]
+        if len(decoder) > self.decoder_seq_length:
+            raise ValueError(f"{where}: the decoder needs {len(decoder)} tokens, more than --decoder-seq-length {self.decoder_seq_length}")
+        encoder_tokens, encoder_mask = pad(encoder, self.encoder_seq_length, sp.pad)
+        decoder_tokens, decoder_mask = pad(decoder, self.decoder_seq_length, sp.pad)
+        return {
+            "encoder_tokens": encoder_tokens,
+            "decoder_tokens": decoder_tokens,
+            "labels": pad(labels, self.decoder_seq_length, IGNORE_INDEX)[0],
+            "loss_mask": decoder_mask.float(),
+            "encoder_padding_mask": encoder_mask,
+            "decoder_padding_mask": decoder_mask,
+        }
 
 
 class T5Dataset(SentenceSampleDataset):
@@ -38,14 +95,7 @@ class T5Dataset(SentenceSampleDataset):
                  decoder_seq_length: int, seed: int, cache_dir: str | None, tokenizer, mask_prob: float = 0.15,
                  short_seq_prob: float = 0.1, name: str = "train"):
         super().__init__(indexed, document_range, num_samples, seed, cache_dir, name)
-        sentinels = list(getattr(tokenizer, "additional_special_tokens_ids", []))
-        if not sentinels:
-            raise ValueError(f"{name}: T5 needs sentinel tokens; build the tokenizer with --vocab-extra-ids (T5 uses 100)")
-        if encoder_seq_length < 3 or decoder_seq_length < 2:
-            raise ValueError(f"{name}: T5 needs --encoder-seq-length >= 3 and --decoder-seq-length >= 2, got {encoder_seq_length}, {decoder_seq_length}")
-        self.tokenizer, self.sentinels, self.mask_prob = tokenizer, sentinels, mask_prob
-        self.encoder_seq_length, self.decoder_seq_length = encoder_seq_length, decoder_seq_length
-        self.continuation = continuation_table(tokenizer)
+        self.make = T5Sampler(special_ids(tokenizer), continuation_table(tokenizer), encoder_seq_length, decoder_seq_length, mask_prob)
         target = encoder_seq_length - 2
         self._load_mapping(
             {"encoder_seq_length": encoder_seq_length, "short_seq_prob": short_seq_prob},
@@ -54,30 +104,4 @@ class T5Dataset(SentenceSampleDataset):
 
     def __getitem__(self, i: int) -> dict:
         rng, (first, end, target) = self._row(i)
-        tokens = [t for s in self._sentences(first, end) for t in s][:target]
-        tok = self.tokenizer
-        masked, _, _, spans = create_masked_lm_predictions(
-            tokens, target, rng, mask_prob=self.mask_prob, max_ngram=T5_MAX_NGRAM, continuation=self.continuation,
-            skip_ids=(tok.cls, tok.sep), geometric=True, replacement=lambda _: tok.mask,
-        )
-        if len(spans) > len(self.sentinels):
-            raise ValueError(f"{self.name} sample {i}: {len(spans)} masked spans but only {len(self.sentinels)} sentinels; raise --vocab-extra-ids")
-        encoder, targets, start = [], [], 0
-        for sentinel, (positions, originals) in zip(self.sentinels, spans):
-            encoder += masked[start : positions[0]] + [sentinel]
-            targets += [sentinel, *originals]
-            start = positions[-1] + 1
-        encoder += masked[start:]
-        decoder, labels = [tok.bos, *targets], [*targets, tok.eos]
-        if len(decoder) > self.decoder_seq_length:
-            raise ValueError(f"{self.name} sample {i}: the decoder needs {len(decoder)} tokens, more than --decoder-seq-length {self.decoder_seq_length}")
-        encoder_tokens, encoder_mask = pad(encoder, self.encoder_seq_length, tok.pad)
-        decoder_tokens, decoder_mask = pad(decoder, self.decoder_seq_length, tok.pad)
-        return {
-            "encoder_tokens": encoder_tokens,
-            "decoder_tokens": decoder_tokens,
-            "labels": pad(labels, self.decoder_seq_length, IGNORE_INDEX)[0],
-            "loss_mask": decoder_mask.float(),
-            "encoder_padding_mask": encoder_mask,
-            "decoder_padding_mask": decoder_mask,
-        }
+        return self.make(self._sentences(first, end), target, rng, f"{self.name} sample {i}")

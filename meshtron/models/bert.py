@@ -182,11 +182,10 @@ def bert_config_errors(cfg: Config) -> list[str]:
         errors.append("BERT is built with dense MLPs and standard attention; drop --num-experts / --multi-latent-attention")
     if p.context_parallel > 1:
         errors.append("BERT under context parallelism is not implemented (the ring attention is causal); set --context-parallel-size 1")
-    if d.mock:
-        errors.append("BERT has no mock dataset yet; drop --mock-data (the embedded corpus or --data-path work)")
-    if d.data_path and d.tokenizer_type not in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+    if (d.data_path or (d.mock and d.tokenizer_type)) and d.tokenizer_type not in ("BertWordPieceLowerCase", "BertWordPieceCase"):
         errors.append(f"BERT's data needs [CLS]/[SEP]/[MASK]: use --tokenizer-type BertWordPieceLowerCase or "
-                      f"BertWordPieceCase (got '{d.tokenizer_type}')")  # fmt: skip
+                      f"BertWordPieceCase (got '{d.tokenizer_type}')"
+                      f"{'; or drop it (--mock-data needs no tokenizer)' if d.mock else ''}")  # fmt: skip
     if cfg.logging.generate_prompt:
         errors.append("BERT does not generate text; drop --generate-prompt")
     return errors

@@ -297,11 +297,10 @@ def t5_config_errors(cfg: Config) -> list[str]:
     if p.context_parallel > 1:
         errors.append("T5 under context parallelism is not implemented (the ring attention is causal self-attention); "
                       "set --context-parallel-size 1")  # fmt: skip
-    if d.mock:
-        errors.append("T5 has no mock dataset yet; drop --mock-data (the embedded corpus or --data-path work)")
-    if d.data_path and d.tokenizer_type not in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+    if (d.data_path or (d.mock and d.tokenizer_type)) and d.tokenizer_type not in ("BertWordPieceLowerCase", "BertWordPieceCase"):
         errors.append(f"T5's data needs [BOS]/[EOS]/[MASK] and sentinels: use --tokenizer-type BertWordPieceLowerCase or "
-                      f"BertWordPieceCase (got '{d.tokenizer_type}')")  # fmt: skip
+                      f"BertWordPieceCase (got '{d.tokenizer_type}')"
+                      f"{'; or drop it (--mock-data needs no tokenizer)' if d.mock else ''}")  # fmt: skip
     if cfg.logging.generate_prompt:
         errors.append("T5 does not sample during training; drop --generate-prompt and use `meshtron generate --load DIR --prompt ...`")
     return errors

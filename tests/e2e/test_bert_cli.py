@@ -1,7 +1,9 @@
 """BERT end to end on the CPU: ``meshtron train --model-type bert`` on the embedded corpus (split
 into sentences, WordPiece vocabulary trained on it and cached), masked-LM and sentence-order
-losses both logged, the masked-LM loss falling, evaluation, a checkpoint, and a resume from it."""
+losses both logged, the masked-LM loss falling, evaluation, a checkpoint, and a resume from it;
+and BERT, T5 and ICT on ``--mock-data``, which needs no corpus, tokenizer or NLTK."""
 
+import math
 import os
 import subprocess
 import sys
@@ -9,10 +11,12 @@ from pathlib import Path
 
 import pytest
 
+REPO = Path(__file__).resolve().parents[2]
 
 
-def meshtron(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+def meshtron(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    """``python -m meshtron ARGS`` from this checkout, ``env`` added to the environment."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), **env}
     proc = subprocess.run([sys.executable, "-m", "meshtron", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"meshtron {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
@@ -35,3 +39,21 @@ def test_tiny_bert_trains_on_the_embedded_corpus_and_resumes(tmp_path):
     assert "validation at iteration 40" in out.stdout
     resumed = meshtron("train", *common, "--load", str(tmp_path / "ckpt"), cwd=tmp_path)
     assert "resumed from" in resumed.stdout and "iteration      50/50" in resumed.stdout, resumed.stdout
+
+
+@pytest.mark.parametrize("preset, first_loss", [
+    ("tiny-bert", math.log(1000)),  # masked LM over a uniform vocabulary of 1000 ids
+    ("tiny-t5", math.log(1000)),
+    ("tiny-ict", math.log(4)),  # each query against the micro batch's 4 blocks
+])  # fmt: skip
+def test_mock_data_trains_the_sentence_families_without_corpus_or_nltk(tmp_path, preset, first_loss):
+    blocked = tmp_path / "blocked" / "nltk"  # an nltk that cannot be imported, ahead of any installed one
+    blocked.mkdir(parents=True)
+    (blocked / "__init__.py").write_text("raise ImportError('nltk is blocked in this test')\n")
+    out = meshtron("train", "--preset", preset, "--mock-data", "--vocab-size", "1000", "--micro-batch-size", "4",
+                   "--global-batch-size", "8", "--train-iters", "3", "--log-interval", "1", "--eval-interval", "3", "--eval-iters", "1",
+                   "--device", "cpu", cwd=tmp_path, PYTHONPATH=f"{blocked.parent}{os.pathsep}{REPO}", HOME=str(tmp_path)).stdout  # fmt: skip
+    losses = _column(out, "loss")
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses) and abs(losses[0] - first_loss) < 0.3, out
+    assert "validation at iteration 3" in out and "embedded corpus" not in out
+    assert ("sop_loss" in out) == (preset == "tiny-bert")

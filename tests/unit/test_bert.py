@@ -94,7 +94,7 @@ def test_parameter_count_equals_hugging_face_bert_for_pretraining():
 @pytest.mark.parametrize("flags, message", [
     (["--model-type", "t6"], "--model-type must be one of"),
     (["--cp", "2"], "--context-parallel-size 1"),
-    (["--mock-data"], "drop --mock-data"),
+    (["--mock-data", "--tokenizer-type", "GPT2BPETokenizer"], "--mock-data needs no tokenizer"),
     (["--position-embedding-type", "rope"], "learned absolute positions"),
     (["--generate-prompt", "Hi"], "drop --generate-prompt"),
     (["--seq-length", "4", "--max-position-embeddings", "8"], "--seq-length >= 5"),

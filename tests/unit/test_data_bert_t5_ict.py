@@ -1,4 +1,5 @@
-"""BERT, T5 and ICT data: sentence files, WordPiece tokenizers, mappings, masking, SOP, span corruption, ICT blocks."""
+"""BERT, T5 and ICT data: sentence files, WordPiece tokenizers, mappings, masking, SOP, span corruption, ICT blocks,
+and their mock data (``--mock-data``)."""
 
 import json
 import struct
@@ -7,13 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from meshtron.config import Config, DataConfig, parse_overrides
+from meshtron.config import Config, ConfigError, DataConfig, build_config, parse_overrides
 from meshtron.data import preprocess
 from meshtron.data.bert_dataset import BERTDataset
 from meshtron.data.builder import MicroBatchIterator
 from meshtron.data.ict_dataset import ICTDataset
 from meshtron.data.indexed import IndexedDataset, IndexedDatasetBuilder
+from meshtron.data.mock_sentences import MockBERTDataset, MockICTDataset, MockT5Dataset, MockVocabulary
 from meshtron.data.masked_lm import (
+    SpecialIds,
     build_blocks_mapping,
     build_mapping,
     continuation_table,
@@ -25,6 +28,7 @@ from meshtron.data.masked_lm import (
 from meshtron.data.t5_dataset import T5Dataset
 from meshtron.data.tokenizers import build_tokenizer
 from meshtron.models import family
+from meshtron.validation import validate
 
 SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 WORDS = ("the quick brown fox jump over lazy dog mr smith went to washington he arrived on time it rain walk cat sat mat "
@@ -172,25 +176,30 @@ def test_mapping_packs_sentences_of_one_document(corpus, tok):
 # ---------------------------------------------------------------- BERT
 
 
-def test_bert_masking_statistics_and_whole_words(corpus, tok):
-    ds = bert(corpus, tok, n=800)
-    cont = continuation_table(tok)
+def check_bert_masking(ds, sp, cont: np.ndarray) -> None:
+    """Every sample of ``ds`` padded with ``sp.pad``, [CLS]/[SEP] (``sp``'s) never masked, words
+    (``cont``: ## pieces) masked whole; over all, 12-15.5 % of the real tokens masked, 80 % of those
+    [MASK], 10 % kept (plus the random draws that hit the original)."""
     real = masked = as_mask = kept = 0
     for i in range(len(ds)):
         s = ds[i]
         orig, lm = original(s), s["loss_mask"].bool()
         n = int(s["padding_mask"].sum())
-        assert not s["padding_mask"][n:].any() and (s["tokens"][n:] == tok.pad).all()
-        assert (s["labels"][~lm] == -100).all() and not lm[orig == tok.cls].any() and not lm[orig == tok.sep].any()
+        assert not s["padding_mask"][n:].any() and (s["tokens"][n:] == sp.pad).all()
+        assert (s["labels"][~lm] == -100).all() and not lm[orig == sp.cls].any() and not lm[orig == sp.sep].any()
         real, masked = real + n, masked + int(lm.sum())
-        as_mask += int((s["tokens"][lm] == tok.mask).sum())
+        as_mask += int((s["tokens"][lm] == sp.mask).sum())
         kept += int((s["tokens"][lm] == orig[lm]).sum())
-        special = (orig == tok.cls) | (orig == tok.sep)
+        special = (orig == sp.cls) | (orig == sp.sep)
         word = torch.cumsum(~torch.from_numpy(cont[orig.numpy()]) & ~special, 0)  # a ## piece joins the word before it
         for w in word[lm].unique():
             assert lm[(word == w) & ~special].all(), "a word is masked only in part"
     assert 0.12 < masked / real < 0.155
-    assert abs(as_mask / masked - 0.8) < 0.03 and abs(kept / masked - 0.1 - 0.1 / tok.vocab_size) < 0.03
+    assert abs(as_mask / masked - 0.8) < 0.03 and abs(kept / masked - 0.1 - 0.1 / sp.vocab_size) < 0.03
+
+
+def test_bert_masking_statistics_and_whole_words(corpus, tok):
+    check_bert_masking(bert(corpus, tok, n=800), tok, continuation_table(tok))
 
 
 def test_ngram_lengths(tok):
@@ -336,3 +345,102 @@ def test_config_errors_and_flags():
     parsed = parse_overrides(["--mask-prob", "0.2", "--vocab-extra-ids", "100", "--encoder-seq-length", "512", "--use-one-sent-docs",
                               "--titles-data-path", "t", "--query-in-block-prob", "0.1", "--short-seq-prob", "0", "--decoder-seq-length", "128"])
     assert parsed["data.vocab_extra_ids"] == "100" and parsed["data.use_one_sent_docs"] is True and parsed["data.titles_data_path"] == "t"
+
+
+# ---------------------------------------------------------------- mock data (--mock-data)
+
+MOCK_VOCAB = 1000
+
+
+def mock_vocabulary(tok, with_tokenizer: bool) -> MockVocabulary:
+    """The WordPiece tokenizer's ids (20 sentinels), or the reserved ids of a 1000-id vocabulary."""
+    return MockVocabulary.build(tok if with_tokenizer else None, MOCK_VOCAB, 20)
+
+
+def same_layout(mock: dict, real: dict) -> None:
+    assert mock.keys() == real.keys()
+    for k in real:
+        assert (mock[k].dtype, mock[k].shape) == (real[k].dtype, real[k].shape), k
+
+
+def test_mock_reserved_ids():
+    vocab = MockVocabulary.build(None, MOCK_VOCAB, 20)
+    assert vocab.special == SpecialIds(0, 1, 2, 3, 4, 5, tuple(range(980, 1000)), 1000)
+    assert vocab.words.tolist() == list(range(6, 980)) and not vocab.continuation.any()
+    with pytest.raises(ValueError, match="--vocab-size 26 leaves no word id"):
+        MockVocabulary.build(None, 26, 20)
+    assert MockVocabulary.build(None, 27, 20).words.tolist() == [6]
+    for model in ("bert", "t5", "ict"):  # refused with the config, before any process starts
+        flags = ["--model-type", model, "--mock-data", "--vocab-size", "26", "--vocab-extra-ids", "20", "--decoder-seq-length", "8"]
+        with pytest.raises(ConfigError, match="--vocab-size 26 leaves no word id"):
+            validate(build_config(overrides=flags))
+
+
+@pytest.mark.parametrize("with_tokenizer", [False, True])
+def test_mock_bert_samples_are_bert_samples(corpus, tok, with_tokenizer):
+    vocab = mock_vocabulary(tok, with_tokenizer)
+    mock = MockBERTDataset(250, 5, vocab, seq_length=128)  # long enough that 15 % of a sample is 18 whole tokens
+    same_layout(mock[0], bert(corpus, tok, n=20, seq_length=128)[0])
+    check_bert_masking(mock, vocab.special, vocab.continuation)
+    samples = [mock[i] for i in range(len(mock))]
+    assert 0.4 < np.mean([int(s["is_random"]) for s in samples]) < 0.6  # sentence order swapped half the time
+    assert max(int(original(s).max()) for s in samples) < vocab.special.vocab_size
+    assert all(torch.equal(v, MockBERTDataset(250, 5, vocab, seq_length=128)[7][k]) for k, v in mock[7].items())  # (seed, index) alone
+    assert not torch.equal(mock[7]["tokens"], MockBERTDataset(250, 6, vocab, seq_length=128)[7]["tokens"])
+
+
+@pytest.mark.parametrize("with_tokenizer", [False, True])
+def test_mock_t5_samples_are_t5_samples(corpus, tok, with_tokenizer):
+    ds_, _, docs, d = corpus
+    vocab = mock_vocabulary(tok, with_tokenizer)
+    sp, sentinels = vocab.special, set(vocab.special.sentinels)
+    mock = MockT5Dataset(300, 5, vocab, 64, 32)
+    same_layout(mock[0], T5Dataset(ds_, (0, len(docs)), 20, 64, 32, 99, str(d / "cache"), tok)[0])
+    text = masked = 0
+    for i in range(len(mock)):
+        s = mock[i]
+        n_dec = int(s["decoder_padding_mask"].sum())
+        labels = s["labels"][:n_dec].tolist()
+        assert s["decoder_tokens"][:n_dec].tolist() == [sp.bos] + labels[:-1] and labels[-1] == sp.eos
+        assert (s["labels"][n_dec:] == -100).all() and s["loss_mask"].sum() == n_dec
+        encoder = s["encoder_tokens"][: int(s["encoder_padding_mask"].sum())].tolist()
+        spans = [t for t in labels if t in sentinels]
+        assert [t for t in encoder if t in sentinels] == spans == list(sp.sentinels[: len(spans)])
+        assert max(encoder + labels) < sp.vocab_size and (s["encoder_tokens"][len(encoder) :] == sp.pad).all()
+        masked += n_dec - 1 - len(spans)  # the targets less their sentinels and [EOS]
+        text += len(encoder) - len(spans) + n_dec - 1 - len(spans)
+    assert 0.12 < masked / text < 0.155
+
+
+def test_mock_ict_samples_are_ict_samples(corpus, tok):
+    ds_, titles, docs, d = corpus
+    vocab = mock_vocabulary(tok, False)
+    mock = MockICTDataset(400, 5, vocab, seq_length=64, query_in_block_prob=0.3)
+    same_layout(mock[0], ICTDataset(ds_, (0, len(docs)), 20, 64, 5, str(d / "cache"), tok, titles=titles)[0])
+    inside = []
+    for i in range(len(mock)):
+        s = mock[i]
+        first, end, doc, block = s["block_indices"].tolist()
+        assert (first, doc, block) == (0, i, i) and end >= 2  # document i's sentences 0..end, two or more
+        ctx = s["context_tokens"][: int(s["context_padding_mask"].sum())].tolist()
+        query = s["query_tokens"][: int(s["query_padding_mask"].sum())].tolist()
+        assert ctx[0] == query[0] == vocab.special.cls and ctx[-1] == query[-1] == vocab.special.sep  # untitled: [CLS] block [SEP]
+        sentences, _ = mock._draw(i, 61, 0.0, 2)  # the block before the query is drawn
+        assert query[1:-1] in sentences and end == len(sentences)
+        inside.append(ctx[1:-1] == [t for x in sentences for t in x][:62])  # the block cut to the sequence
+        if not inside[-1]:
+            sentences.remove(query[1:-1])
+            assert ctx[1:-1] == [t for x in sentences for t in x][:62]
+    assert 0.2 < np.mean(inside) < 0.4  # the query stays in its block with --query-in-block-prob
+
+
+def test_mock_data_routes_through_each_family():
+    cfg = Config(data=DataConfig(mock=True, seq_length=48, vocab_extra_ids=20, decoder_seq_length=24))
+    for model, kind in (("bert", MockBERTDataset), ("t5", MockT5Dataset), ("ict", MockICTDataset)):
+        train, valid, test = family(model).datasets(cfg, None, (40, 8, 0), 3, None, MOCK_VOCAB)
+        assert isinstance(train, kind) and len(train) == 40 and len(valid) == 8 and test is None
+        assert train.seed != valid.seed  # each split its own samples
+        batch = next(MicroBatchIterator(train, 4, 0))
+        assert all(v.shape[0] == 4 for v in batch.values())
+    with pytest.raises(ValueError, match="--vocab-extra-ids"):
+        family("t5").datasets(Config(data=DataConfig(mock=True, decoder_seq_length=24)), None, (4, 0, 0), 3, None, MOCK_VOCAB)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from meshtron.config import Config, ModelConfig
 from meshtron.data.builder import bert_datasets
 from meshtron.data.masked_lm import bert_data_errors
+from meshtron.data.mock_sentences import mock_vocabulary_errors
 from meshtron.models import decoder
 from meshtron.models.bert import Bert, bert_config_errors
 from meshtron.models.flops import layer_costs, multiplying_shape
@@ -19,7 +20,7 @@ def bert_flops_shape(cfg: ModelConfig, vocab_size: int, seq_length: int) -> tupl
 
 
 def bert_errors(cfg: Config) -> list[str]:
-    return bert_config_errors(cfg) + bert_data_errors(cfg.data)
+    return bert_config_errors(cfg) + bert_data_errors(cfg.data) + mock_vocabulary_errors(cfg)
 
 
 BERT = register(FamilySpec(

@@ -6,13 +6,14 @@ from __future__ import annotations
 from meshtron.config import Config
 from meshtron.data.builder import ict_datasets
 from meshtron.data.masked_lm import ict_data_errors
+from meshtron.data.mock_sentences import mock_vocabulary_errors
 from meshtron.models import decoder
 from meshtron.models.ict import ICT, ict_config_errors, ict_flops_shape
 from meshtron.models.registry import BlockShape, FamilySpec, register
 
 
 def ict_errors(cfg: Config) -> list[str]:
-    return ict_config_errors(cfg) + ict_data_errors(cfg.data)
+    return ict_config_errors(cfg) + ict_data_errors(cfg.data) + mock_vocabulary_errors(cfg)
 
 
 def ict_blocks(cfg: Config) -> list[BlockShape]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from meshtron.config import Config, encoder_decoder_layers
 from meshtron.data.builder import t5_datasets
 from meshtron.data.masked_lm import t5_data_errors
+from meshtron.data.mock_sentences import mock_vocabulary_errors
 from meshtron.inference.sampling import fill_sentinels
 from meshtron.models.decoder import decoder_layout_errors
 from meshtron.models.registry import BlockShape, FamilySpec, register
@@ -13,7 +14,7 @@ from meshtron.models.t5 import T5, t5_config_errors, t5_flops_per_token
 
 
 def t5_errors(cfg: Config) -> list[str]:
-    return t5_config_errors(cfg) + t5_data_errors(cfg.data)
+    return t5_config_errors(cfg) + t5_data_errors(cfg.data) + mock_vocabulary_errors(cfg)
 
 
 def t5_blocks(cfg: Config) -> list[BlockShape]:
