@@ -3,17 +3,20 @@ JSON file ``--calibration`` reads.
 
 Measured: bf16 GEMMs of the model's own block shapes at tp 1, 2, 4 and 8 (and a few square ones
 to span the curve), attention forward + backward at the model's heads over query lengths up to its
-sequence, the routed experts' grouped GEMMs against the GEMM curve (MoE models), HBM bandwidth (a 1 GiB copy), and, with two or more GPUs, all-gather, reduce-scatter,
+sequence, the routed experts' grouped GEMMs against the GEMM curve (MoE models), HBM bandwidth (a 1 GiB copy), the
+host's time to launch a block of each kind (a tiny micro batch), and, with two or more GPUs, all-gather, reduce-scatter,
 all-reduce, all-to-all and send/recv over all of them by size (one process per GPU, NCCL). What one
-GPU cannot measure (collectives on one GPU, the network, FP8, overlaps, host overheads) keeps the
+GPU cannot measure (collectives on one GPU, the network, FP8, overlaps, the host factors of layouts) keeps the
 shipped machine's value, and ``sources`` says which numbers were measured and which were kept.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import socket
+import statistics
 import time
 from pathlib import Path
 
@@ -27,6 +30,7 @@ from meshtron.planning.step_time import StepModel
 from meshtron.training.peak_flops import datasheet_peak_tflops
 
 COLLECTIVE_BYTES = (2**20, 2**24, 2**26, 2**28, 2**30)
+HOST_TOKENS = 128  # a micro batch this small leaves a step as long as its launches (host_ms_per_block)
 
 
 def cuda_seconds(fn, repeat: int = 10) -> float:
@@ -101,6 +105,40 @@ def grouped_gemm_factor(cfg: Config, gemm_tflops: list[list[float]]) -> float:
         seconds += cuda_seconds(lambda: grouped_mm(x, w, sizes, m.moe_grouped_gemm).backward(grad), repeat=5)
     flops = 2.0 * experts * rows * (fc1 * h + h * f)  # one forward of both
     return 3 * flops / seconds / 1e12 / interpolate(gemm_tflops, flops / 2)
+
+
+def host_ms_per_block(cfg: Config) -> dict[str, float]:
+    """Milliseconds the host takes to launch one block's forward + backward, per block kind
+    ("dense", "moe"): on one GPU at one micro batch of ``HOST_TOKENS`` tokens, where the GPU's
+    kernels take microseconds and a step lasts as long as its launches, the median step of the
+    model cut to one block plus one of the kind, less that of the model cut to that one block."""
+    from meshtron.models import spec_for
+    from meshtron.planning.layouts import Layout, apply
+    from meshtron.training.trainer import Trainer
+
+    kinds = [1 if shape.moe else 0 for shape in spec_for(cfg.model).block_shapes(cfg)]
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None  # the CPU: tests of the code path
+
+    def step_ms(pattern: list[int]) -> float:
+        c = copy.deepcopy(apply(cfg, Layout(1, 1, 1, 1, 1, 1, 1, "none", 1)))
+        c.model.num_layers, c.train.global_batch_size, c.train.train_iters = len(pattern), 1, 1000
+        if c.model.num_experts:
+            c.model.moe_layer_freq = "[" + ",".join(map(str, pattern)) + "]"
+        c.data.mock, c.data.seq_length, c.data.decoder_seq_length = True, HOST_TOKENS, min(c.data.decoder_seq_length, HOST_TOKENS)
+        c.logging.log_interval, c.logging.eval_interval = 10**9, 0
+        trainer, times = Trainer(c, log=lambda _: None), []
+        for i in range(13):
+            sync()
+            began = time.perf_counter()
+            trainer.train_step()
+            sync()
+            times.append(time.perf_counter() - began) if i >= 3 else None
+        del trainer
+        return 1e3 * statistics.median(times)
+
+    first = [max(kinds)]  # a MoE model cut to one dense block is refused (no MoE layer): it keeps a MoE one
+    base = step_ms(first)
+    return {("moe" if kind else "dense"): max(0.0, step_ms(first + [kind]) - base) for kind in sorted(set(kinds))}
 
 
 def monotone(points: list[list[float]]) -> list[list[float]]:
@@ -199,6 +237,8 @@ def calibrate(cfg: Config, path: str) -> Machine:
     if cfg.model.num_experts:
         fields["grouped_gemm_factor"] = grouped_gemm_factor(cfg, fields["gemm_tflops"])
         sources["grouped_gemm_factor"] = f"{measured}: the model's expert fc1 and fc2, forward and backward, against the GEMM curve"
+    fields["host_ms_per_block"] = host_ms_per_block(cfg)
+    sources["host_ms_per_block"] = f"{measured}: one block's forward + backward at {HOST_TOKENS} tokens on one GPU (host-bound)"
     world = torch.cuda.device_count()
     if world >= 2:
         fields["nvlink"] = {**base.nvlink, **collective_curves(world)}
@@ -210,6 +250,7 @@ def calibrate(cfg: Config, path: str) -> Machine:
     print(f"calibration of {name} ({world} GPU{'s' if world > 1 else ''}) in {time.time() - began:.0f} s -> {path}")
     print(f"  GEMM TFLOP/s by FLOPs: {', '.join(f'{f:.1e}: {t:.0f}' for f, t in machine.gemm_tflops)}")
     print(f"  attention TFLOP/s by query tokens: {', '.join(f'{s:.0f}: {t:.0f}' for s, t in machine.attention_tflops)}")
+    print("  host per block (forward + backward): " + ", ".join(f"{kind} {ms:.1f} ms" for kind, ms in machine.host_ms_per_block.items()))
     print(f"  grouped expert GEMMs at {machine.grouped_gemm_factor:.2f} of dense" if cfg.model.num_experts else "  no experts")
     print(f"  HBM {machine.hbm_gbps:.0f} GB/s" + (f"; collectives over {world}: " + "; ".join(
         f"{op} {points[-1][1]:.0f} GB/s at {points[-1][0] / 2**20:.0f} MiB" for op, points in machine.nvlink.items()) if world >= 2 else

@@ -20,6 +20,8 @@ from pathlib import Path
 DEFAULTS = Path(__file__).parent / "defaults"
 SHIPPED = {"h100": "h100.json", "h200": "h200.json", "mi300x": "mi300x.json"}
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p")
+HOST_FEATURES = ("tp", "cp", "ep", "etp", "fsdp", "recompute")  # what adds host work to a block (host_factors)
+ADDED_FIELDS = ("host_ms_per_block", "host_factors")  # missing from older calibration files: the shipped machine's
 
 
 def interpolate(points: list[list[float]], x: float) -> float:
@@ -58,6 +60,11 @@ class Machine:
     fsdp_overlap: float  # share of FSDP2's gathers and reduce-scatters hidden behind compute
     step_overhead_ms: float  # host work per step (data, logging, the optimizer's launches)
     microbatch_overhead_ms: float  # host work per micro batch and pipeline chunk (launches, schedule)
+    # The host's time to launch one block's forward + backward of one micro batch ("dense", "moe"),
+    # ms: a block's GPU work cannot take less (``step_time``), and at small micro batches, many
+    # ranks and MoE dispatch it takes more than the GPU's
+    host_ms_per_block: dict[str, float] = field(default_factory=dict)
+    host_factors: dict[str, float] = field(default_factory=dict)  # that host time's multiplier per layout feature (HOST_FEATURES)
     on_paper: bool = False  # no number measured on this GPU kind
     sources: dict[str, str] = field(default_factory=dict)
 
@@ -93,6 +100,9 @@ def load(name_or_path: str) -> Machine:
     if not path.is_file():
         raise ValueError(f"--gpu / --calibration {name_or_path}: neither a shipped machine ({', '.join(SHIPPED)}) nor a file")
     raw = json.loads(path.read_text())
+    if path.parent != DEFAULTS and any(name not in raw for name in ADDED_FIELDS):
+        shipped = load("h200" if "H200" in raw.get("device", "") else "mi300x" if "MI3" in raw.get("device", "") else "h100")
+        raw.update({name: getattr(shipped, name) for name in ADDED_FIELDS if name not in raw})
     known = {f.name for f in fields(Machine)}
     unknown = sorted(set(raw) - known)
     missing = sorted(f.name for f in fields(Machine) if f.name not in raw and f.name not in ("on_paper", "sources"))

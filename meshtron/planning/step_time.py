@@ -17,6 +17,11 @@ Per micro batch, each block costs on one rank (tokens t = micro batch x the bloc
   once, backward twice), hidden behind the block's attention where that is longer;
 - recompute: ``full`` runs every block's forward again (a third of its compute, half its tp and ep
   traffic), ``selective`` the core attention's forward;
+- the host: a block takes at least the host's time to launch its forward and backward
+  (``host_ms_per_block`` of its kind, measured by ``--calibrate`` on one GPU at a tiny micro batch,
+  times ``host_factors`` for the layout's collectives, FSDP2 and full recompute); the excess over
+  the GPU's parts is ``host wait`` (MoE blocks on 4 GPUs at a micro batch of 4096 tokens spend
+  about half the step there, ``benchmarks/RESULTS.md``);
 
 the output layer and loss add their GEMM and logits traffic on the last stage. The pipeline sends
 each chunk's activation and gradient once per micro batch. The chunks' times go through the
@@ -47,8 +52,8 @@ from meshtron.planning.hardware import Machine
 from meshtron.planning.layouts import Layout, apply
 
 BF16 = 2
-PARTS = ("gemm", "attention", "elementwise", "recompute", "tp comm", "cp comm", "ep comm", "pp comm", "bubble", "dp comm",
-         "optimizer", "overhead")  # fmt: skip
+PARTS = ("gemm", "attention", "elementwise", "recompute", "tp comm", "cp comm", "ep comm", "host wait", "pp comm", "bubble",
+         "dp comm", "optimizer", "overhead")  # fmt: skip
 COMMUNICATION = ("tp comm", "cp comm", "ep comm", "pp comm", "dp comm")
 
 
@@ -220,8 +225,22 @@ class StepModel:
             recompute = (gemm + attention + elementwise) / 3 + (tp_comm + ep_comm) / 2
         elif lay.recompute == "selective":
             recompute = attention / 3
-        return _Block({"gemm": gemm, "attention": attention, "elementwise": elementwise, "recompute": recompute,
-                       "tp comm": tp_comm, "cp comm": cp_comm, "ep comm": ep_comm})  # fmt: skip
+        parts = {"gemm": gemm, "attention": attention, "elementwise": elementwise, "recompute": recompute, "tp comm": tp_comm,
+                 "cp comm": cp_comm, "ep comm": ep_comm}  # fmt: skip
+        parts["host wait"] = max(0.0, self._host_seconds(lay, "moe" if s.expert_all else "dense") - sum(parts.values()))
+        return _Block(parts)
+
+    def _host_seconds(self, lay: Layout, kind: str) -> float:
+        """The host's time to launch one block's forward + backward: the machine's for the block's
+        kind, times the factor of each layout feature that adds host work (collectives and their
+        bookkeeping, FSDP2's hooks, a recomputed forward)."""
+        mc = self.machine
+        features = {"tp": lay.tp > 1, "cp": lay.cp > 1, "ep": lay.ep > 1 and kind == "moe", "etp": lay.etp > 1 and kind == "moe",
+                    "fsdp": lay.sharding == "fsdp", "recompute": lay.recompute == "full"}  # fmt: skip
+        factor = 1.0
+        for feature, on in features.items():
+            factor *= mc.host_factors.get(feature, 1.0) if on else 1.0
+        return mc.host_ms_per_block.get(kind, 0.0) / 1e3 * factor
 
     def _head(self, cfg: Config, lay: Layout, vocab: int, costs: PipelineCosts | None) -> _Block:
         """The output layer and its loss: one GEMM over the rank's vocabulary shard, the logits' traffic."""

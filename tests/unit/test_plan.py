@@ -217,3 +217,53 @@ def test_measure_runs_the_printed_layout_through_the_trainer():
     assert got.tokens_per_s_gpu > 0 and not got.error
     bad = run_layout(base, Layout(1, 1, 1, 1, 1, 1, 1, "none", 3), steps=4, timeout_s=300)  # 3 does not divide 4
     assert bad.tokens_per_s_gpu == 0 and "global-batch-size" in bad.error
+
+
+def test_host_time_per_block_is_the_step_difference_of_one_more_block(monkeypatch):
+    """``--calibrate``'s host time per block kind: a stand-in trainer whose step lasts 2 ms per
+    dense block, 6 ms per MoE block and 3 ms besides gives back 2 and 6 (the model cut to one MoE
+    block, then one more of each kind)."""
+    import time
+
+    import meshtron.training.trainer as trainer_module
+    from meshtron.planning.calibrate import host_ms_per_block
+
+    built = []
+
+    class Stepping:
+        def __init__(self, cfg, log):
+            pattern = json.loads(cfg.model.moe_layer_freq)
+            assert len(pattern) == cfg.model.num_layers and cfg.train.global_batch_size == cfg.train.micro_batch_size == 1
+            built.append(pattern)
+            self.seconds = 0.003 + sum(0.006 if moe else 0.002 for moe in pattern)
+
+        def train_step(self):
+            time.sleep(self.seconds)
+
+    monkeypatch.setattr(trainer_module, "Trainer", Stepping)
+    measured = host_ms_per_block(_cfg(*TINY_MOE, "--moe-layer-freq", "[0,1]"))
+    assert built == [[1], [1, 0], [1, 1]]
+    assert measured["dense"] == pytest.approx(2.0, abs=0.7) and measured["moe"] == pytest.approx(6.0, abs=0.7)
+
+
+def test_a_block_takes_at_least_the_hosts_time():
+    """Below the host's time per block the step waits for it (``host wait``), more so with the
+    layout features that add host work; above it the GPU's parts decide alone."""
+    cfg = _cfg(*TINY_MOE)
+    machine = dataclasses.replace(load("h200"), host_ms_per_block={"dense": 1.0, "moe": 50.0}, host_factors={"ep": 2.0})
+    model = StepModel(cfg, machine, 4)
+    one, ep2 = model.predict(Layout(1, 1, 1, 1, 1, 1, 2, D, 1)), model.predict(Layout(1, 1, 1, 1, 2, 1, 2, D, 1))
+    blocks = cfg.model.num_layers * cfg.train.global_batch_size // 2  # micro batches of one sample on each of 2 ranks
+    gpu = sum(v for k, v in one.parts.items() if k in ("gemm", "attention", "elementwise", "ep comm"))
+    assert one.parts["host wait"] == pytest.approx(blocks * 0.050 - gpu, rel=1e-3)  # the sum has the output layer's tiny parts too
+    assert ep2.parts["host wait"] > 1.9 * one.parts["host wait"]
+    fast = StepModel(cfg, dataclasses.replace(machine, host_ms_per_block={}), 4).predict(Layout(1, 1, 1, 1, 1, 1, 2, D, 1))
+    assert fast.parts["host wait"] == 0 and fast.step_s < one.step_s
+
+
+def test_calibration_files_from_before_the_host_model_take_the_shipped_host_times(tmp_path):
+    path = tmp_path / "cal.json"
+    raw = json.loads(load("h200").to_json())
+    del raw["host_ms_per_block"], raw["host_factors"]
+    path.write_text(json.dumps(raw))
+    assert load(str(path)).host_ms_per_block == load("h200").host_ms_per_block
