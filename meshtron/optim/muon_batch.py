@@ -50,7 +50,8 @@ def runs(sizes: list[int], limit: int) -> list[range]:
     return out
 
 
-def _count(rows: Rows, size: int) -> int:
+def row_count(rows: Rows, size: int) -> int:
+    """How many of a matrix's ``size`` rows the block ``rows`` has."""
     return len(range(size)[rows]) if isinstance(rows, slice) else len(rows)
 
 
@@ -63,7 +64,7 @@ def orthogonalize_blocks(matrices: list[torch.Tensor], blocks: list[list[Rows] |
     groups: dict[tuple[int, int, torch.dtype], list[tuple[int, Rows]]] = {}
     for i, (matrix, rows_of) in enumerate(zip(matrices, blocks, strict=True)):
         for rows in rows_of or [slice(None)]:
-            groups.setdefault((_count(rows, matrix.shape[-2]), matrix.shape[-1], matrix.dtype), []).append((i, rows))
+            groups.setdefault((row_count(rows, matrix.shape[-2]), matrix.shape[-1], matrix.dtype), []).append((i, rows))
     outs: list[torch.Tensor | None] = [None if rows_of is None else torch.empty_like(m) for m, rows_of in zip(matrices, blocks)]
     for (n_rows, cols, _), members in groups.items():
         shapes = [(*matrices[i].shape[:-2], n_rows, cols) for i, _ in members]
