@@ -7,7 +7,7 @@ The model has B1's layer count and blocks (16 layers, 4 query heads per kv group
 small width (16 heads in 4 groups), Newton-Schulz in fp32 (bf16 GEMMs are slow on most CPUs), so Newton-Schulz's arithmetic is small and the step's time is mostly
 its per-operation cost, as on a GPU where B1's step is launch-bound outside its large GEMMs.
 Printed: the median seconds of ``optimizer.step`` (AdamW's share included) and of Muon's rule
-alone, and the aten operations one Muon step dispatches. Run it under two checkouts to compare
+alone, and the aten operations one Muon step dispatches (and how many of them touch data). Run it under two checkouts to compare
 them (the script only uses the trainer's public API).
 """
 
@@ -22,15 +22,22 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
+ALLOCATIONS = {"aten.empty", "aten.empty_like", "aten.new_empty", "aten.empty_strided"}
+
+
 class OpCounter(TorchDispatchMode):
-    """Counts the aten operations dispatched inside it."""
+    """Counts the aten operations dispatched inside it, and apart those that touch data (not views
+    or allocations: on a GPU, one kernel each; a foreach op counts once)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: Counter[str] = Counter()
+        self.kernels = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func.overloadpacket)] += 1
+        name = str(func.overloadpacket)
+        self.ops[name] += 1
+        self.kernels += not func.is_view and name not in ALLOCATIONS
         return func(*args, **(kwargs or {}))
 
 
@@ -72,7 +79,8 @@ def main() -> None:
     with OpCounter() as counter:
         muon.step()
     print(f"{matrices} Muon matrices (hidden {h}, {args.threads} thread(s)), median of {args.steps}:")
-    print(f"optimizer.step {1000 * whole:.2f} ms | Muon rule step {1000 * rule:.2f} ms | aten ops per Muon step {sum(counter.ops.values())}")
+    print(f"optimizer.step {1000 * whole:.2f} ms | Muon rule step {1000 * rule:.2f} ms | aten ops per Muon step {sum(counter.ops.values())}, "
+          f"of which touch data {counter.kernels}")
     print("most frequent: " + ", ".join(f"{name} {n}" for name, n in counter.ops.most_common(8)))
 
 

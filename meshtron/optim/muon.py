@@ -94,9 +94,8 @@ def newton_schulz(x: torch.Tensor, steps: int, coefficient_type: str = "quintic"
     transpose = x.shape[-2] > x.shape[-1]
     if transpose:
         x = x.mT
-    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp_min(_NORM_EPS)
-    if in_bf16:
-        x = x.to(torch.bfloat16)
+    norm = x.norm(dim=(-2, -1), keepdim=True).clamp_min(_NORM_EPS)
+    x = torch.div(x, norm, out=torch.empty_like(x, dtype=torch.bfloat16 if in_bf16 else x.dtype))  # divided and cast in one pass
     fma = torch.addmm if x.dim() == 2 else torch.baddbmm  # beta * input + alpha * m1 @ m2 as one GEMM
     for a, b, c in itertools.islice(itertools.cycle(NS_COEFFICIENTS[coefficient_type]), steps):
         gram = x @ x.mT
