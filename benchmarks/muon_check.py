@@ -9,7 +9,9 @@ Megatron-Core's defaults: Newton-Schulz in bf16, 5 quintic steps, spectral scale
 over ``--steps`` training steps after warm-up (CUDA events, median), at B1's global batch (one
 micro batch) and at ``--accumulate`` micro batches per step (Muon's work is per step, so its
 share falls as the batch grows); plus the optimizer step alone (median of ``--steps`` calls).
-The overhead is Muon's step time over AdamW's, minus one.
+The overhead is Muon's step time over AdamW's, minus one. Below the table: Newton-Schulz's GEMM
+FLOPs per step and the rate at which Muon's extra optimizer time (over AdamW's) would run them
+(a lower bound on the GEMMs' rate: that time holds the rest of Muon's work too).
 
 loss: a small Llama-style model (8 blocks, h512) on the embedded corpus (real text, byte-level
 BPE), the same seed, data order and tokens for every run (``--loss-steps`` steps of 16 x 512
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import statistics
 import sys
@@ -59,7 +62,24 @@ def speed(args) -> dict:
     times = time_steps(step, args.warmup, args.steps)
     peak = torch.cuda.max_memory_allocated() / 2**30
     optimizer_times = time_steps(lambda: trainer.optimizer.step(1e-5), 1, args.steps)  # on the last step's gradients
-    return {"step": statistics.median(times), "optimizer": statistics.median(optimizer_times), "peak_gib": peak}
+    muon = trainer.optimizer.rules.get("muon")
+    return {"step": statistics.median(times), "optimizer": statistics.median(optimizer_times), "peak_gib": peak,
+            "ns_flops": newton_schulz_flops(muon) if muon is not None else 0}  # fmt: skip
+
+
+def newton_schulz_flops(muon) -> int:
+    """GEMM FLOPs of one Muon step's Newton-Schulz: per block (short side s, long side l) and
+    iteration, the Gram matrix (2 s^2 l), its square (2 s^3) and the update of X (2 s^2 l)."""
+    from meshtron.optim.muon_batch import row_count
+
+    steps, total = muon.settings.num_ns_steps, 0
+    for group in muon.param_groups:
+        for master in group["params"]:
+            *lead, rows, cols = master.shape
+            for block in muon.plans[id(master)].blocks or [slice(None)]:
+                s, l = sorted((row_count(block, rows), cols))
+                total += math.prod(lead) * steps * (4 * s * s * l + 2 * s**3)
+    return total
 
 
 def loss(args) -> dict:
@@ -90,6 +110,10 @@ def tables(args, results: dict) -> str:
                 continue
             lines.append(f"| {micro} | {1000 * a['step']:.1f} | {1000 * m['step']:.1f} | {100 * (m['step'] / a['step'] - 1):+.1f} % | "
                          f"{1000 * a['optimizer']:.1f} | {1000 * m['optimizer']:.1f} | {a['peak_gib']:.1f} | {m['peak_gib']:.1f} |")  # fmt: skip
+        if (m := s.get("muon x1")) and (a := s.get("adam x1")) and m["optimizer"] > a["optimizer"]:
+            extra = m["optimizer"] - a["optimizer"]
+            lines += ["", f"Newton-Schulz: {m['ns_flops']:.3g} GEMM FLOPs a step; Muon's optimizer step over AdamW's "
+                      f"({1000 * extra:.1f} ms) runs them at {m['ns_flops'] / extra / 1e12:.0f} TFLOP/s"]  # fmt: skip
         lines.append("")
     losses = results.get("loss")
     if losses:

@@ -23,6 +23,7 @@ local rows, so the result does not depend on tp; ``blockwise`` orthogonalizes ea
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from meshtron.models.contract import GroupedHeads, Halves, ParamMeta
+from meshtron.optim.muon_batch import RUN_BYTES, Rows, block_rows, orthogonalize_blocks, runs
 
 # The quintic iteration's (a, b, c) per step: Keller Jordan's tuned sets (modded-nanogpt),
 # as Megatron-Core's default "quintic"; "simple" is Muon's original single set, repeated.
@@ -92,9 +94,8 @@ def newton_schulz(x: torch.Tensor, steps: int, coefficient_type: str = "quintic"
     transpose = x.shape[-2] > x.shape[-1]
     if transpose:
         x = x.mT
-    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp_min(_NORM_EPS)
-    if in_bf16:
-        x = x.to(torch.bfloat16)
+    norm = x.norm(dim=(-2, -1), keepdim=True).clamp_min(_NORM_EPS)
+    x = torch.div(x, norm, out=torch.empty_like(x, dtype=torch.bfloat16 if in_bf16 else x.dtype))  # divided and cast in one pass
     fma = torch.addmm if x.dim() == 2 else torch.baddbmm  # beta * input + alpha * m1 @ m2 as one GEMM
     for a, b, c in itertools.islice(itertools.cycle(NS_COEFFICIENTS[coefficient_type]), steps):
         gram = x @ x.mT
@@ -130,27 +131,29 @@ def row_parts(meta: ParamMeta, rows: int, split_qkv: bool) -> torch.Tensor | Non
 class MatrixPlan:
     """How one master is orthogonalized: ``gather`` (tp group) when its tp shards are gathered
     whole first, each tp rank's shard at ``placed[rank]`` along the tp dim; ``blocks`` the rows of
-    each block of what is orthogonalized (None: one block). Index tensors move to the update's
-    device at the first step and stay (no copy or host sync per step)."""
+    each block of what is orthogonalized (None: one block); ``numel`` its elements (of the whole
+    matrix where gathered). Index tensors move to the update's device at the first step and stay
+    (no copy or host sync per step)."""
 
     meta: ParamMeta
     gather: dist.ProcessGroup | None
-    blocks: list[torch.Tensor] | None
+    blocks: list[Rows] | None
     placed: list[torch.Tensor] | None
+    numel: int
+    device: torch.device = torch.device("cpu")  # where its index tensors are
 
     def on(self, device: torch.device) -> MatrixPlan:
-        self.blocks, self.placed = _moved(self.blocks, device), _moved(self.placed, device)
+        if device != self.device:
+            if self.blocks is not None:
+                self.blocks = [rows.to(device) if isinstance(rows, torch.Tensor) else rows for rows in self.blocks]
+            if self.placed is not None:
+                self.placed = [index.to(device) for index in self.placed]
+            self.device = device
         return self
 
 
-def _moved(tensors: list[torch.Tensor] | None, device: torch.device) -> list[torch.Tensor] | None:
-    if tensors is None or tensors[0].device == device:
-        return tensors
-    return [t.to(device) for t in tensors]
-
-
 def plan_matrix(meta: ParamMeta, local_shape: tuple[int, ...], s: MuonSettings, tp_group: dist.ProcessGroup | None) -> MatrixPlan:
-    """The ``MatrixPlan`` of a master of ``local_shape`` whose record is ``meta``."""
+    """The ``MatrixPlan`` of a master of ``local_shape`` (global for an FSDP2 DTensor) whose record is ``meta``."""
     split = meta.tp_dim is not None and meta.tp_size > 1
     if split and meta.split_over != "tp":
         raise ValueError("Muon cannot gather routed experts split over --expert-tensor-parallel-size; set it to 1")
@@ -160,48 +163,36 @@ def plan_matrix(meta: ParamMeta, local_shape: tuple[int, ...], s: MuonSettings, 
     parts = row_parts(meta, global_rows, s.split_qkv)
     if parts is not None and split and gather is None and meta.tp_dim == rows_dim:  # blockwise: the local rows' blocks
         parts = parts[meta.local_index()]
-    blocks = None if parts is None else [(parts == part).nonzero().squeeze(1) for part in range(int(parts.max()) + 1)]
     size = meta.global_shape[meta.tp_dim] if split else 0
     placed = [meta.layout.local_index(size, meta.tp_size, rank) for rank in range(meta.tp_size)] if gather is not None else None
-    return MatrixPlan(meta, gather, blocks, placed)
+    numel = math.prod(meta.global_shape if gather is not None else local_shape)
+    return MatrixPlan(meta, gather, None if parts is None else block_rows(parts), placed, numel)
 
 
-def _gather_whole(local: torch.Tensor, plan: MatrixPlan) -> torch.Tensor:
-    """The global matrix from every tp rank's shard (placed by the layout; copied rows twice)."""
+def _whole(update: torch.Tensor, plan: MatrixPlan) -> torch.Tensor:
+    """What is orthogonalized of ``update``: an FSDP2 shard (a DTensor) gathered whole, tp shards
+    gathered whole (``duplicated``: placed by the layout, copied rows twice), else itself."""
+    if isinstance(update, DTensor):
+        return update.full_tensor()
+    if plan.gather is None:
+        return update
     meta = plan.meta
-    shards = [torch.empty_like(local) for _ in range(meta.tp_size)]
-    dist.all_gather(shards, local.contiguous(), group=plan.gather)
-    shape = list(local.shape)
+    shards = [torch.empty_like(update) for _ in range(meta.tp_size)]
+    dist.all_gather(shards, update.contiguous(), group=plan.gather)
+    shape = list(update.shape)
     shape[meta.tp_dim] = meta.global_shape[meta.tp_dim]
-    whole = local.new_empty(shape)
+    whole = update.new_empty(shape)
     for index, shard in zip(plan.placed, shards):
         whole.index_copy_(meta.tp_dim, index, shard)
     return whole
 
 
-def orthogonalize(update: torch.Tensor, plan: MatrixPlan, s: MuonSettings) -> torch.Tensor:
-    """``update`` (this rank's part of one weight) orthogonalized block by block and scaled.
-
-    An FSDP2 shard (a DTensor) is gathered whole, orthogonalized on every rank and cut back to
-    its placement (a local slice, no communication)."""
+def _own_part(out: torch.Tensor, update: torch.Tensor, plan: MatrixPlan) -> torch.Tensor:
+    """This rank's part of the orthogonalized whole ``out``, placed as ``update`` (an FSDP2 shard
+    cut back to its placement, a local slice; tp: the local rows)."""
     if isinstance(update, DTensor):
-        whole = orthogonalize(update.full_tensor(), plan, s)
-        replicated = DTensor.from_local(whole, update.device_mesh, [Replicate()] * update.device_mesh.ndim)
+        replicated = DTensor.from_local(out, update.device_mesh, [Replicate()] * update.device_mesh.ndim)
         return replicated.redistribute(update.device_mesh, update.placements)
-    plan = plan.on(update.device)
-    whole = _gather_whole(update, plan) if plan.gather is not None else update
-    in_bf16 = s.fp32_matmul_prec != "high"
-
-    def scaled(block: torch.Tensor) -> torch.Tensor:
-        factor = scale_factor(block.shape[-2], block.shape[-1], s.scale_mode) * s.extra_scale_factor
-        return newton_schulz(block, s.num_ns_steps, s.coefficient_type, in_bf16) * factor
-
-    if plan.blocks is None:
-        out = scaled(whole)
-    else:
-        out = torch.empty_like(whole)
-        for rows in plan.blocks:
-            out.index_copy_(-2, rows, scaled(whole.index_select(-2, rows)))
     if plan.gather is None:
         return out
     return out.index_select(plan.meta.tp_dim, plan.placed[plan.meta.tp_rank])
@@ -210,7 +201,11 @@ def orthogonalize(update: torch.Tensor, plan: MatrixPlan, s: MuonSettings) -> to
 class Muon(torch.optim.Optimizer):
     """Muon over fp32 masters, each described by its ``MatrixPlan`` (``plans``, by id). State per
     master: ``step`` (0-d, for the checkpoint) and ``momentum_buffer``, allocated at once so that a
-    checkpoint loads in place before the first step."""
+    checkpoint loads in place before the first step.
+
+    A step updates the momentum of every master (foreach kernels), then orthogonalizes them in
+    runs of at most ``RUN_BYTES`` (``muon_batch.py``): the blocks of equal shape in a run as one
+    batched Newton-Schulz."""
 
     def __init__(self, param_groups: list[dict[str, Any]], *, lr: float, settings: MuonSettings, plans: dict[int, MatrixPlan]) -> None:
         super().__init__(param_groups, {"lr": lr, "weight_decay": 0.0})
@@ -222,16 +217,34 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: None = None) -> None:
         s = self.settings
+        todo: list[tuple[torch.Tensor, float]] = []  # (master, lr)
         for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
             lr, wd = group["lr"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                state["step"] += 1
-                if wd:
-                    p.add_(p, alpha=-lr * wd)
-                buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - s.momentum)
-                update = p.grad.lerp(buf, s.momentum) if s.nesterov else buf
-                p.add_(orthogonalize(update, self.plans[id(p)], s), alpha=-lr)
+            torch._foreach_add_([self.state[p]["step"] for p in params], 1.0)
+            if wd:
+                torch._foreach_add_(params, params, alpha=-lr * wd)
+            torch._foreach_lerp_([self.state[p]["momentum_buffer"] for p in params], [p.grad for p in params], 1 - s.momentum)
+            todo += [(p, lr) for p in params]
+        for run in runs([self.plans[id(p)].numel * p.element_size() for p, _ in todo], RUN_BYTES):
+            self._apply([todo[i] for i in run])
+
+    def _apply(self, todo: list[tuple[torch.Tensor, float]]) -> None:
+        """Orthogonalize the updates of a run of masters together and apply them."""
+        s = self.settings
+        updates = [self.state[p]["momentum_buffer"] for p, _ in todo]
+        if s.nesterov:
+            updates = [p.grad.lerp(buf, s.momentum) for (p, _), buf in zip(todo, updates)]
+        plans = [self.plans[id(p)].on(p.device) for p, _ in todo]
+        wholes = [_whole(update, plan) for update, plan in zip(updates, plans)]
+        outs = orthogonalize_blocks(wholes, [plan.blocks for plan in plans], self._orthogonalize)
+        for (p, lr), update, plan, out in zip(todo, updates, plans, outs):
+            p.add_(_own_part(out, update, plan), alpha=-lr)
+
+    def _orthogonalize(self, stacked: torch.Tensor) -> torch.Tensor:
+        """Newton-Schulz of a stack of blocks ``[n, rows, cols]``, scaled for their shape."""
+        s = self.settings
+        factor = scale_factor(stacked.shape[-2], stacked.shape[-1], s.scale_mode) * s.extra_scale_factor
+        return newton_schulz(stacked, s.num_ns_steps, s.coefficient_type, s.fp32_matmul_prec != "high").mul_(factor)

@@ -17,6 +17,7 @@ import torch
 from meshtron.config import build_config
 from meshtron.errors import CheckpointError, ConfigError
 from meshtron.optim.muon import newton_schulz
+from meshtron.optim.muon_batch import orthogonalize_blocks
 from meshtron.training.trainer import Trainer
 from meshtron.validation import validate
 
@@ -109,6 +110,43 @@ def test_muon_matches_a_float64_reference_and_adamw_takes_the_rest(extra):
         got = dict(model.named_parameters())[n].detach().double()
         moved, want = got - start[n], expect[n] - start[n]
         assert torch.allclose(moved, want, rtol=1e-4, atol=1e-4 * want.abs().max().item()), (n, (moved - want).abs().max())
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("extra", [[], MOE], ids=["dense", "moe"])
+@pytest.mark.parametrize("prec", ["high", "medium"])
+def test_batched_orthogonalization_equals_one_block_at_a_time(device, extra, prec):
+    """A step stacks the blocks of equal shape of all its matrices (``muon_batch.py``) and runs
+    Newton-Schulz once per shape; each block's result is Newton-Schulz of that block alone, scaled
+    (blocks cut by hand as in the float64 test, each expert alone): to 1e-5 in fp32, to 3e-2
+    (a few bf16 roundings of values ~1) with the iterations in bf16 (``medium``). On the CPU
+    both are bit-equal here (the batched and the single GEMMs round alike); a GPU may pick
+    other GEMM kernels for a batch."""
+    muon = trainer(extra + ["--muon-fp32-matmul-prec", prec]).optimizer.rules["muon"]
+    names = [n for g in muon.param_groups for n in g["param_names"]]
+    masters = [m for g in muon.param_groups for m in g["params"]]
+    gen = torch.Generator().manual_seed(0)
+    updates = [torch.randn(m.shape, generator=gen).to(device) for m in masters]
+    for m in masters:
+        muon.plans[id(m)].on(torch.device(device))
+    shapes = []
+
+    def counted(stacked):
+        shapes.append(tuple(stacked.shape))
+        return muon._orthogonalize(stacked)
+
+    outs = orthogonalize_blocks(updates, [muon.plans[id(m)].blocks for m in masters], counted)
+    compared = 0
+    for name, update, out in zip(names, updates, outs, strict=True):
+        for matrix, result in zip(update.reshape(-1, *update.shape[-2:]), out.reshape(-1, *out.shape[-2:])):  # each expert alone
+            for rows in blocks(name, matrix.shape[0]):
+                alone = newton_schulz(matrix[rows.to(device)], 5, "quintic", in_bf16=prec == "medium") * max(len(rows), matrix.shape[1]) ** 0.5
+                tolerance = 1e-5 if prec == "high" else 3e-2
+                torch.testing.assert_close(result[rows], alone, rtol=tolerance, atol=tolerance, msg=lambda m, name=name: f"{name}: {m}")
+                compared += 1
+    block_shapes = {(s[1], s[2]) for s in shapes}
+    assert len(shapes) == len(block_shapes) < compared  # one batch per block shape, several blocks in some
+    assert sum(s[0] for s in shapes) == compared
 
 
 def test_newton_schulz_in_bf16_stays_near_fp32_and_orthogonalizes():
