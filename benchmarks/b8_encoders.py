@@ -19,7 +19,8 @@ One training step = forward + backward + optimizer step, dropout 0.1 on both sid
 The sides: ``meshtron`` is the trainer's own step (``Trainer.train_step``, ``--bf16``: bf16
 weights, fp32 master weights and gradients, fused kernels, SDPA backend ``auto``); it starts on
 ``--mock-data`` (random masked sentences: no corpus, no tokenizer, no NLTK), but the timed steps
-get the same random batches as HF, swapped in for its data iterator. ``meshtron-unfused`` is the same step with the eager
+get the same random batches as HF, swapped in for its data iterator. ``meshtron-fused`` adds the opt-in bias + GELU and
+dropout + add kernels (``--bias-gelu-fusion --bias-dropout-fusion``). ``meshtron-unfused`` is the step with the eager
 fusions off (``--no-bias-gelu-fusion --no-bias-dropout-fusion --no-cross-entropy-loss-fusion``:
 GELU, dropout and residual add as separate PyTorch ops, BERT's LM head through full logits of its
 labelled rows): what they are worth, in its own row against HF. ``hf`` is the transformers model with SDPA attention, fp32
@@ -45,7 +46,8 @@ from child import report, run_child  # benchmarks/child.py: the child-process pr
 
 MASKED_FRACTION = 0.15
 # meshtron's sides: the flags each adds to the common ones.
-MESHTRON_SIDES = {"meshtron": [], "meshtron-unfused": ["--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-cross-entropy-loss-fusion"]}
+MESHTRON_SIDES = {"meshtron": [], "meshtron-unfused": ["--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-cross-entropy-loss-fusion"],
+                  "meshtron-fused": ["--bias-gelu-fusion", "--bias-dropout-fusion"]}  # fmt: skip
 TINY = dict(layers=2, hidden=64, heads=4, ffn=256, vocab=4224, seq=32, batch=2)
 
 

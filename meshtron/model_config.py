@@ -44,8 +44,11 @@ class ModelConfig:
     init_method_std: float = 0.02  # standard deviation of the normal weight init
     attention_backend: str = "auto"  # auto | sdpa | cudnn | flash | efficient | math
     fused_kernels: str = "auto"  # auto (Triton on a GPU where installed) | on | off (PyTorch references, unfused loss)
-    bias_gelu_fusion: bool = True  # the MLP's fc1 bias + GELU in one Triton kernel, the bias gradient summed in its backward (eager, under --fused-kernels; Megatron's --no-bias-gelu-fusion turns it off)
-    bias_dropout_fusion: bool = True  # each block's residual dropout + add in one Triton pass, its mask recomputed in backward (under --fused-kernels; Megatron's --no-bias-dropout-fusion turns it off)
+    # Off by default: on one H200 at BERT-large's 16384-token micro batch the Triton kernels of these
+    # two fusions run slower than PyTorch's eager ops (bias + GELU 0.431 against 0.256 ms, dropout +
+    # add 0.215 against 0.099 ms; B8 172 k against 186 k tokens/s, benchmarks/RESULTS.md).
+    bias_gelu_fusion: bool = False  # --bias-gelu-fusion: the MLP's fc1 bias + GELU in one Triton kernel, the bias gradient summed in its backward (eager, under --fused-kernels)
+    bias_dropout_fusion: bool = False  # --bias-dropout-fusion: each block's residual dropout + add in one Triton pass, its mask recomputed in backward (under --fused-kernels)
     cross_entropy_loss_fusion: bool = True  # masked-sum loss with output gradients in its forward: 3 logits GEMMs, not 4 (off under --no-fused-kernels)
     recompute_granularity: str = ""  # "" | selective (core attention) | full (whole layers)
     recompute_method: str = "uniform"  # full: uniform (groups of N layers) | block (first N layers)

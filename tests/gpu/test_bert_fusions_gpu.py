@@ -18,7 +18,7 @@ POST_LN_BERT = ["--model-type", "bert", "--preset", "tiny-bert", "--num-layers",
 
 
 def _loss_and_grads(fused: bool, dtype: torch.dtype, batch: dict) -> tuple[float, dict[str, torch.Tensor]]:
-    flags = [] if fused else ["--no-bias-gelu-fusion", "--no-cross-entropy-loss-fusion"]
+    flags = ["--bias-gelu-fusion"] if fused else ["--no-bias-gelu-fusion", "--no-cross-entropy-loss-fusion"]
     cfg = build_config(overrides=[*POST_LN_BERT, *flags]).model
     torch.manual_seed(0)
     model = build_model(cfg, VOCAB, SEQ).cuda().to(dtype)

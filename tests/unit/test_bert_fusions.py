@@ -24,7 +24,8 @@ from meshtron.models import decoder  # noqa: E402
 
 VOCAB, SEQ, HIDDEN_DROPOUT = 96, 12, 0.2
 POST_LN_BERT = ["--model-type", "bert", "--preset", "tiny-bert", "--num-layers", "2", "--hidden-size", "32",
-                "--apply-residual-connection-post-layernorm", "--attention-dropout", "0", "--fused-kernels", "on"]  # fmt: skip
+                "--apply-residual-connection-post-layernorm", "--attention-dropout", "0", "--fused-kernels", "on",
+                "--bias-gelu-fusion", "--bias-dropout-fusion"]  # fmt: skip  (off by default: model_config says why)
 
 
 def _batch():
@@ -83,11 +84,14 @@ def test_fused_dropout_add_equals_the_unfused_blocks_given_its_masks(monkeypatch
 
 
 def test_unfused_flag_runs_the_reference():
-    """Megatron's ``--no-bias-dropout-fusion`` turns the fused pass off: the blocks run F.dropout."""
+    """Megatron's ``--no-bias-dropout-fusion`` turns the fused pass off: the blocks run F.dropout;
+    so does leaving ``--bias-dropout-fusion`` out (the default, slower kernels)."""
     cfg = build_config(overrides=[*POST_LN_BERT, "--no-bias-dropout-fusion"]).model
     assert not cfg.bias_dropout_fusion
     assert build_model(cfg, VOCAB, SEQ).layers[0].dropout_add_kernels == "off"
     assert build_model(build_config(overrides=POST_LN_BERT).model, VOCAB, SEQ).layers[0].dropout_add_kernels == "on"
+    default = [flag for flag in POST_LN_BERT if flag not in ("--bias-gelu-fusion", "--bias-dropout-fusion")]
+    assert build_model(build_config(overrides=default).model, VOCAB, SEQ).layers[0].dropout_add_kernels == "off"
 
 
 def test_fused_bias_gelu_equals_the_unfused_mlp():
