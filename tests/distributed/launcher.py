@@ -1,13 +1,15 @@
 """Run a function on N gloo processes on the CPU and bring back what each returns.
 
-``run_distributed(fn, world_size, *args)`` spawns ``world_size`` fresh interpreters, gives each a
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes (forked from this one
+where it has not touched CUDA, else fresh interpreters), gives each a
 ``torch.distributed`` gloo group over 127.0.0.1 (with torchrun's environment variables set, so code
 that reads them sees a normal launch), calls ``fn(rank, world_size, *args)``, and returns the
 per-rank results (anything ``torch.save`` can write) in rank order. A failure on any rank stops
 the others and is raised here with that rank's traceback, instead of leaving a hung collective.
 
-Each spawn costs seconds (every child imports torch), so a test should group its cases into one
-call. ``fn`` must be a module-level function (it is pickled into the children).
+Each start still costs a second or more (the ranks build their models and gloo groups), so a test
+should group its cases into one call. ``fn`` must be a module-level function (a spawned child
+unpickles it).
 """
 
 from __future__ import annotations
@@ -54,7 +56,10 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
 
 def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 120.0) -> list[Any]:
     """``[fn(0, world_size, *args), ..., fn(world_size - 1, ...)]``, each run in its own gloo process."""
-    ctx = mp.get_context("spawn")
+    # Forked ranks inherit the imported torch and meshtron (seconds of CPU per rank on a small
+    # machine); a process that has touched CUDA, or holds a process group, must spawn fresh ones.
+    fork = not torch.cuda.is_initialized() and not dist.is_initialized()
+    ctx = mp.get_context("fork" if fork else "spawn")
     with tempfile.TemporaryDirectory(prefix="meshtron-dist-") as out_dir:
         port = free_port()
         procs = [ctx.Process(target=_worker, args=(r, world_size, port, out_dir, fn, args)) for r in range(world_size)]
