@@ -21,7 +21,8 @@ Per micro batch, each block costs on one rank (tokens t = micro batch x the bloc
   (``host_ms_per_block`` of its kind, measured by ``--calibrate`` on one GPU at a tiny micro batch,
   times ``host_factors`` for the layout's collectives, FSDP2 and full recompute); the excess over
   the GPU's parts is ``host wait`` (MoE blocks on 4 GPUs at a micro batch of 4096 tokens spend
-  about half the step there, ``benchmarks/RESULTS.md``);
+  about half the step there, ``benchmarks/RESULTS.md``); a chunk that waits for the host has its
+  launches in that wait, so it pays no ``microbatch_overhead_ms`` besides;
 
 the output layer and loss add their GEMM and logits traffic on the last stage. The pipeline sends
 each chunk's activation and gradient once per micro batch. The chunks' times go through the
@@ -174,7 +175,9 @@ class StepModel:
             self._splits[split_key] = pipeline_split(cfg.parallel, len(blocks), lay.vp, costs, kind, split_key[-1])
         ranges = self._splits[split_key]
         send, launch = self._p2p_seconds(cfg, lay), self.machine.microbatch_overhead_ms / 1e3
-        chunks = [sum(blocks[i].total for i in r) + send + launch for r in ranges]
+        # a chunk whose blocks wait for the host has its launches in that wait already
+        launches = [0.0 if any(blocks[i].parts["host wait"] for i in r) else launch for r in ranges]
+        chunks = [sum(blocks[i].total for i in r) + send + extra for r, extra in zip(ranges, launches)]
         chunks[-1] += head.total
         makespan, bubble = self._pipeline(kind, lay.pp, micro, chunks)
         parts = {name: 0.0 for name in PARTS}
@@ -182,7 +185,7 @@ class StepModel:
             for name, value in piece.parts.items():
                 parts[name] += micro * value / lay.pp
         parts["pp comm"] += micro * send * len(ranges) / lay.pp
-        parts["overhead"] = micro * launch * len(ranges) / lay.pp + self.machine.step_overhead_ms / 1e3
+        parts["overhead"] = micro * sum(launches) / lay.pp + self.machine.step_overhead_ms / 1e3
         parts["bubble"] = makespan - micro * sum(chunks) / lay.pp
         backward_window = 2 / 3 * max(chunks) * lay.vp
         parts["dp comm"] = self._data_parallel_seconds(cfg, lay, micro, backward_window, makespan)

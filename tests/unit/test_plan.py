@@ -259,6 +259,9 @@ def test_a_block_takes_at_least_the_hosts_time():
     assert ep2.parts["host wait"] > 1.9 * one.parts["host wait"]
     fast = StepModel(cfg, dataclasses.replace(machine, host_ms_per_block={}), 4).predict(Layout(1, 1, 1, 1, 1, 1, 2, D, 1))
     assert fast.parts["host wait"] == 0 and fast.step_s < one.step_s
+    # a chunk that waits for the host has its launches in that wait, not again as per-chunk overhead
+    assert one.parts["overhead"] == pytest.approx(machine.step_overhead_ms / 1e3)
+    assert fast.parts["overhead"] > one.parts["overhead"]
 
 
 def test_calibration_files_from_before_the_host_model_take_the_shipped_host_times(tmp_path):
