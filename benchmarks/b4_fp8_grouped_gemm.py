@@ -19,11 +19,9 @@ when ``OUT`` is set.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
 import torch
-from b4_grouped_gemm import EXPERTS, LAYERS, forward_backward, ragged_sizes, time_ms
+from b4_grouped_gemm import EXPERTS, LAYERS, forward_backward, ragged_sizes, time_ms, write_results
 
 from meshtron.layers.moe.fp8_grouped_gemm import e4m3, fp8_grouped_mm, quantize_rows, quantize_weights, scaled_grouped_mm
 from meshtron.layers.moe.grouped_gemm import grouped_mm
@@ -76,11 +74,7 @@ def main() -> None:
             row[what] = {"ms": ms, "gbps": nbytes / ms / 1e6}
             print(f"{layer:<5} {what:<34} {'':>8} {'':>8} {ms:>8.3f} {nbytes / ms / 1e6:>7.0f} GB/s")
         results["layers"][layer] = row
-    if os.environ.get("OUT"):
-        path = os.path.join(os.environ["OUT"], "b4_fp8_grouped_gemm.json")
-        with open(path, "w") as f:
-            json.dump(results, f, indent=2)
-        print(f"wrote {path}")
+    write_results(results, "b4_fp8_grouped_gemm.json")
 
 
 if __name__ == "__main__":

@@ -90,8 +90,13 @@ def main() -> None:
     results["total"] = {name: {"ms": ms, "tflops": flops / ms / 1e9, "of_dense": total["dense"] / ms} for name, ms in total.items()}
     for name, r in results["total"].items():
         print(f"{'both':<5} {name:<8} {r['ms']:>8.3f} {r['tflops']:>8.1f} {r['of_dense']:>8.1%}")
+    write_results(results, "b4_grouped_gemm.json")
+
+
+def write_results(results: dict, name: str) -> None:
+    """``results`` as JSON into ``$OUT/name`` when the device call set ``OUT``."""
     if os.environ.get("OUT"):
-        path = os.path.join(os.environ["OUT"], "b4_grouped_gemm.json")
+        path = os.path.join(os.environ["OUT"], name)
         with open(path, "w") as f:
             json.dump(results, f, indent=2)
         print(f"wrote {path}")

@@ -25,7 +25,13 @@ import torch.nn.functional as F
 
 from meshtron.config import Config
 from meshtron.layers.attention import head_dim
-from meshtron.planning.hardware import COLLECTIVES, Machine, interpolate, load
+from meshtron.planning.hardware import (
+    COLLECTIVES,
+    Machine,
+    interpolate,
+    load,
+    shipped_for,
+)
 from meshtron.planning.step_time import StepModel
 from meshtron.training.peak_flops import datasheet_peak_tflops
 
@@ -220,7 +226,7 @@ def calibrate(cfg: Config, path: str) -> Machine:
         raise ValueError("meshtron plan --calibrate times this machine's GPUs, and it has none")
     began = time.time()
     name = torch.cuda.get_device_name(0)
-    base = load("h200" if "H200" in name else "mi300x" if "MI3" in name else "h100")
+    base = load(shipped_for(name))
     peak, _ = datasheet_peak_tflops(name)
     when = time.strftime("%Y-%m-%d")
     measured = f"measured by meshtron plan --calibrate on {name}, {when}"

@@ -94,6 +94,11 @@ class Machine:
         return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}, indent=1)
 
 
+def shipped_for(device: str) -> str:
+    """The shipped machine closest to a GPU named ``device`` (as torch names it)."""
+    return "h200" if "H200" in device else "mi300x" if "MI3" in device else "h100"
+
+
 def load(name_or_path: str) -> Machine:
     """A shipped machine (``h100``, ``h200``, ``mi300x``) or a calibration file."""
     path = DEFAULTS / SHIPPED[name_or_path.lower()] if name_or_path.lower() in SHIPPED else Path(name_or_path)
@@ -101,7 +106,7 @@ def load(name_or_path: str) -> Machine:
         raise ValueError(f"--gpu / --calibration {name_or_path}: neither a shipped machine ({', '.join(SHIPPED)}) nor a file")
     raw = json.loads(path.read_text())
     if path.parent != DEFAULTS and any(name not in raw for name in ADDED_FIELDS):
-        shipped = load("h200" if "H200" in raw.get("device", "") else "mi300x" if "MI3" in raw.get("device", "") else "h100")
+        shipped = load(shipped_for(raw.get("device", "")))
         raw.update({name: getattr(shipped, name) for name in ADDED_FIELDS if name not in raw})
     known = {f.name for f in fields(Machine)}
     unknown = sorted(set(raw) - known)

@@ -100,7 +100,7 @@ def scaled_grouped_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_i
         return torch._scaled_grouped_mm(a, b.transpose(1, 2), a_inv, b_inv, offs=offsets, out_dtype=out_dtype,
                                         use_fast_accum=fast_accum)  # fmt: skip
     sizes = group_sizes.tolist()
-    parts, unit = [], torch.ones((), device=a.device)
+    parts, unit = [], torch.ones((), device=a.device) if backend == "loop" else None
     for g, (rows, rows_inv) in enumerate(zip(torch.split(a, sizes), torch.split(a_inv, sizes))):
         if not sizes[g]:
             continue
