@@ -12,7 +12,6 @@ shipped machine's value, and ``sources`` says which numbers were measured and wh
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 import socket
@@ -126,7 +125,7 @@ def host_ms_per_block(cfg: Config) -> dict[str, float]:
     sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None  # the CPU: tests of the code path
 
     def step_ms(pattern: list[int]) -> float:
-        c = copy.deepcopy(apply(cfg, Layout(1, 1, 1, 1, 1, 1, 1, "none", 1)))
+        c = apply(cfg, Layout(1, 1, 1, 1, 1, 1, 1, "none", 1))  # each section a copy: cfg keeps its values
         c.model.num_layers, c.train.global_batch_size, c.train.train_iters = len(pattern), 1, 1000
         if c.model.num_experts:
             c.model.moe_layer_freq = "[" + ",".join(map(str, pattern)) + "]"

@@ -241,8 +241,10 @@ def test_host_time_per_block_is_the_step_difference_of_one_more_block(monkeypatc
             time.sleep(self.seconds)
 
     monkeypatch.setattr(trainer_module, "Trainer", Stepping)
-    measured = host_ms_per_block(_cfg(*TINY_MOE, "--moe-layer-freq", "[0,1]"))
+    cfg = _cfg(*TINY_MOE, "--moe-layer-freq", "[0,1]")
+    measured = host_ms_per_block(cfg)
     assert built == [[1], [1, 0], [1, 1]]
+    assert (cfg.model.num_layers, cfg.model.moe_layer_freq, cfg.data.seq_length) == (2, "[0,1]", _cfg(*TINY_MOE).data.seq_length)
     assert measured["dense"] == pytest.approx(2.0, abs=0.7) and measured["moe"] == pytest.approx(6.0, abs=0.7)
 
 
