@@ -60,6 +60,7 @@ class MemoryEstimate:
     optimizer_bytes: int
     activation_bytes: int
     loss_bytes: int
+    gathered_bytes: int = 0  # FSDP2's unsharded copies while a block runs (``fsdp_gathered_bytes``)
 
     @property
     def params(self) -> int:
@@ -67,12 +68,13 @@ class MemoryEstimate:
 
     @property
     def total_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes + self.loss_bytes
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes + self.loss_bytes + self.gathered_bytes
 
     def table(self) -> str:
         rows = [("parameters", self.param_bytes), ("gradients (fp32 buffer)", self.grad_bytes),
                 ("optimizer (masters + state)", self.optimizer_bytes), ("activations", self.activation_bytes),
-                ("loss workspace", self.loss_bytes), ("total", self.total_bytes)]  # fmt: skip
+                ("loss workspace", self.loss_bytes)] + ([("FSDP2 gathered (transient)", self.gathered_bytes)] if self.gathered_bytes else [])
+        rows += [("total", self.total_bytes)]  # fmt: skip
         split = f" (dense {self.dense_params / 1e6:,.1f} M, routed experts {self.expert_params / 1e6:,.1f} M)" if self.expert_params else ""
         lines = [f"parameters on this rank: {self.params / 1e6:,.1f} M{split}"]
         lines += [f"  {name:<28} {value / GIB:8.2f} GiB" for name, value in rows]
@@ -345,7 +347,25 @@ def estimate(cfg: Config, world_size: int = 1) -> MemoryEstimate:
         fused = t.optimizer == "adam" and (t.optimizer_impl == "fused" or (t.optimizer_impl == "auto" and t.device != "cpu"))
         param_bytes, grad_bytes = _DTYPE_BYTES[t.precision] * params.total, 4 * params.total
         opt_bytes = optimizer_bytes((4 if t.precision != "fp32" else 0) + (1 if fused else 0), p.use_distributed_optimizer)
-    return MemoryEstimate(params.dense, params.expert, param_bytes, grad_bytes, opt_bytes, activation_bytes(cfg, world_size), loss_bytes(cfg))
+    return MemoryEstimate(params.dense, params.expert, param_bytes, grad_bytes, opt_bytes, activation_bytes(cfg, world_size), loss_bytes(cfg),
+                          fsdp_gathered_bytes(cfg, world_size))  # fmt: skip
+
+
+def fsdp_gathered_bytes(cfg: Config, world_size: int = 1) -> int:
+    """FSDP2's unsharded buffers at their peak, in the backward of a block: the root's parameters
+    (embedding, final norm, output layer: the root is not resharded after forward) and two blocks'
+    gathered in the compute dtype (the running block and the one prefetched), and the running
+    block's unsharded gradient, in the compute dtype and again in fp32 for the reduce-scatter.
+    Zero without FSDP2 or without data-parallel ranks to shard over."""
+    p, t = cfg.parallel, cfg.train
+    if not p.fsdp or data_parallel_size(cfg, world_size) * p.context_parallel <= 1:
+        return 0
+    a = _DTYPE_BYTES[t.precision]
+    parts = rank_parameters(cfg.model, _vocab(cfg), cfg.data.seq_length, p.tensor_parallel, p.expert_parallel, p.expert_tensor_parallel)
+    root = parts.head + (parts.tail if p.pipeline_parallel == 1 else 0)
+    sizes = sorted((parts.blocks[i].dense + parts.blocks[i].expert for i in first_stage_blocks(cfg, len(parts.blocks), world_size)),
+                   reverse=True)  # fmt: skip
+    return a * root + a * sum(sizes[:2]) + (a + 4) * sizes[0]
 
 
 def rule_state_bytes(t: TrainConfig, matrix: bool) -> int:

@@ -21,7 +21,7 @@ DEFAULTS = Path(__file__).parent / "defaults"
 SHIPPED = {"h100": "h100.json", "h200": "h200.json", "mi300x": "mi300x.json"}
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p")
 HOST_FEATURES = ("tp", "cp", "ep", "etp", "fsdp", "recompute")  # what adds host work to a block (host_factors)
-ADDED_FIELDS = ("host_ms_per_block", "host_factors")  # missing from older calibration files: the shipped machine's
+ADDED_FIELDS = ("host_ms_per_block", "host_factors", "sustained_share")  # missing from older calibration files: the shipped machine's
 
 
 def interpolate(points: list[list[float]], x: float) -> float:
@@ -65,15 +65,18 @@ class Machine:
     # ranks and MoE dispatch it takes more than the GPU's
     host_ms_per_block: dict[str, float] = field(default_factory=dict)
     host_factors: dict[str, float] = field(default_factory=dict)  # that host time's multiplier per layout feature (HOST_FEATURES)
+    # Share of the calibrated GEMM and attention rates a training step sustains: the calibration
+    # times each kernel alone for a moment, a step runs them back to back for minutes
+    sustained_share: float = 1.0
     on_paper: bool = False  # no number measured on this GPU kind
     sources: dict[str, str] = field(default_factory=dict)
 
     def gemm_rate(self, flops: float) -> float:
         """Achieved FLOP/s of one bf16 GEMM of ``flops``."""
-        return 1e12 * interpolate(self.gemm_tflops, flops)
+        return 1e12 * self.sustained_share * interpolate(self.gemm_tflops, flops)
 
     def attention_rate(self, tokens: float) -> float:
-        return 1e12 * interpolate(self.attention_tflops, tokens)
+        return 1e12 * self.sustained_share * interpolate(self.attention_tflops, tokens)
 
     def bus_bandwidth(self, op: str, nbytes: float, spans_nodes: bool) -> float:
         """Bytes/s of collective ``op`` on a tensor of ``nbytes`` (NCCL's bus bandwidth)."""

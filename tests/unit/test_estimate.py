@@ -18,6 +18,7 @@ from meshtron.estimate import (
     block_activations,
     estimate,
     first_stage_blocks,
+    fsdp_gathered_bytes,
     model_parameters,
     moe_bytes_per_token,
     stage_parameters,
@@ -69,6 +70,22 @@ def test_layouts_shrink_what_they_shard():
     by_cost = _b1("--pp", "4", "--global-batch-size", "16")
     assert len(first_stage_blocks(by_cost, 16, 4)) == 5 and len(first_stage_blocks(pp, 16, 4)) == 4
     assert activation_bytes(by_cost, world_size=4) == activation_bytes(base) * 5 // 4
+
+
+def test_fsdp2_counts_its_gathered_parameters_and_the_running_blocks_gradient():
+    """Under FSDP2 a rank holds, beside its shards: the root's parameters gathered (embedding, final
+    norm, output layer), two blocks gathered (the running one and the prefetched), and the running
+    block's gradient unsharded, in bf16 and again in fp32 for the reduce-scatter. Counted from a
+    built model's modules; nothing without data-parallel ranks or without FSDP2."""
+    cfg = build_config(overrides=["--preset", "tiny-llama", "--vocab-size", "256", "--bf16", "--use-torch-fsdp2", "--global-batch-size", "16"])
+    model = build_model(cfg.model, 256, cfg.data.seq_length)
+    block = sum(p.numel() for p in model.blocks()[0].parameters())
+    root = num_parameters(model) - sum(p.numel() for b in model.blocks() for p in b.parameters())
+    assert fsdp_gathered_bytes(cfg, world_size=2) == 2 * root + 2 * 2 * block + (2 + 4) * block
+    assert estimate(cfg, world_size=2).gathered_bytes == fsdp_gathered_bytes(cfg, world_size=2)
+    assert fsdp_gathered_bytes(cfg, world_size=1) == 0
+    assert fsdp_gathered_bytes(build_config(overrides=["--preset", "tiny-llama", "--vocab-size", "256", "--bf16"]), world_size=2) == 0
+    assert "FSDP2 gathered" in estimate(cfg, world_size=2).table()
 
 
 def test_recompute_meets_b7_on_paper():

@@ -220,9 +220,9 @@ def test_measure_runs_the_printed_layout_through_the_trainer():
 
 
 def test_host_time_per_block_is_the_step_difference_of_one_more_block(monkeypatch):
-    """``--calibrate``'s host time per block kind: a stand-in trainer whose step lasts 2 ms per
-    dense block, 6 ms per MoE block and 3 ms besides gives back 2 and 6 (the model cut to one MoE
-    block, then one more of each kind)."""
+    """``--calibrate``'s host time per block kind: a stand-in trainer whose step lasts 10 ms per
+    dense block, 30 ms per MoE block and 15 ms besides gives back 10 and 30 (the model cut to one MoE
+    block, then one more of each kind). Sleeps long against a loaded machine's wake-up delays."""
     import time
 
     import meshtron.training.trainer as trainer_module
@@ -235,7 +235,7 @@ def test_host_time_per_block_is_the_step_difference_of_one_more_block(monkeypatc
             pattern = json.loads(cfg.model.moe_layer_freq)
             assert len(pattern) == cfg.model.num_layers and cfg.train.global_batch_size == cfg.train.micro_batch_size == 1
             built.append(pattern)
-            self.seconds = 0.003 + sum(0.006 if moe else 0.002 for moe in pattern)
+            self.seconds = 0.015 + sum(0.030 if moe else 0.010 for moe in pattern)
 
         def train_step(self):
             time.sleep(self.seconds)
@@ -245,7 +245,7 @@ def test_host_time_per_block_is_the_step_difference_of_one_more_block(monkeypatc
     measured = host_ms_per_block(cfg)
     assert built == [[1], [1, 0], [1, 1]]
     assert (cfg.model.num_layers, cfg.model.moe_layer_freq, cfg.data.seq_length) == (2, "[0,1]", _cfg(*TINY_MOE).data.seq_length)
-    assert measured["dense"] == pytest.approx(2.0, abs=0.7) and measured["moe"] == pytest.approx(6.0, abs=0.7)
+    assert measured["dense"] == pytest.approx(10.0, abs=2.0) and measured["moe"] == pytest.approx(30.0, abs=2.0)
 
 
 def test_a_block_takes_at_least_the_hosts_time():
@@ -269,6 +269,20 @@ def test_a_block_takes_at_least_the_hosts_time():
 def test_calibration_files_from_before_the_host_model_take_the_shipped_host_times(tmp_path):
     path = tmp_path / "cal.json"
     raw = json.loads(load("h200").to_json())
-    del raw["host_ms_per_block"], raw["host_factors"]
+    del raw["host_ms_per_block"], raw["host_factors"], raw["sustained_share"]
     path.write_text(json.dumps(raw))
     assert load(str(path)).host_ms_per_block == load("h200").host_ms_per_block
+    assert load(str(path)).sustained_share == load("h200").sustained_share
+
+
+def test_the_sustained_share_scales_the_calibrated_rates():
+    """A step sustains ``sustained_share`` of the GEMM and attention rates the calibration timed
+    kernel by kernel: the rates scale by it, and a GPU-bound layout's GEMM time by its inverse."""
+    cfg, shipped = _cfg(*TINY_MOE), load("h200")
+    full = dataclasses.replace(shipped, sustained_share=1.0, host_ms_per_block={})
+    slower = dataclasses.replace(full, sustained_share=0.5)
+    assert slower.gemm_rate(1e12) == pytest.approx(0.5 * full.gemm_rate(1e12))
+    assert slower.attention_rate(4096) == pytest.approx(0.5 * full.attention_rate(4096))
+    layout = Layout(1, 1, 1, 1, 1, 1, 2, D, 1)
+    a, b = StepModel(cfg, full, 4).predict(layout), StepModel(cfg, slower, 4).predict(layout)
+    assert b.parts["gemm"] == pytest.approx(2 * a.parts["gemm"]) and b.parts["attention"] == pytest.approx(2 * a.parts["attention"])
