@@ -40,6 +40,7 @@ from meshtron.parallel.pipeline_schedules import (
     communication_plan,
     local_consumer,
     model_chunk,
+    p2p_links,
     split_layers,
 )
 
@@ -91,11 +92,32 @@ def build_stages(model: mc.ModelFamily, metas: dict[str, mc.ParamMeta], mesh: Me
         elif name.split(".")[0] in shared:
             metas[name].pipeline_copy = "first" if first else "other"
     model.register_forward_pre_hook(_refuse_direct_call)
-    # NCCL's first call on a group must involve all its ranks; the schedules' first transfers
-    # involve only some, so this collective sets the group up.
-    device = device or next(model.parameters()).device
-    dist.all_reduce(torch.zeros(1, device=device), group=mesh.pp_group)
+    connect_links(mesh, kind, virtual_size, device or next(model.parameters()).device)
     return stages
+
+
+def connect_links(mesh: Mesh, kind: str, virtual: int, device: torch.device) -> None:
+    """Open every point-to-point link schedule ``kind`` uses (``p2p_links``) in one group of
+    transfers that every pipeline rank posts at once: one element sent over each link this rank
+    sends on, one received over each it receives on.
+
+    Why: NCCL connects two ranks at their first transfer, inside that group call, by a handshake
+    that assumes both connect the same directions in the same call (``ncclTransportP2pSetup``).
+    The schedules' first transfers are not mirrored so: with one micro batch, 1F1B's rank 0
+    sends its activation and receives its gradient in one group, while rank 1 receives it, and
+    sends the gradient in a later group. On a two-rank group the handshake then reads a longer
+    message than it expects ("Message truncated", ncclInternalError); on more ranks both wait in
+    it for good. Connected here, the schedules never connect anything. This first call on the
+    group also involves all its ranks, as NCCL's communicator set-up needs."""
+    ranks, me = pp_ranks(mesh), mesh.pp_rank
+    ops = []
+    for sender, receiver in p2p_links(kind, mesh.pp, virtual):
+        if sender == me:
+            ops.append(dist.P2POp(dist.isend, torch.zeros(1, device=device), peer=ranks[receiver], group=mesh.pp_group))
+        elif receiver == me:
+            ops.append(dist.P2POp(dist.irecv, torch.empty(1, device=device), peer=ranks[sender], group=mesh.pp_group))
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
 
 
 def _refuse_direct_call(module: nn.Module, args) -> None:
