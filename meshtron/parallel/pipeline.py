@@ -14,7 +14,7 @@ tensors between stages are the model's ``carry`` dict, shaped by ``carry_shapes`
 The schedules' orders and messages are pure data (``pipeline_schedules``); this module only
 walks them: before each unit of work it posts one ``batch_isend_irecv`` of activations and
 gradients with its neighbours, into buffers whose shapes come from the micro batch and the
-model, so no shape is ever exchanged. Under the zero-bubble schedules a backward is two ops: ``B``
+model, so no shape is ever exchanged. Every link is opened once at set-up (``connect_links``). Under the zero-bubble schedules a backward is two ops: ``B``
 runs the stage's backward with the weight-gradient GEMMs kept aside (``kernels.deferred_wgrad``)
 and ``W`` runs them.
 """
