@@ -1,6 +1,6 @@
 """Pipelines with one micro batch on NCCL: the first point-to-point contact between two ranks.
 
-    PYTHONPATH=$PWD python benchmarks/pp_first_contact.py [--gpus 2] [--timeout-s 240]
+    PYTHONPATH=$PWD python benchmarks/pp_first_contact.py [--gpus 2] [--parts raw,train] [--timeout-s 240]
 
 NCCL connects two ranks at their first transfer, inside that group call, by a handshake that
 assumes both sides connect the mirrored directions in the same call (``ncclTransportP2pSetup``).
@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -84,15 +84,24 @@ def raw_rank(mode: str) -> None:
 
 
 def run_until(cmd: list[str], timeout_s: float) -> tuple[int | None, str]:
-    """(exit code, or None when it ran past ``timeout_s``; its output). A run past its time is
-    killed with all its processes: killing torchrun alone would leave its ranks holding the GPUs."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-        return proc.returncode, out
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        return None, proc.communicate()[0]
+    """(exit code, or None when it ran past ``timeout_s``; its output). A run past its time gets
+    SIGTERM, on which torchrun stops its ranks (each in a session of its own: a SIGKILL to torchrun
+    alone would leave them running, hung and holding their GPUs), then SIGKILL after 60 s. The
+    output goes through a file, which a rank left behind cannot hold open as it would a pipe."""
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            code = None
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.seek(0)
+        return code, log.read()
 
 
 def run_raw(world: int, mode: str, timeout_s: float) -> str:
@@ -120,7 +129,8 @@ def run_train(base: list[str], layout: Layout, timeout_s: float) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--gpus", type=int, default=0, help="default: all of this machine's")
-    parser.add_argument("--timeout-s", type=float, default=240.0, help="per case, start-up included")
+    parser.add_argument("--parts", default="raw,train", help="raw (torch.distributed alone), train (meshtron train), or both")
+    parser.add_argument("--timeout-s", type=float, default=240.0, help="per training case, start-up included (raw: 90 s)")
     parser.add_argument("--raw-rank", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.raw_rank:
@@ -130,11 +140,12 @@ def main() -> int:
 
     gpus = args.gpus or torch.cuda.device_count()
     os.environ.setdefault("NCCL_DEBUG", "WARN")
-    for world in (2, 4):
+    parts = args.parts.split(",")
+    for world in (2, 4) if "raw" in parts else ():
         if world <= gpus:
             for mode in ("unmirrored", "connected-first"):
-                print(f"raw pp{world} one micro batch, {mode}: {run_raw(world, mode, min(args.timeout_s, 120.0))}", flush=True)
-    for name, (world, base, layout) in TRAIN_CASES.items():
+                print(f"raw pp{world} one micro batch, {mode}: {run_raw(world, mode, 90.0)}", flush=True)
+    for name, (world, base, layout) in TRAIN_CASES.items() if "train" in parts else ():
         if world > gpus:
             print(f"train {name}: needs {world} GPUs, not run", flush=True)
             continue
