@@ -92,7 +92,11 @@ def build_stages(model: mc.ModelFamily, metas: dict[str, mc.ParamMeta], mesh: Me
         elif name.split(".")[0] in shared:
             metas[name].pipeline_copy = "first" if first else "other"
     model.register_forward_pre_hook(_refuse_direct_call)
-    connect_links(mesh, kind, virtual_size, device or next(model.parameters()).device)
+    # NCCL's first call on a group must involve all its ranks (it makes the communicator); the
+    # schedules' first transfers involve only some, so this collective sets the group up.
+    device = device or next(model.parameters()).device
+    dist.all_reduce(torch.zeros(1, device=device), group=mesh.pp_group)
+    connect_links(mesh, kind, virtual_size, device)
     return stages
 
 
@@ -102,13 +106,12 @@ def connect_links(mesh: Mesh, kind: str, virtual: int, device: torch.device) -> 
     sends on, one received over each it receives on.
 
     Why: NCCL connects two ranks at their first transfer, inside that group call, by a handshake
-    that assumes both connect the same directions in the same call (``ncclTransportP2pSetup``).
+    that assumes the two sides connect mirrored directions in the same call (``ncclTransportP2pSetup``).
     The schedules' first transfers are not mirrored so: with one micro batch, 1F1B's rank 0
     sends its activation and receives its gradient in one group, while rank 1 receives it, and
     sends the gradient in a later group. On a two-rank group the handshake then reads a longer
     message than it expects ("Message truncated", ncclInternalError); on more ranks both wait in
-    it for good. Connected here, the schedules never connect anything. This first call on the
-    group also involves all its ranks, as NCCL's communicator set-up needs."""
+    it for good. Connected here, the schedules never connect anything."""
     ranks, me = pp_ranks(mesh), mesh.pp_rank
     ops = []
     for sender, receiver in p2p_links(kind, mesh.pp, virtual):

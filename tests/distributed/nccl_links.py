@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch.distributed as dist
 
