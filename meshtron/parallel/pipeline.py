@@ -14,9 +14,9 @@ tensors between stages are the model's ``carry`` dict, shaped by ``carry_shapes`
 The schedules' orders and messages are pure data (``pipeline_schedules``); this module only
 walks them: before each unit of work it posts one ``batch_isend_irecv`` of activations and
 gradients with its neighbours, into buffers whose shapes come from the micro batch and the
-model, so no shape is ever exchanged. Every link is opened once at set-up (``connect_links``). Under the zero-bubble schedules a backward is two ops: ``B``
-runs the stage's backward with the weight-gradient GEMMs kept aside (``kernels.deferred_wgrad``)
-and ``W`` runs them.
+model, so no shape is ever exchanged; every link they use is opened once, at set-up
+(``connect_links``). Under the zero-bubble schedules a backward is two ops: ``B`` runs the stage's
+backward with the weight-gradient GEMMs kept aside (``kernels.deferred_wgrad``) and ``W`` runs them.
 """
 
 from __future__ import annotations
@@ -92,8 +92,8 @@ def build_stages(model: mc.ModelFamily, metas: dict[str, mc.ParamMeta], mesh: Me
         elif name.split(".")[0] in shared:
             metas[name].pipeline_copy = "first" if first else "other"
     model.register_forward_pre_hook(_refuse_direct_call)
-    # NCCL's first call on a group must involve all its ranks (it makes the communicator); the
-    # schedules' first transfers involve only some, so this collective sets the group up.
+    # NCCL's first call on a group must involve all its ranks; the schedules' first transfers
+    # involve only some, so this collective sets the group up.
     device = device or next(model.parameters()).device
     dist.all_reduce(torch.zeros(1, device=device), group=mesh.pp_group)
     connect_links(mesh, kind, virtual_size, device)
@@ -106,8 +106,8 @@ def connect_links(mesh: Mesh, kind: str, virtual: int, device: torch.device) -> 
     sends on, one received over each it receives on.
 
     Why: NCCL connects two ranks at their first transfer, inside that group call, by a handshake
-    that assumes the two sides connect mirrored directions in the same call (``ncclTransportP2pSetup``).
-    The schedules' first transfers are not mirrored so: with one micro batch, 1F1B's rank 0
+    that assumes the two sides connect mirrored directions in the same call
+    (``ncclTransportP2pSetup``). The schedules' first transfers are not mirrored so: with one micro batch, 1F1B's rank 0
     sends its activation and receives its gradient in one group, while rank 1 receives it, and
     sends the gradient in a later group. On a two-rank group the handshake then reads a longer
     message than it expects ("Message truncated", ncclInternalError); on more ranks both wait in

@@ -3,15 +3,16 @@
 
 One spawn of 4 gloo processes runs, each on its own mesh and through the runner as training does:
 
-  pp4 1F1B (tied embeddings: the copies on ranks 0 and 3 swap gradients), one micro batch; the same with full activation recompute; two micro batches
+  pp4 1F1B, tied embeddings (the copies on ranks 0 and 3 swap gradients): one micro batch; one
+    with full activation recompute; two micro batches
   pp2 x dp2 zbv (two chunks per rank), one micro batch per dp rank
   pp2 x dp2 interleaved (two chunks per rank), two micro batches per dp rank (all forwards first)
   pp2 x dp2 1F1B with the distributed optimizer on a tiny DeepSeek (MLA, a dense first layer, then
     MoE layers with shared experts and both balancing losses): one and two micro batches per dp rank
 
-Step loss, auxiliary terms and every gradient element (where the rank holds it reduced: its
-shard under the distributed optimizer) match one process
-on the same micro batches within 1e-5 relative (fp32 on the CPU, as a norm over each tensor).
+Step loss, auxiliary terms and every gradient element (where the rank holds it reduced: its shard
+under the distributed optimizer) match one process on the same micro batches within 1e-5 relative
+(fp32 on the CPU; gradients as a norm over each tensor's elements held).
 
 On NCCL the one-micro-batch cases failed where gloo ran them fine: 1F1B's first pipeline rank
 sent its activation and received its gradient in one group call, its neighbour received and
@@ -94,14 +95,14 @@ def _run_case(rank: int, case: str) -> dict:
     parallel = ParallelConfig(pipeline_parallel=mesh.pp, virtual_pipeline_parallel=virtual, pipeline_schedule=schedule,
                               use_distributed_optimizer=distributed)  # fmt: skip
     train = TrainConfig(micro_batch_size=MICRO_BATCH, global_batch_size=MICRO_BATCH * per_rank * mesh.dp)
-    batches = _batches(case)
+    mine = _batches(case)[mesh.dp_rank :: mesh.dp]
     with recorded_p2p() as calls:
         runner = runner_for(_model(model_name), mesh, parallel, train, torch.float32)
         runner.optimizer.zero_grad()
-        loss = runner.forward_backward(batches[mesh.dp_rank :: mesh.dp])
+        loss = runner.forward_backward(mine)
         runner.finalize_grads()
-    return {"loss": (loss.total / loss.count).item(), "aux": {k: v.item() for k, v in loss.aux.items()}, "grads": owned_grads(runner.optimizer),
-            "p2p_calls": calls, "micro_batches": len(batches[mesh.dp_rank :: mesh.dp])}  # fmt: skip
+    return {"loss": (loss.total / loss.count).item(), "aux": {k: v.item() for k, v in loss.aux.items()},
+            "grads": owned_grads(runner.optimizer), "p2p_calls": calls, "micro_batches": len(mine)}  # fmt: skip
 
 
 def _worker(rank: int, world_size: int) -> dict:

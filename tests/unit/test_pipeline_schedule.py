@@ -230,7 +230,8 @@ def test_every_message_travels_a_link_opened_before_the_first_step(kind, pp, m, 
     links = set(p2p_links(kind, pp, v))
     for forward_only in (False, True):
         plans = plans_for(kind, pp, m, v, forward_only)
-        used = {(r, msg.peer) if msg.send else (msg.peer, r) for r, plan in enumerate(plans) for step in plan for msg in step.batch}
+        messages = [(r, msg) for r, plan in enumerate(plans) for step in plan for msg in step.batch]
+        used = {(r, msg.peer) if msg.send else (msg.peer, r) for r, msg in messages}
         assert used <= links
         assert mismatched_first_contacts(_calls(plans, sorted(links))) == []
     assert {r for link in links for r in link} == set(range(pp))  # every rank takes part in the set-up
@@ -238,10 +239,11 @@ def test_every_message_travels_a_link_opened_before_the_first_step(kind, pp, m, 
 
 def test_the_schedules_alone_would_connect_unmirrored_with_one_micro_batch():
     """Why the set-up connects: with one micro batch, 1F1B's rank 0 first sends and receives in
-    one call while rank 1 receives, then sends in another; with more micro batches (pp 2) the
-    first contacts happen to mirror."""
+    one call while rank 1 receives, then sends in another (so the zero-bubble schedules too); with
+    two micro batches 1F1B's first contacts happen to mirror."""
     assert mismatched_first_contacts(_calls(plans_for("1f1b", 2, 1, 1), None)) == [
-        "ranks 0 and 1 (group [0, 1]) first connect [['recv', 'send']] in rank 0's calls but the mirror of [['send'], ['recv']] in rank 1's"]
+        "ranks 0 and 1 (group [0, 1]) first connect [['recv', 'send']] in rank 0's calls "
+        "but the mirror of [['send'], ['recv']] in rank 1's"]  # fmt: skip
     assert mismatched_first_contacts(_calls(plans_for("1f1b", 4, 1, 1), None))
     assert mismatched_first_contacts(_calls(plans_for("zbv", 2, 1, 2), None))
     assert mismatched_first_contacts(_calls(plans_for("1f1b", 2, 2, 1), None)) == []
