@@ -14,9 +14,9 @@ tensors between stages are the model's ``carry`` dict, shaped by ``carry_shapes`
 The schedules' orders and messages are pure data (``pipeline_schedules``); this module only
 walks them: before each unit of work it posts one ``batch_isend_irecv`` of activations and
 gradients with its neighbours, into buffers whose shapes come from the micro batch and the
-model, so no shape is ever exchanged. Under the zero-bubble schedules a backward is two ops: ``B``
-runs the stage's backward with the weight-gradient GEMMs kept aside (``kernels.deferred_wgrad``)
-and ``W`` runs them.
+model, so no shape is ever exchanged; every link they use is opened once, at set-up
+(``connect_links``). Under the zero-bubble schedules a backward is two ops: ``B`` runs the stage's
+backward with the weight-gradient GEMMs kept aside (``kernels.deferred_wgrad``) and ``W`` runs them.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from meshtron.parallel.pipeline_schedules import (
     communication_plan,
     local_consumer,
     model_chunk,
+    p2p_links,
     split_layers,
 )
 
@@ -95,7 +96,31 @@ def build_stages(model: mc.ModelFamily, metas: dict[str, mc.ParamMeta], mesh: Me
     # involve only some, so this collective sets the group up.
     device = device or next(model.parameters()).device
     dist.all_reduce(torch.zeros(1, device=device), group=mesh.pp_group)
+    connect_links(mesh, kind, virtual_size, device)
     return stages
+
+
+def connect_links(mesh: Mesh, kind: str, virtual: int, device: torch.device) -> None:
+    """Open every point-to-point link schedule ``kind`` uses (``p2p_links``) in one group of
+    transfers that every pipeline rank posts at once: one element sent over each link this rank
+    sends on, one received over each it receives on.
+
+    Why: NCCL connects two ranks at their first transfer, inside that group call, by a handshake
+    that assumes the two sides connect mirrored directions in the same call
+    (``ncclTransportP2pSetup``). The schedules' first transfers are not mirrored so: with one micro batch, 1F1B's rank 0
+    sends its activation and receives its gradient in one group, while rank 1 receives it, and
+    sends the gradient in a later group. On a two-rank group the handshake then reads a longer
+    message than it expects ("Message truncated", ncclInternalError); on more ranks both wait in
+    it for good. Connected here, the schedules never connect anything."""
+    ranks, me = pp_ranks(mesh), mesh.pp_rank
+    ops = []
+    for sender, receiver in p2p_links(kind, mesh.pp, virtual):
+        if sender == me:
+            ops.append(dist.P2POp(dist.isend, torch.zeros(1, device=device), peer=ranks[receiver], group=mesh.pp_group))
+        elif receiver == me:
+            ops.append(dist.P2POp(dist.irecv, torch.empty(1, device=device), peer=ranks[sender], group=mesh.pp_group))
+    for request in dist.batch_isend_irecv(ops):
+        request.wait()
 
 
 def _refuse_direct_call(module: nn.Module, args) -> None:

@@ -293,6 +293,19 @@ def _input_message(op: Op, pp: int, rank: int, virtual: int, kind: str = "1f1b")
     return Message(False, "act" if k == "F" else "grad", peer, mb, model_chunk(kind, pp, peer, v))
 
 
+def p2p_links(kind: str, pp: int, virtual: int = 1) -> list[tuple[int, int]]:
+    """Every (sender, receiver) pair of pipeline ranks that schedule ``kind`` may send a message
+    over, whatever the number of micro batches: each boundary between consecutive model chunks
+    on two ranks carries activations one way and gradients the other (``pipeline.connect_links``
+    opens them all before the first step)."""
+    links = set()
+    for chunk in range(pp * virtual - 1):
+        a, b = chunk_place(kind, pp, chunk)[0], chunk_place(kind, pp, chunk + 1)[0]
+        if a != b:
+            links |= {(a, b), (b, a)}
+    return sorted(links)
+
+
 def local_consumer(op: Op, pp: int, rank: int, virtual: int, kind: str = "1f1b") -> int | None:
     """The local chunk of this rank that takes ``op``'s output without a message (the V's turn:
     chunk pp - 1's activation to chunk pp, and its gradient back), or None."""

@@ -22,10 +22,12 @@ from meshtron.parallel.pipeline_schedules import (
     communication_plan,
     forward_only_order,
     modeled_bubble,
+    p2p_links,
     run_plans,
     schedule_order,
     split_layers,
 )
+from tests.distributed.nccl_links import mismatched_first_contacts
 
 
 def simulate(plans: list[list]) -> list[list]:
@@ -203,3 +205,45 @@ def test_the_clock_sees_a_short_warm_up_and_an_unbalanced_split():
     assert 1 - timeline.busy[0] / timeline.makespan > 1 / 9 + 0.1
     assert run_plans(plans_for("1f1b", 2, 8, 1), lambda rank, op: 1.0).makespan == 18
     assert modeled_bubble("interleaved", 2, 8, [2, 2, 2, 4.09]) > 0.25 > bubble_fraction("interleaved", 2, 8, 2)
+
+
+LINK_CASES = CASES + [("zb-h1", pp, m, 1) for pp in (2, 3, 4) for m in (1, 2, 3, 5)]
+LINK_CASES += [("zbv", pp, m, 2) for pp in (2, 3, 4) for m in (1, 2, 3, 5, 8)]
+
+
+def _calls(plans: list[list[Step]], links: list[tuple[int, int]] | None) -> list[list]:
+    """Every rank's ``batch_isend_irecv`` calls (``nccl_links.Call``, pipeline ranks as global
+    ranks): the set-up's over ``links`` first when given, then each step's batch."""
+    group = tuple(range(len(plans)))
+    calls = [[] for _ in plans]
+    for rank, plan in enumerate(plans):
+        if links is not None:
+            calls[rank].append([(a == rank, b if a == rank else a, group) for a, b in links if rank in (a, b)])
+        calls[rank] += [[(m.send, m.peer, group) for m in step.batch] for step in plan if step.batch]
+    return calls
+
+
+@pytest.mark.parametrize("kind,pp,m,v", [c for c in LINK_CASES if c[1] > 1])
+def test_every_message_travels_a_link_opened_before_the_first_step(kind, pp, m, v):
+    """Every transfer of every plan, training or evaluation, goes over a link ``connect_links``
+    opens at set-up in one mirrored call: NCCL never connects a pair inside a schedule."""
+    links = set(p2p_links(kind, pp, v))
+    for forward_only in (False, True):
+        plans = plans_for(kind, pp, m, v, forward_only)
+        messages = [(r, msg) for r, plan in enumerate(plans) for step in plan for msg in step.batch]
+        used = {(r, msg.peer) if msg.send else (msg.peer, r) for r, msg in messages}
+        assert used <= links
+        assert mismatched_first_contacts(_calls(plans, sorted(links))) == []
+    assert {r for link in links for r in link} == set(range(pp))  # every rank takes part in the set-up
+
+
+def test_the_schedules_alone_would_connect_unmirrored_with_one_micro_batch():
+    """Why the set-up connects: with one micro batch, 1F1B's rank 0 first sends and receives in
+    one call while rank 1 receives, then sends in another (so the zero-bubble schedules too); with
+    two micro batches 1F1B's first contacts happen to mirror."""
+    assert mismatched_first_contacts(_calls(plans_for("1f1b", 2, 1, 1), None)) == [
+        "ranks 0 and 1 (group [0, 1]) first connect [['recv', 'send']] in rank 0's calls "
+        "but the mirror of [['send'], ['recv']] in rank 1's"]  # fmt: skip
+    assert mismatched_first_contacts(_calls(plans_for("1f1b", 4, 1, 1), None))
+    assert mismatched_first_contacts(_calls(plans_for("zbv", 2, 1, 2), None))
+    assert mismatched_first_contacts(_calls(plans_for("1f1b", 2, 2, 1), None)) == []
