@@ -29,15 +29,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from meshtron.planning.layouts import Layout  # noqa: E402
-from meshtron.planning.measure import MEMORY, TOKENS, failure_lines, train_argv  # noqa: E402
+from meshtron.planning.measure import MEMORY, TOKENS, failure_lines, run_until, train_argv  # noqa: E402
 
 DEEPSEEK = ["--model.preset", "deepseek-v2-lite", "--num-layers", "4", "--moe-layer-freq", "([0]+[1]*3)", "--seq-length", "4096"]
 LLAMA_8B = ["--model.preset", "llama3-8b", "--num-layers", "4", "--seq-length", "8192"]
@@ -81,27 +79,6 @@ def raw_rank(mode: str) -> None:
         post((dist.isend, grad, rank - 1))
     torch.cuda.synchronize()
     dist.destroy_process_group()
-
-
-def run_until(cmd: list[str], timeout_s: float) -> tuple[int | None, str]:
-    """(exit code, or None when it ran past ``timeout_s``; its output). A run past its time gets
-    SIGTERM, on which torchrun stops its ranks (each in a session of its own: a SIGKILL to torchrun
-    alone would leave them running, hung and holding their GPUs), then SIGKILL after 60 s. The
-    output goes through a file, which a rank left behind cannot hold open as it would a pipe."""
-    with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
-        try:
-            code = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            code = None
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        log.seek(0)
-        return code, log.read()
 
 
 def run_raw(world: int, mode: str, timeout_s: float) -> str:

@@ -12,6 +12,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 
 from meshtron.planning.layouts import Layout
@@ -44,16 +45,35 @@ def failure_lines(log: str) -> str:
     return "\n".join(lines[first : first + 3])
 
 
+def run_until(cmd: list[str], timeout_s: float) -> tuple[int | None, str]:
+    """(exit code, or None when it ran past ``timeout_s``; its output). A run past its time gets
+    SIGTERM, on which torchrun stops its ranks (each in a session of its own: a SIGKILL to torchrun
+    alone would leave them running, hung and holding their GPUs), then SIGKILL after 60 s. The
+    output goes through a file, which a rank left behind cannot hold open as it would a pipe."""
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            code = None
+            proc.terminate()
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.seek(0)
+        return code, log.read()
+
+
 def run_layout(base_args: list[str], layout: Layout, steps: int, timeout_s: float = 600.0) -> Measurement:
     """Train ``layout`` for ``steps`` steps and read its speed and memory off the log lines."""
-    try:
-        done = subprocess.run(train_argv(base_args, layout, steps), capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
+    code, log = run_until(train_argv(base_args, layout, steps), timeout_s)
+    if code is None:
         return Measurement(0.0, 0.0, f"no result within {timeout_s:.0f} s")
-    log = done.stdout + done.stderr
     speeds = [float(s.replace(",", "")) for s in TOKENS.findall(log)]
     peaks = [float(g) for g in MEMORY.findall(log)]
-    if done.returncode or not speeds:
+    if code or not speeds:
         return Measurement(0.0, max(peaks, default=0.0), failure_lines(log))
     kept = speeds[2:] or speeds[-1:]
     return Measurement(statistics.median(kept), max(peaks, default=0.0), "")

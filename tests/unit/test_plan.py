@@ -206,6 +206,20 @@ def test_failed_measurement_names_the_rank_error_not_the_launcher_summary():
     assert failure_lines("a\nb\nc\nd") == "b\nc\nd"  # no error line: the log's end
 
 
+def test_a_run_past_its_time_is_stopped_and_said_so():
+    """``run_until`` gives a run's exit code and output, and stops one that runs past its time
+    (SIGTERM, which torchrun passes to its ranks) with None for the code."""
+    import sys
+    import time
+
+    from meshtron.planning.measure import run_until
+
+    assert run_until([sys.executable, "-c", "print('hi'); raise SystemExit(3)"], 60) == (3, "hi\n")
+    began = time.time()
+    code, out = run_until([sys.executable, "-c", "print('started', flush=True); import time; time.sleep(60)"], 2)
+    assert code is None and out == "started\n" and time.time() - began < 30
+
+
 @pytest.mark.slow  # two trainer launches: ~80 s on 2 busy cores; the GPU proof is benchmarks/plan_check.py
 def test_measure_runs_the_printed_layout_through_the_trainer():
     """``--measure``'s runner trains a layout with the planner's flags (one CPU process here) and
