@@ -73,7 +73,7 @@ def main() -> int:
         gib = estimate(apply(cfg, layout), layout.world).total_bytes / 2**30
         got = run_layout(flags, layout, args.steps, timeout_s=args.layout_timeout_s)
         error = f"{100 * (predicted / got.tokens_per_s_gpu - 1):+.1f} %" if got.tokens_per_s_gpu else ""
-        note = "" if got.tokens_per_s_gpu else "failed: " + got.error[-300:].replace("\n", " ")
+        note = "" if got.tokens_per_s_gpu else "failed: " + got.error.replace("\n", " ")  # the first error line and two after
         lines.append(f"| {layout.short()} | {predicted:,.0f} | {got.tokens_per_s_gpu:,.0f} | {error} | {gib:.1f} | {got.peak_gib} | {note} |")
         print(lines[-1], flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)

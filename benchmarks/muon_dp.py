@@ -42,7 +42,7 @@ def main() -> int:
         for optimizer in ("adam", "muon"):
             got = run_layout(B1 + batch + ["--optimizer", optimizer], layout, args.steps, timeout_s=240)
             speeds[optimizer] = got.tokens_per_s_gpu
-            print(f"{optimizer} x{accumulate}: {got.tokens_per_s_gpu:,.0f} tokens/s/GPU, peak {got.peak_gib} GiB {got.error[-300:]}", flush=True)
+            print(f"{optimizer} x{accumulate}: {got.tokens_per_s_gpu:,.0f} tokens/s/GPU, peak {got.peak_gib} GiB {got.error[:300]}", flush=True)
         overhead = f"{100 * (speeds['adam'] / speeds['muon'] - 1):+.1f} %" if speeds["muon"] and speeds["adam"] else "failed"
         lines.append(f"| {accumulate} | {speeds['adam']:,.0f} | {speeds['muon']:,.0f} | {overhead} |")
     Path(args.out).mkdir(parents=True, exist_ok=True)

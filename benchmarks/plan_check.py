@@ -114,7 +114,7 @@ def main() -> int:
                 rows.append({**row, "note": "not run: budget spent"})
                 continue
             got = run_layout(flags, verdict.layout, args.steps, timeout_s=min(left, args.layout_timeout_s))
-            note = "" if got.tokens_per_s_gpu else f"failed: {got.error[-200:]}"
+            note = "" if got.tokens_per_s_gpu else f"failed: {got.error[:300]}"
             error = round(100 * (verdict.prediction.tokens_per_s_gpu / got.tokens_per_s_gpu - 1), 1) if got.tokens_per_s_gpu else ""
             rows.append({**row, "measured": round(got.tokens_per_s_gpu), "error_pct": error, "peak_gib": got.peak_gib, "note": note})
             write(out, rows, summary)
@@ -130,7 +130,7 @@ def main() -> int:
             rows.append({"workload": name, "gpus": gpus, "planner_rank": "pruned", "layout": v.layout.short(),
                          "predicted": round(v.prediction.tokens_per_s_gpu), "estimate_gib": round(v.memory_bytes / 2**30, 1),
                          "measured": round(got.tokens_per_s_gpu), "peak_gib": got.peak_gib, "flags": " ".join(v.layout.flags()),
-                         "note": "ran out of memory, as pruned" if oom else f"pruned for memory; the run said: {got.error[-200:]}"})  # fmt: skip
+                         "note": "ran out of memory, as pruned" if oom else f"pruned for memory; the run said: {got.error[:300]}"})  # fmt: skip
         if measured:
             best = max(measured)
             first = next((m for m in measured if m[1] == 1), None)
