@@ -266,7 +266,8 @@ def block_activations(cfg: Config) -> list[tuple[float, float]]:
 def activation_bytes(cfg: Config, world_size: int = 1) -> int:
     """Activations of the first pipeline stage: its blocks x micro batches in flight (1F1B keeps
     up to pp of them on the first stage), or under full recompute the checkpointed inputs plus one
-    recomputed group; with ``--moe-layer-recompute`` plus one MoE layer rerun. At pp 1 the stage is
+    recomputed group; with ``--moe-layer-recompute`` or full recompute of a MoE model plus one MoE
+    layer's activations. At pp 1 the stage is
     the last too: each multi-token prediction depth keeps a block like the last (never recomputed)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     all_blocks = block_activations(cfg)
@@ -274,8 +275,12 @@ def activation_bytes(cfg: Config, world_size: int = 1) -> int:
     depths = all_blocks[-1][1] * m.mtp_num_layers if p.pipeline_parallel == 1 else 0
     micro = t.global_batch_size // (t.micro_batch_size * max(1, data_parallel_size(cfg, world_size)))
     in_flight = min(p.pipeline_parallel, micro) if p.pipeline_parallel > 1 else 1
-    moe_rerun = 0  # --moe-layer-recompute: one MoE layer's activations exist again while its backward runs
-    if m.moe_layer_recompute and m.num_experts:
+    # --moe-layer-recompute: one MoE layer's activations exist again while its backward runs. Full
+    # recompute counts the rerun group below, and its MoE layer's backward needs as much again for
+    # the expert rows' gradients (DeepSeek-V2-Lite on one H200 peaked 0.5-2.8 GiB over the estimate
+    # without it, at 1-4 micro-batch samples: benchmarks/RESULTS.md, 2026-11-27, sixth session).
+    moe_rerun = 0
+    if m.num_experts and (m.moe_layer_recompute or m.recompute_granularity == "full"):
         moe_rerun = max(tokens for tokens, _ in blocks) * moe_bytes_per_token(cfg, _DTYPE_BYTES[t.precision])
     if m.recompute_granularity != "full":
         return int(sum(kept for _, kept in blocks) * in_flight + moe_rerun + depths)

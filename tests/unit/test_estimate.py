@@ -143,6 +143,12 @@ def test_moe_layer_recompute_keeps_the_inputs_and_one_layer_rerun():
     assert block_activations(recomputed)[1][1] == pytest.approx(block_activations(plain)[1][1] - moe)
     assert block_activations(recomputed)[0] == block_activations(plain)[0]  # layer 0 is dense
     assert activation_bytes(recomputed) == pytest.approx(activation_bytes(plain) - 3 * moe + moe, abs=2)
+    # Full recompute keeps each block's input and reruns one block; a MoE model's rerun layer needs
+    # as much again for its expert rows' gradients while its backward runs.
+    full = build_config(overrides=[*flags, "--recompute-granularity", "full"])
+    inputs = 4 * tokens * full.model.hidden_size * 2
+    largest = max(kept for _, kept in block_activations(full))
+    assert activation_bytes(full) == pytest.approx(inputs + largest + moe, abs=2)
 
 
 def test_moe_and_mla_activations():
