@@ -289,6 +289,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq-length", type=int, default=0, help="0: the model's (512; T5's encoder)")
     parser.add_argument("--dropout", type=float, default=0.1, help="hidden and attention dropout on both sides")
     parser.add_argument("--sides", default="meshtron,hf", help=f"comma-separated: {', '.join(MESHTRON_SIDES)}, hf")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="run the sides this many times, each round's order rotated by one (the first child of a "
+                             "call measured slower); a side's steps of all rounds pooled")  # fmt: skip
     parser.add_argument("--tiny", action="store_true", help="tiny models that run on the CPU (smoke test)")
     parser.add_argument("--profile-dir", default="", help="profile two steps of each side into this directory (GPU)")
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
@@ -305,15 +308,23 @@ def main(argv: list[str] | None = None) -> None:
     results = {}
     for model in models:
         shape = shape_of(model, args)
-        for side in args.sides.split(","):
-            cmd = [sys.executable, __file__, "--child", side, "--model", model, "--steps", str(args.steps),
-                   "--warmup", str(args.warmup), "--micro-batch-size", str(shape["batch"]), "--seq-length", str(shape["seq"]),
-                   "--dropout", str(args.dropout), *(["--tiny"] if args.tiny else []), "--profile-dir", args.profile_dir,
-                   "--", *args.meshtron_args]  # fmt: skip
-            results.setdefault(model, {})[side] = run_child(cmd, f"{model} {side}")
+        sides = args.sides.split(",")
+        for turn in range(args.rounds):
+            for side in sides[turn % len(sides) :] + sides[: turn % len(sides)]:
+                cmd = [sys.executable, __file__, "--child", side, "--model", model, "--steps", str(args.steps),
+                       "--warmup", str(args.warmup), "--micro-batch-size", str(shape["batch"]), "--seq-length", str(shape["seq"]),
+                       "--dropout", str(args.dropout), *(["--tiny"] if args.tiny else []), "--profile-dir", args.profile_dir,
+                       "--", *args.meshtron_args]  # fmt: skip
+                got, pooled = run_child(cmd, f"{model} {side}"), results.setdefault(model, {})
+                if got is None or pooled.get(side, 0) is None:
+                    pooled[side] = None  # a side that failed once is failed
+                elif side in pooled:
+                    pooled[side]["times"] += got["times"]
+                else:
+                    pooled[side] = got
 
     device = next((r["device"] for sides in results.values() for r in sides.values() if r), "-")
-    print(f"\nB8{' (tiny)' if args.tiny else ''}: dropout {args.dropout}, median of {args.steps} steps on {device}; "
+    print(f"\nB8{' (tiny)' if args.tiny else ''}: dropout {args.dropout}, median of {args.steps} steps x {args.rounds} rounds (order rotated) on {device}; "
           "tokens count encoder + decoder; the last three columns are meshtron / hf")  # fmt: skip
     print(f"{'model':<12} {'shape':>9} {'seq':>7} {'meshtron/s':>11} {'hf/s':>11} {'ratio':>7} {'TFLOP/s':>17} "
           f"{'peak GiB':>13} {'loss first->last':>29}")  # fmt: skip
