@@ -73,6 +73,11 @@ def statistics_needed(balancing_type: str, aux_coeff: float, z_coeff: float) -> 
     return StatisticsNeeded(balanced, balanced and balancing_type == "seq_aux_loss", z_coeff > 0)
 
 
+# The sums of ``token_statistics`` that gradients flow through: the balancing scores and the z-loss's
+# logsumexp; the token and chosen counts are counts.
+DIFFERENTIABLE_STATISTICS = ("scores", "z")
+
+
 def token_statistics(logits: torch.Tensor, batch_size: int, topk: int, score_function: str, needed: StatisticsNeeded) -> dict[str, torch.Tensor]:
     """The sums over this layer's tokens the losses need (the reference of the router's fused kernel).
 
@@ -103,7 +108,9 @@ def losses_from_statistics(parts: dict[str, torch.Tensor], topk: int, aux_coeff:
     """
     token_sum = token_sum or TokenSum()
     sums = token_sum(torch.cat([p.reshape(-1) for p in parts.values()])).split([p.numel() for p in parts.values()])
-    total = {name: summed.view_as(part) for (name, part), summed in zip(parts.items(), sums)}
+    # The token and chosen counts carry no gradient; detached, the backward skips the losses' terms in them.
+    total = {name: (summed if name in DIFFERENTIABLE_STATISTICS else summed.detach()).view_as(part)
+             for (name, part), summed in zip(parts.items(), sums)}  # fmt: skip
     num_tokens = total["tokens"][0]
     losses: dict[str, torch.Tensor] = {}
     if "scores" in total:
