@@ -2,24 +2,29 @@
 forward and backward, per block kind (a Llama block, DeepSeek-V2-Lite's MLA dense block and its
 MLA + MoE block).
 
-    PYTHONPATH=$PWD python benchmarks/host_profile.py                         # the CPU, all three kinds
-    PYTHONPATH=$PWD python benchmarks/host_profile.py --device cuda           # one GPU (bf16, Triton kernels)
-    PYTHONPATH=$PWD python benchmarks/host_profile.py --kinds moe --top 30 --json out.json
+    PYTHONPATH=$PWD python benchmarks/host_profile.py                  # the CPU, all three kinds, cut widths
+    PYTHONPATH=$PWD python benchmarks/host_profile.py --device cuda --widths preset --tokens 128 --json gpu.json
+    PYTHONPATH=$PWD python benchmarks/host_profile.py --kinds moe --top 40 --ops 30   # more detail
+    PYTHONPATH=OLD_TREE python benchmarks/host_profile.py --dump /tmp/old; PYTHONPATH=$PWD ... --dump /tmp/new
+    python benchmarks/host_profile.py --compare /tmp/old.moe.pt /tmp/new.moe.pt         # bit for bit
 
 Each block is built the way ``meshtron plan --calibrate`` builds its host measurement
-(``planning/calibrate.host_ms_per_block``): the preset's config at one process, cut to a few
+(``planning/calibrate.host_ms_per_block``): the preset's config at one process, cut to one or two
 layers, mock data, made by the ``Trainer`` (so the gradient buffer's hooks, gradient-accumulation
-fusion and the kernel choices are those of training). The presets keep every count that can
-change the number of ops (heads, 64 experts, top-6, the shared experts, the router's rules); only
-widths shrink so the CPU can hold them. One micro batch of ``--tokens`` tokens (16) is fed to the
-block alone; its backward also takes the block's auxiliary losses, as training's objective does.
+fusion and the kernel choices are those of training). The presets keep every count that sets the
+number of ops (heads, 64 experts, top-6, the shared experts, the router's rules); ``--widths
+small`` (the default) cuts only widths, so the CPU holds the model. One micro batch of
+``--tokens`` tokens is fed to the block alone; its backward also takes the block's auxiliary
+losses, as training's objective does.
 
 Printed per kind: aten ops per forward and per backward (a ``TorchDispatchMode`` count; on a GPU
-the Triton kernels are not aten ops, so the CUDA kernel launches are counted too, by the
-profiler), the median wall time of ``--repeat`` calls, and the top Python functions by own time
-(cProfile, per block call; the backward's with autograd's device threads off, so that its Python
-runs on the thread cProfile watches). On a GPU, "host" is the time to enqueue
-(no synchronize inside the timed call) and "synced" includes waiting for the GPU.
+the Triton kernels are not aten ops, so the CUDA launches are counted too, by the profiler), the
+median wall time of ``--repeat`` calls, Python function calls, and the top Python functions by
+own time (cProfile, per block call; the backward's with autograd's device threads off, so that
+its Python runs on the thread cProfile watches). On a GPU "host" is the time to enqueue (no
+synchronize inside the timed call) and "synced" includes waiting for the GPU; on the CPU they are
+one. ``--dump`` writes each block's outputs and gradients, ``--compare`` checks two dumps (two
+trees, same flags and device) for bit-equality.
 """
 
 from __future__ import annotations
@@ -40,17 +45,21 @@ from meshtron.config import build_config
 from meshtron.planning.layouts import Layout, apply
 from meshtron.training.trainer import Trainer
 
-# Block kind -> (preset flags, layer pattern of the cut model, index of the block measured). A MoE
-# model needs one MoE layer, so its dense block is measured in a model of [dense, MoE].
-SMALL_LLAMA = ["--model.preset", "llama3-8b", "--hidden-size", "64", "--ffn-hidden-size", "64"]
-SMALL_DEEPSEEK = ["--model.preset", "deepseek-v2-lite", "--hidden-size", "64", "--ffn-hidden-size", "64",
-                  "--moe-ffn-hidden-size", "16", "--moe-shared-expert-intermediate-size", "32", "--kv-lora-rank", "16", "--qk-head-dim", "8",
-                  "--qk-pos-emb-head-dim", "4", "--v-head-dim", "8"]  # fmt: skip
+# Block kind -> (preset, layer pattern of the cut model, index of the block measured). A MoE model
+# needs one MoE layer, so its dense block is measured in a model of [dense, MoE].
 KINDS = {
-    "llama": (SMALL_LLAMA, None, 0),
-    "mla": (SMALL_DEEPSEEK, "[0,1]", 0),
-    "moe": (SMALL_DEEPSEEK, "[0,1]", 1),
+    "llama": ("llama3-8b", None, 0),
+    "mla": ("deepseek-v2-lite", "[0,1]", 0),
+    "moe": ("deepseek-v2-lite", "[0,1]", 1),
 }
+# ``--widths small``: every width cut (the CPU holds 64 experts, and a step's compute stays small
+# beside its host time), each still a multiple of 8 that the fused kernels and SDPA's take.
+SMALL_WIDTHS = {
+    "llama3-8b": ["--hidden-size", "256", "--ffn-hidden-size", "256"],
+    "deepseek-v2-lite": ["--hidden-size", "64", "--ffn-hidden-size", "64", "--moe-ffn-hidden-size", "16",
+                         "--moe-shared-expert-intermediate-size", "32", "--kv-lora-rank", "32", "--qk-head-dim", "32",
+                         "--qk-pos-emb-head-dim", "16", "--v-head-dim", "32"],
+}  # fmt: skip
 
 
 class OpCounter(TorchDispatchMode):
@@ -75,10 +84,11 @@ class Block(NamedTuple):
     gradients: Callable[[], dict[str, torch.Tensor]]
 
 
-def build(kind: str, device: str, tokens: int, extra: list[str]) -> tuple[Trainer, Block]:
+def build(kind: str, device: str, tokens: int, widths: str, extra: list[str]) -> tuple[Trainer, Block]:
     """The trainer of ``kind``'s cut model and its measured block."""
-    flags, pattern, index = KINDS[kind]
-    cfg = build_config(overrides=[*flags, "--device", device, *extra])
+    preset, pattern, index = KINDS[kind]
+    small = SMALL_WIDTHS[preset] if widths == "small" else []
+    cfg = build_config(overrides=["--model.preset", preset, *small, "--device", device, *extra])
     cfg = apply(cfg, Layout(1, 1, 1, 1, 1, 1, 1, "none", 1))
     cfg.model.num_layers = 2 if pattern else 1
     if pattern:
@@ -180,14 +190,15 @@ def counted(block: Block) -> tuple[collections.Counter, collections.Counter]:
 
 
 def kernel_launches(block: Block) -> tuple[int, int]:
-    """CUDA kernel launches (runtime and driver API: cuBLAS, aten and Triton kernels) per forward and backward."""
+    """CUDA launches per forward and backward: kernels (runtime and driver API: cuBLAS, aten and
+    Triton ones), copies and memsets."""
     from torch.profiler import ProfilerActivity, profile
 
     def launches(fn) -> tuple[int, object]:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             result = fn()
             torch.cuda.synchronize()
-        return sum(1 for e in prof.events() if "LaunchKernel" in e.name), result
+        return sum(1 for e in prof.events() if any(k in e.name for k in ("LaunchKernel", "Memcpy", "Memset"))), result
 
     block.zero_grad()
     fwd, outputs = launches(block.forward)
@@ -227,6 +238,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     parser.add_argument("--tokens", type=int, default=16, help="tokens of the one micro batch")
+    parser.add_argument("--widths", default="small", choices=("small", "preset"), help="cut widths, or the preset's own")
     parser.add_argument("--repeat", type=int, default=50, help="timed calls (median)")
     parser.add_argument("--top", type=int, default=20, help="Python functions listed per pass (0: none)")
     parser.add_argument("--ops", type=int, default=0, help="most frequent aten ops listed per pass")
@@ -242,7 +254,7 @@ def main() -> None:
         torch.set_num_threads(1)  # the host's own work is one thread; tiny ops gain nothing from more
     results = {}
     for kind in args.kinds:
-        trainer, block = build(kind, args.device, args.tokens, args.flags)
+        trainer, block = build(kind, args.device, args.tokens, args.widths, args.flags)
         if args.dump:
             torch.save(dumped(block), f"{args.dump}.{kind}.pt")
         warm_up(block)
