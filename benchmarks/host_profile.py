@@ -138,10 +138,15 @@ def compare(first: str, second: str) -> bool:
     a, b = torch.load(first), torch.load(second)
     same = True
     for key in sorted(set(a) | set(b)):
-        if key not in a or key not in b or not torch.equal(a[key], b[key]):
-            diff = (a[key].double() - b[key].double()).abs().max().item() if key in a and key in b else "missing"
-            print(f"differs: {key} (max abs difference {diff})")
-            same = False
+        if key not in a or key not in b:
+            print(f"differs: {key} (in one file only)")
+        elif a[key].shape != b[key].shape:
+            print(f"differs: {key} (shapes {tuple(a[key].shape)} and {tuple(b[key].shape)})")
+        elif not torch.equal(a[key], b[key]):
+            print(f"differs: {key} (max abs difference {(a[key].double() - b[key].double()).abs().max().item()})")
+        else:
+            continue
+        same = False
     print(f"{len(a)} tensors: " + ("bit-equal" if same else "NOT bit-equal"))
     return same
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from meshtron.config import ModelConfig
@@ -88,11 +87,12 @@ def token_statistics(logits: torch.Tensor, batch_size: int, topk: int, score_fun
     """
     parts: dict[str, torch.Tensor] = {"tokens": logits.new_full((1,), logits.shape[0], dtype=torch.float32)}
     if needed.balanced:
-        scores = balancing_scores(logits, score_function)
-        chosen = scores.topk(topk, dim=-1).indices
         rows = batch_size if needed.per_sequence else 1
+        scores = balancing_scores(logits, score_function)
+        chosen = scores.topk(topk, dim=-1).indices.view(rows, -1)
         parts["scores"] = scores.view(rows, -1, scores.shape[-1]).sum(dim=1)
-        parts["counts"] = F.one_hot(chosen.view(rows, -1), scores.shape[-1]).sum(dim=1).float()
+        # Counted by an integer scatter-add: exact, with no [rows, T*k, E] one-hot in between.
+        parts["counts"] = chosen.new_zeros(rows, scores.shape[-1]).scatter_add_(1, chosen, torch.ones_like(chosen)).float()
     if needed.z:
         parts["z"] = torch.logsumexp(logits.float(), dim=-1).square().sum().reshape(1)
     return parts
