@@ -54,11 +54,9 @@ def pads_values(backend: str, device: torch.device, qk_dim: int, v_dim: int) -> 
     return backend == "flash" or (backend == "auto" and device.type == "cuda" and not platform.cudnn_attention())
 
 
-# torch's SDPA switches, by the names of its flag getters and setters, in ``torch.nn.attention``'s order.
-_SDPA_FLAGS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-               "mem_efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH, "overrideable": SDPBackend.OVERRIDEABLE}  # fmt: skip
-_SDPA_GETTERS = [getattr(torch._C, f"_get_{name}_sdp_enabled") for name in _SDPA_FLAGS]
-_SDPA_SETTERS = [getattr(torch._C, f"_set_sdp_use_{name}") for name in _SDPA_FLAGS]
+# torch's SDPA switches: the name in its flag getter and setter, and the kernel each switches.
+_SDPA_FLAGS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "mem_efficient": "EFFICIENT_ATTENTION", "math": "MATH",
+               "overrideable": "OVERRIDEABLE"}  # fmt: skip
 
 
 class SdpaOrder:
@@ -68,20 +66,23 @@ class SdpaOrder:
     forward."""
 
     def __init__(self, backends: list[SDPBackend]):
-        self.enabled = [kernel in backends for kernel in _SDPA_FLAGS.values()]
+        flags = [name for name in _SDPA_FLAGS if hasattr(torch._C, f"_set_sdp_use_{name}")]  # those this torch has
+        self.getters = [getattr(torch._C, f"_get_{name}_sdp_enabled") for name in flags]
+        self.setters = [getattr(torch._C, f"_set_sdp_use_{name}") for name in flags]
+        self.enabled = [getattr(SDPBackend, _SDPA_FLAGS[name]) in backends for name in flags]
         self.priority = [int(kernel) for kernel in backends]
         self.saved: list[tuple[list[bool], list[int]]] = []
 
     def __enter__(self) -> None:
         before = torch._C._get_sdp_priority_order()
-        self.saved.append(([get() for get in _SDPA_GETTERS], before))
-        for set_flag, on in zip(_SDPA_SETTERS, self.enabled):
+        self.saved.append(([get() for get in self.getters], before))
+        for set_flag, on in zip(self.setters, self.enabled):
             set_flag(on)
         torch._C._set_sdp_priority_order(self.priority + [kernel for kernel in before if kernel not in self.priority])
 
     def __exit__(self, *_exc) -> None:
         enabled, priority = self.saved.pop()
-        for set_flag, on in zip(_SDPA_SETTERS, enabled):
+        for set_flag, on in zip(self.setters, enabled):
             set_flag(on)
         torch._C._set_sdp_priority_order(priority)
 
