@@ -11,6 +11,7 @@ onto it without reshuffling.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -53,14 +54,53 @@ def pads_values(backend: str, device: torch.device, qk_dim: int, v_dim: int) -> 
     return backend == "flash" or (backend == "auto" and device.type == "cuda" and not platform.cudnn_attention())
 
 
+# torch's SDPA switches: the name in its flag getter and setter, and the kernel each switches.
+_SDPA_FLAGS = {"cudnn": "CUDNN_ATTENTION", "flash": "FLASH_ATTENTION", "mem_efficient": "EFFICIENT_ATTENTION", "math": "MATH",
+               "overrideable": "OVERRIDEABLE"}  # fmt: skip
+
+
+class SdpaOrder:
+    """``sdpa_kernel(backends, set_priority=True)``: only ``backends``, tried in their order, for the
+    calls inside, the switches and order before restored after; the same torch calls without that
+    context manager's Python, which cost about 60 µs (against 5) on a 2-core host, once per attention
+    forward."""
+
+    def __init__(self, backends: list[SDPBackend]):
+        flags = [name for name in _SDPA_FLAGS if hasattr(torch._C, f"_set_sdp_use_{name}")]  # those this torch has
+        self.getters = [getattr(torch._C, f"_get_{name}_sdp_enabled") for name in flags]
+        self.setters = [getattr(torch._C, f"_set_sdp_use_{name}") for name in flags]
+        self.enabled = [getattr(SDPBackend, _SDPA_FLAGS[name]) in backends for name in flags]
+        self.priority = [int(kernel) for kernel in backends]
+        self.saved: list[tuple[list[bool], list[int]]] = []
+
+    def __enter__(self) -> None:
+        before = torch._C._get_sdp_priority_order()
+        self.saved.append(([get() for get in self.getters], before))
+        for set_flag, on in zip(self.setters, self.enabled):
+            set_flag(on)
+        torch._C._set_sdp_priority_order(self.priority + [kernel for kernel in before if kernel not in self.priority])
+
+    def __exit__(self, *_exc) -> None:
+        enabled, priority = self.saved.pop()
+        for set_flag, on in zip(self.setters, enabled):
+            set_flag(on)
+        torch._C._set_sdp_priority_order(priority)
+
+
 def sdpa_backends(backend: str, device: torch.device) -> contextlib.AbstractContextManager:
     """The SDPA kernels ``model.attention_backend`` allows: one named kernel (an error if it cannot
     take the inputs), the ``auto`` priority order on a GPU, or torch's own choice (``sdpa``, CPU)."""
     if backend in _SDPA_KERNELS:
         return sdpa_kernel([_SDPA_KERNELS[backend]])
     if backend == "auto" and device.type == "cuda":
-        return sdpa_kernel(auto_order(), set_priority=True)
+        return _sdpa_order(tuple(auto_order()))
     return contextlib.nullcontext()
+
+
+@functools.cache
+def _sdpa_order(backends: tuple[SDPBackend, ...]) -> SdpaOrder:
+    """One ``SdpaOrder`` per order, reused by every call (it keeps a stack of what it restores)."""
+    return SdpaOrder(list(backends))
 
 
 def head_dim(cfg: ModelConfig) -> int:

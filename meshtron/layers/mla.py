@@ -125,14 +125,14 @@ class MultiLatentAttention(SelfAttentionBase):
             q = self.linear_q_proj(x)
         # Heads and the sequence length are read off projection outputs (see Attention.forward).
         b, s = q.shape[:2]
-        q_nope, q_rope = q.view(b, s, -1, self.nope_dim + self.rope_dim).split([self.nope_dim, self.rope_dim], dim=-1)
+        q = q.view(b, s, -1, self.nope_dim + self.rope_dim)
         latent, k_rope = self.linear_kv_down_proj(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent, k_rope = self.kv_layernorm(latent), self.rope_key_to_heads(k_rope)
         if kv_cache is None and use_triton(self.fused_kernels, q):
             kv = self.linear_kv_up_proj(latent)
-            q, k, v = _rotated_query_key(q.view(b, s, -1, self.nope_dim + self.rope_dim),
-                                         kv.view(b, s, -1, self.nope_dim + self.v_dim), k_rope, cos, sin, position_ids)  # fmt: skip
+            q, k, v = _rotated_query_key(q, kv.view(b, s, -1, self.nope_dim + self.v_dim), k_rope, cos, sin, position_ids)
             return self.linear_proj(self.attend(q, k, v, document_ids, padding_mask))
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q_rope = apply_rotary(deinterleave(q_rope), cos, sin, position_ids, self.fused_kernels)
         k_rope = apply_rotary(deinterleave(k_rope).unsqueeze(2), cos, sin, position_ids, self.fused_kernels)  # one head
         if kv_cache is not None:

@@ -51,6 +51,13 @@ def runs_in_order(sizes: torch.Tensor, order: torch.Tensor, total: int) -> torch
     return torch.repeat_interleave(run_starts, run_sizes, output_size=total) + offset_in_run
 
 
+def unpermute_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``rows`` = ``buffer.index_select(0, index)`` for a permutation ``index`` -> ``buffer``'s order:
+    each row written back to its place (no sort of the index to invert it; the gradient is one
+    gather, where that of ``index_select`` zero-fills and adds)."""
+    return torch.empty_like(rows).index_copy_(0, index, rows)
+
+
 class _InFlight:
     """One all-to-all: ``send[j]`` rows to rank j, ``recv[i]`` from rank i; while it (or its
     gradient's way back) runs, its work and the buffer it fills."""
@@ -133,7 +140,7 @@ def exchange_in_chunks(x: torch.Tensor, sent: torch.Tensor, received: torch.Tens
         returning.append((_Launch.apply(compute(_Land.apply(arriving, flight), c), back), back))
         arriving = following
     out = torch.cat([_Land.apply(rows, back) for rows, back in returning])
-    return out.index_select(0, torch.argsort(index)), side
+    return unpermute_rows(out, index), side
 
 
 class _ChunkReports:

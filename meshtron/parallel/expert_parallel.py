@@ -53,7 +53,7 @@ from meshtron.errors import ConfigError
 from meshtron.layers.moe.experts import expert_ffn
 from meshtron.models.contract import Contiguous, Layout
 from meshtron.optim.grad_buffer import all_gather_single
-from meshtron.parallel.expert_overlap import chunk_bounds, exchange_in_chunks, runs_in_order, weight_chunks
+from meshtron.parallel.expert_overlap import chunk_bounds, exchange_in_chunks, runs_in_order, unpermute_rows, weight_chunks
 from meshtron.parallel.mesh import Mesh
 from meshtron.parallel.tensor_parallel import (
     all_gather_sequence,
@@ -107,7 +107,7 @@ def _by_local_expert(rows: torch.Tensor, received: torch.Tensor, ffn) -> torch.T
     (chunk sizes ``received`` [sources, L]); outputs back in the rows' order."""
     index = source_major_to_expert_major(received, rows.shape[0])
     out = ffn(rows.index_select(0, index), received.sum(0))
-    return out.index_select(0, torch.argsort(index))
+    return unpermute_rows(out, index)
 
 
 def experts_communicate(mesh: Mesh, sequence_parallel: bool) -> bool:

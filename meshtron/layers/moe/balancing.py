@@ -18,7 +18,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from meshtron.config import ModelConfig
@@ -73,6 +72,11 @@ def statistics_needed(balancing_type: str, aux_coeff: float, z_coeff: float) -> 
     return StatisticsNeeded(balanced, balanced and balancing_type == "seq_aux_loss", z_coeff > 0)
 
 
+# The sums of ``token_statistics`` that gradients flow through: the balancing scores and the z-loss's
+# logsumexp; the token and chosen counts are counts.
+DIFFERENTIABLE_STATISTICS = ("scores", "z")
+
+
 def token_statistics(logits: torch.Tensor, batch_size: int, topk: int, score_function: str, needed: StatisticsNeeded) -> dict[str, torch.Tensor]:
     """The sums over this layer's tokens the losses need (the reference of the router's fused kernel).
 
@@ -83,11 +87,12 @@ def token_statistics(logits: torch.Tensor, batch_size: int, topk: int, score_fun
     """
     parts: dict[str, torch.Tensor] = {"tokens": logits.new_full((1,), logits.shape[0], dtype=torch.float32)}
     if needed.balanced:
-        scores = balancing_scores(logits, score_function)
-        chosen = scores.topk(topk, dim=-1).indices
         rows = batch_size if needed.per_sequence else 1
+        scores = balancing_scores(logits, score_function)
+        chosen = scores.topk(topk, dim=-1).indices.view(rows, -1)
         parts["scores"] = scores.view(rows, -1, scores.shape[-1]).sum(dim=1)
-        parts["counts"] = F.one_hot(chosen.view(rows, -1), scores.shape[-1]).sum(dim=1).float()
+        # Counted by an integer scatter-add: exact, with no [rows, T*k, E] one-hot in between.
+        parts["counts"] = chosen.new_zeros(rows, scores.shape[-1]).scatter_add_(1, chosen, torch.ones_like(chosen)).float()
     if needed.z:
         parts["z"] = torch.logsumexp(logits.float(), dim=-1).square().sum().reshape(1)
     return parts
@@ -103,7 +108,9 @@ def losses_from_statistics(parts: dict[str, torch.Tensor], topk: int, aux_coeff:
     """
     token_sum = token_sum or TokenSum()
     sums = token_sum(torch.cat([p.reshape(-1) for p in parts.values()])).split([p.numel() for p in parts.values()])
-    total = {name: summed.view_as(part) for (name, part), summed in zip(parts.items(), sums)}
+    # The token and chosen counts carry no gradient; detached, the backward skips the losses' terms in them.
+    total = {name: (summed if name in DIFFERENTIABLE_STATISTICS else summed.detach()).view_as(part)
+             for (name, part), summed in zip(parts.items(), sums)}  # fmt: skip
     num_tokens = total["tokens"][0]
     losses: dict[str, torch.Tensor] = {}
     if "scores" in total:

@@ -153,42 +153,56 @@ def resolve_backend(x: torch.Tensor, weight: torch.Tensor, backend: str) -> str:
     return backend
 
 
-def _rows_times(x: torch.Tensor, b: torch.Tensor, group_sizes: torch.Tensor, backend: str) -> torch.Tensor:
-    """x [R, K] grouped, times b [E, K, N] per group (any strides) -> [R, N], on ``torch`` or ``triton``."""
+def _group_bounds(group_sizes: torch.Tensor, backend: str) -> torch.Tensor:
+    """The groups as ``backend``'s kernels read them: ``torch._grouped_mm``'s int32 group ends [E],
+    or the Triton kernels' offsets [E + 1] (``group_offsets``)."""
     if backend == "torch":
-        return torch._grouped_mm(x, b, offs=torch.cumsum(group_sizes, 0, dtype=torch.int32))
-    from meshtron.kernels.triton_grouped_gemm import group_offsets, rows_times_group
+        return torch.cumsum(group_sizes, 0, dtype=torch.int32)
+    from meshtron.kernels.triton_grouped_gemm import group_offsets
 
-    return rows_times_group(x, b, group_offsets(group_sizes))
+    return group_offsets(group_sizes)
+
+
+def _rows_times(x: torch.Tensor, b: torch.Tensor, bounds: torch.Tensor, backend: str) -> torch.Tensor:
+    """x [R, K] grouped (``bounds``: ``_group_bounds``'), times b [E, K, N] per group (any strides)
+    -> [R, N], on ``torch`` or ``triton``."""
+    if backend == "torch":
+        return torch._grouped_mm(x, b, offs=bounds)
+    from meshtron.kernels.triton_grouped_gemm import rows_times_group
+
+    return rows_times_group(x, b, bounds)
 
 
 class _GroupedMMIntoMainGrad(torch.autograd.Function):
     """``grouped_mm`` whose weight gradient goes into ``weight.main_grad`` (written if it is the
-    step's first, else added) and is reported to the gradient buffer; autograd gets none."""
+    step's first, else added) and is reported to the gradient buffer; autograd gets none. The
+    groups' bounds are computed once, for the forward and the input gradient (and, on the Triton
+    backend, the weight gradient)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, group_sizes: torch.Tensor, backend: str) -> torch.Tensor:
-        ctx.save_for_backward(x, weight, group_sizes)
+        bounds = _group_bounds(group_sizes, backend)
+        ctx.save_for_backward(x, weight, group_sizes, bounds)
         ctx.backend, ctx.param = backend, weight  # the parameter, with its main_grad (see grad_accum_fusion)
-        return _rows_times(x, weight.transpose(1, 2), group_sizes, backend)
+        return _rows_times(x, weight.transpose(1, 2), bounds, backend)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        from meshtron.kernels.triton_grouped_gemm import group_offsets, group_weight_grad
-
-        x, weight, group_sizes = ctx.saved_tensors
+        x, weight, group_sizes, bounds = ctx.saved_tensors
         grad_out = grad_out.contiguous()  # an expanded (stride-0) gradient, e.g. of out.sum()
-        grad_x = _rows_times(grad_out, weight, group_sizes, ctx.backend) if ctx.needs_input_grad[0] else None
-        weight_grad_into_main_grad(ctx.param, grad_out, x, group_sizes)
+        grad_x = _rows_times(grad_out, weight, bounds, ctx.backend) if ctx.needs_input_grad[0] else None
+        weight_grad_into_main_grad(ctx.param, grad_out, x, group_sizes, bounds if ctx.backend == "triton" else None)
         return grad_x, None, None, None
 
 
-def weight_grad_into_main_grad(param: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor, group_sizes: torch.Tensor) -> None:
+def weight_grad_into_main_grad(param: torch.Tensor, grad_out: torch.Tensor, x: torch.Tensor, group_sizes: torch.Tensor,
+                               offsets: torch.Tensor | None = None) -> None:  # fmt: skip
     """The experts' weight gradient ``grad_out_g^T @ x_g`` by the Triton kernel into ``param.main_grad``
-    in fp32 (written if it is the step's first, else added), now or in a zero-bubble schedule's W."""
+    in fp32 (written if it is the step's first, else added), now or in a zero-bubble schedule's W.
+    ``offsets``: the groups' ``group_offsets`` where the caller has them."""
     from meshtron.kernels.triton_grouped_gemm import group_offsets, group_weight_grad
 
-    offsets = group_offsets(group_sizes)
+    offsets = group_offsets(group_sizes) if offsets is None else offsets
 
     def wgrad(overwrite: bool) -> None:
         group_weight_grad(grad_out, x, offsets, param.shape[0], out=param.main_grad, accumulate=not overwrite)
