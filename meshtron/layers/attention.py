@@ -93,6 +93,8 @@ def sdpa_backends(backend: str, device: torch.device) -> contextlib.AbstractCont
     if backend in _SDPA_KERNELS:
         return sdpa_kernel([_SDPA_KERNELS[backend]])
     if backend == "auto" and device.type == "cuda":
+        if torch.compiler.is_compiling():  # dynamo traces torch's context manager, not the switches it sets
+            return sdpa_kernel(auto_order(), set_priority=True)
         return _sdpa_order(tuple(auto_order()))
     return contextlib.nullcontext()
 
