@@ -6,11 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
+@pytest.mark.slow  # three script runs, ~35 s on 2 busy cores; a benchmark's check, run on the GPU too
 def test_moe_block_is_counted_timed_and_dumped_and_dumps_compare_bit_for_bit(tmp_path):
     run = [sys.executable, "host_profile.py", "--kinds", "moe", "--repeat", "2", "--top", "3", "--dump", str(tmp_path / "d")]
     out = subprocess.run(run, cwd=BENCHMARKS, capture_output=True, text=True, check=True).stdout
