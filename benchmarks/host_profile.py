@@ -42,15 +42,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshtron.config import build_config
-from meshtron.planning.layouts import Layout, apply
+from meshtron.planning.calibrate import cut_model
 from meshtron.training.trainer import Trainer
 
 # Block kind -> (preset, layer pattern of the cut model, index of the block measured). A MoE model
 # needs one MoE layer, so its dense block is measured in a model of [dense, MoE].
 KINDS = {
-    "llama": ("llama3-8b", None, 0),
-    "mla": ("deepseek-v2-lite", "[0,1]", 0),
-    "moe": ("deepseek-v2-lite", "[0,1]", 1),
+    "llama": ("llama3-8b", [0], 0),
+    "mla": ("deepseek-v2-lite", [0, 1], 0),
+    "moe": ("deepseek-v2-lite", [0, 1], 1),
 }
 # ``--widths small``: every width cut (the CPU holds 64 experts, and a step's compute stays small
 # beside its host time), each still a multiple of 8 that the fused kernels and SDPA's take.
@@ -89,13 +89,7 @@ def build(kind: str, device: str, tokens: int, widths: str, extra: list[str]) ->
     preset, pattern, index = KINDS[kind]
     small = SMALL_WIDTHS[preset] if widths == "small" else []
     cfg = build_config(overrides=["--model.preset", preset, *small, "--device", device, *extra])
-    cfg = apply(cfg, Layout(1, 1, 1, 1, 1, 1, 1, "none", 1))
-    cfg.model.num_layers = 2 if pattern else 1
-    if pattern:
-        cfg.model.moe_layer_freq = pattern
-    cfg.train.global_batch_size, cfg.train.micro_batch_size, cfg.train.train_iters = 1, 1, 1000
-    cfg.data.mock, cfg.data.seq_length = True, tokens
-    cfg.logging.log_interval, cfg.logging.eval_interval = 10**9, 0
+    cfg = cut_model(cfg, pattern, tokens)
     trainer = Trainer(cfg, log=lambda _: None)
     model = trainer.model
     batch = model.prepare_batch(trainer._to_device(next(trainer.train_batches)))

@@ -112,26 +112,35 @@ def grouped_gemm_factor(cfg: Config, gemm_tflops: list[list[float]]) -> float:
     return 3 * flops / seconds / 1e12 / interpolate(gemm_tflops, flops / 2)
 
 
+def cut_model(cfg: Config, pattern: list[int], tokens: int) -> Config:
+    """``cfg`` cut to the blocks of ``pattern`` (1: a MoE block, where the model has experts), one
+    process, one micro batch of ``tokens`` random tokens a step, nothing logged: the run whose
+    steps time the host (``host_ms_per_block``, ``benchmarks/host_profile.py``). ``cfg`` keeps its
+    values (``apply`` copies each section)."""
+    from meshtron.planning.layouts import Layout, apply
+
+    c = apply(cfg, Layout(1, 1, 1, 1, 1, 1, 1, "none", 1))
+    c.model.num_layers, c.train.global_batch_size, c.train.train_iters = len(pattern), 1, 1000
+    if c.model.num_experts:
+        c.model.moe_layer_freq = "[" + ",".join(map(str, pattern)) + "]"
+    c.data.mock, c.data.seq_length, c.data.decoder_seq_length = True, tokens, min(c.data.decoder_seq_length, tokens)
+    c.logging.log_interval, c.logging.eval_interval = 10**9, 0
+    return c
+
+
 def host_ms_per_block(cfg: Config) -> dict[str, float]:
     """Milliseconds the host takes to launch one block's forward + backward, per block kind
     ("dense", "moe"): on one GPU at one micro batch of ``HOST_TOKENS`` tokens, where the GPU's
     kernels take microseconds and a step lasts as long as its launches, the median step of the
     model cut to one block plus one of the kind, less that of the model cut to that one block."""
     from meshtron.models import spec_for
-    from meshtron.planning.layouts import Layout, apply
     from meshtron.training.trainer import Trainer
 
     kinds = [1 if shape.moe else 0 for shape in spec_for(cfg.model).block_shapes(cfg)]
     sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None  # the CPU: tests of the code path
 
     def step_ms(pattern: list[int]) -> float:
-        c = apply(cfg, Layout(1, 1, 1, 1, 1, 1, 1, "none", 1))  # each section a copy: cfg keeps its values
-        c.model.num_layers, c.train.global_batch_size, c.train.train_iters = len(pattern), 1, 1000
-        if c.model.num_experts:
-            c.model.moe_layer_freq = "[" + ",".join(map(str, pattern)) + "]"
-        c.data.mock, c.data.seq_length, c.data.decoder_seq_length = True, HOST_TOKENS, min(c.data.decoder_seq_length, HOST_TOKENS)
-        c.logging.log_interval, c.logging.eval_interval = 10**9, 0
-        trainer, times = Trainer(c, log=lambda _: None), []
+        trainer, times = Trainer(cut_model(cfg, pattern, HOST_TOKENS), log=lambda _: None), []
         for i in range(13):
             sync()
             began = time.perf_counter()
