@@ -107,7 +107,9 @@ def grouped_gemm_factor(cfg: Config, gemm_tflops: list[list[float]]) -> float:
         w = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         sizes = torch.full((experts,), rows, device="cuda", dtype=torch.int64)
         grad = torch.randn(experts * rows, n, device="cuda", dtype=torch.bfloat16)
-        seconds += cuda_seconds(lambda: grouped_mm(x, w, sizes, m.moe_grouped_gemm).backward(grad), repeat=5)
+        # autograd.grad, not .backward: accumulating into w.grad would add a pass over all the
+        # experts' weights to every call (a third of the time at DeepSeek-V2-Lite's shapes)
+        seconds += cuda_seconds(lambda: torch.autograd.grad(grouped_mm(x, w, sizes, m.moe_grouped_gemm), (x, w), grad), repeat=5)
     flops = 2.0 * experts * rows * (fc1 * h + h * f)  # one forward of both
     return 3 * flops / seconds / 1e12 / interpolate(gemm_tflops, flops / 2)
 
