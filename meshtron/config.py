@@ -390,7 +390,11 @@ def build_config(config_file: str | None = None, overrides: list[str] | None = N
     preset = parsed.get("model.preset", raw.get("model", {}).get("preset", ""))
     merged: dict[str, dict[str, Any]] = {}
     if preset:
-        for dotted, value in preset_fields(preset).items():
+        user_model = {**{k.replace("-", "_"): v for k, v in raw.get("model", {}).items()},
+                      **{k.split(".")[1]: v for k, v in parsed.items() if k.startswith("model.")}}  # fmt: skip
+        layers = str(user_model.get("num_layers", ""))  # checked for type below, with the rest
+        layers = int(layers) if layers.isdigit() and "moe_layer_freq" not in user_model else None
+        for dotted, value in preset_fields(preset, layers).items():
             section, name = dotted.split(".")
             merged.setdefault(section, {})[name] = value
     for section, values in raw.items():

@@ -7,6 +7,7 @@ where the preset implies a tokenizer, and ``data.seq_length`` is the model's tra
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from meshtron.errors import ConfigError, unknown_name
@@ -158,6 +159,14 @@ _OLMOE = {
 }
 
 
+def _leading_dense(dense: int, layers: int) -> str:
+    """``--moe-layer-freq`` for ``dense`` dense layers, then MoE ones (DeepSeek's first_k_dense_replace)."""
+    return f"([0]*{dense}+[1]*{layers - dense})"
+
+
+_LEADING_DENSE = re.compile(r"\(\[0\]\*(\d+)\+\[1\]\*\d+\)")
+
+
 def _deepseek(layers: int, hidden: int, heads: int, ffn: int, experts: int, expert_ffn: int, **fields: Any) -> dict[str, Any]:
     return {
         **_DEEPSEEK_V2,
@@ -165,7 +174,7 @@ def _deepseek(layers: int, hidden: int, heads: int, ffn: int, experts: int, expe
         "model.num_experts": experts,
         "model.moe_ffn_hidden_size": expert_ffn,
         "model.moe_shared_expert_intermediate_size": 2 * expert_ffn,  # n_shared_experts 2
-        "model.moe_layer_freq": f"([0]+[1]*{layers - 1})",
+        "model.moe_layer_freq": _leading_dense(1, layers),
         **{f"model.{k}": v for k, v in fields.items()},
     }
 
@@ -181,7 +190,7 @@ def _deepseek_v3(layers: int, hidden: int, heads: int, ffn: int, experts: int, e
     return {
         **_deepseek(layers, hidden, heads, ffn, experts, expert_ffn),
         "model.moe_shared_expert_intermediate_size": expert_ffn,  # n_shared_experts 1
-        "model.moe_layer_freq": f"([0]*{dense}+[1]*{layers - dense})",
+        "model.moe_layer_freq": _leading_dense(dense, layers),
         "model.rope_mscale": 1.0,
         "model.rope_mscale_all_dim": 1.0,
         "model.moe_router_score_function": "sigmoid",
@@ -268,8 +277,15 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def preset_fields(name: str) -> dict[str, Any]:
-    """The dotted config fields of preset ``name`` (a copy, safe to modify)."""
+def preset_fields(name: str, num_layers: int | None = None) -> dict[str, Any]:
+    """The dotted config fields of preset ``name`` (a copy, safe to modify). ``num_layers``: the
+    user's layer count, where given without a pattern of their own: a preset whose first layers are
+    dense keeps that many dense layers and makes the rest MoE (``--num-layers 4`` of DeepSeek-V2-Lite
+    runs one dense and three MoE layers; its 27-layer pattern would be refused)."""
     if name not in PRESETS:
         raise ConfigError(unknown_name("model preset", name, list(PRESETS)))
-    return dict(PRESETS[name])
+    fields = dict(PRESETS[name])
+    leading = _LEADING_DENSE.fullmatch(str(fields.get("model.moe_layer_freq", "")))
+    if num_layers and leading and int(leading.group(1)) < num_layers:
+        fields["model.moe_layer_freq"] = _leading_dense(int(leading.group(1)), num_layers)
+    return fields

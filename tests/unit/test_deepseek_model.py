@@ -39,7 +39,7 @@ def test_lite_preset_fields():
     assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.ffn_hidden_size) == (27, 2048, 16, 10944)
     assert (m.q_lora_rank, m.kv_lora_rank, m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim) == (0, 512, 128, 64, 128)
     assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_shared_expert_intermediate_size) == (64, 6, 1408, 2816)
-    assert m.moe_layer_freq == "([0]+[1]*26)" and m.rope_scaling == "yarn" and not m.tie_embeddings
+    assert m.moe_layer_freq == "([0]*1+[1]*26)" and m.rope_scaling == "yarn" and not m.tie_embeddings
 
 
 @pytest.mark.parametrize("q_lora_rank", [0, 24])

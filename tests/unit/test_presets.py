@@ -103,6 +103,22 @@ def test_preset_fields_is_a_copy():
     assert PRESETS["tiny-gpt"]["model.num_layers"] == 2
 
 
+def test_a_shorter_deepseek_keeps_its_leading_dense_layers(tmp_path):
+    """``--num-layers`` on a DeepSeek preset re-draws its MoE pattern (first layers dense, the rest MoE);
+    a pattern the user gives is theirs, and one that cannot hold the dense layers is refused."""
+    short = build_config(overrides=["--model.preset", "deepseek-v2-lite", "--num-layers", "4"])
+    assert short.model.moe_layer_freq == "([0]*1+[1]*3)"
+    validate(short, world_size=1)
+    v3 = build_config(overrides=["--model.preset", "deepseek-v3", "--model.num_layers", "5"])
+    assert v3.model.moe_layer_freq == "([0]*3+[1]*2)"
+    (tmp_path / "c.toml").write_text('[model]\npreset = "deepseek-v2-lite"\nnum-layers = 3\n')
+    assert build_config(str(tmp_path / "c.toml")).model.moe_layer_freq == "([0]*1+[1]*2)"
+    own = build_config(overrides=["--model.preset", "deepseek-v2-lite", "--num-layers", "4", "--moe-layer-freq", "1"])
+    assert own.model.moe_layer_freq == "1"
+    with pytest.raises(ValueError, match="names 61 layers but --num-layers is 2"):
+        validate(build_config(overrides=["--model.preset", "deepseek-v3", "--num-layers", "2"]), world_size=1)
+
+
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.toml")), ids=lambda p: p.stem)
 def test_example_configs_validate(path):
     cfg = build_config(str(path))
