@@ -21,6 +21,7 @@ drifts within a call, and the layer and the chain should see the same drift. ``-
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -145,6 +146,7 @@ def main() -> None:
         from b1_llama import profile_steps
         from host_waits import find_syncs
 
+        os.makedirs(args.profile_dir, exist_ok=True)  # the trace's writer does not create it
         layer_step = parts["MoE layer (whole)"]
         trace = f"{args.profile_dir}/trace_moe_layer_{args.grouped_gemm}.json.gz"
         profile_steps(layer_step, f"{args.profile_dir}/profile_moe_layer_{args.grouped_gemm}.txt", trace)
