@@ -21,7 +21,7 @@ DEFAULTS = Path(__file__).parent / "defaults"
 SHIPPED = {"h100": "h100.json", "h200": "h200.json", "mi300x": "mi300x.json"}
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p")
 HOST_FEATURES = ("tp", "cp", "ep", "etp", "fsdp", "recompute")  # what adds host work to a block (host_factors)
-ADDED_FIELDS = ("host_ms_per_block", "host_factors", "sustained_share")  # missing from older calibration files: the shipped machine's
+ADDED_FIELDS = ("host_ms_per_block", "host_factors", "sustained_share", "synced_host_shares")  # missing from older calibration files: the shipped machine's
 
 
 def interpolate(points: list[list[float]], x: float) -> float:
@@ -65,6 +65,10 @@ class Machine:
     # ranks and MoE dispatch it takes more than the GPU's
     host_ms_per_block: dict[str, float] = field(default_factory=dict)
     host_factors: dict[str, float] = field(default_factory=dict)  # that host time's multiplier per layout feature (HOST_FEATURES)
+    # Host work, as a share of the MoE block's host time, that FSDP2 ("fsdp") and expert tensor
+    # parallelism ("etp") put after the expert dispatch's host sync, when the GPU's queue is empty:
+    # under ep or etp the GPU waits for it (``step_time``)
+    synced_host_shares: dict[str, float] = field(default_factory=dict)
     # Share of the calibrated GEMM and attention rates a training step sustains: the calibration
     # times each kernel alone for a moment, a step runs them back to back for minutes
     sustained_share: float = 1.0

@@ -16,7 +16,7 @@ REASONS = {
     "recompute": ("recompute",),
     "compute efficiency (smaller GEMMs, attention)": ("gemm", "attention", "elementwise"),
     "optimizer step": ("optimizer",),
-    "host overhead": ("overhead", "host wait"),
+    "host overhead": ("overhead", "host wait", "host sync"),
 }
 
 

@@ -23,6 +23,9 @@ Per micro batch, each block costs on one rank (tokens t = micro batch x the bloc
   the GPU's parts is ``host wait`` (MoE blocks on 4 GPUs at a micro batch of 4096 tokens spend
   about half the step there, ``benchmarks/RESULTS.md``); a chunk that waits for the host has its
   launches in that wait, so it pays no ``microbatch_overhead_ms`` besides;
+- the host's sync under ep or etp (``host sync``): their dispatch reads split sizes back once per MoE
+  block, emptying the GPU's queue, so FSDP2's and etp's host work after it adds to the GPU's time
+  (``synced_host_shares`` of the MoE block's host time), where elsewhere it hides under queued work;
 
 the output layer and loss add their GEMM and logits traffic on the last stage. The pipeline sends
 each chunk's activation and gradient once per micro batch. The chunks' times go through the
@@ -53,7 +56,7 @@ from meshtron.planning.hardware import Machine
 from meshtron.planning.layouts import Layout, apply
 
 BF16 = 2
-PARTS = ("gemm", "attention", "elementwise", "recompute", "tp comm", "cp comm", "ep comm", "host wait", "pp comm", "bubble",
+PARTS = ("gemm", "attention", "elementwise", "recompute", "tp comm", "cp comm", "ep comm", "host sync", "host wait", "pp comm", "bubble",
          "dp comm", "optimizer", "overhead")  # fmt: skip
 COMMUNICATION = ("tp comm", "cp comm", "ep comm", "pp comm", "dp comm")
 
@@ -230,8 +233,21 @@ class StepModel:
             recompute = attention / 3
         parts = {"gemm": gemm, "attention": attention, "elementwise": elementwise, "recompute": recompute, "tp comm": tp_comm,
                  "cp comm": cp_comm, "ep comm": ep_comm}  # fmt: skip
+        parts["host sync"] = self._synced_host_seconds(lay) if s.expert_all else 0.0
         parts["host wait"] = max(0.0, self._host_seconds(lay, "moe" if s.expert_all else "dense") - sum(parts.values()))
         return _Block(parts)
+
+    def _synced_host_seconds(self, lay: Layout) -> float:
+        """The host work the GPU waits for in a MoE block under ep or etp. Their dropless dispatch
+        reads the all-to-all's split sizes back to the host once per forward, so the GPU's queue is
+        empty after it; host work that follows and launches no kernel (FSDP2's hooks, etp's extra
+        exchanges) is then idle time on the GPU, not hidden under queued work. Each feature adds its
+        ``synced_host_shares`` of the machine's MoE block host time."""
+        if lay.ep == 1 and lay.etp == 1:
+            return 0.0
+        mc = self.machine
+        share = mc.synced_host_shares.get("fsdp", 0.0) * (lay.sharding == "fsdp") + mc.synced_host_shares.get("etp", 0.0) * (lay.etp > 1)
+        return mc.host_ms_per_block.get("moe", 0.0) / 1e3 * share
 
     def _host_seconds(self, lay: Layout, kind: str) -> float:
         """The host's time to launch one block's forward + backward: the machine's for the block's

@@ -300,3 +300,30 @@ def test_the_sustained_share_scales_the_calibrated_rates():
     layout = Layout(1, 1, 1, 1, 1, 1, 2, D, 1)
     a, b = StepModel(cfg, full, 4).predict(layout), StepModel(cfg, slower, 4).predict(layout)
     assert b.parts["gemm"] == pytest.approx(2 * a.parts["gemm"]) and b.parts["attention"] == pytest.approx(2 * a.parts["attention"])
+
+
+def test_host_work_after_the_expert_dispatchs_sync_is_not_hidden():
+    """Under ep or etp the dispatch reads its split sizes back once per MoE block, so FSDP2's and
+    etp's host work after it (``synced_host_shares`` of the MoE block's host time) adds to the
+    block's time even where the GPU's parts exceed the host's; without ep and etp, or in a dense
+    model, nothing is added."""
+    shares = {"fsdp": 0.5, "etp": 0.25}
+    machine = dataclasses.replace(load("h200"), host_ms_per_block={"dense": 1e-3, "moe": 1e-3}, synced_host_shares=shares)
+    cfg = _cfg(*TINY_MOE)  # 2 MoE blocks, global batch 4
+    model = StepModel(cfg, machine, 4)
+
+    def synced(ep: int, etp: int, sharding: str, dp: int = 4, mbs: int = 1) -> float:
+        return model.predict(Layout(1, 1, 1, 1, ep, etp, dp, sharding, mbs)).parts["host sync"]
+
+    per_block = machine.host_ms_per_block["moe"] / 1e3
+    blocks = 2 * cfg.train.global_batch_size // 4  # MoE blocks x micro batches of one sample on each of 4 ranks
+    assert synced(1, 2, "fsdp") == pytest.approx(blocks * per_block * 0.75)
+    assert synced(2, 1, "fsdp") == pytest.approx(blocks * per_block * 0.5)
+    assert synced(1, 2, D) == pytest.approx(blocks * per_block * 0.25)
+    assert synced(2, 1, D) == synced(1, 1, "fsdp") == synced(1, 1, D) == 0.0
+    etp_fsdp = Layout(1, 1, 1, 1, 1, 2, 4, "fsdp", 1)
+    hidden = StepModel(cfg, dataclasses.replace(machine, synced_host_shares={}), 4).predict(etp_fsdp)
+    assert hidden.parts["host sync"] == 0 and hidden.parts["host wait"] == 0  # the GPU's parts exceed the host's
+    assert model.predict(etp_fsdp).step_s == pytest.approx(hidden.step_s + blocks * per_block * 0.75)
+    dense = StepModel(_cfg(*TINY_DENSE), machine, 4).predict(Layout(1, 1, 1, 1, 1, 1, 4, "fsdp", 1))
+    assert dense.parts["host sync"] == 0
