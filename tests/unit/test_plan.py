@@ -283,10 +283,11 @@ def test_a_block_takes_at_least_the_hosts_time():
 def test_calibration_files_from_before_the_host_model_take_the_shipped_host_times(tmp_path):
     path = tmp_path / "cal.json"
     raw = json.loads(load("h200").to_json())
-    del raw["host_ms_per_block"], raw["host_factors"], raw["sustained_share"]
+    del raw["host_ms_per_block"], raw["host_factors"], raw["sustained_share"], raw["synced_host_shares"]
     path.write_text(json.dumps(raw))
     assert load(str(path)).host_ms_per_block == load("h200").host_ms_per_block
     assert load(str(path)).sustained_share == load("h200").sustained_share
+    assert load(str(path)).synced_host_shares == load("h200").synced_host_shares
 
 
 def test_the_sustained_share_scales_the_calibrated_rates():
