@@ -59,15 +59,15 @@ def test_embedded_default_trains_samples_and_is_plottable(tmp_path):
     from meshtron.cli import DEFAULT_RUN_DIR, EMBEDDED_DEFAULT_ARGS
     from meshtron.plot import event_dir, read_scalars
 
-    shorter = ["--data-cache-path", str(tmp_path / "cache"), "--log-interval", "10", "--generate-prompt", "The "]
-    out = meshtron("train", *EMBEDDED_DEFAULT_ARGS, *shorter, "--train-iters", "40", cwd=tmp_path)
+    shorter = ["--data-cache-path", str(tmp_path / "cache"), "--log-interval", "5", "--generate-prompt", "The "]
+    out = meshtron("train", *EMBEDDED_DEFAULT_ARGS, *shorter, "--train-iters", "20", cwd=tmp_path)
     losses = [float(l.split("| loss ")[1].split()[0]) for l in out.stdout.splitlines() if l.startswith("iteration")]
     assert losses[-1] < losses[0] - 1.0, out.stdout
     assert re.search(r"sample: ['\"]The ", out.stdout), out.stdout
     run_dir = tmp_path / DEFAULT_RUN_DIR
     assert (run_dir / "tokenizer").is_dir()
     steps, values = read_scalars(event_dir(run_dir))["train/loss"]  # what `meshtron plot checkpoints/default` draws
-    assert steps == [10, 20, 30, 40] and values[-1] < values[0]
+    assert steps == [5, 10, 15, 20] and values[-1] < values[0]
     again = meshtron("train", *EMBEDDED_DEFAULT_ARGS, *shorter, "--train-iters", "2", cwd=tmp_path)
     assert re.search(r"sample: ['\"]The ", again.stdout) and (run_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
 
