@@ -68,9 +68,10 @@ MOE_SINKHORN = ModelConfig(**{**MOE.__dict__, "moe_router_load_balancing_type": 
 # --overlap-moe-expert-parallel-comm: the alltoall exchange in 2 chunks of local experts (MOE's 4 experts at ep2).
 OVERLAP = {"overlap_moe_expert_parallel_comm": True, "moe_ep_overlap_chunks": 2}
 # The fused-kernel cases run every Triton kernel under the interpreter (seconds per launch grid on
-# 2 cores): two MoE layers and learned positions, so the time goes to the MoE kernels and the fused
-# weight gradient they prove, not to RoPE and norm kernels that tests/unit covers.
-MOE_FUSED = ModelConfig(**{**MOE.__dict__, "num_layers": 2, "moe_layer_freq": "1", "position_embedding_type": "learned_absolute"})
+# 2 cores): two MoE layers, learned positions and GELU experts, so the time goes to the MoE kernels
+# and the fused weight gradient they prove, not to RoPE, norm and SwiGLU kernels that tests/unit covers.
+MOE_FUSED = ModelConfig(**{**MOE.__dict__, "num_layers": 2, "moe_layer_freq": "1", "position_embedding_type": "learned_absolute",
+                           "activation": "gelu"})  # fmt: skip
 CONFIGS = {"moe": MOE, "allgather": MOE_ALLGATHER, "sequence": MOE_SEQUENCE, "bias": MOE_BIAS, "recompute": MOE_RECOMPUTE,
            "sinkhorn": MOE_SINKHORN, "overlap": ModelConfig(**{**MOE.__dict__, **OVERLAP}),
            "overlap_recompute": ModelConfig(**{**MOE_RECOMPUTE.__dict__, **OVERLAP}),
