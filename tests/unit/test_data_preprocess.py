@@ -8,6 +8,7 @@ import pytest
 
 from meshtron.data import preprocess
 from meshtron.data.corpus import MIN_DOC_CHARS, embedded_corpus_documents
+from meshtron.data import default_data
 from meshtron.data.default_data import prepare_default_data
 from meshtron.data.indexed import IndexedDataset
 
@@ -84,20 +85,24 @@ def test_embedded_corpus_is_deterministic():
     assert sum(len(d.encode()) for d in a) >= 60_000 and min(map(len, a)) >= MIN_DOC_CHARS
 
 
-def test_prepare_default_data_builds_then_reuses(tmp_path):
+def test_prepare_default_data_builds_then_reuses(tmp_path, monkeypatch):
+    # The corpus's first 300 kB (parsing all of it takes seconds per build; the e2e default run
+    # builds the whole one): what is built, reused and rebuilt is the same.
+    docs, builds = embedded_corpus_documents(max_bytes=300_000), []
+    monkeypatch.setattr(default_data, "embedded_corpus_documents", lambda: builds.append(1) or docs)
     prefix, tok_path = prepare_default_data(str(tmp_path), vocab_size=512)
     ds = IndexedDataset(prefix)
-    assert len(ds) > 100 and ds.dtype == np.uint16
+    assert len(ds) == len(docs) > 50 and ds.dtype == np.uint16
     from meshtron.data.tokenizers import build_tokenizer
 
     tok = build_tokenizer("HuggingFaceTokenizer", tok_path)
     assert tok.vocab_size == 512 and int(ds[0][-1]) == tok.eod
     mtime = os.path.getmtime(prefix + ".bin")
     assert prepare_default_data(str(tmp_path), vocab_size=512) == (prefix, tok_path)
-    assert os.path.getmtime(prefix + ".bin") == mtime
+    assert os.path.getmtime(prefix + ".bin") == mtime and len(builds) == 1
     os.remove(prefix + ".idx")
     prepare_default_data(str(tmp_path), vocab_size=512)
-    assert IndexedDataset(prefix).sequence_lengths.tolist() == ds.sequence_lengths.tolist()
+    assert IndexedDataset(prefix).sequence_lengths.tolist() == ds.sequence_lengths.tolist() and len(builds) == 2
 
 
 @pytest.mark.parametrize("content, message", [

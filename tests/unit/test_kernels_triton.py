@@ -21,7 +21,8 @@ if triton_available() and not torch.cuda.is_available():
 from meshtron.kernels.checks import run_checks  # noqa: E402
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+# Seed 1 draws other inputs for the same kernels at the same shapes as seed 0 (12 s of interpreter): slow only.
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_kernels_match_references_fp32(seed):
     results = run_checks("cpu", torch.float32, seed=seed)
     assert {r.name for r in results} >= {"rmsnorm", "layernorm", "swiglu", "bias+gelu", "bias+gelu tanh", "rope", "linear+cross-entropy", "linear+bias+cross-entropy sum"}
