@@ -286,6 +286,10 @@ def preset_fields(name: str, num_layers: int | None = None) -> dict[str, Any]:
         raise ConfigError(unknown_name("model preset", name, list(PRESETS)))
     fields = dict(PRESETS[name])
     leading = _LEADING_DENSE.fullmatch(str(fields.get("model.moe_layer_freq", "")))
-    if num_layers and leading and int(leading.group(1)) < num_layers:
-        fields["model.moe_layer_freq"] = _leading_dense(int(leading.group(1)), num_layers)
+    if num_layers and leading:
+        dense = int(leading.group(1))
+        if num_layers <= dense:
+            raise ConfigError(f"--num-layers {num_layers} leaves no MoE layer after preset {name}'s {dense} dense layers: "
+                              f"give more than {dense} layers, or your own --moe-layer-freq")  # fmt: skip
+        fields["model.moe_layer_freq"] = _leading_dense(dense, num_layers)
     return fields

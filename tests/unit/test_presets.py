@@ -105,7 +105,7 @@ def test_preset_fields_is_a_copy():
 
 def test_a_shorter_deepseek_keeps_its_leading_dense_layers(tmp_path):
     """``--num-layers`` on a DeepSeek preset re-draws its MoE pattern (first layers dense, the rest MoE);
-    a pattern the user gives is theirs, and one that cannot hold the dense layers is refused."""
+    a pattern the user gives is theirs, and a count that leaves no MoE layer is refused, naming what to change."""
     short = build_config(overrides=["--model.preset", "deepseek-v2-lite", "--num-layers", "4"])
     assert short.model.moe_layer_freq == "([0]*1+[1]*3)"
     validate(short, world_size=1)
@@ -115,8 +115,8 @@ def test_a_shorter_deepseek_keeps_its_leading_dense_layers(tmp_path):
     assert build_config(str(tmp_path / "c.toml")).model.moe_layer_freq == "([0]*1+[1]*2)"
     own = build_config(overrides=["--model.preset", "deepseek-v2-lite", "--num-layers", "4", "--moe-layer-freq", "1"])
     assert own.model.moe_layer_freq == "1"
-    with pytest.raises(ValueError, match="names 61 layers but --num-layers is 2"):
-        validate(build_config(overrides=["--model.preset", "deepseek-v3", "--num-layers", "2"]), world_size=1)
+    with pytest.raises(ConfigError, match="--num-layers 2 leaves no MoE layer after preset deepseek-v3's 3 dense layers"):
+        build_config(overrides=["--model.preset", "deepseek-v3", "--num-layers", "2"])
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.toml")), ids=lambda p: p.stem)
