@@ -7,9 +7,8 @@ Each CSV of ``plan_check.py`` or ``layout_recheck.py`` rows is predicted on the 
 the call that measured it (``GRIDS``), by ``StepModel.predict(layout, exact_split=True)``. Rows that
 were pruned, failed or measured nothing are skipped; a layout measured twice stays two rows.
 
-The calibration files carry the host factors and sustained share shipped when they were written;
-those were refitted since, so the shipped machine's (``planning/defaults``) replace them unless
-given here. ``--grouped-factor`` replaces the files' grouped-GEMM factor on MoE workloads.
+A calibration file's fitted constants (host factors, sustained share, synced host shares) are the
+shipped machine's as ``hardware.load`` reads it, unless given here. ``--grouped-factor`` replaces the files' grouped-GEMM factor on MoE workloads.
 
 Prints per CSV the mean and max |error| and the rows outside 15 %, then all rows together; and
 per grid (workload, layers, GPUs: every CSV of it) the planner's first choice on each calibration,
@@ -33,7 +32,7 @@ from plan_check import WORKLOADS  # noqa: E402
 
 from meshtron.config import build_config  # noqa: E402
 from meshtron.estimate import training_vocab_size  # noqa: E402
-from meshtron.planning.hardware import Machine, load, shipped_for  # noqa: E402
+from meshtron.planning.hardware import Machine, load  # noqa: E402
 from meshtron.planning.layouts import Space  # noqa: E402
 from meshtron.planning.search import search  # noqa: E402
 from meshtron.planning.step_time import StepModel  # noqa: E402
@@ -86,12 +85,11 @@ def summary(rows: list[Row]) -> str:
 
 
 def machine(calibration: str, moe: bool, args: argparse.Namespace) -> Machine:
-    """The calibration file with the shipped (or given) host factors and sustained share over its own."""
-    raw, shipped = load(str(DATA / calibration)), load(shipped_for(load(str(DATA / calibration)).device))
-    factors = {**raw.host_factors, **shipped.host_factors, **args.host_factors}
-    share = args.sustained_share or shipped.sustained_share
-    grouped = args.grouped_factor if args.grouped_factor and moe else raw.grouped_gemm_factor
-    return replace(raw, host_factors=factors, sustained_share=share, grouped_gemm_factor=grouped)
+    """The calibration file (with the shipped fitted constants, ``hardware.load``) and the given overrides."""
+    loaded = load(str(DATA / calibration))
+    grouped = args.grouped_factor if args.grouped_factor and moe else loaded.grouped_gemm_factor
+    return replace(loaded, host_factors={**loaded.host_factors, **args.host_factors},
+                   sustained_share=args.sustained_share or loaded.sustained_share, grouped_gemm_factor=grouped)  # fmt: skip
 
 
 def workload(name: str, layers: int):

@@ -21,7 +21,10 @@ DEFAULTS = Path(__file__).parent / "defaults"
 SHIPPED = {"h100": "h100.json", "h200": "h200.json", "mi300x": "mi300x.json"}
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "p2p")
 HOST_FEATURES = ("tp", "cp", "ep", "etp", "fsdp", "recompute")  # what adds host work to a block (host_factors)
-ADDED_FIELDS = ("host_ms_per_block", "host_factors", "sustained_share", "synced_host_shares")  # missing from older calibration files: the shipped machine's
+ADDED_FIELDS = ("host_ms_per_block",)  # measured, missing from older calibration files: the shipped machine's
+# The step model's constants, fitted on measured grids (not measured by --calibrate, which copies
+# them): a calibration file always takes the shipped machine's, so a refit reaches files written before it
+FITTED_FIELDS = ("host_factors", "sustained_share", "synced_host_shares")
 
 
 def interpolate(points: list[list[float]], x: float) -> float:
@@ -112,9 +115,11 @@ def load(name_or_path: str) -> Machine:
     if not path.is_file():
         raise ValueError(f"--gpu / --calibration {name_or_path}: neither a shipped machine ({', '.join(SHIPPED)}) nor a file")
     raw = json.loads(path.read_text())
-    if path.parent != DEFAULTS and any(name not in raw for name in ADDED_FIELDS):
+    if path.parent != DEFAULTS:
         shipped = load(shipped_for(raw.get("device", "")))
         raw.update({name: getattr(shipped, name) for name in ADDED_FIELDS if name not in raw})
+        raw.update({name: getattr(shipped, name) for name in FITTED_FIELDS})
+        raw["sources"] = {**raw.get("sources", {}), **{name: shipped.sources[name] for name in FITTED_FIELDS if name in shipped.sources}}
     known = {f.name for f in fields(Machine)}
     unknown = sorted(set(raw) - known)
     missing = sorted(f.name for f in fields(Machine) if f.name not in raw and f.name not in ("on_paper", "sources"))

@@ -288,6 +288,11 @@ def test_calibration_files_from_before_the_host_model_take_the_shipped_host_time
     assert load(str(path)).host_ms_per_block == load("h200").host_ms_per_block
     assert load(str(path)).sustained_share == load("h200").sustained_share
     assert load(str(path)).synced_host_shares == load("h200").synced_host_shares
+    raw.update(host_ms_per_block={"dense": 9.0}, host_factors={"ep": 9.0}, sustained_share=0.1)  # a file written before a refit
+    path.write_text(json.dumps(raw))
+    refitted = load(str(path))
+    assert refitted.host_ms_per_block == {"dense": 9.0}  # measured: the file's
+    assert refitted.host_factors == load("h200").host_factors and refitted.sustained_share == load("h200").sustained_share  # fitted: shipped
 
 
 def test_the_sustained_share_scales_the_calibrated_rates():
