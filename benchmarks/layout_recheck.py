@@ -19,10 +19,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from plan_check import WORKLOADS  # noqa: E402
+from plan_check import WORKLOADS, planned_config  # noqa: E402
 
-from meshtron.config import build_config  # noqa: E402
-from meshtron.estimate import estimate, training_vocab_size  # noqa: E402
+from meshtron.estimate import estimate  # noqa: E402
 from meshtron.planning.hardware import load  # noqa: E402
 from meshtron.planning.layouts import Layout, apply  # noqa: E402
 from meshtron.planning.measure import run_layout  # noqa: E402
@@ -64,8 +63,7 @@ def main() -> int:
     args = parser.parse_args()
     layouts = [parse(s.strip()) for s in args.layouts.split(";")]  # a typo fails here, before any run
     flags = WORKLOADS[args.workload](args)
-    cfg = build_config(None, flags + ["--mock-data"])
-    cfg.model.vocab_size = training_vocab_size(cfg)
+    cfg = planned_config(flags)
     model = StepModel(cfg, load(args.calibration), args.gpus)
     lines = ["| layout | predicted | measured | error | estimate GiB | peak GiB | note |", "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     for layout in layouts:

@@ -47,6 +47,13 @@ WORKLOADS = {
     "llama70b": lambda a: ["--model.preset", "llama3-70b", "--num-layers", str(a.llama70b_layers), "--seq-length", "8192",
                            "--global-batch-size", "8"],
 }  # fmt: skip
+def planned_config(flags: list[str]):
+    """The config the planner sees for a workload's ``flags``: random tokens, the vocabulary padded as training pads it."""
+    cfg = build_config(None, flags + ["--mock-data"])
+    cfg.model.vocab_size = training_vocab_size(cfg)
+    return cfg
+
+
 FIELDS = ["workload", "gpus", "planner_rank", "layout", "predicted", "measured", "error_pct", "estimate_gib", "peak_gib", "note", "flags"]
 
 
@@ -100,8 +107,7 @@ def main() -> int:
     rows, summary = [], [f"calibration: {calibrate_s:.0f} s on {machine.device} x {gpus}"]
     for name in names:
         flags = WORKLOADS[name](args)
-        cfg = build_config(None, flags + ["--mock-data"])
-        cfg.model.vocab_size = training_vocab_size(cfg)
+        cfg = planned_config(flags)
         result = search(cfg, gpus, gpus, machine, Space(max_tp=gpus), top=10_000)
         chosen = grid(result.fits, args.per_workload)
         measured = []

@@ -28,10 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from layout_recheck import parse  # noqa: E402
-from plan_check import WORKLOADS  # noqa: E402
+from plan_check import WORKLOADS, planned_config  # noqa: E402
 
-from meshtron.config import build_config  # noqa: E402
-from meshtron.estimate import training_vocab_size  # noqa: E402
 from meshtron.planning.hardware import Machine, load  # noqa: E402
 from meshtron.planning.layouts import Space  # noqa: E402
 from meshtron.planning.search import search  # noqa: E402
@@ -95,9 +93,7 @@ def machine(calibration: str, moe: bool, args: argparse.Namespace) -> Machine:
 def workload(name: str, layers: int):
     """The config ``plan_check.py`` planned for ``name`` at ``layers`` layers."""
     counts = argparse.Namespace(llama_layers=layers, deepseek_layers=layers, llama70b_layers=layers)
-    cfg = build_config(None, WORKLOADS[name](counts) + ["--mock-data"])
-    cfg.model.vocab_size = training_vocab_size(cfg)
-    return cfg
+    return planned_config(WORKLOADS[name](counts))
 
 
 def check_table() -> None:
