@@ -8,6 +8,11 @@ leaves them, bf16), times forward + backward of fc1 and of fc2 with each grouped
 and a dense ``[rows, K] @ [K, N]`` forward + backward of the same FLOPs. Prints TFLOP/s of each
 and each backend's fraction of dense (B4's target: expert compute >= 90 % of dense); writes the
 numbers to ``$OUT/b4_grouped_gemm.json`` when ``OUT`` is set.
+
+``--per-gemm`` times each GEMM of the pair alone instead (forward, input gradient, weight gradient
+in bf16, and the weight gradient added into an fp32 ``main_grad`` as gradient-accumulation fusion
+runs it, Triton only), each against ``torch._grouped_mm`` and a dense GEMM of the same FLOPs
+(``$OUT/b4_grouped_per_gemm.json``).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import argparse
 import json
 import os
 import statistics
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from b1_llama import time_steps  # CUDA-event timing after warm-up
@@ -58,7 +63,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--backends", default="loop,torch,triton")
+    parser.add_argument("--per-gemm", action="store_true", help="time each GEMM alone (torch and triton backends)")
     args = parser.parse_args()
+    if args.per_gemm:
+        return per_gemm(args)
     device, dtype = torch.device("cuda"), torch.bfloat16
     sizes = ragged_sizes(args.rows, EXPERTS).to(device)
     results = {"gpu": torch.cuda.get_device_name(), "rows": args.rows, "experts": EXPERTS, "dtype": "bf16",
@@ -73,7 +81,7 @@ def main() -> None:
         row = {"dense": {"ms": dense_ms, "tflops": flops / dense_ms / 1e9}}
         weight = (torch.randn(EXPERTS, n, k, device=device, dtype=dtype) * k**-0.5).requires_grad_()
         for backend in args.backends.split(","):
-            run = lambda a, w, b=backend: grouped_mm(a, w, sizes, b)  # noqa: E731
+            run = lambda a, w, b=backend: grouped_mm(a, w, sizes, b)
             try:
                 ms = time_ms(forward_backward(x, weight, run), args.warmup, args.steps)
             except RuntimeError as exc:  # e.g. torch._grouped_mm missing on this build
@@ -91,6 +99,55 @@ def main() -> None:
     for name, r in results["total"].items():
         print(f"{'both':<5} {name:<8} {r['ms']:>8.3f} {r['tflops']:>8.1f} {r['of_dense']:>8.1%}")
     write_results(results, "b4_grouped_gemm.json")
+
+
+def gemm_calls(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, sizes: torch.Tensor) -> dict[str, dict[str, Callable]]:
+    """Each GEMM of a grouped linear's forward and backward, per backend, plus its dense twin.
+    x [R, K], weight [E, N, K], dy [R, N]."""
+    from meshtron.kernels.triton_grouped_gemm import (
+        group_offsets,
+        group_weight_grad,
+        rows_times_group,
+    )
+
+    ends, offsets = torch.cumsum(sizes, 0, dtype=torch.int32), group_offsets(sizes)
+    experts, n, k = weight.shape
+    dense_w = weight[0].clone()
+    main_grad = torch.zeros(experts, n, k, device=x.device, dtype=torch.float32)
+    return {
+        "forward": {"dense": lambda: x @ dense_w.t(), "torch": lambda: torch._grouped_mm(x, weight.transpose(1, 2), offs=ends),
+                    "triton": lambda: rows_times_group(x, weight.transpose(1, 2), offsets)},
+        "input grad": {"dense": lambda: dy @ dense_w, "torch": lambda: torch._grouped_mm(dy, weight, offs=ends),
+                       "triton": lambda: rows_times_group(dy, weight, offsets)},
+        "weight grad": {"dense": lambda: dy.t() @ x, "torch": lambda: torch._grouped_mm(dy.t(), x, offs=ends),
+                        "triton": lambda: group_weight_grad(dy, x, offsets, experts)},
+        # the issue's bar: a dense bf16 GEMM of the same FLOPs
+        "weight grad into fp32 main_grad": {"dense": lambda: dy.t() @ x,
+                                            "triton": lambda: group_weight_grad(dy, x, offsets, experts, out=main_grad, accumulate=True)},
+    }
+
+
+def per_gemm(args) -> None:
+    """Each GEMM alone (``--per-gemm``): ms, TFLOP/s, and its fraction of the dense twin and of torch's."""
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    sizes = ragged_sizes(args.rows, EXPERTS).to(device)
+    results = {"gpu": torch.cuda.get_device_name(), "rows": args.rows, "experts": EXPERTS, "gemms": {}}
+    print(f"{results['gpu']}: {EXPERTS} experts, {args.rows} rows, bf16, each GEMM alone")
+    print(f"{'layer':<5} {'GEMM':<32} {'backend':<7} {'ms':>7} {'TFLOP/s':>8} {'of dense':>9} {'of torch':>9}")
+    for layer, (k, n) in LAYERS.items():
+        flops = 2 * args.rows * k * n
+        x = torch.randn(args.rows, k, device=device, dtype=dtype)
+        dy = torch.randn(args.rows, n, device=device, dtype=dtype)
+        weight = torch.randn(EXPERTS, n, k, device=device, dtype=dtype) * k**-0.5
+        for gemm, calls in gemm_calls(x, weight, dy, sizes).items():
+            ms = {name: time_ms(fn, args.warmup, args.steps) for name, fn in calls.items()}
+            row = {name: {"ms": t, "tflops": flops / t / 1e9, "of_dense": ms["dense"] / t,
+                          "of_torch": ms["torch"] / t if "torch" in ms else None} for name, t in ms.items()}  # fmt: skip
+            results["gemms"][f"{layer} {gemm}"] = row
+            for name, r in row.items():
+                of_torch = f"{r['of_torch']:>8.1%}" if r["of_torch"] is not None else f"{'-':>9}"
+                print(f"{layer:<5} {gemm:<32} {name:<7} {r['ms']:>7.3f} {r['tflops']:>8.1f} {r['of_dense']:>8.1%} {of_torch}")
+    write_results(results, "b4_grouped_per_gemm.json")
 
 
 def write_results(results: dict, name: str) -> None:
