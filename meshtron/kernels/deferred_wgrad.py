@@ -4,12 +4,12 @@ A zero-bubble schedule (``pipeline_schedules``: ``zb-h1``, ``zbv``) splits a sta
 two: ``B``, the gradient of the stage's input, which the previous stage waits for, and ``W``, the
 weight gradients, which nobody waits for and which the schedule runs where the rank would
 otherwise idle. The split is made where a weight gradient is a GEMM of its own: the linear
-functions whose weight gradient goes into ``main_grad`` (``grad_accum_fusion``: the plain and
+functions whose weight gradient goes into ``main_grad`` (``grad_accum_fusion``: the plain, FP8 and
 tensor-parallel linears and the tp-overlap ones; the MoE grouped GEMMs) ask ``deferring()`` in
 their backward, and inside a ``WeightGradStore.record`` they hand the GEMM here, with the operands
 it would have read (the saved input, the output gradient), instead of running it. ``run`` later
 runs exactly that GEMM into ``main_grad``. Every other gradient (norms, biases, embeddings,
-routers, FP8 linears, a tied output layer) is computed in ``B`` as usual, so the split is exact
+routers, a tied output layer) is computed in ``B`` as usual, so the split is exact
 whichever layers the model has; ``W`` just has less to do.
 
 Why not autograd's own split (``torch.autograd.grad`` on the stage's inputs with the graph kept,

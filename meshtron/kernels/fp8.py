@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshtron.kernels import platform
+from meshtron.kernels import deferred_wgrad, platform
 from meshtron.kernels.fp8_blockwise import block_mm
 from meshtron.kernels.fp8_scaling import (
     Fp8Recipe,
@@ -42,18 +42,54 @@ from meshtron.kernels.linear_swap import replace_linears, with_parameters_of
 
 
 def _mm(scaling: Fp8Scaling, a: torch.Tensor, a_inv: torch.Tensor, b_t: torch.Tensor, b_inv: torch.Tensor,
-        out_dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+        out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """``(a * a_inv) @ (b_t * b_inv)^T`` for row-major FP8 ``a`` [M, K] and ``b_t`` [N, K]; inverse
     scales 0-d, per row ([M, 1] and [N, 1]), or per block (``scaling``'s recipe blockwise).
 
     ``_scaled_mm`` takes its second operand column-major: ``b_t.t()`` is exactly that view of a
-    row-major [N, K] tensor, and its per-row scales become the [1, N] per-column ones.
+    row-major [N, K] tensor, and its per-row scales become the [1, N] per-column ones. ``out``:
+    written in place (tensor-wise scales only, ``_fp32_scaled_mm_out``).
     """
     if scaling.recipe.recipe == "blockwise":
         return block_mm(a, a_inv, b_t, b_inv, out_dtype, scaling.recipe.fused_kernels)
     if b_inv.ndim:
         a_inv, b_inv = a_inv.reshape(-1, 1), b_inv.reshape(1, -1)
+    if out is not None:
+        return torch._scaled_mm(a, b_t.t(), scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype, out=out)
     return torch._scaled_mm(a, b_t.t(), scale_a=a_inv, scale_b=b_inv, out_dtype=out_dtype)
+
+
+@functools.cache
+def _fp32_scaled_mm_out(device: torch.device) -> bool:
+    """Whether this build's tensor-wise ``_scaled_mm`` writes an fp32 result into a given ``out``
+    here (probed once on a 16 x 16 GEMM: the builds and GPUs differ)."""
+    ones = torch.ones(16, 16, device=device).to(torch.float8_e4m3fn)
+    out, scale = torch.zeros(16, 16, device=device), torch.ones((), device=device)
+    try:
+        torch._scaled_mm(ones, ones.t(), scale_a=scale, scale_b=scale, out_dtype=torch.float32, out=out)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return bool((out == 16.0).all())
+
+
+def _weight_grad_into_main_grad(param: torch.Tensor, scaling: Fp8Scaling, g_t: torch.Tensor, g_inv: torch.Tensor,
+                                x_t: torch.Tensor, x_inv: torch.Tensor) -> None:  # fmt: skip
+    """Gradient-accumulation fusion for an FP8 linear: the weight gradient ``g^T @ x`` into
+    ``param.main_grad`` (now, or in a zero-bubble schedule's ``W``). Its step's first gradient is
+    the GEMM's fp32 output written in place (tensor-wise scales, where the build takes it: no bf16
+    rounding, no copy); a later one, or a recipe with row or block scales, is a product in the
+    weight's dtype added (as the gradient buffer's hook would)."""
+    main_grad = param.main_grad
+    tensorwise = scaling.recipe.recipe != "blockwise" and g_inv.ndim == 0
+
+    def wgrad(overwrite: bool) -> None:
+        if overwrite and tensorwise and main_grad.dtype == torch.float32 and _fp32_scaled_mm_out(main_grad.device):
+            _mm(scaling, g_t, g_inv, x_t, x_inv, main_grad.dtype, out=main_grad)
+            return
+        product = _mm(scaling, g_t, g_inv, x_t, x_inv, main_grad.dtype if tensorwise else param.dtype)
+        main_grad.copy_(product) if overwrite else main_grad.add_(product)
+
+    deferred_wgrad.defer_or_run(param, wgrad)
 
 
 class _Fp8Linear(torch.autograd.Function):
@@ -61,11 +97,13 @@ class _Fp8Linear(torch.autograd.Function):
 
     Forward casts x and w row-major for its GEMM and transposed for the backward's (saved);
     backward casts the output gradient both ways: grad_x = g @ w reads g's rows and w's
-    transposed copy, grad_w = g^T @ x reads both transposed copies.
+    transposed copy, grad_w = g^T @ x reads both transposed copies. ``into_main_grad``: grad_w goes
+    into ``weight.main_grad`` (``_weight_grad_into_main_grad``), autograd gets none.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, scaling: Fp8Scaling, seeded: bool, update: bool) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, scaling: Fp8Scaling, seeded: bool, update: bool,
+                into_main_grad: bool) -> torch.Tensor:  # fmt: skip
         x2 = x.reshape(-1, x.shape[-1])
         need_x_grad, need_w_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         xq = scaling.quantize(x2, "input", True, need_w_grad, seeded, update)
@@ -73,6 +111,7 @@ class _Fp8Linear(torch.autograd.Function):
         ctx.save_for_backward(xq.transposed, xq.transposed_inv, wq.transposed, wq.transposed_inv)
         ctx.scaling, ctx.seeded, ctx.update = scaling, seeded, update
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
+        ctx.param = weight if into_main_grad else None  # the parameter itself: it holds main_grad
         return _mm(scaling, xq.rows, xq.rows_inv, wq.rows, wq.rows_inv, x.dtype).view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -84,9 +123,11 @@ class _Fp8Linear(torch.autograd.Function):
         grad_x = grad_w = None
         if need_x_grad:  # [M, K] = g [M, N] @ w [N, K]: w^T [K, N] is the second operand
             grad_x = _mm(ctx.scaling, gq.rows, gq.rows_inv, wt, wt_inv, ctx.x_dtype).view(*grad.shape[:-1], wt.shape[0])
-        if need_w_grad:  # [N, K] = g^T [N, M] @ x [M, K]: x^T [K, M] is the second operand
+        if need_w_grad and ctx.param is not None:
+            _weight_grad_into_main_grad(ctx.param, ctx.scaling, gq.transposed, gq.transposed_inv, xt, xt_inv)
+        elif need_w_grad:  # [N, K] = g^T [N, M] @ x [M, K]: x^T [K, M] is the second operand
             grad_w = _mm(ctx.scaling, gq.transposed, gq.transposed_inv, xt, xt_inv, ctx.w_dtype)
-        return grad_x, grad_w, None, None, None
+        return grad_x, grad_w, None, None, None, None
 
 
 def fp8_shapes_ok(in_features: int, out_features: int, tokens: int | None = None, multiple: int = 16) -> bool:
@@ -95,13 +136,21 @@ def fp8_shapes_ok(in_features: int, out_features: int, tokens: int | None = None
     return all(n % multiple == 0 for n in (in_features, out_features, multiple if tokens is None else tokens))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: Fp8Scaling | None = None) -> torch.Tensor:
-    """``F.linear``, in FP8 when ``fp8`` (the layer's scaling state) is given and the shapes allow it (else bf16)."""
+def takes_main_grad(weight: torch.Tensor, fuse: bool) -> bool:
+    """Whether a linear asked to ``fuse`` its weight gradient writes it into ``weight.main_grad``:
+    the weight has one (not under FSDP2 or without an optimizer) and gets a gradient now."""
+    return fuse and hasattr(weight, "main_grad") and weight.requires_grad and torch.is_grad_enabled()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8: Fp8Scaling | None = None,
+           into_main_grad: bool = False) -> torch.Tensor:  # fmt: skip
+    """``F.linear``, in FP8 when ``fp8`` (the layer's scaling state) is given and the shapes allow it (else bf16);
+    ``into_main_grad``: the FP8 weight gradient goes into ``weight.main_grad`` (the caller checked it has one)."""
     tokens = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if fp8 is None or not fp8_shapes_ok(weight.shape[1], weight.shape[0], tokens, gemm_multiple(fp8.recipe.recipe)):
         return F.linear(x, weight, bias)
     update = torch.is_grad_enabled()  # evaluation forwards leave the amax histories alone
-    y = _Fp8Linear.apply(x, weight, fp8, fp8.seeded, update)
+    y = _Fp8Linear.apply(x, weight, fp8, fp8.seeded, update, into_main_grad)
     if update:
         fp8.seeded = True
     return y if bias is None else y + bias
@@ -111,13 +160,16 @@ class Fp8Linear(nn.Linear):
     """An ``nn.Linear`` whose GEMMs run in FP8; ``apply_fp8`` puts one in each linear's place (same
     parameters) and gives each its ``fp8`` scaling state (the parameters, their names and the state dict stay
     those of the ``nn.Linear``: the state's histories are not persistent). ``skip_bias_add``: the
-    bias is left to the caller (``layers/mlp.enable_bias_gelu_fusion``)."""
+    bias is left to the caller (``layers/mlp.enable_bias_gelu_fusion``); ``grad_accum_fusion``: set
+    by ``grad_accum_fusion.apply_gradient_accumulation_fusion``."""
 
     fp8: Fp8Scaling
     skip_bias_add = False
+    grad_accum_fusion = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, None if self.skip_bias_add else self.bias, self.fp8)
+        into_main_grad = takes_main_grad(self.weight, self.grad_accum_fusion)
+        return linear(x, self.weight, None if self.skip_bias_add else self.bias, self.fp8, into_main_grad)
 
 
 @functools.cache

@@ -17,7 +17,8 @@ as the hook would have. Each fused function keeps the parameter object itself on
 (``ctx.param``), not only among its saved tensors: an activation checkpoint's recompute hands
 saved tensors back detached, and a detached weight has no ``main_grad`` or ``grad_buffer``.
 Layers whose weight has no ``main_grad`` (FSDP, evaluation, a model with no
-optimizer) or which run in FP8 use the ordinary path.
+optimizer) use the ordinary path. FP8 linears fuse in their own backward (``fp8.linear``'s
+``into_main_grad``: the FP8 GEMM's fp32 output written into ``main_grad``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torch import nn
 
 from meshtron.kernels import deferred_wgrad
 from meshtron.kernels.fp8 import linear as fp8_linear
+from meshtron.kernels.fp8 import takes_main_grad
 from meshtron.kernels.fp8_scaling import Fp8Scaling
 from meshtron.kernels.linear_swap import replace_linears, with_parameters_of
 
@@ -110,9 +112,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fp8
            fuse: bool = False) -> torch.Tensor:  # fmt: skip
     """``fp8.linear`` (``F.linear`` unless ``fp8`` scaling is given), with the weight gradient fused into
     ``weight.main_grad`` when ``fuse`` is set and the weight has one and will get a gradient."""
-    if fuse and fp8 is None and hasattr(weight, "main_grad") and weight.requires_grad and torch.is_grad_enabled():
+    fused = takes_main_grad(weight, fuse)
+    if fused and fp8 is None:
         return _LinearIntoMainGrad.apply(x, weight, bias)
-    return fp8_linear(x, weight, bias, fp8)
+    return fp8_linear(x, weight, bias, fp8, into_main_grad=fused)
 
 
 class FusedWgradLinear(nn.Linear):

@@ -158,6 +158,41 @@ def test_tiny_model_trains_with_each_recipe(recipe):
     assert ((low - plain).abs() / plain).max() < 0.02, (losses, recipe)
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_weight_gradients_go_into_main_grad(recipe):
+    """Gradient-accumulation fusion on an FP8 linear: over three micro batches the fp32
+    ``main_grad`` holds the sum the hook's path accumulates (the same FP8 GEMMs). The step's first
+    is the GEMM's fp32 output (tensor-wise scales), which rounds to exactly the hook path's bf16
+    product."""
+    from meshtron.kernels.grad_accum_fusion import apply_gradient_accumulation_fusion
+    from meshtron.optim.grad_buffer import GradBuffer
+
+    gen = torch.Generator().manual_seed(5)
+    xs = [_rand(32, 64, gen=gen, dtype=torch.bfloat16) for _ in range(3)]
+    gs = [_rand(32, 48, gen=gen, dtype=torch.bfloat16) for _ in range(3)]
+    main_grads, firsts = {}, {}
+    for fuse in (False, True):
+        layer = nn.Linear(64, 48, bias=False).to(torch.bfloat16)
+        layer.weight.data.copy_(_rand(48, 64, gen=torch.Generator().manual_seed(6), scale=0.05))
+        model = nn.Sequential(layer)
+        fp8.apply_fp8(model, Fp8Recipe("hybrid", recipe), "meshtron")
+        if fuse:
+            apply_gradient_accumulation_fusion(model)
+        buffer = GradBuffer(list(model.named_parameters()))
+        for i, (x, g) in enumerate(zip(xs, gs)):
+            model(x.clone().requires_grad_()).backward(g)
+            if i == 0:
+                firsts[fuse] = model[0].weight.main_grad.clone()
+        main_grads[fuse] = model[0].weight.main_grad.clone()
+        assert buffer.data.dtype == torch.float32
+    # the same FP8 operands on both paths: the sums differ only by the hook path's bf16 rounding of each product
+    assert (main_grads[True] - main_grads[False]).norm() / main_grads[False].norm() < 4e-3
+    assert torch.equal(firsts[False], firsts[False].bfloat16().float())  # the hook's path: a bf16 product
+    if recipe != "rowwise":  # tensor-wise scales: the fused first product is the GEMM's fp32 output
+        assert not torch.equal(firsts[True], firsts[True].bfloat16().float())
+        torch.testing.assert_close(firsts[True].bfloat16().float(), firsts[False], rtol=0, atol=0)
+
+
 def test_linear_falls_back_where_shapes_do_not_fit():
     x, w = torch.randn(3, 5, 24), torch.randn(40, 24)  # 15 tokens, 40 features: not multiples of 16
     assert torch.equal(fp8.linear(x, w, None, Fp8Scaling(Fp8Recipe())), torch.nn.functional.linear(x, w))
