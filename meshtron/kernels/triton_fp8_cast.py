@@ -16,7 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-_BLOCK = 64  # a 64 x 64 tile: the transposed store stays coalesced after Triton's layout change
+# (rows, columns, warps) of a tile: the transposed store stays coalesced after Triton's layout
+# change; benchmarks/fp8_cast_sweep.py times the candidates on a GPU.
+TILE = (64, 64, 4)
 # Mantissa bits and smallest normal exponent of each format the kernel rounds to, for the
 # interpreter: the OCP FP8 formats, the fnuz ones (AMD gfx942: exponent bias one higher), bf16, fp16.
 GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14), torch.float8_e4m3fnuz: (3, -7),
@@ -47,10 +49,10 @@ def _cast_kernel(
     x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, rows, cols, scale_row_stride, scale_col_stride, fmax,
     WRITE_ROWS: tl.constexpr, WRITE_TRANSPOSED: tl.constexpr, AMAX: tl.constexpr, ROUND_FIRST: tl.constexpr,
     MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr, IN_MANTISSA: tl.constexpr, IN_MIN_EXPONENT: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     r2, c2 = r.to(tl.int64)[:, None], c.to(tl.int64)[None, :]
     mask = (r2 < rows) & (c2 < cols)
     x = tl.load(x_ptr + r2 * cols + c2, mask=mask, other=0.0)
@@ -75,9 +77,10 @@ def _cast_kernel(
 
 
 def cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, write_rows: bool, write_transposed: bool,
-         compute_amax: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+         compute_amax: bool, tile: tuple[int, int, int] = TILE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """x [rows, cols] contiguous -> (FP8 copy [rows, cols], FP8 transpose [cols, rows], amax fp32 0-d);
     copies not asked for come back empty, the amax as zero. ``scale`` is 0-d, [rows, 1] or [1, cols]."""
+    block_r, block_c, warps = tile
     rows, cols = x.shape
     q = torch.empty((rows, cols) if write_rows else (0,), dtype=dtype, device=x.device)
     qt = torch.empty((cols, rows) if write_transposed else (0,), dtype=dtype, device=x.device)
@@ -86,12 +89,13 @@ def cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, write_rows: b
     row_stride, col_stride = scale.expand(rows, cols).stride()
     mantissa, min_exponent = GRID[dtype]
     in_mantissa, in_min_exponent = GRID.get(x.dtype, (0, 0))  # fp32 input: the product needs no rounding
-    grid = (triton.cdiv(rows, _BLOCK), triton.cdiv(cols, _BLOCK))
+    grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))
     spare = torch.empty(1, dtype=dtype, device=x.device)  # stands for a copy not written
     _cast_kernel[grid](
         x, q if write_rows else spare, qt if write_transposed else spare, scale, amax, rows, cols,
         row_stride, col_stride, torch.finfo(dtype).max, WRITE_ROWS=write_rows, WRITE_TRANSPOSED=write_transposed,
         AMAX=compute_amax, ROUND_FIRST=os.environ.get("TRITON_INTERPRET") == "1", MANTISSA=mantissa,
-        MIN_EXPONENT=min_exponent, IN_MANTISSA=in_mantissa, IN_MIN_EXPONENT=in_min_exponent, BLOCK=_BLOCK,
+        MIN_EXPONENT=min_exponent, IN_MANTISSA=in_mantissa, IN_MIN_EXPONENT=in_min_exponent, BLOCK_R=block_r,
+        BLOCK_C=block_c, num_warps=warps,
     )  # fmt: skip
     return q, qt, amax

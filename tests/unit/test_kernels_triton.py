@@ -52,6 +52,20 @@ def test_fp8_cast_kernel_bit_equal_to_reference(dtype):
     assert only_amax.rows is None and only_amax.transposed is None and only_amax.amax.item() == amax.max().item()
 
 
+@pytest.mark.parametrize("tile", [(32, 64, 4), (64, 32, 8)])
+def test_fp8_cast_kernel_tiles_agree(tile):
+    """A rectangular tile of the cast kernel (the sizes ``benchmarks/fp8_cast_sweep.py`` times) writes
+    the same bytes, transposed copy and amax as the default tile, on ragged edges."""
+    from meshtron.kernels.triton_fp8_cast import TILE, cast
+
+    t = (torch.randn(70, 100, generator=torch.Generator().manual_seed(1)) * 3).bfloat16()
+    scale = torch.tensor(100.0)
+    want, got = (cast(t, scale, torch.float8_e4m3fn, True, True, True, shape) for shape in (TILE, tile))
+    for a, b in zip(got[:2], want[:2]):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    assert got[2].item() == want[2].item() == t.float().abs().max().item()
+
+
 @pytest.mark.parametrize("family", ["ocp", "fnuz"])
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "rowwise"])
 def test_fp8_linear_with_kernels_equals_reference(recipe, family):
