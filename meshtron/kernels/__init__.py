@@ -12,7 +12,9 @@ and runs on a machine without it. ``model.fused_kernels`` picks the path per op:
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+from typing import Callable
 
 import torch
 
@@ -44,3 +46,26 @@ def triton_runs_on(mode: str, device: torch.device) -> bool:
     if mode != "auto":
         raise ValueError(f"model.fused_kernels must be one of {FUSED_KERNEL_MODES}, got '{mode}'")
     return device.type == "cuda" and triton_available()
+
+
+def opaque_op(name: str, mutates_args: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
+    """Register the decorated function as the custom op ``name``, one opaque node to
+    ``torch.compile`` (which so never traces into Triton or a choice of GEMM), and return a caller
+    that goes through the op only while compiling, or for meta tensors (its ``register_fake``
+    shapes). Eager calls run the function itself: the custom-op layer cost about twice the
+    function's own host time per call (measured on the CPU), and the FP8 casts it wraps are
+    launched 96 times a step at B3."""
+
+    def register(fn: Callable) -> Callable:
+        op = torch.library.custom_op(name, fn, mutates_args=mutates_args)
+
+        @functools.wraps(fn)
+        def call(first: torch.Tensor, *args):
+            if torch.compiler.is_compiling() or first.is_meta:
+                return op(first, *args)
+            return fn(first, *args)
+
+        call.register_fake = op.register_fake
+        return call
+
+    return register

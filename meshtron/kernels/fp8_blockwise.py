@@ -32,7 +32,7 @@ import warnings
 
 import torch
 
-from meshtron.kernels import platform, use_triton
+from meshtron.kernels import opaque_op, platform, use_triton
 from meshtron.kernels.fp8_cast import AMAX_FLOOR, Quantized, cast_reference
 
 BLOCK = 128
@@ -76,7 +76,7 @@ def block_cast_reference(t: torch.Tensor, dtype: torch.dtype, tile: bool, rows: 
     return Quantized(q, q_inv, qt, qt_inv)
 
 
-@torch.library.custom_op("meshtron::fp8_block_cast", mutates_args=())
+@opaque_op("meshtron::fp8_block_cast")
 def _block_cast_op(t: torch.Tensor, dtype: torch.dtype, tile: bool, rows: bool, transposed: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     from meshtron.kernels import triton_fp8_blockwise
 
@@ -100,7 +100,7 @@ def block_cast(t: torch.Tensor, dtype: torch.dtype, tile: bool, rows: bool = Tru
     scales: the copies asked for and their inverse scales, in the layouts of the module's docstring."""
     if not use_triton(fused_kernels, t):
         return block_cast_reference(t, dtype, tile, rows, transposed)
-    q, inv, qt, inv_t = torch.ops.meshtron.fp8_block_cast(t, dtype, tile, rows, transposed)
+    q, inv, qt, inv_t = _block_cast_op(t, dtype, tile, rows, transposed)
     if not tile:  # the kernel writes the transposes of the layouts the GEMMs index
         inv, inv_t = inv.t(), inv_t.t()
     return Quantized(q if rows else None, inv if rows else None, qt if transposed else None, inv_t if transposed else None)
@@ -147,7 +147,7 @@ def gemm_backend(a: torch.Tensor, out_dtype: torch.dtype, fused_kernels: str = "
     return "triton" if use_triton(fused_kernels, a) else "reference"
 
 
-@torch.library.custom_op("meshtron::fp8_block_mm", mutates_args=())
+@opaque_op("meshtron::fp8_block_mm")
 def _block_mm_op(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch.Tensor, out_dtype: torch.dtype,
                  fused_kernels: str, backend: str) -> torch.Tensor:  # fmt: skip
     backend = gemm_backend(a, out_dtype, fused_kernels) if backend == "auto" else backend
@@ -171,4 +171,4 @@ def block_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch
     ``b`` [N, K] with 1 x 128 or 128 x 128 scales, on ``backend`` (``auto``: ``gemm_backend``'s
     pick). One custom op, ``meshtron::fp8_block_mm``: opaque to ``torch.compile``, which so never
     traces the choice of GEMM."""
-    return torch.ops.meshtron.fp8_block_mm(a, a_inv, b, b_inv, out_dtype, fused_kernels, backend)
+    return _block_mm_op(a, a_inv, b, b_inv, out_dtype, fused_kernels, backend)

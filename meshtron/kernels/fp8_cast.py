@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from meshtron.kernels import use_triton
+from meshtron.kernels import opaque_op, use_triton
 
 
 AMAX_FLOOR = 1e-12  # an all-zero tensor (or block) gets a finite scale
@@ -51,7 +51,7 @@ def cast_reference(t: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dty
     return Cast(q if rows else None, q.t().contiguous() if transposed else None, amax)
 
 
-@torch.library.custom_op("meshtron::fp8_cast", mutates_args=())
+@opaque_op("meshtron::fp8_cast")
 def _fp8_cast_op(t: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rows: bool, transposed: bool,
                  compute_amax: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     from meshtron.kernels.triton_fp8_cast import cast
@@ -74,5 +74,5 @@ def fp8_cast(t: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype, ro
         return cast_reference(t, scale, dtype, rows, transposed, compute_amax)
     if scale is None:
         scale = torch.ones((), dtype=torch.float32, device=t.device)
-    q, qt, amax = torch.ops.meshtron.fp8_cast(t, scale, dtype, rows, transposed, compute_amax)
+    q, qt, amax = _fp8_cast_op(t, scale, dtype, rows, transposed, compute_amax)
     return Cast(q if rows else None, qt if transposed else None, amax if compute_amax else None)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from meshtron.kernels import platform
+from meshtron.kernels import opaque_op, platform
 from meshtron.kernels.fp8_blockwise import BLOCK, block_cast
 from meshtron.kernels.fp8_cast import AMAX_FLOOR, Quantized, fp8_cast
 
@@ -136,7 +136,7 @@ class Fp8Scaling(nn.Module):
         if self.recipe.recipe == "delayed":
             history = self.amax_history[ROLES.index(role)]
             use_max = self.recipe.amax_compute_algo == "max"
-            q, qt, inv = torch.ops.meshtron.fp8_delayed_cast(t, history, dtype, self.recipe.margin, use_max, seeded, update,
+            q, qt, inv = _delayed_cast(t, history, dtype, self.recipe.margin, use_max, seeded, update,
                                                              rows, transposed, kernels)  # fmt: skip
             return Quantized(q if rows else None, inv, qt if transposed else None, inv)
         cast, scale, _ = _current_cast(t, dtype, rows, transposed, kernels)
@@ -151,7 +151,7 @@ def _current_cast(t: torch.Tensor, dtype: torch.dtype, rows: bool, transposed: b
     return fp8_cast(t, scale, dtype, rows, transposed, fused_kernels=fused_kernels), scale, amax
 
 
-@torch.library.custom_op("meshtron::fp8_delayed_cast", mutates_args=("history",))
+@opaque_op("meshtron::fp8_delayed_cast", mutates_args=("history",))
 def _delayed_cast(t: torch.Tensor, history: torch.Tensor, dtype: torch.dtype, margin: int, use_max: bool, seeded: bool,
                   update: bool, rows: bool, transposed: bool, fused_kernels: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Delayed scaling of one operand as one op: the scale from ``history`` (this role's row; or

@@ -268,3 +268,26 @@ def test_delayed_scaling_under_recompute_equals_the_run_that_keeps_activations(f
     assert torch.equal(losses, plain_losses)
     assert all(torch.equal(weights[n], w) for n, w in plain_weights.items())
     assert all(torch.equal(a, b) for a, b in zip(hist, plain_hist, strict=True)) and plain_hist
+
+
+def test_eager_casts_skip_the_custom_op_layer():
+    """Outside torch.compile the FP8 casts run their functions directly (the custom-op layer doubled
+    their host time); meta tensors still go through the ops' registered shapes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from meshtron.kernels.fp8_scaling import _delayed_cast
+
+    seen = []
+
+    class Log(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    scaling = Fp8Scaling(Fp8Recipe("hybrid", "delayed"))
+    with Log():
+        scaling.quantize(torch.randn(16, 32), "input", True, True, seeded=False, update=True)
+    assert seen and not any("meshtron" in op for op in seen), seen
+    t, history = torch.empty(16, 32, device="meta"), torch.zeros(1, device="meta")
+    q, qt, inv = _delayed_cast(t, history, torch.float8_e4m3fn, 0, False, True, True, True, True, "off")
+    assert q.shape == (16, 32) and qt.shape == (32, 16) and q.is_meta
