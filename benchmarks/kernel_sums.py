@@ -1,10 +1,13 @@
-"""Where a profiled step's GPU time went, by kernel family, from a Chrome trace (``b5_scaling.py --trace-dir``):
+"""Where a profiled step's GPU time went, by kernel family, from a Chrome trace (``b5_scaling.py --trace-dir``,
+``train_bench.py --trace``):
 
-    python benchmarks/kernel_sums.py trace_tp4.json.gz [trace_dp1.json.gz ...]
+    python benchmarks/kernel_sums.py trace_tp4.json.gz [trace_dp1.json.gz ...] [--gaps N]
 
 Per trace: the step's span, the time some kernel ran (busy, the union over streams), and the summed
 kernel time per family (GEMM, attention, NCCL, our Triton kernels, elementwise/reduction, other),
 with each family's time that no other family overlapped (``alone``): what a family costs the step.
+``--gaps N``: the N longest stretches with no kernel running, each with the kernels around it and the
+host's operators and runtime calls that overlapped it (what the GPU waited for).
 """
 
 from __future__ import annotations
@@ -74,6 +77,34 @@ def summarize(path: str) -> str:
     return "\n".join(lines)
 
 
+def gaps(path: str, count: int) -> str:
+    """The ``count`` longest idle stretches between kernels and what the host did meanwhile."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    host = [e for e in events if e.get("cat") in ("cpu_op", "cuda_runtime", "user_annotation") and "dur" in e]
+    busy = union([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
+    holes = sorted(((b[0] - a[1], a[1], b[0]) for a, b in zip(busy, busy[1:])), reverse=True)[:count]
+    lines = [f"{path}: the {count} longest GPU gaps"]
+    for length, start, end in holes:
+        before = [e["name"][:60] for e in kernels if e["ts"] + e["dur"] <= start][-2:]
+        after = [e["name"][:60] for e in kernels if e["ts"] >= end][:2]
+        lines.append(f"  {length / 1000:.3f} ms: after {before} before {after}")
+        overlap: dict[str, float] = {}
+        for e in host:
+            inside = min(end, e["ts"] + e["dur"]) - max(start, e["ts"])
+            if inside > 0:
+                overlap[f"{e['cat']}:{e['name'][:70]}"] = overlap.get(f"{e['cat']}:{e['name'][:70]}", 0.0) + inside
+        for name, dur in sorted(overlap.items(), key=lambda kv: -kv[1])[:8]:
+            lines.append(f"      {dur / 1000:7.3f} ms  {name}")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    for trace in sys.argv[1:]:
+    args = sys.argv[1:]
+    count = int(args[args.index("--gaps") + 1]) if "--gaps" in args else 0
+    for trace in [a for i, a in enumerate(args) if a != "--gaps" and (i == 0 or args[i - 1] != "--gaps")]:
         print(summarize(trace))
+        if count:
+            print(gaps(trace, count))
