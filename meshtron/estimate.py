@@ -276,9 +276,12 @@ def activation_bytes(cfg: Config, world_size: int = 1) -> int:
     micro = t.global_batch_size // (t.micro_batch_size * max(1, data_parallel_size(cfg, world_size)))
     in_flight = min(p.pipeline_parallel, micro) if p.pipeline_parallel > 1 else 1
     # --moe-layer-recompute: one MoE layer's activations exist again while its backward runs. Full
-    # recompute counts the rerun group below, and its MoE layer's backward needs as much again for
-    # the expert rows' gradients (DeepSeek-V2-Lite on one H200 peaked 0.5-2.8 GiB over the estimate
-    # without it, at 1-4 micro-batch samples: benchmarks/RESULTS.md, 2026-11-27, sixth session).
+    # recompute counts the rerun group below; its MoE layer's backward adds the expert rows'
+    # gradients and all-to-all buffers while the rerun's tensors are freed one by one: at most a
+    # row per copy more than the rerun saved (a CPU layer measured 0.4 of this term), counted as
+    # the whole term. Nothing of a passed block's rerun stays: a MoE layer keeps no rerun's
+    # losses, whose graph held its attention's activations (models/recompute.py; the measured
+    # peaks before that: benchmarks/estimate_recheck.py).
     moe_rerun = 0
     if m.num_experts and (m.moe_layer_recompute or m.recompute_granularity == "full"):
         moe_rerun = max(tokens for tokens, _ in blocks) * moe_bytes_per_token(cfg, _DTYPE_BYTES[t.precision])
