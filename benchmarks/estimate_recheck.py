@@ -16,8 +16,9 @@ hold it, while the output layer's loss workspace, counted at the backward's star
 
 Prints every row (``--rows``) and then the rows grouped by feature: expert parallelism (ep, etp
 or none), how data-parallel ranks shard state (dist-opt, fsdp, none), recompute (full,
-selective, none) and the micro batch, each group's mean and worst error in GiB and percent of
-the peak. Negative: the estimate is below the peak (the unsafe side).
+selective, none), the micro batch, pp and tp: each group's mean, lowest and highest error in
+percent of the peak, of the estimate and of the estimate plus what the rows' code kept. Negative:
+below the peak (the unsafe side).
 """
 
 from __future__ import annotations
@@ -36,13 +37,13 @@ from plan_refit import DATA, GRIDS, workload  # noqa: E402
 
 from meshtron.config import Config  # noqa: E402
 from meshtron.estimate import (  # noqa: E402
-    _DTYPE_BYTES,
+    DTYPE_BYTES,
     GIB,
-    _token_shard,
     activation_bytes_per_token_layer,
     estimate,
     first_stage_blocks,
     moe_bytes_per_token,
+    token_shard,
 )
 from meshtron.models import spec_for  # noqa: E402
 from meshtron.planning.layouts import Layout, apply  # noqa: E402
@@ -53,7 +54,6 @@ FILES = [(name, work, layers) for name, _, work, layers in GRIDS] + [("plan_chec
 
 @dataclass
 class Row:
-    source: str
     workload: str
     layout: Layout
     then_gib: float  # the estimate when the row was measured
@@ -78,9 +78,9 @@ def rerun_graph_bytes_per_token(cfg: Config) -> float:
     the block's input: everything the block keeps for backward (``activation_bytes_per_token_layer``)
     but its input (the checkpoint keeps that anyway) and the experts' part of
     ``moe_bytes_per_token``, of which the router's fp32 scores [E] (twice) are on the path."""
-    a, m = _DTYPE_BYTES[cfg.train.precision], cfg.model
+    a, m = DTYPE_BYTES[cfg.train.precision], cfg.model
     block = activation_bytes_per_token_layer(cfg, is_moe=True) - moe_bytes_per_token(cfg, a)
-    return block - a * m.hidden_size / _token_shard(cfg) + 2 * 4 * m.num_experts / _token_shard(cfg)
+    return block - a * m.hidden_size / token_shard(cfg) + 2 * 4 * m.num_experts / token_shard(cfg)
 
 
 def held_rerun_graphs(cfg: Config, world: int, loss_bytes: int) -> float:
@@ -105,7 +105,7 @@ def measured_rows() -> list[Row]:
                 if not r["peak_gib"] or float(r["peak_gib"]) <= 0:
                     continue
                 layout = parse(r["layout"])
-                row = Row(name, f"{work} x {layers}", layout, float(r["estimate_gib"]), float(r["peak_gib"]))
+                row = Row(f"{work} x {layers}", layout, float(r["estimate_gib"]), float(r["peak_gib"]))
                 planned = apply(cfg, layout)
                 now = estimate(planned, layout.world)
                 row.now_gib = now.total_bytes / GIB
