@@ -48,7 +48,7 @@ from meshtron.parallel.sizes import rank_parameters
 from meshtron.optim.update_rules import rule_of_param
 
 GIB = 2**30
-_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "auto": 2}  # auto: bf16, the GPU default
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "auto": 2}  # auto: bf16, the GPU default
 
 
 @dataclass
@@ -138,7 +138,7 @@ def model_parameters(cfg: Config) -> tuple[int, int, int]:
     return parameter_count(m, vocab, cfg.data.seq_length), active, active - vocab * m.hidden_size
 
 
-def _token_shard(cfg: Config) -> int:
+def token_shard(cfg: Config) -> int:
     """How many ranks share a sequence's tokens in the replicated modules (tp under sequence parallelism)."""
     p = cfg.parallel
     return p.tensor_parallel if p.sequence_parallel and p.tensor_parallel > 1 else 1
@@ -162,7 +162,7 @@ def attention_bytes_per_token(cfg: Config, a: int, linear_in: int, keep_core: bo
 
     if m.multi_latent_attention:
         q_width, lora, rank = heads * (m.qk_head_dim + m.qk_pos_emb_head_dim), m.q_lora_rank, m.kv_lora_rank
-        down = a * (rank + m.qk_pos_emb_head_dim + lora) / _token_shard(cfg)
+        down = a * (rank + m.qk_pos_emb_head_dim + lora) / token_shard(cfg)
         by_heads = 2 * a * q_width + a * heads * (m.qk_head_dim + m.v_head_dim) + core(heads * m.v_head_dim) + linear_in * heads * m.v_head_dim
         return down + linear_in * (rank + lora) + by_heads / tp
     q, kv = heads * head_dim(m), num_kv_heads(m) * head_dim(m)
@@ -191,8 +191,8 @@ def moe_bytes_per_token(cfg: Config, a: int) -> float:
     ``--moe-pad-expert-input-to-capacity`` every expert computes its whole capacity.
     """
     m, p = cfg.model, cfg.parallel
-    shard, h, ffn, k = _token_shard(cfg), m.hidden_size, expert_ffn_hidden_size(m), m.moe_router_topk
-    r = _DTYPE_BYTES.get(m.moe_router_dtype, 8) if m.moe_router_dtype else a
+    shard, h, ffn, k = token_shard(cfg), m.hidden_size, expert_ffn_hidden_size(m), m.moe_router_topk
+    r = DTYPE_BYTES.get(m.moe_router_dtype, 8) if m.moe_router_dtype else a
     kept_per_ffn = (3 if m.activation == "swiglu" else 2) * a
     padded = m.moe_pad_expert_input_to_capacity and m.moe_expert_capacity_factor
     copies = k * (m.moe_expert_capacity_factor if padded else 1)
@@ -222,9 +222,9 @@ def activation_bytes_per_token_layer(cfg: Config, granularity: str | None = None
     attention output and log-sum-exp.
     """
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    a = _DTYPE_BYTES[t.precision]
+    a = DTYPE_BYTES[t.precision]
     linear_in = 1 if m.fp8_format else a  # what a linear keeps of its input
-    residual = 2 * a * m.hidden_size / _token_shard(cfg)  # x before each norm
+    residual = 2 * a * m.hidden_size / token_shard(cfg)  # x before each norm
     norm_outputs = 2 * linear_in * m.hidden_size  # kept (gathered, under sp) by the QKV and fc1 linears
     keep_core = not recomputes_core_attention(m, granularity)
     attention = attention_bytes_per_token(cfg, a, linear_in, keep_core)
@@ -240,9 +240,9 @@ def _cross_attention_bytes(cfg: Config) -> tuple[float, float]:
     output, q, the attention output and log-sum-exp, the projection's input; the encoder
     tokens' keys and values."""
     m, tp = cfg.model, cfg.parallel.tensor_parallel
-    a = _DTYPE_BYTES[cfg.train.precision]
+    a = DTYPE_BYTES[cfg.train.precision]
     width, linear_in = m.num_attention_heads * head_dim(m), 1 if m.fp8_format else a
-    per_decoder_token = a * m.hidden_size / _token_shard(cfg) + linear_in * m.hidden_size
+    per_decoder_token = a * m.hidden_size / token_shard(cfg) + linear_in * m.hidden_size
     per_decoder_token += (2 * a * width + 4 * m.num_attention_heads + linear_in * width) / tp
     return per_decoder_token, 2 * a * width / tp
 
@@ -276,15 +276,18 @@ def activation_bytes(cfg: Config, world_size: int = 1) -> int:
     micro = t.global_batch_size // (t.micro_batch_size * max(1, data_parallel_size(cfg, world_size)))
     in_flight = min(p.pipeline_parallel, micro) if p.pipeline_parallel > 1 else 1
     # --moe-layer-recompute: one MoE layer's activations exist again while its backward runs. Full
-    # recompute counts the rerun group below, and its MoE layer's backward needs as much again for
-    # the expert rows' gradients (DeepSeek-V2-Lite on one H200 peaked 0.5-2.8 GiB over the estimate
-    # without it, at 1-4 micro-batch samples: benchmarks/RESULTS.md, 2026-11-27, sixth session).
+    # recompute counts the rerun group below; its MoE layer's backward adds the expert rows'
+    # gradients and all-to-all buffers while the rerun's tensors are freed one by one: at most a
+    # row per copy more than the rerun saved (a CPU layer measured 0.4 of this term), counted as
+    # the whole term. Nothing of a passed block's rerun stays: a MoE layer keeps no rerun's
+    # losses, whose graph held its attention's activations (models/recompute.py; the measured
+    # peaks before that: benchmarks/estimate_recheck.py).
     moe_rerun = 0
     if m.num_experts and (m.moe_layer_recompute or m.recompute_granularity == "full"):
-        moe_rerun = max(tokens for tokens, _ in blocks) * moe_bytes_per_token(cfg, _DTYPE_BYTES[t.precision])
+        moe_rerun = max(tokens for tokens, _ in blocks) * moe_bytes_per_token(cfg, DTYPE_BYTES[t.precision])
     if m.recompute_granularity != "full":
         return int(sum(kept for _, kept in blocks) * in_flight + moe_rerun + depths)
-    kept_per_token = m.hidden_size * _DTYPE_BYTES[t.precision] / _token_shard(cfg)
+    kept_per_token = m.hidden_size * DTYPE_BYTES[t.precision] / token_shard(cfg)
     n = min(m.recompute_num_layers, len(blocks))
     if m.recompute_method == "uniform":  # groups of n blocks, each keeping its input
         starts = range(0, len(blocks), n)
@@ -309,7 +312,7 @@ def loss_bytes(cfg: Config) -> int:
     seq = spec_for(m).output_tokens(cfg.data)
     if p.pipeline_parallel > 1 or not seq:
         return 0
-    a = _DTYPE_BYTES[t.precision]
+    a = DTYPE_BYTES[t.precision]
     tokens = t.micro_batch_size * seq // p.context_parallel
     vocab = _vocab(cfg) // p.tensor_parallel
     kept, transient = tokens * m.hidden_size * (2 * a + 4), 0
@@ -350,7 +353,7 @@ def estimate(cfg: Config, world_size: int = 1) -> MemoryEstimate:
         # fp32 masters, the rules' state, and AdamW's fused step's uint8 parameter-group index per element
         # (the step is fused wherever it runs on a GPU, unless --optimizer-impl reference or another rule).
         fused = t.optimizer == "adam" and (t.optimizer_impl == "fused" or (t.optimizer_impl == "auto" and t.device != "cpu"))
-        param_bytes, grad_bytes = _DTYPE_BYTES[t.precision] * params.total, 4 * params.total
+        param_bytes, grad_bytes = DTYPE_BYTES[t.precision] * params.total, 4 * params.total
         opt_bytes = optimizer_bytes((4 if t.precision != "fp32" else 0) + (1 if fused else 0), p.use_distributed_optimizer)
     return MemoryEstimate(params.dense, params.expert, param_bytes, grad_bytes, opt_bytes, activation_bytes(cfg, world_size), loss_bytes(cfg),
                           fsdp_gathered_bytes(cfg, world_size))  # fmt: skip
@@ -365,7 +368,7 @@ def fsdp_gathered_bytes(cfg: Config, world_size: int = 1) -> int:
     p, t = cfg.parallel, cfg.train
     if not p.fsdp or data_parallel_size(cfg, world_size) * p.context_parallel <= 1:
         return 0
-    a = _DTYPE_BYTES[t.precision]
+    a = DTYPE_BYTES[t.precision]
     parts = rank_parameters(cfg.model, _vocab(cfg), cfg.data.seq_length, p.tensor_parallel, p.expert_parallel, p.expert_tensor_parallel)
     root = parts.head + (parts.tail if p.pipeline_parallel == 1 else 0)
     sizes = sorted((parts.blocks[i].dense + parts.blocks[i].expert for i in first_stage_blocks(cfg, len(parts.blocks), world_size)),
@@ -381,7 +384,7 @@ def rule_state_bytes(t: TrainConfig, matrix: bool) -> int:
         return 4
     if rule == "sgd":
         return 4 if t.sgd_momentum else 0
-    return sum(_DTYPE_BYTES[d] for d in (t.exp_avg_dtype, t.exp_avg_sq_dtype))
+    return sum(DTYPE_BYTES[d] for d in (t.exp_avg_dtype, t.exp_avg_sq_dtype))
 
 
 def _count(n: int) -> str:

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from meshtron.kernels.fp8_recompute import recompute_contexts
+from meshtron.models.recompute import recompute_contexts
 
 Batch = dict[str, torch.Tensor]
 Carry = dict[str, torch.Tensor]

@@ -18,7 +18,6 @@ from torch.utils.checkpoint import checkpoint
 
 from meshtron.config import ModelConfig
 from meshtron.kernels.dropout_add import dropout_add
-from meshtron.kernels.fp8_recompute import recompute_contexts
 from meshtron.layers.attention import Attention, head_dim, num_kv_heads
 from meshtron.layers.kv_cache import KVCache, KVCacheBase, LatentKVCache
 from meshtron.layers.mla import MultiLatentAttention, rope_table_dim
@@ -29,6 +28,7 @@ from meshtron.layers.output import OutputLayer
 from meshtron.layers.rope import rope_tables
 from meshtron.models import contract as c
 from meshtron.models.init import WeightInit, init_weights
+from meshtron.models.recompute import recompute_contexts
 from meshtron.models.mtp import LossSums, PredictionDepth, depth_loss, mtp_plan, shifted_targets, target_keys
 
 # Output projections of each block: initialized with std / sqrt(2 * num_layers) so the residual

@@ -29,7 +29,7 @@ def _run(preset: str, dropout: float, document_ids: bool, **fields):
     docs = torch.cumsum(torch.rand(2, 32, generator=gen) < 0.1, dim=1) if document_ids else None
     torch.manual_seed(2)  # the dropout masks (and a router's jitter or random logits)
     loss = model(tokens, document_ids=docs, labels=torch.roll(tokens, -1, 1))
-    # The balancing and z-losses, taken before backward (a recomputed layer sets them again).
+    # The balancing and z-losses the forward set (a rerun in backward keeps none: models/recompute.py).
     aux = sum(sum(m.last_aux_losses.values()) for m in model.modules() if isinstance(m, MoELayer))
     (loss.sum() + aux).backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}

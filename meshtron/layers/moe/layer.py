@@ -38,6 +38,7 @@ class MoELayer(nn.Module):
         self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False) if shared and cfg.moe_shared_expert_gate else None
         self.last_aux_losses: dict[str, torch.Tensor] = {}
         self.last_tokens_per_expert: torch.Tensor | None = None
+        self.rerunning = False  # a checkpoint reruns the layer in backward (set by ``models/recompute.py``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Also sets ``last_aux_losses`` and ``last_tokens_per_expert`` for the model to collect.
@@ -52,8 +53,9 @@ class MoELayer(nn.Module):
         tokens = x.reshape(b * s, h)
         routing = self.router(tokens, b, self.needed, self.token_sum)
         cfg = self.cfg
-        self.last_aux_losses = losses_from_statistics(routing.statistics, cfg.moe_router_topk, self.aux_loss_coeff,
-                                                      cfg.moe_z_loss_coeff, self.token_sum)  # fmt: skip
+        losses = losses_from_statistics(routing.statistics, cfg.moe_router_topk, self.aux_loss_coeff, cfg.moe_z_loss_coeff, self.token_sum)
+        if not self.rerunning:  # a rerun's losses, kept, would keep its graph and activations alive (``models/recompute.py``)
+            self.last_aux_losses = losses
         plan = plan_dispatch(
             routing.probs, routing.experts, cfg.num_experts, cfg.moe_expert_capacity_factor,
             cfg.moe_token_drop_policy, cfg.moe_pad_expert_input_to_capacity, seq_length=s,
