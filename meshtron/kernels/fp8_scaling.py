@@ -81,7 +81,8 @@ class Fp8Recipe:
 
 
 def _scale(amax: torch.Tensor, fmax: float, margin: int = 0) -> torch.Tensor:
-    return fmax / amax.clamp(min=AMAX_FLOOR) / 2.0**margin
+    scale = fmax / amax.clamp(min=AMAX_FLOOR)
+    return scale / 2.0**margin if margin else scale  # no kernel for a division by 1 (Megatron's margin is 0)
 
 
 class Fp8Scaling(nn.Module):
