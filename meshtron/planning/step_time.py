@@ -31,7 +31,9 @@ the output layer and loss add their GEMM and logits traffic on the last stage. T
 each chunk's activation and gradient once per micro batch. The chunks' times go through the
 schedule simulator (``pipeline_schedules.modeled_bubble``) on the split the run will use, which
 gives the bubble, imbalance included; past a few rounds of micro batches the steady state adds
-the busiest rank's load per micro batch. After the last backward: the gradient reduce-scatter
+the busiest rank's load per micro batch. Where chunks wait for the host and no dispatch sync holds
+the host back (no ep, no etp), a rank idle for its peer keeps launching, so the bubble and the host
+waits overlap (``_host_ahead``). After the last backward: the gradient reduce-scatter
 (partly hidden behind the last micro batch's backward) and parameter all-gather of the
 distributed optimizer, or FSDP2's per-micro-batch gathers; the optimizer step's HBM traffic; host
 overhead per step and per micro batch.
@@ -114,6 +116,14 @@ def _clocked_bubble(kind: str, pp: int, micro: int, relative_chunks: tuple[float
     return modeled_bubble(kind, pp, micro, list(relative_chunks))
 
 
+def _rank_loads(kind: str, pp: int, chunks: list[float]) -> list[float]:
+    """Each pipeline rank's cost per micro batch: the chunks it holds."""
+    load = [0.0] * pp
+    for c, cost in enumerate(chunks):
+        load[chunk_place(kind, pp, c)[0]] += cost
+    return load
+
+
 def _spans(stride: int, size: int, gpus_per_node: int) -> bool:
     """Whether a group of ``size`` ranks ``stride`` apart (ranks numbered node by node) crosses a node."""
     return size > 1 and stride * size > gpus_per_node
@@ -183,6 +193,10 @@ class StepModel:
         chunks = [sum(blocks[i].total for i in r) + send + extra for r, extra in zip(ranges, launches)]
         chunks[-1] += head.total
         makespan, bubble = self._pipeline(kind, lay.pp, micro, chunks)
+        waits = [sum(blocks[i].parts["host wait"] for i in r) for r in ranges]
+        if lay.pp > 1 and any(waits) and lay.ep * lay.etp == 1:  # no dispatch sync holds the host back
+            makespan = min(makespan, self._host_ahead(kind, lay.pp, micro, chunks, waits))
+            bubble = makespan / (micro * sum(chunks) / lay.pp) - 1
         parts = {name: 0.0 for name in PARTS}
         for piece in [*blocks, head]:
             for name, value in piece.parts.items():
@@ -294,11 +308,19 @@ class StepModel:
         clocked = min(micro, 2 * pp)
         mean = sum(chunks) / len(chunks)
         bubble = _clocked_bubble(kind, pp, clocked, tuple(round(c / mean, 2) for c in chunks))
-        load = [0.0] * pp
-        for c, cost in enumerate(chunks):
-            load[chunk_place(kind, pp, c)[0]] += cost
-        makespan = (1 + bubble) * clocked * sum(chunks) / pp + (micro - clocked) * max(load)
+        makespan = (1 + bubble) * clocked * sum(chunks) / pp + (micro - clocked) * max(_rank_loads(kind, pp, chunks))
         return makespan, makespan / (micro * sum(chunks) / pp) - 1
+
+    def _host_ahead(self, kind: str, pp: int, micro: int, chunks: list[float], waits: list[float]) -> float:
+        """The makespan of a pipeline whose chunks wait for the host (``waits``: each chunk's host
+        wait) where nothing makes the host wait for the GPU. A rank idle for its peer's activation
+        (the bubble) does not stop its host: the receive is a stream wait (``pipeline.py``), so
+        the host launches the next units behind it, and once the data is there the GPU runs them
+        at its own speed. The host's launches and the bubble overlap: the step is the larger of
+        the schedule's clock on the GPU's parts alone (its bubble included) and the busiest rank's
+        load with its host waits (no bubble)."""
+        gpu, _ = self._pipeline(kind, pp, micro, [c - w for c, w in zip(chunks, waits)])
+        return max(gpu, micro * max(_rank_loads(kind, pp, chunks)))
 
     def _stage_parameters(self, lay: Layout) -> tuple[float, float]:
         """(dense, routed-expert) parameters of the rank with the most: the blocks' share over pp,

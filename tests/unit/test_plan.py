@@ -333,3 +333,21 @@ def test_host_work_after_the_expert_dispatchs_sync_is_not_hidden():
     assert model.predict(etp_fsdp).step_s == pytest.approx(hidden.step_s + blocks * per_block * 0.75)
     dense = StepModel(_cfg(*TINY_DENSE), machine, 4).predict(Layout(1, 1, 1, 1, 1, 1, 4, "fsdp", 1))
     assert dense.parts["host sync"] == 0
+
+
+def test_a_host_bound_pipeline_launches_through_its_bubble():
+    """A rank waiting for its peer's activation keeps launching (the receive is a stream wait),
+    so where the host bounds every chunk the step is the busiest rank's load, not the schedule's
+    clock with its bubble on top; under ep the dispatch's host sync holds the host back, so the
+    bubble stays; a GPU-bound pipeline keeps its bubble."""
+    # 4 MoE blocks, 2 a stage (a small vocabulary keeps the output layer from taking a stage), 4 micro batches a rank
+    cfg = _cfg("--model.preset", "tiny-mixtral", "--num-layers", "4", "--global-batch-size", "8", "--vocab-size", "512")
+    host_bound = dataclasses.replace(load("h200"), host_ms_per_block={"dense": 50.0, "moe": 50.0}, host_factors={})
+    model = StepModel(cfg, host_bound, 4)
+    free = model.predict(Layout(1, 2, 1, 1, 1, 1, 2, D, 1), exact_split=True)
+    synced = model.predict(Layout(1, 2, 1, 1, 2, 1, 2, D, 1), exact_split=True)
+    assert free.parts["host wait"] > 0.9 * free.step_s - 0.01 and free.bubble < 0.01
+    assert synced.bubble == pytest.approx(0.25, abs=0.01)  # 1F1B's (pp - 1) / micro batches
+    assert free.step_s < 0.9 * synced.step_s
+    gpu_bound = StepModel(cfg, dataclasses.replace(host_bound, host_ms_per_block={}), 4)
+    assert gpu_bound.predict(Layout(1, 2, 1, 1, 1, 1, 2, D, 1), exact_split=True).bubble > 0.2
