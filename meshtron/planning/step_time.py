@@ -19,7 +19,9 @@ Per micro batch, each block costs on one rank (tokens t = micro batch x the bloc
   traffic), ``selective`` the core attention's forward;
 - the host: a block takes at least the host's time to launch its forward and backward
   (``host_ms_per_block`` of its kind, measured by ``--calibrate`` on one GPU at a tiny micro batch,
-  times ``host_factors`` for the layout's collectives, FSDP2 and full recompute); the excess over
+  times ``host_factors`` for the layout's collectives, FSDP2 and full recompute; cp's grows by its
+  value at cp 2 for each ring step beyond the first: an exchange, a block kernel call and a merge
+  forward, two exchanges backward, each step alike); the excess over
   the GPU's parts is ``host wait`` (MoE blocks on 4 GPUs at a micro batch of 4096 tokens spend
   about half the step there, ``benchmarks/RESULTS.md``); a chunk that waits for the host has its
   launches in that wait, so it pays no ``microbatch_overhead_ms`` besides;
@@ -35,8 +37,9 @@ the busiest rank's load per micro batch. Where chunks wait for the host and no d
 the host back (no ep, no etp), a rank idle for its peer keeps launching, so the bubble and the host
 waits overlap (``_host_ahead``). After the last backward: the gradient reduce-scatter
 (partly hidden behind the last micro batch's backward) and parameter all-gather of the
-distributed optimizer, or FSDP2's per-micro-batch gathers; the optimizer step's HBM traffic; host
-overhead per step and per micro batch.
+distributed optimizer, or FSDP2's per-micro-batch gathers (on their own stream: what
+``fsdp_overlap`` does not hide behind the GPU's work hides in its host waits); the optimizer step's
+HBM traffic; host overhead per step and per micro batch.
 """
 
 from __future__ import annotations
@@ -205,7 +208,7 @@ class StepModel:
         parts["overhead"] = micro * sum(launches) / lay.pp + self.machine.step_overhead_ms / 1e3
         parts["bubble"] = makespan - micro * sum(chunks) / lay.pp
         backward_window = 2 / 3 * max(chunks) * lay.vp
-        parts["dp comm"] = self._data_parallel_seconds(cfg, lay, micro, backward_window, makespan)
+        parts["dp comm"] = self._data_parallel_seconds(cfg, lay, micro, backward_window, makespan, parts["host wait"])
         parts["optimizer"] = self._optimizer_seconds(lay)
         step = makespan + parts["dp comm"] + parts["optimizer"] + self.machine.step_overhead_ms / 1e3
         tokens = t.global_batch_size * sample_tokens(cfg) / lay.world / step
@@ -266,11 +269,13 @@ class StepModel:
     def _host_seconds(self, lay: Layout, kind: str) -> float:
         """The host's time to launch one block's forward + backward: the machine's for the block's
         kind, times the factor of each layout feature that adds host work (collectives and their
-        bookkeeping, FSDP2's hooks, a recomputed forward)."""
+        bookkeeping, FSDP2's hooks, a recomputed forward). Context parallelism's host work is per
+        ring step (its exchanges, block kernel calls and merges, the same at each step), so its
+        factor grows by the one at cp 2 for each step beyond the first."""
         mc = self.machine
-        features = {"tp": lay.tp > 1, "cp": lay.cp > 1, "ep": lay.ep > 1 and kind == "moe", "etp": lay.etp > 1 and kind == "moe",
+        features = {"tp": lay.tp > 1, "ep": lay.ep > 1 and kind == "moe", "etp": lay.etp > 1 and kind == "moe",
                     "fsdp": lay.sharding == "fsdp", "recompute": lay.recompute == "full"}  # fmt: skip
-        factor = 1.0
+        factor = 1 + (mc.host_factors.get("cp", 1.0) - 1) * (lay.cp - 1)
         for feature, on in features.items():
             factor *= mc.host_factors.get(feature, 1.0) if on else 1.0
         return mc.host_ms_per_block.get(kind, 0.0) / 1e3 * factor
@@ -329,8 +334,11 @@ class StepModel:
         ends = parts.head + parts.tail if lay.pp == 1 else max(parts.head, parts.tail)
         return sum(b.dense for b in parts.blocks) / lay.pp + ends, sum(b.expert for b in parts.blocks) / lay.pp
 
-    def _data_parallel_seconds(self, cfg: Config, lay: Layout, micro: int, window: float, compute: float) -> float:
-        """Exposed gradient and parameter traffic over dp x cp (experts: the expert-data-parallel group)."""
+    def _data_parallel_seconds(self, cfg: Config, lay: Layout, micro: int, window: float, compute: float, idle: float) -> float:
+        """Exposed gradient and parameter traffic over dp x cp (experts: the expert-data-parallel group).
+        FSDP2's per-micro-batch gathers and reduce-scatters run on their own stream while the
+        blocks run: ``fsdp_overlap`` of them hides behind the GPU's work, and the rest in the
+        GPU's ``idle`` time (its host waits), where no kernel of the block competes with them."""
         mc, p = self.machine, cfg.parallel
         dense, expert = self._stage_parameters(lay)
         groups = [(dense, lay.dp * lay.cp, _spans(lay.tp, lay.dp * lay.cp, self.gpus_per_node))]
@@ -347,7 +355,7 @@ class StepModel:
             gather = params * BF16 / mc.bus_bandwidth("all_gather", min(params, bucket) * BF16, spans) * (group - 1) / group
             if lay.sharding == "fsdp":  # per micro batch: gathered for forward and backward, fp32 gradients scattered
                 traffic = micro * (2 * gather + scatter * 4 / grad_bytes)
-                total += max(traffic * (1 - mc.fsdp_overlap), traffic - compute)
+                total += max(traffic * (1 - mc.fsdp_overlap) - idle, traffic - compute, 0.0)
             else:
                 total += gather + scatter - min(mc.dp_overlap * scatter, window)
         return total

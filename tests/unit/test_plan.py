@@ -351,3 +351,27 @@ def test_a_host_bound_pipeline_launches_through_its_bubble():
     assert free.step_s < 0.9 * synced.step_s
     gpu_bound = StepModel(cfg, dataclasses.replace(host_bound, host_ms_per_block={}), 4)
     assert gpu_bound.predict(Layout(1, 2, 1, 1, 1, 1, 2, D, 1), exact_split=True).bubble > 0.2
+
+
+def test_context_parallel_host_work_grows_with_each_ring_step():
+    """Each ring step beyond the first adds the same host work (an exchange, a block kernel call
+    and a merge forward, two exchanges backward), so the host time per block grows linearly in
+    cp - 1, ``host_factors["cp"]`` being the factor at cp 2."""
+    machine = dataclasses.replace(load("h200"), host_ms_per_block={"dense": 10.0}, host_factors={"cp": 1.5, "recompute": 2.0})
+    model = StepModel(_cfg(*TINY_DENSE), machine, 8)
+    host = {cp: model._host_seconds(Layout(1, 1, 1, cp, 1, 1, 8 // cp, D, 1), "dense") for cp in (1, 2, 4, 8)}
+    assert host[1] == pytest.approx(0.010) and host[2] == pytest.approx(0.015)
+    assert host[4] == pytest.approx(0.025) and host[8] == pytest.approx(0.045)
+    recomputed = model._host_seconds(Layout(1, 1, 1, 4, 1, 1, 2, D, 1, "full"), "dense")
+    assert recomputed == pytest.approx(2 * host[4])  # the rerun forward repeats its ring steps too
+
+
+def test_fsdp_traffic_hides_in_the_gpus_host_waits():
+    """FSDP2's gathers and reduce-scatters run on their own stream: where the GPU waits for the
+    host, they take that idle time, so a host-bound layout exposes none of them, while a
+    GPU-bound one exposes the share ``fsdp_overlap`` does not hide."""
+    cfg, fsdp = _cfg(*LLAMA8B), Layout(1, 1, 1, 1, 1, 1, 8, "fsdp", 1)
+    gpu_bound = StepModel(cfg, dataclasses.replace(load("h200"), host_ms_per_block={}), 8).predict(fsdp)
+    host_bound = StepModel(cfg, dataclasses.replace(load("h200"), host_ms_per_block={"dense": 500.0}), 8).predict(fsdp)
+    assert gpu_bound.parts["host wait"] == 0 and gpu_bound.parts["dp comm"] > 0
+    assert host_bound.parts["host wait"] > gpu_bound.parts["dp comm"] and host_bound.parts["dp comm"] == 0
