@@ -14,7 +14,8 @@ Per micro batch, each block costs on one rank (tokens t = micro batch x the bloc
   [t, h] activations, on the compute stream (unoverlapped, as measured in ``benchmarks/RESULTS.md``);
   expert parallelism: four all-to-alls of the routed rows; expert tensor parallelism: a gather and
   a reduce-scatter of them each way; context parallelism: the ring's keys and values (forward
-  once, backward twice), hidden behind the block's attention where that is longer;
+  once, backward twice), hidden behind the block's attention where that is longer, and the
+  ring's own fp32 merges, accumulations and key/value repeats over HBM at every step;
 - recompute: ``full`` runs every block's forward again (a third of its compute, half its tp and ep
   traffic), ``selective`` the core attention's forward;
 - the host: a block takes at least the host's time to launch its forward and backward
@@ -47,7 +48,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from meshtron.config import Config, virtual_stages
+from meshtron.config import Config, ModelConfig, virtual_stages
 from meshtron.estimate import activation_bytes_per_token_layer
 from meshtron.layers.attention import head_dim, num_kv_heads
 from meshtron.models import model_flops_per_token, num_blocks, padded_vocab_size, pipeline_costs, sample_tokens, spec_for
@@ -238,6 +239,7 @@ class StepModel:
                        + mc.collective_seconds("reduce_scatter", activation, lay.tp, _spans(1, lay.tp, self.gpus_per_node)))  # fmt: skip
         cp_comm = 0.0
         if lay.cp > 1:
+            elementwise += self._ring_elementwise_seconds(m, lay, tokens)
             width = m.num_attention_heads * (m.qk_head_dim + m.qk_pos_emb_head_dim + m.v_head_dim) if m.multi_latent_attention \
                 else 2 * num_kv_heads(m) * head_dim(m)  # fmt: skip
             ring = 3 * (lay.cp - 1) * mc.collective_seconds("p2p", tokens * width / lay.tp * BF16, 2,
@@ -253,6 +255,28 @@ class StepModel:
         parts["host sync"] = self._synced_host_seconds(lay) if s.expert_all else 0.0
         parts["host wait"] = max(0.0, self._host_seconds(lay, "moe" if s.expert_all else "dense") - sum(parts.values()))
         return _Block(parts)
+
+    def _ring_elementwise_seconds(self, m: ModelConfig, lay: Layout, tokens: float) -> float:
+        """HBM traffic of ring attention's own tensor work in one block (``context_parallel``, the
+        fused path), beside the block kernels the attention rate prices. Per element of the rows
+        (queries) or columns (keys and values) a ring step touches, in bytes: forward, the
+        block's output cast to fp32 (6) and, from the second step, merged into the running output
+        (28 more); backward, the output and its gradient made contiguous (16 per value element)
+        and the block's dq added into the fp32 sum (10 per query element); for each step's key and
+        value columns, cuDNN's repeat to the query heads, forward and backward, and its per-head
+        gradients read back (6), and the travelling fp32 key/value gradient summed (10); at the
+        end, the output and dq cast back and made contiguous (10). The first step covers every
+        row and column, each later one three quarters of them on average (half the ranks take
+        half the rows, the other half half the columns)."""
+        heads = m.num_attention_heads / lay.tp
+        if m.multi_latent_attention:  # keys and values per query head
+            kv_heads, dk, dv = heads, m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim
+        else:
+            kv_heads, dk, dv = num_kv_heads(m) / lay.tp, head_dim(m), head_dim(m)
+        later = 0.75 * (lay.cp - 1)  # the later steps' share of a whole step's rows or columns
+        rows = heads * (dv * (6 + 34 * later) + (16 * dv + 10 * dk) * (1 + later) + 10 * (dk + dv))
+        columns = (heads * 6 + kv_heads * 10) * (dk + dv) * (1 + later)
+        return tokens * (rows + columns) / (self.machine.hbm_gbps * 1e9)
 
     def _synced_host_seconds(self, lay: Layout) -> float:
         """The host work the GPU waits for in a MoE block under ep or etp. Their dropless dispatch

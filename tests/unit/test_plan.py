@@ -375,3 +375,15 @@ def test_fsdp_traffic_hides_in_the_gpus_host_waits():
     host_bound = StepModel(cfg, dataclasses.replace(load("h200"), host_ms_per_block={"dense": 500.0}), 8).predict(fsdp)
     assert gpu_bound.parts["host wait"] == 0 and gpu_bound.parts["dp comm"] > 0
     assert host_bound.parts["host wait"] > gpu_bound.parts["dp comm"] and host_bound.parts["dp comm"] == 0
+
+
+def test_ring_attention_adds_its_own_elementwise_traffic():
+    """Besides its block kernels, ring attention casts, merges and accumulates in fp32 and repeats
+    grouped keys and values at every step: a cp layout moves more bytes per token over HBM than
+    dp over the same ranks, more so at a larger cp."""
+    cfg, machine = _cfg(*LLAMA8B), dataclasses.replace(load("h200"), host_ms_per_block={})
+    model = StepModel(cfg, machine, 8)
+    dp, cp2, cp4 = (model.predict(Layout(1, 1, 1, cp, 1, 1, 4 // cp, D, 1)).parts["elementwise"] for cp in (1, 2, 4))
+    assert dp < cp2 < cp4
+    per_token = [model._ring_elementwise_seconds(cfg.model, Layout(1, 1, 1, cp, 1, 1, 4 // cp, D, 1), 1.0) for cp in (2, 4)]
+    assert per_token[1] > per_token[0] > 0
