@@ -258,23 +258,24 @@ class StepModel:
 
     def _ring_elementwise_seconds(self, m: ModelConfig, lay: Layout, tokens: float) -> float:
         """HBM traffic of ring attention's own tensor work in one block (``context_parallel``, the
-        fused path), beside the block kernels the attention rate prices. Per element of the rows
-        (queries) or columns (keys and values) a ring step touches, in bytes: forward, the
-        block's output cast to fp32 (6) and, from the second step, merged into the running output
-        (28 more); backward, the output and its gradient made contiguous (16 per value element)
-        and the block's dq added into the fp32 sum (10 per query element); for each step's key and
-        value columns, cuDNN's repeat to the query heads, forward and backward, and its per-head
-        gradients read back (6), and the travelling fp32 key/value gradient summed (10); at the
-        end, the output and dq cast back and made contiguous (10). The first step covers every
-        row and column, each later one three quarters of them on average (half the ranks take
-        half the rows, the other half half the columns)."""
+        fused path with CUDA's cuDNN kernel), beside the block kernels the attention rate prices.
+        Per element of the rows (queries) or columns (keys and values) a ring step touches, in
+        bytes: forward, the block's output cast to fp32 (6) and, from the second step, merged into
+        the running output (28 more); backward, the output and its gradient made contiguous (8
+        per value element) and the block's dq added into the fp32 sum (10 per query element); for
+        each step's key and value columns, cuDNN's repeat to the query heads, forward and
+        backward, and its per-head gradients read back (6), and the travelling fp32 key/value
+        gradient summed (10); once, the fp32 dq zeroed (4), and it and the output cast back and
+        made contiguous (10). The first step covers every row and column, each later one three
+        quarters of them on average (half the ranks take half the rows, the other half half the
+        columns)."""
         heads = m.num_attention_heads / lay.tp
         if m.multi_latent_attention:  # keys and values per query head
             kv_heads, dk, dv = heads, m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim
         else:
             kv_heads, dk, dv = num_kv_heads(m) / lay.tp, head_dim(m), head_dim(m)
         later = 0.75 * (lay.cp - 1)  # the later steps' share of a whole step's rows or columns
-        rows = heads * (dv * (6 + 34 * later) + (16 * dv + 10 * dk) * (1 + later) + 10 * (dk + dv))
+        rows = heads * (dv * (6 + 34 * later) + (8 * dv + 10 * dk) * (1 + later) + 4 * dk + 10 * (dk + dv))
         columns = (heads * 6 + kv_heads * 10) * (dk + dv) * (1 + later)
         return tokens * (rows + columns) / (self.machine.hbm_gbps * 1e9)
 
