@@ -5,6 +5,7 @@ MLA + MoE block).
     PYTHONPATH=$PWD python benchmarks/host_profile.py                  # the CPU, all three kinds, cut widths
     PYTHONPATH=$PWD python benchmarks/host_profile.py --device cuda --widths preset --tokens 128 --json gpu.json
     PYTHONPATH=$PWD python benchmarks/host_profile.py --kinds moe --top 40 --ops 30   # more detail
+    PYTHONPATH=$PWD python benchmarks/host_profile.py --recompute --top 0             # under full recompute
     PYTHONPATH=OLD_TREE python benchmarks/host_profile.py --dump /tmp/old; PYTHONPATH=$PWD ... --dump /tmp/new
     python benchmarks/host_profile.py --compare /tmp/old.moe.pt /tmp/new.moe.pt         # bit for bit
 
@@ -15,7 +16,10 @@ fusion and the kernel choices are those of training). The presets keep every cou
 number of ops (heads, 64 experts, top-6, the shared experts, the router's rules); ``--widths
 small`` (the default) cuts only widths, so the CPU holds the model. One micro batch of
 ``--tokens`` tokens is fed to the block alone; its backward also takes the block's auxiliary
-losses, as training's objective does.
+losses, as training's objective does. ``--recompute`` runs the block inside a non-reentrant
+activation checkpoint, as ``--recompute-granularity full`` does (``ModelFamily.forward_blocks``):
+its forward still records the graph (saved-tensor hooks drop the tensors), and its backward
+reruns the forward first, so the backward's counts hold a second forward.
 
 Printed per kind: aten ops per forward and per backward (a ``TorchDispatchMode`` count; on a GPU
 the Triton kernels are not aten ops, so the CUDA launches are counted too, by the profiler), the
@@ -40,6 +44,7 @@ from typing import Callable, NamedTuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
 
 from meshtron.config import build_config
 from meshtron.planning.calibrate import cut_model
@@ -84,8 +89,9 @@ class Block(NamedTuple):
     gradients: Callable[[], dict[str, torch.Tensor]]
 
 
-def build(kind: str, device: str, tokens: int, widths: str, extra: list[str]) -> tuple[Trainer, Block]:
-    """The trainer of ``kind``'s cut model and its measured block."""
+def build(kind: str, device: str, tokens: int, widths: str, extra: list[str], recompute: bool = False) -> tuple[Trainer, Block]:
+    """The trainer of ``kind``'s cut model and its measured block (``recompute``: inside an
+    activation checkpoint, as full recompute runs it)."""
     preset, pattern, index = KINDS[kind]
     small = SMALL_WIDTHS[preset] if widths == "small" else []
     cfg = build_config(overrides=["--model.preset", preset, *small, "--device", device, *extra])
@@ -101,7 +107,7 @@ def build(kind: str, device: str, tokens: int, widths: str, extra: list[str]) ->
     grad = torch.randn_like(hidden)
 
     def forward():
-        out = block(x, **inputs)
+        out = checkpoint(lambda y: block(y, **inputs), x, use_reentrant=False) if recompute else block(x, **inputs)
         aux = list(getattr(block.mlp, "last_aux_losses", {}).values())
         return [out, *aux]
 
@@ -246,6 +252,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=50, help="timed calls (median)")
     parser.add_argument("--top", type=int, default=20, help="Python functions listed per pass (0: none)")
     parser.add_argument("--ops", type=int, default=0, help="most frequent aten ops listed per pass")
+    parser.add_argument("--recompute", action="store_true", help="the block inside an activation checkpoint (full recompute)")
     parser.add_argument("--json", default="", help="also write the numbers to this file")
     parser.add_argument("--dump", default="", help="write each block's outputs and gradients to DUMP.<kind>.pt")
     parser.add_argument("--compare", nargs=2, metavar=("A", "B"), help="only compare two dump files bit for bit")
@@ -258,7 +265,7 @@ def main() -> None:
         torch.set_num_threads(1)  # the host's own work is one thread; tiny ops gain nothing from more
     results = {}
     for kind in args.kinds:
-        trainer, block = build(kind, args.device, args.tokens, args.widths, args.flags)
+        trainer, block = build(kind, args.device, args.tokens, args.widths, args.flags, args.recompute)
         if args.dump:
             torch.save(dumped(block), f"{args.dump}.{kind}.pt")
         warm_up(block)

@@ -60,14 +60,16 @@ class Machine:
     inter_node_gbps: float  # network per GPU, Gbit/s (400: one NDR InfiniBand port per GPU)
     network_efficiency: float  # share of the line rate NCCL reaches across nodes
     dp_overlap: float  # share of the gradient reduce-scatter hidden behind the last backward
-    fsdp_overlap: float  # share of FSDP2's gathers and reduce-scatters hidden behind compute
+    fsdp_overlap: float  # share of FSDP2's gathers and reduce-scatters hidden behind the GPU's work (the rest hides only in host waits)
     step_overhead_ms: float  # host work per step (data, logging, the optimizer's launches)
     microbatch_overhead_ms: float  # host work per micro batch and pipeline chunk (launches, schedule)
     # The host's time to launch one block's forward + backward of one micro batch ("dense", "moe"),
     # ms: a block's GPU work cannot take less (``step_time``), and at small micro batches, many
     # ranks and MoE dispatch it takes more than the GPU's
     host_ms_per_block: dict[str, float] = field(default_factory=dict)
-    host_factors: dict[str, float] = field(default_factory=dict)  # that host time's multiplier per layout feature (HOST_FEATURES)
+    # That host time's multiplier per layout feature (HOST_FEATURES); cp's is the one at cp 2, and
+    # each further ring step adds as much again (``step_time``)
+    host_factors: dict[str, float] = field(default_factory=dict)
     # Host work, as a share of the MoE block's host time, that FSDP2 ("fsdp") and expert tensor
     # parallelism ("etp") put after the expert dispatch's host sync, when the GPU's queue is empty:
     # under ep or etp the GPU waits for it (``step_time``)

@@ -14,12 +14,15 @@ Per micro batch, each block costs on one rank (tokens t = micro batch x the bloc
   [t, h] activations, on the compute stream (unoverlapped, as measured in ``benchmarks/RESULTS.md``);
   expert parallelism: four all-to-alls of the routed rows; expert tensor parallelism: a gather and
   a reduce-scatter of them each way; context parallelism: the ring's keys and values (forward
-  once, backward twice), hidden behind the block's attention where that is longer;
+  once, backward twice), hidden behind the block's attention where that is longer, and the
+  ring's own fp32 merges, accumulations and key/value repeats over HBM at every step;
 - recompute: ``full`` runs every block's forward again (a third of its compute, half its tp and ep
   traffic), ``selective`` the core attention's forward;
 - the host: a block takes at least the host's time to launch its forward and backward
   (``host_ms_per_block`` of its kind, measured by ``--calibrate`` on one GPU at a tiny micro batch,
-  times ``host_factors`` for the layout's collectives, FSDP2 and full recompute); the excess over
+  times ``host_factors`` for the layout's collectives, FSDP2 and full recompute; cp's grows by its
+  value at cp 2 for each ring step beyond the first: an exchange, a block kernel call and a merge
+  forward, two exchanges backward, each step alike); the excess over
   the GPU's parts is ``host wait`` (MoE blocks on 4 GPUs at a micro batch of 4096 tokens spend
   about half the step there, ``benchmarks/RESULTS.md``); a chunk that waits for the host has its
   launches in that wait, so it pays no ``microbatch_overhead_ms`` besides;
@@ -31,10 +34,13 @@ the output layer and loss add their GEMM and logits traffic on the last stage. T
 each chunk's activation and gradient once per micro batch. The chunks' times go through the
 schedule simulator (``pipeline_schedules.modeled_bubble``) on the split the run will use, which
 gives the bubble, imbalance included; past a few rounds of micro batches the steady state adds
-the busiest rank's load per micro batch. After the last backward: the gradient reduce-scatter
+the busiest rank's load per micro batch. Where chunks wait for the host and no dispatch sync holds
+the host back (no ep, no etp), a rank idle for its peer keeps launching, so the bubble and the host
+waits overlap (``_host_ahead``). After the last backward: the gradient reduce-scatter
 (partly hidden behind the last micro batch's backward) and parameter all-gather of the
-distributed optimizer, or FSDP2's per-micro-batch gathers; the optimizer step's HBM traffic; host
-overhead per step and per micro batch.
+distributed optimizer, or FSDP2's per-micro-batch gathers (on their own stream: what
+``fsdp_overlap`` does not hide behind the GPU's work hides in its host waits); the optimizer step's
+HBM traffic; host overhead per step and per micro batch.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from meshtron.config import Config, virtual_stages
+from meshtron.config import Config, ModelConfig, virtual_stages
 from meshtron.estimate import activation_bytes_per_token_layer
 from meshtron.layers.attention import head_dim, num_kv_heads
 from meshtron.models import model_flops_per_token, num_blocks, padded_vocab_size, pipeline_costs, sample_tokens, spec_for
@@ -114,6 +120,14 @@ def _clocked_bubble(kind: str, pp: int, micro: int, relative_chunks: tuple[float
     return modeled_bubble(kind, pp, micro, list(relative_chunks))
 
 
+def _rank_loads(kind: str, pp: int, chunks: list[float]) -> list[float]:
+    """Each pipeline rank's cost per micro batch: the chunks it holds."""
+    load = [0.0] * pp
+    for c, cost in enumerate(chunks):
+        load[chunk_place(kind, pp, c)[0]] += cost
+    return load
+
+
 def _spans(stride: int, size: int, gpus_per_node: int) -> bool:
     """Whether a group of ``size`` ranks ``stride`` apart (ranks numbered node by node) crosses a node."""
     return size > 1 and stride * size > gpus_per_node
@@ -183,6 +197,10 @@ class StepModel:
         chunks = [sum(blocks[i].total for i in r) + send + extra for r, extra in zip(ranges, launches)]
         chunks[-1] += head.total
         makespan, bubble = self._pipeline(kind, lay.pp, micro, chunks)
+        waits = [sum(blocks[i].parts["host wait"] for i in r) for r in ranges]
+        if lay.pp > 1 and any(waits) and lay.ep * lay.etp == 1:  # no dispatch sync holds the host back
+            makespan = min(makespan, self._host_ahead(kind, lay.pp, micro, chunks, waits))
+            bubble = makespan / (micro * sum(chunks) / lay.pp) - 1
         parts = {name: 0.0 for name in PARTS}
         for piece in [*blocks, head]:
             for name, value in piece.parts.items():
@@ -191,7 +209,7 @@ class StepModel:
         parts["overhead"] = micro * sum(launches) / lay.pp + self.machine.step_overhead_ms / 1e3
         parts["bubble"] = makespan - micro * sum(chunks) / lay.pp
         backward_window = 2 / 3 * max(chunks) * lay.vp
-        parts["dp comm"] = self._data_parallel_seconds(cfg, lay, micro, backward_window, makespan)
+        parts["dp comm"] = self._data_parallel_seconds(cfg, lay, micro, backward_window, makespan, parts["host wait"])
         parts["optimizer"] = self._optimizer_seconds(lay)
         step = makespan + parts["dp comm"] + parts["optimizer"] + self.machine.step_overhead_ms / 1e3
         tokens = t.global_batch_size * sample_tokens(cfg) / lay.world / step
@@ -221,6 +239,7 @@ class StepModel:
                        + mc.collective_seconds("reduce_scatter", activation, lay.tp, _spans(1, lay.tp, self.gpus_per_node)))  # fmt: skip
         cp_comm = 0.0
         if lay.cp > 1:
+            elementwise += self._ring_elementwise_seconds(m, lay, tokens)
             width = m.num_attention_heads * (m.qk_head_dim + m.qk_pos_emb_head_dim + m.v_head_dim) if m.multi_latent_attention \
                 else 2 * num_kv_heads(m) * head_dim(m)  # fmt: skip
             ring = 3 * (lay.cp - 1) * mc.collective_seconds("p2p", tokens * width / lay.tp * BF16, 2,
@@ -237,6 +256,29 @@ class StepModel:
         parts["host wait"] = max(0.0, self._host_seconds(lay, "moe" if s.expert_all else "dense") - sum(parts.values()))
         return _Block(parts)
 
+    def _ring_elementwise_seconds(self, m: ModelConfig, lay: Layout, tokens: float) -> float:
+        """HBM traffic of ring attention's own tensor work in one block (``context_parallel``, the
+        fused path with CUDA's cuDNN kernel), beside the block kernels the attention rate prices.
+        Per element of the rows (queries) or columns (keys and values) a ring step touches, in
+        bytes: forward, the block's output cast to fp32 (6) and, from the second step, merged into
+        the running output (28 more); backward, the output and its gradient made contiguous (8
+        per value element) and the block's dq added into the fp32 sum (10 per query element); for
+        each step's key and value columns, cuDNN's repeat to the query heads, forward and
+        backward, and its per-head gradients read back (6), and the travelling fp32 key/value
+        gradient summed (10); once, the fp32 dq zeroed (4), and it and the output cast back and
+        made contiguous (10). The first step covers every row and column, each later one three
+        quarters of them on average (half the ranks take half the rows, the other half half the
+        columns)."""
+        heads = m.num_attention_heads / lay.tp
+        if m.multi_latent_attention:  # keys and values per query head
+            kv_heads, dk, dv = heads, m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim
+        else:
+            kv_heads, dk, dv = num_kv_heads(m) / lay.tp, head_dim(m), head_dim(m)
+        later = 0.75 * (lay.cp - 1)  # the later steps' share of a whole step's rows or columns
+        rows = heads * (dv * (6 + 34 * later) + (8 * dv + 10 * dk) * (1 + later) + 4 * dk + 10 * (dk + dv))
+        columns = (heads * 6 + kv_heads * 10) * (dk + dv) * (1 + later)
+        return tokens * (rows + columns) / (self.machine.hbm_gbps * 1e9)
+
     def _synced_host_seconds(self, lay: Layout) -> float:
         """The host work the GPU waits for in a MoE block under ep or etp. Their dropless dispatch
         reads the all-to-all's split sizes back to the host once per forward, so the GPU's queue is
@@ -252,11 +294,13 @@ class StepModel:
     def _host_seconds(self, lay: Layout, kind: str) -> float:
         """The host's time to launch one block's forward + backward: the machine's for the block's
         kind, times the factor of each layout feature that adds host work (collectives and their
-        bookkeeping, FSDP2's hooks, a recomputed forward)."""
+        bookkeeping, FSDP2's hooks, a recomputed forward). Context parallelism's host work is per
+        ring step (its exchanges, block kernel calls and merges, the same at each step), so its
+        factor grows by the one at cp 2 for each step beyond the first."""
         mc = self.machine
-        features = {"tp": lay.tp > 1, "cp": lay.cp > 1, "ep": lay.ep > 1 and kind == "moe", "etp": lay.etp > 1 and kind == "moe",
+        features = {"tp": lay.tp > 1, "ep": lay.ep > 1 and kind == "moe", "etp": lay.etp > 1 and kind == "moe",
                     "fsdp": lay.sharding == "fsdp", "recompute": lay.recompute == "full"}  # fmt: skip
-        factor = 1.0
+        factor = 1 + (mc.host_factors.get("cp", 1.0) - 1) * (lay.cp - 1)
         for feature, on in features.items():
             factor *= mc.host_factors.get(feature, 1.0) if on else 1.0
         return mc.host_ms_per_block.get(kind, 0.0) / 1e3 * factor
@@ -294,11 +338,19 @@ class StepModel:
         clocked = min(micro, 2 * pp)
         mean = sum(chunks) / len(chunks)
         bubble = _clocked_bubble(kind, pp, clocked, tuple(round(c / mean, 2) for c in chunks))
-        load = [0.0] * pp
-        for c, cost in enumerate(chunks):
-            load[chunk_place(kind, pp, c)[0]] += cost
-        makespan = (1 + bubble) * clocked * sum(chunks) / pp + (micro - clocked) * max(load)
+        makespan = (1 + bubble) * clocked * sum(chunks) / pp + (micro - clocked) * max(_rank_loads(kind, pp, chunks))
         return makespan, makespan / (micro * sum(chunks) / pp) - 1
+
+    def _host_ahead(self, kind: str, pp: int, micro: int, chunks: list[float], waits: list[float]) -> float:
+        """The makespan of a pipeline whose chunks wait for the host (``waits``: each chunk's host
+        wait) where nothing makes the host wait for the GPU. A rank idle for its peer's activation
+        (the bubble) does not stop its host: the receive is a stream wait (``pipeline.py``), so
+        the host launches the next units behind it, and once the data is there the GPU runs them
+        at its own speed. The host's launches and the bubble overlap: the step is the larger of
+        the schedule's clock on the GPU's parts alone (its bubble included) and the busiest rank's
+        load with its host waits (no bubble)."""
+        gpu, _ = self._pipeline(kind, pp, micro, [c - w for c, w in zip(chunks, waits)])
+        return max(gpu, micro * max(_rank_loads(kind, pp, chunks)))
 
     def _stage_parameters(self, lay: Layout) -> tuple[float, float]:
         """(dense, routed-expert) parameters of the rank with the most: the blocks' share over pp,
@@ -307,8 +359,11 @@ class StepModel:
         ends = parts.head + parts.tail if lay.pp == 1 else max(parts.head, parts.tail)
         return sum(b.dense for b in parts.blocks) / lay.pp + ends, sum(b.expert for b in parts.blocks) / lay.pp
 
-    def _data_parallel_seconds(self, cfg: Config, lay: Layout, micro: int, window: float, compute: float) -> float:
-        """Exposed gradient and parameter traffic over dp x cp (experts: the expert-data-parallel group)."""
+    def _data_parallel_seconds(self, cfg: Config, lay: Layout, micro: int, window: float, compute: float, idle: float) -> float:
+        """Exposed gradient and parameter traffic over dp x cp (experts: the expert-data-parallel group).
+        FSDP2's per-micro-batch gathers and reduce-scatters run on their own stream while the
+        blocks run: ``fsdp_overlap`` of them hides behind the GPU's work, and the rest in the
+        GPU's ``idle`` time (its host waits), where no kernel of the block competes with them."""
         mc, p = self.machine, cfg.parallel
         dense, expert = self._stage_parameters(lay)
         groups = [(dense, lay.dp * lay.cp, _spans(lay.tp, lay.dp * lay.cp, self.gpus_per_node))]
@@ -325,7 +380,7 @@ class StepModel:
             gather = params * BF16 / mc.bus_bandwidth("all_gather", min(params, bucket) * BF16, spans) * (group - 1) / group
             if lay.sharding == "fsdp":  # per micro batch: gathered for forward and backward, fp32 gradients scattered
                 traffic = micro * (2 * gather + scatter * 4 / grad_bytes)
-                total += max(traffic * (1 - mc.fsdp_overlap), traffic - compute)
+                total += max(traffic * (1 - mc.fsdp_overlap) - idle, traffic - compute, 0.0)
             else:
                 total += gather + scatter - min(mc.dp_overlap * scatter, window)
         return total

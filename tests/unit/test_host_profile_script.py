@@ -1,6 +1,7 @@
 """``benchmarks/host_profile.py``: one block's aten ops, host time and Python hot spots, forward and
 backward, and its bit-for-bit comparison of two trees' outputs and gradients."""
 
+import collections
 import re
 import subprocess
 import sys
@@ -29,3 +30,24 @@ def test_moe_block_is_counted_timed_and_dumped_and_dumps_compare_bit_for_bit(tmp
     differs = subprocess.run([sys.executable, "host_profile.py", "--compare", dump, str(tmp_path / "changed.pt")], cwd=BENCHMARKS,
                              capture_output=True, text=True)  # fmt: skip
     assert differs.returncode == 1 and "differs: grad/input" in differs.stdout
+
+
+def test_full_recompute_reruns_a_recorded_forward_in_backward():
+    """Under a non-reentrant checkpoint (full recompute) the forward dispatches the plain forward's
+    ops (the graph is still recorded; only the saved tensors are dropped) and the backward reruns
+    them before its own (up to the last one that saves a tensor), with a detach per tensor it
+    saves again: the host pays one more forward, not a cheaper one."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from host_profile import build, counted
+
+    def no_detach(counts):
+        return {op: n for op, n in counts.items() if op != "aten.detach"}
+
+    (_, plain), (_, rerun) = (build("llama", "cpu", 16, "small", [], recompute=r) for r in (False, True))
+    plain_fwd, plain_bwd = counted(plain)
+    fwd, bwd = counted(rerun)
+    assert no_detach(fwd) == no_detach(plain_fwd)
+    both = collections.Counter(no_detach(plain_fwd + plain_bwd))
+    assert not collections.Counter(no_detach(bwd)) - both
+    assert sum((both - collections.Counter(no_detach(bwd))).values()) <= 2  # the rerun stops after its last saved tensor
+    assert bwd["aten.detach"] > plain_bwd["aten.detach"] + plain_fwd["aten.detach"]

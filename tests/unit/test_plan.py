@@ -333,3 +333,57 @@ def test_host_work_after_the_expert_dispatchs_sync_is_not_hidden():
     assert model.predict(etp_fsdp).step_s == pytest.approx(hidden.step_s + blocks * per_block * 0.75)
     dense = StepModel(_cfg(*TINY_DENSE), machine, 4).predict(Layout(1, 1, 1, 1, 1, 1, 4, "fsdp", 1))
     assert dense.parts["host sync"] == 0
+
+
+def test_a_host_bound_pipeline_launches_through_its_bubble():
+    """A rank waiting for its peer's activation keeps launching (the receive is a stream wait),
+    so where the host bounds every chunk the step is the busiest rank's load, not the schedule's
+    clock with its bubble on top; under ep the dispatch's host sync holds the host back, so the
+    bubble stays; a GPU-bound pipeline keeps its bubble."""
+    # 4 MoE blocks, 2 a stage (a small vocabulary keeps the output layer from taking a stage), 4 micro batches a rank
+    cfg = _cfg("--model.preset", "tiny-mixtral", "--num-layers", "4", "--global-batch-size", "8", "--vocab-size", "512")
+    host_bound = dataclasses.replace(load("h200"), host_ms_per_block={"dense": 50.0, "moe": 50.0}, host_factors={})
+    model = StepModel(cfg, host_bound, 4)
+    free = model.predict(Layout(1, 2, 1, 1, 1, 1, 2, D, 1), exact_split=True)
+    synced = model.predict(Layout(1, 2, 1, 1, 2, 1, 2, D, 1), exact_split=True)
+    assert free.parts["host wait"] > 0.9 * free.step_s - 0.01 and free.bubble < 0.01
+    assert synced.bubble == pytest.approx(0.25, abs=0.01)  # 1F1B's (pp - 1) / micro batches
+    assert free.step_s < 0.9 * synced.step_s
+    gpu_bound = StepModel(cfg, dataclasses.replace(host_bound, host_ms_per_block={}), 4)
+    assert gpu_bound.predict(Layout(1, 2, 1, 1, 1, 1, 2, D, 1), exact_split=True).bubble > 0.2
+
+
+def test_context_parallel_host_work_grows_with_each_ring_step():
+    """Each ring step beyond the first adds the same host work (an exchange, a block kernel call
+    and a merge forward, two exchanges backward), so the host time per block grows linearly in
+    cp - 1, ``host_factors["cp"]`` being the factor at cp 2."""
+    machine = dataclasses.replace(load("h200"), host_ms_per_block={"dense": 10.0}, host_factors={"cp": 1.5, "recompute": 2.0})
+    model = StepModel(_cfg(*TINY_DENSE), machine, 8)
+    host = {cp: model._host_seconds(Layout(1, 1, 1, cp, 1, 1, 8 // cp, D, 1), "dense") for cp in (1, 2, 4, 8)}
+    assert host[1] == pytest.approx(0.010) and host[2] == pytest.approx(0.015)
+    assert host[4] == pytest.approx(0.025) and host[8] == pytest.approx(0.045)
+    recomputed = model._host_seconds(Layout(1, 1, 1, 4, 1, 1, 2, D, 1, "full"), "dense")
+    assert recomputed == pytest.approx(2 * host[4])  # the rerun forward repeats its ring steps too
+
+
+def test_fsdp_traffic_hides_in_the_gpus_host_waits():
+    """FSDP2's gathers and reduce-scatters run on their own stream: where the GPU waits for the
+    host, they take that idle time, so a host-bound layout exposes none of them, while a
+    GPU-bound one exposes the share ``fsdp_overlap`` does not hide."""
+    cfg, fsdp = _cfg(*LLAMA8B), Layout(1, 1, 1, 1, 1, 1, 8, "fsdp", 1)
+    gpu_bound = StepModel(cfg, dataclasses.replace(load("h200"), host_ms_per_block={}), 8).predict(fsdp)
+    host_bound = StepModel(cfg, dataclasses.replace(load("h200"), host_ms_per_block={"dense": 500.0}), 8).predict(fsdp)
+    assert gpu_bound.parts["host wait"] == 0 and gpu_bound.parts["dp comm"] > 0
+    assert host_bound.parts["host wait"] > gpu_bound.parts["dp comm"] and host_bound.parts["dp comm"] == 0
+
+
+def test_ring_attention_adds_its_own_elementwise_traffic():
+    """Besides its block kernels, ring attention casts, merges and accumulates in fp32 and repeats
+    grouped keys and values at every step: a cp layout moves more bytes per token over HBM than
+    dp over the same ranks, more so at a larger cp."""
+    cfg, machine = _cfg(*LLAMA8B), dataclasses.replace(load("h200"), host_ms_per_block={})
+    model = StepModel(cfg, machine, 8)
+    dp, cp2, cp4 = (model.predict(Layout(1, 1, 1, cp, 1, 1, 4 // cp, D, 1)).parts["elementwise"] for cp in (1, 2, 4))
+    assert dp < cp2 < cp4
+    per_token = [model._ring_elementwise_seconds(cfg.model, Layout(1, 1, 1, cp, 1, 1, 4 // cp, D, 1), 1.0) for cp in (2, 4)]
+    assert per_token[1] > per_token[0] > 0
