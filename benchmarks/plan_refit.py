@@ -47,6 +47,7 @@ GRIDS = [
     ("plan_check_2xH200_deepseek.csv", "calibration_2xH200_deepseek.json", "deepseek", 27),
     ("plan_recheck_2xH200_deepseek_s6.csv", "calibration_2xH200_deepseek.json", "deepseek", 27),
     ("plan_recheck_2xH200_deepseek_s7.csv", "calibration_2xH200_deepseek.json", "deepseek", 27),
+    ("plan_recheck_2xH200_deepseek_s8.csv", "calibration_2xH200_deepseek.json", "deepseek", 27),
     ("plan_check_2xH200_llama70b.csv", "calibration_2xH200_llama70b.json", "llama70b", 12),
     ("plan_check_1xH200_llama16.csv", "calibration_1xH200_llama16.json", "llama", 16),
     ("plan_check_1xH200_deepseek12.csv", "calibration_1xH200_deepseek12.json", "deepseek", 12),
