@@ -158,8 +158,11 @@ def _launch_everything(target: platform.Target) -> None:
                                                        (8, 256, False, False, "aux_loss", 0.0), (1, 5, False, False, "none", 0.0)):  # fmt: skip
             logits = rand(256, experts, dtype=dtype)  # two sequences of whole programs (FusedRouting)
             needed = statistics_needed(balancing, 1.0, z)
-            probs, _, stats = _fused_routing(logits, k, softmax, pre, 1.0, 2 if balancing == "seq_aux_loss" else 1, needed)
+            rows = 2 if balancing == "seq_aux_loss" else 1
+            probs, _, stats, _ = _fused_routing(logits, k, softmax, pre, 1.0, rows, needed)
             _grad(probs.float().sum() + sum(v.float().sum() for v in stats.values() if v.requires_grad), [logits])
+            probs, _, _, losses = _fused_routing(logits, k, softmax, pre, 1.0, rows, needed, (1.0, z))
+            _grad(probs.float().sum() + sum(losses.values(), torch.zeros(())), [logits])
         flat = torch.randn(10000).to(dtype)
         scale_into(torch.zeros(10000), flat, torch.ones(()), accumulate=True)
         scale_into(torch.zeros(10000), flat, torch.ones(()), accumulate=False)

@@ -12,7 +12,7 @@ from torch import nn
 
 from meshtron.config import ModelConfig
 from meshtron.layers.mlp import MLP
-from meshtron.layers.moe.balancing import TokenSum, aux_loss_coeff, losses_from_statistics, statistics_needed
+from meshtron.layers.moe.balancing import TokenSum, aux_loss_coeff, statistics_needed
 from meshtron.layers.moe.dispatch import permute, plan_dispatch, unpermute
 from meshtron.layers.moe.experts import Experts
 from meshtron.layers.moe.layer_pattern import moe_layer_pattern
@@ -51,11 +51,10 @@ class MoELayer(nn.Module):
         """
         b, s, h = x.shape
         tokens = x.reshape(b * s, h)
-        routing = self.router(tokens, b, self.needed, self.token_sum)
         cfg = self.cfg
-        losses = losses_from_statistics(routing.statistics, cfg.moe_router_topk, self.aux_loss_coeff, cfg.moe_z_loss_coeff, self.token_sum)
+        routing = self.router(tokens, b, self.needed, self.token_sum, (self.aux_loss_coeff, cfg.moe_z_loss_coeff))
         if not self.rerunning:  # a rerun's losses, kept, would keep its graph and activations alive (``models/recompute.py``)
-            self.last_aux_losses = losses
+            self.last_aux_losses = routing.losses
         plan = plan_dispatch(
             routing.probs, routing.experts, cfg.num_experts, cfg.moe_expert_capacity_factor,
             cfg.moe_token_drop_policy, cfg.moe_pad_expert_input_to_capacity, seq_length=s,
