@@ -100,7 +100,7 @@ def main() -> None:
     x = torch.randn(1, tokens, h, device=device, dtype=dtype, requires_grad=True)
     flat = x.detach().reshape(tokens, h).requires_grad_()
     routing = layer.router(flat.detach())
-    plan = plan_dispatch(routing.probs.detach(), routing.experts, cfg.num_experts)
+    plan = plan_dispatch(routing.probs.detach(), routing.experts, cfg.num_experts, fused_kernels=cfg.fused_kernels)
     expert_in = permute(flat.detach(), plan).requires_grad_()
     params = list(layer.parameters()) + list(dense.parameters())
 
@@ -113,7 +113,7 @@ def main() -> None:
         return r.probs.sum() + sum(r.losses.values())
 
     def dispatch_out():
-        p = plan_dispatch(routing.probs.detach(), routing.experts, cfg.num_experts)
+        p = plan_dispatch(routing.probs.detach(), routing.experts, cfg.num_experts, fused_kernels=cfg.fused_kernels)
         return unpermute(permute(flat, p, cfg.fused_kernels), p, tokens, flat.dtype, cfg.fused_kernels)
 
     parts = {

@@ -57,7 +57,7 @@ class MoELayer(nn.Module):
             self.last_aux_losses = routing.losses
         plan = plan_dispatch(
             routing.probs, routing.experts, cfg.num_experts, cfg.moe_expert_capacity_factor,
-            cfg.moe_token_drop_policy, cfg.moe_pad_expert_input_to_capacity, seq_length=s,
+            cfg.moe_token_drop_policy, cfg.moe_pad_expert_input_to_capacity, seq_length=s, fused_kernels=cfg.fused_kernels,
         )  # fmt: skip
         self.last_tokens_per_expert = plan.tokens_per_expert.detach()
         rows = permute(tokens, plan, cfg.fused_kernels)
