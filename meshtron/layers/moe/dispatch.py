@@ -86,14 +86,14 @@ def plan_dispatch(
     ``fused_kernels`` runs them (see the module docstring).
     """
     num_tokens, topk = experts.shape
+    if capacity_factor <= 0 and use_triton(fused_kernels, experts):
+        from meshtron.kernels.triton_moe_permute import PLAN_MAX_EXPERTS, plan_rows  # Triton stays optional
+
+        if num_experts <= PLAN_MAX_EXPERTS:
+            counts, inverse = plan_rows(experts, num_experts)
+            return DispatchPlan(None, probs, None, num_tokens * topk, counts, counts, inverse)
     flat_experts = experts.reshape(-1)
     if capacity_factor <= 0:
-        if use_triton(fused_kernels, experts):
-            from meshtron.kernels.triton_moe_permute import PLAN_MAX_EXPERTS, plan_rows  # Triton stays optional
-
-            if num_experts <= PLAN_MAX_EXPERTS:
-                counts, inverse = plan_rows(experts, num_experts)
-                return DispatchPlan(None, probs, None, num_tokens * topk, counts, counts, inverse)
         counts, order = _sort_by_expert(flat_experts, num_experts)
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
         return DispatchPlan(order, probs, None, order.numel(), counts, counts, inverse.view(num_tokens, topk))

@@ -182,7 +182,7 @@ class Router(nn.Module):
         if self.training and self.jitter_eps > 0:
             tokens = tokens * torch.empty_like(tokens).uniform_(1.0 - self.jitter_eps, 1.0 + self.jitter_eps)
         if self.dtype == torch.float32:  # bf16 operands on tensor cores, fp32 numbers (kernels/fp32_gate.py)
-            logits = fp32_gate(tokens, self.weight)
+            logits = fp32_gate(tokens, self.weight, self.fused_kernels)
         else:
             dtype = self.dtype or tokens.dtype
             logits = F.linear(tokens.to(dtype), self.weight.to(dtype))
