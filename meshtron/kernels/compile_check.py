@@ -149,7 +149,7 @@ def _launch_everything(target: platform.Target) -> None:
                 gg.rows_times_group_tma(a.detach(), b, offsets, programs=4)
         tokens, inverse = rand(24, 64, dtype=dtype), torch.randperm(48).view(24, 2)
         rows = perm.permute_copies(tokens, inverse)
-        for experts in (8, 64, 256):  # blocks of 256, 256 and 64 copies
+        for experts in (8, 64, 256):  # blocks of 128, 128 and 32 copies
             perm.plan_rows(torch.randint(0, experts, (300, 6)), experts)
         _grad(perm.combine_copies(rows, torch.rand(24, 2, requires_grad=True), inverse, dtype), [rows, tokens])
         q, kv, k_rope = rand(2, 8, 4, 96, dtype=dtype), rand(2, 8, 4, 128, dtype=dtype), rand(2, 8, 32, dtype=dtype)

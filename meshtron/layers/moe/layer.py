@@ -46,7 +46,7 @@ class MoELayer(nn.Module):
         ``last_aux_losses``: {"load_balancing", "z_loss"} (those with a nonzero coefficient),
         differentiable scalars over this call's b*s tokens, already times their coefficients;
         the model adds them to its objective as named auxiliary terms (summed over layers, see
-        ``balancing``). ``last_tokens_per_expert`` [E]: detached counts of the copies the experts
+        ``balancing``). ``last_tokens_per_expert`` [E]: integer counts of the copies the experts
         computed (after dropping), for load logging.
         """
         b, s, h = x.shape
@@ -59,7 +59,7 @@ class MoELayer(nn.Module):
             routing.probs, routing.experts, cfg.num_experts, cfg.moe_expert_capacity_factor,
             cfg.moe_token_drop_policy, cfg.moe_pad_expert_input_to_capacity, seq_length=s, fused_kernels=cfg.fused_kernels,
         )  # fmt: skip
-        self.last_tokens_per_expert = plan.tokens_per_expert.detach()
+        self.last_tokens_per_expert = plan.tokens_per_expert  # integers: no gradient to detach from
         rows = permute(tokens, plan, cfg.fused_kernels)
         if self.shared_experts is None:
             return unpermute(self.experts(rows, plan.group_sizes), plan, b * s, x.dtype, cfg.fused_kernels).view(b, s, h)
