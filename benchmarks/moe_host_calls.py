@@ -12,7 +12,8 @@ the router module, the balancing loss (``losses_from_statistics``), the dispatch
 (``unpermute``); ops outside them are "layer (other)". A part's backward is the autograd nodes its
 forward created (found by walking the graph from its outputs, stopping at the inputs'). A name
 the tree's layer module lacks is skipped, so trees whose layer calls other functions compare by
-the parts they share.
+the parts they share: since the router makes the losses itself (2026-11-28) the balancing loss
+counts in the router's row, and in a separate row for older trees.
 
 Printed per part: aten ops (a ``TorchDispatchMode`` count, the interpreter's own ops left out),
 Triton launches and autograd nodes, forward and backward; then, from ``--repeat`` calls without
