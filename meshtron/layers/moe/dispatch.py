@@ -47,6 +47,7 @@ class DispatchPlan:
 
     @functools.cached_property
     def kept_order(self) -> torch.Tensor:
+        """``order``, or for a kernel-made dropless plan the copies in row order, from ``inverse``."""
         if self.order is not None:
             return self.order
         flat = self.inverse.reshape(-1)  # dropless: row inverse[t, j] holds copy t*k + j
