@@ -248,7 +248,7 @@ class FusedRouting(torch.autograd.Function):
         ctx.settings = (k, softmax, pre_softmax, scaling, rows)
         ctx.scales = loss_scales(tokens, experts, k, rows, coefficients) if coefficients and tokens else (0.0, 0.0)
         if not stats:
-            if tokens:
+            if tokens:  # no partial sums: their pointers unused
                 _route_forward_kernel[(programs,)](logits, probs, chosen, probs, probs, probs, tokens, experts, logits.stride(0), scaling,
                                                    STATS=False, **meta)  # fmt: skip
             ctx.save_for_backward(logits, chosen, None)
