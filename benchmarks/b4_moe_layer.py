@@ -30,12 +30,18 @@ import torch
 from meshtron.config import ModelConfig
 from meshtron.layers.mlp import MLP
 from meshtron.layers.moe import MoELayer
-from meshtron.layers.moe.balancing import losses_from_statistics
 from meshtron.layers.moe.dispatch import permute, plan_dispatch, unpermute
 
 DEEPSEEK_V2_LITE = dict(hidden_size=2048, num_experts=64, moe_router_topk=6, moe_ffn_hidden_size=1408,
                         moe_shared_expert_intermediate_size=2 * 1408)  # fmt: skip
 TINY = dict(hidden_size=64, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32)
+
+
+def b4_config(**fields) -> ModelConfig:
+    """The layer's config: ``fields`` (a shape, the grouped GEMM's backend) over B4's rules."""
+    rules = dict(num_layers=1, add_bias_linear=False, activation="swiglu", moe_router_dtype="fp32",
+                 moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-3)  # fmt: skip
+    return ModelConfig(**{**rules, **fields})
 
 
 def time_ms(fn, device: torch.device, warmup: int, steps: int) -> float:
@@ -85,9 +91,7 @@ def main() -> None:
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16
     shape, tokens = (TINY, 64) if args.tiny else (DEEPSEEK_V2_LITE, args.tokens)
-    cfg = ModelConfig(num_layers=1, add_bias_linear=False, activation="swiglu", moe_router_dtype="fp32",
-                      moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=1e-3,
-                      moe_grouped_gemm=args.grouped_gemm, **shape)  # fmt: skip
+    cfg = b4_config(moe_grouped_gemm=args.grouped_gemm, **shape)
     torch.manual_seed(0)
     layer = MoELayer(cfg).to(device, dtype)
     active_ffn = (cfg.moe_router_topk * cfg.moe_ffn_hidden_size) + cfg.moe_shared_expert_intermediate_size
@@ -96,7 +100,7 @@ def main() -> None:
     x = torch.randn(1, tokens, h, device=device, dtype=dtype, requires_grad=True)
     flat = x.detach().reshape(tokens, h).requires_grad_()
     routing = layer.router(flat.detach())
-    plan = plan_dispatch(routing.probs.detach(), routing.experts, cfg.num_experts)
+    plan = plan_dispatch(routing.probs.detach(), routing.experts, cfg.num_experts, fused_kernels=cfg.fused_kernels)
     expert_in = permute(flat.detach(), plan).requires_grad_()
     params = list(layer.parameters()) + list(dense.parameters())
 
@@ -105,12 +109,11 @@ def main() -> None:
         return out + sum(layer.last_aux_losses.values())
 
     def router_out():
-        r = layer.router(flat, 1, layer.needed)
-        losses = losses_from_statistics(r.statistics, cfg.moe_router_topk, layer.aux_loss_coeff, 0.0, layer.token_sum)
-        return r.probs.sum() + sum(losses.values())
+        r = layer.router(flat, 1, layer.needed, layer.token_sum, (layer.aux_loss_coeff, cfg.moe_z_loss_coeff))
+        return r.probs.sum() + sum(r.losses.values())
 
     def dispatch_out():
-        p = plan_dispatch(routing.probs.detach(), routing.experts, cfg.num_experts)
+        p = plan_dispatch(routing.probs.detach(), routing.experts, cfg.num_experts, fused_kernels=cfg.fused_kernels)
         return unpermute(permute(flat, p, cfg.fused_kernels), p, tokens, flat.dtype, cfg.fused_kernels)
 
     parts = {

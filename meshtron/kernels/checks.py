@@ -173,8 +173,8 @@ _LARGE_ROUTER_CASES = [("DeepSeek-V2-Lite (64, top-6)", "softmax", True, 6, 64, 
 
 def router_checks(device: torch.device | str, dtype: torch.dtype, large: bool = False, seed: int = 0) -> list[CaseResult]:
     """The fused router kernel against ``topk_routing`` + ``token_statistics``: the combine weights,
-    the chosen experts and the balancing / z losses as one output, the gradients of the tokens and
-    the gate weight; ``large``: DeepSeek-V2-Lite's, Mixtral's and a DeepSeek-V3-like router."""
+    the chosen experts and the balancing / z losses (from the kernel's statistics, and from the
+    kernel itself) as one output, the gradients of the tokens and the gate weight; ``large``: DeepSeek-V2-Lite's, Mixtral's and a DeepSeek-V3-like router."""
     from meshtron.layers.moe.balancing import losses_from_statistics, statistics_needed, token_statistics
     from meshtron.layers.moe.router import _fused_routing, topk_routing
 
@@ -185,14 +185,18 @@ def router_checks(device: torch.device | str, dtype: torch.dtype, large: bool = 
 
         def op(mode, t, score=score, pre=pre, k=k, experts=experts, z_coeff=z_coeff, scaling=scaling, batch=batch, needed=needed):
             logits = torch.nn.functional.linear(t[0], t[1])
-            if mode == "on":
+            if mode == "on":  # the losses from the kernel's statistics, and from the kernel itself
                 rows = batch if needed.per_sequence else 1
-                probs, chosen, stats = _fused_routing(logits, k, score == "softmax", pre, scaling, rows, needed)
+                probs, chosen, stats, _ = _fused_routing(logits, k, score == "softmax", pre, scaling, rows, needed)
+                kernel_losses = _fused_routing(logits, k, score == "softmax", pre, scaling, rows, needed, (1.0, z_coeff))[3]
             else:
                 probs, chosen = topk_routing(logits, k, score, pre, scaling)
                 stats = token_statistics(logits, batch, k, score, needed)
             losses = losses_from_statistics(stats, k, 1.0, z_coeff)
-            return torch.cat([probs.float().reshape(-1), chosen.float().reshape(-1), torch.stack(list(losses.values())).float()])
+            if mode == "off":
+                kernel_losses = losses
+            both = [*losses.values(), *kernel_losses.values()]
+            return torch.cat([probs.float().reshape(-1), chosen.float().reshape(-1), torch.stack(both).float()])
 
         if large or dtype != torch.float32:
             # No two logits of a token equal or within rounding of each other after the score

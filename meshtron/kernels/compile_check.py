@@ -117,7 +117,7 @@ def _launch_everything(target: platform.Target) -> None:
     from meshtron.kernels.rope import apply_rotary
     from meshtron.kernels.swiglu import swiglu
     from meshtron.kernels.triton_mla import MlaQueryKey
-    from meshtron.kernels.triton_pointwise import scale_into
+    from meshtron.kernels.triton_pointwise import scale_into, split_in_three
     from meshtron.layers.moe.router import _fused_routing
     from meshtron.layers.moe.balancing import statistics_needed
     from meshtron.layers.moe.fp8_grouped_gemm import quantize_rows, quantize_weights
@@ -149,6 +149,8 @@ def _launch_everything(target: platform.Target) -> None:
                 gg.rows_times_group_tma(a.detach(), b, offsets, programs=4)
         tokens, inverse = rand(24, 64, dtype=dtype), torch.randperm(48).view(24, 2)
         rows = perm.permute_copies(tokens, inverse)
+        for experts in (8, 64, 256):  # blocks of 128, 128 and 32 copies
+            perm.plan_rows(torch.randint(0, experts, (300, 6)), experts)
         _grad(perm.combine_copies(rows, torch.rand(24, 2, requires_grad=True), inverse, dtype), [rows, tokens])
         q, kv, k_rope = rand(2, 8, 4, 96, dtype=dtype), rand(2, 8, 4, 128, dtype=dtype), rand(2, 8, 32, dtype=dtype)
         for positions in (None, torch.randint(0, 8, (2, 8))):
@@ -158,9 +160,13 @@ def _launch_everything(target: platform.Target) -> None:
                                                        (8, 256, False, False, "aux_loss", 0.0), (1, 5, False, False, "none", 0.0)):  # fmt: skip
             logits = rand(256, experts, dtype=dtype)  # two sequences of whole programs (FusedRouting)
             needed = statistics_needed(balancing, 1.0, z)
-            probs, _, stats = _fused_routing(logits, k, softmax, pre, 1.0, 2 if balancing == "seq_aux_loss" else 1, needed)
+            rows = 2 if balancing == "seq_aux_loss" else 1
+            probs, _, stats, _ = _fused_routing(logits, k, softmax, pre, 1.0, rows, needed)
             _grad(probs.float().sum() + sum(v.float().sum() for v in stats.values() if v.requires_grad), [logits])
+            probs, _, _, losses = _fused_routing(logits, k, softmax, pre, 1.0, rows, needed, (1.0, z))
+            _grad(probs.float().sum() + sum(losses.values(), torch.zeros(())), [logits])
         flat = torch.randn(10000).to(dtype)
+        split_in_three(torch.randn(96, 64))
         scale_into(torch.zeros(10000), flat, torch.ones(()), accumulate=True)
         scale_into(torch.zeros(10000), flat, torch.ones(()), accumulate=False)
         fused_adamw.sum_of_squares([flat, flat[:100]])

@@ -17,13 +17,16 @@ DeepSeek-V2-Lite layer at 8192 tokens on an H100. Here:
   accumulation's error stays far below that rounding: against fp64, both paths' dx and dW differ
   in the sixth significant digit of their (bf16-sized) errors.
 
-``mm(..., out_dtype=float32)`` is CUDA-only; elsewhere the same products run in fp32 (exact
+Where Triton runs (``model.fused_kernels``) the split is one kernel (``triton_pointwise.split_in_three``)
+rather than eight PyTorch ops. ``mm(..., out_dtype=float32)`` is CUDA-only; elsewhere the same products run in fp32 (exact
 emulation), so the CPU tests hold the split to the plain fp32 path.
 """
 
 from __future__ import annotations
 
 import torch
+
+from meshtron.kernels import use_triton
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -46,24 +49,30 @@ class Fp32Gate(torch.autograd.Function):
     """x [T, h] bf16, weight [E, h] bf16 -> fp32 logits [T, E] (the fp32 path's); gradients as its."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, fused_kernels: str = "off") -> torch.Tensor:
         ctx.save_for_backward(x, weight)
+        ctx.fused_kernels = fused_kernels
         return torch.nn.functional.linear(x.float(), weight.float())
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
-        pieces = split_in_three(grad.float())
+        if use_triton(ctx.fused_kernels, grad):
+            from meshtron.kernels import triton_pointwise  # Triton stays optional
+
+            pieces = triton_pointwise.split_in_three(grad.float().contiguous())
+        else:
+            pieces = split_in_three(grad.float())
         dx = _mm(pieces, weight.repeat(3, 1), x.dtype) if ctx.needs_input_grad[0] else None
         dw = None
         if ctx.needs_input_grad[1]:
             dw = _mm(pieces.t(), x, torch.float32).view(3, *weight.shape).sum(0).to(weight.dtype)
-        return dx, dw
+        return dx, dw, None
 
 
-def fp32_gate(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def fp32_gate(x: torch.Tensor, weight: torch.Tensor, fused_kernels: str = "off") -> torch.Tensor:
     """fp32 logits of ``x @ weight^T``: through ``Fp32Gate`` for bf16 operands (outside compiled
     code, where the plain path is traced), else by casting both to fp32."""
     if x.dtype == weight.dtype == torch.bfloat16 and x.dim() == 2 and not torch.compiler.is_compiling():
-        return Fp32Gate.apply(x, weight)
+        return Fp32Gate.apply(x, weight, fused_kernels)
     return torch.nn.functional.linear(x.float(), weight.float())

@@ -12,8 +12,14 @@ and each byte read or written once.
 - combine backward: the output gradient times each copy's weight written to that copy's row,
   and the weight's gradient as the dot product of output gradient and row (``combine_backward``).
 
-The PyTorch reference is ``permute`` / ``unpermute`` in ``layers/moe/dispatch.py``. Imported only
-when a kernel runs, so Triton stays optional.
+``inverse`` itself comes from two more kernels (``plan_rows``): the copies in blocks, each block's
+copies per expert and each copy's rank among its block's copies of the same expert, then each
+copy's row = its expert's first row + the copies of that expert in earlier blocks + its rank. That
+is the stable sort by expert of the reference (``_sort_by_expert``), bit for bit, in two launches
+rather than a dozen PyTorch ops.
+
+The PyTorch reference is ``plan_dispatch`` / ``permute`` / ``unpermute`` in ``layers/moe/dispatch.py``.
+Imported only when a kernel runs, so Triton stays optional.
 """
 
 from __future__ import annotations
@@ -89,6 +95,73 @@ def _combine_backward_kernel(
     if WEIGHT_GRAD:
         dots = tl.sum(products, axis=1)
         tl.store(grad_weights_ptr + t * K + copies, dots.to(grad_weights_ptr.dtype.element_ty), mask=valid)
+
+
+@triton.jit
+def _block_ranks_kernel(experts_ptr, work_ptr, N, E, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Copies [pid * BLOCK, +BLOCK): each one's rank among the block's copies of its expert (at
+    ``work[copy]``) and the block's copies per expert (at ``work[N + pid * E + e]``)."""
+    pid = tl.program_id(0)
+    copy = pid * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, BLOCK_E)
+    ok = copy < N
+    expert = tl.load(experts_ptr + copy, mask=ok, other=0)
+    one_hot = (expert[:, None] == cols[None, :]) & ok[:, None]
+    ones = one_hot.to(tl.int32)
+    rank = tl.sum(tl.where(one_hot, tl.cumsum(ones, 0) - 1, 0), 1)
+    tl.store(work_ptr + copy, rank, mask=ok)
+    tl.store(work_ptr + N + pid * E + cols, tl.sum(ones, 0), mask=cols < E)
+
+
+@triton.jit
+def _block_rows_kernel(
+    experts_ptr, work_ptr, inverse_ptr, counts_ptr, N, E, blocks,
+    BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
+):  # fmt: skip
+    """Each copy's row in the expert-grouped order: its expert's first row + that expert's copies in
+    earlier blocks + its rank; the first program also writes the copies per expert [E]."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_E)
+    col_ok = cols < E
+    total = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    before = tl.zeros((BLOCK_E,), dtype=tl.int32)
+    for first in range(0, blocks, BLOCK_B):
+        block = first + tl.arange(0, BLOCK_B)
+        counts = tl.load(work_ptr + N + block[:, None] * E + cols[None, :], mask=(block < blocks)[:, None] & col_ok[None, :], other=0)
+        total += tl.sum(counts, 0)
+        before += tl.sum(tl.where((block < pid)[:, None], counts, 0), 0)
+    offset = tl.cumsum(total, 0) - total + before
+    copy = pid * BLOCK + tl.arange(0, BLOCK)
+    ok = copy < N
+    expert = tl.load(experts_ptr + copy, mask=ok, other=0)
+    row = tl.sum(tl.where(expert[:, None] == cols[None, :], offset[None, :], 0), 1) + tl.load(work_ptr + copy, mask=ok, other=0)
+    tl.store(inverse_ptr + copy, row.to(tl.int64), mask=ok)
+    if pid == 0:
+        tl.store(counts_ptr + cols, total.to(tl.int64), mask=col_ok)
+
+
+PLAN_MAX_EXPERTS = 512  # a block's [copies, experts] one-hot stays within a program's registers
+
+
+@torch.compiler.disable  # run eagerly inside a compiled block, as the permutation's kernels
+def plan_rows(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """expert ids [T, k] (each below ``num_experts`` <= ``PLAN_MAX_EXPERTS``) -> (copies per
+    expert [E] int64, ``inverse`` [T, k] int64: the row of each copy when the copies are sorted
+    by expert, stable)."""
+    n = experts.numel()
+    block_e = triton.next_power_of_2(num_experts)
+    block = max(16, min(128, 8192 // block_e))  # a [block, E] int32 scan: 32 KiB of shared memory at most
+    blocks = triton.cdiv(n, block)
+    counts = torch.empty(num_experts, dtype=torch.int64, device=experts.device)
+    inverse = torch.empty(experts.shape, dtype=torch.int64, device=experts.device)
+    if n == 0:
+        return counts.zero_(), inverse
+    work = torch.empty(n + blocks * num_experts, dtype=torch.int32, device=experts.device)
+    experts = experts.contiguous()
+    _block_ranks_kernel[(blocks,)](experts, work, n, num_experts, BLOCK=block, BLOCK_E=block_e)
+    _block_rows_kernel[(blocks,)](experts, work, inverse, counts, n, num_experts, blocks, BLOCK=block, BLOCK_E=block_e,
+                                  BLOCK_B=max(1, 4096 // block_e))  # fmt: skip
+    return counts, inverse
 
 
 def _meta(n_cols: int, topk: int) -> dict:

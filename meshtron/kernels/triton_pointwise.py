@@ -1,5 +1,5 @@
 """Triton kernels for the row-wise and elementwise ops: cross-entropy chunk steps, SwiGLU, bias +
-GELU, RoPE, dropout + residual add.
+GELU, RoPE, dropout + residual add, the fp32 gate's three-way bf16 split.
 
 Imported only when a kernel runs (``meshtron.kernels.use_triton``), so Triton stays optional.
 Each kernel reads its input once and writes its output once, computing in fp32 whatever the
@@ -344,3 +344,30 @@ def dropout_backward(grad: torch.Tensor, seed: torch.Tensor, p: float, dtype: to
     grid = (triton.cdiv(n, 4 * _DROPOUT_QUARTER),)
     _dropout_backward_kernel[grid](grad, grad_x, seed, n, p, 1.0 / (1.0 - p), QUARTER=_DROPOUT_QUARTER, num_warps=8)
     return grad_x
+
+
+# ---------------------------------------------------------------------- fp32 -> three bf16 pieces
+
+
+@triton.jit
+def _split_in_three_kernel(g_ptr, out_ptr, n, n_cols, BLOCK: tl.constexpr):
+    """g [rows, n_cols] fp32 -> out [rows, 3 n_cols] bf16 = [hi | mid | lo], each rounded to nearest."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    g = tl.load(g_ptr + i, mask=ok, other=0.0)
+    hi = g.to(tl.bfloat16)
+    rest = g - hi.to(tl.float32)
+    mid = rest.to(tl.bfloat16)
+    lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+    at = out_ptr + (i // n_cols) * (3 * n_cols) + i % n_cols
+    tl.store(at, hi, mask=ok)
+    tl.store(at + n_cols, mid, mask=ok)
+    tl.store(at + 2 * n_cols, lo, mask=ok)
+
+
+def split_in_three(g: torch.Tensor) -> torch.Tensor:
+    """``fp32_gate.split_in_three`` in one kernel: g [T, E] fp32 contiguous -> [T, 3E] bf16."""
+    out = torch.empty(g.shape[0], 3 * g.shape[1], dtype=torch.bfloat16, device=g.device)
+    if g.numel():
+        _split_in_three_kernel[(triton.cdiv(g.numel(), 1024),)](g, out, g.numel(), g.shape[1], BLOCK=1024)
+    return out

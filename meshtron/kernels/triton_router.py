@@ -18,12 +18,16 @@ What it computes per token, from fp32 logits x [E] (the reference is ``topk_rout
   chosen logits (top-k first), or the chosen sigmoids renormalized to sum 1 when k > 1; times
   the scaling factor;
 - the balancing scores (softmax, or sigmoid / its sum) and the chosen-expert indicator summed over
-  the program's tokens, and logsumexp(x)^2 for the z-loss: per-program partial sums, added up by
-  the caller (deterministic: no atomics), per sequence when a program's tokens lie in one.
+  the program's tokens, and logsumexp(x)^2 for the z-loss: per-program partial sums, added up in
+  a fixed order by a second, one-program kernel (deterministic: no atomics), per sequence when a
+  program's tokens lie in one. Given the losses' coefficients, that kernel also computes the
+  balancing and z losses (``balancing.losses_from_statistics``' formulas where the sums are
+  already the micro batch's), which then cost no PyTorch op either way.
 
 Backward recomputes the scores from the logits and sums every path's gradient into one fp32 dx
 per token: the combine weights', the balancing scores' (a gradient per sequence and expert,
-broadcast to its tokens) and the z-loss's.
+broadcast to its tokens; from the balancing loss, its scalar gradient times the chosen counts)
+and the z-loss's.
 """
 
 from __future__ import annotations
@@ -107,11 +111,15 @@ def _route_forward_kernel(
 
 @triton.jit
 def _route_backward_kernel(
-    logits_ptr, experts_ptr, grad_probs_ptr, grad_scores_ptr, grad_z_ptr, grad_logits_ptr,
-    T, E, stride_t, stride_gt, scaling, tokens_per_row,
-    K: tl.constexpr, SOFTMAX: tl.constexpr, PRE_SOFTMAX: tl.constexpr, STATS: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+    logits_ptr, experts_ptr, grad_probs_ptr, scores_grad_ptr, balance_grad_ptr, z_grad_ptr, grad_logits_ptr,
+    T, E, stride_t, stride_gt, scaling, tokens_per_row, balance_scale, z_scale,
+    K: tl.constexpr, SOFTMAX: tl.constexpr, PRE_SOFTMAX: tl.constexpr, SCORES_GRAD: tl.constexpr,
+    FROM_COUNTS: tl.constexpr, Z_GRAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
+    """dx of the combine weights, of the balancing scores' sums (``SCORES_GRAD``: [rows, E] at
+    ``scores_grad_ptr``, or with ``FROM_COUNTS`` the balancing loss's: the chosen counts there times
+    its gradient and ``balance_scale``) and of the z sum (``Z_GRAD``: the scalar at ``z_grad_ptr``
+    times ``z_scale``)."""
     _, rows, row_ok, cols, x, m, p, s, soft, sig = _scores(logits_ptr, stride_t, T, E, BLOCK_T, BLOCK_E)
     col_ok = cols < E
     # The combine weights' gradient, scattered to the chosen experts' columns (times the scaling).
@@ -140,20 +148,56 @@ def _route_backward_kernel(
             grad_sig += tl.where(chosen, grad_w / d[:, None] - (tl.sum(grad_w * w, 1) / (d * d))[:, None], 0.0)
         else:
             grad_sig += tl.where(chosen, grad_w, 0.0)
-    if STATS:
+    if SCORES_GRAD:
         sequence = rows // tokens_per_row
-        g_scores = tl.load(grad_scores_ptr + sequence[:, None] * E + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        g_scores = tl.load(scores_grad_ptr + sequence[:, None] * E + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        if FROM_COUNTS:
+            g_scores = g_scores * (tl.load(balance_grad_ptr).to(tl.float32) * balance_scale)
         if SOFTMAX:
             grad_soft += g_scores
         else:  # balance = sig / (sum sig + eps)
             d = tl.sum(sig, 1) + 1e-20
             grad_sig += g_scores / d[:, None] - (tl.sum(g_scores * sig, 1) / (d * d))[:, None]
+    if Z_GRAD:
         lse = m + tl.log(s)
-        dx += tl.load(grad_z_ptr) * 2.0 * lse[:, None] * soft  # d lse^2 / dx
+        dx += (tl.load(z_grad_ptr).to(tl.float32) * z_scale) * 2.0 * lse[:, None] * soft  # d lse^2 / dx
     dx += soft * (grad_soft - tl.sum(soft * grad_soft, 1)[:, None])
     dx += grad_sig * sig * (1.0 - sig)
     ptrs = grad_logits_ptr + rows[:, None].to(tl.int64) * stride_gt + cols[None, :]
     tl.store(ptrs, dx.to(grad_logits_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _route_sums_kernel(
+    score_part_ptr, count_part_ptr, z_part_ptr, scores_ptr, counts_ptr, z_ptr, losses_ptr,
+    E, programs, rows, balance_scale, z_scale, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr,
+):  # fmt: skip
+    """One program: the forward's per-program partial sums added up per sequence (``rows`` of
+    programs / rows programs each) into scores and counts [rows, E] and z [1], and the losses [2]:
+    ``balance_scale`` * sum(scores * counts) and ``z_scale`` * z."""
+    cols = tl.arange(0, BLOCK_E)
+    col_ok = cols < E
+    blocks = tl.arange(0, BLOCK_P)
+    per_row = programs // rows
+    balance = tl.zeros((BLOCK_E,), dtype=tl.float32)
+    for r in range(rows):
+        scores = tl.zeros((BLOCK_E,), dtype=tl.float32)
+        counts = tl.zeros((BLOCK_E,), dtype=tl.float32)
+        for first in range(0, per_row, BLOCK_P):
+            part = r * per_row + first + blocks
+            ok = ((first + blocks) < per_row)[:, None] & col_ok[None, :]
+            scores += tl.sum(tl.load(score_part_ptr + part[:, None] * E + cols[None, :], mask=ok, other=0.0), 0)
+            counts += tl.sum(tl.load(count_part_ptr + part[:, None] * E + cols[None, :], mask=ok, other=0.0), 0)
+        tl.store(scores_ptr + r * E + cols, scores, mask=col_ok)
+        tl.store(counts_ptr + r * E + cols, counts, mask=col_ok)
+        balance += scores * counts
+    z = tl.zeros((BLOCK_P,), dtype=tl.float32)
+    for first in range(0, programs, BLOCK_P):
+        z += tl.load(z_part_ptr + first + blocks, mask=(first + blocks) < programs, other=0.0)
+    z_sum = tl.sum(z, 0)
+    tl.store(z_ptr, z_sum)
+    tl.store(losses_ptr, tl.sum(balance, 0) * balance_scale)
+    tl.store(losses_ptr + 1, z_sum * z_scale)
 
 
 def block_tokens(num_experts: int) -> int:
@@ -161,60 +205,91 @@ def block_tokens(num_experts: int) -> int:
     return max(1, min(64, 4096 // triton.next_power_of_2(num_experts)))
 
 
-def _launch_meta(logits: torch.Tensor, k: int, softmax: bool, pre_softmax: bool, stats: bool) -> dict:
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read at import, as Triton reads it
+
+
+def _launch_meta(logits: torch.Tensor, k: int, softmax: bool, pre_softmax: bool) -> dict:
     experts = logits.shape[1]
-    meta = dict(K=k, SOFTMAX=softmax, PRE_SOFTMAX=pre_softmax, STATS=stats,
-                BLOCK_T=block_tokens(experts), BLOCK_E=triton.next_power_of_2(experts))  # fmt: skip
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    meta = dict(K=k, SOFTMAX=softmax, PRE_SOFTMAX=pre_softmax, BLOCK_T=block_tokens(experts), BLOCK_E=triton.next_power_of_2(experts))
+    if not _INTERPRETED:
         meta["num_warps"] = 4
     return meta
+
+
+def loss_scales(tokens: int, experts: int, k: int, rows: int, coefficients: tuple[float, float]) -> tuple[float, float]:
+    """The factors taking the summed statistics to the losses: ``aux * E * mean over rows of
+    sum_e (counts / (N k)) (scores / N)`` with N = tokens / rows, and ``z * z_sum / tokens``
+    (``losses_from_statistics``)."""
+    per_row = tokens / rows
+    aux, z = coefficients
+    return aux * experts / (rows * per_row * per_row * k), z / tokens
 
 
 class FusedRouting(torch.autograd.Function):
     """logits [T, E] -> probs [T, k] (logits' dtype), experts [T, k] int64, and, with ``stats``, the
     per-sequence sums over tokens: balancing scores [rows, E], chosen counts [rows, E] (no
-    gradient) and logsumexp^2 [1], all fp32. ``rows`` sequences of T / rows tokens each; a
-    program's tokens must lie in one sequence (T / rows a multiple of ``block_tokens(E)``, or
-    rows = 1)."""
+    gradient) and logsumexp^2 [1], all fp32; or, with ``coefficients`` (aux, z), instead of
+    those the balancing and z losses (0-dim fp32) of sums that are already the micro batch's
+    (``loss_scales``). ``rows`` sequences of T / rows tokens each; a program's tokens must lie in one sequence
+    (T / rows a multiple of ``block_tokens(E)``, or rows = 1)."""
 
     @staticmethod
-    def forward(ctx, logits, k: int, softmax: bool, pre_softmax: bool, scaling: float, rows: int, stats: bool):
+    def forward(ctx, logits, k: int, softmax: bool, pre_softmax: bool, scaling: float, rows: int, stats: bool,
+                coefficients: tuple[float, float] | None = None):  # fmt: skip
+        ctx.set_materialize_grads(False)  # absent gradients skip their terms rather than adding zeros
         tokens, experts = logits.shape
         logits = logits.contiguous()
-        meta = _launch_meta(logits, k, softmax, pre_softmax, stats)
+        meta = _launch_meta(logits, k, softmax, pre_softmax)
         programs = triton.cdiv(tokens, meta["BLOCK_T"])
-        probs = torch.empty(tokens, k, dtype=logits.dtype, device=logits.device)
-        chosen = torch.empty(tokens, k, dtype=torch.int64, device=logits.device)
-        score_part = torch.empty(programs if stats else 1, experts, dtype=torch.float32, device=logits.device)
-        count_part, z_part = torch.empty_like(score_part), torch.empty(score_part.shape[0], dtype=torch.float32, device=logits.device)
-        if tokens:
-            _route_forward_kernel[(programs,)](logits, probs, chosen, score_part, count_part, z_part,
-                                               tokens, experts, logits.stride(0), scaling, **meta)  # fmt: skip
-        ctx.save_for_backward(logits, chosen)
-        ctx.settings = (k, softmax, pre_softmax, scaling, rows, stats)
+        device = logits.device
+        probs = torch.empty(tokens, k, dtype=logits.dtype, device=device)
+        chosen = torch.empty(tokens, k, dtype=torch.int64, device=device)
         ctx.mark_non_differentiable(chosen)
+        ctx.settings = (k, softmax, pre_softmax, scaling, rows)
+        ctx.scales = loss_scales(tokens, experts, k, rows, coefficients) if coefficients and tokens else (0.0, 0.0)
         if not stats:
-            return probs, chosen, None, None, None
-        per_row = lambda part: part.view(rows, -1, experts).sum(1) if rows > 1 else part.sum(0, keepdim=True)  # noqa: E731
-        counts = per_row(count_part)
+            if tokens:  # no partial sums: their pointers unused
+                _route_forward_kernel[(programs,)](logits, probs, chosen, probs, probs, probs, tokens, experts, logits.stride(0), scaling,
+                                                   STATS=False, **meta)  # fmt: skip
+            ctx.save_for_backward(logits, chosen, None)
+            return probs, chosen, None, None, None, None, None
+        # One buffer: the partial sums [programs, E] x 2 and [programs], the sums [rows, E] x 2 and [1], the 2 losses.
+        parts = torch.empty((2 * experts + 1) * programs + 2 * rows * experts + 3, dtype=torch.float32, device=device)
+        score_part, count_part, z_part, scores, counts, z, losses = parts.split(
+            [programs * experts, programs * experts, programs, rows * experts, rows * experts, 1, 2])
+        if tokens:
+            _route_forward_kernel[(programs,)](logits, probs, chosen, score_part, count_part, z_part, tokens, experts, logits.stride(0),
+                                               scaling, STATS=True, **meta)  # fmt: skip
+        _route_sums_kernel[(1,)](score_part, count_part, z_part, scores, counts, z, losses, experts, programs, rows, *ctx.scales,
+                                 BLOCK_P=32, BLOCK_E=meta["BLOCK_E"])  # fmt: skip
+        ctx.save_for_backward(logits, chosen, counts)  # flat [rows * E]: the backward kernel's layout
+        if coefficients is not None:
+            return probs, chosen, None, None, None, losses[0], losses[1]
+        counts = counts.view(rows, experts)
         ctx.mark_non_differentiable(counts)
-        return probs, chosen, per_row(score_part), counts, z_part.sum().reshape(1)
+        return probs, chosen, scores.view(rows, experts), counts, z, None, None
 
     @staticmethod
-    def backward(ctx, grad_probs, _grad_chosen, grad_scores, _grad_counts, grad_z):
-        logits, chosen = ctx.saved_tensors
-        k, softmax, pre_softmax, scaling, rows, stats = ctx.settings
+    def backward(ctx, grad_probs, _grad_chosen, grad_scores, _grad_counts, grad_z, grad_balance, grad_z_loss):
+        logits, chosen, counts = ctx.saved_tensors
+        k, softmax, pre_softmax, scaling, rows = ctx.settings
         tokens, experts = logits.shape
         grad_logits = torch.empty_like(logits)
         if tokens == 0:
-            return grad_logits, None, None, None, None, None, None
-        meta = _launch_meta(logits, k, softmax, pre_softmax, stats)
-        zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float32, device=logits.device)  # noqa: E731
-        grad_probs = zeros(tokens, k) if grad_probs is None else grad_probs.contiguous()
-        grad_scores = zeros(rows, experts) if grad_scores is None else grad_scores.float().contiguous()
-        grad_z = zeros(1) if grad_z is None else grad_z.float()
-        _route_backward_kernel[(triton.cdiv(tokens, meta["BLOCK_T"]),)](
-            logits, chosen, grad_probs, grad_scores, grad_z, grad_logits,
-            tokens, experts, logits.stride(0), grad_logits.stride(0), scaling, tokens // rows, **meta,
+            return grad_logits, None, None, None, None, None, None, None
+        if grad_probs is None:
+            grad_probs = torch.zeros(tokens, k, dtype=torch.float32, device=logits.device)
+        # The statistics' gradients (without coefficients), or the losses' (with them; then the counts carry the scores').
+        balance_scale, z_scale = ctx.scales
+        from_counts = grad_balance is not None
+        scores_grad = counts if from_counts else grad_scores
+        z_grad, z_scale = (grad_z, 1.0) if grad_z is not None else (grad_z_loss, z_scale)
+        anything = logits  # a pointer the kernel does not read
+        _route_backward_kernel[(triton.cdiv(tokens, block_tokens(experts)),)](
+            logits, chosen, grad_probs.contiguous(), anything if scores_grad is None else scores_grad.contiguous(),
+            grad_balance if from_counts else anything, anything if z_grad is None else z_grad, grad_logits,
+            tokens, experts, logits.stride(0), grad_logits.stride(0), scaling, tokens // rows, balance_scale, z_scale,
+            SCORES_GRAD=scores_grad is not None, FROM_COUNTS=from_counts, Z_GRAD=z_grad is not None,
+            **_launch_meta(logits, k, softmax, pre_softmax),
         )  # fmt: skip
-        return grad_logits, None, None, None, None, None, None
+        return grad_logits, None, None, None, None, None, None, None

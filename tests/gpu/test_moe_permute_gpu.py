@@ -30,7 +30,7 @@ def _inputs(seed: int = 0):
 def _step(mode: str, tokens, probs, experts, upstream):
     """Plan, permute, combine (as the layer calls them, experts left out), forward and backward."""
     tokens.grad = probs.grad = None
-    plan = plan_dispatch(probs, experts, EXPERTS)
+    plan = plan_dispatch(probs, experts, EXPERTS, fused_kernels=mode)
     out = unpermute(permute(tokens, plan, mode), plan, TOKENS, tokens.dtype, mode)
     out.backward(upstream)
     return out
@@ -65,7 +65,9 @@ def test_permute_kernels_match_reference_bf16_and_time_them():
         leaves = tokens.clone().requires_grad_(), probs.clone().requires_grad_()
         times[mode] = _time_ms(lambda: _step(mode, *leaves, experts, upstream))
     with torch.no_grad():
-        plan_ms = _time_ms(lambda: plan_dispatch(probs, experts, EXPERTS))
+        plan_ms = {mode: _time_ms(lambda: plan_dispatch(probs, experts, EXPERTS, fused_kernels=mode)) for mode in ("off", "on")}
+        assert torch.equal(plan_dispatch(probs, experts, EXPERTS, fused_kernels="on").inverse,
+                           plan_dispatch(probs, experts, EXPERTS, fused_kernels="off").inverse)  # fmt: skip
     print(f"dispatch fwd+bwd (plan, permute, combine) at {TOKENS} x top-{TOPK} x {HIDDEN} bf16: "
-          f"reference {times['off']:.3f} ms, kernels {times['on']:.3f} ms (plan alone {plan_ms:.3f} ms)")  # fmt: skip
+          f"reference {times['off']:.3f} ms, kernels {times['on']:.3f} ms (plan alone {plan_ms['off']:.3f} / {plan_ms['on']:.3f} ms)")  # fmt: skip
     assert times["on"] < times["off"]

@@ -52,6 +52,10 @@ def test_fp32_gate_on_tensor_cores_gpu():
         end.record()
         torch.cuda.synchronize()
         print(f"fp32 gate, {name}: fwd+bwd {start.elapsed_time(end) / 10:.3f} ms, errors (logits, dx, dW) {errors[name]}")
+    from meshtron.kernels import triton_pointwise
+    from meshtron.kernels.fp32_gate import split_in_three
+
+    assert torch.equal(triton_pointwise.split_in_three(upstream), split_in_three(upstream))  # the kernel's split is the reference's
     assert errors["tensor cores"][0] == errors["fp32"][0]
     for fast, slow in zip(errors["tensor cores"][1:], errors["fp32"][1:]):
         assert fast <= 1.001 * slow

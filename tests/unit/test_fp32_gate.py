@@ -3,9 +3,16 @@ fp32 gradient is exact to fp32's precision; the gate's logits equal the plain pa
 fp32, multiply in fp32) and its gradients do but for bf16 rounding edges. On the CPU the bf16 GEMMs are
 emulated exactly in fp32; ``tests/gpu/test_moe_router_gpu.py`` runs them on tensor cores."""
 
+import os
+
+import pytest
 import torch
 
+from meshtron.kernels import triton_available
 from meshtron.kernels.fp32_gate import Fp32Gate, fp32_gate, split_in_three
+
+if triton_available() and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the kernel split's test, as test_kernels_triton.py
 
 
 def test_three_bf16_pieces_hold_an_fp32_value():
@@ -41,3 +48,31 @@ def test_gate_equals_the_fp32_path():
 def test_other_dtypes_take_the_plain_path():
     x, w = torch.randn(4, 6), torch.randn(3, 6)
     assert torch.equal(fp32_gate(x, w), _plain(x, w))
+
+
+def test_the_kernel_split_holds_the_same_fp32_value():
+    """The Triton split (under the interpreter, which truncates where a GPU rounds: each piece then
+    holds the next 8 bits exactly), summed back, is the fp32 gradient; the gate's gradients with
+    it equal the reference split's but for bf16 rounding edges. ``tests/gpu`` holds it to the
+    reference bit for bit."""
+    import os
+
+    import pytest
+
+    from meshtron.kernels import triton_available
+
+    if not triton_available() or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1)")
+    from meshtron.kernels.triton_pointwise import split_in_three as kernel_split
+
+    g = torch.randn(64, 48, generator=torch.Generator().manual_seed(0)) * torch.logspace(-6, 3, 48)
+    assert ((kernel_split(g).float().view(64, 3, 48).sum(1) - g).abs() <= g.abs() * 2**-23).all()
+    gen = torch.Generator().manual_seed(1)
+    x0, w0 = torch.randn(96, 32, generator=gen).bfloat16(), (torch.randn(8, 32, generator=gen) * 0.1).bfloat16()
+    grads = []
+    for mode in ("on", "off"):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        fp32_gate(x, w, mode).backward(torch.randn(96, 8, generator=torch.Generator().manual_seed(2)))
+        grads.append((x.grad.float(), w.grad.float()))
+    for got, want in zip(*grads):
+        assert (got - want).abs().max() <= want.abs().max() * 2**-7

@@ -41,7 +41,7 @@ def _routing(case: str, num_tokens: int, topk: int, num_experts: int, gen: torch
 def _dispatch_and_combine(mode: str, tokens, probs, weight, experts, num_experts):
     """Plan, permute, a per-expert nonlinear map (so that each row's gradient depends on its
     expert), combine; under the kernels (``on``) or the reference (``off``)."""
-    plan = plan_dispatch(probs, experts, num_experts)
+    plan = plan_dispatch(probs, experts, num_experts, fused_kernels=mode)
     rows = permute(tokens, plan, mode)
     expert_output = F.gelu(grouped_mm_loop(rows, weight, plan.group_sizes))
     return unpermute(expert_output, plan, tokens.shape[0], tokens.dtype, mode)
@@ -65,6 +65,20 @@ def test_kernels_match_reference_fp32(case, num_tokens, topk, num_experts, hidde
         results.append([out, *torch.autograd.grad(out, leaves, upstream)])
     for name, got, want in zip(("output", "tokens grad", "weights grad", "expert grad"), *results):
         torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{case} {name}: {m}")
+
+
+@pytest.mark.parametrize("case,num_tokens,topk,num_experts", [("random", 300, 6, 64), ("ties", 40, 3, 8), ("empty experts", 70, 2, 300)])
+def test_kernel_plan_is_the_reference_plan_bit_for_bit(case, num_tokens, topk, num_experts):
+    """Several blocks of copies (300 x 6 at 64 experts: 15 blocks of 128), runs of one expert, empty
+    experts, a width that is not a power of two; then the reference's copies read from the
+    kernel's plan."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    experts = _routing(case, num_tokens, topk, num_experts, gen)
+    probs = torch.rand(num_tokens, topk, generator=gen)
+    kernel, reference = (plan_dispatch(probs, experts, num_experts, fused_kernels=mode) for mode in ("on", "off"))
+    assert kernel.order is None and torch.equal(kernel.inverse, reference.inverse)
+    assert torch.equal(kernel.group_sizes, reference.group_sizes) and kernel.group_sizes.dtype == reference.group_sizes.dtype
+    assert torch.equal(kernel.token_index, reference.token_index) and torch.equal(kernel.weights, reference.weights)
 
 
 def test_combine_without_weight_gradient_and_to_a_narrower_dtype():

@@ -14,12 +14,14 @@ bias-free expert and is never read back.
 Dropless, on a GPU with Triton (``model.fused_kernels``), both directions run as gather-form
 kernels (``kernels/triton_moe_permute.py``): every row and every token written by one program,
 no atomics, fp32 sums, the combine's output directly in the layer's dtype. The plan gives them
-``inverse`` [T, k], the row of each token's copy. The ops below are the reference, the CPU's
-path and that of the capacity modes.
+``inverse`` [T, k], the row of each token's copy, itself planned by two kernels there (the same
+rows as the reference's stable sort). The ops below are the reference, the CPU's path and that of
+the capacity modes.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -30,16 +32,36 @@ from meshtron.kernels import use_triton
 
 @dataclass
 class DispatchPlan:
-    """Where each kept copy of a token goes. N kept copies, R >= N expert-input rows."""
+    """Where each kept copy of a token goes. N kept copies, R >= N expert-input rows.
 
-    token_index: torch.Tensor  # [N] source token of each kept copy, grouped by expert
-    weights: torch.Tensor  # [N] its combine weight
+    The reference ops read the kept copies as ``token_index`` and ``weights``, made from ``order``
+    when first read (the kernels read ``inverse`` and ``token_weights`` and never make them)."""
+
+    order: torch.Tensor | None  # [N] copy t*k + j of each kept copy, grouped by expert; None: from ``inverse``
+    token_weights: torch.Tensor  # [T, k] the combine weights in token order
     row_index: torch.Tensor | None  # [N] its row in the padded expert input; None: row i is copy i
     num_rows: int  # R
     group_sizes: torch.Tensor  # [E] expert-input rows per expert (padding included)
     tokens_per_expert: torch.Tensor  # [E] kept copies per expert
     inverse: torch.Tensor | None = None  # [T, k] row of token t's j-th copy; dropless only
-    token_weights: torch.Tensor | None = None  # [T, k] the combine weights in token order; dropless only
+
+    @functools.cached_property
+    def kept_order(self) -> torch.Tensor:
+        """``order``, or for a kernel-made dropless plan the copies in row order, from ``inverse``."""
+        if self.order is not None:
+            return self.order
+        flat = self.inverse.reshape(-1)  # dropless: row inverse[t, j] holds copy t*k + j
+        return torch.empty_like(flat).scatter_(0, flat, torch.arange(flat.numel(), device=flat.device))
+
+    @functools.cached_property
+    def token_index(self) -> torch.Tensor:
+        """[N] source token of each kept copy, grouped by expert."""
+        return self.kept_order // self.token_weights.shape[1]
+
+    @functools.cached_property
+    def weights(self) -> torch.Tensor:
+        """[N] each kept copy's combine weight."""
+        return self.token_weights.reshape(-1)[self.kept_order]
 
 
 def expert_capacity(num_tokens: int, topk: int, num_experts: int, capacity_factor: float) -> int:
@@ -55,20 +77,27 @@ def plan_dispatch(
     drop_policy: str = "probs",
     pad_to_capacity: bool = False,
     seq_length: int | None = None,
+    fused_kernels: str = "auto",
 ) -> DispatchPlan:
     """Plan for ``probs``/``experts`` [T, k] (tokens batch-major, ``seq_length`` per sequence).
 
     Dropping keeps, per expert, the copies with the highest weight (``probs``) or the earliest
     sequence position, earlier sequences of the batch first among equal positions (``position``,
-    Megatron's order, whose tokens are position-major).
+    Megatron's order, whose tokens are position-major). Dropless, the kernels plan where
+    ``fused_kernels`` runs them (see the module docstring).
     """
     num_tokens, topk = experts.shape
+    if capacity_factor <= 0 and use_triton(fused_kernels, experts):
+        from meshtron.kernels.triton_moe_permute import PLAN_MAX_EXPERTS, plan_rows  # Triton stays optional
+
+        if num_experts <= PLAN_MAX_EXPERTS:
+            counts, inverse = plan_rows(experts, num_experts)
+            return DispatchPlan(None, probs, None, num_tokens * topk, counts, counts, inverse)
     flat_experts = experts.reshape(-1)
-    flat_probs = probs.reshape(-1)  # copy i is token i // topk's
     if capacity_factor <= 0:
         counts, order = _sort_by_expert(flat_experts, num_experts)
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        return DispatchPlan(order // topk, flat_probs[order], None, order.numel(), counts, counts, inverse.view(num_tokens, topk), probs)
+        return DispatchPlan(order, probs, None, order.numel(), counts, counts, inverse.view(num_tokens, topk))
 
     priority = _drop_priority(probs, num_tokens, drop_policy, seq_length or num_tokens)
     order = priority[torch.argsort(flat_experts[priority], stable=True)]
@@ -81,8 +110,8 @@ def plan_dispatch(
     if pad_to_capacity:
         row_index = sorted_experts[keep] * capacity + rank_in_expert[keep]
         group_sizes = torch.full_like(counts, capacity)
-        return DispatchPlan(order // topk, flat_probs[order], row_index, num_experts * capacity, group_sizes, kept_counts)
-    return DispatchPlan(order // topk, flat_probs[order], None, order.numel(), kept_counts, kept_counts)
+        return DispatchPlan(order, probs, row_index, num_experts * capacity, group_sizes, kept_counts)
+    return DispatchPlan(order, probs, None, order.numel(), kept_counts, kept_counts)
 
 
 def _sort_by_expert(flat_experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,7 +161,7 @@ def unpermute(
     fp32``) so a token's k contributions add up without bf16 rounding between them; the kernel
     always sums in fp32 and rounds once to ``out_dtype`` (fp64 weights keep the reference).
     """
-    out_dtype = out_dtype or plan.weights.dtype
+    out_dtype = out_dtype or plan.token_weights.dtype
     weights = plan.token_weights
     if plan.inverse is not None and weights.dtype != torch.float64 and use_triton(fused_kernels, expert_output):
         from meshtron.kernels.triton_moe_permute import combine_copies  # Triton stays optional

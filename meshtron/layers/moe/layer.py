@@ -12,7 +12,7 @@ from torch import nn
 
 from meshtron.config import ModelConfig
 from meshtron.layers.mlp import MLP
-from meshtron.layers.moe.balancing import TokenSum, aux_loss_coeff, losses_from_statistics, statistics_needed
+from meshtron.layers.moe.balancing import TokenSum, aux_loss_coeff, statistics_needed
 from meshtron.layers.moe.dispatch import permute, plan_dispatch, unpermute
 from meshtron.layers.moe.experts import Experts
 from meshtron.layers.moe.layer_pattern import moe_layer_pattern
@@ -46,21 +46,20 @@ class MoELayer(nn.Module):
         ``last_aux_losses``: {"load_balancing", "z_loss"} (those with a nonzero coefficient),
         differentiable scalars over this call's b*s tokens, already times their coefficients;
         the model adds them to its objective as named auxiliary terms (summed over layers, see
-        ``balancing``). ``last_tokens_per_expert`` [E]: detached counts of the copies the experts
+        ``balancing``). ``last_tokens_per_expert`` [E]: integer counts of the copies the experts
         computed (after dropping), for load logging.
         """
         b, s, h = x.shape
         tokens = x.reshape(b * s, h)
-        routing = self.router(tokens, b, self.needed, self.token_sum)
         cfg = self.cfg
-        losses = losses_from_statistics(routing.statistics, cfg.moe_router_topk, self.aux_loss_coeff, cfg.moe_z_loss_coeff, self.token_sum)
+        routing = self.router(tokens, b, self.needed, self.token_sum, (self.aux_loss_coeff, cfg.moe_z_loss_coeff))
         if not self.rerunning:  # a rerun's losses, kept, would keep its graph and activations alive (``models/recompute.py``)
-            self.last_aux_losses = losses
+            self.last_aux_losses = routing.losses
         plan = plan_dispatch(
             routing.probs, routing.experts, cfg.num_experts, cfg.moe_expert_capacity_factor,
-            cfg.moe_token_drop_policy, cfg.moe_pad_expert_input_to_capacity, seq_length=s,
+            cfg.moe_token_drop_policy, cfg.moe_pad_expert_input_to_capacity, seq_length=s, fused_kernels=cfg.fused_kernels,
         )  # fmt: skip
-        self.last_tokens_per_expert = plan.tokens_per_expert.detach()
+        self.last_tokens_per_expert = plan.tokens_per_expert  # integers: no gradient to detach from
         rows = permute(tokens, plan, cfg.fused_kernels)
         if self.shared_experts is None:
             return unpermute(self.experts(rows, plan.group_sizes), plan, b * s, x.dtype, cfg.fused_kernels).view(b, s, h)

@@ -31,7 +31,7 @@ from torch import nn
 from meshtron.config import ModelConfig
 from meshtron.kernels import use_triton
 from meshtron.kernels.fp32_gate import fp32_gate
-from meshtron.layers.moe.balancing import StatisticsNeeded, sinkhorn, token_statistics
+from meshtron.layers.moe.balancing import StatisticsNeeded, TokenSum, losses_from_statistics, sinkhorn, token_statistics
 
 ROUTER_DTYPES = {"": None, "fp32": torch.float32, "fp64": torch.float64}
 
@@ -39,12 +39,14 @@ ROUTER_DTYPES = {"": None, "fp32": torch.float32, "fp64": torch.float64}
 @dataclass
 class Routing:
     """One layer's routing of T tokens: ``experts`` [T, k] ids, ``probs`` [T, k] combine weights,
-    ``statistics`` the sums over tokens its losses need (``token_statistics``)."""
+    ``statistics`` the sums over tokens its losses need (``token_statistics``; left out where
+    the fused kernel computed the ``losses`` from them itself)."""
 
     logits: torch.Tensor  # [T, E], in the router dtype
     probs: torch.Tensor
     experts: torch.Tensor
     statistics: dict[str, torch.Tensor] = field(default_factory=dict)
+    losses: dict[str, torch.Tensor] = field(default_factory=dict)  # ``losses_from_statistics``', given the coefficients
 
 
 GROUP_SCORES = ("sum_topk", "max")
@@ -171,23 +173,28 @@ class Router(nn.Module):
         return self
 
     def forward(self, tokens: torch.Tensor, batch_size: int = 1, needed: StatisticsNeeded = StatisticsNeeded(),
-                token_sum: nn.Module | None = None) -> Routing:  # fmt: skip
+                token_sum: nn.Module | None = None, coefficients: tuple[float, float] | None = None) -> Routing:  # fmt: skip
         """tokens [T, h] (``batch_size`` sequences, batch-major) -> Routing with the ``needed``
-        statistics. Input jitter (MegaBlocks, Switch) applies in training only. ``token_sum``
-        sums over the micro batch's tokens from this rank's (the layer's; sinkhorn's plan reads it)."""
+        statistics and, given ``coefficients`` (balancing, z), the losses made of them
+        (``losses_from_statistics``). Input jitter (MegaBlocks, Switch) applies in training only.
+        ``token_sum`` sums over the micro batch's tokens from this rank's (the layer's; sinkhorn's
+        plan and the losses read it)."""
         if self.training and self.jitter_eps > 0:
             tokens = tokens * torch.empty_like(tokens).uniform_(1.0 - self.jitter_eps, 1.0 + self.jitter_eps)
         if self.dtype == torch.float32:  # bf16 operands on tensor cores, fp32 numbers (kernels/fp32_gate.py)
-            logits = fp32_gate(tokens, self.weight)
+            logits = fp32_gate(tokens, self.weight, self.fused_kernels)
         else:
             dtype = self.dtype or tokens.dtype
             logits = F.linear(tokens.to(dtype), self.weight.to(dtype))
         if self.force_load_balancing:
             logits = _RandomLogits.apply(logits)
         rows = batch_size if needed.per_sequence else 1
+        losses = None
         if self._fusable(logits, rows):
-            probs, experts, statistics = _fused_routing(logits, self.topk, self.score_function == "softmax", self.pre_softmax,
-                                                        self.scaling_factor, rows, needed)  # fmt: skip
+            # Sums over every token of the micro batch already (one process, no sequence split): the kernel makes the losses.
+            whole = coefficients is not None and (token_sum is None or isinstance(token_sum, TokenSum)) and logits.shape[0] > 0
+            probs, experts, statistics, losses = _fused_routing(logits, self.topk, self.score_function == "softmax", self.pre_softmax,
+                                                                self.scaling_factor, rows, needed, coefficients if whole else None)  # fmt: skip
         else:
             if self.sinkhorn:
                 probs, experts = sinkhorn_routing(logits, self.topk, self.training, token_sum)
@@ -197,9 +204,12 @@ class Router(nn.Module):
                     self.num_groups, self.group_topk, self.group_score, self.expert_bias,
                 )  # fmt: skip
             statistics = token_statistics(logits, batch_size, self.topk, self.score_function, needed)
+        if losses is None:
+            wanted = coefficients is not None and (needed.balanced or needed.z)
+            losses = losses_from_statistics(statistics, self.topk, *coefficients, token_sum) if wanted else {}
         if self.expert_bias is not None and self.training and torch.is_grad_enabled():
             self.tokens_since_update += torch.bincount(experts.detach().reshape(-1), minlength=self.expert_bias.numel())
-        return Routing(logits, probs, experts, statistics)
+        return Routing(logits, probs, experts, statistics, losses)
 
     def _fusable(self, logits: torch.Tensor, rows: int) -> bool:
         """Whether the fused kernel computes this routing: top-k (not sinkhorn), no groups or bias,
@@ -256,16 +266,21 @@ class _RandomLogits(torch.autograd.Function):
 
 
 @torch.compiler.disable  # a graph break: the kernels run eagerly inside a compiled block
-def _fused_routing(logits: torch.Tensor, k: int, softmax: bool, pre_softmax: bool, scaling: float, rows: int,
-                   needed: StatisticsNeeded) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:  # fmt: skip
-    """``topk_routing`` and ``token_statistics`` through ``FusedRouting``."""
+def _fused_routing(logits: torch.Tensor, k: int, softmax: bool, pre_softmax: bool, scaling: float, rows: int, needed: StatisticsNeeded,
+                   coefficients: tuple[float, float] | None = None) -> tuple[torch.Tensor, torch.Tensor, dict, dict]:  # fmt: skip
+    """``topk_routing`` and ``token_statistics`` through ``FusedRouting``: (probs, experts,
+    statistics, None), or with ``coefficients`` (the statistics being the micro batch's) (probs,
+    experts, {}, the losses of ``losses_from_statistics``)."""
     from meshtron.kernels.triton_router import FusedRouting
 
     stats = needed.balanced or needed.z
-    probs, experts, scores, counts, z = FusedRouting.apply(logits, k, softmax, pre_softmax, scaling, rows, stats)
+    probs, experts, scores, counts, z, balance, z_loss = FusedRouting.apply(logits, k, softmax, pre_softmax, scaling, rows, stats, coefficients)
+    if coefficients is not None:
+        losses = {"load_balancing": balance} if needed.balanced else {}
+        return probs, experts, {}, {**losses, "z_loss": z_loss} if needed.z else losses
     statistics = {"tokens": logits.new_full((1,), logits.shape[0], dtype=torch.float32)}
     if needed.balanced:
         statistics["scores"], statistics["counts"] = scores, counts
     if needed.z:
         statistics["z"] = z
-    return probs, experts, statistics
+    return probs, experts, statistics, None
