@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-# (rows, columns, warps, tiles per program) of a launch: the transposed store stays coalesced
-# after Triton's layout change; benchmarks/fp8_cast_sweep.py times the candidates on a GPU.
-TILE = (64, 64, 4, 1)
+# (rows, columns, warps) of a tile: the transposed store stays coalesced after Triton's layout
+# change; benchmarks/fp8_cast_sweep.py times the candidates on a GPU.
+TILE = (64, 64, 4)
 # Mantissa bits and smallest normal exponent of each format the kernel rounds to, for the
 # interpreter: the OCP FP8 formats, the fnuz ones (AMD gfx942: exponent bias one higher), bf16, fp16.
 GRID = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14), torch.float8_e4m3fnuz: (3, -7),
@@ -49,45 +49,38 @@ def _cast_kernel(
     x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, rows, cols, scale_row_stride, scale_col_stride, fmax,
     WRITE_ROWS: tl.constexpr, WRITE_TRANSPOSED: tl.constexpr, AMAX: tl.constexpr, ROUND_FIRST: tl.constexpr,
     MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr, IN_MANTISSA: tl.constexpr, IN_MIN_EXPONENT: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, GROUP: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """``GROUP`` tiles side by side per program, their amax max-reduced in registers: one atomic
-    per program instead of per tile (all programs update the same address)."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    r2 = r.to(tl.int64)[:, None]
-    running = tl.zeros((), dtype=tl.float32)
-    for g in tl.static_range(GROUP):
-        c = (tl.program_id(1) * GROUP + g) * BLOCK_C + tl.arange(0, BLOCK_C)
-        c2 = c.to(tl.int64)[None, :]
-        mask = (r2 < rows) & (c2 < cols)
-        x = tl.load(x_ptr + r2 * cols + c2, mask=mask, other=0.0)
-        if AMAX:
-            running = tl.maximum(running, tl.max(tl.max(tl.abs(x.to(tl.float32)), 1), 0))
-        if WRITE_ROWS or WRITE_TRANSPOSED:
-            scale = tl.load(scale_ptr + r2 * scale_row_stride + c2 * scale_col_stride, mask=mask, other=1.0)
-            # The fp32 product rounded to the input's dtype first, as the reference does (and as
-            # a direct fp32 -> FP8 store gave wrong values on an H100 with Triton 3.6: neighbours duplicated).
-            y = x.to(tl.float32) * scale
-            if ROUND_FIRST and IN_MANTISSA > 0:
-                y = round_to_grid(y, IN_MANTISSA, IN_MIN_EXPONENT)
-            y = y.to(x.dtype, fp_downcast_rounding="rtne").to(tl.float32)
-            y = tl.minimum(tl.maximum(y, -fmax), fmax)
-            if ROUND_FIRST:
-                y = round_to_grid(y, MANTISSA, MIN_EXPONENT)
-            if WRITE_ROWS:
-                tl.store(q_ptr + r2 * cols + c2, y.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
-            if WRITE_TRANSPOSED:  # the tile transposed in fp32, then cast: no layout change of FP8 values
-                qt = tl.trans(y).to(qt_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-                tl.store(qt_ptr + tl.trans(c2 * rows + r2), qt, mask=tl.trans(mask))
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    r2, c2 = r.to(tl.int64)[:, None], c.to(tl.int64)[None, :]
+    mask = (r2 < rows) & (c2 < cols)
+    x = tl.load(x_ptr + r2 * cols + c2, mask=mask, other=0.0)
     if AMAX:
-        tl.atomic_max(amax_ptr, running)
+        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x.to(tl.float32)), 1), 0))
+    if WRITE_ROWS or WRITE_TRANSPOSED:
+        scale = tl.load(scale_ptr + r2 * scale_row_stride + c2 * scale_col_stride, mask=mask, other=1.0)
+        # The fp32 product rounded to the input's dtype first, as the reference does (and as
+        # a direct fp32 -> FP8 store gave wrong values on an H100 with Triton 3.6: neighbours duplicated).
+        y = x.to(tl.float32) * scale
+        if ROUND_FIRST and IN_MANTISSA > 0:
+            y = round_to_grid(y, IN_MANTISSA, IN_MIN_EXPONENT)
+        y = y.to(x.dtype, fp_downcast_rounding="rtne").to(tl.float32)
+        y = tl.minimum(tl.maximum(y, -fmax), fmax)
+        if ROUND_FIRST:
+            y = round_to_grid(y, MANTISSA, MIN_EXPONENT)
+        if WRITE_ROWS:
+            tl.store(q_ptr + r2 * cols + c2, y.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+        if WRITE_TRANSPOSED:  # the tile transposed in fp32, then cast: no layout change of FP8 values
+            qt = tl.trans(y).to(qt_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+            tl.store(qt_ptr + tl.trans(c2 * rows + r2), qt, mask=tl.trans(mask))
 
 
 def cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, write_rows: bool, write_transposed: bool,
-         compute_amax: bool, tile: tuple[int, int, int, int] = TILE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+         compute_amax: bool, tile: tuple[int, int, int] = TILE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """x [rows, cols] contiguous -> (FP8 copy [rows, cols], FP8 transpose [cols, rows], amax fp32 0-d);
     copies not asked for come back empty, the amax as zero. ``scale`` is 0-d, [rows, 1] or [1, cols]."""
-    block_r, block_c, warps, group = tile
+    block_r, block_c, warps = tile
     rows, cols = x.shape
     q = torch.empty((rows, cols) if write_rows else (0,), dtype=dtype, device=x.device)
     qt = torch.empty((cols, rows) if write_transposed else (0,), dtype=dtype, device=x.device)
@@ -96,13 +89,13 @@ def cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, write_rows: b
     row_stride, col_stride = scale.expand(rows, cols).stride()
     mantissa, min_exponent = GRID[dtype]
     in_mantissa, in_min_exponent = GRID.get(x.dtype, (0, 0))  # fp32 input: the product needs no rounding
-    grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c * group))
+    grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))
     spare = torch.empty(1, dtype=dtype, device=x.device)  # stands for a copy not written
     _cast_kernel[grid](
         x, q if write_rows else spare, qt if write_transposed else spare, scale, amax, rows, cols,
         row_stride, col_stride, torch.finfo(dtype).max, WRITE_ROWS=write_rows, WRITE_TRANSPOSED=write_transposed,
         AMAX=compute_amax, ROUND_FIRST=os.environ.get("TRITON_INTERPRET") == "1", MANTISSA=mantissa,
         MIN_EXPONENT=min_exponent, IN_MANTISSA=in_mantissa, IN_MIN_EXPONENT=in_min_exponent, BLOCK_R=block_r,
-        BLOCK_C=block_c, GROUP=group, num_warps=warps,
+        BLOCK_C=block_c, num_warps=warps,
     )  # fmt: skip
     return q, qt, amax

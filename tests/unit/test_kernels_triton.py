@@ -52,11 +52,10 @@ def test_fp8_cast_kernel_bit_equal_to_reference(dtype):
     assert only_amax.rows is None and only_amax.transposed is None and only_amax.amax.item() == amax.max().item()
 
 
-@pytest.mark.parametrize("tile", [(32, 64, 4, 1), (64, 32, 8, 1), (16, 32, 4, 3)])
+@pytest.mark.parametrize("tile", [(32, 64, 4), (64, 32, 8)])
 def test_fp8_cast_kernel_tiles_agree(tile):
-    """A rectangular tile of the cast kernel, several tiles per program (the launches
-    ``benchmarks/fp8_cast_sweep.py`` times), writes the same bytes, transposed copy and amax as the
-    default, on ragged edges."""
+    """A rectangular tile of the cast kernel (the sizes ``benchmarks/fp8_cast_sweep.py`` times) writes
+    the same bytes, transposed copy and amax as the default tile, on ragged edges."""
     from meshtron.kernels.triton_fp8_cast import TILE, cast
 
     t = (torch.randn(70, 100, generator=torch.Generator().manual_seed(1)) * 3).bfloat16()
