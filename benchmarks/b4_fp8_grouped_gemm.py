@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from b4_grouped_gemm import EXPERTS, LAYERS, forward_backward, ragged_sizes, time_ms, write_results
+from b4_grouped_gemm import EXPERTS, LAYERS, forward_backward, operands, ragged_sizes, time_ms, write_results
 
 from meshtron.layers.moe.fp8_grouped_gemm import e4m3, fp8_grouped_mm, quantize_rows, quantize_weights, scaled_grouped_mm
 from meshtron.layers.moe.grouped_gemm import grouped_mm
@@ -42,9 +42,7 @@ def main() -> None:
     print(f"{'layer':<5} {'what':<34} {'bf16 ms':>8} {'TFLOP/s':>8} {'FP8 ms':>8} {'TFLOP/s':>8} {'FP8/bf16':>8}")
     for layer, (k, n) in LAYERS.items():
         flops = 2 * args.rows * k * n
-        x = torch.randn(args.rows, k, device=device, dtype=bf16)
-        g = torch.randn(args.rows, n, device=device, dtype=bf16)
-        w = torch.randn(EXPERTS, n, k, device=device, dtype=bf16) * k**-0.5
+        x, g, w = operands(args.rows, k, n, device)
         xq, x_inv = quantize_rows(x, fp8)
         gq, g_inv = quantize_rows(g, fp8)
         wq = quantize_weights(w, fp8, True, True)

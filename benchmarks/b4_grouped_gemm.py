@@ -127,18 +127,23 @@ def gemm_calls(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, sizes: t
     }
 
 
+def operands(rows: int, k: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A grouped linear's bf16 input x [rows, k], output gradient dy [rows, n] and expert weights [E, n, k]."""
+    x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+    dy = torch.randn(rows, n, device=device, dtype=torch.bfloat16)
+    return x, dy, torch.randn(EXPERTS, n, k, device=device, dtype=torch.bfloat16) * k**-0.5
+
+
 def per_gemm(args) -> None:
     """Each GEMM alone (``--per-gemm``): ms, TFLOP/s, and its fraction of the dense twin and of torch's."""
-    device, dtype = torch.device("cuda"), torch.bfloat16
+    device = torch.device("cuda")
     sizes = ragged_sizes(args.rows, EXPERTS).to(device)
     results = {"gpu": torch.cuda.get_device_name(), "rows": args.rows, "experts": EXPERTS, "gemms": {}}
     print(f"{results['gpu']}: {EXPERTS} experts, {args.rows} rows, bf16, each GEMM alone")
     print(f"{'layer':<5} {'GEMM':<32} {'backend':<7} {'ms':>7} {'TFLOP/s':>8} {'of dense':>9} {'of torch':>9}")
     for layer, (k, n) in LAYERS.items():
         flops = 2 * args.rows * k * n
-        x = torch.randn(args.rows, k, device=device, dtype=dtype)
-        dy = torch.randn(args.rows, n, device=device, dtype=dtype)
-        weight = torch.randn(EXPERTS, n, k, device=device, dtype=dtype) * k**-0.5
+        x, dy, weight = operands(args.rows, k, n, device)
         for gemm, calls in gemm_calls(x, weight, dy, sizes).items():
             ms = {name: time_ms(fn, args.warmup, args.steps) for name, fn in calls.items()}
             row = {name: {"ms": t, "tflops": flops / t / 1e9, "of_dense": ms["dense"] / t,
