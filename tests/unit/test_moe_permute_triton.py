@@ -67,8 +67,7 @@ def test_kernels_match_reference_fp32(case, num_tokens, topk, num_experts, hidde
         torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{case} {name}: {m}")
 
 
-@pytest.mark.parametrize("case,num_tokens,topk,num_experts", [("random", 300, 6, 64), ("ties", 40, 3, 8), ("empty experts", 70, 2, 300),
-                                                          ("more blocks than a scan chunk", 1500, 4, 256)])
+@pytest.mark.parametrize("case,num_tokens,topk,num_experts", [("random", 300, 6, 64), ("ties", 40, 3, 8), ("empty experts", 70, 2, 300)])
 def test_kernel_plan_is_the_reference_plan_bit_for_bit(case, num_tokens, topk, num_experts):
     """Several blocks of copies (300 x 6 at 64 experts: 15 blocks of 128), runs of one expert, empty
     experts, a width that is not a power of two; then the reference's copies read from the
