@@ -141,16 +141,29 @@ def _block_rows_kernel(
 
 
 PLAN_MAX_EXPERTS = 512  # a block's [copies, experts] one-hot stays within a program's registers
+# Each rows program sums the counts of every earlier block, so the plan's work grows with the
+# square of the blocks: past this many the reference's sort is the faster plan.
+PLAN_MAX_BLOCKS = 512
+
+
+def _plan_block(num_experts: int) -> int:
+    """Copies per block: a [block, E] int32 scan in 32 KiB of shared memory at most."""
+    return max(16, min(128, 8192 // triton.next_power_of_2(num_experts)))
+
+
+def plan_rows_fits(copies: int, num_experts: int) -> bool:
+    """Whether ``plan_rows`` takes this many copies over these experts (else the reference plans)."""
+    return num_experts <= PLAN_MAX_EXPERTS and triton.cdiv(copies, _plan_block(num_experts)) <= PLAN_MAX_BLOCKS
 
 
 @torch.compiler.disable  # run eagerly inside a compiled block, as the permutation's kernels
 def plan_rows(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """expert ids [T, k] (each below ``num_experts`` <= ``PLAN_MAX_EXPERTS``) -> (copies per
+    """expert ids [T, k] (each below ``num_experts``; ``plan_rows_fits``) -> (copies per
     expert [E] int64, ``inverse`` [T, k] int64: the row of each copy when the copies are sorted
     by expert, stable)."""
     n = experts.numel()
     block_e = triton.next_power_of_2(num_experts)
-    block = max(16, min(128, 8192 // block_e))  # a [block, E] int32 scan: 32 KiB of shared memory at most
+    block = _plan_block(num_experts)
     blocks = triton.cdiv(n, block)
     counts = torch.empty(num_experts, dtype=torch.int64, device=experts.device)
     inverse = torch.empty(experts.shape, dtype=torch.int64, device=experts.device)

@@ -88,9 +88,9 @@ def plan_dispatch(
     """
     num_tokens, topk = experts.shape
     if capacity_factor <= 0 and use_triton(fused_kernels, experts):
-        from meshtron.kernels.triton_moe_permute import PLAN_MAX_EXPERTS, plan_rows  # Triton stays optional
+        from meshtron.kernels.triton_moe_permute import plan_rows, plan_rows_fits  # Triton stays optional
 
-        if num_experts <= PLAN_MAX_EXPERTS:
+        if plan_rows_fits(experts.numel(), num_experts):
             counts, inverse = plan_rows(experts, num_experts)
             return DispatchPlan(None, probs, None, num_tokens * topk, counts, counts, inverse)
     flat_experts = experts.reshape(-1)
