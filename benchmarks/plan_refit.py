@@ -16,7 +16,7 @@ its measured tokens/s where it was measured (the mean of its runs), and the grid
 
 ``--leave-one-grid-out`` checks that the fitted host factors are not fitted to the rows they
 predict: every row is predicted at each point of ``FIT_POINTS`` (recompute, ep and cp host factors;
-~10 minutes on 2 cores), then for each grid the point with the fewest rows outside 15 % (then the
+~20 s on 2 cores), then for each grid the point with the fewest rows outside 15 % (then the
 least mean |error|) on the other grids predicts it. Prints each fold's point and its held-out error,
 and the point the same rule picks on all rows. (The first-choice rule of the shipped fit is not
 applied here: it needs a search per point.)
