@@ -10,7 +10,8 @@ were pruned, failed or measured nothing are skipped; a layout measured twice sta
 A calibration file's fitted constants (host factors, sustained share, synced host shares) are the
 shipped machine's as ``hardware.load`` reads it, unless given here. ``--grouped-factor`` replaces the files' grouped-GEMM factor on MoE workloads.
 
-Prints per CSV the mean and max |error| and the rows outside 15 %, then all rows together; and
+Prints per CSV the mean and max |error| and the rows outside 15 %, then all rows together, and
+apart the rows the model calls host-bound (``Prediction.host_bound``: their runs vary most); and
 per grid (workload, layers, GPUs: every CSV of it) the planner's first choice on each calibration,
 its measured tokens/s where it was measured (the mean of its runs), and the grid's best measured.
 
@@ -41,7 +42,7 @@ from plan_check import WORKLOADS, planned_config  # noqa: E402
 from meshtron.planning.hardware import Machine, load  # noqa: E402
 from meshtron.planning.layouts import Space  # noqa: E402
 from meshtron.planning.search import search  # noqa: E402
-from meshtron.planning.step_time import StepModel  # noqa: E402
+from meshtron.planning.step_time import HOST_BOUND_SHARE, StepModel  # noqa: E402
 
 DATA = Path(__file__).parent / "data"
 LIMIT = 0.15  # the issue's bound on each prediction's error
@@ -72,6 +73,7 @@ class Row:
     layout: str
     measured: float
     predicted: float = 0.0
+    host_bound: bool = False  # the prediction's (``Prediction.host_bound``)
 
     @property
     def error(self) -> float:
@@ -130,7 +132,8 @@ def predict_all(args: argparse.Namespace) -> list[Predicted]:
         mc = machine(calibration, bool(cfg.model.num_experts), args)
         model, rows = StepModel(cfg, mc, gpus), measured_rows(DATA / name)
         for row in rows:
-            row.predicted = model.predict(parse(row.layout), exact_split=True).tokens_per_s_gpu
+            prediction = model.predict(parse(row.layout), exact_split=True)
+            row.predicted, row.host_bound = prediction.tokens_per_s_gpu, prediction.host_bound
         out.append(Predicted(name, calibration, (work, layers, gpus), cfg, mc, rows))
     return out
 
@@ -191,6 +194,8 @@ def main() -> int:
         grid["rows"] += predicted.rows
         grid["machines"][predicted.calibration] = (predicted.cfg, predicted.machine)
     print(f"all: {summary(everything)}")
+    print(f"host-bound by the prediction (host waits >= {100 * HOST_BOUND_SHARE:.0f}% of the step): "
+          f"{summary([r for r in everything if r.host_bound])}; the rest: {summary([r for r in everything if not r.host_bound])}")
     if args.no_first_choice:
         return 0
     for (work, layers, gpus), grid in grids.items():

@@ -1,5 +1,6 @@
-"""What ``meshtron plan`` prints: the top layouts with their predictions and exact commands, then
-why the others lost, each named by the part of the step that grew most against the winner's."""
+"""What ``meshtron plan`` prints: the top layouts with their predictions and exact commands (and,
+for a layout bound by the host's launches, that its prediction is the least certain), then why the
+others lost, each named by the part of the step that grew most against the winner's."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import shlex
 from collections import Counter
 
 from meshtron.planning.search import GIB, PlanResult, Verdict
-from meshtron.planning.step_time import COMMUNICATION, Prediction
+from meshtron.planning.step_time import COMMUNICATION, HOST_WAITS, Prediction
 
 # The step's parts grouped into the reasons a layout loses.
 REASONS = {
@@ -56,6 +57,9 @@ def table(result: PlanResult, base_args: list[str]) -> str:
         lines.append(f"{i:>2}  {v.layout.short():<44} {p.tokens_per_s_gpu:>12,.0f} {100 * p.mfu:>5.1f}% {v.memory_bytes / GIB:>6.1f} "
                      f"{1e3 * p.step_s:>8.0f} {100 * p.bubble:>6.1f}% {100 * p.share(COMMUNICATION):>4.0f}%")  # fmt: skip
         lines.append(f"    {train_command(base_args, v)}")
+        if p.host_bound:
+            lines.append(f"    host-bound: the GPU waits for the host's launches {100 * p.share(HOST_WAITS):.0f}% of the step; runs of such "
+                         "layouts measured up to 26% apart, so this prediction is the least certain")  # fmt: skip
     if not result.fits:
         lines.append("    no layout fits: add GPUs, shorten the sequence, or allow more recompute / parallelism")
     return "\n".join(lines)

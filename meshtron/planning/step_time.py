@@ -65,6 +65,10 @@ BF16 = 2
 PARTS = ("gemm", "attention", "elementwise", "recompute", "tp comm", "cp comm", "ep comm", "host sync", "host wait", "pp comm", "bubble",
          "dp comm", "optimizer", "overhead")  # fmt: skip
 COMMUNICATION = ("tp comm", "cp comm", "ep comm", "pp comm", "dp comm")
+HOST_WAITS = ("host wait", "host sync")  # the GPU idle for the host's launches
+# Past this share of the step in HOST_WAITS a layout is host-bound: its speed follows the host's,
+# and runs of one such layout measured up to 26 % apart (benchmarks/RESULTS.md, seventh session).
+HOST_BOUND_SHARE = 1 / 3
 
 
 @dataclass
@@ -77,6 +81,11 @@ class Prediction:
 
     def share(self, names: tuple[str, ...]) -> float:
         return sum(self.parts.get(n, 0.0) for n in names) / self.step_s
+
+    @property
+    def host_bound(self) -> bool:
+        """Whether the GPU waits for the host's launches a third of the step or more (``HOST_BOUND_SHARE``)."""
+        return self.share(HOST_WAITS) >= HOST_BOUND_SHARE
 
 
 @dataclass

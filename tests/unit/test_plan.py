@@ -387,3 +387,19 @@ def test_ring_attention_adds_its_own_elementwise_traffic():
     assert dp < cp2 < cp4
     per_token = [model._ring_elementwise_seconds(cfg.model, Layout(1, 1, 1, cp, 1, 1, 4 // cp, D, 1), 1.0) for cp in (2, 4)]
     assert per_token[1] > per_token[0] > 0
+
+
+def test_a_host_bound_layout_is_flagged_in_the_report():
+    """A layout whose GPU waits for the host a third of its step or more gets a line saying its
+    prediction is the least certain; a compute-bound one does not."""
+    from meshtron.planning.report import table
+    from meshtron.planning.search import PlanResult, Verdict
+    from meshtron.planning.step_time import Prediction
+
+    layout = Layout(1, 1, 1, 1, 1, 1, 1, "none", 1)
+    bound = Prediction(1.0, 1000.0, 0.1, 0.0, {"gemm": 0.5, "host wait": 0.3, "host sync": 0.05})
+    free = Prediction(1.0, 1000.0, 0.1, 0.0, {"gemm": 0.7, "host wait": 0.3})
+    assert bound.host_bound and not free.host_bound
+    text = table(PlanResult([Verdict(layout, bound, "fits"), Verdict(layout, free, "fits")], [], 2, 1.0), ["--model.preset", "tiny-llama"])
+    flagged = [line for line in text.splitlines() if line.strip().startswith("host-bound")]
+    assert len(flagged) == 1 and "35% of the step" in flagged[0]
