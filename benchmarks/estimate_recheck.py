@@ -7,8 +7,8 @@ still reports one when it logged a step), the layout is read back from its ``lay
 (``layout_recheck.parse``), applied to the workload's config (``plan_check.planned_config``) and
 estimated (``estimate.estimate``). The row's own ``estimate_gib`` is the estimate when it ran.
 
-Every row was measured before ``models/recompute.py`` kept a mixture-of-experts layer from
-holding its checkpoint rerun's auxiliary losses. Under full recompute each MoE block the backward
+Every row but those of ``AFTER_RERUN_FIX`` was measured before ``models/recompute.py`` kept a
+mixture-of-experts layer from holding its checkpoint rerun's auxiliary losses. Under full recompute each MoE block the backward
 had passed then kept its rerun's graph from those losses back to the block's input, and the
 activations it saved (``rerun_graph_bytes_per_token``), until the step's end. The ``+ kept`` column
 adds that to the estimate: at the backward's last MoE block all but one of the stage's MoE blocks
@@ -50,6 +50,8 @@ from meshtron.planning.layouts import Layout, apply  # noqa: E402
 
 # Every CSV with peaks: the step-time refit's grids, and the grid it skips for its calibration (its peaks stand).
 FILES = [(name, work, layers) for name, _, work, layers in GRIDS] + [("plan_check_4xH200_deepseek.csv", "deepseek", 27)]
+# Measured after the fix (models/recompute.py): their code held no rerun graph.
+AFTER_RERUN_FIX = {"plan_recheck_2xH200_deepseek_s8.csv"}
 
 
 @dataclass
@@ -109,7 +111,8 @@ def measured_rows() -> list[Row]:
                 planned = apply(cfg, layout)
                 now = estimate(planned, layout.world)
                 row.now_gib = now.total_bytes / GIB
-                row.kept_gib = held_rerun_graphs(planned, layout.world, now.loss_bytes) / GIB
+                if name not in AFTER_RERUN_FIX:
+                    row.kept_gib = held_rerun_graphs(planned, layout.world, now.loss_bytes) / GIB
                 rows.append(row)
     return rows
 

@@ -26,9 +26,13 @@ def test_no_rerun_graph_without_full_recompute_of_experts():
     assert held_rerun_graphs(build_config(overrides=["--preset", "tiny-llama", "--recompute-granularity", "full"]), 1, 0) == 0
 
 
-@pytest.mark.slow  # estimates all 76 measured rows (20 s on 2 cores)
+@pytest.mark.slow  # estimates all 78 measured rows (20 s on 2 cores)
 def test_the_rerun_graph_explains_the_full_recompute_moe_peaks():
+    """Measured before the fix, the estimate plus what the code held is within 3 % of every peak;
+    measured after it (no kept term), the estimate alone is."""
     rows = [r for r in measured_rows() if r.workload.startswith("deepseek") and r.layout.recompute == "full"]
-    assert len(rows) == 25
-    assert min(r.error_pct() for r in rows) < -8  # the estimate alone: 12 GiB under the worst
-    assert all(abs(r.error_pct(kept=True)) < 3 for r in rows), [(r.layout.short(), round(r.error_pct(True), 1)) for r in rows]
+    before, after = [r for r in rows if r.kept_gib], [r for r in rows if not r.kept_gib]
+    assert len(before) == 25 and len(after) == 2
+    assert min(r.error_pct() for r in before) < -8  # the estimate alone: 12 GiB under the worst
+    assert all(abs(r.error_pct(kept=True)) < 3 for r in before), [(r.layout.short(), round(r.error_pct(True), 1)) for r in before]
+    assert all(0 < r.error_pct() < 3 for r in after), [(r.layout.short(), round(r.error_pct(), 1)) for r in after]
