@@ -12,11 +12,12 @@ and each byte read or written once.
 - combine backward: the output gradient times each copy's weight written to that copy's row,
   and the weight's gradient as the dot product of output gradient and row (``combine_backward``).
 
-``inverse`` itself comes from two more kernels (``plan_rows``): the copies in blocks, each block's
-copies per expert and each copy's rank among its block's copies of the same expert, then each
+``inverse`` itself comes from three more kernels (``plan_rows``): the copies in blocks, each block's
+copies per expert and each copy's rank among its block's copies of the same expert; a scan down
+the blocks per expert (the copies of that expert in earlier blocks, and its total); then each
 copy's row = its expert's first row + the copies of that expert in earlier blocks + its rank. That
-is the stable sort by expert of the reference (``_sort_by_expert``), bit for bit, in two launches
-rather than a dozen PyTorch ops.
+is the stable sort by expert of the reference (``_sort_by_expert``), bit for bit, in three launches
+rather than a dozen PyTorch ops, with work linear in the copies.
 
 The PyTorch reference is ``plan_dispatch`` / ``permute`` / ``unpermute`` in ``layers/moe/dispatch.py``.
 Imported only when a kernel runs, so Triton stays optional.
@@ -114,23 +115,35 @@ def _block_ranks_kernel(experts_ptr, work_ptr, N, E, BLOCK: tl.constexpr, BLOCK_
 
 
 @triton.jit
+def _block_prefix_kernel(work_ptr, totals_ptr, N, E, blocks, BLOCK_B: tl.constexpr, BLOCK_C: tl.constexpr):
+    """For experts [pid * BLOCK_C, +BLOCK_C): the blocks' counts (``work[N + b * E + e]``) replaced in
+    place by the copies of that expert in earlier blocks, and the expert's total (``totals[e]``). One
+    pass down the blocks per program, so the work is linear in the blocks."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < E
+    carry = tl.zeros((BLOCK_C,), dtype=tl.int32)
+    for first in range(0, blocks, BLOCK_B):
+        block = first + tl.arange(0, BLOCK_B)
+        where = work_ptr + N + block[:, None] * E + cols[None, :]
+        mask = (block < blocks)[:, None] & col_ok[None, :]
+        counts = tl.load(where, mask=mask, other=0)
+        tl.store(where, carry[None, :] + tl.cumsum(counts, 0) - counts, mask=mask)
+        carry += tl.sum(counts, 0)
+    tl.store(totals_ptr + cols, carry, mask=col_ok)
+
+
+@triton.jit
 def _block_rows_kernel(
-    experts_ptr, work_ptr, inverse_ptr, counts_ptr, N, E, blocks,
-    BLOCK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr,
+    experts_ptr, work_ptr, totals_ptr, inverse_ptr, counts_ptr, N, E, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
     """Each copy's row in the expert-grouped order: its expert's first row + that expert's copies in
-    earlier blocks + its rank; the first program also writes the copies per expert [E]."""
+    earlier blocks (``_block_prefix_kernel``) + its rank; the first program also writes the copies per
+    expert [E]."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
     col_ok = cols < E
-    total = tl.zeros((BLOCK_E,), dtype=tl.int32)
-    before = tl.zeros((BLOCK_E,), dtype=tl.int32)
-    for first in range(0, blocks, BLOCK_B):
-        block = first + tl.arange(0, BLOCK_B)
-        counts = tl.load(work_ptr + N + block[:, None] * E + cols[None, :], mask=(block < blocks)[:, None] & col_ok[None, :], other=0)
-        total += tl.sum(counts, 0)
-        before += tl.sum(tl.where((block < pid)[:, None], counts, 0), 0)
-    offset = tl.cumsum(total, 0) - total + before
+    total = tl.load(totals_ptr + cols, mask=col_ok, other=0)
+    offset = tl.cumsum(total, 0) - total + tl.load(work_ptr + N + pid * E + cols, mask=col_ok, other=0)
     copy = pid * BLOCK + tl.arange(0, BLOCK)
     ok = copy < N
     expert = tl.load(experts_ptr + copy, mask=ok, other=0)
@@ -141,39 +154,28 @@ def _block_rows_kernel(
 
 
 PLAN_MAX_EXPERTS = 512  # a block's [copies, experts] one-hot stays within a program's registers
-# Each rows program sums the counts of every earlier block, so the plan's work grows with the
-# square of the blocks: past this many the reference's sort is the faster plan.
-PLAN_MAX_BLOCKS = 512
-
-
-def _plan_block(num_experts: int) -> int:
-    """Copies per block: a [block, E] int32 scan in 32 KiB of shared memory at most."""
-    return max(16, min(128, 8192 // triton.next_power_of_2(num_experts)))
-
-
-def plan_rows_fits(copies: int, num_experts: int) -> bool:
-    """Whether ``plan_rows`` takes this many copies over these experts (else the reference plans)."""
-    return num_experts <= PLAN_MAX_EXPERTS and triton.cdiv(copies, _plan_block(num_experts)) <= PLAN_MAX_BLOCKS
 
 
 @torch.compiler.disable  # run eagerly inside a compiled block, as the permutation's kernels
 def plan_rows(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """expert ids [T, k] (each below ``num_experts``; ``plan_rows_fits``) -> (copies per
+    """expert ids [T, k] (each below ``num_experts`` <= ``PLAN_MAX_EXPERTS``) -> (copies per
     expert [E] int64, ``inverse`` [T, k] int64: the row of each copy when the copies are sorted
     by expert, stable)."""
     n = experts.numel()
     block_e = triton.next_power_of_2(num_experts)
-    block = _plan_block(num_experts)
+    block = max(16, min(128, 8192 // block_e))  # a [block, E] int32 scan: 32 KiB of shared memory at most
     blocks = triton.cdiv(n, block)
     counts = torch.empty(num_experts, dtype=torch.int64, device=experts.device)
     inverse = torch.empty(experts.shape, dtype=torch.int64, device=experts.device)
     if n == 0:
         return counts.zero_(), inverse
     work = torch.empty(n + blocks * num_experts, dtype=torch.int32, device=experts.device)
+    totals = torch.empty(num_experts, dtype=torch.int32, device=experts.device)
     experts = experts.contiguous()
     _block_ranks_kernel[(blocks,)](experts, work, n, num_experts, BLOCK=block, BLOCK_E=block_e)
-    _block_rows_kernel[(blocks,)](experts, work, inverse, counts, n, num_experts, blocks, BLOCK=block, BLOCK_E=block_e,
-                                  BLOCK_B=max(1, 4096 // block_e))  # fmt: skip
+    columns = min(block_e, 64)
+    _block_prefix_kernel[(triton.cdiv(num_experts, columns),)](work, totals, n, num_experts, blocks, BLOCK_B=64, BLOCK_C=columns)
+    _block_rows_kernel[(blocks,)](experts, work, totals, inverse, counts, n, num_experts, BLOCK=block, BLOCK_E=block_e)
     return counts, inverse
 
 

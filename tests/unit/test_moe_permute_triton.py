@@ -67,21 +67,8 @@ def test_kernels_match_reference_fp32(case, num_tokens, topk, num_experts, hidde
         torch.testing.assert_close(got, want, **TOL, msg=lambda m: f"{case} {name}: {m}")
 
 
-def test_a_plan_of_too_many_blocks_is_the_reference_sort():
-    """Past ``PLAN_MAX_BLOCKS`` blocks of copies (its rows kernel's work grows with their square) the
-    kernel path plans with the reference's sort."""
-    from meshtron.kernels.triton_moe_permute import PLAN_MAX_BLOCKS, plan_rows_fits
-
-    assert plan_rows_fits(8192 * 6, 64) and plan_rows_fits(PLAN_MAX_BLOCKS * 32, 256)  # B4's layer; a full last block
-    assert not plan_rows_fits(PLAN_MAX_BLOCKS * 32 + 1, 256) and not plan_rows_fits(10, 1000)
-    gen = torch.Generator().manual_seed(3)
-    experts = torch.randint(0, 256, (PLAN_MAX_BLOCKS * 8 + 1, 4), generator=gen)
-    probs = torch.rand(experts.shape, generator=gen)
-    kernel, reference = (plan_dispatch(probs, experts, 256, fused_kernels=mode) for mode in ("on", "off"))
-    assert kernel.order is not None and torch.equal(kernel.inverse, reference.inverse)
-
-
-@pytest.mark.parametrize("case,num_tokens,topk,num_experts", [("random", 300, 6, 64), ("ties", 40, 3, 8), ("empty experts", 70, 2, 300)])
+@pytest.mark.parametrize("case,num_tokens,topk,num_experts", [("random", 300, 6, 64), ("ties", 40, 3, 8), ("empty experts", 70, 2, 300),
+                                                          ("more blocks than a scan chunk", 1500, 4, 256)])
 def test_kernel_plan_is_the_reference_plan_bit_for_bit(case, num_tokens, topk, num_experts):
     """Several blocks of copies (300 x 6 at 64 experts: 15 blocks of 128), runs of one expert, empty
     experts, a width that is not a power of two; then the reference's copies read from the

@@ -14,7 +14,7 @@ bias-free expert and is never read back.
 Dropless, on a GPU with Triton (``model.fused_kernels``), both directions run as gather-form
 kernels (``kernels/triton_moe_permute.py``): every row and every token written by one program,
 no atomics, fp32 sums, the combine's output directly in the layer's dtype. The plan gives them
-``inverse`` [T, k], the row of each token's copy, itself planned by two kernels there (the same
+``inverse`` [T, k], the row of each token's copy, itself planned by three kernels there (the same
 rows as the reference's stable sort). The ops below are the reference, the CPU's path and that of
 the capacity modes.
 """
@@ -88,9 +88,9 @@ def plan_dispatch(
     """
     num_tokens, topk = experts.shape
     if capacity_factor <= 0 and use_triton(fused_kernels, experts):
-        from meshtron.kernels.triton_moe_permute import plan_rows, plan_rows_fits  # Triton stays optional
+        from meshtron.kernels.triton_moe_permute import PLAN_MAX_EXPERTS, plan_rows  # Triton stays optional
 
-        if plan_rows_fits(experts.numel(), num_experts):
+        if num_experts <= PLAN_MAX_EXPERTS:
             counts, inverse = plan_rows(experts, num_experts)
             return DispatchPlan(None, probs, None, num_tokens * topk, counts, counts, inverse)
     flat_experts = experts.reshape(-1)
