@@ -124,7 +124,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                 dlogits = chunk_backward(logits[i], block_labels, vocab_start + cols.start, lse, grad_scale[rows])
                 logits[i] = None  # free each chunk once its gradients are taken
                 if gemms is not None and gemms.takes(cols):
-                    gemms.gradients(dlogits, rows, cols, grad_weight if need_weight else None, grad_hidden, several_blocks)
+                    gemms.gradients(dlogits, rows, cols, grad_weight, grad_hidden, several_blocks)
                     continue
                 if need_weight and several_blocks:
                     grad_weight[cols] += dlogits.t() @ h

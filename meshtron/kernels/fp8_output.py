@@ -18,7 +18,9 @@ layer's ``Fp8Scaling`` (0-d scales: the delayed or tensorwise recipe):
   max|w| / n``, known before any chunk exists (no amax pass; the history's gradient row stays
   unused). The bound is the gradient of a target given probability ~0, so it is near the actual
   amax; a value rounded above it by the compute dtype is clamped to the format's maximum, as in
-  every cast. e5m2 keeps ~31 binades below it: probabilities down to ~1e-9 survive.
+  every cast. Below the bound e5m2 keeps 2**-31.8 of it (its smallest subnormal over its maximum):
+  probabilities down to ~3e-10 survive; e4m3 (``--fp8-format e4m3``) only 2**-17.8 (~4e-6, half
+  a 128 K vocabulary's uniform probability), so hybrid is the format for this layer.
 
 The GEMMs read slices: a token block's rows of the hidden copies, a chunk's rows of the weight
 copy. A column slice of a transposed copy (the weight's per chunk; the hidden's per token block,
