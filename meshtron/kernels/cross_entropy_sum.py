@@ -77,7 +77,7 @@ def block_tokens_for(num_tokens: int, vocab_size: int, element_size: int, budget
 class _LinearCrossEntropySum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, token_weights, chunk_size, block_tokens, fused, vocab_start, combine_shards,
-                fuse_weight_grad, real_rows, fp8, fp8_seeded):  # fmt: skip
+                fuse_weight_grad, real_rows, fp8):  # fmt: skip
         if fused:
             from meshtron.kernels.triton_pointwise import ce_chunk_backward as chunk_backward
             from meshtron.kernels.triton_pointwise import ce_chunk_forward as chunk_forward
@@ -98,8 +98,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if ctx.needs_input_grad[2] else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         chunks = [slice(start, min(start + chunk_size, real_rows)) for start in range(0, real_rows, chunk_size)]
-        gemms = None if fp8 is None else fp8_output.Fp8OutputGemms(fp8, hidden, weight[:real_rows], grad_scale, need_hidden,
-                                                                    need_weight, fp8_seeded, True)  # fmt: skip
+        gemms = None if fp8 is None else fp8_output.Fp8OutputGemms(fp8, hidden, weight[:real_rows], grad_scale, need_hidden, need_weight)
         for first in range(0, n, block_tokens):
             rows = slice(first, first + block_tokens)
             h, block_labels = hidden[rows], labels[rows]
@@ -155,7 +154,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             grad_weight = None
         elif grad_weight is not None:
             grad_weight = grad_weight.mul_(factor)  # in place: the stored gradient is ours alone, backward runs once
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy_sum(
@@ -216,10 +215,5 @@ def linear_cross_entropy_sum(
         block = max(fp8_output.MULTIPLE, block // fp8_output.MULTIPLE * fp8_output.MULTIPLE)  # FP8 blocks of 16 tokens
     # FP8 in training only (evaluation: the compute dtype, the histories left alone), where the shapes fit.
     fp8 = fp8 if needs_grad and fp8 is not None and fp8_output.fits(fp8, *flat.shape, block, rows) else None
-    seeded = fp8 is not None and fp8.seeded
-    total = _LinearCrossEntropySum.apply(flat, weight, bias, labels.reshape(-1), token_weights.reshape(-1), chunk, block,
-                                         use_triton(fused_kernels, flat), vocab_start, combine_shards, fuse_weight_grad, rows,
-                                         fp8, seeded)  # fmt: skip
-    if fp8 is not None:
-        fp8.seeded = True
-    return total
+    return _LinearCrossEntropySum.apply(flat, weight, bias, labels.reshape(-1), token_weights.reshape(-1), chunk, block,
+                                        use_triton(fused_kernels, flat), vocab_start, combine_shards, fuse_weight_grad, rows, fp8)  # fmt: skip

@@ -38,16 +38,15 @@ import torch
 
 from meshtron.kernels.fp8 import _mm
 from meshtron.kernels.fp8_cast import AMAX_FLOOR, fp8_cast
-from meshtron.kernels.fp8_scaling import Fp8Scaling
+from meshtron.kernels.fp8_scaling import PER_TENSOR_RECIPES, Fp8Scaling
 
 MULTIPLE = 16  # _scaled_mm's rule for every dimension it reduces over or writes as columns
-TENSORWISE_RECIPES = ("delayed", "tensorwise")  # the recipes with one scale per tensor
 
 
 def fits(scaling: Fp8Scaling, num_tokens: int, hidden_size: int, block_tokens: int, vocab_rows: int) -> bool:
     """Whether a call can run FP8 (else bf16): hidden size and token blocks multiples of 16, and a
     vocabulary (a shard may hold only padding). Refuses a recipe without per-tensor scales."""
-    if scaling.recipe.recipe not in TENSORWISE_RECIPES:
+    if scaling.recipe.recipe not in PER_TENSOR_RECIPES:
         raise ValueError(f"the FP8 output layer takes the delayed or tensorwise recipe, not '{scaling.recipe.recipe}'")
     return vocab_rows > 0 and all(d % MULTIPLE == 0 for d in (num_tokens, hidden_size, block_tokens))
 
@@ -56,14 +55,15 @@ class Fp8OutputGemms:
     """The FP8 copies of one call's hidden states and weight, and its three GEMMs per chunk.
 
     ``hidden`` [n, h], ``weight`` [V, h] (the token rows), ``grad_scale`` [n] (``w / n``);
-    ``need_hidden`` / ``need_weight``: which gradients are taken (which transposed copies exist);
-    ``seeded`` / ``update``: as ``Fp8Scaling.quantize``."""
+    ``need_hidden`` / ``need_weight``: which gradients are taken (which transposed copies exist).
+    Training only: every call's amaxes enter the histories (delayed scaling)."""
 
     def __init__(self, scaling: Fp8Scaling, hidden: torch.Tensor, weight: torch.Tensor, grad_scale: torch.Tensor,
-                 need_hidden: bool, need_weight: bool, seeded: bool, update: bool):  # fmt: skip
+                 need_hidden: bool, need_weight: bool):  # fmt: skip
         self.scaling, self.dtype = scaling, hidden.dtype
-        self.h = scaling.quantize(hidden, "input", True, need_weight, seeded, update)
-        self.w = scaling.quantize(weight, "weight", True, need_hidden, seeded, update)
+        self.h = scaling.quantize(hidden, "input", True, need_weight, scaling.seeded, True)
+        self.w = scaling.quantize(weight, "weight", True, need_hidden, scaling.seeded, True)
+        scaling.seeded = True
         self.grad_dtype = scaling.dtype("grad")
         bound = grad_scale.abs().amax().float().clamp(min=AMAX_FLOOR)  # max |dlogits|: see the module docstring
         self.grad_cast_scale = torch.finfo(self.grad_dtype).max / bound

@@ -276,7 +276,7 @@ def test_estimate_counts_the_fp8_copies():
     from meshtron.kernels.fp8_output import Fp8OutputGemms
 
     hidden, weight, _, mask = _problem()
-    gemms = Fp8OutputGemms(Fp8Scaling(Fp8Recipe()), hidden, weight, mask / N, True, True, False, True)
+    gemms = Fp8OutputGemms(Fp8Scaling(Fp8Recipe()), hidden, weight, mask / N, True, True)
     copies = sum(t.numel() * t.element_size() for q in (gemms.h, gemms.w) for t in (q.rows, q.transposed))
     chunk = VOCAB  # default_chunk_size at 48 tokens: the whole vocabulary
     assert fp8_output_bytes(N, VOCAB, HIDDEN, 4) == copies + 2 * N * chunk + HIDDEN * chunk
