@@ -39,7 +39,7 @@ def _inputs():
 
 def _two_calls(layer: nn.Module) -> list[tuple[torch.Tensor, ...]]:
     """Loss, hidden gradient and weight gradient of two calls (the second on larger hidden states)."""
-    weight, hidden, labels, mask = _inputs()
+    _, hidden, labels, mask = _inputs()
     out = []
     for size in (1.0, 1.5):
         h = (hidden * size).requires_grad_()

@@ -124,9 +124,9 @@ def test_fp8_output_layer_gpu(recipe, budget):
     mask = (torch.rand(tokens, device="cuda", generator=gen) > 0.1).float()
     scaling = Fp8Scaling(Fp8Recipe("hybrid", recipe), "cuda")
 
-    def run(fp8):
+    def run(state):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        total = linear_cross_entropy_sum(h, w, labels, mask, chunk_size=chunk, budget_bytes=budget, fp8=fp8)
+        total = linear_cross_entropy_sum(h, w, labels, mask, chunk_size=chunk, budget_bytes=budget, fp8=state)
         total.backward()
         return total.detach(), h.grad, w.grad
 
@@ -153,17 +153,17 @@ def test_fp8_output_layer_speed_b3_shape():
     labels = torch.randint(0, 128256, (8192,), device="cuda", generator=gen)
     mask = torch.ones(8192, device="cuda")
 
-    def step(fp8):
-        return torch.autograd.grad(linear_cross_entropy_sum(hidden, weight, labels, mask, fp8=fp8), (hidden, weight))
+    def step(scaling):
+        return torch.autograd.grad(linear_cross_entropy_sum(hidden, weight, labels, mask, fp8=scaling), (hidden, weight))
 
     ms = {}
-    for name, fp8 in (("bf16", None), ("fp8", Fp8Scaling(Fp8Recipe("hybrid", "delayed"), "cuda"))):
+    for name, scaling in (("bf16", None), ("fp8", Fp8Scaling(Fp8Recipe("hybrid", "delayed"), "cuda"))):
         for _ in range(2):  # warm-up; FP8's first call seeds the histories
-            step(fp8)
+            step(scaling)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(5):
-            step(fp8)
+            step(scaling)
         end.record()
         torch.cuda.synchronize()
         ms[name] = start.elapsed_time(end) / 5
