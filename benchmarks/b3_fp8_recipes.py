@@ -4,7 +4,8 @@ and under FP8 recipes, one training process per side, on one GPU:
     python benchmarks/b3_fp8_recipes.py [--steps 6] [--warmup 3] [--sides bf16,delayed,blockwise]
 
 Sides: ``bf16``; ``delayed`` (``--fp8-format hybrid``, the default recipe: B3's FP8 figure in issue
-31), ``tensorwise`` (hybrid), ``rowwise`` and ``blockwise`` (``--fp8-format e4m3 --fp8-recipe
+31), ``delayed_head`` (the same with ``--fp8-output-layer``: the output layer's GEMMs in FP8 too),
+``tensorwise`` (hybrid), ``rowwise`` and ``blockwise`` (``--fp8-format e4m3 --fp8-recipe
 blockwise``, DeepSeek-V3's 1 x 128 / 128 x 128 scales). Each side is ``train_bench.py`` on the
 training loop with mock data (steps timed with CUDA events after warm-up); the table gives tokens/s,
 model TFLOP/s (bf16-equivalent FLOPs, as every B3 figure), step time, peak memory, the ratio to
@@ -24,6 +25,7 @@ B3 = ["--preset", "llama3-8b", "--num-layers", "8", "--seq-length", "8192", "--m
 SIDES = {
     "bf16": [],
     "delayed": ["--fp8-format", "hybrid", "--fp8-backend", "meshtron"],
+    "delayed_head": ["--fp8-format", "hybrid", "--fp8-backend", "meshtron", "--fp8-output-layer"],
     "tensorwise": ["--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-backend", "meshtron"],
     "rowwise": ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise"],
     "blockwise": ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"],

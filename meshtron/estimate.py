@@ -34,8 +34,8 @@ from meshtron.data.data_sources import names_data
 from meshtron.data.default_data import EMBEDDED_VOCAB_SIZE
 from meshtron.training.vocab import model_vocab_size, run_tokenizer
 from meshtron.validation import validate
-from meshtron.kernels.cross_entropy import CHUNK_ELEMENTS
-from meshtron.kernels.cross_entropy_sum import LOGITS_BUDGET_BYTES
+from meshtron.kernels.cross_entropy import CHUNK_ELEMENTS, default_chunk_size
+from meshtron.kernels.cross_entropy_sum import LOGITS_BUDGET_BYTES, block_tokens_for
 from meshtron.layers.attention import head_dim, num_kv_heads
 from meshtron.layers.mlp import ffn_hidden_size
 from meshtron.layers.moe.experts import expert_ffn_hidden_size
@@ -303,7 +303,8 @@ def loss_bytes(cfg: Config) -> int:
     """The output layer's workspace (one rank): the final norm's input and output, a chunk of
     logits (``CHUNK_ELEMENTS``; the whole fp32 logits and their gradient when fused kernels are
     off; under ``--cross-entropy-loss-fusion``, the logits of a token block up to
-    ``LOGITS_BUDGET_BYTES`` and the weight gradient kept until backward), and the fp32 sum of the
+    ``LOGITS_BUDGET_BYTES`` and the weight gradient kept until backward; with ``--fp8-output-layer``
+    the call's FP8 copies too: ``fp8_output_bytes``), and the fp32 sum of the
     hidden-state gradient, over the tokens that have labels (T5's decoder tokens); what a call keeps
     for backward once per call (the main head's and each multi-token prediction depth's). Counted where
     pp is 1 (with pp > 1 the last stage holds it and fewer micro batches); the retriever's
@@ -320,9 +321,21 @@ def loss_bytes(cfg: Config) -> int:
         kept += tokens * vocab * 4 * 2
     elif m.cross_entropy_loss_fusion:
         kept, transient = kept + vocab * m.hidden_size * a, min(LOGITS_BUDGET_BYTES, tokens * vocab * a)
+        if m.fp8_format and m.fp8_output_layer:
+            transient += fp8_output_bytes(tokens, vocab, m.hidden_size, a)
     else:
         transient = min(CHUNK_ELEMENTS, tokens * vocab) * a
     return int(kept * (1 + m.mtp_num_layers) + transient)
+
+
+def fp8_output_bytes(tokens: int, vocab: int, hidden: int, a: int) -> int:
+    """What ``--fp8-output-layer`` holds during one fused-loss call (``kernels/fp8_output.py``), 1
+    byte an element: the hidden states' and the weight's two copies each, and one chunk's gradient in
+    both layouts with the chunk's contiguous transposed weight rows (``a``: the compute dtype's
+    bytes, which size the token blocks). Counted for every head (one with a bias stays bf16)."""
+    block = block_tokens_for(tokens, vocab, a, LOGITS_BUDGET_BYTES)
+    chunk = default_chunk_size(block, vocab)
+    return 2 * tokens * hidden + 2 * vocab * hidden + 2 * block * chunk + hidden * chunk
 
 
 def estimate(cfg: Config, world_size: int = 1) -> MemoryEstimate:

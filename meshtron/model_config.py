@@ -60,6 +60,7 @@ class ModelConfig:
     fp8_amax_history_len: int = 1  # delayed: amaxes kept per tensor (Megatron's default 1)
     fp8_amax_compute_algo: str = "most_recent"  # delayed: most_recent | max of the history
     fp8_margin: int = 0  # delayed: scale = fmax / amax / 2**margin
+    fp8_output_layer: bool = False  # --fp8-output-layer: the output layer's three logits GEMMs in FP8 too, inside the fused masked-sum loss (training; recipe delayed or tensorwise; a head with a bias stays bf16); opt-in: Megatron keeps it bf16
     # Mixture of experts (meshtron/layers/moe/; checks in moe_config_errors). Names are Megatron-Core's.
     num_experts: int = 0  # routed experts per MoE layer; 0: dense MLPs only
     moe_router_topk: int = 2  # experts each token is sent to

@@ -14,7 +14,7 @@ from meshtron.data.data_sources import SPLIT_FLAGS, names_data, split_blends
 from meshtron.data.masked_lm import masked_data_config_errors
 from meshtron.errors import ConfigError
 from meshtron.flags import noted_flag_errors
-from meshtron.kernels.fp8_scaling import AMAX_COMPUTE_ALGOS, FP8_RECIPES, recipe_formats
+from meshtron.kernels.fp8_scaling import AMAX_COMPUTE_ALGOS, FP8_RECIPES, PER_TENSOR_RECIPES, recipe_formats
 from meshtron.layers.attention import attention_config_errors
 from meshtron.layers.mla import mla_config_errors
 from meshtron.layers.moe import moe_config_errors
@@ -95,6 +95,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     need(m.fp8_margin >= 0, f"--fp8-margin must be 0 or more, got {m.fp8_margin}")
     need(not (m.fp8_format and m.fp8_backend == "torchao" and (m.fp8_recipe != "tensorwise" or m.fp8_format != "hybrid")),
          "--fp8-backend torchao runs only --fp8-format hybrid --fp8-recipe tensorwise; use --fp8-backend meshtron")  # fmt: skip
+    need(not m.fp8_output_layer or m.fp8_format, "--fp8-output-layer needs --fp8-format (hybrid or e4m3): the blocks' FP8 settings are its own")
+    need(not (m.fp8_output_layer and m.fp8_recipe not in PER_TENSOR_RECIPES),
+         f"--fp8-output-layer takes one scale per tensor: use --fp8-recipe delayed or tensorwise (not {m.fp8_recipe}), or drop it")  # fmt: skip
+    need(not (m.fp8_output_layer and (m.fused_kernels == "off" or not m.cross_entropy_loss_fusion)),
+         "--fp8-output-layer runs inside the fused masked-sum loss: it needs --cross-entropy-loss-fusion and fused kernels "
+         "(drop --no-fused-kernels / model.cross_entropy_loss_fusion false, or the flag)")  # fmt: skip
     need(not (t.device == "cpu" and (m.fp8_format or t.gemm_tuning)), "--fp8-format and --gemm-tuning need a GPU; drop them for --device cpu")
     need(not (m.fp8_format and m.num_experts and m.moe_fp8 == "rowwise" and t.precision in ("fp32", "fp16")),
          f"FP8 experts (--fp8-format with --num-experts) write bf16 outputs (torch._scaled_grouped_mm): train in bf16 "

@@ -38,6 +38,11 @@ Under tensor parallelism each rank runs this on its vocabulary shard, the log-su
 logit combined over tp between the two passes (``parallel/tensor_parallel.py``). A bias of the
 logits (BERT's LM head) joins each chunk's GEMM (``addmm``); its gradient is each chunk's
 gradient summed over the tokens in fp32, stored and scaled in backward as the weight's.
+
+Given the output layer's FP8 scaling state (``--fp8-output-layer``), the three GEMMs run in FP8
+(``fp8_output``: the hidden states and the weight cast once per call, each chunk's gradient at a
+static scale), in training only (evaluation takes the per-token path, in the compute dtype); a
+chunk or a call whose shape ``_scaled_mm`` cannot take runs as above. A bias keeps the layer bf16.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from meshtron.kernels import use_triton
+from meshtron.kernels import fp8_output, use_triton
 from meshtron.kernels.cross_entropy import (
     IGNORE_INDEX,
     chunk_backward_reference,
@@ -57,6 +62,7 @@ from meshtron.kernels.cross_entropy import (
     padded_grad,
     real_rows_of,
 )
+from meshtron.kernels.fp8_scaling import Fp8Scaling
 from meshtron.kernels.grad_accum_fusion import accumulate_scaled_of
 
 # Logits kept at once: 4 GiB holds 16 K tokens of a 128 K vocabulary in bf16 (B1's micro batch).
@@ -71,7 +77,7 @@ def block_tokens_for(num_tokens: int, vocab_size: int, element_size: int, budget
 class _LinearCrossEntropySum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, token_weights, chunk_size, block_tokens, fused, vocab_start, combine_shards,
-                fuse_weight_grad, real_rows):  # fmt: skip
+                fuse_weight_grad, real_rows, fp8):  # fmt: skip
         if fused:
             from meshtron.kernels.triton_pointwise import ce_chunk_backward as chunk_backward
             from meshtron.kernels.triton_pointwise import ce_chunk_forward as chunk_forward
@@ -92,13 +98,17 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if ctx.needs_input_grad[2] else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         chunks = [slice(start, min(start + chunk_size, real_rows)) for start in range(0, real_rows, chunk_size)]
+        gemms = None if fp8 is None else fp8_output.Fp8OutputGemms(fp8, hidden, weight[:real_rows], grad_scale, need_hidden, need_weight)
         for first in range(0, n, block_tokens):
             rows = slice(first, first + block_tokens)
             h, block_labels = hidden[rows], labels[rows]
             logits, lse_parts = [], []
             target = torch.zeros(h.shape[0], dtype=torch.float32, device=h.device)
             for cols in chunks:
-                logits.append(h @ weight[cols].t() if bias is None else torch.addmm(bias[cols], h, weight[cols].t()))
+                if gemms is not None and gemms.takes(cols):
+                    logits.append(gemms.logits(rows, cols))
+                else:
+                    logits.append(h @ weight[cols].t() if bias is None else torch.addmm(bias[cols], h, weight[cols].t()))
                 lse, tgt = chunk_forward(logits[-1], block_labels, vocab_start + cols.start)
                 lse_parts.append(lse)
                 target += tgt
@@ -112,6 +122,9 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             for i, cols in enumerate(chunks):
                 dlogits = chunk_backward(logits[i], block_labels, vocab_start + cols.start, lse, grad_scale[rows])
                 logits[i] = None  # free each chunk once its gradients are taken
+                if gemms is not None and gemms.takes(cols):
+                    gemms.gradients(dlogits, rows, cols, grad_weight, grad_hidden, several_blocks)
+                    continue
                 if need_weight and several_blocks:
                     grad_weight[cols] += dlogits.t() @ h
                 elif need_weight:
@@ -141,7 +154,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             grad_weight = None
         elif grad_weight is not None:
             grad_weight = grad_weight.mul_(factor)  # in place: the stored gradient is ours alone, backward runs once
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None, None, None
 
 
 def linear_cross_entropy_sum(
@@ -157,6 +170,7 @@ def linear_cross_entropy_sum(
     fuse_weight_grad: bool = False,
     real_rows: int | None = None,
     bias: torch.Tensor | None = None,
+    fp8: Fp8Scaling | None = None,
 ) -> torch.Tensor:
     """``sum(token_weights * ce)`` (fp32 scalar; label -100 counts 0) of logits ``hidden @ weight.T``
     (``+ bias``, [V] like the weight's rows, when given).
@@ -179,7 +193,12 @@ def linear_cross_entropy_sum(
 
     ``real_rows``: the weight's rows that are tokens (None: all; on a shard, possibly 0); the rest
     is padding, kept out of the softmax, its gradient zero.
+
+    ``fp8``: the output layer's FP8 scaling state (delayed or tensorwise; ``fp8_output``): the three
+    GEMMs in FP8 where gradients are taken. Not with a bias (BERT's LM head stays bf16).
     """
+    if fp8 is not None and bias is not None:
+        raise ValueError("the FP8 output layer takes no bias: a head with a bias (BERT's LM head) stays bf16, give it no FP8 state")
     rows = real_rows_of(weight, real_rows)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     if combine_shards is None and (fused_kernels == "off" or not needs_grad):
@@ -192,5 +211,9 @@ def linear_cross_entropy_sum(
     block = block_tokens_for(flat.shape[0], rows, flat.element_size(), budget_bytes)
     chunk = chunk_size or default_chunk_size(block, rows)
     fuse_weight_grad = fuse_weight_grad and hasattr(weight, "main_grad") and weight.requires_grad
+    if fp8 is not None and block < flat.shape[0]:
+        block = max(fp8_output.MULTIPLE, block // fp8_output.MULTIPLE * fp8_output.MULTIPLE)  # FP8 blocks of 16 tokens
+    # FP8 in training only (evaluation: the compute dtype, the histories left alone), where the shapes fit.
+    fp8 = fp8 if needs_grad and fp8 is not None and fp8_output.fits(fp8, *flat.shape, block, rows) else None
     return _LinearCrossEntropySum.apply(flat, weight, bias, labels.reshape(-1), token_weights.reshape(-1), chunk, block,
-                                        use_triton(fused_kernels, flat), vocab_start, combine_shards, fuse_weight_grad, rows)  # fmt: skip
+                                        use_triton(fused_kernels, flat), vocab_start, combine_shards, fuse_weight_grad, rows, fp8)  # fmt: skip

@@ -187,7 +187,8 @@ def check_fp8_device(device: torch.device) -> None:
 
 def apply_fp8(blocks: nn.Module, recipe: Fp8Recipe, backend: str = "auto") -> str:
     """Turn the linear layers under ``blocks`` (the transformer blocks: the embedding and output
-    layer stay bf16, as in Transformer Engine recipes) into FP8 layers, in place.
+    layer stay bf16, as in Transformer Engine recipes; ``--fp8-output-layer`` converts the latter
+    on its own: ``fp8_output``) into FP8 layers, in place.
 
     ``backend``: ``torchao`` (its Float8Linear, tensorwise recipe: e4m3 forward, e5m2 gradients,
     so only ``hybrid`` and ``tensorwise``), ``meshtron`` (``Fp8Linear`` above; tensor-parallel

@@ -40,6 +40,7 @@ from meshtron.kernels.fp8_cast import AMAX_FLOOR, Quantized, fp8_cast
 FP8_FAMILIES = {"ocp": (torch.float8_e4m3fn, torch.float8_e5m2), "fnuz": (torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)}
 FP8_FORMATS = ("hybrid", "e4m3")
 FP8_RECIPES = ("delayed", "tensorwise", "rowwise", "blockwise")
+PER_TENSOR_RECIPES = ("delayed", "tensorwise")  # one 0-d scale per tensor (what --fp8-output-layer takes)
 AMAX_COMPUTE_ALGOS = ("most_recent", "max")
 ROLES = ("input", "weight", "grad")  # the history rows of a linear
 

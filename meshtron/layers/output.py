@@ -18,6 +18,7 @@ from torch import nn
 
 from meshtron.kernels.cross_entropy import linear_cross_entropy
 from meshtron.kernels.cross_entropy_sum import linear_cross_entropy_sum
+from meshtron.kernels.fp8_scaling import Fp8Scaling
 
 IGNORE_INDEX = -100
 
@@ -58,6 +59,7 @@ class OutputLayer(nn.Module):
         self.fused_kernels = fused_kernels
         self.grad_accum_fusion = False  # set by apply_gradient_accumulation_fusion
         self.weight_reused = weight_reused
+        self.fp8: Fp8Scaling | None = None  # --fp8-output-layer: the fused loss's GEMMs in FP8 (set by parallel/setup.py)
         self.weight = None if tied else nn.Parameter(torch.empty(rows, hidden_size))
         self.bias = nn.Parameter(torch.zeros(rows)) if bias else None
 
@@ -78,7 +80,7 @@ class OutputLayer(nn.Module):
                 hidden, labels, loss_weights = labelled_rows_and_weights(hidden, labels, loss_weights)
             fuse = self.grad_accum_fusion and self.weight is not None and not self.weight_reused  # a tied weight's two gradients meet in autograd
             return linear_cross_entropy_sum(hidden, weight, labels, loss_weights, self.fused_kernels, fuse_weight_grad=fuse, real_rows=real,
-                                            bias=self.bias)  # fmt: skip
+                                            bias=self.bias, fp8=self.fp8)  # fmt: skip
         if self.bias is not None:
             rows, row_labels, index = labelled_rows(hidden, labels)
             logits = F.linear(rows, weight[:real], self.bias[:real])

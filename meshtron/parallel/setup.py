@@ -12,7 +12,7 @@ from torch import nn
 from meshtron.config import Config, ParallelConfig, TrainConfig, virtual_stages
 from meshtron.kernels import triton_runs_on
 from meshtron.kernels.fp8 import apply_fp8, check_fp8_device
-from meshtron.kernels.fp8_scaling import Fp8Recipe
+from meshtron.kernels.fp8_scaling import Fp8Recipe, Fp8Scaling
 from meshtron.kernels.grad_accum_fusion import apply_gradient_accumulation_fusion
 from meshtron.layers.mlp import enable_bias_gelu_fusion
 from meshtron.layers.output import OutputLayer
@@ -54,6 +54,8 @@ def build_runner(cfg: Config, mesh: Mesh, vocab_size: int, device: torch.device,
             recipe = Fp8Recipe(m.fp8_format, m.fp8_recipe, m.fp8_amax_history_len, m.fp8_amax_compute_algo, m.fp8_margin,
                                m.fused_kernels)  # fmt: skip
             apply_fp8(blocks, recipe, m.fp8_backend)
+            if m.fp8_output_layer:
+                apply_fp8_output_layer(model, recipe, device)
         # Not under compile: it would trace the fused backward, which reports to the gradient buffer from Python.
         if cfg.train.gradient_accumulation_fusion and not cfg.train.compile:
             heads = [m for m in model.modules() if isinstance(m, (OutputLayer, VocabParallelOutputLayer))]
@@ -116,6 +118,17 @@ def runner_for(model: ModelFamily, mesh: Mesh, parallel: ParallelConfig, train: 
                                     distributed=parallel.use_distributed_optimizer, bucket_size=parallel.ddp_bucket_size, reduce_dtype=reduce_dtype,
                                     overlap_param_gather=parallel.overlap_param_gather)  # fmt: skip
     return Runner(model, metas, stages, optimizer, mesh, dtype, kind, sequence_parallel, split, costs)
+
+
+def apply_fp8_output_layer(model: nn.Module, recipe: Fp8Recipe, device: torch.device | None) -> list[nn.Module]:
+    """``--fp8-output-layer``: give each output layer of ``model`` without a bias an FP8 scaling
+    state, so its fused loss runs its three GEMMs in FP8 (``kernels/fp8_output.py``); a head with a
+    bias (BERT's LM head) stays bf16. Meshtron's own code whatever ``--fp8-backend`` the blocks use.
+    Returns the layers that took it."""
+    heads = [m for m in model.modules() if isinstance(m, (OutputLayer, VocabParallelOutputLayer)) and m.bias is None]
+    for head in heads:
+        head.fp8 = Fp8Scaling(recipe, device)
+    return heads
 
 
 def schedule_kind(parallel: ParallelConfig, virtual: int) -> str:

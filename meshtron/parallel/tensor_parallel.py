@@ -379,6 +379,7 @@ class VocabParallelOutputLayer(nn.Module):
         self.vocab_size = vocab_size  # 0: every row is a token
         self.grad_accum_fusion = False  # set by apply_gradient_accumulation_fusion
         self.weight_reused = weight_reused  # as OutputLayer's: gradients of several calls meet in autograd
+        self.fp8: Fp8Scaling | None = None  # as OutputLayer's: this rank scales its own shard
         self.weight: nn.Parameter | None = None
         self.bias: nn.Parameter | None = None
 
@@ -397,7 +398,7 @@ class VocabParallelOutputLayer(nn.Module):
             combine = None if group_size(self.group) == 1 else lambda lse, target: _combine_vocab_shards(lse, target, self.group)
             return linear_cross_entropy_sum(whole, weight, labels, loss_weights, self.fused_kernels, vocab_start=start,
                                             combine_shards=combine, fuse_weight_grad=self.grad_accum_fusion and self.weight is not None and not self.weight_reused,
-                                            real_rows=real, bias=self.bias)  # fmt: skip
+                                            real_rows=real, bias=self.bias, fp8=self.fp8)  # fmt: skip
         if labels is not None and self.bias is not None:  # the labelled rows only, as OutputLayer's
             rows, row_labels, index = labelled_rows(enter_tp_region(hidden, self.group, self.sequence_parallel), labels)
             logits = _without_padding(F.linear(rows, weight, self.bias), real)

@@ -5,6 +5,7 @@ platform's FP8 family (OCP on NVIDIA and gfx950, fnuz on gfx942); skipped where 
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshtron.kernels import fp8, platform
 from meshtron.kernels.fp8_cast import fp8_cast
@@ -71,3 +72,100 @@ def test_fp8_linear_gpu(recipe, fmt):
     for name, got, s, e in zip(("forward", "grad_input", "grad_weight"), (y.detach(), x.grad, w.grad), sim, exact):
         print(f"fp8 {fmt} {recipe} {name}: vs simulation {_rel(got, s):.2e}, vs fp32 GEMM {_rel(got, e):.2e}")
         assert _rel(got, s) < 1e-2 and _rel(got, e) < 0.08
+
+
+def _fp8_output_simulation(hidden, weight, labels, mask, fmt, fp8_rows):
+    """The FP8 output layer's loss and gradients (of the loss's sum) in fp32 from the operands it
+    quantizes: hidden and weight at their amaxes (a first call), each ``(softmax - onehot) * w / n``
+    at ``fmax / max|w / n|``; the weight's rows from ``fp8_rows`` on (a chunk too narrow) unquantized."""
+    n, gd = hidden.shape[0], grad_dtype(fmt, FAMILY)
+    hq, wq = _simulated(hidden, E4M3), _simulated(weight, E4M3)  # the weight's amax over all its rows, as cast
+    logits = torch.cat([hq @ wq[:fp8_rows].T, hidden.float() @ weight[fp8_rows:].float().T], 1).bfloat16().float()
+    weights = torch.where(labels == -100, 0.0, mask)
+    lse = torch.logsumexp(logits, 1)
+    total = ((lse - logits.gather(1, labels.clamp(min=0)[:, None])[:, 0]) * weights).sum()
+    onehot = torch.zeros_like(logits).scatter_(1, labels.clamp(min=0)[:, None], (labels != -100).float()[:, None])
+    dlogits = (((logits - lse[:, None]).exp() - onehot) * (weights / n)[:, None]).bfloat16()
+    fmax = torch.finfo(gd).max
+    scale = fmax / (weights / n).abs().max()
+    dq = (dlogits.float() * scale).bfloat16().clamp(-fmax, fmax).to(gd).float() / scale
+    dq[:, fp8_rows:] = dlogits[:, fp8_rows:].float()
+    grad_hidden = dq[:, :fp8_rows] @ wq[:fp8_rows] + dq[:, fp8_rows:] @ weight[fp8_rows:].float()
+    grad_weight = torch.cat([dq[:, :fp8_rows].T @ hq, dq[:, fp8_rows:].T @ hidden.float()])
+    return total, grad_hidden * n, grad_weight * n
+
+
+class _CountScaledMm(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket == torch.ops.aten._scaled_mm
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+@pytest.mark.parametrize("budget", [4 * 2**30, 32 * 2**20])  # one token block; several (the fp32 weight-gradient sum)
+def test_fp8_output_layer_gpu(recipe, budget):
+    """``--fp8-output-layer``'s fused loss in bf16 on CUDA: 4 chunks of 8192 rows in FP8 and a last
+    one 8 rows short of a multiple of 16 in bf16; loss and gradients against the fp32 simulation of
+    the quantized operands (1e-2) and the bf16 path (0.08), and the FP8 GEMMs ran (3 per FP8 chunk
+    and token block)."""
+    from meshtron.kernels.cross_entropy_sum import block_tokens_for, linear_cross_entropy_sum
+
+    tokens, hidden_size, vocab, chunk = 4096, 2048, 4 * 8192 + 24, 8192
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(tokens, hidden_size, device="cuda", generator=gen).bfloat16()
+    weight = (torch.randn(vocab, hidden_size, device="cuda", generator=gen) * 0.02).bfloat16()
+    labels = torch.randint(0, vocab, (tokens,), device="cuda", generator=gen)
+    labels[:100] = -100
+    mask = (torch.rand(tokens, device="cuda", generator=gen) > 0.1).float()
+    scaling = Fp8Scaling(Fp8Recipe("hybrid", recipe), "cuda")
+
+    def run(state):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        total = linear_cross_entropy_sum(h, w, labels, mask, chunk_size=chunk, budget_bytes=budget, fp8=state)
+        total.backward()
+        return total.detach(), h.grad, w.grad
+
+    with _CountScaledMm() as counter:
+        got = run(scaling)
+    blocks = -(-tokens // (block_tokens_for(tokens, vocab, 2, budget) // 16 * 16))
+    assert counter.count == 3 * 4 * blocks, "the FP8 output layer did not run _scaled_mm"
+    sim = _fp8_output_simulation(hidden, weight, labels, mask, "hybrid", 4 * 8192)
+    plain = run(None)
+    for name, g, s, p in zip(("loss", "hidden grad", "weight grad"), got, sim, plain):
+        print(f"fp8 output layer {recipe} {budget >> 20} MiB {name}: vs simulation {_rel(g, s):.2e}, vs bf16 path {_rel(g, p):.2e}")
+        assert _rel(g, s) < 1e-2 and _rel(g, p) < 0.08, name
+
+
+@pytest.mark.gpu
+def test_fp8_output_layer_speed_b3_shape():
+    """B3's output layer (8192 tokens, hidden 4096, vocabulary 128256, bf16): forward + backward of
+    the fused loss with and without ``--fp8-output-layer`` (delayed scaling, seeded); FP8 is faster."""
+    from meshtron.kernels.cross_entropy_sum import linear_cross_entropy_sum
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(8192, 4096, device="cuda", generator=gen).bfloat16().requires_grad_()
+    weight = (torch.randn(128256, 4096, device="cuda", generator=gen) * 0.02).bfloat16().requires_grad_()
+    labels = torch.randint(0, 128256, (8192,), device="cuda", generator=gen)
+    mask = torch.ones(8192, device="cuda")
+
+    def step(scaling):
+        return torch.autograd.grad(linear_cross_entropy_sum(hidden, weight, labels, mask, fp8=scaling), (hidden, weight))
+
+    ms = {}
+    for name, scaling in (("bf16", None), ("fp8", Fp8Scaling(Fp8Recipe("hybrid", "delayed"), "cuda"))):
+        for _ in range(2):  # warm-up; FP8's first call seeds the histories
+            step(scaling)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            step(scaling)
+        end.record()
+        torch.cuda.synchronize()
+        ms[name] = start.elapsed_time(end) / 5
+    print(f"output layer + loss at B3's shape: bf16 {ms['bf16']:.2f} ms, fp8 {ms['fp8']:.2f} ms ({ms['bf16'] - ms['fp8']:.2f} ms saved)")
+    assert ms["fp8"] < ms["bf16"]
