@@ -4,8 +4,9 @@ row-major, transposed, or both, and max-reduces its amax into a device fp32 scal
 The FP8 linear needs each operand twice, once per GEMM layout (``_scaled_mm`` reads its second
 operand column-major): casting both copies from one read of the bf16 tensor, with the amax of
 delayed scaling computed on the way, replaces an amax pass, a cast pass and a transposed copy.
-Scales are broadcast by strides, so one kernel serves a per-tensor scale (strides 0, 0), a
-scale per row (1, 0) and a scale per column (0, 1). Imported only when a kernel runs.
+One kernel serves a per-tensor scale, a scale per row and a scale per column (``SCALE``): a
+per-tensor scale is loaded once per program, not once per element (a broadcast load per element
+was as many load instructions as the tile has values). Imported only when a kernel runs.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def round_to_grid(y, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr):
 
 @triton.jit
 def _cast_kernel(
-    x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, rows, cols, scale_row_stride, scale_col_stride, fmax,
+    x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, rows, cols, fmax, SCALE: tl.constexpr,
     WRITE_ROWS: tl.constexpr, WRITE_TRANSPOSED: tl.constexpr, AMAX: tl.constexpr, ROUND_FIRST: tl.constexpr,
     MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr, IN_MANTISSA: tl.constexpr, IN_MIN_EXPONENT: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -59,7 +60,12 @@ def _cast_kernel(
     if AMAX:
         tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x.to(tl.float32)), 1), 0))
     if WRITE_ROWS or WRITE_TRANSPOSED:
-        scale = tl.load(scale_ptr + r2 * scale_row_stride + c2 * scale_col_stride, mask=mask, other=1.0)
+        if SCALE == 0:  # one for the tensor
+            scale = tl.load(scale_ptr)
+        elif SCALE == 1:  # one per row
+            scale = tl.load(scale_ptr + r2, mask=r2 < rows, other=1.0)
+        else:  # one per column
+            scale = tl.load(scale_ptr + c2, mask=c2 < cols, other=1.0)
         # The fp32 product rounded to the input's dtype first, as the reference does (and as
         # a direct fp32 -> FP8 store gave wrong values on an H100 with Triton 3.6: neighbours duplicated).
         y = x.to(tl.float32) * scale
@@ -85,15 +91,18 @@ def cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, write_rows: b
     q = torch.empty((rows, cols) if write_rows else (0,), dtype=dtype, device=x.device)
     qt = torch.empty((cols, rows) if write_transposed else (0,), dtype=dtype, device=x.device)
     amax = torch.zeros((), dtype=torch.float32, device=x.device)
-    scale = scale.float()
-    row_stride, col_stride = scale.expand(rows, cols).stride()
+    scale = scale.float().contiguous()
+    kinds = {(0, 0): 0, (1, 0): 1, (0, 1): 2}  # the scale's broadcast strides -> SCALE
+    strides = scale.expand(rows, cols).stride() if scale.numel() > 1 else (0, 0)
+    if strides not in kinds:
+        raise ValueError(f"scale of shape {tuple(scale.shape)}: give one value, [rows, 1] or [1, cols] for [{rows}, {cols}]")
     mantissa, min_exponent = GRID[dtype]
     in_mantissa, in_min_exponent = GRID.get(x.dtype, (0, 0))  # fp32 input: the product needs no rounding
     grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))
     spare = torch.empty(1, dtype=dtype, device=x.device)  # stands for a copy not written
     _cast_kernel[grid](
         x, q if write_rows else spare, qt if write_transposed else spare, scale, amax, rows, cols,
-        row_stride, col_stride, torch.finfo(dtype).max, WRITE_ROWS=write_rows, WRITE_TRANSPOSED=write_transposed,
+        torch.finfo(dtype).max, SCALE=kinds[strides], WRITE_ROWS=write_rows, WRITE_TRANSPOSED=write_transposed,
         AMAX=compute_amax, ROUND_FIRST=os.environ.get("TRITON_INTERPRET") == "1", MANTISSA=mantissa,
         MIN_EXPONENT=min_exponent, IN_MANTISSA=in_mantissa, IN_MIN_EXPONENT=in_min_exponent, BLOCK_R=block_r,
         BLOCK_C=block_c, num_warps=warps,
