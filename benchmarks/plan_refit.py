@@ -52,7 +52,10 @@ GRIDS = [
     ("plan_check_4xH200_llama.csv", "calibration_4xH200_llama.json", "llama", 32),
     ("plan_check_4xH200_deepseek_host.csv", "calibration_4xH200_deepseek_host.json", "deepseek", 27),
     ("plan_recheck_4xH200_deepseek_s7.csv", "calibration_4xH200_deepseek_host.json", "deepseek", 27),
+    ("plan_recheck_4xH200_deepseek_s9.csv", "calibration_4xH200_deepseek_host.json", "deepseek", 27),
+    ("plan_recheck_4xH200_deepseek_s9b.csv", "calibration_4xH200_deepseek_s9host.json", "deepseek", 27),
     ("plan_check_4xH200_llama70b.csv", "calibration_4xH200_llama70b.json", "llama70b", 12),
+    ("plan_recheck_4xH200_llama70b_s9.csv", "calibration_4xH200_llama70b.json", "llama70b", 12),
     ("plan_check_2xH200_deepseek.csv", "calibration_2xH200_deepseek.json", "deepseek", 27),
     ("plan_recheck_2xH200_deepseek_s6.csv", "calibration_2xH200_deepseek.json", "deepseek", 27),
     ("plan_recheck_2xH200_deepseek_s7.csv", "calibration_2xH200_deepseek.json", "deepseek", 27),
@@ -98,7 +101,8 @@ def machine(calibration: str, moe: bool, args: argparse.Namespace) -> Machine:
     loaded = load(str(DATA / calibration))
     grouped = args.grouped_factor if args.grouped_factor and moe else loaded.grouped_gemm_factor
     return replace(loaded, host_factors={**loaded.host_factors, **args.host_factors},
-                   sustained_share=args.sustained_share or loaded.sustained_share, grouped_gemm_factor=grouped)  # fmt: skip
+                   sustained_share=args.sustained_share or loaded.sustained_share, grouped_gemm_factor=grouped,
+                   fsdp_overlap=loaded.fsdp_overlap if args.fsdp_overlap is None else args.fsdp_overlap)  # fmt: skip
 
 
 def workload(name: str, layers: int):
@@ -174,6 +178,7 @@ def main() -> int:
     parser.add_argument("--grouped-factor", type=float, default=0.0, help="grouped-GEMM factor of MoE workloads (default: the files')")
     parser.add_argument("--host-factors", type=json.loads, default={}, help="JSON object over the shipped host factors")
     parser.add_argument("--sustained-share", type=float, default=0.0, help="default: the shipped machine's")
+    parser.add_argument("--fsdp-overlap", type=float, default=None, help="default: the shipped machine's")
     parser.add_argument("--rows", action="store_true", help="print every row")
     parser.add_argument("--no-first-choice", action="store_true", help="skip the searches (the slow part)")
     parser.add_argument("--leave-one-grid-out", action="store_true", help="fit the host factors without each grid and predict it")

@@ -24,7 +24,7 @@ HOST_FEATURES = ("tp", "cp", "ep", "etp", "fsdp", "recompute")  # what adds host
 ADDED_FIELDS = ("host_ms_per_block",)  # measured, missing from older calibration files: the shipped machine's
 # The step model's constants, fitted on measured grids (not measured by --calibrate, which copies
 # them): a calibration file always takes the shipped machine's, so a refit reaches files written before it
-FITTED_FIELDS = ("host_factors", "sustained_share", "synced_host_shares")
+FITTED_FIELDS = ("host_factors", "sustained_share", "synced_host_shares", "fsdp_overlap")
 
 
 def interpolate(points: list[list[float]], x: float) -> float:

@@ -233,10 +233,10 @@ def test_measure_runs_the_printed_layout_through_the_trainer():
     assert bad.tokens_per_s_gpu == 0 and "global-batch-size" in bad.error
 
 
-def test_host_time_per_block_is_the_step_difference_of_one_more_block(monkeypatch):
+def test_host_time_per_block_is_the_step_difference_over_added_blocks(monkeypatch):
     """``--calibrate``'s host time per block kind: a stand-in trainer whose step lasts 10 ms per
     dense block, 30 ms per MoE block and 15 ms besides gives back 10 and 30 (the model cut to one MoE
-    block, then one more of each kind). Sleeps long against a loaded machine's wake-up delays."""
+    block, then four more of each kind). Sleeps long against a loaded machine's wake-up delays."""
     import time
 
     import meshtron.training.trainer as trainer_module
@@ -257,7 +257,7 @@ def test_host_time_per_block_is_the_step_difference_of_one_more_block(monkeypatc
     monkeypatch.setattr(trainer_module, "Trainer", Stepping)
     cfg = _cfg(*TINY_MOE, "--moe-layer-freq", "[0,1]")
     measured = host_ms_per_block(cfg)
-    assert built == [[1], [1, 0], [1, 1]]
+    assert built == [[1], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]  # one block, then SLOPE_BLOCKS more of each kind
     assert (cfg.model.num_layers, cfg.model.moe_layer_freq, cfg.data.seq_length) == (2, "[0,1]", _cfg(*TINY_MOE).data.seq_length)
     assert measured["dense"] == pytest.approx(10.0, abs=2.0) and measured["moe"] == pytest.approx(30.0, abs=2.0)
 
