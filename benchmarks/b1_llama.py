@@ -7,7 +7,8 @@ Sides: ``meshtron`` (default settings: fused kernels, chunked loss, SDPA backend
 ``hf``, and meshtron variants (``SIDE_FLAGS``): ``meshtron-ref`` (the reference path),
 ``meshtron-fp8`` / ``meshtron-fp8-torchao`` (B2: FP8 linears, hybrid format, our
 ``_scaled_mm`` path with the default recipe, delayed scaling, or torchao's tensorwise one),
-``meshtron-fp8-delayed`` / ``-tensorwise`` / ``-rowwise`` (our path per ``--fp8-recipe``),
+``meshtron-fp8-delayed`` / ``-tensorwise`` / ``-rowwise`` (our path per ``--fp8-recipe``), ``meshtron-fp8-head``
+(the default recipe with ``--fp8-output-layer``: the output layer's GEMMs in FP8 too),
 ``-compile`` forms of them (torch.compile per block), and
 ``meshtron-recompute`` (B7: full activation recompute), ``meshtron-gaf`` (gradient-accumulation fusion),
 ``meshtron-optref`` (the reference optimizer step instead of the fused one),
@@ -57,6 +58,7 @@ SIDE_FLAGS = {
     "meshtron-fp8": _FP8,
     "meshtron-fp8-compile": _FP8 + ["--compile"],
     "meshtron-fp8-delayed": _FP8 + ["--fp8-recipe", "delayed"],
+    "meshtron-fp8-head": _FP8 + ["--fp8-output-layer"],
     "meshtron-fp8-delayed-compile": _FP8 + ["--fp8-recipe", "delayed", "--compile"],
     "meshtron-fp8-tensorwise": _FP8 + ["--fp8-recipe", "tensorwise"],
     "meshtron-fp8-tensorwise-compile": _FP8 + ["--fp8-recipe", "tensorwise", "--compile"],
