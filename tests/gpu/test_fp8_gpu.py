@@ -5,11 +5,11 @@ platform's FP8 family (OCP on NVIDIA and gfx950, fnuz on gfx942); skipped where 
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshtron.kernels import fp8, platform
 from meshtron.kernels.fp8_cast import fp8_cast
 from meshtron.kernels.fp8_scaling import FP8_FAMILIES, FP8_FORMATS, FP8_RECIPES, Fp8Recipe, Fp8Scaling, grad_dtype, platform_family
+from tests.unit.test_fp8_output import _CountScaledMm  # counts the _scaled_mm calls
 
 FAMILY = platform_family() if torch.cuda.is_available() else "ocp"
 E4M3, E5M2 = FP8_FAMILIES[FAMILY]
@@ -95,16 +95,6 @@ def _fp8_output_simulation(hidden, weight, labels, mask, fmt, fp8_rows):
     return total, grad_hidden * n, grad_weight * n
 
 
-class _CountScaledMm(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func.overloadpacket == torch.ops.aten._scaled_mm
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
 @pytest.mark.parametrize("budget", [4 * 2**30, 32 * 2**20])  # one token block; several (the fp32 weight-gradient sum)
@@ -113,7 +103,10 @@ def test_fp8_output_layer_gpu(recipe, budget):
     one 8 rows short of a multiple of 16 in bf16; loss and gradients against the fp32 simulation of
     the quantized operands (1e-2) and the bf16 path (0.08), and the FP8 GEMMs ran (3 per FP8 chunk
     and token block)."""
-    from meshtron.kernels.cross_entropy_sum import block_tokens_for, linear_cross_entropy_sum
+    from meshtron.kernels.cross_entropy_sum import (
+        block_tokens_for,
+        linear_cross_entropy_sum,
+    )
 
     tokens, hidden_size, vocab, chunk = 4096, 2048, 4 * 8192 + 24, 8192
     gen = torch.Generator(device="cuda").manual_seed(0)
