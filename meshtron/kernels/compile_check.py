@@ -111,6 +111,7 @@ def _launch_everything(target: platform.Target) -> None:
     from meshtron.kernels import fp8, fused_adamw, triton_grouped_gemm as gg, triton_moe_permute as perm
     from meshtron.kernels.bias_gelu import bias_gelu
     from meshtron.kernels.cross_entropy import linear_cross_entropy
+    from meshtron.kernels.cross_entropy_sum import linear_cross_entropy_sum
     from meshtron.kernels.dropout_add import dropout_add
     from meshtron.kernels.fp8_scaling import FP8_FAMILIES, FP8_RECIPES, Fp8Recipe, Fp8Scaling, gemm_multiple, recipe_formats
     from meshtron.kernels.norms import layer_norm, rms_norm
@@ -183,6 +184,9 @@ def _launch_everything(target: platform.Target) -> None:
                 x, w = rand(48 * blocks, 64 * blocks, dtype=torch.bfloat16), rand(32 * blocks, 64 * blocks, dtype=torch.bfloat16)
                 scaling = Fp8Scaling(Fp8Recipe(fmt, recipe, fused_kernels="on"), family=family)
                 _grad(fp8.linear(x, w, None, scaling), [x, w])
+        hidden, head = rand(32, 64, dtype=torch.bfloat16), rand(256, 64, dtype=torch.bfloat16)  # --fp8-output-layer: the gradient's cast
+        head_scaling = Fp8Scaling(Fp8Recipe("hybrid", "delayed", fused_kernels="on"), family=family)
+        _grad(linear_cross_entropy_sum(hidden, head, torch.randint(0, 256, (32,)), torch.ones(32), "on", fp8=head_scaling), [hidden, head])
         experts = torch.randn(3, 80, 48).to(torch.bfloat16)  # FP8 experts' casts: weights (both copies, rows only), rows
         for transposed in (True, False):
             quantize_weights(experts, FP8_FAMILIES[family][0], True, transposed, "on")

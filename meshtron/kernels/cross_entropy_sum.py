@@ -120,11 +120,13 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             if not (need_hidden or need_weight or grad_bias is not None):
                 continue
             for i, cols in enumerate(chunks):
+                if gemms is not None and gemms.takes(cols):  # the gradient made and cast in one pass
+                    gemms.gradients(logits[i], block_labels, vocab_start + cols.start, lse, grad_scale[rows], rows, cols,
+                                    grad_weight, grad_hidden, several_blocks)  # fmt: skip
+                    logits[i] = None
+                    continue
                 dlogits = chunk_backward(logits[i], block_labels, vocab_start + cols.start, lse, grad_scale[rows])
                 logits[i] = None  # free each chunk once its gradients are taken
-                if gemms is not None and gemms.takes(cols):
-                    gemms.gradients(dlogits, rows, cols, grad_weight, grad_hidden, several_blocks)
-                    continue
                 if need_weight and several_blocks:
                     grad_weight[cols] += dlogits.t() @ h
                 elif need_weight:

@@ -14,7 +14,8 @@ layer's ``Fp8Scaling`` (0-d scales: the delayed or tensorwise recipe):
   ``weight`` scale. Once per call, not once per step (``step_cache``): kept for the step, the two
   copies (1 GiB at 128 K x 4096) would stay through every block's backward;
 - each chunk's ``dlogits = (softmax - onehot) * w / n`` in the gradient format (e5m2 under hybrid),
-  both layouts in one pass, at a static scale: ``|softmax - onehot| <= 1``, so ``|dlogits| <=
+  both layouts, made from the logits in the cast kernel's one pass (the bf16 gradient is never
+  written: 4 bytes an element of memory traffic instead of 8), at a static scale: ``|softmax - onehot| <= 1``, so ``|dlogits| <=
   max|w| / n``, known before any chunk exists (no amax pass; the history's gradient row stays
   unused). The bound is the gradient of a target given probability ~0, so it is near the actual
   amax; a value rounded above it by the compute dtype is clamped to the format's maximum, as in
@@ -36,8 +37,10 @@ from __future__ import annotations
 
 import torch
 
+from meshtron.kernels import use_triton
+from meshtron.kernels.cross_entropy import chunk_backward_reference
 from meshtron.kernels.fp8 import _mm
-from meshtron.kernels.fp8_cast import AMAX_FLOOR, fp8_cast
+from meshtron.kernels.fp8_cast import AMAX_FLOOR, Cast, fp8_cast
 from meshtron.kernels.fp8_scaling import PER_TENSOR_RECIPES, Fp8Scaling
 
 MULTIPLE = 16  # _scaled_mm's rule for every dimension it reduces over or writes as columns
@@ -78,13 +81,29 @@ class Fp8OutputGemms:
         """[block, chunk] logits of token block ``rows`` and vocabulary chunk ``cols``, in the compute dtype."""
         return _mm(self.scaling, self.h.rows[rows], self.h.rows_inv, self.w.rows[cols], self.w.rows_inv, self.dtype)
 
-    def gradients(self, dlogits: torch.Tensor, rows: slice, cols: slice, grad_weight: torch.Tensor | None,
-                  grad_hidden: torch.Tensor | None, add_weight: bool) -> None:  # fmt: skip
-        """The chunk's weight gradient ``dlogits^T @ h`` into ``grad_weight[cols]`` (written, or
-        added in fp32 when ``add_weight``) and its part of the hidden gradient ``dlogits @ W``
-        added into the fp32 ``grad_hidden[rows]``; None: not taken."""
-        d = fp8_cast(dlogits, self.grad_cast_scale, self.grad_dtype, grad_hidden is not None, grad_weight is not None,
-                     fused_kernels=self.scaling.recipe.fused_kernels)  # fmt: skip
+    def _gradient_cast(self, logits: torch.Tensor, labels: torch.Tensor, start: int, lse: torch.Tensor,
+                       grad: torch.Tensor, rows: bool, transposed: bool) -> Cast:  # fmt: skip
+        """The chunk's ``dlogits = (softmax - onehot) * grad`` (``chunk_backward_reference``, in the
+        compute dtype) cast at the static scale: where the kernels run, one pass from the logits
+        (``triton_fp8_cast.cast``'s ``ce_gradient``), the logits read once and no dlogits written."""
+        if not use_triton(self.scaling.recipe.fused_kernels, logits):
+            dlogits = chunk_backward_reference(logits, labels, start, lse, grad)
+            return fp8_cast(dlogits, self.grad_cast_scale, self.grad_dtype, rows, transposed, fused_kernels="off")
+        from meshtron.kernels.triton_fp8_cast import cast
+
+        q, qt, _ = cast(logits.contiguous(), self.grad_cast_scale, self.grad_dtype, rows, transposed, False,
+                        ce_gradient=(labels, lse, grad.float().contiguous(), start))  # fmt: skip
+        return Cast(q if rows else None, qt if transposed else None, None)
+
+    def gradients(self, logits: torch.Tensor, labels: torch.Tensor, start: int, lse: torch.Tensor, grad: torch.Tensor,
+                  rows: slice, cols: slice, grad_weight: torch.Tensor | None, grad_hidden: torch.Tensor | None,
+                  add_weight: bool) -> None:  # fmt: skip
+        """From the chunk's ``logits`` (its rows' ``labels``, vocabulary columns ``start``.., their
+        ``lse`` and per-token ``grad``: ``chunk_backward_reference``'s arguments), the weight
+        gradient ``dlogits^T @ h`` into ``grad_weight[cols]`` (written, or added in fp32 when
+        ``add_weight``) and its part of the hidden gradient ``dlogits @ W`` added into the fp32
+        ``grad_hidden[rows]``; None: not taken."""
+        d = self._gradient_cast(logits, labels, start, lse, grad, grad_hidden is not None, grad_weight is not None)
         if grad_weight is not None:
             h_t = self.h.transposed[:, rows].contiguous()  # no copy with one token block
             if add_weight:

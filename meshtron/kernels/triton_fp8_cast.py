@@ -47,16 +47,25 @@ def round_to_grid(y, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr):
 
 @triton.jit
 def _cast_kernel(
-    x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, rows, cols, fmax, SCALE: tl.constexpr,
-    WRITE_ROWS: tl.constexpr, WRITE_TRANSPOSED: tl.constexpr, AMAX: tl.constexpr, ROUND_FIRST: tl.constexpr,
-    MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr, IN_MANTISSA: tl.constexpr, IN_MIN_EXPONENT: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, rows, cols, fmax, labels_ptr, lse_ptr, grad_ptr, start, SCALE: tl.constexpr,
+    CE_GRADIENT: tl.constexpr, WRITE_ROWS: tl.constexpr, WRITE_TRANSPOSED: tl.constexpr, AMAX: tl.constexpr,
+    ROUND_FIRST: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr, IN_MANTISSA: tl.constexpr,
+    IN_MIN_EXPONENT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     r2, c2 = r.to(tl.int64)[:, None], c.to(tl.int64)[None, :]
     mask = (r2 < rows) & (c2 < cols)
     x = tl.load(x_ptr + r2 * cols + c2, mask=mask, other=0.0)
+    if CE_GRADIENT:  # x holds logits: first their gradient (softmax - onehot(label)) * grad, in x's dtype
+        row_ok = r2 < rows
+        lse = tl.load(lse_ptr + r2, mask=row_ok, other=0.0)
+        label = tl.load(labels_ptr + r2, mask=row_ok, other=-1) - start
+        p = tl.exp(x.to(tl.float32) - lse)
+        g = tl.where(c2 == label, p - 1.0, p) * tl.load(grad_ptr + r2, mask=row_ok, other=0.0)
+        if ROUND_FIRST and IN_MANTISSA > 0:
+            g = round_to_grid(g, IN_MANTISSA, IN_MIN_EXPONENT)
+        x = tl.where(mask, g, 0.0).to(x.dtype, fp_downcast_rounding="rtne")
     if AMAX:
         tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(x.to(tl.float32)), 1), 0))
     if WRITE_ROWS or WRITE_TRANSPOSED:
@@ -83,9 +92,15 @@ def _cast_kernel(
 
 
 def cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, write_rows: bool, write_transposed: bool,
-         compute_amax: bool, tile: tuple[int, int, int] = TILE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+         compute_amax: bool, tile: tuple[int, int, int] = TILE,
+         ce_gradient: tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """x [rows, cols] contiguous -> (FP8 copy [rows, cols], FP8 transpose [cols, rows], amax fp32 0-d);
-    copies not asked for come back empty, the amax as zero. ``scale`` is 0-d, [rows, 1] or [1, cols]."""
+    copies not asked for come back empty, the amax as zero. ``scale`` is 0-d, [rows, 1] or [1, cols].
+
+    ``ce_gradient`` (labels [rows], fp32 lse [rows], fp32 grad [rows], start): ``x`` holds a chunk of
+    logits (vocabulary columns ``start``..), and what is cast is their cross-entropy gradient
+    ``(softmax - onehot(label)) * grad`` in ``x``'s dtype (``cross_entropy.chunk_backward_reference``),
+    made in the same pass: the gradient is never written in the compute dtype (the FP8 output layer)."""
     block_r, block_c, warps = tile
     rows, cols = x.shape
     q = torch.empty((rows, cols) if write_rows else (0,), dtype=dtype, device=x.device)
@@ -100,9 +115,10 @@ def cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, write_rows: b
     in_mantissa, in_min_exponent = GRID.get(x.dtype, (0, 0))  # fp32 input: the product needs no rounding
     grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_c))
     spare = torch.empty(1, dtype=dtype, device=x.device)  # stands for a copy not written
+    labels, lse, grad, start = ce_gradient if ce_gradient is not None else (amax, amax, amax, 0)  # unread without it
     _cast_kernel[grid](
         x, q if write_rows else spare, qt if write_transposed else spare, scale, amax, rows, cols,
-        torch.finfo(dtype).max, SCALE=kinds[strides], WRITE_ROWS=write_rows, WRITE_TRANSPOSED=write_transposed,
+        torch.finfo(dtype).max, labels, lse, grad, start, SCALE=kinds[strides], CE_GRADIENT=ce_gradient is not None, WRITE_ROWS=write_rows, WRITE_TRANSPOSED=write_transposed,
         AMAX=compute_amax, ROUND_FIRST=os.environ.get("TRITON_INTERPRET") == "1", MANTISSA=mantissa,
         MIN_EXPONENT=min_exponent, IN_MANTISSA=in_mantissa, IN_MIN_EXPONENT=in_min_exponent, BLOCK_R=block_r,
         BLOCK_C=block_c, num_warps=warps,

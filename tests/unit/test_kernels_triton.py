@@ -66,6 +66,29 @@ def test_fp8_cast_kernel_tiles_agree(tile):
     assert got[2].item() == want[2].item() == t.float().abs().max().item()
 
 
+def test_fp8_cast_kernel_makes_the_cross_entropy_gradient_on_the_way():
+    """The cast kernel given a chunk of bf16 logits and ``ce_gradient`` casts their gradient
+    ``(softmax - onehot) * grad`` (the FP8 output layer's one pass) to the bytes the reference makes
+    from ``chunk_backward_reference``'s bf16 gradient, both layouts, ragged tiles; labels outside
+    the chunk and ignored rows (grad 0) included."""
+    from meshtron.kernels.cross_entropy import chunk_backward_reference
+    from meshtron.kernels.fp8_cast import cast_reference
+    from meshtron.kernels.triton_fp8_cast import cast
+
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(70, 100, generator=gen) * 4).bfloat16()
+    start, labels = 200, torch.randint(150, 350, (70,), generator=gen)  # about half inside columns 200..299
+    lse = torch.logsumexp(logits.float(), 1) + 0.5  # other chunks' share of the sum
+    grad = torch.rand(70, generator=gen) / 70
+    grad[::7] = 0.0
+    dtype = torch.float8_e5m2
+    scale = torch.finfo(dtype).max / grad.max()
+    want = cast_reference(chunk_backward_reference(logits.clone(), labels, start, lse, grad), scale, dtype, True, True, False)
+    got = cast(logits, scale, dtype, True, True, False, ce_gradient=(labels, lse, grad, start))
+    for a, b in zip(got[:2], want[:2]):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
 @pytest.mark.parametrize("family", ["ocp", "fnuz"])
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "rowwise"])
 def test_fp8_linear_with_kernels_equals_reference(recipe, family):
