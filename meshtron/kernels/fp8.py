@@ -23,8 +23,8 @@ cast per micro batch does there), while casting again would scale the later micr
 amax the first one pushed (the same value unless the last optimizer step moved the weight's
 amax). The history's weight row gets one entry a step instead of one per micro batch (the same
 amax each time), so for weights ``--fp8-amax-history-len`` counts steps. Blocks under
-``torch.compile`` cast per micro batch: a lookup keyed by parameter, traced, would guard each
-compiled block on the cache's contents.
+``torch.compile`` cast per micro batch: a lookup keyed by parameter, traced, guards the compiled
+code on the cache's keys, so every block would compile again.
 
 ``_scaled_mm`` wants every GEMM dimension a multiple of 16 and its second operand column-major
 (blockwise: multiples of 128, the block); a layer whose features are not such multiples, or a call
