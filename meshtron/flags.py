@@ -338,8 +338,9 @@ _TP_OVERLAP_NOTES = {
         "disable-tp-comm-overlap-ag", "disable-tp-comm-overlap-rs", "disable-tp-comm-split-ag", "disable-tp-comm-split-rs",
         "disable-tp-comm-bulk-dgrad", "disable-tp-comm-bulk-wgrad", "tp-comm-overlap-rs-dgrad")},
 }
-_FP8_WEIGHT_CACHE = ("always, within a step: each FP8 weight is cast once a step of several micro batches, its row-major "
-                     "and transposed copies kept until the step ends; activations and gradients are cast per GEMM")
+_FP8_WEIGHT_CACHE = ("always: with several micro batches a step, each FP8 weight is cast once a step and its row-major and "
+                     "transposed copies kept until the step ends (linears in --compile'd blocks: once per micro batch); "
+                     "activations and gradients are cast per GEMM")
 _PRECISION_NOTES = {
     "transformer-impl": (True, "always meshtron's own layers (Megatron's 'local': PyTorch modules, Triton kernels per --fused-kernels); "
                                "Transformer Engine is never used, FP8 comes from --fp8-format (torchao or meshtron's kernels)"),
