@@ -1,7 +1,7 @@
 """B3 (Llama-3-8B layers x 8, 128 K vocabulary, seq 8192, micro batch 1, global batch 1) in bf16
 and under FP8 recipes, one training process per side, on one GPU:
 
-    python benchmarks/b3_fp8_recipes.py [--steps 6] [--warmup 3] [--sides bf16,delayed,blockwise]
+    python benchmarks/b3_fp8_recipes.py [--steps 6] [--warmup 3] [--sides bf16,delayed,blockwise] [--global-batch-size 8]
 
 Sides: ``bf16``; ``delayed`` (``--fp8-format hybrid``, the default recipe: B3's FP8 figure in issue
 31), ``delayed_head`` (the same with ``--fp8-output-layer``: the output layer's GEMMs in FP8 too),
@@ -10,6 +10,10 @@ blockwise``, DeepSeek-V3's 1 x 128 / 128 x 128 scales). Each side is ``train_ben
 training loop with mock data (steps timed with CUDA events after warm-up); the table gives tokens/s,
 model TFLOP/s (bf16-equivalent FLOPs, as every B3 figure), step time, peak memory, the ratio to
 bf16, and the losses of the timed steps (the same data on every side: FP8 should stay close).
+
+``--global-batch-size N`` runs every side with N sequences a step (N micro batches of 1: gradient
+accumulation), where each FP8 weight is cast once for the step's micro batches
+(``kernels/step_cache.py``); against the same sides on the tree before that, it measures the casts saved.
 """
 
 from __future__ import annotations
@@ -61,13 +65,16 @@ def compare(workload: str, flags: list[str], sides: dict[str, list[str]], defaul
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--sides", default=default_sides, help=f"comma-separated, of {', '.join(sides)}")
     parser.add_argument("--limit", type=int, default=150, help="seconds each side may take, start-up included")
+    parser.add_argument("--global-batch-size", type=int, default=0,
+                        help="sequences a step on every side (micro batches of the workload's size); 0: the workload's own")  # fmt: skip
     args = parser.parse_args()
     chosen = args.sides.split(",")
     unknown = [s for s in chosen if s not in sides]
     if unknown:
         parser.error(f"unknown sides {unknown}; choose from {', '.join(sides)}")
-    results = {name: run_side(name, flags + sides[name], args.steps, args.warmup, args.limit) for name in chosen}
-    print_table(workload, results, args.steps, args.warmup)
+    batch = ["--global-batch-size", str(args.global_batch_size)] if args.global_batch_size else []  # last: it wins
+    results = {name: run_side(name, flags + sides[name] + batch, args.steps, args.warmup, args.limit) for name in chosen}
+    print_table(workload + (f", global batch {args.global_batch_size}" if batch else ""), results, args.steps, args.warmup)
 
 
 def print_table(workload: str, results: dict[str, dict | None], steps: int, warmup: int) -> None:

@@ -17,7 +17,9 @@ Three parts, for the first pipeline stage (the embedding and the most micro batc
 - activations: what autograd keeps per token per block in the fused GPU path (see
   ``activation_bytes_per_token_layer``), times each block's tokens (T5's decoder blocks see the
   decoder's, the retriever's towers a query and a context each), the stage's blocks and the micro
-  batches in flight, plus the output layer's loss workspace.
+  batches in flight, plus the output layer's loss workspace;
+- FP8 weight copies: with FP8 and several micro batches a step, the FP8 copies of the stage's
+  block weights kept for the step (``fp8_weight_copy_bytes``).
 
 Transient buffers of the allocator (fragmentation, cuBLAS workspaces, all-to-all staging), uneven
 expert loads (the routed-expert terms assume every expert gets its share) and the inference path
@@ -36,9 +38,12 @@ from meshtron.training.vocab import model_vocab_size, run_tokenizer
 from meshtron.validation import validate
 from meshtron.kernels.cross_entropy import CHUNK_ELEMENTS, default_chunk_size
 from meshtron.kernels.cross_entropy_sum import LOGITS_BUDGET_BYTES, block_tokens_for
+from meshtron.kernels.fp8 import resolve_backend
+from meshtron.kernels.fp8_scaling import Fp8Recipe
 from meshtron.layers.attention import head_dim, num_kv_heads
 from meshtron.layers.mlp import ffn_hidden_size
 from meshtron.layers.moe.experts import expert_ffn_hidden_size
+from meshtron.layers.moe.fp8_grouped_gemm import fp8_experts
 from meshtron.models import num_blocks, padded_vocab_size, parameter_count, pipeline_costs, spec_for
 from meshtron.models.mtp import mtp_parameter_count
 from meshtron.parallel.mesh import GROUP_DIMS, Mesh
@@ -61,6 +66,7 @@ class MemoryEstimate:
     activation_bytes: int
     loss_bytes: int
     gathered_bytes: int = 0  # FSDP2's unsharded copies while a block runs (``fsdp_gathered_bytes``)
+    fp8_weight_bytes: int = 0  # the block weights' FP8 copies kept for a step (``fp8_weight_copy_bytes``)
 
     @property
     def params(self) -> int:
@@ -68,12 +74,14 @@ class MemoryEstimate:
 
     @property
     def total_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes + self.loss_bytes + self.gathered_bytes
+        return (self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes + self.loss_bytes + self.gathered_bytes
+                + self.fp8_weight_bytes)  # fmt: skip
 
     def table(self) -> str:
         rows = [("parameters", self.param_bytes), ("gradients (fp32 buffer)", self.grad_bytes),
                 ("optimizer (masters + state)", self.optimizer_bytes), ("activations", self.activation_bytes),
                 ("loss workspace", self.loss_bytes)] + ([("FSDP2 gathered (transient)", self.gathered_bytes)] if self.gathered_bytes else [])
+        rows += [("FP8 weight copies (a step)", self.fp8_weight_bytes)] if self.fp8_weight_bytes else []
         rows += [("total", self.total_bytes)]  # fmt: skip
         split = f" (dense {self.dense_params / 1e6:,.1f} M, routed experts {self.expert_params / 1e6:,.1f} M)" if self.expert_params else ""
         lines = [f"parameters on this rank: {self.params / 1e6:,.1f} M{split}"]
@@ -99,18 +107,24 @@ def _vocab(cfg: Config) -> int:
     return padded_vocab_size(m.vocab_size or 32000, m.make_vocab_size_divisible_by, cfg.parallel.tensor_parallel)
 
 
+def micro_batches(cfg: Config, world_size: int = 1) -> int:
+    """Micro batches a data-parallel rank runs per step out of ``world_size``."""
+    t = cfg.train
+    return t.global_batch_size // max(1, t.micro_batch_size * data_parallel_size(cfg, world_size))
+
+
 def first_stage_blocks(cfg: Config, count: int, world_size: int = 1) -> list[int]:
     """Indices (of ``count`` blocks in model order) that pipeline rank 0 holds, over its virtual
     chunks, under the split training uses (``pipeline_split``, refined for the micro batches a
     data-parallel rank runs out of ``world_size``)."""
     from meshtron.parallel.setup import schedule_kind
 
-    p, t = cfg.parallel, cfg.train
+    p = cfg.parallel
     if p.pipeline_parallel == 1:
         return list(range(count))
     blocks = num_blocks(cfg.model)
     virtual = virtual_stages(p, blocks)
-    micro = t.global_batch_size // max(1, t.micro_batch_size * data_parallel_size(cfg, world_size))
+    micro = micro_batches(cfg, world_size)
     costs = pipeline_costs(cfg.model, _vocab(cfg), cfg.data.seq_length)
     kind = schedule_kind(p, virtual)
     ranges = pipeline_split(p, blocks, virtual, costs, kind, micro)
@@ -273,7 +287,7 @@ def activation_bytes(cfg: Config, world_size: int = 1) -> int:
     all_blocks = block_activations(cfg)
     blocks = [all_blocks[i] for i in first_stage_blocks(cfg, len(all_blocks), world_size)]
     depths = all_blocks[-1][1] * m.mtp_num_layers if p.pipeline_parallel == 1 else 0
-    micro = t.global_batch_size // (t.micro_batch_size * max(1, data_parallel_size(cfg, world_size)))
+    micro = micro_batches(cfg, world_size)
     in_flight = min(p.pipeline_parallel, micro) if p.pipeline_parallel > 1 else 1
     # --moe-layer-recompute: one MoE layer's activations exist again while its backward runs. Full
     # recompute counts the rerun group below; its MoE layer's backward adds the expert rows'
@@ -369,7 +383,25 @@ def estimate(cfg: Config, world_size: int = 1) -> MemoryEstimate:
         param_bytes, grad_bytes = DTYPE_BYTES[t.precision] * params.total, 4 * params.total
         opt_bytes = optimizer_bytes((4 if t.precision != "fp32" else 0) + (1 if fused else 0), p.use_distributed_optimizer)
     return MemoryEstimate(params.dense, params.expert, param_bytes, grad_bytes, opt_bytes, activation_bytes(cfg, world_size), loss_bytes(cfg),
-                          fsdp_gathered_bytes(cfg, world_size))  # fmt: skip
+                          fsdp_gathered_bytes(cfg, world_size), fp8_weight_copy_bytes(cfg, world_size))  # fmt: skip
+
+
+def fp8_weight_copy_bytes(cfg: Config, world_size: int = 1) -> int:
+    """The FP8 copies a step of several micro batches keeps of the first stage's block weights
+    (``kernels/step_cache.py``): both layouts, 1 byte each, of every linear weight in the blocks
+    (meshtron's FP8 linears; none on torchao's backend or under ``--compile``, which cast per micro
+    batch; a linear too narrow for FP8 is counted all the same) and, with FP8 experts, of the routed
+    experts' weights; whole weights, also under FSDP2 (the copies are of the gathered weight). Zero
+    without FP8 or with one micro batch a step."""
+    m, p = cfg.model, cfg.parallel
+    if not m.fp8_format or micro_batches(cfg, world_size) <= 1:
+        return 0
+    parts = rank_parameters(m, _vocab(cfg), cfg.data.seq_length, p.tensor_parallel, p.expert_parallel, p.expert_tensor_parallel)
+    blocks = [parts.blocks[i] for i in first_stage_blocks(cfg, len(parts.blocks), world_size)]
+    meshtron_linears = resolve_backend(Fp8Recipe(m.fp8_format, m.fp8_recipe), m.fp8_backend, p.tensor_parallel > 1) == "meshtron"
+    linears = sum(b.dense_matrix for b in blocks) if meshtron_linears and not cfg.train.compile else 0
+    experts = sum(b.expert_matrix for b in blocks) if fp8_experts(m) else 0
+    return 2 * (linears + experts)
 
 
 def fsdp_gathered_bytes(cfg: Config, world_size: int = 1) -> int:

@@ -338,13 +338,16 @@ _TP_OVERLAP_NOTES = {
         "disable-tp-comm-overlap-ag", "disable-tp-comm-overlap-rs", "disable-tp-comm-split-ag", "disable-tp-comm-split-rs",
         "disable-tp-comm-bulk-dgrad", "disable-tp-comm-bulk-wgrad", "tp-comm-overlap-rs-dgrad")},
 }
+_FP8_WEIGHT_CACHE = ("always: with several micro batches a step, each FP8 weight is cast once a step and its row-major and "
+                     "transposed copies kept until the step ends (linears in --compile'd blocks: once per micro batch); "
+                     "activations and gradients are cast per GEMM")
 _PRECISION_NOTES = {
     "transformer-impl": (True, "always meshtron's own layers (Megatron's 'local': PyTorch modules, Triton kernels per --fused-kernels); "
                                "Transformer Engine is never used, FP8 comes from --fp8-format (torchao or meshtron's kernels)"),
     "fp8-interval": (True, "deprecated and ignored by Megatron too: delayed scaling updates its amax history every call"),
     "fp8-param-gather": (False, "never: parameters are gathered in the compute dtype"),
-    "keep-fp8-transpose-cache": (False, "never: FP8 copies are made per GEMM and not cached"),
-    "keep-fp8-weight-transpose-cache-te": (False, "never: FP8 copies are made per GEMM and not cached"),
+    "keep-fp8-transpose-cache": (False, _FP8_WEIGHT_CACHE),
+    "keep-fp8-weight-transpose-cache-te": (False, _FP8_WEIGHT_CACHE),
     "reuse-grad-buf-for-mxfp8-param-ag": (False, "not applicable: meshtron has no MXFP8"),
     "main-grads-dtype": (True, "fp32: gradients accumulate in the fp32 gradient buffer"),
     "main-params-dtype": (True, "fp32: the optimizer's master weights"),

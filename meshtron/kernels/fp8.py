@@ -11,6 +11,21 @@ Each operand is cast once per layout it is used in by ``meshtron.kernels.fp8_cas
 pass writes both the row-major and the transposed copy on GPUs), so no GEMM needs a transposed
 copy of its own; the forward saves only the transposed copies the backward reads (1 byte each).
 
+Weights across micro batches: inside ``step_cache``'s scope (the runner opens it around a step of
+several micro batches, where no weight changes) a weight is cast once, at its first forward with
+grad, in both layouts, and every later micro batch and every recomputed forward of the step reads
+those copies (``_weight_copies``), as Transformer Engine's ``is_first_microbatch`` does (B3's
+blocks hold 1.74 G weight elements, read and cast again by each micro batch otherwise). The copies
+stay until the step ends, 2 bytes per weight element (``meshtron estimate`` counts them). Every
+recipe's weight copies are a function of the weight alone, except delayed scaling's, which read
+the weight's amax history: the step's copies carry the scale its first micro batch reads (as a
+cast per micro batch does there), while casting again would scale the later micro batches from the
+amax the first one pushed (the same value unless the last optimizer step moved the weight's
+amax). The history's weight row gets one entry a step instead of one per micro batch (the same
+amax each time), so for weights ``--fp8-amax-history-len`` counts steps. Blocks under
+``torch.compile`` cast per micro batch: a lookup keyed by parameter, traced, guards the compiled
+code on the cache's keys, so every block would compile again.
+
 ``_scaled_mm`` wants every GEMM dimension a multiple of 16 and its second operand column-major
 (blockwise: multiples of 128, the block); a layer whose features are not such multiples, or a call
 whose token count is not, runs the plain bf16 ``F.linear`` instead.
@@ -29,8 +44,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshtron.kernels import deferred_wgrad, platform
+from meshtron.kernels import deferred_wgrad, platform, step_cache
 from meshtron.kernels.fp8_blockwise import block_mm
+from meshtron.kernels.fp8_cast import Quantized
 from meshtron.kernels.fp8_scaling import (
     Fp8Recipe,
     Fp8Scaling,
@@ -92,10 +108,24 @@ def _weight_grad_into_main_grad(param: torch.Tensor, scaling: Fp8Scaling, g_t: t
     deferred_wgrad.defer_or_run(param, wgrad)
 
 
+def _weight_copies(weight: torch.Tensor, scaling: Fp8Scaling, transposed: bool, seeded: bool, update: bool) -> Quantized:
+    """The weight's FP8 copies: made once a step (both layouts, read by every micro batch and
+    recomputed forward) by a forward with grad (``update``) where ``step_cache`` keeps them, else
+    those this call needs. An evaluation forward never leaves a copy lacking the transposed layout."""
+
+    def cast(with_transposed: bool) -> Quantized:
+        return scaling.quantize(weight, "weight", True, with_transposed, seeded, update)
+
+    if update and not torch.compiler.is_compiling() and step_cache.keeps(weight):
+        return step_cache.derived(weight, f"fp8 linear {id(scaling)}", lambda: cast(True))
+    return cast(transposed)
+
+
 class _Fp8Linear(torch.autograd.Function):
     """y = x w^T with all three GEMMs in FP8 (bias added outside, in the input's dtype).
 
-    Forward casts x and w row-major for its GEMM and transposed for the backward's (saved);
+    Forward casts x and w row-major for its GEMM and transposed for the backward's (saved; w's
+    copies once a step where ``_weight_copies`` keeps them);
     backward casts the output gradient both ways: grad_x = g @ w reads g's rows and w's
     transposed copy, grad_w = g^T @ x reads both transposed copies. ``into_main_grad``: grad_w goes
     into ``weight.main_grad`` (``_weight_grad_into_main_grad``), autograd gets none.
@@ -107,7 +137,7 @@ class _Fp8Linear(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         need_x_grad, need_w_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         xq = scaling.quantize(x2, "input", True, need_w_grad, seeded, update)
-        wq = scaling.quantize(weight, "weight", True, need_x_grad, seeded, update)
+        wq = _weight_copies(weight, scaling, need_x_grad, seeded, update)
         ctx.save_for_backward(xq.transposed, xq.transposed_inv, wq.transposed, wq.transposed_inv)
         ctx.scaling, ctx.seeded, ctx.update = scaling, seeded, update
         ctx.x_dtype, ctx.w_dtype = x.dtype, weight.dtype
@@ -185,6 +215,19 @@ def check_fp8_device(device: torch.device) -> None:
         raise ValueError(refusal)
 
 
+def _torchao_fits(recipe: Fp8Recipe, tensor_parallel: bool) -> bool:
+    return recipe.format == "hybrid" and recipe.recipe == "tensorwise" and not tensor_parallel
+
+
+def resolve_backend(recipe: Fp8Recipe, backend: str, tensor_parallel: bool) -> str:
+    """The backend ``--fp8-backend`` means for blocks with (``tensor_parallel``) or without
+    tensor-parallel linears: ``auto`` is torchao where it applies (see ``apply_fp8``), else meshtron."""
+    if backend != "auto":
+        return backend
+    ocp = platform_family() == "ocp"
+    return "torchao" if torchao_available() and _torchao_fits(recipe, tensor_parallel) and ocp else "meshtron"
+
+
 def apply_fp8(blocks: nn.Module, recipe: Fp8Recipe, backend: str = "auto") -> str:
     """Turn the linear layers under ``blocks`` (the transformer blocks: the embedding and output
     layer stay bf16, as in Transformer Engine recipes; ``--fp8-output-layer`` converts the latter
@@ -199,12 +242,9 @@ def apply_fp8(blocks: nn.Module, recipe: Fp8Recipe, backend: str = "auto") -> st
     """
     grad_dtype(recipe.format)  # validates the format
     parallel = [m for m in blocks.modules() if hasattr(m, "fp8") and not isinstance(m, nn.Linear)]
-    torchao_fits = recipe.format == "hybrid" and recipe.recipe == "tensorwise" and not parallel
-    if backend == "auto":
-        ocp = platform_family() == "ocp"
-        backend = "torchao" if torchao_available() and torchao_fits and ocp else "meshtron"
+    backend = resolve_backend(recipe, backend, bool(parallel))
     if backend == "torchao":
-        if not torchao_fits:
+        if not _torchao_fits(recipe, bool(parallel)):
             raise ValueError("the torchao FP8 backend takes --fp8-format hybrid --fp8-recipe tensorwise without tensor "
                              "parallelism; use --fp8-backend meshtron")  # fmt: skip
         from torchao.float8 import convert_to_float8_training

@@ -1,9 +1,9 @@
 """Values derived from parameters (their FP8 copies) kept over one step's micro batches.
 
-Why: the FP8 experts cast every expert weight before their GEMMs; with several micro batches a
-step (gradient accumulation) the same weights would be cast again for each, and at a few hundred
-rows per expert the cast costs about what the FP8 GEMMs save. Inside ``scope()`` a value is made
-once per parameter and reused by later micro batches and by recomputed forwards.
+Why: FP8 linears and the FP8 experts cast every weight before their GEMMs; with several micro
+batches a step (gradient accumulation) the same weights would be cast again for each (at a few
+hundred rows per expert the cast costs about what the FP8 GEMMs save). Inside ``scope()`` a value
+is made once per parameter and reused by later micro batches and by recomputed forwards.
 
 The runner opens the scope around one step's forward and backward passes of several micro batches,
 where no parameter changes; outside it nothing is kept (and nothing outlives it). Only

@@ -101,8 +101,8 @@ class Runner:
 
         seq_shards = mesh.tp if self.sequence_parallel else 1
         no_sync = None if forward_only else self.optimizer.no_sync
-        # Several micro batches: values derived from the (unchanging) parameters, the FP8 experts'
-        # weight copies, are made once for all of them (kernels.step_cache).
+        # Several micro batches: values derived from the (unchanging) parameters, the FP8 linears'
+        # and experts' weight copies, are made once for all of them (kernels.step_cache).
         with step_cache.scope() if len(batches) > 1 else contextlib.nullcontext():
             forward_backward(self.schedule, self.stages, batches, mesh, step, self.dtype, seq_shards,
                              no_sync=no_sync, forward_only=forward_only, timed=timed)  # fmt: skip

@@ -1,7 +1,10 @@
 """FP8 on the GPU: the Triton cast(+transpose) kernel bit-equal to the reference cast at a block's
 shape; each recipe's three ``_scaled_mm`` GEMMs in bf16 against the fp32 simulation of the same
 quantized operands, and their distance from the plain GEMMs; the cast kernel's speed. In the
-platform's FP8 family (OCP on NVIDIA and gfx950, fnuz on gfx942); skipped where FP8 is refused."""
+platform's FP8 family (OCP on NVIDIA and gfx950, fnuz on gfx942); skipped where FP8 is refused.
+Also the FP8 weight copies made once a step of several micro batches against once per micro batch."""
+
+import contextlib
 
 import pytest
 import torch
@@ -162,3 +165,57 @@ def test_fp8_output_layer_speed_b3_shape():
         ms[name] = start.elapsed_time(end) / 5
     print(f"output layer + loss at B3's shape: bf16 {ms['bf16']:.2f} ms, fp8 {ms['fp8']:.2f} ms ({ms['bf16'] - ms['fp8']:.2f} ms saved)")
     assert ms["fp8"] < ms["bf16"]
+
+
+@pytest.mark.gpu
+def test_fp8_weight_copies_once_a_step_gpu():
+    """A step of 4 micro batches through 8 FP8 linears of Llama-3-8B's MLP shape (4 x (4096 -> 14336
+    -> 4096), bf16, delayed scaling, 4096 tokens a micro batch) with the weights cast once for the
+    step (``kernels/step_cache.py``'s scope, as the runner opens it) and cast per micro batch: the
+    same outputs and gradients, bit for bit (the weights do not change, so delayed scaling reads the
+    same scales either way); prints the step time of both."""
+    from meshtron.kernels import step_cache
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [(4096, 14336), (14336, 4096)] * 4
+    weights = [(torch.randn(n, k, device="cuda", generator=gen) * 0.02).bfloat16() for k, n in shapes]
+    xs = [torch.randn(4096, 4096, device="cuda", generator=gen).bfloat16() for _ in range(4)]
+
+    def build() -> torch.nn.Sequential:
+        layers = torch.nn.Sequential(*(torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16) for k, n in shapes))
+        for layer, w in zip(layers, weights):
+            layer.weight.data.copy_(w)
+        fp8.apply_fp8(layers, Fp8Recipe("hybrid", "delayed"), "meshtron")
+        return layers
+
+    def step(layers, cached: bool):
+        layers.zero_grad()
+        outs, grads_x = [], []
+        with step_cache.scope() if cached else contextlib.nullcontext():
+            for x in xs:
+                x = x.clone().requires_grad_()
+                y = layers(x)
+                y.float().square().mean().backward()
+                outs.append(y.detach())
+                grads_x.append(x.grad)
+        return outs, grads_x, [layer.weight.grad.clone() for layer in layers]
+
+    ms, results = {}, {}
+    for cached in (False, True):
+        layers = build()
+        for _ in range(2):  # warm-up; the first step seeds the histories
+            step(layers, cached)
+        times = []
+        for _ in range(5):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            results[cached] = step(layers, cached)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        ms[cached] = sorted(times)[len(times) // 2]
+    elements = sum(k * n for k, n in shapes)
+    print(f"4 micro batches through 8 FP8 linears ({elements / 1e6:.0f} M weight elements): weights cast per micro batch "
+          f"{ms[False]:.2f} ms, once a step {ms[True]:.2f} ms ({ms[False] - ms[True]:.2f} ms saved)")  # fmt: skip
+    for got, want in zip(results[True], results[False]):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -1,21 +1,23 @@
 """``--compile`` compiles each block in place: same names, same numbers (checked with the
 ``aot_eager`` backend, which traces forward and backward like inductor without generating code),
 also through the FP8 linear's autograd function, each recipe (blockwise: its custom ops), delayed scaling past its first call
-(the amax histories updated inside the compiled forward and backward)."""
+(the amax histories updated inside the compiled forward and backward), and inside a step's
+``step_cache`` scope (compiled blocks cast their weights per micro batch)."""
 
+import contextlib
 import dataclasses
 
 import pytest
 import torch
 
 from meshtron.config import build_config
-from meshtron.kernels import fp8
+from meshtron.kernels import fp8, step_cache
 from meshtron.kernels.fp8_scaling import Fp8Recipe
 from meshtron.models import build_model
 from meshtron.parallel.setup import compile_blocks
 
 
-def _loss_and_grads(compiled: bool, fp8_recipe: str = ""):
+def _loss_and_grads(compiled: bool, fp8_recipe: str = "", micro: int = 1, scoped: bool = False):
     blockwise = fp8_recipe == "blockwise"  # every GEMM dimension a multiple of 128, all e4m3
     width, seq = (128, 64) if blockwise else (64, 16)
     cfg = build_config(overrides=["--model.preset", "tiny-llama", "--num-layers", "2"]).model
@@ -23,7 +25,7 @@ def _loss_and_grads(compiled: bool, fp8_recipe: str = ""):
     torch.manual_seed(0)
     model = build_model(cfg, 128, seq)
     if fp8_recipe:
-        recipe = Fp8Recipe("e4m3" if blockwise else "hybrid", fp8_recipe, amax_history_len=2, amax_compute_algo="max")
+        recipe = Fp8Recipe("e4m3" if blockwise else "hybrid", fp8_recipe, amax_history_len=4, amax_compute_algo="max")
         fp8.apply_fp8(model.layers, recipe, "meshtron")
     if compiled:
         compile_blocks(model.blocks(), backend="aot_eager")
@@ -33,17 +35,23 @@ def _loss_and_grads(compiled: bool, fp8_recipe: str = ""):
     for _ in range(1 if blockwise else 2):
         model.zero_grad()
         tokens = torch.randint(0, 128, (2, seq), generator=gen)
-        loss = model(tokens, labels=torch.roll(tokens, -1, 1)).mean()
-        loss.backward()
+        with step_cache.scope() if scoped else contextlib.nullcontext():  # the runner's, around a step's micro batches
+            for batch in tokens.chunk(micro):
+                loss = model(batch, labels=torch.roll(batch, -1, 1)).mean()
+                loss.backward()
     return model, loss.detach(), {n: p.grad for n, p in model.named_parameters()}
 
 
 # rowwise compiled (~8 s on 2 cores) runs with the slow cases; its eager path is in test_fp8.py
-@pytest.mark.parametrize("fp8_recipe", ["", "delayed", pytest.param("rowwise", marks=pytest.mark.slow), "blockwise"])
-def test_compiled_blocks_match_eager(fp8_recipe):
+# scoped: two micro batches in the runner's step_cache scope, where compiled blocks look no weight
+# copy up (they cast per micro batch, as the eager blocks outside a scope).
+@pytest.mark.parametrize("fp8_recipe, scoped", [("", False), ("delayed", False), pytest.param("rowwise", False, marks=pytest.mark.slow),
+                                                ("blockwise", False), ("delayed", True)])  # fmt: skip
+def test_compiled_blocks_match_eager(fp8_recipe, scoped):
     torch._dynamo.reset()
-    ref_model, ref_loss, ref_grads = _loss_and_grads(False, fp8_recipe)
-    model, loss, grads = _loss_and_grads(True, fp8_recipe)
+    micro = 2 if scoped else 1
+    ref_model, ref_loss, ref_grads = _loss_and_grads(False, fp8_recipe, micro)
+    model, loss, grads = _loss_and_grads(True, fp8_recipe, micro, scoped)
     assert all(getattr(b, "_compiled_call_impl", None) is not None for b in model.layers)
     assert list(grads) == list(ref_grads)  # parameter names unchanged: checkpoints are unaffected
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
