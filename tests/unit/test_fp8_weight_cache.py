@@ -202,3 +202,28 @@ def test_estimate_counts_the_copies_of_a_step_of_several_micro_batches():
     experts = sum(b.expert_matrix for b in rank_parameters(build_config(overrides=moe).model, 32000, 256).blocks)
     with_experts = fp8_weight_copy_bytes(build_config(overrides=[*moe, "--model.moe_fp8", "rowwise"]))
     assert experts and with_experts - fp8_weight_copy_bytes(build_config(overrides=[*moe, "--model.moe_fp8", "off"])) == 2 * experts
+
+
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_a_training_step_through_the_runner_casts_each_weight_once(monkeypatch, micro_batches):
+    """Through ``build_runner`` (the FP8 device check bypassed: the CPU's ``_scaled_mm`` stands in),
+    a step of several micro batches casts each block linear's weight once (the runner opens the
+    scope), a step of one micro batch once as well; two steps, two casts each."""
+    from meshtron.parallel import setup
+    from meshtron.parallel.mesh import Mesh
+
+    monkeypatch.setattr(setup, "check_fp8_device", lambda device: None)
+    cfg = build_config(overrides=["--model.preset", "tiny-llama", "--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-size", "128",
+                                  "--vocab-size", "128", "--seq-length", "32", "--micro-batch-size", "2",
+                                  "--global-batch-size", str(2 * micro_batches), "--fp8-format", "hybrid", "--fp8-backend", "meshtron"])  # fmt: skip
+    runner = setup.build_runner(cfg, Mesh.from_config(cfg.parallel, world_size=1, rank=0, local_rank=0), 128, torch.device("cpu"), torch.float32)
+    linears = [m for m in runner.model.modules() if isinstance(m, fp8.Fp8Linear)]
+    casts = {id(m.fp8): _count_weight_casts(m.fp8) for m in linears}
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        batches = [{"tokens": torch.randint(0, 128, (2, 32), generator=g), "labels": torch.randint(0, 128, (2, 32), generator=g),
+                    "loss_mask": torch.ones(2, 32)} for _ in range(micro_batches)]  # fmt: skip
+        runner.optimizer.zero_grad()
+        runner.forward_backward(batches)
+    assert len(linears) == 2 * 4  # per block: qkv, projection, fc1, fc2
+    assert all(len(c) == 2 for c in casts.values()), {k: len(c) for k, c in casts.items()}
