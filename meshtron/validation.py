@@ -248,7 +248,7 @@ def zero_bubble_errors(cfg: Config, virtual: int) -> list[str]:
 def dropin_errors(cfg: Config) -> list[str]:
     """The flags of Megatron launch scripts that meshtron accepts but cannot honour with these
     values, and the fields they set (optimizer, W&B, profiler, timeouts)."""
-    m, d, t, p, log = cfg.model, cfg.data, cfg.train, cfg.parallel, cfg.logging
+    m, d, p, log = cfg.model, cfg.data, cfg.parallel, cfg.logging
     errors = noted_flag_errors(log.noted_flags)
     if "--no-position-embedding" in log.noted_flags and m.position_embedding_type != "rope":
         errors.append("--no-position-embedding: a model without any position information is not implemented; "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 from typing import Callable
 
 import torch
@@ -28,6 +29,12 @@ _TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
 def triton_available() -> bool:
     return _TRITON_INSTALLED
+
+
+def interpreted() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``: the CPU tests), where
+    some kernels take their reference's rounding or a simpler launch."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def use_triton(mode: str, x: torch.Tensor) -> bool:

@@ -16,20 +16,15 @@ writes an operand's FP8 copies with their block scales, and the GEMM that applie
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from meshtron.kernels import platform
+from meshtron.kernels import interpreted, platform
 from meshtron.kernels.triton_fp8_cast import GRID, round_to_grid
 
 BLOCK = 128  # the recipe's block: a scale per 1 x 128 or 128 x 128 values
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -110,7 +105,7 @@ def block_cast(x: torch.Tensor, dtype: torch.dtype, tile: bool, write_rows: bool
     _block_cast_kernel[(blocks_r, blocks_c)](
         x, q if write_rows else spare, qt if write_transposed else spare, inv, inv_t, rows, cols,
         torch.finfo(dtype).max, floor, TILE=tile, WRITE_ROWS=write_rows, WRITE_TRANSPOSED=write_transposed,
-        ROUND_FIRST=_interpreted(), MANTISSA=mantissa, MIN_EXPONENT=min_exponent, BLOCK=BLOCK, num_warps=8,
+        ROUND_FIRST=interpreted(), MANTISSA=mantissa, MIN_EXPONENT=min_exponent, BLOCK=BLOCK, num_warps=8,
     )  # fmt: skip
     return q, inv, qt, inv_t
 
@@ -181,7 +176,7 @@ def block_mm(a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor, b_inv: torch
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     args = (a, b, out, a_inv, b_inv, m, n, k, *a_inv.stride(), *b_inv.stride())
     rows_per_scale = 1 if b_inv.shape[0] == n else BLOCK
-    if _interpreted():
+    if interpreted():
         grid = (triton.cdiv(m, _INTERPRETER_CONFIG["BLOCK_M"]) * triton.cdiv(n, _INTERPRETER_CONFIG["BLOCK_N"]),)
         _block_mm_kernel[grid](*args, B_ROWS_PER_SCALE=rows_per_scale, UPCAST=True, **_INTERPRETER_CONFIG)
     else:

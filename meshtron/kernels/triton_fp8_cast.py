@@ -11,11 +11,11 @@ was as many load instructions as the tile has values). Imported only when a kern
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from meshtron.kernels import interpreted
 
 # (rows, columns, warps) of a tile: the transposed store stays coalesced after Triton's layout
 # change; benchmarks/fp8_cast_sweep.py times the candidates on a GPU.
@@ -119,7 +119,7 @@ def cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, write_rows: b
     _cast_kernel[grid](
         x, q if write_rows else spare, qt if write_transposed else spare, scale, amax, rows, cols,
         torch.finfo(dtype).max, labels, lse, grad, start, SCALE=kinds[strides], CE_GRADIENT=ce_gradient is not None, WRITE_ROWS=write_rows, WRITE_TRANSPOSED=write_transposed,
-        AMAX=compute_amax, ROUND_FIRST=os.environ.get("TRITON_INTERPRET") == "1", MANTISSA=mantissa,
+        AMAX=compute_amax, ROUND_FIRST=interpreted(), MANTISSA=mantissa,
         MIN_EXPONENT=min_exponent, IN_MANTISSA=in_mantissa, IN_MIN_EXPONENT=in_min_exponent, BLOCK_R=block_r,
         BLOCK_C=block_c, num_warps=warps,
     )  # fmt: skip

@@ -13,12 +13,12 @@ separate kernels. Imported only when a kernel runs.
 
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from meshtron.kernels import interpreted
 from meshtron.kernels.fp8_cast import AMAX_FLOOR
 from meshtron.kernels.triton_fp8_cast import GRID, round_to_grid
 
@@ -118,7 +118,7 @@ _rows_tuned = triton.autotune(configs=_ROW_CONFIGS, key=["K"])(_rows_kernel)
 def _launch(kernel, tuned, w: torch.Tensor, *args, **meta) -> None:
     """``kernel`` over w [E, N, K]'s tiles: autotuned on a GPU, one fixed tile under the interpreter."""
     experts, n, k = w.shape
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreted():
         grid = (experts, triton.cdiv(n, _INTERPRETER_TILE["BLOCK_N"]), triton.cdiv(k, _INTERPRETER_TILE["BLOCK_K"]))
         kernel[grid](w, *args, **meta, **_INTERPRETER_TILE)
     else:
@@ -147,7 +147,7 @@ def cast_weights(w: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tens
     _launch(
         _cast_kernel, _cast_tuned, w, spare if q is None else q, spare if qt is None else qt, row_scale.float().contiguous(),
         col_scale.float().contiguous(), n, k, torch.finfo(dtype).max, WRITE_ROWS=write_rows, WRITE_TRANSPOSED=write_transposed,
-        ROUND_FIRST=os.environ.get("TRITON_INTERPRET") == "1", MANTISSA=mantissa, MIN_EXPONENT=min_exponent,
+        ROUND_FIRST=interpreted(), MANTISSA=mantissa, MIN_EXPONENT=min_exponent,
         IN_MANTISSA=in_mantissa, IN_MIN_EXPONENT=in_min_exponent,
     )  # fmt: skip
     return q, qt
@@ -160,11 +160,11 @@ def cast_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
     inv = torch.empty(rows, dtype=torch.float32, device=x.device)
     mantissa, min_exponent = GRID[dtype]
     in_mantissa, in_min_exponent = GRID.get(x.dtype, (0, 0))
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    in_interpreter = interpreted()
     args = (x, q, inv, rows, k, torch.finfo(dtype).max)
-    meta = dict(ROUND_FIRST=interpreted, MANTISSA=mantissa, MIN_EXPONENT=min_exponent, IN_MANTISSA=in_mantissa,
+    meta = dict(ROUND_FIRST=in_interpreter, MANTISSA=mantissa, MIN_EXPONENT=min_exponent, IN_MANTISSA=in_mantissa,
                 IN_MIN_EXPONENT=in_min_exponent)  # fmt: skip
-    if interpreted:
+    if in_interpreter:
         _rows_kernel[(triton.cdiv(rows, _INTERPRETER_ROWS["BLOCK_M"]),)](*args, **meta, **_INTERPRETER_ROWS)
     else:
         _rows_tuned[lambda c: (triton.cdiv(rows, c["BLOCK_M"]),)](*args, **meta)

@@ -35,13 +35,12 @@ descriptor of the group's own rows, made on the device, which clips the tile at 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from meshtron.kernels import platform
+from meshtron.kernels import interpreted, platform
 
 
 def _configs(tiles: list[tuple[int, int, int, int, int]]) -> list:
@@ -258,10 +257,6 @@ _weight_grad_tuned = triton.autotune(configs=_all_configs("weight_grad"), key=["
                                      prune_configs_by={"early_config_prune": _pruner("weight_grad")})(_weight_grad_kernel)  # fmt: skip
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def tma_rows_usable(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``rows_times_group(a, b)`` can take the TMA kernel: a CUDA GPU of compute capability
     9 or later (not ROCm) with Triton's device-side descriptors, bf16 or fp16, ``a`` contiguous,
@@ -319,7 +314,7 @@ def group_offsets(group_sizes: torch.Tensor) -> torch.Tensor:
 
 def rows_times_group(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """a [R, K] and b [E, K, N] (any strides) -> [R, N]: each group's rows times its b[g]."""
-    if not _interpreted() and tma_rows_usable(a, b):
+    if not interpreted() and tma_rows_usable(a, b):
         return rows_times_group_tma(a, b, offsets, _sm_count(a.device))
     rows, k = a.shape
     experts, _, n = b.shape
@@ -328,7 +323,7 @@ def rows_times_group(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) ->
         return out
     args = (a, b, out, offsets, n, k, a.stride(0), a.stride(1), *b.stride(), out.stride(0), out.stride(1))
     meta = dict(E=experts, BLOCK_E=triton.next_power_of_2(experts), IEEE=a.dtype == torch.float32)
-    if _interpreted():
+    if interpreted():
         grid = ((triton.cdiv(rows, 16) + experts) * triton.cdiv(n, 16),)
         _rows_kernel[grid](*args, **meta, **_INTERPRETER_CONFIG)
     else:
@@ -345,7 +340,7 @@ def group_weight_grad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor, 
     dw = torch.empty(experts, n, k, dtype=x.dtype, device=x.device) if out is None else out
     args = (dy, x, dw, offsets, n, k, dy.stride(0), dy.stride(1), x.stride(0), x.stride(1), *dw.stride())
     meta = dict(IEEE=x.dtype == torch.float32, ACCUMULATE=accumulate)
-    if _interpreted():
+    if interpreted():
         grid = (experts * triton.cdiv(n, 16) * triton.cdiv(k, 16),)
         _weight_grad_kernel[grid](*args, **meta, **_INTERPRETER_CONFIG)
     else:

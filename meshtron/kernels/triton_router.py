@@ -32,11 +32,11 @@ and the z-loss's.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from meshtron.kernels import interpreted
 
 
 @triton.jit
@@ -205,7 +205,7 @@ def block_tokens(num_experts: int) -> int:
     return max(1, min(64, 4096 // triton.next_power_of_2(num_experts)))
 
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read at import, as Triton reads it
+_INTERPRETED = interpreted()  # read at import, as Triton reads it
 
 
 def _launch_meta(logits: torch.Tensor, k: int, softmax: bool, pre_softmax: bool) -> dict:

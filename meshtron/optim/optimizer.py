@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -35,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshtron.kernels import triton_available
+from meshtron.kernels import interpreted, triton_available
 from meshtron.models.contract import ParamMeta, default_meta
 from meshtron.optim.grad_buffer import GradBuffer
 from meshtron.optim.loss_scaler import ConstantLossScaler, DynamicLossScaler
@@ -86,7 +85,7 @@ class FlatSegment:
 
 def fused_step_runs(device: torch.device) -> bool:
     """The fused step can run here: Triton installed, and a GPU (or its interpreter on the CPU)."""
-    return triton_available() and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+    return triton_available() and (device.type == "cuda" or interpreted())
 
 
 def flatten_params(buf: GradBuffer) -> torch.Tensor:

@@ -32,11 +32,10 @@ an H100 ran the same three dtypes under the same alignment rule, at 2.5x the loo
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
-from meshtron.kernels import deferred_wgrad, platform, triton_available
+from meshtron.kernels import deferred_wgrad, interpreted, platform, triton_available
 
 GROUPED_GEMM_BACKENDS = ("auto", "loop", "torch", "triton")
 
@@ -130,7 +129,7 @@ def auto_backend(device: torch.device, dtype: torch.dtype, torch_usable: bool, t
 def triton_grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Triton is installed and can run on ``x``'s device (a GPU, or the CPU under its interpreter),
     and ``x`` and ``weight`` share a dtype (no mixed-dtype tile products)."""
-    on_device = x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    on_device = x.is_cuda or interpreted()
     return triton_available() and on_device and x.dtype == weight.dtype
 
 
