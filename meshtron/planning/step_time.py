@@ -67,7 +67,8 @@ PARTS = ("gemm", "attention", "elementwise", "recompute", "tp comm", "cp comm", 
 COMMUNICATION = ("tp comm", "cp comm", "ep comm", "pp comm", "dp comm")
 HOST_WAITS = ("host wait", "host sync")  # the GPU idle for the host's launches
 # Past this share of the step in HOST_WAITS a layout is host-bound: its speed follows the host's,
-# and runs of one such layout measured up to 26 % apart (benchmarks/RESULTS.md, seventh session).
+# and runs of one such layout measured up to 38 % apart on three hosts of one kind (benchmarks/RESULTS.md,
+# ninth session).
 HOST_BOUND_SHARE = 1 / 3
 
 
