@@ -16,8 +16,8 @@ per grid (workload, layers, GPUs: every CSV of it) the planner's first choice on
 its measured tokens/s where it was measured (the mean of its runs), and the grid's best measured.
 
 ``--leave-one-grid-out`` checks that the fitted host factors are not fitted to the rows they
-predict: every row is predicted at each point of ``FIT_POINTS`` (recompute, ep and cp host factors;
-~20 s on 2 cores), then for each grid the point with the fewest rows outside 15 % (then the
+predict: every row is predicted at each point of ``FIT_POINTS`` (recompute, ep and cp host factors
+and ``fsdp_overlap``; ~50 s on 2 cores), then for each grid the point with the fewest rows outside 15 % (then the
 least mean |error|) on the other grids predicts it. Prints each fold's point and its held-out error,
 and the point the same rule picks on all rows. (The first-choice rule of the shipped fit is not
 applied here: it needs a search per point.)
@@ -111,8 +111,15 @@ def workload(name: str, layers: int):
     return planned_config(WORKLOADS[name](counts))
 
 
-FIT_POINTS = [{"recompute": r, "ep": e, "cp": c} for r, e, c in itertools.product((1.35, 1.4, 1.45, 1.5), (1.05, 1.1, 1.15, 1.2, 1.25),
-                                                                                 (1.2, 1.25, 1.3, 1.35, 1.4))]  # fmt: skip
+FIT_POINTS = [{"recompute": r, "ep": e, "cp": c, "fsdp_overlap": f}
+              for r, e, c, f in itertools.product((1.35, 1.4, 1.45, 1.5), (1.05, 1.1, 1.15, 1.2, 1.25), (1.2, 1.25, 1.3, 1.35, 1.4),
+                                                  (0.3, 0.5, 0.7))]  # fmt: skip
+
+
+def at_point(args: argparse.Namespace, point: dict) -> argparse.Namespace:
+    """``args`` with a point of ``FIT_POINTS``: its host factors over the given ones, its ``fsdp_overlap``."""
+    factors = {k: v for k, v in point.items() if k != "fsdp_overlap"}
+    return argparse.Namespace(**{**vars(args), "host_factors": {**args.host_factors, **factors}, "fsdp_overlap": point["fsdp_overlap"]})
 
 
 @dataclass
@@ -144,8 +151,7 @@ def predict_all(args: argparse.Namespace) -> list[Predicted]:
 
 def leave_one_grid_out(args: argparse.Namespace) -> None:
     """``--leave-one-grid-out`` (module docstring)."""
-    table = [[(csv.grid, row) for csv in predict_all(argparse.Namespace(**{**vars(args), "host_factors": {**args.host_factors, **point}}))
-              for row in csv.rows] for point in FIT_POINTS]  # fmt: skip
+    table = [[(csv.grid, row) for csv in predict_all(at_point(args, point)) for row in csv.rows] for point in FIT_POINTS]
 
     def best(keep) -> int:  # the point whose kept rows have the fewest outside 15 %, then the least mean |error|
         def score(i: int) -> tuple[int, float]:
