@@ -142,6 +142,7 @@ def test_fp8_output_layer_speed_b3_shape():
     """B3's output layer (8192 tokens, hidden 4096, vocabulary 128256, bf16): forward + backward of
     the fused loss with and without ``--fp8-output-layer`` (delayed scaling, seeded); FP8 is faster."""
     from meshtron.kernels.cross_entropy_sum import linear_cross_entropy_sum
+    from meshtron.planning.calibrate import cuda_seconds
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(8192, 4096, device="cuda", generator=gen).bfloat16().requires_grad_()
@@ -152,17 +153,8 @@ def test_fp8_output_layer_speed_b3_shape():
     def step(scaling):
         return torch.autograd.grad(linear_cross_entropy_sum(hidden, weight, labels, mask, fp8=scaling), (hidden, weight))
 
-    ms = {}
-    for name, scaling in (("bf16", None), ("fp8", Fp8Scaling(Fp8Recipe("hybrid", "delayed"), "cuda"))):
-        for _ in range(2):  # warm-up; FP8's first call seeds the histories
-            step(scaling)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(5):
-            step(scaling)
-        end.record()
-        torch.cuda.synchronize()
-        ms[name] = start.elapsed_time(end) / 5
+    scalings = {"bf16": None, "fp8": Fp8Scaling(Fp8Recipe("hybrid", "delayed"), "cuda")}  # FP8's first (warm-up) call seeds the histories
+    ms = {name: 1e3 * cuda_seconds(lambda scaling=scaling: step(scaling), repeat=5) for name, scaling in scalings.items()}
     print(f"output layer + loss at B3's shape: bf16 {ms['bf16']:.2f} ms, fp8 {ms['fp8']:.2f} ms ({ms['bf16'] - ms['fp8']:.2f} ms saved)")
     assert ms["fp8"] < ms["bf16"]
 
