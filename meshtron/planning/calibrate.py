@@ -13,6 +13,7 @@ shipped machine's value, and ``sources`` says which numbers were measured and wh
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import socket
 import statistics
@@ -137,7 +138,10 @@ def host_ms_per_block(cfg: Config) -> dict[str, float]:
     kernels take microseconds and a step lasts as long as its launches, the median step of the
     model cut to one block plus ``SLOPE_BLOCKS`` of the kind, less that of the model cut to that one
     block, over ``SLOPE_BLOCKS``: the two medians' noise is spread over that many blocks (with one
-    block added, two measurements on one 4 x H200 host gave a dense block 5.5 and 3.0 ms)."""
+    block added, two measurements on one 4 x H200 host gave a dense block 5.5 and 3.0 ms). Where
+    the added blocks do not fit the GPU with their optimizer state (DeepSeek-V2-Lite's four MoE
+    blocks take ~50 GB), one block is added instead; where that does not fit either,
+    ``torch.OutOfMemoryError`` says so."""
     from meshtron.models import spec_for
     from meshtron.training.trainer import Trainer
 
@@ -153,12 +157,30 @@ def host_ms_per_block(cfg: Config) -> dict[str, float]:
             sync()
             times.append(time.perf_counter() - began) if i >= 3 else None
         del trainer
+        _release_memory()
         return 1e3 * statistics.median(times)
 
     first = [max(kinds)]  # a MoE model cut to one dense block is refused (no MoE layer): it keeps a MoE one
     base = step_ms(first)
-    return {("moe" if kind else "dense"): max(0.0, step_ms(first + [kind] * SLOPE_BLOCKS) - base) / SLOPE_BLOCKS
-            for kind in sorted(set(kinds))}  # fmt: skip
+
+    def per_block(kind: int) -> float:
+        for added in (SLOPE_BLOCKS, 1):
+            try:
+                return max(0.0, step_ms(first + [kind] * added) - base) / added
+            except torch.OutOfMemoryError:
+                pass
+            _release_memory()  # after the except block, whose traceback held the half-built model
+        raise torch.OutOfMemoryError(f"meshtron plan --calibrate: the model cut to {len(first) + 1} blocks does not fit this GPU "
+                                     "with its optimizer state, so the host's time per block is not measured")  # fmt: skip
+
+    return {("moe" if kind else "dense"): per_block(kind) for kind in sorted(set(kinds))}
+
+
+def _release_memory() -> None:
+    """Free a dropped trainer's GPU memory now (its modules and hooks hold reference cycles)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def monotone(points: list[list[float]]) -> list[list[float]]:
@@ -257,8 +279,11 @@ def calibrate(cfg: Config, path: str) -> Machine:
     if cfg.model.num_experts:
         fields["grouped_gemm_factor"] = grouped_gemm_factor(cfg, fields["gemm_tflops"])
         sources["grouped_gemm_factor"] = f"{measured}: the model's expert fc1 and fc2, forward and backward, against the GEMM curve"
-    fields["host_ms_per_block"] = host_ms_per_block(cfg)
-    sources["host_ms_per_block"] = f"{measured}: one block's forward + backward at {HOST_TOKENS} tokens on one GPU (host-bound)"
+    try:
+        fields["host_ms_per_block"] = host_ms_per_block(cfg)
+        sources["host_ms_per_block"] = f"{measured}: one block's forward + backward at {HOST_TOKENS} tokens on one GPU (host-bound)"
+    except torch.OutOfMemoryError as exc:
+        print(f"  {exc}: the shipped {base.device} file's host times are kept")
     world = torch.cuda.device_count()
     if world >= 2:
         fields["nvlink"] = {**base.nvlink, **collective_curves(world)}

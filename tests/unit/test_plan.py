@@ -8,6 +8,7 @@ import json
 import shlex
 
 import pytest
+import torch
 
 from meshtron.cli import main
 from meshtron.config import build_config
@@ -260,6 +261,41 @@ def test_host_time_per_block_is_the_step_difference_over_added_blocks(monkeypatc
     assert built == [[1], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]  # one block, then SLOPE_BLOCKS more of each kind
     assert (cfg.model.num_layers, cfg.model.moe_layer_freq, cfg.data.seq_length) == (2, "[0,1]", _cfg(*TINY_MOE).data.seq_length)
     assert measured["dense"] == pytest.approx(10.0, abs=2.0) and measured["moe"] == pytest.approx(30.0, abs=2.0)
+
+
+def test_host_calibration_adds_one_block_where_more_do_not_fit(monkeypatch):
+    import time
+
+    import meshtron.training.trainer as trainer_module
+    from meshtron.planning.calibrate import host_ms_per_block
+
+    built = []
+
+    class Stepping:  # a GPU that holds two blocks, not five
+        def __init__(self, cfg, log):
+            pattern = json.loads(cfg.model.moe_layer_freq)
+            built.append(pattern)
+            if len(pattern) > 2:
+                raise torch.OutOfMemoryError("CUDA out of memory")
+            self.seconds = 0.015 + sum(0.030 if moe else 0.010 for moe in pattern)
+
+        def train_step(self):
+            time.sleep(self.seconds)
+
+    monkeypatch.setattr(trainer_module, "Trainer", Stepping)
+    measured = host_ms_per_block(_cfg(*TINY_MOE, "--moe-layer-freq", "[0,1]"))
+    assert built == [[1], [1, 0, 0, 0, 0], [1, 0], [1, 1, 1, 1, 1], [1, 1]]
+    assert measured["dense"] == pytest.approx(10.0, abs=3.0) and measured["moe"] == pytest.approx(30.0, abs=3.0)
+
+    class NoRoom(Stepping):  # a GPU that holds one block, not two
+        def __init__(self, cfg, log):
+            if cfg.model.num_layers > 1:
+                raise torch.OutOfMemoryError("CUDA out of memory")
+            super().__init__(cfg, log)
+
+    monkeypatch.setattr(trainer_module, "Trainer", NoRoom)
+    with pytest.raises(torch.OutOfMemoryError, match="cut to 2 blocks does not fit this GPU"):
+        host_ms_per_block(_cfg(*TINY_MOE, "--moe-layer-freq", "[0,1]"))
 
 
 def test_a_block_takes_at_least_the_hosts_time():
