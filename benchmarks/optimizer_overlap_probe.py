@@ -14,27 +14,14 @@ for its chunk as a forward would), with the side stream at the default and at hi
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
+from b4_grouped_gemm import time_ms  # median of CUDA-event steps after warm-up
 
 from meshtron.kernels.fused_adamw import block_groups, fused_adamw
 
 CHUNKS = 8
-
-
-def timed_ms(fn, reps: int = 5) -> float:
-    """Median of ``reps`` timings of ``fn`` with CUDA events, after two warm-up calls."""
-    times = []
-    for _ in range(reps + 2):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times[2:])
+WARMUP, STEPS = 2, 5
 
 
 def main() -> None:
@@ -81,14 +68,14 @@ def main() -> None:
             gemms(args.gemms // CHUNKS)
         main_stream.wait_stream(side)
 
-    gemm_ms = timed_ms(lambda: gemms(args.gemms))
-    adamw_ms = timed_ms(lambda: [adamw(*chunk) for chunk in chunks])
+    gemm_ms = time_ms(lambda: gemms(args.gemms), WARMUP, STEPS)
+    adamw_ms = time_ms(lambda: [adamw(*chunk) for chunk in chunks], WARMUP, STEPS)
     print(f"{torch.cuda.get_device_name()}: {n / 1e9:.2f} B parameters, fp32 AdamW in {CHUNKS} chunks; {args.gemms} GEMMs 8192 x 4096 x 4096 bf16")
     print(f"GEMMs alone {gemm_ms:.2f} ms; AdamW alone {adamw_ms:.2f} ms ({n * 30 / adamw_ms / 1e9:.2f} TB/s at 30 bytes a parameter)")
-    print(f"one after the other: {timed_ms(serial):.2f} ms (sum of the two alone {gemm_ms + adamw_ms:.2f})")
+    print(f"one after the other: {time_ms(serial, WARMUP, STEPS):.2f} ms (sum of the two alone {gemm_ms + adamw_ms:.2f})")
     for priority in (0, -1):
         for chained in (False, True):
-            ms = timed_ms(lambda: side_by_side(priority, chained))
+            ms = time_ms(lambda: side_by_side(priority, chained), WARMUP, STEPS)
             print(f"two streams, side priority {priority:>2}, GEMMs {'waiting per chunk' if chained else 'free':<17}: {ms:.2f} ms "
                   f"(hides {gemm_ms + adamw_ms - ms:.2f} of at most {min(gemm_ms, adamw_ms):.2f})")  # fmt: skip
 
