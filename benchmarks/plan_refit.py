@@ -61,6 +61,7 @@ GRIDS = [
     ("plan_recheck_4xH200_deepseek_s7.csv", "calibration_4xH200_deepseek_host.json", "deepseek", 27),
     ("plan_recheck_4xH200_deepseek_s9.csv", "calibration_4xH200_deepseek_host.json", "deepseek", 27),
     ("plan_recheck_4xH200_deepseek_s9b.csv", "calibration_4xH200_deepseek_s9host.json", "deepseek", 27),
+    ("plan_recheck_4xH200_deepseek_s11.csv", "calibration_4xH200_deepseek_s11host.json", "deepseek", 27),
     ("plan_check_4xH200_llama70b.csv", "calibration_4xH200_llama70b.json", "llama70b", 12),
     ("plan_recheck_4xH200_llama70b_s9.csv", "calibration_4xH200_llama70b.json", "llama70b", 12),
     ("plan_check_2xH200_deepseek.csv", "calibration_2xH200_deepseek.json", "deepseek", 27),
@@ -71,6 +72,7 @@ GRIDS = [
     ("plan_check_1xH200_llama16.csv", "calibration_1xH200_llama16.json", "llama", 16),
     ("plan_check_1xH200_deepseek12.csv", "calibration_1xH200_deepseek12.json", "deepseek", 12),
     ("plan_recheck_1xH200_deepseek12_s7.csv", "calibration_1xH200_deepseek12_s7.json", "deepseek", 12),
+    ("plan_recheck_1xH200_deepseek12_s11.csv", "calibration_1xH200_deepseek12_s11host.json", "deepseek", 12),
 ]  # fmt: skip
 SKIPPED = {
     "plan_check_4xH200_deepseek.csv": "the fourth session's first DeepSeek grid, before its fixes: its calibration's "
