@@ -76,6 +76,9 @@ class TrainConfig:
     hang_step_factor: float = 0.0  # a step this many times the median of recent steps counts as a hang too; 0: only the timeout
     log_straggler: bool = False  # every log interval, gather each rank's step times and log the slowest ranks
     straggler_minmax_count: int = 3  # --log-straggler: how many of the slowest ranks to name
+    manual_gc: bool = False  # Python's automatic garbage collector off while training; collections only as the two fields below say
+    manual_gc_interval: int = 0  # --manual-gc: collect every this many iterations (every rank at the same one); 0: never between steps
+    manual_gc_eval: bool = True  # --manual-gc: collect before and after each evaluation
     seed: int = 1234  # seed of init, data order and dropout
     lr: float = 3e-3  # peak learning rate
     min_lr: float = 3e-4  # learning rate at the end of decay

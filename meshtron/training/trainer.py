@@ -38,6 +38,7 @@ from meshtron.training.divergence import DivergenceError, DivergenceMonitor
 from meshtron.training.metrics import IntervalMeter, MetricsWriter, describe_bases, format_log_line, memory_scalars, mfu_bases
 from meshtron.training.profiler import StepProfiler
 from meshtron.training.sample_plan import plan_samples, planned_datasets, schedule_note
+from meshtron.training.garbage import ManualCollection
 from meshtron.training.stop import StopAgreement, StopSignals, describe
 from meshtron.training.straggler import StragglerTimes, report
 from meshtron.training.vocab import model_vocab_size, run_tokenizer, token_vocab_size
@@ -379,9 +380,11 @@ class Trainer:
         agreement = StopAgreement(self.mesh.world_size, self.device, t.exit_duration_in_mins, self.started)
         signals = StopSignals(t.exit_signal, self.say).install()
         watchdog = self._start_watchdog()
+        collection = ManualCollection(t)
         tokens_per_sample = sample_tokens(cfg)
         interval_loss, interval_steps = 0.0, 0
         try:
+            collection.start()
             while self.iteration < t.train_iters:
                 watchdog.enter("step", self.iteration)
                 self.profiler.at(self.iteration)
@@ -391,6 +394,7 @@ class Trainer:
                 self.divergence.check(self.iteration + 1, loss, step, self._rerun_last_step)
                 self.meter.end_step(self.last_batch_size * tokens_per_sample // self.mesh.world_size, step.skipped)  # tokens per device
                 self.iteration += 1
+                collection.after_step(self.iteration)
                 self.consumed_samples += self.last_batch_size
                 result.losses.append(loss)
                 result.grad_norms.append(step.grad_norm)
@@ -417,7 +421,8 @@ class Trainer:
                         self.tensorboard.scalars(self.iteration, scalars)
                 if self.valid_data is not None and logc.eval_interval > 0 and (self.iteration % logc.eval_interval == 0 or self.iteration == t.train_iters):
                     watchdog.enter("evaluation", self.iteration)
-                    valid = self.evaluate()
+                    with collection.around_evaluation():
+                        valid = self.evaluate()
                     result.valid_losses.append((self.iteration, valid))
                     self.log(f"validation at iteration {self.iteration} | loss {valid:.4f} | ppl {math.exp(min(valid, 50)):.2f}")
                     self.tensorboard.scalars(self.iteration, {"valid/loss": valid, "valid/ppl": math.exp(min(valid, 50))})
@@ -441,6 +446,7 @@ class Trainer:
             self.finish_save()  # the checkpoint in flight predates the divergence: keep it (every rank stops alike)
             raise
         finally:
+            collection.stop()
             watchdog.stop()
             signals.restore()
             if self.save_lock is not None:

@@ -1,0 +1,76 @@
+"""Megatron's --manual-gc through the trainer: the automatic collector is off while training,
+full collections happen at start-up, every --manual-gc-interval iterations and around each
+evaluation (not with --no-manual-gc-eval), what start-up left alive is frozen for the later ones,
+and the collector's state is restored afterwards."""
+
+from __future__ import annotations
+
+import gc
+import shlex
+
+import pytest
+
+from meshtron.config import build_config
+from meshtron.errors import ConfigError
+from meshtron.training.trainer import Trainer
+from meshtron.validation import validate
+
+TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 2 --global-batch-size 4 "
+        "--train-iters 6 --log-interval 1 --eval-interval 3 --eval-iters 1 --mock-data --vocab-size 128 --device cpu "
+        "--attention-backend unfused")  # fmt: skip
+
+
+def collections_of_a_run(flags: str) -> tuple[list[tuple[int, bool, bool]], bool]:
+    """Each collection during a tiny run as (generation, collector enabled then, objects frozen
+    then), and whether the collector was enabled after it. Only collections from inside ``run``
+    count."""
+    cfg = build_config(None, shlex.split(TINY + " " + flags))
+    trainer = Trainer(cfg, log=lambda _: None)
+    seen: list[tuple[int, bool, bool]] = []
+
+    def record(phase: str, info: dict) -> None:
+        if phase == "start":
+            seen.append((info["generation"], gc.isenabled(), gc.get_freeze_count() > 0))
+
+    gc.collect()  # start from no pending garbage, so the run's own counts decide
+    gc.callbacks.append(record)
+    try:
+        trainer.run()
+    finally:
+        gc.callbacks.remove(record)
+    return seen, gc.isenabled()
+
+
+def test_manual_gc_collects_at_start_every_interval_and_around_evaluations():
+    seen, enabled_after = collections_of_a_run("--manual-gc --manual-gc-interval 2")
+    # start-up 1 (before the freeze), iterations 2, 4 and 6: 3, evaluations at 3 and 6: 2 each
+    assert seen == [(2, False, False)] + [(2, False, True)] * 7
+    assert enabled_after and gc.get_freeze_count() == 0
+
+
+def test_no_manual_gc_eval_skips_the_evaluation_collections():
+    seen, _ = collections_of_a_run("--manual-gc --manual-gc-interval 2 --no-manual-gc-eval")
+    assert seen == [(2, False, False)] + [(2, False, True)] * 3
+
+
+def test_without_manual_gc_the_collector_stays_automatic():
+    seen, enabled_after = collections_of_a_run("")
+    assert all(enabled and not frozen for _, enabled, frozen in seen) and enabled_after
+
+
+def test_a_collector_that_was_off_stays_off():
+    gc.disable()
+    try:
+        _, enabled_after = collections_of_a_run("--manual-gc")
+        assert not enabled_after
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("flags, message", [
+    ("--manual-gc-interval 10", "takes effect only with --manual-gc"),
+    ("--manual-gc --manual-gc-interval -1", "--manual-gc-interval must be >= 0"),
+])  # fmt: skip
+def test_wrong_manual_gc_flags_are_refused_before_training(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(build_config(None, shlex.split(TINY + " " + flags)), world_size=1)
