@@ -36,10 +36,9 @@ def manual_gc_errors(t: TrainConfig) -> list[str]:
 
 class ManualCollection:
     """``--manual-gc`` over one training run: ``start`` turns the collector off, collects once and
-    freezes what is left, ``after_step`` collects every ``interval`` iterations, ``around_evaluation`` collects before
-    and after an evaluation (unless ``--no-manual-gc-eval``), ``stop`` unfreezes and restores the
-    collector.
-    Does nothing without ``--manual-gc``."""
+    freezes what is left; ``after_step`` collects every ``interval`` iterations;
+    ``around_evaluation`` collects before and after an evaluation (unless ``--no-manual-gc-eval``);
+    ``stop`` unfreezes and restores the collector. Does nothing without ``--manual-gc``."""
 
     def __init__(self, t: TrainConfig):
         self.enabled, self.interval, self.at_evaluation = t.manual_gc, t.manual_gc_interval, t.manual_gc_eval

@@ -35,10 +35,10 @@ from meshtron.parallel.setup import build_runner
 from meshtron.training import flight_recorder
 from meshtron.training.batch_schedule import BatchSchedule, planned_samples
 from meshtron.training.divergence import DivergenceError, DivergenceMonitor
+from meshtron.training.garbage import ManualCollection
 from meshtron.training.metrics import IntervalMeter, MetricsWriter, describe_bases, format_log_line, memory_scalars, mfu_bases
 from meshtron.training.profiler import StepProfiler
 from meshtron.training.sample_plan import plan_samples, planned_datasets, schedule_note
-from meshtron.training.garbage import ManualCollection
 from meshtron.training.stop import StopAgreement, StopSignals, describe
 from meshtron.training.straggler import StragglerTimes, report
 from meshtron.training.vocab import model_vocab_size, run_tokenizer, token_vocab_size
