@@ -79,6 +79,7 @@ class TrainConfig:
     manual_gc: bool = False  # Python's automatic garbage collector off while training; collections only as the two fields below say
     manual_gc_interval: int = 0  # --manual-gc: collect every this many iterations (every rank at the same one); 0: never between steps
     manual_gc_eval: bool = True  # --manual-gc: collect before and after each evaluation
+    empty_unused_memory_level: int = 0  # 1: empty the CUDA cache after each forward-backward and evaluation step; 2: also after each optimizer step
     seed: int = 1234  # seed of init, data order and dropout
     lr: float = 3e-3  # peak learning rate
     min_lr: float = 3e-4  # learning rate at the end of decay

@@ -84,6 +84,7 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "manual-gc": ("train.manual_gc", True),
     "manual-gc-interval": "train.manual_gc_interval",
     "no-manual-gc-eval": ("train.manual_gc_eval", False),
+    "empty-unused-memory-level": "train.empty_unused_memory_level",
     "seed": "train.seed",
     "lr": "train.lr",
     "min-lr": "train.min_lr",
@@ -361,6 +362,11 @@ _DATA_NOTES = {
     "max-padding-length": (True, "documents are packed into --seq-length tokens; only --sft pads a row's end, with no loss"),
     "train-mode": (True, "pretraining"),
     "legacy-tokenizer": (False, "one tokenizer loader: --tokenizer-type picks it"),
+    "no-create-attention-mask-in-dataloader": (False, "always: the data loader builds no attention mask; attention is causal in "
+                                               "its kernel, within documents under --reset-attention-mask"),
+    "no-mmap-bin-files": (False, "the .bin and .idx files are memory-mapped all the same: the OS reads the pages a batch touches"),
+    "tiktoken-pattern": (True, "--tokenizer-type TikTokenizer reads a tiktoken rank file and splits with Llama 3's pattern; "
+                         "Megatron's v1 and v2 patterns are not used"),
 }
 _LOGGING_NOTES = {
     "log-throughput": (False, "always: every log line has tokens/s and TFLOP/s per device"),
@@ -376,6 +382,10 @@ _OTHER_NOTES = {
     "exit-signal-handler": (False, "always: --exit-signal (SIGTERM by default) and SIGINT save and stop at an iteration all ranks agree on"),
     "rerun-mode": (True, "no re-run engine: --check-for-nan-in-loss-and-grad stops on a non-finite loss and the divergence check re-runs a step"),
     "use-checkpoint-args": (False, "never: the model comes from this run's flags; a checkpoint of another shape is refused at load"),
+    "calculate-per-token-loss": (False, "always: the loss is the global batch's sum over its unmasked tokens divided by their count, "
+                                 "across micro batches and data-parallel ranks"),
+    "decoupled-lr": (True, ""),
+    "decoupled-min-lr": (True, ""),
 }
 NOTED_FLAGS: dict[str, tuple[bool, str]] = {
     **_MODEL_AND_FUSION_NOTES, **_MOE_NOTES, **_PARALLELISM_NOTES, **_TP_OVERLAP_NOTES, **_PRECISION_NOTES, **_DATA_NOTES, **_LOGGING_NOTES, **_OTHER_NOTES,
@@ -393,6 +403,7 @@ NOTED_VALUE_CHOICES: dict[str, tuple[str, ...]] = {
     "main-params-dtype": ("fp32", "fp16"),
     "train-mode": ("pretrain", "finetune"),
     "moe-flex-dispatcher-backend": ("deepep", "hybridep"),
+    "tiktoken-pattern": ("v1", "v2"),
 }
 
 # Values of a noted flag that meshtron cannot honour: refused with what to do instead.
@@ -414,6 +425,9 @@ ACCEPTED_ONLY_VALUE: dict[str, tuple[str | None, str]] = {
     "window-size": (None, "meshtron's attention sees the whole causal context (no sliding window); drop --window-size"),
     "profile-ranks": ("0", "only global rank 0 records a trace; drop --profile-ranks or give 0"),
     "muon-scalar-optimizer": ("adam", "AdamW is the only rule for Muon's non-matrix parameters; drop --muon-scalar-optimizer or give adam"),
+    "decoupled-lr": (None, "one learning-rate schedule for every parameter: the embedding and output layer train at --lr; drop --decoupled-lr"),
+    "decoupled-min-lr": (None, "one learning-rate schedule for every parameter: the embedding and output layer decay to --min-lr; "
+                         "drop --decoupled-min-lr"),
 }
 
 

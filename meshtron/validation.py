@@ -27,7 +27,7 @@ from meshtron.optim.update_rules import OPTIMIZERS
 from meshtron.parallel.pipeline_balance import pipeline_split
 from meshtron.parallel.pipeline_schedules import KINDS, SPLIT_BACKWARD
 from meshtron.training.batch_schedule import batch_schedule_errors
-from meshtron.training.garbage import manual_gc_errors
+from meshtron.training.garbage import release_errors
 from meshtron.training.stop import stop_config_errors
 
 
@@ -186,7 +186,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         )
     errors.extend(batch_schedule_errors(t, dp, p.pipeline_parallel if interleaved else 0))
     need(t.train_iters > 0, f"--train-iters must be positive, got {t.train_iters}")
-    errors.extend(stop_config_errors(t) + manual_gc_errors(t))
+    errors.extend(stop_config_errors(t) + release_errors(t))
     need(t.lr >= 0 and t.min_lr >= 0, "--lr and --min-lr must not be negative")
     need(t.min_lr <= t.lr, f"--min-lr {t.min_lr} is above --lr {t.lr}")
     need(t.lr_decay_style in ("constant", "linear", "cosine", "wsd"), f"--lr-decay-style must be constant, linear, cosine or wsd, got '{t.lr_decay_style}'")

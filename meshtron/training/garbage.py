@@ -1,5 +1,8 @@
-"""Megatron's ``--manual-gc``: Python's automatic garbage collector off while training, collections
-at chosen iterations instead.
+"""What a run frees between steps, as Megatron's flags ask: Python's garbage (``--manual-gc``) and the
+CUDA caching allocator's unused blocks (``--empty-unused-memory-level``).
+
+``--manual-gc``: Python's automatic garbage collector off while training, collections at chosen
+iterations instead.
 
 Why: the automatic collector starts when allocation counts cross its thresholds, at a moment no
 rank chooses. A full collection walks every tracked object (0.3 M in a two-block model on the CPU,
@@ -13,6 +16,11 @@ libraries) are frozen (``gc.freeze``), so a later collection walks only what tra
 since: 0.01 ms instead of ~130 ms for a full walk of 0.3 M objects on a 2-core host (RESULTS.md, the
 eleventh session). A cycle among those start-up objects that dies during training waits for the end
 of training, when the collector is unfrozen and its state restored.
+
+``--empty-unused-memory-level``: 1 returns the allocator's unused cached blocks to the driver after
+each forward-backward and each evaluation step, 2 also after each optimizer step (Megatron's
+places). It costs allocations later; it helps where another process or a fragmented cache needs
+the memory.
 """
 
 from __future__ import annotations
@@ -21,17 +29,31 @@ import contextlib
 import gc
 from collections.abc import Iterator
 
+import torch
+
 from meshtron.config import TrainConfig
 
+EMPTY_LEVELS = (0, 1, 2)
 
-def manual_gc_errors(t: TrainConfig) -> list[str]:
-    """What is wrong with the manual collection flags."""
+
+def release_errors(t: TrainConfig) -> list[str]:
+    """What is wrong with the manual collection and cache-emptying flags."""
+    errors = []
     if t.manual_gc_interval < 0:
-        return [f"--manual-gc-interval must be >= 0 (0: no collection between steps), got {t.manual_gc_interval}"]
-    if t.manual_gc_interval and not t.manual_gc:
-        return [f"--manual-gc-interval {t.manual_gc_interval} takes effect only with --manual-gc (the automatic collector "
-                "runs otherwise); add --manual-gc or drop --manual-gc-interval"]  # fmt: skip
-    return []
+        errors.append(f"--manual-gc-interval must be >= 0 (0: no collection between steps), got {t.manual_gc_interval}")
+    elif t.manual_gc_interval and not t.manual_gc:
+        errors.append(f"--manual-gc-interval {t.manual_gc_interval} takes effect only with --manual-gc (the automatic "
+                      "collector runs otherwise); add --manual-gc or drop --manual-gc-interval")  # fmt: skip
+    if t.empty_unused_memory_level not in EMPTY_LEVELS:
+        errors.append(f"--empty-unused-memory-level must be 0, 1 or 2, got {t.empty_unused_memory_level}")
+    return errors
+
+
+def empty_unused_memory(t: TrainConfig, level: int) -> None:
+    """Return the caching allocator's unused blocks to the driver where ``--empty-unused-memory-level``
+    is ``level`` or more (a no-op before CUDA is initialized, so on the CPU)."""
+    if t.empty_unused_memory_level >= level:
+        torch.cuda.empty_cache()
 
 
 class ManualCollection:

@@ -35,7 +35,7 @@ from meshtron.parallel.setup import build_runner
 from meshtron.training import flight_recorder
 from meshtron.training.batch_schedule import BatchSchedule, planned_samples
 from meshtron.training.divergence import DivergenceError, DivergenceMonitor
-from meshtron.training.garbage import ManualCollection
+from meshtron.training.garbage import ManualCollection, empty_unused_memory
 from meshtron.training.metrics import IntervalMeter, MetricsWriter, describe_bases, format_log_line, memory_scalars, mfu_bases
 from meshtron.training.profiler import StepProfiler
 from meshtron.training.sample_plan import plan_samples, planned_datasets, schedule_note
@@ -211,6 +211,7 @@ class Trainer:
         self._last_batches = batches  # for the divergence check's re-run
         self.optimizer.zero_grad()
         loss = self.runner.forward_backward(batches, timed=self.straggler.section if self.straggler.enabled else None)
+        empty_unused_memory(self.cfg.train, 1)
         # The loss and every logged term (a MoE model has two per layer) go to the host in one copy
         # started now and read after the optimizer step, whose gradient-norm read has waited for
         # it: no host sync of its own, so the host runs on into the next step while the GPU
@@ -224,6 +225,7 @@ class Trainer:
             result = self.optimizer.step(self.last_lr)
             self.runner.after_step()
             self.optimizer.start_param_sync()  # --overlap-param-gather: after the step's last data-parallel collective
+        empty_unused_memory(self.cfg.train, 2)
         mean_loss, *values = _read_host_copy(host)
         self.last_aux = {name: values[i] for i, name in enumerate(terms) if name in loss.aux}
         self.last_metrics = {name: values[i] for i, name in enumerate(terms) if name in loss.metrics}
@@ -231,8 +233,8 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        self.meter.pause()
         """Mean loss over ``eval_iters`` global batches of the validation split (same batches each time)."""
+        self.meter.pause()
         self.optimizer.finish_param_sync()
         self.model.eval()
         batches = self._batches(self.valid_data, 0)
@@ -241,6 +243,7 @@ class Trainer:
         for _ in range(self.cfg.logging.eval_iters):
             loss = self.runner.forward_backward([self._to_device(next(batches)) for _ in range(self.num_micro_batches)], forward_only=True)
             total, count = total + loss.total, count + loss.count
+            empty_unused_memory(self.cfg.train, 1)
         self.model.train()
         return (total / count.clamp(min=1)).item()
 

@@ -1,7 +1,9 @@
-"""Megatron's --manual-gc through the trainer: the automatic collector is off while training,
-full collections happen at start-up, every --manual-gc-interval iterations and around each
-evaluation (not with --no-manual-gc-eval), what start-up left alive is frozen for the later ones,
-and the collector's state is restored afterwards."""
+"""What a run frees between steps, through the trainer.
+
+--manual-gc: the automatic collector is off while training, full collections happen at start-up,
+every --manual-gc-interval iterations and around each evaluation (not with --no-manual-gc-eval),
+what start-up left alive is frozen for the later ones, and the collector's state is restored
+afterwards. --empty-unused-memory-level: the CUDA cache is emptied where Megatron empties it."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import gc
 import shlex
 
 import pytest
+import torch
 
 from meshtron.config import build_config
 from meshtron.errors import ConfigError
@@ -67,9 +70,20 @@ def test_a_collector_that_was_off_stays_off():
         gc.enable()
 
 
+@pytest.mark.parametrize("level, empties", [(0, 0), (1, 6 + 2), (2, 6 + 6 + 2)])
+def test_empty_unused_memory_level_empties_the_cache_where_megatron_does(monkeypatch, level, empties):
+    """Level 1: after each of the 6 forward-backwards and the 2 evaluation steps; 2: also after
+    each of the 6 optimizer steps."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append(1))
+    Trainer(build_config(None, shlex.split(f"{TINY} --empty-unused-memory-level {level}")), log=lambda _: None).run()
+    assert len(calls) == empties
+
+
 @pytest.mark.parametrize("flags, message", [
     ("--manual-gc-interval 10", "takes effect only with --manual-gc"),
     ("--manual-gc --manual-gc-interval -1", "--manual-gc-interval must be >= 0"),
+    ("--empty-unused-memory-level 3", "--empty-unused-memory-level must be 0, 1 or 2"),
 ])  # fmt: skip
 def test_wrong_manual_gc_flags_are_refused_before_training(flags, message):
     with pytest.raises(ConfigError, match=message):
