@@ -85,6 +85,7 @@ class TrainConfig:
     min_lr: float = 3e-4  # learning rate at the end of decay
     lr_decay_style: str = "cosine"  # constant | linear | cosine | wsd
     lr_warmup_iters: int = 30  # linear warm-up steps
+    lr_warmup_fraction: float = 0.0  # Megatron's: warm up over this fraction of the decay span (iterations or samples, rounded), in place of the two warm-up counts; 0: off
     lr_decay_iters: int = 0  # 0: train_iters
     lr_wsd_decay_iters: int = 0  # wsd: length of the final decay phase; 0: 10% of decay iters
     # Sample-based training (Megatron's; meshtron/training/batch_schedule.py): excludes the iteration flags above.
@@ -362,7 +363,8 @@ def _translate_values(out: dict[str, Any]) -> None:
         if isinstance(out.get(target), str) and out[target] in table:
             ours, meaning = table[out[target]]
             flag = "--" + target.split(".")[1].replace("_", "-")
-            out.setdefault("logging.noted_flags", []).append(f"{flag} {out[target]}: meshtron's {ours}, {meaning}")
+            said = f"meshtron's {ours}, {meaning}" if ours else meaning  # "": meshtron's default, which the meaning names
+            out.setdefault("logging.noted_flags", []).append(f"{flag} {out[target]}: {said}")
             out[target] = ours
 
 

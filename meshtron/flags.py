@@ -90,6 +90,7 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "min-lr": "train.min_lr",
     "lr-decay-style": "train.lr_decay_style",
     "lr-warmup-iters": "train.lr_warmup_iters",
+    "lr-warmup-fraction": "train.lr_warmup_fraction",
     "lr-decay-iters": "train.lr_decay_iters",
     "lr-wsd-decay-iters": "train.lr_wsd_decay_iters",
     "lr-warmup-samples": "train.lr_warmup_samples",
@@ -277,6 +278,7 @@ VALUE_ALIASES: dict[str, dict[str, tuple[str, str]]] = {
     "data.tokenizer_type": {
         "DeepSeekV2Tokenizer": ("HuggingFaceTokenizer", "the tokenizer.json in --tokenizer-model (a local directory or file)"),
         "DeepSeekV3Tokenizer": ("HuggingFaceTokenizer", "the tokenizer.json in --tokenizer-model (a local directory or file)"),
+        "NullTokenizer": ("", "no tokenizer: --mock-data's vocabulary is --vocab-size (--data-path needs the tokenizer the data was made with)"),
     },
 }
 
@@ -298,6 +300,7 @@ _MODEL_AND_FUSION_NOTES = {
     "enable-shared-expert": (False, "shared experts are on when --num-shared-experts or --moe-shared-expert-intermediate-size is set"),
     "moe-use-legacy-grouped-gemm": (False, "meshtron's grouped GEMM per --moe-grouped-gemm; there is no legacy one"),
     "apply-query-key-layer-scaling": (False, "not needed for fp16: SDPA's fused kernels scale the scores and take the softmax in fp32"),
+    "apply-layernorm-1p": (False, ""),
     "enable-experimental": (False, "no experimental switch: each feature has its own flag (RoPE fusion follows --fused-kernels)"),
     "fused-padded-mla-attention": (False, "MLA pads v to the qk head dim where the attention kernel needs equal dims (flash, or auto on ROCm)"),
     # Refused for any value but the one in ACCEPTED_ONLY_VALUE (the ROCm fork's attention variants).
@@ -417,6 +420,8 @@ REFUSED_NOTED_VALUES: dict[tuple[str, str], str] = {
     ("moe-extended-tp", ""): "Megatron deprecated it for --expert-tensor-parallel-size; give --expert-tensor-parallel-size <tp x ep> "
                              "--expert-model-parallel-size 1",
     ("moe-apply-probs-on-input", ""): "the routing weights scale the experts' outputs (unpermute), never their inputs; drop the flag",
+    ("apply-layernorm-1p", ""): "norm gains are stored as they apply (centred on 1, not 0); drop the flag: with the gains' weight decay "
+                                "off (the default), training is the same up to the rounding of the gains' bf16 copy",
 }
 
 # Noted flags meshtron honours at one value only (Megatron's default; None: at none): any other is refused with what to do.
@@ -454,7 +459,7 @@ def noted_flag_errors(noted: list[str]) -> list[str]:
         if name in NOTED_VALUE_CHOICES and value not in NOTED_VALUE_CHOICES[name]:
             errors.append(f"--{name} {value}: not one of Megatron's values ({' | '.join(NOTED_VALUE_CHOICES[name])})")
         elif (name, value) in REFUSED_NOTED_VALUES:
-            errors.append(f"--{name} {value}: {REFUSED_NOTED_VALUES[name, value]}")
+            errors.append(f"{given}: {REFUSED_NOTED_VALUES[name, value]}")
         elif name in ACCEPTED_ONLY_VALUE and value != ACCEPTED_ONLY_VALUE[name][0]:
             errors.append(f"--{name} {value}: {ACCEPTED_ONLY_VALUE[name][1]}")
     return errors

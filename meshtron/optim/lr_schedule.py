@@ -65,19 +65,16 @@ class LRSchedule:
     @classmethod
     def from_config(cls, train_cfg: Any) -> "LRSchedule":
         """Build from a ``TrainConfig``; ``lr_decay_iters == 0`` means decay over the whole run.
-        Under ``--train-samples`` the spans are its sample counts (``lr_decay_samples == 0``: all of them)."""
+        Under ``--train-samples`` the spans are its sample counts (``lr_decay_samples == 0``: all of them).
+        ``--lr-warmup-fraction`` sets the warm-up to that fraction of the decay span, rounded to a
+        whole count (Megatron keeps the product unrounded)."""
         t = train_cfg
         if t.train_samples:
-            return cls(t.lr, t.min_lr, t.lr_warmup_samples, t.lr_decay_samples or t.train_samples, t.lr_decay_style,
-                       t.lr_wsd_decay_samples, unit="samples")  # fmt: skip
-        return cls(
-            max_lr=train_cfg.lr,
-            min_lr=train_cfg.min_lr,
-            warmup_iters=train_cfg.lr_warmup_iters,
-            decay_iters=train_cfg.lr_decay_iters or train_cfg.train_iters,
-            style=train_cfg.lr_decay_style,
-            wsd_decay_iters=train_cfg.lr_wsd_decay_iters,
-        )
+            decay = t.lr_decay_samples or t.train_samples
+            return cls(t.lr, t.min_lr, _warmup(t, decay, t.lr_warmup_samples), decay, t.lr_decay_style, t.lr_wsd_decay_samples,
+                       unit="samples")  # fmt: skip
+        decay = t.lr_decay_iters or t.train_iters
+        return cls(t.lr, t.min_lr, _warmup(t, decay, t.lr_warmup_iters), decay, t.lr_decay_style, t.lr_wsd_decay_iters)
 
     def lr_for_step(self, iteration: int, consumed_samples: int, batch_size: int) -> float:
         """Rate for the step taken after ``iteration`` steps that consumed ``consumed_samples``,
@@ -120,3 +117,8 @@ class LRSchedule:
             "wsd_decay_iters": self.wsd_decay_iters,
             "unit": self.unit,
         }
+
+
+def _warmup(t: Any, decay: int, count: int) -> int:
+    """The warm-up span: ``--lr-warmup-fraction`` of the decay span where given, else ``count``."""
+    return round(t.lr_warmup_fraction * decay) if t.lr_warmup_fraction else count

@@ -115,7 +115,16 @@ def resolve_sample_based_training(t: Any, given: set[str]) -> None:
     """Megatron's rules for sample-based training on a ``TrainConfig`` whose explicitly ``given``
     fields are named: with ``--train-samples`` no iteration flag, and ``train_iters`` becomes the
     iterations it takes (the default warm-up of 30 iterations does not apply); without it no
-    sample flag. Raises ``ConfigError`` saying what to drop."""
+    sample flag. ``--lr-warmup-fraction`` (Megatron's) sets the warm-up instead of either count,
+    never beside one. Raises ``ConfigError`` saying what to drop."""
+    if t.lr_warmup_fraction:
+        if not 0 < t.lr_warmup_fraction <= 1:
+            raise ConfigError(f"--lr-warmup-fraction must be in (0, 1] (0: off), got {t.lr_warmup_fraction}")
+        counts = [flag for name, flag in (("lr_warmup_iters", "--lr-warmup-iters"), ("lr_warmup_samples", "--lr-warmup-samples"))
+                  if name in given]  # fmt: skip
+        if counts:
+            raise ConfigError(f"--lr-warmup-fraction and {' and '.join(counts)} both set the warm-up; keep one")
+        t.lr_warmup_iters = 0  # the default count does not apply either
     if not t.train_samples and "train_samples" not in given:
         named = [flag for name, flag in SAMPLE_FLAGS.items() if getattr(t, name)]
         if named:

@@ -84,3 +84,28 @@ def test_rejects_bad_parameters():
         LRSchedule(1, 0, 0, 10, "exp")
     with pytest.raises(ValueError, match="min_lr"):
         LRSchedule(1, 2, 0, 10, "cosine")
+
+
+@pytest.mark.parametrize("flags, warmup, decay, unit", [
+    # GPT-3 175B's example: a thousandth of 430,000 decay iterations
+    ("--train-iters 500000 --lr-decay-iters 430000 --lr-warmup-fraction .001", 430, 430000, "iterations"),
+    ("--global-batch-size 8 --train-samples 8000 --lr-warmup-fraction 0.0125", 100, 8000, "samples"),
+])  # fmt: skip
+def test_lr_warmup_fraction_warms_up_over_that_share_of_the_decay_span(flags, warmup, decay, unit):
+    from meshtron.config import build_config
+
+    state = LRSchedule.from_config(build_config(None, flags.split()).train).state_dict()
+    assert (state["warmup_iters"], state["decay_iters"], state["unit"]) == (warmup, decay, unit)
+
+
+@pytest.mark.parametrize("flags, message", [
+    ("--lr-warmup-fraction 0.1 --lr-warmup-iters 5", "--lr-warmup-fraction and --lr-warmup-iters both set the warm-up"),
+    ("--train-samples 800 --lr-warmup-fraction 0.1 --lr-warmup-samples 5", "and --lr-warmup-samples both set the warm-up"),
+    ("--lr-warmup-fraction 1.5", r"--lr-warmup-fraction must be in \(0, 1\]"),
+])  # fmt: skip
+def test_lr_warmup_fraction_beside_a_count_is_refused(flags, message):
+    from meshtron.config import build_config
+    from meshtron.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        build_config(None, flags.split())
