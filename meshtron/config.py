@@ -86,6 +86,8 @@ class TrainConfig:
     lr_decay_style: str = "cosine"  # constant | linear | cosine | wsd
     lr_warmup_iters: int = 30  # linear warm-up steps
     lr_warmup_fraction: float = 0.0  # Megatron's: warm up over this fraction of the decay span (iterations or samples, rounded), in place of the two warm-up counts; 0: off
+    decoupled_lr: float = 0.0  # Megatron's: the word embeddings' and output layer's own peak rate, on the same warm-up and decay; 0: off
+    decoupled_min_lr: float = 0.0  # --decoupled-lr: their rate at the end of decay
     lr_decay_iters: int = 0  # 0: train_iters
     lr_wsd_decay_iters: int = 0  # wsd: length of the final decay phase; 0: 10% of decay iters
     # Sample-based training (Megatron's; meshtron/training/batch_schedule.py): excludes the iteration flags above.

@@ -91,6 +91,8 @@ MEGATRON_ALIASES: dict[str, Any] = {
     "lr-decay-style": "train.lr_decay_style",
     "lr-warmup-iters": "train.lr_warmup_iters",
     "lr-warmup-fraction": "train.lr_warmup_fraction",
+    "decoupled-lr": "train.decoupled_lr",
+    "decoupled-min-lr": "train.decoupled_min_lr",
     "lr-decay-iters": "train.lr_decay_iters",
     "lr-wsd-decay-iters": "train.lr_wsd_decay_iters",
     "lr-warmup-samples": "train.lr_warmup_samples",
@@ -387,8 +389,6 @@ _OTHER_NOTES = {
     "use-checkpoint-args": (False, "never: the model comes from this run's flags; a checkpoint of another shape is refused at load"),
     "calculate-per-token-loss": (False, "always: the loss is the global batch's sum over its unmasked tokens divided by their count, "
                                  "across micro batches and data-parallel ranks"),
-    "decoupled-lr": (True, ""),
-    "decoupled-min-lr": (True, ""),
 }
 NOTED_FLAGS: dict[str, tuple[bool, str]] = {
     **_MODEL_AND_FUSION_NOTES, **_MOE_NOTES, **_PARALLELISM_NOTES, **_TP_OVERLAP_NOTES, **_PRECISION_NOTES, **_DATA_NOTES, **_LOGGING_NOTES, **_OTHER_NOTES,
@@ -430,9 +430,6 @@ ACCEPTED_ONLY_VALUE: dict[str, tuple[str | None, str]] = {
     "window-size": (None, "meshtron's attention sees the whole causal context (no sliding window); drop --window-size"),
     "profile-ranks": ("0", "only global rank 0 records a trace; drop --profile-ranks or give 0"),
     "muon-scalar-optimizer": ("adam", "AdamW is the only rule for Muon's non-matrix parameters; drop --muon-scalar-optimizer or give adam"),
-    "decoupled-lr": (None, "one learning-rate schedule for every parameter: the embedding and output layer train at --lr; drop --decoupled-lr"),
-    "decoupled-min-lr": (None, "one learning-rate schedule for every parameter: the embedding and output layer decay to --min-lr; "
-                         "drop --decoupled-min-lr"),
 }
 
 

@@ -8,7 +8,7 @@ import importlib.util
 from pathlib import Path
 
 from meshtron.checkpoint.checkpoint import checkpoint_config_errors
-from meshtron.config import KEPT_MODULES, RECOMPUTED_MODULES, Config, ModelConfig, virtual_stages, world_size_from_env
+from meshtron.config import KEPT_MODULES, RECOMPUTED_MODULES, Config, ModelConfig, TrainConfig, virtual_stages, world_size_from_env
 from meshtron.data.chat_template import TEMPLATE_CHOICES, conversation_template
 from meshtron.data.data_sources import SPLIT_FLAGS, names_data, split_blends
 from meshtron.data.masked_lm import masked_data_config_errors
@@ -254,7 +254,7 @@ def dropin_errors(cfg: Config) -> list[str]:
     if "--no-position-embedding" in log.noted_flags and m.position_embedding_type != "rope":
         errors.append("--no-position-embedding: a model without any position information is not implemented; "
                       "add --position-embedding-type rope")  # fmt: skip
-    errors.extend(optimizer_choice_errors(cfg))
+    errors.extend(optimizer_choice_errors(cfg) + decoupled_lr_errors(cfg.train))
     if d.tokenizer_model and not d.tokenizer_type:
         errors.append("--tokenizer-model is set but --tokenizer-type is not; name its type (e.g. HuggingFaceTokenizer)")
     if m.extra_vocab_size < 0 or m.moe_num_shared_experts < 0:
@@ -301,6 +301,21 @@ def optimizer_choice_errors(cfg: Config) -> list[str]:
         if p.expert_tensor_parallel > 1:
             errors.append("--optimizer muon orthogonalizes each expert's matrix whole, which --expert-tensor-parallel-size > 1 "
                           "splits (not gathered yet): set it to 1")  # fmt: skip
+    return errors
+
+
+def decoupled_lr_errors(t: TrainConfig) -> list[str]:
+    """``--decoupled-lr`` / ``--decoupled-min-lr``: rates that make a schedule, and the reference
+    AdamW step they run on (the fused kernel takes one learning rate)."""
+    if not t.decoupled_lr:
+        return ["--decoupled-min-lr takes effect only with --decoupled-lr; add it or drop --decoupled-min-lr"] if t.decoupled_min_lr else []
+    if not 0 <= t.decoupled_min_lr <= t.decoupled_lr:
+        return [f"need 0 <= --decoupled-min-lr <= --decoupled-lr, got {t.decoupled_min_lr} and {t.decoupled_lr}"]
+    errors = []
+    if t.optimizer_impl == "fused":
+        errors.append("--decoupled-lr: the fused AdamW step takes one learning rate; use --optimizer-impl auto or reference")
+    if t.exp_avg_dtype != "fp32" or t.exp_avg_sq_dtype != "fp32":
+        errors.append("--decoupled-lr runs the reference AdamW step, whose moments are fp32; drop --exp-avg-dtype / --exp-avg-sq-dtype")
     return errors
 
 

@@ -41,8 +41,8 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 MASTERS = ("fp32_param", "param")  # plain mixed-precision optimizer / distributed optimizer
 # Megatron's args -> meshtron's TrainConfig fields of the same meaning (and name).
 TRAIN_FIELDS = ("lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "adam_eps", "clip_grad", "train_iters",
-                "lr_warmup_iters", "lr_warmup_fraction", "lr_decay_iters", "lr_wsd_decay_iters", "micro_batch_size",
-                "global_batch_size")  # fmt: skip
+                "lr_warmup_iters", "lr_warmup_fraction", "lr_decay_iters", "lr_wsd_decay_iters", "decoupled_lr", "decoupled_min_lr",
+                "micro_batch_size", "global_batch_size")  # fmt: skip
 
 
 class LegacyOptimizerUnread(CheckpointError):

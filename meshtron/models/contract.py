@@ -351,6 +351,8 @@ class ParamMeta:
     ``matrix``: a linear layer's weight (routed experts: a stack of them), what Muon orthogonalizes
     (``layout`` then also says how its rows split into blocks, SwiGLU's halves or QKV's heads);
     embeddings, the output layer, routers, norms and biases are not.
+    ``embedding_or_output``: the word embeddings' or the output layer's weight, which
+    ``--decoupled-lr`` trains at its own rate (Megatron's ``is_embedding_or_output_parameter``).
     """
 
     global_shape: tuple[int, ...]
@@ -366,6 +368,7 @@ class ParamMeta:
     ep_rank: int = 0
     split_over: str = "tp"
     matrix: bool = False
+    embedding_or_output: bool = False
 
     def expert_index(self) -> torch.Tensor | None:
         """Global expert ids (positions along dim 0) this rank holds (None when whole)."""

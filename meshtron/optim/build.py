@@ -61,12 +61,14 @@ def build_optimizer(
     grads = GradBuffer(trainable, group=dp_group, bucket_size=bucket_size, shard=distributed and not layer_wise, own_bucket=own_bucket,
                        groups={"edp": edp_group}, grad_group_of=grad_group_of, reduce_dtype=reduce_dtype)  # fmt: skip
     impl = train_cfg.optimizer_impl
-    if impl == "auto":  # AdamW's fused step where it runs; a CPU under Triton's interpreter is for tests only
-        impl = "fused" if train_cfg.optimizer == "adam" and grads.data.is_cuda and fused_step_runs(grads.data.device) else "reference"
+    decoupled = bool(train_cfg.decoupled_lr)
+    if impl == "auto":  # AdamW's fused step where it runs (one learning rate); a CPU under Triton's interpreter is for tests only
+        fused = train_cfg.optimizer == "adam" and not decoupled and grads.data.is_cuda and fused_step_runs(grads.data.device)
+        impl = "fused" if fused else "reference"
     sharding = {"overlap_in": model if overlap_param_gather else None} if distributed and not layer_wise else {}
     cls = LayerWiseOptimizer if layer_wise else DistributedOptimizer if distributed else MixedPrecisionOptimizer
     return cls(
-        build_param_groups(model, train_cfg.weight_decay, metas, train_cfg.optimizer),
+        build_param_groups(model, train_cfg.weight_decay, metas, train_cfg.optimizer, decoupled),
         **optimizer_settings(train_cfg, param_dtype),
         grads=grads,
         metas=metas,

@@ -127,9 +127,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         flat = self._flat_moments[piece.bucket]
         return tuple(flat[k][piece.start - lo : piece.end - lo] for k in _MOMENTS)
 
-    def step(self, lr: float) -> StepResult:
+    def step(self, lr: float, decoupled_lr: float | None = None) -> StepResult:
         self.finish_param_sync()  # the step rewrites the slices the last step's gathers read
-        return super().step(lr)
+        return super().step(lr, decoupled_lr)
 
     def start_param_sync(self) -> None:
         self._param_gather.start()

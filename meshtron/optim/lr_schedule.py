@@ -63,6 +63,16 @@ class LRSchedule:
         self._wsd_anneal = self.wsd_decay_iters or max(1, self.decay_iters // 10)
 
     @classmethod
+    def decoupled_from_config(cls, train_cfg: Any) -> "LRSchedule | None":
+        """``--decoupled-lr``'s schedule (the word embeddings' and output layer's): ``from_config``'s
+        spans and style from ``--decoupled-lr`` to ``--decoupled-min-lr``; None without it."""
+        t = train_cfg
+        if not t.decoupled_lr:
+            return None
+        main = cls.from_config(t)
+        return cls(t.decoupled_lr, t.decoupled_min_lr, main.warmup_iters, main.decay_iters, main.style, main.wsd_decay_iters, main.unit)
+
+    @classmethod
     def from_config(cls, train_cfg: Any) -> "LRSchedule":
         """Build from a ``TrainConfig``; ``lr_decay_iters == 0`` means decay over the whole run.
         Under ``--train-samples`` the spans are its sample counts (``lr_decay_samples == 0``: all of them).

@@ -133,21 +133,24 @@ class GradStorage(Protocol):
 
 
 def build_param_groups(model: nn.Module, weight_decay: float, metas: dict[str, ParamMeta] | None = None,
-                       optimizer: str = "adam") -> list[dict[str, Any]]:  # fmt: skip
+                       optimizer: str = "adam", decoupled: bool = False) -> list[dict[str, Any]]:  # fmt: skip
     """Weight decay where each parameter's record says (Megatron's split by default: every matrix,
     embeddings included, and no 1-D bias or norm gain), none elsewhere; each group names its
-    update rule (``"optimizer"``: ``update_rules.rule_of_param``).
+    update rule (``"optimizer"``: ``update_rules.rule_of_param``). With ``decoupled``
+    (``--decoupled-lr``) the word embeddings and output layer (``ParamMeta.embedding_or_output``)
+    form groups of their own, marked ``"decoupled_lr"``.
 
     Params are given as ``(name, tensor)`` pairs so torch keeps their names (``param_names``) in
     each group for logging. Frozen params are left out.
     """
-    groups: dict[tuple[str, bool], list] = {}
+    groups: dict[tuple[str, bool, bool], list] = {}
     for name, param in model.named_parameters():
         if param.requires_grad:
             meta = metas[name] if metas is not None else default_meta(name, param)
-            groups.setdefault((rule_of_param(optimizer, meta.matrix), meta.weight_decay), []).append((name, param))
-    return [{"params": params, "weight_decay": weight_decay if decay else 0.0, "optimizer": rule}
-            for (rule, decay), params in sorted(groups.items(), key=lambda kv: (kv[0][0] != "muon", not kv[0][1]))]  # fmt: skip
+            key = (rule_of_param(optimizer, meta.matrix), meta.weight_decay, decoupled and meta.embedding_or_output)
+            groups.setdefault(key, []).append((name, param))
+    return [{"params": params, "weight_decay": weight_decay if decay else 0.0, "optimizer": rule, "decoupled_lr": own}
+            for (rule, decay, own), params in sorted(groups.items(), key=lambda kv: (kv[0][0] != "muon", not kv[0][1], kv[0][2]))]  # fmt: skip
 
 
 class MixedPrecisionOptimizer:
@@ -206,6 +209,8 @@ class MixedPrecisionOptimizer:
             raise ValueError("--optimizer-impl fused needs Triton, a GPU and meshtron's gradient buffer (not FSDP); use reference")
         if self.fused and any(group["optimizer"] != "adam" for group in param_groups):
             raise ValueError("--optimizer-impl fused is AdamW's kernel; with --optimizer sgd or muon use --optimizer-impl reference (or auto)")
+        if self.fused and any(group.get("decoupled_lr") for group in param_groups):
+            raise ValueError("--optimizer-impl fused takes one learning rate; with --decoupled-lr use --optimizer-impl reference (or auto)")
         self.moment_dtypes = moment_dtypes
         if not self.fused and moment_dtypes != (torch.float32, torch.float32):
             raise ValueError("--exp-avg-dtype / --exp-avg-sq-dtype other than fp32 need the fused optimizer step (a GPU with Triton)")
@@ -265,8 +270,9 @@ class MixedPrecisionOptimizer:
         return loss if scale == 1.0 else loss * scale
 
     @torch.no_grad()
-    def step(self, lr: float) -> StepResult:
-        """Unscale, measure, maybe skip, clip, update the masters at ``lr``, refresh the model.
+    def step(self, lr: float, decoupled_lr: float | None = None) -> StepResult:
+        """Unscale, measure, maybe skip, clip, update the masters at ``lr`` (the groups marked
+        ``"decoupled_lr"`` at ``decoupled_lr``), refresh the model.
 
         One reduction serves both the norm and the overflow check: the norm is inf/nan exactly
         when some gradient is. It is taken on the still-scaled gradients and divided by the scale,
@@ -295,7 +301,7 @@ class MixedPrecisionOptimizer:
         else:
             if coef is not None:
                 self._scale_grads(grads, coef)
-            run_rules(self.rules, lr)
+            run_rules(self.rules, lr, decoupled_lr)
             self._copy_masters_to_model()
         return StepResult(grad_norm, False, self.loss_scaler.scale)
 

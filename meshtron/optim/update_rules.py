@@ -64,11 +64,12 @@ def build_rules(master_groups: list[dict[str, Any]], *, lr: float, betas: tuple[
     return rules
 
 
-def run_rules(rules: dict[str, torch.optim.Optimizer], lr: float) -> None:
-    """One step of every rule at ``lr`` (SGD's ``step`` counters, which torch does not keep, advanced here)."""
+def run_rules(rules: dict[str, torch.optim.Optimizer], lr: float, decoupled_lr: float | None = None) -> None:
+    """One step of every rule at ``lr``, the groups marked ``"decoupled_lr"`` at ``decoupled_lr``
+    (SGD's ``step`` counters, which torch does not keep, advanced here)."""
     for rule in rules.values():
         for group in rule.param_groups:
-            group["lr"] = lr
+            group["lr"] = decoupled_lr if group.get("decoupled_lr") and decoupled_lr is not None else lr
         rule.step()
     if "sgd" in rules:
         torch._foreach_add_([s["step"] for s in rules["sgd"].state.values()], 1.0)

@@ -172,12 +172,13 @@ class FSDPOptimizer(MixedPrecisionOptimizer):
 
 def build_fsdp_optimizer(model: nn.Module, train_cfg: Any, compute_dtype: torch.dtype = torch.float32,
                          metas: dict[str, ParamMeta] | None = None, expert_group: dist.ProcessGroup | None = None) -> FSDPOptimizer:  # fmt: skip
-    """The optimizer for a model that went through ``apply_fsdp`` (same weight-decay groups as
-    ``build_optimizer``; ``compute_dtype``, FSDP's ``param_dtype``, picks the loss scaler;
+    """The optimizer for a model that went through ``apply_fsdp`` (same weight-decay and
+    ``--decoupled-lr`` groups as ``build_optimizer``; ``compute_dtype``, FSDP's ``param_dtype``, picks the loss scaler;
     ``expert_group`` the ranks holding other expert slices (etp x ep), None without them)."""
     # AdamW runs one foreach per parameter group: routed experts (DTensors over edp) get their own.
     grad_group = {name: metas[name].grad_group for name in metas} if metas is not None else {}
-    groups = [{**group, "params": params} for group in build_param_groups(model, train_cfg.weight_decay, metas, train_cfg.optimizer)
+    decoupled = bool(train_cfg.decoupled_lr)
+    groups = [{**group, "params": params} for group in build_param_groups(model, train_cfg.weight_decay, metas, train_cfg.optimizer, decoupled)
               for _, params in _by_grad_group((grad_group.get(name, "dp_cp"), (name, p)) for name, p in group["params"])]  # fmt: skip
     settings = optimizer_settings(train_cfg, compute_dtype)
     return FSDPOptimizer(groups, **settings, grads=FSDPGrads(model), metas=metas, expert_group=expert_group)

@@ -174,7 +174,7 @@ def _meta(meta: mc.ParamMeta, style: mc.Style, pname: str, mesh: Mesh, sp: bool)
         dim = 1 if isinstance(style, mc.RowParallel) else 0
         return dataclasses.replace(meta, tp_dim=dim, layout=style.layout, **tp)
     if isinstance(style, (mc.VocabParallelEmbedding, mc.VocabParallelOutput)):
-        return dataclasses.replace(meta, tp_dim=0, layout=mc.Contiguous(), **tp)
+        return dataclasses.replace(meta, tp_dim=0, layout=mc.Contiguous(), embedding_or_output=pname == "weight", **tp)
     if isinstance(style, mc.HeadParallelTable):
         return dataclasses.replace(meta, tp_dim=style.dim, layout=style.layout, **tp)
     if isinstance(style, (mc.RowParallel, mc.SequenceParallelNorm)):  # a row-parallel bias is added to the shards

@@ -124,6 +124,8 @@ class Trainer:
         self.runner = build_runner(cfg, self.mesh, self.vocab_size, self.device, self.dtype)
         self.model, self.optimizer = self.runner.model, self.runner.optimizer
         self.schedule = LRSchedule.from_config(t)
+        self.decoupled_schedule = LRSchedule.decoupled_from_config(t)  # --decoupled-lr: the embeddings' and output layer's
+        self.last_decoupled_lr: float | None = None
         self.batch_schedule = BatchSchedule.from_config(t)  # --rampup-batch-size: the step's batch follows the consumed samples
         self.micro_samples = t.micro_batch_size * self.mesh.dp  # global samples per micro batch
         self.num_micro_batches = t.global_batch_size // self.micro_samples  # of a full global batch (evaluation's)
@@ -222,7 +224,9 @@ class Trainer:
             self.runner.finalize_grads()
             self.host_staging.before_state_changes()  # an async save's copies of the weights are done first
             self.last_lr = self.schedule.lr_for_step(self.iteration, self.consumed_samples, self.last_batch_size)
-            result = self.optimizer.step(self.last_lr)
+            if self.decoupled_schedule is not None:
+                self.last_decoupled_lr = self.decoupled_schedule.lr_for_step(self.iteration, self.consumed_samples, self.last_batch_size)
+            result = self.optimizer.step(self.last_lr, self.last_decoupled_lr)
             self.runner.after_step()
             self.optimizer.start_param_sync()  # --overlap-param-gather: after the step's last data-parallel collective
         empty_unused_memory(self.cfg.train, 2)
@@ -413,6 +417,7 @@ class Trainer:
                         self.iteration,
                         {"train/loss": mean_loss, "train/lr": lr, "train/grad_norm": step.grad_norm, "train/loss_scale": step.loss_scale, "perf/tokens_per_s_per_device": stats["tokens_per_s"], "perf/tflops_per_device": stats["tflops_per_device"],
                          "train/batch_size": self.last_batch_size, "perf/ms_per_iter": stats["ms_per_iter"], **memory_scalars(stats),
+                         **({"train/decoupled_lr": self.last_decoupled_lr} if self.last_decoupled_lr is not None else {}),
                          **{f"perf/{key}": value for key, value in stats.items() if key.startswith("mfu_")},
                          **{f"aux/{name}": value for name, value in self.last_aux.items()},
                          **{f"metrics/{name}": value for name, value in self.last_metrics.items()}},

@@ -8,7 +8,8 @@ sign-like, so a gradient that is 0 in one run and 1e-12 (rounding) in another mo
 whole lr in one and not at all in the other.
 Two layouts repeat dp2 (4 micro batches per rank) and tp2 x dp2 with --gradient-accumulation-fusion,
 whose linears write weight gradients into the fp32 buffer themselves and report their buckets ready;
-tp2 + sp with --tp-comm-overlap (fused too) runs the overlapped linears from the flag.
+tp2 + sp with --tp-comm-overlap (fused too) runs the overlapped linears from the flag; dp2 with the
+distributed optimizer, FSDP2 dp2 and pp2 x tp2 run --decoupled-lr against one process with it.
 Then checkpoints saved under FSDP2 dp2, pp4 and pp2 x tp2 x dp2 (distributed optimizer, sequence
 parallel) resume exactly under the same layout, and load into one process (resharding by slicing).
 """
@@ -32,6 +33,7 @@ BASE = [
     "--lr-warmup-iters", "2", "--clip-grad", "0.05", "--adam-eps", "1e-4", "--fp32", "--eval-interval", "0", "--log-interval", "100",
     "--device", "cpu",
 ]
+DECOUPLED = ["--decoupled-lr", "5e-2", "--decoupled-min-lr", "2e-3"]
 LAYOUTS = {  # name: (world size, extra flags)
     "tp2": (2, ["--tp", "2", "--micro-batch-size", "4"]),
     "tp2_sp": (2, ["--tp", "2", "--sequence-parallel", "--micro-batch-size", "2"]),
@@ -56,9 +58,14 @@ LAYOUTS = {  # name: (world size, extra flags)
     "pp2_account_for_loss_l7": (2, ["--pp", "2", "--micro-batch-size", "2", "--account-for-loss-in-pipeline-split", "--num-layers", "7"]),
     "pp4_1f1b": (4, ["--pp", "4", "--micro-batch-size", "1"]),
     "pp2_tp2_dp2_distopt_sp": (8, ["--pp", "2", "--tp", "2", "--sequence-parallel", "--micro-batch-size", "1", "--use-distributed-optimizer"]),
+    # --decoupled-lr: the embeddings (first stage) and output layer (last) on their own rate, sharded by the distributed optimizer
+    "dp2_distopt_decoupled": (2, ["--micro-batch-size", "1", "--use-distributed-optimizer", "--ddp-bucket-size", "5000", *DECOUPLED]),
+    "pp2_tp2_decoupled": (4, ["--pp", "2", "--tp", "2", "--micro-batch-size", "2", *DECOUPLED]),
+    "fsdp_dp2_decoupled": (2, ["--micro-batch-size", "2", "--fsdp", *DECOUPLED]),
 }
 # layouts whose model differs from the base one, and the one-process run to compare them with
-REFERENCE = {"tp2_kv1": "mbs8_kv1", "tp2_dp2_distopt_kv1": "mbs8_kv1", "pp2_account_for_loss_l7": "mbs8_l7"}
+REFERENCE = {"tp2_kv1": "mbs8_kv1", "tp2_dp2_distopt_kv1": "mbs8_kv1", "pp2_account_for_loss_l7": "mbs8_l7",
+             "dp2_distopt_decoupled": "mbs8_decoupled", "pp2_tp2_decoupled": "mbs8_decoupled", "fsdp_dp2_decoupled": "mbs8_decoupled"}
 RESUMED = {2: "fsdp_dp2", 4: "pp4_1f1b", 8: "pp2_tp2_dp2_distopt_sp"}  # layouts whose checkpoints must resume exactly
 
 
@@ -89,6 +96,7 @@ def one_process():
         "mbs2": _run(["--micro-batch-size", "2"]),  # 4 micro batches: gradient accumulation
         "mbs8_kv1": _run(["--micro-batch-size", "8", "--num-query-groups", "1"]),
         "mbs8_l7": _run(["--micro-batch-size", "8", "--num-layers", "7"]),
+        "mbs8_decoupled": _run(["--micro-batch-size", "8", *DECOUPLED]),
     }
 
 
@@ -147,3 +155,8 @@ def test_checkpoint_resumes_exactly_and_reshards_to_one_process(request, world):
     result = Trainer(build_config(None, BASE + flags), log=lambda _: None).run()
     assert result.iteration == STEPS + 2
     assert _close(result.losses, runs[f"continued_{world}"]), (result.losses, runs[f"continued_{world}"])
+
+
+def test_the_decoupled_rate_changes_the_run_it_is_compared_on(one_process):
+    """The --decoupled-lr layouts match a one-process run that differs from the base one."""
+    assert one_process["mbs8_decoupled"]["losses"][1:] != one_process["mbs8"]["losses"][1:]

@@ -4,7 +4,6 @@ repository: ``examples/deepseek2_lite/train_deepseek2_lite_h100_fp8.sh`` and
 ``examples/gpt3/train_gpt3_175b_distributed.sh`` on 128 with mock data for its files).
 
 What meshtron cannot honour is refused, each with its fix:
-- ``--decoupled-lr`` and ``--decoupled-min-lr``: meshtron has one learning-rate schedule;
 - ``--kv-channels`` beside ``--multi-latent-attention``: MLA's head sizes have their own flags;
 - ``--apply-layernorm-1p``: norm gains are stored centred on 1;
 - GPT-3's ``--rampup-batch-size`` beside ``--train-iters``, which Megatron refuses too.
@@ -26,7 +25,8 @@ from meshtron.validation import validate
 
 DATA_LOADER = ("--tiktoken-pattern v2 --split 99,1,0 --no-create-attention-mask-in-dataloader --no-mmap-bin-files "
                "--num-workers 1 --mock-data --tokenizer-type NullTokenizer --vocab-size 128256")  # fmt: skip
-RECIPE = ("--lr 0.00015 --min-lr 0.00001 --lr-decay-style cosine --clip-grad 1.0 --weight-decay 0.1 --adam-beta1 0.9 "
+RECIPE = ("--lr 0.00015 --min-lr 0.00001 --decoupled-lr 5.0e-4 --decoupled-min-lr 4.5e-5 --lr-decay-style cosine --clip-grad 1.0 "
+          "--weight-decay 0.1 --adam-beta1 0.9 "
           "--adam-beta2 0.95 --bf16 --grad-reduce-in-bf16 --cross-entropy-loss-fusion --calculate-per-token-loss --manual-gc "
           "--empty-unused-memory-level 1 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather "
           "--log-interval 1 --eval-iters 32 --eval-interval 100 --save-interval 1000 --log-throughput --ckpt-format torch_dist")  # fmt: skip
@@ -46,9 +46,7 @@ SCRIPTS = {
         "--lr-decay-samples 47245280 --lr-warmup-samples 94720 --exit-duration-in-mins 235000000 --no-persist-layer-norm "
         f"--tensor-model-parallel-size 8 --context-parallel-size 1 --pipeline-model-parallel-size 1 --sequence-parallel "
         f"--distributed-timeout-minutes 120 {RECIPE} {DATA_LOADER}"),
-        "--kv-channels 16 --decoupled-lr 5.0e-4 --decoupled-min-lr 4.5e-5",
-        ["--kv-channels does not apply to --multi-latent-attention", "--decoupled-lr 5.0e-4: one learning-rate schedule",
-         "--decoupled-min-lr 4.5e-5: one learning-rate schedule"]),  # fmt: skip
+        "--kv-channels 16", ["--kv-channels does not apply to --multi-latent-attention"]),
     "llama3_8b_fp8": (8, (
         "--use-mcore-models --num-layers 32 --hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 "
         "--group-query-attention --num-query-groups 8 --kv-channels 128 --seq-length 8192 --max-position-embeddings 8192 "
@@ -59,8 +57,7 @@ SCRIPTS = {
         "--fp8-amax-compute-algo max --fp8-param-gather --tensor-model-parallel-size 1 --context-parallel-size 1 "
         f"--sequence-parallel --profile --profile-step-start 4 --profile-step-end 6 --distributed-timeout-minutes 60 "
         f"{RECIPE} {DATA_LOADER}"),
-        "--apply-layernorm-1p --decoupled-lr 5.0e-4 --decoupled-min-lr 4.5e-5",
-        ["--apply-layernorm-1p: norm gains are stored as they apply", "--decoupled-lr 5.0e-4", "--decoupled-min-lr 4.5e-5"]),
+        "--apply-layernorm-1p", ["--apply-layernorm-1p: norm gains are stored as they apply"]),
     "gpt3_175b": (128, (
         "--num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048 --max-position-embeddings 2048 "
         "--attention-backend auto --micro-batch-size 1 --global-batch-size 1536 --train-iters 500000 --weight-decay 0.1 "
@@ -96,6 +93,7 @@ def test_without_it_the_script_validates_and_says_what_meshtron_does(tmp_path, n
         assert (cfg.train.lr_warmup_fraction, cfg.train.lr_warmup_iters) == (0.001, 0)
         return
     assert (cfg.train.manual_gc, cfg.train.empty_unused_memory_level, cfg.data.tokenizer_type) == (True, 1, "")
+    assert (cfg.train.decoupled_lr, cfg.train.decoupled_min_lr) == (5.0e-4, 4.5e-5)
     lines = noted_flag_lines(cfg.logging.noted_flags)
     for flag in ("--calculate-per-token-loss", "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files",
                  "--tiktoken-pattern v2", "--tokenizer-type NullTokenizer"):  # fmt: skip
