@@ -379,6 +379,8 @@ _LOGGING_NOTES = {
     "log-batch-size-to-tensorboard": (False, "always: the global batch size goes to TensorBoard as train/batch_size"),
     "log-validation-ppl-to-tensorboard": (False, "always: validation perplexity goes to TensorBoard as valid/ppl"),
     "use-pytorch-profiler": (False, "always: --profile uses the PyTorch profiler"),
+    "log-params-norm": (False, "not computed: the log line and TensorBoard carry the gradient norm (train/grad_norm)"),
+    "log-num-zeros-in-grad": (False, "not counted: the log line and TensorBoard carry the gradient norm (train/grad_norm)"),
     "profile-ranks": (True, "global rank 0 records the trace"),
 }
 _OTHER_NOTES = {

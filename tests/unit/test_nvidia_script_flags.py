@@ -1,6 +1,7 @@
 """The flags of NVIDIA's Megatron-LM example scripts are all known to meshtron (read from the
 repository: ``examples/deepseek2_lite/train_deepseek2_lite_h100_fp8.sh`` and
-``examples/llama/train_llama3_8b_h100_fp8.sh`` in their mock-data branches on 8 GPUs,
+``examples/llama/train_llama3_8b_h100_fp8.sh`` (with the logging flags of its sibling
+``train_llama3_8b_h200_bf16.sh``) in their mock-data branches on 8 GPUs,
 ``examples/gpt3/train_gpt3_175b_distributed.sh`` on 128 with mock data for its files).
 
 What meshtron cannot honour is refused, each with its fix:
@@ -56,6 +57,7 @@ SCRIPTS = {
         "--lr-warmup-samples 3906252 --exit-duration-in-mins 235 --fp8-format hybrid --fp8-amax-history-len 1024 "
         "--fp8-amax-compute-algo max --fp8-param-gather --tensor-model-parallel-size 1 --context-parallel-size 1 "
         f"--sequence-parallel --profile --profile-step-start 4 --profile-step-end 6 --distributed-timeout-minutes 60 "
+        "--log-params-norm --log-num-zeros-in-grad --log-timers-to-tensorboard "  # the H200 bf16 sibling script's
         f"{RECIPE} {DATA_LOADER}"),
         "--apply-layernorm-1p", ["--apply-layernorm-1p: norm gains are stored as they apply"]),
     "gpt3_175b": (128, (
@@ -95,8 +97,9 @@ def test_without_it_the_script_validates_and_says_what_meshtron_does(tmp_path, n
     assert (cfg.train.manual_gc, cfg.train.empty_unused_memory_level, cfg.data.tokenizer_type) == (True, 1, "")
     assert (cfg.train.decoupled_lr, cfg.train.decoupled_min_lr) == (5.0e-4, 4.5e-5)
     lines = noted_flag_lines(cfg.logging.noted_flags)
+    logging = ("--log-params-norm", "--log-num-zeros-in-grad") if name == "llama3_8b_fp8" else ()
     for flag in ("--calculate-per-token-loss", "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files",
-                 "--tiktoken-pattern v2", "--tokenizer-type NullTokenizer"):  # fmt: skip
+                 "--tiktoken-pattern v2", "--tokenizer-type NullTokenizer", *logging):  # fmt: skip
         assert sum(line.startswith(flag) for line in lines) == 1, (flag, lines)
 
 
