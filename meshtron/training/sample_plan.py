@@ -61,6 +61,25 @@ def schedule_note(saved: dict[str, Any] | None, current: dict[str, Any]) -> str 
             "pass the checkpoint's values (--lr-decay-iters for the decay span) to keep it")  # fmt: skip
 
 
+def decoupled_schedule_note(saved: dict[str, Any] | None, current: dict[str, Any] | None) -> str | None:
+    """What ``--decoupled-lr``'s schedule (the embeddings' and output layer's) changes from the
+    checkpoint's: given or dropped, or its two rates (its spans are the main schedule's, which
+    ``schedule_note`` reports)."""
+    if not saved and not current:
+        return None
+    if not current:
+        return (f"note: the checkpoint trained the embeddings and output layer at --decoupled-lr {saved['max_lr']:g}; this run "
+                "trains them at --lr (pass --decoupled-lr and --decoupled-min-lr to keep theirs)")  # fmt: skip
+    if not saved:
+        return f"note: the checkpoint trained the embeddings and output layer at --lr; this run gives them --decoupled-lr {current['max_lr']:g}"
+    changed = [f"{name} {saved[key]:g} -> {current[key]:g}" for key, name in (("max_lr", "--decoupled-lr"), ("min_lr", "--decoupled-min-lr"))
+               if saved[key] != current[key]]  # fmt: skip
+    if not changed:
+        return None
+    return (f"note: the decoupled rates differ from the checkpoint's ({', '.join(changed)}); pass --decoupled-lr {saved['max_lr']:g} "
+            f"--decoupled-min-lr {saved['min_lr']:g} to keep them")  # fmt: skip
+
+
 def planned_datasets(plan: list[int], seed: int, build: Callable[[int, int, bool], tuple]) -> tuple:
     """(train, valid, test) with the plan's draws read one after the other as the training data;
     ``build(train_samples, seed, first)`` is ``build_datasets`` (valid and test only when ``first``)."""

@@ -38,7 +38,7 @@ from meshtron.training.divergence import DivergenceError, DivergenceMonitor
 from meshtron.training.garbage import ManualCollection, empty_unused_memory
 from meshtron.training.metrics import IntervalMeter, MetricsWriter, describe_bases, format_log_line, memory_scalars, mfu_bases
 from meshtron.training.profiler import StepProfiler
-from meshtron.training.sample_plan import plan_samples, planned_datasets, schedule_note
+from meshtron.training.sample_plan import decoupled_schedule_note, plan_samples, planned_datasets, schedule_note
 from meshtron.training.stop import StopAgreement, StopSignals, describe
 from meshtron.training.straggler import StragglerTimes, report
 from meshtron.training.vocab import model_vocab_size, run_tokenizer, token_vocab_size
@@ -153,7 +153,9 @@ class Trainer:
             eval_samples = cfg.logging.eval_iters * t.global_batch_size
         going_on = meta if meta and meta["consumed_samples"] else None  # a run continued, not one started from weights
         self.sample_plan, note = plan_samples(going_on, planned_samples(t), t.seed)  # the checkpoint's order kept
-        for line in (note, schedule_note(going_on and going_on.get("lr_schedule"), self.schedule.state_dict())):
+        decoupled = self.decoupled_schedule.state_dict() if self.decoupled_schedule else None
+        for line in (note, schedule_note(going_on and going_on.get("lr_schedule"), self.schedule.state_dict()),
+                     going_on and decoupled_schedule_note(going_on.get("decoupled_lr_schedule"), decoupled)):
             if line:
                 log(line)
         datasets = spec_for(cfg.model).datasets
@@ -280,6 +282,7 @@ class Trainer:
             "vocab_size": self.vocab_size,  # tokens; the padding is the loading run's (rows are saved cut to these)
             "tokenizer": self._tokenizer_info,
             "lr_schedule": self.schedule.state_dict(),
+            "decoupled_lr_schedule": self.decoupled_schedule.state_dict() if self.decoupled_schedule else None,
         }
         self.finish_save(last)  # one checkpoint in flight at a time
         self.optimizer.finish_param_sync()  # the saved weights are this step's, gathered

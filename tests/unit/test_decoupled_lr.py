@@ -75,3 +75,22 @@ def test_the_decoupled_schedule_has_the_main_ones_shape():
 def test_what_the_decoupled_rate_cannot_run_with_is_refused(flags, message):
     with pytest.raises(ConfigError, match=message):
         validate(build_config(None, shlex.split(f"{TINY} {flags}")), world_size=1)
+
+
+def test_a_resumed_run_is_told_when_its_decoupled_rate_differs(tmp_path):
+    ckpt, first = tmp_path / "ckpt", "--decoupled-lr 1e-2 --decoupled-min-lr 1e-3"
+
+    def run(flags: str, iters: int) -> list[str]:
+        lines: list[str] = []
+        cfg = build_config(None, shlex.split(f"{TINY} --train-iters {iters} --save {ckpt} --load {ckpt} {flags}"))
+        Trainer(cfg, log=lines.append).run()
+        return [line for line in lines if "decoupled" in line]
+
+    assert run(first, 2) == []
+    assert run(first, 3) == []  # the same rates: nothing to say
+    assert run("", 4) == ["note: the checkpoint trained the embeddings and output layer at --decoupled-lr 0.01; this run "
+                          "trains them at --lr (pass --decoupled-lr and --decoupled-min-lr to keep theirs)"]  # fmt: skip
+    given = run("--decoupled-lr 2e-2 --decoupled-min-lr 1e-3", 5)
+    assert given == ["note: the checkpoint trained the embeddings and output layer at --lr; this run gives them --decoupled-lr 0.02"]
+    assert run(first, 6) == ["note: the decoupled rates differ from the checkpoint's (--decoupled-lr 0.02 -> 0.01); pass "
+                             "--decoupled-lr 0.02 --decoupled-min-lr 0.001 to keep them"]  # fmt: skip
