@@ -397,12 +397,16 @@ class StepModel:
 
     def _optimizer_seconds(self, lay: Layout) -> float:
         """HBM traffic of the fused AdamW over this rank's shard: read gradient, master and moments,
-        write master, moments and the bf16 parameter; zeroing and the norm read the whole buffer."""
+        write master, moments and the bf16 parameter; zeroing and the norm read the whole buffer.
+        Under ``--decoupled-lr`` the reference step runs instead: the clip's pass over the gradient
+        (read and write) and the master's copy into the bf16 parameter come on top."""
         dense, expert = self._stage_parameters(lay)
         edp = lay.tp * lay.cp * lay.dp // (lay.ep * lay.etp)
         shard = dense / (lay.dp * lay.cp) + expert / edp if lay.sharding != "none" else dense + expert
         moments = 2 * (2 if lay.bf16_moments else 4)
         per_param = 4 + 4 + moments + 4 + moments + BF16
+        if self.cfg.train.decoupled_lr:
+            per_param += 4 + 4 + 4 + BF16
         buffer = shard if lay.sharding == "fsdp" else dense + expert
         return (shard * per_param + buffer * 8) / (self.machine.hbm_gbps * 1e9)
 

@@ -439,3 +439,15 @@ def test_a_host_bound_layout_is_flagged_in_the_report():
     text = table(PlanResult([Verdict(layout, bound, "fits"), Verdict(layout, free, "fits")], [], 2, 1.0), ["--model.preset", "tiny-llama"])
     flagged = [line for line in text.splitlines() if line.strip().startswith("host-bound")]
     assert len(flagged) == 1 and "35% of the step" in flagged[0]
+
+
+def test_the_decoupled_rate_prices_the_reference_optimizer_step():
+    """--decoupled-lr runs the reference AdamW step: the clip's read and write of each gradient and
+    the copy into the bf16 parameter (14 bytes a parameter) beside the fused step's 30; bf16
+    moments, which need the fused step, are never proposed beside it."""
+    layout = Layout(1, 1, 1, 1, 1, 1, 1, "none", 2)
+    plain = StepModel(_cfg(*TINY_DENSE), load("h100"), 1).predict(layout).parts["optimizer"]
+    cfg = _cfg(*TINY_DENSE, "--decoupled-lr", "1e-3")
+    decoupled = StepModel(cfg, load("h100"), 1).predict(layout).parts["optimizer"]
+    assert decoupled / plain == pytest.approx((30 + 14 + 8) / (30 + 8))  # 8: the buffer's zeroing and the norm's read
+    assert refusal(cfg, dataclasses.replace(layout, bf16_moments=True)) is not None
