@@ -21,7 +21,7 @@ import zlib
 import torch
 from torch import nn
 
-from meshtron.layers.norms import RMSNorm
+from meshtron.layers.norms import FullWidthRMSNorm, RMSNorm
 from meshtron.models.contract import ParamMeta
 
 CHUNK_ELEMENTS = 1 << 18  # elements per generator draw (1 MiB in fp32): the most a rank draws beyond its shard
@@ -109,7 +109,8 @@ def materialize_fully_sharded(model: nn.Module, metas: dict[str, ParamMeta], rul
 
 
 def _norm_parameters(model: nn.Module) -> set[int]:
-    return {id(p) for m in model.modules() if isinstance(m, (nn.LayerNorm, RMSNorm)) for p in m.parameters()}
+    """The norms' gains and biases (unit gains, zero biases), full-width q/k norms (OLMoE's) included."""
+    return {id(p) for m in model.modules() if isinstance(m, (nn.LayerNorm, RMSNorm, FullWidthRMSNorm)) for p in m.parameters()}
 
 
 def _fill(name: str, is_norm: bool, out: torch.Tensor, rule: WeightInit, seed: int, meta: ParamMeta,
