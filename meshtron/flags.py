@@ -423,7 +423,8 @@ REFUSED_NOTED_VALUES: dict[tuple[str, str], str] = {
                              "--expert-model-parallel-size 1",
     ("moe-apply-probs-on-input", ""): "the routing weights scale the experts' outputs (unpermute), never their inputs; drop the flag",
     ("apply-layernorm-1p", ""): "norm gains are stored as they apply (centred on 1, not 0); drop the flag: with the gains' weight decay "
-                                "off (the default), training is the same up to the rounding of the gains' bf16 copy",
+                                "off (the default), training is the same up to the rounding of the gains' bf16 copy (a Megatron "
+                                "checkpoint saved with it imports as it applies)",
 }
 
 # Noted flags meshtron honours at one value only (Megatron's default; None: at none): any other is refused with what to do.

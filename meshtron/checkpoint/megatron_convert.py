@@ -35,8 +35,9 @@ from meshtron.checkpoint.megatron_pickle import Namespace
 from meshtron.config import Config, ModelConfig
 from meshtron.errors import CheckpointError
 from meshtron.models import build_model, num_blocks
+from meshtron.models.init import norm_parameters
 from meshtron.models.megatron import (Naming, dist_candidates, layer_count, legacy_pieces, megatron_family, merge_tp, model_config_from_args,
-                                      naming)
+                                      naming, zero_centred_gains)
 from meshtron.optim.build import build_optimizer
 
 _PLAIN = (int, float, str, bool, type(None))
@@ -136,6 +137,11 @@ def import_megatron(load_dir: str | Path, save_dir: str | Path, iteration: int |
         raise CheckpointError(f"{ckpt.directory} lacks {len(missing)} tensors its args imply, e.g. {missing[:3]}")
     if master is not None:  # the main params: the weights' precise values
         state.update((name, t.float()) for name, t in tensors(master) if name in expected)
+    if zero_centred_gains(fields):  # --apply-layernorm-1p: stored as gain - 1; meshtron stores the gain
+        norms = norm_parameters(model)
+        gains = [name for name, p in model.named_parameters() if id(p) in norms and name.endswith("weight")]
+        state.update((name, state[name] + 1) for name in gains)
+        log(f"megatron-import: its {len(gains)} norm gains were stored centred on 0 (--apply-layernorm-1p); written as they apply (+1)")
     model.load_state_dict(state, strict=True)
     step = int(ckpt.common.get("iteration", 0) or 0)
     consumed = int(fields.get("consumed_train_samples") or 0)

@@ -54,7 +54,7 @@ def init_weights(model: nn.Module, rule: WeightInit, seed: int | None = None) ->
     """Initialize every parameter of ``model`` that has storage, whole, by ``rule`` (``seed``
     default: the one given to ``torch.manual_seed``). A ``meta`` model is left undrawn."""
     seed = torch.initial_seed() if seed is None else seed
-    norms = _norm_parameters(model)
+    norms = norm_parameters(model)
     for name, param in model.named_parameters():
         if not param.is_meta:
             _fill(name, id(param) in norms, param, rule, seed, ParamMeta(tuple(param.shape)))
@@ -66,7 +66,7 @@ def materialize(model: nn.Module, metas: dict[str, ParamMeta], rule: WeightInit,
     rank's shards and stages) storage on ``device`` and its values: this rank's part of the tensor
     the whole model would hold, where ``metas`` place it. Meta buffers (a router's statistics)
     start at zero. Parameters that already have storage are left as they are."""
-    norms = _norm_parameters(model)
+    norms = norm_parameters(model)
     names = {id(p): n for n, p in model.named_parameters()}
     made: dict[int, nn.Parameter] = {}  # a parameter two modules share becomes one again
     for module in model.modules():
@@ -90,7 +90,7 @@ def materialize_fully_sharded(model: nn.Module, metas: dict[str, ParamMeta], rul
     rank's FSDP shards only (``to_empty``, as FSDP2 wants), each drawn as the rows FSDP gives this
     rank (``torch.chunk`` of dim 0 over its mesh) of the tensor ``metas`` places here."""
     zeroed = [(m, key) for m in model.modules() for key, b in m._buffers.items() if b is not None and b.is_meta]
-    norms, names = _norm_parameters(model), {id(p): n for n, p in model.named_parameters()}
+    norms, names = norm_parameters(model), {id(p): n for n, p in model.named_parameters()}
     model.to_empty(device=device)
     for module, key in zeroed:
         module._buffers[key].zero_()
@@ -108,7 +108,7 @@ def materialize_fully_sharded(model: nn.Module, metas: dict[str, ParamMeta], rul
             _fill(name, id(param) in norms, local, rule, seed, metas.get(name, ParamMeta(tuple(param.shape))), rows)
 
 
-def _norm_parameters(model: nn.Module) -> set[int]:
+def norm_parameters(model: nn.Module) -> set[int]:
     """The norms' gains and biases (unit gains, zero biases), full-width q/k norms (OLMoE's) included."""
     return {id(p) for m in model.modules() if isinstance(m, (nn.LayerNorm, RMSNorm, FullWidthRMSNorm)) for p in m.parameters()}
 

@@ -162,9 +162,10 @@ def model_config_from_args(args: dict[str, Any], source: str, family: str = "gpt
     from the fields that define the model only; a value meshtron does not implement is refused,
     naming the field. ``apply_residual_connection_post_layernorm`` is read for the pre-Core model
     only: Megatron-Core's TransformerLayer takes the flag into its config and never reads it, so a
-    Core checkpoint saved with it ran pre-LN."""
-    for field, must in (("rotary_interleaved", False), ("apply_layernorm_1p", False), ("layernorm_zero_centered_gamma", False),
-                        ("mla_down_proj_fusion", False), ("use_rope_scaling", False), ("moe_single_grouped_weight", False),
+    Core checkpoint saved with it ran pre-LN. Norm gains stored centred on 0 (``apply_layernorm_1p``,
+    ``layernorm_zero_centered_gamma``) describe the same model: the importer adds 1
+    (``zero_centred_gains``)."""
+    for field, must in (("rotary_interleaved", False), ("mla_down_proj_fusion", False), ("use_rope_scaling", False), ("moe_single_grouped_weight", False),
                         ("moe_single_grouped_bias", False), ("moe_mlp_glu_interleave_size", None),
                         ("moe_shared_expert_gate", False), ("squared_relu", False), ("mtp_num_layers", None),
                         ("heterogeneous_layers_config_path", None), ("hybrid_layer_pattern", None), ("qk_l2_norm", False),
@@ -538,3 +539,9 @@ def split_tp(name: str, tensor: torch.Tensor, m: ModelConfig, tp: int, impl: str
         gate, up = (h.chunk(tp, 0) for h in tensor.chunk(2, 0))
         return [torch.cat([g, u], 0) for g, u in zip(gate, up, strict=True)]
     return [piece.clone() for piece in tensor.chunk(tp, dim)]
+
+
+def zero_centred_gains(args: dict[str, Any]) -> bool:
+    """Whether a Megatron run stored its norm gains centred on 0 (``--apply-layernorm-1p``, or
+    Transformer Engine's ``layernorm_zero_centered_gamma``): each applies as 1 + the stored value."""
+    return bool(args.get("apply_layernorm_1p") or args.get("layernorm_zero_centered_gamma"))

@@ -72,14 +72,14 @@ def test_meta_build_materialized_equals_the_whole_build(preset):
 def test_every_norm_gain_starts_at_one(preset):
     """Each norm's gain is 1 at initialization, the full-width q/k norms (OLMoE's) among them: drawn
     as a weight, N(0, 0.02), they scaled every query and key by ~0.02 and left attention uniform."""
-    from meshtron.models.init import _norm_parameters
+    from meshtron.models.init import norm_parameters
 
     cfg = build_config(None, ["--model.preset", preset, "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
                               "--ffn-hidden-size", "64", "--vocab-size", "128", "--seq-length", "16"])  # fmt: skip
     if cfg.model.num_experts:
         cfg.model.num_experts, cfg.model.moe_ffn_hidden_size = 4, 32
     model = build_model(cfg.model, 128, 16)
-    norms = _norm_parameters(model)
+    norms = norm_parameters(model)
     gains = {name: p for name, p in model.named_parameters() if "norm" in name and name.endswith("weight")}
     assert gains and all(id(p) in norms for p in gains.values())
     assert [name for name, p in gains.items() if not torch.equal(p, torch.ones_like(p))] == []

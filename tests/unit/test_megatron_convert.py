@@ -171,3 +171,26 @@ def test_dcp_index_with_a_payload_is_refused(tmp_path, capsys):
 def test_a_megatron_dir_given_to_load_names_the_import_command(tmp_path):
     with pytest.raises(CheckpointError, match="is a Megatron-LM checkpoint.*meshtron convert megatron-import --load"):
         read_meta(DATA / "llama_tp2pp2_torch")
+
+
+def test_norm_gains_stored_centred_on_zero_are_imported_as_they_apply(tmp_path):
+    """A run with --apply-layernorm-1p stores each norm gain less 1: the same tensors read as such
+    import to gains 1 higher, every other tensor unchanged."""
+    plain = load_checkpoint_state(_import("llama_tp1_dist", tmp_path / "plain"))
+    root = _copy("llama_tp1_dist", tmp_path)
+    common = open_megatron(root).common
+    fields = {k: v for k, v in common["args"].fields().items() if isinstance(v, (int, float, str, bool, type(None)))}
+    torch.save({**common, "args": argparse.Namespace(**fields, apply_layernorm_1p=True)}, root / "iter_0000007" / "common.pt")
+    centred = load_checkpoint_state(_import_dir(root, tmp_path / "centred"))
+    gains = [name for name in plain if "norm" in name and name.endswith("weight")]
+    assert len(gains) == 2 * 2 + 1  # two blocks' two norms and the final one
+    for name, tensor in plain.items():
+        torch.testing.assert_close(centred[name], tensor + 1 if name in gains else tensor, rtol=0, atol=0)
+
+
+def load_checkpoint_state(save_dir: Path) -> dict[str, torch.Tensor]:
+    meta = read_meta(save_dir)
+    cfg = Config.from_dict(meta["config"])
+    model = build_model(cfg.model, meta["vocab_size"], cfg.data.seq_length)
+    load_checkpoint(save_dir, model, load_rng=False, log=lambda _: None)
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
