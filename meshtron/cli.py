@@ -45,6 +45,7 @@ commands:
 
 def train_main(argv: list[str]) -> int:
     from meshtron.config import build_config, format_config
+    from meshtron.parallel.mesh import end_distributed
     from meshtron.training.trainer import Trainer
     from meshtron.validation import validate
 
@@ -65,7 +66,12 @@ def train_main(argv: list[str]) -> int:
         validate(cfg)
         print(format_config(cfg))
         return 0
-    Trainer(cfg).run()
+    try:
+        Trainer(cfg).run()
+    except DivergenceError:  # every rank stops at the same step: no collective is in flight
+        end_distributed()
+        raise
+    end_distributed()
     if not argv:
         print(f"draw the run: meshtron plot {DEFAULT_RUN_DIR} (pip install 'meshtron[plot]'); sample more: "
               f"meshtron generate --load {DEFAULT_RUN_DIR} --prompt 'The'")  # fmt: skip
