@@ -59,7 +59,10 @@ def test_sigint_to_one_rank_saves_on_all_and_a_second_ctrl_c_aborts_at_once(tmp_
     assert int((tmp_path / "once" / "latest_checkpointed_iteration.txt").read_text()) == stop
     assert "Ctrl-C again aborts at once" in once.output(1)
 
-    twice = Ranks([*ARGS, "--save", str(tmp_path / "twice")], 2, tmp_path / "twice-logs")
+    # A model whose steps and save take long enough for the second Ctrl-C to land before the save ends
+    # (the tiny one saves in 0.03 s, so the second signal came after a complete checkpoint).
+    wide = ["--num-layers", "8", "--hidden-size", "512", "--num-attention-heads", "8"]
+    twice = Ranks([*ARGS, *wide, "--save", str(tmp_path / "twice")], 2, tmp_path / "twice-logs")
     twice.wait_for("iteration       3/")
     twice.procs[1].send_signal(signal.SIGINT)
     twice.wait_for("Ctrl-C again aborts at once", rank=1)
