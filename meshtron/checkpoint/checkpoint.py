@@ -18,7 +18,11 @@ there: ``start_save`` returns after a copy to host and ``PendingSave.finish`` co
 
 Crash safety: a checkpoint is written into a temporary sibling directory, fsynced, and renamed
 into place; the tracker is replaced (temp file + ``os.replace``) only after that. A crash at any
-point leaves the previous tracker pointing at a complete checkpoint. The one window left is
+point leaves the previous tracker pointing at a complete checkpoint. Around the rename a
+``tracker_pending.txt`` names the iteration being put in place: a crash after the rename and
+before the tracker's write leaves it beside a complete checkpoint the tracker lags behind, which
+the next load takes (a newer directory without it is a branch the run left, and the tracker
+wins). The one window left is
 re-saving an iteration that already exists: between moving the old directory aside and renaming
 the new one in, the tracker's directory is briefly absent.
 
@@ -54,6 +58,7 @@ from meshtron.models.contract import ParamMeta
 from meshtron.parallel.mesh import Mesh
 
 TRACKER = "latest_checkpointed_iteration.txt"
+PENDING = "tracker_pending.txt"  # the iteration moved into place before the tracker names it (module docstring)
 META = "meta.json"
 FORMAT_VERSION = 1
 MEGATRON_IMPORT = "`meshtron convert megatron-import --load MEGATRON_DIR --save OUT`, then --load OUT"
@@ -79,18 +84,30 @@ def latest_iteration(save_dir: str | os.PathLike) -> int | None:
         raise CheckpointError(f"tracker file {tracker} should hold an iteration number, found {text[:40]!r}") from None
 
 
+def _pending_iteration(root: Path) -> int | None:
+    """The iteration ``PENDING`` names, or None (no such file, or not a number)."""
+    text = (root / PENDING).read_text().strip() if (root / PENDING).is_file() else ""
+    return int(text) if text.isdigit() else None
+
+
 def newest_iteration(save_dir: str | os.PathLike, log: Callable[[str], None] = print) -> int | None:
-    """The tracker's iteration; without a readable tracker, the newest complete checkpoint (said
-    in the log); None when there is neither (a fresh start)."""
+    """The tracker's iteration, or the complete one it lags behind (``PENDING``); without a
+    readable tracker, the newest complete checkpoint (said in the log); None when there is
+    neither (a fresh start)."""
     root = Path(save_dir)
     try:
         tracked = latest_iteration(root)
         problem = None if tracked is not None or not (root / TRACKER).exists() else "unreadable"
     except CheckpointError as exc:
         tracked, problem = None, str(exc)
+    complete = complete_iterations(root)
+    lagging = _pending_iteration(root)
+    if lagging is not None and lagging in complete and (tracked is None or lagging > tracked):
+        log(f"warning: the tracker says {tracked}, but {checkpoint_dir(root, lagging)} was complete and in place when the "
+            "save was cut off before the tracker's update: loading it")  # fmt: skip
+        return lagging
     if tracked is not None:
         return tracked
-    complete = complete_iterations(root)
     if not complete:
         if problem:
             raise CheckpointError(f"{problem}, and {root} holds no complete checkpoint to fall back on")
@@ -227,8 +244,11 @@ class PendingSave:
         _write_durably(self.tmp / MARKER, json.dumps(manifest(self.iteration, files), indent=1).encode())
         _fsync_tree(self.tmp)
         final = checkpoint_dir(self.root, self.iteration)
+        _write_durably(self.root / PENDING, f"{self.iteration}\n".encode())
         _move_into_place(self.tmp, final)
         _write_durably(self.root / TRACKER, f"{self.iteration}\n".encode())
+        (self.root / PENDING).unlink()
+        _fsync_dir(self.root)
 
 
 def _gather_to_first(mesh: Mesh, item: Any) -> list[Any]:

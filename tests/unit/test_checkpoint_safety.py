@@ -160,6 +160,32 @@ def test_marker_is_in_place_before_the_tracker(tmp_path, monkeypatch):
     assert seen == [True]
 
 
+def test_a_save_cut_off_between_the_rename_and_the_tracker_is_the_one_loaded(tmp_path, monkeypatch):
+    """The crash window of an asynchronous save killed after its directory was moved into place: the
+    tracker still says 2, ``tracker_pending.txt`` says 3, and iteration 3 is complete. The load takes
+    3 and says why; with no pending file a newer directory is a branch the run left, and the tracker wins."""
+    model, opt = setup()
+    save_checkpoint(tmp_path, 2, model, opt, {})
+    assert not (tmp_path / ckpt.PENDING).exists()  # a save that ends leaves none behind
+    real = ckpt._write_durably
+
+    def killed_at_the_tracker(path, data):
+        if path.name == ckpt.TRACKER:
+            raise OSError("killed")
+        real(path, data)
+
+    monkeypatch.setattr(ckpt, "_write_durably", killed_at_the_tracker)
+    with pytest.raises(Exception, match="killed"):
+        save_checkpoint(tmp_path, 3, model, opt, {})
+    monkeypatch.setattr(ckpt, "_write_durably", real)
+    assert (tmp_path / ckpt.TRACKER).read_text().strip() == "2" and (tmp_path / "iter_0000003" / MARKER).is_file()
+    lines = []
+    assert ckpt.newest_iteration(tmp_path, lines.append) == 3
+    assert "the tracker says 2" in lines[0] and "iter_0000003" in lines[0]
+    (tmp_path / ckpt.PENDING).unlink()
+    assert ckpt.newest_iteration(tmp_path, lines.append) == 2
+
+
 class Stack(nn.Module):
     def __init__(self, num_layers):
         super().__init__()
