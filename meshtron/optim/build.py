@@ -13,7 +13,7 @@ from meshtron.models.contract import ParamMeta
 from meshtron.optim.distributed_optimizer import DistributedOptimizer
 from meshtron.optim.grad_buffer import DEFAULT_BUCKET_SIZE, GradBuffer
 from meshtron.optim.layer_wise import LayerWiseOptimizer
-from meshtron.optim.optimizer import MOMENT_DTYPES, MixedPrecisionOptimizer, build_param_groups, fused_step_runs, optimizer_settings
+from meshtron.optim.optimizer import MOMENT_DTYPES, MixedPrecisionOptimizer, config_param_groups, fused_step_runs, optimizer_settings
 
 
 def build_optimizer(
@@ -61,14 +61,13 @@ def build_optimizer(
     grads = GradBuffer(trainable, group=dp_group, bucket_size=bucket_size, shard=distributed and not layer_wise, own_bucket=own_bucket,
                        groups={"edp": edp_group}, grad_group_of=grad_group_of, reduce_dtype=reduce_dtype)  # fmt: skip
     impl = train_cfg.optimizer_impl
-    decoupled = bool(train_cfg.decoupled_lr)
     if impl == "auto":  # AdamW's fused step where it runs (one learning rate); a CPU under Triton's interpreter is for tests only
-        fused = train_cfg.optimizer == "adam" and not decoupled and grads.data.is_cuda and fused_step_runs(grads.data.device)
+        fused = train_cfg.optimizer == "adam" and not train_cfg.decoupled_lr and grads.data.is_cuda and fused_step_runs(grads.data.device)
         impl = "fused" if fused else "reference"
     sharding = {"overlap_in": model if overlap_param_gather else None} if distributed and not layer_wise else {}
     cls = LayerWiseOptimizer if layer_wise else DistributedOptimizer if distributed else MixedPrecisionOptimizer
     return cls(
-        build_param_groups(model, train_cfg.weight_decay, metas, train_cfg.optimizer, decoupled),
+        config_param_groups(model, train_cfg, metas),
         **optimizer_settings(train_cfg, param_dtype),
         grads=grads,
         metas=metas,

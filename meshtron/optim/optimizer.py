@@ -153,6 +153,11 @@ def build_param_groups(model: nn.Module, weight_decay: float, metas: dict[str, P
             for (rule, decay, own), params in sorted(groups.items(), key=lambda kv: (kv[0][0] != "muon", not kv[0][1], kv[0][2]))]  # fmt: skip
 
 
+def config_param_groups(model: nn.Module, train_cfg: Any, metas: dict[str, ParamMeta] | None = None) -> list[dict[str, Any]]:
+    """``build_param_groups`` as a run's train config asks: its weight decay, update rule and ``--decoupled-lr``."""
+    return build_param_groups(model, train_cfg.weight_decay, metas, train_cfg.optimizer, bool(train_cfg.decoupled_lr))
+
+
 class MixedPrecisionOptimizer:
     """The update rules of its groups (AdamW, SGD, Muon: ``update_rules.py``) on fp32 masters of a
     model whose params are fp32, bf16 or fp16.

@@ -35,7 +35,7 @@ from torch import nn
 
 from meshtron.errors import ConfigError
 from meshtron.models.contract import ParamMeta
-from meshtron.optim.optimizer import MixedPrecisionOptimizer, ParamState, build_param_groups, optimizer_settings
+from meshtron.optim.optimizer import MixedPrecisionOptimizer, ParamState, config_param_groups, optimizer_settings
 from meshtron.parallel.mesh import Mesh
 
 try:  # torch >= 2.6
@@ -177,8 +177,7 @@ def build_fsdp_optimizer(model: nn.Module, train_cfg: Any, compute_dtype: torch.
     ``expert_group`` the ranks holding other expert slices (etp x ep), None without them)."""
     # AdamW runs one foreach per parameter group: routed experts (DTensors over edp) get their own.
     grad_group = {name: metas[name].grad_group for name in metas} if metas is not None else {}
-    decoupled = bool(train_cfg.decoupled_lr)
-    groups = [{**group, "params": params} for group in build_param_groups(model, train_cfg.weight_decay, metas, train_cfg.optimizer, decoupled)
+    groups = [{**group, "params": params} for group in config_param_groups(model, train_cfg, metas)
               for _, params in _by_grad_group((grad_group.get(name, "dp_cp"), (name, p)) for name, p in group["params"])]  # fmt: skip
     settings = optimizer_settings(train_cfg, compute_dtype)
     return FSDPOptimizer(groups, **settings, grads=FSDPGrads(model), metas=metas, expert_group=expert_group)

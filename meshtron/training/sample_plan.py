@@ -62,22 +62,16 @@ def schedule_note(saved: dict[str, Any] | None, current: dict[str, Any]) -> str 
 
 
 def decoupled_schedule_note(saved: dict[str, Any] | None, current: dict[str, Any] | None) -> str | None:
-    """What ``--decoupled-lr``'s schedule (the embeddings' and output layer's) changes from the
-    checkpoint's: given or dropped, or its two rates (its spans are the main schedule's, which
+    """What ``--decoupled-lr``'s rates (the embeddings' and output layer's) change from the
+    checkpoint's: given, dropped or changed (its spans are the main schedule's, which
     ``schedule_note`` reports)."""
-    if not saved and not current:
+
+    def rates(schedule: dict[str, Any] | None) -> str:
+        return f"--decoupled-lr {schedule['max_lr']:g} --decoupled-min-lr {schedule['min_lr']:g}" if schedule else "--lr"
+
+    if rates(saved) == rates(current):
         return None
-    if not current:
-        return (f"note: the checkpoint trained the embeddings and output layer at --decoupled-lr {saved['max_lr']:g}; this run "
-                "trains them at --lr (pass --decoupled-lr and --decoupled-min-lr to keep theirs)")  # fmt: skip
-    if not saved:
-        return f"note: the checkpoint trained the embeddings and output layer at --lr; this run gives them --decoupled-lr {current['max_lr']:g}"
-    changed = [f"{name} {saved[key]:g} -> {current[key]:g}" for key, name in (("max_lr", "--decoupled-lr"), ("min_lr", "--decoupled-min-lr"))
-               if saved[key] != current[key]]  # fmt: skip
-    if not changed:
-        return None
-    return (f"note: the decoupled rates differ from the checkpoint's ({', '.join(changed)}); pass --decoupled-lr {saved['max_lr']:g} "
-            f"--decoupled-min-lr {saved['min_lr']:g} to keep them")  # fmt: skip
+    return f"note: the checkpoint trained the embeddings and output layer at {rates(saved)}; this run at {rates(current)}"
 
 
 def planned_datasets(plan: list[int], seed: int, build: Callable[[int, int, bool], tuple]) -> tuple:

@@ -88,9 +88,9 @@ def test_a_resumed_run_is_told_when_its_decoupled_rate_differs(tmp_path):
 
     assert run(first, 2) == []
     assert run(first, 3) == []  # the same rates: nothing to say
-    assert run("", 4) == ["note: the checkpoint trained the embeddings and output layer at --decoupled-lr 0.01; this run "
-                          "trains them at --lr (pass --decoupled-lr and --decoupled-min-lr to keep theirs)"]  # fmt: skip
-    given = run("--decoupled-lr 2e-2 --decoupled-min-lr 1e-3", 5)
-    assert given == ["note: the checkpoint trained the embeddings and output layer at --lr; this run gives them --decoupled-lr 0.02"]
-    assert run(first, 6) == ["note: the decoupled rates differ from the checkpoint's (--decoupled-lr 0.02 -> 0.01); pass "
-                             "--decoupled-lr 0.02 --decoupled-min-lr 0.001 to keep them"]  # fmt: skip
+    assert run("", 4) == ["note: the checkpoint trained the embeddings and output layer at --decoupled-lr 0.01 "
+                          "--decoupled-min-lr 0.001; this run at --lr"]  # fmt: skip
+    assert run("--decoupled-lr 2e-2 --decoupled-min-lr 1e-3", 5) == [
+        "note: the checkpoint trained the embeddings and output layer at --lr; this run at --decoupled-lr 0.02 --decoupled-min-lr 0.001"]
+    assert run(first, 6) == ["note: the checkpoint trained the embeddings and output layer at --decoupled-lr 0.02 "
+                             "--decoupled-min-lr 0.001; this run at --decoupled-lr 0.01 --decoupled-min-lr 0.001"]  # fmt: skip
