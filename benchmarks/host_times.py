@@ -4,8 +4,8 @@ then runs them (``layout_recheck.py``), before and after its runs.
 
     PYTHONPATH=$PWD python benchmarks/host_times.py --workload deepseek --repeat 2 --out $OUT/host_before.json
 
-Writes ``{"workload": ..., "runs": [{"dense": ms, "moe": ms}, ...], "mean": {...}}``, the
-``host_ms_per_block`` of each repeat and their mean.
+Writes ``{"workload": ..., "runs": [{"dense": ms, "moe": ms, "dense rc-full": ms, "moe rc-full": ms}, ...],
+"mean": {...}}``: ``host_ms_per_block`` of each repeat, plain and under full recompute, and their mean.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def main() -> int:
     cfg = planned_config(WORKLOADS[args.workload](args))
     runs = []
     for _ in range(args.repeat):
-        runs.append(host_ms_per_block(cfg))
+        runs.append({**host_ms_per_block(cfg), **{f"{kind} rc-full": ms for kind, ms in host_ms_per_block(cfg, "full").items()}})
         print(json.dumps(runs[-1]), flush=True)
     mean = {kind: statistics.mean(run[kind] for run in runs) for kind in runs[0]}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """Every layout measured in ``benchmarks/data`` re-predicted with this tree's step model, on the CPU.
 
     PYTHONPATH=$PWD python benchmarks/plan_refit.py [--grouped-factor 0.66] [--host-factors '{"fsdp": 1.25}']
-        [--sustained-share 0.95] [--rows] [--no-first-choice] [--leave-one-grid-out] [--host-without-optimizer]
+        [--sustained-share 0.95] [--rows] [--no-first-choice] [--leave-one-grid-out]
 
 Each CSV of ``plan_check.py`` or ``layout_recheck.py`` rows is predicted on the calibration file of
 the call that measured it (``GRIDS``), by ``StepModel.predict(layout, exact_split=True)``. Rows that
@@ -21,13 +21,6 @@ and ``fsdp_overlap``; ~50 s on 2 cores), then for each grid the point with the f
 least mean |error|) on the other grids predicts it. Prints each fold's point and its held-out error,
 and the point the same rule picks on all rows. (The first-choice rule of the shipped fit is not
 applied here: it needs a search per point.)
-
-``--host-without-optimizer`` asks whether ``--calibrate``'s host time per block should leave out
-what its step difference also holds, the added block's optimizer step on the GPU: each file's
-``host_ms_per_block`` less the block's parameters x 34 bytes at the file's HBM rate. (With it, and
-the host factors refitted by ``--leave-one-grid-out``, every row held out: 13.3 % mean |error|, 24 of
-85 outside 15 %, the factors at the grid's upper edges; without it 7.4 %, 12 of 85: the model's
-host term is fitted to the definition as measured.)
 """
 
 from __future__ import annotations
@@ -73,6 +66,9 @@ GRIDS = [
     ("plan_check_1xH200_deepseek12.csv", "calibration_1xH200_deepseek12.json", "deepseek", 12),
     ("plan_recheck_1xH200_deepseek12_s7.csv", "calibration_1xH200_deepseek12_s7.json", "deepseek", 12),
     ("plan_recheck_1xH200_deepseek12_s11.csv", "calibration_1xH200_deepseek12_s11host.json", "deepseek", 12),
+    ("plan_check_4xH200_deepseek_s12.csv", "calibration_4xH200_deepseek_s12.json", "deepseek", 27),
+    ("plan_check_2xH200_deepseek_s12.csv", "calibration_2xH200_deepseek_s12.json", "deepseek", 27),
+    ("plan_check_1xH200_deepseek12_s12.csv", "calibration_1xH200_deepseek12_s12.json", "deepseek", 12),
 ]  # fmt: skip
 SKIPPED = {
     "plan_check_4xH200_deepseek.csv": "the fourth session's first DeepSeek grid, before its fixes: its calibration's "
@@ -121,7 +117,7 @@ def workload(name: str, layers: int):
 
 
 FIT_POINTS = [{"recompute": r, "ep": e, "cp": c, "fsdp_overlap": f}
-              for r, e, c, f in itertools.product((1.35, 1.4, 1.45, 1.5), (1.05, 1.1, 1.15, 1.2, 1.25), (1.2, 1.25, 1.3, 1.35, 1.4),
+              for r, e, c, f in itertools.product((1.4, 1.6, 1.8, 2.0), (1.0, 1.25, 1.5, 1.75, 2.0), (1.2, 1.3, 1.4, 1.5, 1.6),
                                                   (0.3, 0.5, 0.7))]  # fmt: skip
 
 
@@ -150,28 +146,12 @@ def predict_all(args: argparse.Namespace) -> list[Predicted]:
         gpus = int(name.split("x")[0].split("_")[-1])
         cfg = workload(work, layers)
         mc = machine(calibration, bool(cfg.model.num_experts), args)
-        if args.host_without_optimizer:
-            mc = replace(mc, host_ms_per_block=host_without_optimizer(cfg, mc))
         model, rows = StepModel(cfg, mc, gpus), measured_rows(DATA / name)
         for row in rows:
             prediction = model.predict(parse(row.layout), exact_split=True)
             row.predicted, row.host_bound = prediction.tokens_per_s_gpu, prediction.host_bound
         out.append(Predicted(name, calibration, (work, layers, gpus), cfg, mc, rows))
     return out
-
-
-OPTIMIZER_BYTES = 34  # per parameter: the fused AdamW's 30 (fp32 moments), the gradient norm's read of 4
-
-
-def host_without_optimizer(cfg, mc: Machine) -> dict[str, float]:
-    """``mc``'s host time per block kind less the kind's optimizer step on one GPU at the file's HBM
-    rate: what ``--calibrate``'s step difference holds besides the host's launches
-    (``--host-without-optimizer``). A block kind's parameters are its first block's."""
-    blocks = StepModel(cfg, mc, 1).shapes(1, 1, 1).blocks
-    params = {}
-    for block in blocks:
-        params.setdefault("moe" if block.expert_all else "dense", block.dense_active + block.expert_all)
-    return {kind: max(0.0, ms - params.get(kind, 0) * OPTIMIZER_BYTES / (mc.hbm_gbps * 1e9) * 1e3) for kind, ms in mc.host_ms_per_block.items()}
 
 
 def leave_one_grid_out(args: argparse.Namespace) -> None:
@@ -213,8 +193,6 @@ def main() -> int:
     parser.add_argument("--rows", action="store_true", help="print every row")
     parser.add_argument("--no-first-choice", action="store_true", help="skip the searches (the slow part)")
     parser.add_argument("--leave-one-grid-out", action="store_true", help="fit the host factors without each grid and predict it")
-    parser.add_argument("--host-without-optimizer", action="store_true",
-                        help="each file's host time per block less the block's optimizer step on the GPU (host_without_optimizer)")
     args = parser.parse_args()
     check_table()
     if args.leave_one_grid_out:

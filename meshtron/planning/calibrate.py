@@ -32,10 +32,12 @@ from meshtron.planning.hardware import (
     load,
     shipped_for,
 )
+from meshtron.planning.layouts import Layout, apply
 from meshtron.planning.step_time import StepModel
 from meshtron.training.peak_flops import datasheet_peak_tflops
 
 COLLECTIVE_BYTES = (2**20, 2**24, 2**26, 2**28, 2**30)
+ONE_PROCESS = Layout(1, 1, 1, 1, 1, 1, 1, "none", 1)
 HOST_TOKENS = 128  # a micro batch this small leaves a step as long as its launches (host_ms_per_block)
 SLOPE_BLOCKS = 4  # blocks of a kind added to the one-block model to time the kind's host work (host_ms_per_block)
 
@@ -116,15 +118,14 @@ def grouped_gemm_factor(cfg: Config, gemm_tflops: list[list[float]]) -> float:
     return 3 * flops / seconds / 1e12 / interpolate(gemm_tflops, flops / 2)
 
 
-def cut_model(cfg: Config, pattern: list[int], tokens: int) -> Config:
-    """``cfg`` cut to the blocks of ``pattern`` (1: a MoE block, where the model has experts), one
-    process, one micro batch of ``tokens`` random tokens a step, nothing logged: the run whose
-    steps time the host (``host_ms_per_block``, ``benchmarks/host_profile.py``). ``cfg`` keeps its
-    values (``apply`` copies each section)."""
-    from meshtron.planning.layouts import Layout, apply
-
-    c = apply(cfg, Layout(1, 1, 1, 1, 1, 1, 1, "none", 1))
-    c.model.num_layers, c.train.global_batch_size, c.train.train_iters = len(pattern), 1, 1000
+def cut_model(cfg: Config, pattern: list[int], tokens: int, layout: Layout = ONE_PROCESS) -> Config:
+    """``cfg`` cut to the blocks of ``pattern`` (1: a MoE block, where the model has experts) on
+    ``layout`` (one process, no recompute, unless given), one micro batch of ``tokens`` random
+    tokens a step on each data-parallel rank, nothing logged: the run whose steps time the host
+    (``host_ms_per_block``, ``benchmarks/host_profile.py``, ``benchmarks/host_factors.py``).
+    ``cfg`` keeps its values (``apply`` copies each section)."""
+    c = apply(cfg, layout)
+    c.model.num_layers, c.train.global_batch_size, c.train.train_iters = len(pattern), layout.dp * layout.micro_batch, 1000
     if c.model.num_experts:
         c.model.moe_layer_freq = "[" + ",".join(map(str, pattern)) + "]"
     c.data.mock, c.data.seq_length, c.data.decoder_seq_length = True, tokens, min(c.data.decoder_seq_length, tokens)
@@ -132,16 +133,18 @@ def cut_model(cfg: Config, pattern: list[int], tokens: int) -> Config:
     return c
 
 
-def host_ms_per_block(cfg: Config) -> dict[str, float]:
+def host_ms_per_block(cfg: Config, recompute: str = "") -> dict[str, float]:
     """Milliseconds the host takes to launch one block's forward + backward, per block kind
-    ("dense", "moe"): on one GPU at one micro batch of ``HOST_TOKENS`` tokens, where the GPU's
-    kernels take microseconds and a step lasts as long as its launches, the median step of the
-    model cut to one block plus ``SLOPE_BLOCKS`` of the kind, less that of the model cut to that one
-    block, over ``SLOPE_BLOCKS``: the two medians' noise is spread over that many blocks (with one
-    block added, two measurements on one 4 x H200 host gave a dense block 5.5 and 3.0 ms). Where
-    the added blocks do not fit the GPU with their optimizer state (DeepSeek-V2-Lite's four MoE
-    blocks take ~50 GB), one block is added instead; where that does not fit either,
-    ``torch.OutOfMemoryError`` says so."""
+    ("dense", "moe"), under ``recompute`` (a layout's: "" or "full"): on one GPU at one micro batch
+    of ``HOST_TOKENS`` tokens, where the GPU's kernels take microseconds and a forward + backward
+    lasts as long as its launches, the median forward + backward (``Trainer.accumulate_gradients``:
+    no optimizer step, whose HBM traffic is the GPU's and comes once a step, not once a micro
+    batch) of the model cut to one block plus ``SLOPE_BLOCKS`` of the kind, less that of the model
+    cut to that one block, over ``SLOPE_BLOCKS``: the two medians' noise is spread over that many
+    blocks (with one block added, two measurements on one 4 x H200 host gave a dense block 5.5 and
+    3.0 ms). Where the added blocks do not fit the GPU with their optimizer state
+    (DeepSeek-V2-Lite's four MoE blocks take ~50 GB), one block is added instead; where that does
+    not fit either, ``torch.OutOfMemoryError`` says so."""
     from meshtron.models import spec_for
     from meshtron.training.trainer import Trainer
 
@@ -149,11 +152,12 @@ def host_ms_per_block(cfg: Config) -> dict[str, float]:
     sync = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None  # the CPU: tests of the code path
 
     def step_ms(pattern: list[int]) -> float:
-        trainer, times = Trainer(cut_model(cfg, pattern, HOST_TOKENS), log=lambda _: None), []
+        layout = dataclasses.replace(ONE_PROCESS, recompute=recompute)
+        trainer, times = Trainer(cut_model(cfg, pattern, HOST_TOKENS, layout), log=lambda _: None), []
         for i in range(13):
             sync()
             began = time.perf_counter()
-            trainer.train_step()
+            trainer.accumulate_gradients()
             sync()
             times.append(time.perf_counter() - began) if i >= 3 else None
         del trainer
@@ -281,7 +285,9 @@ def calibrate(cfg: Config, path: str) -> Machine:
         sources["grouped_gemm_factor"] = f"{measured}: the model's expert fc1 and fc2, forward and backward, against the GEMM curve"
     try:
         fields["host_ms_per_block"] = host_ms_per_block(cfg)
-        sources["host_ms_per_block"] = f"{measured}: one block's forward + backward at {HOST_TOKENS} tokens on one GPU (host-bound)"
+        fields["host_ms_per_block_recompute"] = host_ms_per_block(cfg, "full")
+        for field_name, under in (("host_ms_per_block", ""), ("host_ms_per_block_recompute", " under full recompute")):
+            sources[field_name] = f"{measured}: one block's forward + backward{under} at {HOST_TOKENS} tokens on one GPU (host-bound), no optimizer step"
     except torch.OutOfMemoryError as exc:
         print(f"  {exc}: the shipped {base.device} file's host times are kept")
     world = torch.cuda.device_count()
@@ -295,7 +301,8 @@ def calibrate(cfg: Config, path: str) -> Machine:
     print(f"calibration of {name} ({world} GPU{'s' if world > 1 else ''}) in {time.time() - began:.0f} s -> {path}")
     print(f"  GEMM TFLOP/s by FLOPs: {', '.join(f'{f:.1e}: {t:.0f}' for f, t in machine.gemm_tflops)}")
     print(f"  attention TFLOP/s by query tokens: {', '.join(f'{s:.0f}: {t:.0f}' for s, t in machine.attention_tflops)}")
-    print("  host per block (forward + backward): " + ", ".join(f"{kind} {ms:.1f} ms" for kind, ms in machine.host_ms_per_block.items()))
+    print("  host per block (forward + backward): " + ", ".join(f"{kind} {ms:.1f} ms" for kind, ms in machine.host_ms_per_block.items())
+          + "; under full recompute: " + ", ".join(f"{kind} {ms:.1f} ms" for kind, ms in machine.host_ms_per_block_recompute.items()))
     print(f"  grouped expert GEMMs at {machine.grouped_gemm_factor:.2f} of dense" if cfg.model.num_experts else "  no experts")
     print(f"  HBM {machine.hbm_gbps:.0f} GB/s" + (f"; collectives over {world}: " + "; ".join(
         f"{op} {points[-1][1]:.0f} GB/s at {points[-1][0] / 2**20:.0f} MiB" for op, points in machine.nvlink.items()) if world >= 2 else

@@ -25,6 +25,7 @@ ADDED_FIELDS = ("host_ms_per_block",)  # measured, missing from older calibratio
 # The step model's constants, fitted on measured grids (not measured by --calibrate, which copies
 # them): a calibration file always takes the shipped machine's, so a refit reaches files written before it
 FITTED_FIELDS = ("host_factors", "sustained_share", "synced_host_shares", "fsdp_overlap")
+OPTIONAL_FIELDS = ("on_paper", "sources", "host_ms_per_block_recompute")  # a file may leave out
 
 
 def interpolate(points: list[list[float]], x: float) -> float:
@@ -67,6 +68,9 @@ class Machine:
     # ms: a block's GPU work cannot take less (``step_time``), and at small micro batches, many
     # ranks and MoE dispatch it takes more than the GPU's
     host_ms_per_block: dict[str, float] = field(default_factory=dict)
+    # The same under full recompute, where measured (files before it: ``host_factors["recompute"]``
+    # times the above; ``host_ms``)
+    host_ms_per_block_recompute: dict[str, float] = field(default_factory=dict)
     # That host time's multiplier per layout feature (HOST_FEATURES); cp's is the one at cp 2, and
     # each further ring step adds as much again (``step_time``)
     host_factors: dict[str, float] = field(default_factory=dict)
@@ -79,6 +83,13 @@ class Machine:
     sustained_share: float = 1.0
     on_paper: bool = False  # no number measured on this GPU kind
     sources: dict[str, str] = field(default_factory=dict)
+
+    def host_ms(self, kind: str, full_recompute: bool) -> float:
+        """The host's milliseconds for one block of ``kind``'s forward + backward: measured under
+        full recompute where the file has it, else the plain time times the fitted factor."""
+        if full_recompute and kind in self.host_ms_per_block_recompute:
+            return self.host_ms_per_block_recompute[kind]
+        return self.host_ms_per_block.get(kind, 0.0) * (self.host_factors.get("recompute", 1.0) if full_recompute else 1.0)
 
     def gemm_rate(self, flops: float) -> float:
         """Achieved FLOP/s of one bf16 GEMM of ``flops``."""
@@ -124,7 +135,7 @@ def load(name_or_path: str) -> Machine:
         raw["sources"] = {**raw.get("sources", {}), **{name: shipped.sources[name] for name in FITTED_FIELDS if name in shipped.sources}}
     known = {f.name for f in fields(Machine)}
     unknown = sorted(set(raw) - known)
-    missing = sorted(f.name for f in fields(Machine) if f.name not in raw and f.name not in ("on_paper", "sources"))
+    missing = sorted(f.name for f in fields(Machine) if f.name not in raw and f.name not in OPTIONAL_FIELDS)
     if unknown or missing:
         raise ValueError(f"{path}: unknown fields {unknown}, missing fields {missing}; write it with meshtron plan --calibrate")
     return Machine(**raw)

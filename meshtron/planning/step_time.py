@@ -20,7 +20,8 @@ Per micro batch, each block costs on one rank (tokens t = micro batch x the bloc
   traffic), ``selective`` the core attention's forward;
 - the host: a block takes at least the host's time to launch its forward and backward
   (``host_ms_per_block`` of its kind, measured by ``--calibrate`` on one GPU at a tiny micro batch,
-  times ``host_factors`` for the layout's collectives, FSDP2 and full recompute; cp's grows by its
+  under full recompute its own measured time, times ``host_factors`` for the layout's
+  collectives and FSDP2; cp's grows by its
   value at cp 2 for each ring step beyond the first: an exchange, a block kernel call and a merge
   forward, two exchanges backward, each step alike); the excess over
   the GPU's parts is ``host wait`` (MoE blocks on 4 GPUs at a micro batch of 4096 tokens spend
@@ -303,17 +304,18 @@ class StepModel:
 
     def _host_seconds(self, lay: Layout, kind: str) -> float:
         """The host's time to launch one block's forward + backward: the machine's for the block's
-        kind, times the factor of each layout feature that adds host work (collectives and their
-        bookkeeping, FSDP2's hooks, a recomputed forward). Context parallelism's host work is per
+        kind (under full recompute its measured time, ``Machine.host_ms``), times the factor of
+        each layout feature that adds host work (collectives and their bookkeeping, FSDP2's
+        hooks). Context parallelism's host work is per
         ring step (its exchanges, block kernel calls and merges, the same at each step), so its
         factor grows by the one at cp 2 for each step beyond the first."""
         mc = self.machine
         features = {"tp": lay.tp > 1, "ep": lay.ep > 1 and kind == "moe", "etp": lay.etp > 1 and kind == "moe",
-                    "fsdp": lay.sharding == "fsdp", "recompute": lay.recompute == "full"}  # fmt: skip
+                    "fsdp": lay.sharding == "fsdp"}  # fmt: skip
         factor = 1 + (mc.host_factors.get("cp", 1.0) - 1) * (lay.cp - 1)
         for feature, on in features.items():
             factor *= mc.host_factors.get(feature, 1.0) if on else 1.0
-        return mc.host_ms_per_block.get(kind, 0.0) / 1e3 * factor
+        return mc.host_ms(kind, lay.recompute == "full") / 1e3 * factor
 
     def _head(self, cfg: Config, lay: Layout, vocab: int, costs: PipelineCosts | None) -> _Block:
         """The output layer and its loss: one GEMM over the rank's vocabulary shard, the logits' traffic."""

@@ -209,13 +209,7 @@ class Trainer:
         batch, so gradients summed over data-parallel ranks equal the one-process gradient). The
         global batch is the batch schedule's at the samples consumed so far (it ramps up with
         --rampup-batch-size), and so is the number of micro batches."""
-        self.last_batch_size = self.batch_schedule.batch_at(self.consumed_samples)
-        with self.straggler.section("data wait"):
-            batches = [self._to_device(next(self.train_batches)) for _ in range(self.last_batch_size // self.micro_samples)]
-        self._last_batches = batches  # for the divergence check's re-run
-        self.optimizer.zero_grad()
-        loss = self.runner.forward_backward(batches, timed=self.straggler.section if self.straggler.enabled else None)
-        empty_unused_memory(self.cfg.train, 1)
+        loss = self.accumulate_gradients()
         # The loss and every logged term (a MoE model has two per layer) go to the host in one copy
         # started now and read after the optimizer step, whose gradient-norm read has waited for
         # it: no host sync of its own, so the host runs on into the next step while the GPU
@@ -236,6 +230,19 @@ class Trainer:
         self.last_aux = {name: values[i] for i, name in enumerate(terms) if name in loss.aux}
         self.last_metrics = {name: values[i] for i, name in enumerate(terms) if name in loss.metrics}
         return mean_loss, result
+
+    def accumulate_gradients(self):
+        """``train_step`` without its optimizer step: the global batch's forward and backward into
+        zeroed gradients (``--calibrate`` times it alone: the host's launches of a step, not the
+        optimizer's HBM traffic). Returns the runner's loss."""
+        self.last_batch_size = self.batch_schedule.batch_at(self.consumed_samples)
+        with self.straggler.section("data wait"):
+            batches = [self._to_device(next(self.train_batches)) for _ in range(self.last_batch_size // self.micro_samples)]
+        self._last_batches = batches  # for the divergence check's re-run
+        self.optimizer.zero_grad()
+        loss = self.runner.forward_backward(batches, timed=self.straggler.section if self.straggler.enabled else None)
+        empty_unused_memory(self.cfg.train, 1)
+        return loss
 
     @torch.no_grad()
     def evaluate(self) -> float:

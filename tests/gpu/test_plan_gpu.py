@@ -31,3 +31,6 @@ def test_calibrate_measures_the_grouped_expert_gemms(tmp_path):
     machine = load(str(path))
     assert "measured" in machine.sources["grouped_gemm_factor"]
     assert 0.2 < machine.grouped_gemm_factor < 1.5  # a share of dense speed, not a unit slip
+    # the host's launches per block, plain and under full recompute (which reruns the forward's)
+    assert set(machine.host_ms_per_block) == set(machine.host_ms_per_block_recompute) == {"dense", "moe"}
+    assert all(machine.host_ms_per_block_recompute[k] > machine.host_ms_per_block[k] > 0 for k in ("dense", "moe"))

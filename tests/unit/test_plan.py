@@ -235,9 +235,11 @@ def test_measure_runs_the_printed_layout_through_the_trainer():
 
 
 def test_host_time_per_block_is_the_step_difference_over_added_blocks(monkeypatch):
-    """``--calibrate``'s host time per block kind: a stand-in trainer whose step lasts 10 ms per
-    dense block, 30 ms per MoE block and 15 ms besides gives back 10 and 30 (the model cut to one MoE
-    block, then four more of each kind). Sleeps long against a loaded machine's wake-up delays."""
+    """``--calibrate``'s host time per block kind: a stand-in trainer whose forward + backward
+    lasts 10 ms per dense block, 30 ms per MoE block and 15 ms besides gives back 10 and 30 (the
+    model cut to one MoE block, then four more of each kind); under full recompute, cut models that
+    recompute, timed alike. The optimizer step is never timed: it is the GPU's HBM traffic, once a
+    step, which the step model prices apart. Sleeps long against a loaded machine's wake-up delays."""
     import time
 
     import meshtron.training.trainer as trainer_module
@@ -249,18 +251,42 @@ def test_host_time_per_block_is_the_step_difference_over_added_blocks(monkeypatc
         def __init__(self, cfg, log):
             pattern = json.loads(cfg.model.moe_layer_freq)
             assert len(pattern) == cfg.model.num_layers and cfg.train.global_batch_size == cfg.train.micro_batch_size == 1
-            built.append(pattern)
-            self.seconds = 0.015 + sum(0.030 if moe else 0.010 for moe in pattern)
+            built.append((pattern, cfg.model.recompute_granularity))
+            self.seconds = (0.015 + sum(0.030 if moe else 0.010 for moe in pattern)) * (2 if cfg.model.recompute_granularity else 1)
+
+        def accumulate_gradients(self):
+            time.sleep(self.seconds)
 
         def train_step(self):
-            time.sleep(self.seconds)
+            raise AssertionError("the optimizer step is not part of the host's launches per block")
 
     monkeypatch.setattr(trainer_module, "Trainer", Stepping)
     cfg = _cfg(*TINY_MOE, "--moe-layer-freq", "[0,1]")
     measured = host_ms_per_block(cfg)
-    assert built == [[1], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]  # one block, then SLOPE_BLOCKS more of each kind
+    patterns = [[1], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]  # one block, then SLOPE_BLOCKS more of each kind
+    assert built == [(p, None) for p in patterns] or built == [(p, "") for p in patterns]
     assert (cfg.model.num_layers, cfg.model.moe_layer_freq, cfg.data.seq_length) == (2, "[0,1]", _cfg(*TINY_MOE).data.seq_length)
     assert measured["dense"] == pytest.approx(10.0, abs=2.0) and measured["moe"] == pytest.approx(30.0, abs=2.0)
+    built.clear()
+    recomputed = host_ms_per_block(cfg, "full")
+    assert built == [(p, "full") for p in patterns]
+    assert recomputed["dense"] == pytest.approx(20.0, abs=3.0) and recomputed["moe"] == pytest.approx(60.0, abs=3.0)
+
+
+def test_measured_recompute_host_times_replace_the_fitted_factor(tmp_path):
+    """Under full recompute a block's host time is the calibration's measured one where the file
+    has it (per kind), else the plain time times ``host_factors["recompute"]``; files written
+    before the field load without it."""
+    machine = dataclasses.replace(load("h200"), host_ms_per_block={"dense": 4.0, "moe": 6.0}, host_factors={"recompute": 1.5},
+                                  host_ms_per_block_recompute={"moe": 11.0})  # fmt: skip
+    assert machine.host_ms("moe", True) == 11.0 and machine.host_ms("moe", False) == 6.0
+    assert machine.host_ms("dense", True) == pytest.approx(6.0) and machine.host_ms("dense", False) == 4.0
+    model = StepModel(_cfg(*TINY_MOE), machine, 2)
+    assert model._host_seconds(Layout(1, 1, 1, 1, 1, 1, 2, D, 1, "full"), "moe") == pytest.approx(0.011)
+    raw = json.loads(machine.to_json())
+    del raw["host_ms_per_block_recompute"]
+    (tmp_path / "cal.json").write_text(json.dumps(raw))
+    assert load(str(tmp_path / "cal.json")).host_ms_per_block_recompute == {}
 
 
 def test_host_calibration_adds_one_block_where_more_do_not_fit(monkeypatch):
@@ -279,7 +305,7 @@ def test_host_calibration_adds_one_block_where_more_do_not_fit(monkeypatch):
                 raise torch.OutOfMemoryError("CUDA out of memory")
             self.seconds = 0.015 + sum(0.030 if moe else 0.010 for moe in pattern)
 
-        def train_step(self):
+        def accumulate_gradients(self):
             time.sleep(self.seconds)
 
     monkeypatch.setattr(trainer_module, "Trainer", Stepping)
@@ -393,7 +419,8 @@ def test_context_parallel_host_work_grows_with_each_ring_step():
     """Each ring step beyond the first adds the same host work (an exchange, a block kernel call
     and a merge forward, two exchanges backward), so the host time per block grows linearly in
     cp - 1, ``host_factors["cp"]`` being the factor at cp 2."""
-    machine = dataclasses.replace(load("h200"), host_ms_per_block={"dense": 10.0}, host_factors={"cp": 1.5, "recompute": 2.0})
+    machine = dataclasses.replace(load("h200"), host_ms_per_block={"dense": 10.0}, host_ms_per_block_recompute={},
+                                  host_factors={"cp": 1.5, "recompute": 2.0})  # fmt: skip
     model = StepModel(_cfg(*TINY_DENSE), machine, 8)
     host = {cp: model._host_seconds(Layout(1, 1, 1, cp, 1, 1, 8 // cp, D, 1), "dense") for cp in (1, 2, 4, 8)}
     assert host[1] == pytest.approx(0.010) and host[2] == pytest.approx(0.015)

@@ -34,21 +34,3 @@ def test_every_data_csv_is_predicted_or_skipped_with_its_calibration_present():
     check_table()
     for name, calibration, _, _ in GRIDS:
         assert (DATA / name).is_file() and (DATA / calibration).is_file() and name not in SKIPPED
-
-
-def test_host_without_optimizer_takes_each_kinds_optimizer_bytes_at_the_hbm_rate():
-    from dataclasses import replace
-
-    from plan_refit import OPTIMIZER_BYTES, host_without_optimizer, workload
-
-    from meshtron.planning.hardware import load
-    from meshtron.planning.step_time import StepModel
-
-    cfg = workload("deepseek", 2)
-    machine = replace(load("h200"), host_ms_per_block={"dense": 9.0, "moe": 30.0}, hbm_gbps=4000.0)
-    blocks = StepModel(cfg, machine, 1).shapes(1, 1, 1).blocks
-    dense, moe = (next(b.dense_active + b.expert_all for b in blocks if bool(b.expert_all) == kind) for kind in (False, True))
-    got = host_without_optimizer(cfg, machine)
-    assert got["dense"] == 9.0 - dense * OPTIMIZER_BYTES / 4e12 * 1e3
-    assert got["moe"] == 30.0 - moe * OPTIMIZER_BYTES / 4e12 * 1e3
-    assert 64 * 3 * 2048 * 1408 < moe < 1.1 * 64 * 3 * 2048 * 1408 and 0 < dense < moe / 5  # 64 experts of 3 x 2048 x 1408
