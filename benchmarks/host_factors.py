@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from plan_check import WORKLOADS, planned_config  # noqa: E402
+from plan_check import WORKLOADS, add_layer_counts, planned_config  # noqa: E402
 
 from meshtron.planning.calibrate import HOST_TOKENS, SLOPE_BLOCKS, cut_model  # noqa: E402
 from meshtron.planning.layouts import Layout  # noqa: E402
@@ -93,9 +93,7 @@ def run_feature(args: argparse.Namespace, feature: str) -> dict[str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
-    parser.add_argument("--llama-layers", type=int, default=32)
-    parser.add_argument("--deepseek-layers", type=int, default=27)
-    parser.add_argument("--llama70b-layers", type=int, default=12)
+    add_layer_counts(parser)
     parser.add_argument("--features", default=",".join(FEATURES))
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--device", default="", help="cpu: the code path on gloo (the trainer's default otherwise)")

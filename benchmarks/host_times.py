@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from plan_check import WORKLOADS, planned_config  # noqa: E402
+from plan_check import WORKLOADS, add_layer_counts, planned_config  # noqa: E402
 
 from meshtron.planning.calibrate import host_ms_per_block  # noqa: E402
 
@@ -26,9 +26,7 @@ from meshtron.planning.calibrate import host_ms_per_block  # noqa: E402
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
-    parser.add_argument("--llama-layers", type=int, default=32)
-    parser.add_argument("--deepseek-layers", type=int, default=27)
-    parser.add_argument("--llama70b-layers", type=int, default=12)
+    add_layer_counts(parser)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()

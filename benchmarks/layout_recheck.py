@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from plan_check import WORKLOADS, planned_config  # noqa: E402
+from plan_check import WORKLOADS, add_layer_counts, planned_config  # noqa: E402
 
 from meshtron.estimate import estimate  # noqa: E402
 from meshtron.planning.hardware import load  # noqa: E402
@@ -52,9 +52,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
-    parser.add_argument("--llama-layers", type=int, default=32)
-    parser.add_argument("--deepseek-layers", type=int, default=27)
-    parser.add_argument("--llama70b-layers", type=int, default=12)
+    add_layer_counts(parser)
     parser.add_argument("--gpus", type=int, required=True)
     parser.add_argument("--calibration", default="h200")
     parser.add_argument("--layouts", required=True, help="';'-separated, as the planner's report writes them")

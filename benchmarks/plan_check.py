@@ -47,6 +47,15 @@ WORKLOADS = {
     "llama70b": lambda a: ["--model.preset", "llama3-70b", "--num-layers", str(a.llama70b_layers), "--seq-length", "8192",
                            "--global-batch-size", "8"],
 }  # fmt: skip
+
+
+def add_layer_counts(parser: argparse.ArgumentParser) -> None:
+    """The workloads' layer counts (``WORKLOADS`` reads them), for every script that builds one."""
+    parser.add_argument("--llama-layers", type=int, default=32)
+    parser.add_argument("--deepseek-layers", type=int, default=27)
+    parser.add_argument("--llama70b-layers", type=int, default=12)
+
+
 def planned_config(flags: list[str]):
     """The config the planner sees for a workload's ``flags``: random tokens, the vocabulary padded as training pads it."""
     cfg = build_config(None, flags + ["--mock-data"])
@@ -82,9 +91,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--workloads", default="llama,deepseek")
-    parser.add_argument("--llama-layers", type=int, default=32)
-    parser.add_argument("--deepseek-layers", type=int, default=27)
-    parser.add_argument("--llama70b-layers", type=int, default=12)
+    add_layer_counts(parser)
     parser.add_argument("--gpus", type=int, default=0, help="plan and run on the first N GPUs (default: all of them)")
     parser.add_argument("--per-workload", type=int, default=8)
     parser.add_argument("--steps", type=int, default=5)

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -147,7 +148,7 @@ class GradBuffer:
                 param.main_grad = self.data[offset : offset + param.numel()].view_as(param)
                 param.grad = param.main_grad if param.dtype == torch.float32 else None
                 param.grad_buffer = self
-                param.register_post_accumulate_grad_hook(self._on_grad)
+                param.register_post_accumulate_grad_hook(_WeakHook(self._on_grad))
                 offset += param.numel()
         self._sync = True
         self._next_launch = 0
@@ -343,3 +344,20 @@ def _group_size(group: dist.ProcessGroup | None) -> int:
 
 def _group_rank(group: dist.ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_rank(group)
+
+
+class _WeakHook:
+    """A parameter's gradient hook that calls its buffer without keeping it alive. autograd holds
+    the hook where the garbage collector cannot see it, so a bound method there (buffer -> its
+    params -> hook -> buffer) made a cycle nothing frees: a dropped trainer kept every parameter,
+    gradient and buffer, and ``benchmarks/host_times.py``'s repeated cut models of
+    DeepSeek-V2-Lite ran one H200 out of memory. The trainer's runner holds the buffer while it
+    trains."""
+
+    def __init__(self, method) -> None:
+        self.method = weakref.WeakMethod(method)
+
+    def __call__(self, param: nn.Parameter) -> None:
+        method = self.method()
+        if method is not None:
+            method(param)

@@ -3,12 +3,14 @@
 --manual-gc: the automatic collector is off while training, full collections happen at start-up,
 every --manual-gc-interval iterations and around each evaluation (not with --no-manual-gc-eval),
 what start-up left alive is frozen for the later ones, and the collector's state is restored
-afterwards. --empty-unused-memory-level: the CUDA cache is emptied where Megatron empties it."""
+afterwards. --empty-unused-memory-level: the CUDA cache is emptied where Megatron empties it. A
+dropped trainer frees its parameters (``--calibrate`` builds several in one process)."""
 
 from __future__ import annotations
 
 import gc
 import shlex
+import weakref
 
 import pytest
 import torch
@@ -88,3 +90,16 @@ def test_empty_unused_memory_level_empties_the_cache_where_megatron_does(monkeyp
 def test_wrong_manual_gc_flags_are_refused_before_training(flags, message):
     with pytest.raises(ConfigError, match=message):
         validate(build_config(None, shlex.split(TINY + " " + flags)), world_size=1)
+
+
+@pytest.mark.parametrize("extra", ["", "--use-distributed-optimizer --recompute-granularity full"])
+def test_a_dropped_trainer_frees_its_parameters(extra):
+    """After a step, deleting the trainer and collecting frees every parameter: the gradient
+    buffer's hooks (held by autograd, unseen by the collector) do not keep it alive. It fails with
+    the hook bound to the buffer."""
+    trainer = Trainer(build_config(None, shlex.split(TINY + " " + extra)), log=lambda _: None)
+    trainer.train_step()
+    params = [weakref.ref(p) for p in trainer.model.parameters()]
+    del trainer
+    gc.collect()
+    assert params and all(ref() is None for ref in params)
