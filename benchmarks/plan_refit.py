@@ -1,6 +1,7 @@
 """Every layout measured in ``benchmarks/data`` re-predicted with this tree's step model, on the CPU.
 
-    PYTHONPATH=$PWD python benchmarks/plan_refit.py [--grouped-factor 0.66] [--host-factors '{"fsdp": 1.25}']
+    PYTHONPATH=$PWD python benchmarks/plan_refit.py [--grouped-factor 0.66] [--grouped-curve '[[384, 0.65], [768, 0.85]]']
+        [--host-factors '{"fsdp": 1.25}']
         [--sustained-share 0.95] [--rows] [--no-first-choice] [--leave-one-grid-out]
 
 Each CSV of ``plan_check.py`` or ``layout_recheck.py`` rows is predicted on the calibration file of
@@ -8,7 +9,8 @@ the call that measured it (``GRIDS``), by ``StepModel.predict(layout, exact_spli
 were pruned, failed or measured nothing are skipped; a layout measured twice stays two rows.
 
 A calibration file's fitted constants (host factors, sustained share, synced host shares) are the
-shipped machine's as ``hardware.load`` reads it, unless given here. ``--grouped-factor`` replaces the files' grouped-GEMM factor on MoE workloads.
+shipped machine's as ``hardware.load`` reads it, unless given here. ``--grouped-factor`` replaces the files' grouped-GEMM factor on MoE workloads,
+``--grouped-curve`` their factor by rows per expert (``Machine.grouped_gemm_curve``).
 
 Prints per CSV the mean and max |error| and the rows outside 15 %, then all rows together, and
 apart the rows the model calls host-bound (``Prediction.host_bound``: their runs vary most); and
@@ -105,8 +107,9 @@ def machine(calibration: str, moe: bool, args: argparse.Namespace) -> Machine:
     """The calibration file (with the shipped fitted constants, ``hardware.load``) and the given overrides."""
     loaded = load(str(DATA / calibration))
     grouped = args.grouped_factor if args.grouped_factor and moe else loaded.grouped_gemm_factor
+    curve = args.grouped_curve if args.grouped_curve and moe else loaded.grouped_gemm_curve
     return replace(loaded, host_factors={**loaded.host_factors, **args.host_factors},
-                   sustained_share=args.sustained_share or loaded.sustained_share, grouped_gemm_factor=grouped,
+                   sustained_share=args.sustained_share or loaded.sustained_share, grouped_gemm_factor=grouped, grouped_gemm_curve=curve,
                    fsdp_overlap=loaded.fsdp_overlap if args.fsdp_overlap is None else args.fsdp_overlap)  # fmt: skip
 
 
@@ -187,6 +190,8 @@ def check_table() -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--grouped-factor", type=float, default=0.0, help="grouped-GEMM factor of MoE workloads (default: the files')")
+    parser.add_argument("--grouped-curve", type=json.loads, default=[],
+                        help="[[rows per expert, factor], ...] of MoE workloads (default: the files'; over --grouped-factor)")
     parser.add_argument("--host-factors", type=json.loads, default={}, help="JSON object over the shipped host factors")
     parser.add_argument("--sustained-share", type=float, default=0.0, help="default: the shipped machine's")
     parser.add_argument("--fsdp-overlap", type=float, default=None, help="default: the shipped machine's")

@@ -94,16 +94,19 @@ def attention_points(cfg: Config) -> list[list[float]]:
     return points
 
 
-def grouped_gemm_factor(cfg: Config, gemm_tflops: list[list[float]]) -> float:
+GROUPED_SEQUENCES = (1, 2, 4, 8)  # micro batches whose rows per expert grouped_gemm_curve measures
+
+
+def grouped_gemm_factor(cfg: Config, gemm_tflops: list[list[float]], sequences: int = 1) -> float:
     """Routed experts' fc1 and fc2, forward and backward, through the layer's own grouped GEMM
-    (``--model.moe_grouped_gemm``) at the rows one sequence sends each expert under even routing:
-    their speed as a share of ``gemm_tflops``' rate at one grouped GEMM's FLOPs (the step model's
-    ``grouped_gemm_factor``: a grouped GEMM against one dense GEMM of the same FLOPs)."""
+    (``--model.moe_grouped_gemm``) at the rows ``sequences`` sequences send each expert under even
+    routing: their speed as a share of ``gemm_tflops``' rate at one grouped GEMM's FLOPs (the step
+    model's ``grouped_gemm_factor``: a grouped GEMM against one dense GEMM of the same FLOPs)."""
     from meshtron.layers.moe.grouped_gemm import grouped_mm
 
     m = cfg.model
     h, f = m.hidden_size, m.moe_ffn_hidden_size or m.ffn_hidden_size
-    experts, rows = m.num_experts, max(16, cfg.data.seq_length * m.moe_router_topk // m.num_experts)
+    experts, rows = m.num_experts, max(16, sequences * cfg.data.seq_length * m.moe_router_topk // m.num_experts)
     fc1 = 2 * f if m.activation == "swiglu" else f
     seconds = 0.0
     for n, k in ((fc1, h), (h, f)):
@@ -281,8 +284,12 @@ def calibrate(cfg: Config, path: str) -> Machine:
         "on_paper": False,
     }
     if cfg.model.num_experts:
-        fields["grouped_gemm_factor"] = grouped_gemm_factor(cfg, fields["gemm_tflops"])
+        m = cfg.model
+        fields["grouped_gemm_curve"] = [[n * cfg.data.seq_length * m.moe_router_topk / m.num_experts,
+                                         grouped_gemm_factor(cfg, fields["gemm_tflops"], n)] for n in GROUPED_SEQUENCES]  # fmt: skip
+        fields["grouped_gemm_factor"] = fields["grouped_gemm_curve"][0][1]
         sources["grouped_gemm_factor"] = f"{measured}: the model's expert fc1 and fc2, forward and backward, against the GEMM curve"
+        sources["grouped_gemm_curve"] = f"{measured}: the same at the rows per expert of {', '.join(map(str, GROUPED_SEQUENCES))} sequences"
     try:
         fields["host_ms_per_block"] = host_ms_per_block(cfg)
         fields["host_ms_per_block_recompute"] = host_ms_per_block(cfg, "full")
@@ -303,7 +310,8 @@ def calibrate(cfg: Config, path: str) -> Machine:
     print(f"  attention TFLOP/s by query tokens: {', '.join(f'{s:.0f}: {t:.0f}' for s, t in machine.attention_tflops)}")
     print("  host per block (forward + backward): " + ", ".join(f"{kind} {ms:.1f} ms" for kind, ms in machine.host_ms_per_block.items())
           + "; under full recompute: " + ", ".join(f"{kind} {ms:.1f} ms" for kind, ms in machine.host_ms_per_block_recompute.items()))
-    print(f"  grouped expert GEMMs at {machine.grouped_gemm_factor:.2f} of dense" if cfg.model.num_experts else "  no experts")
+    print("  grouped expert GEMMs by rows per expert: " + ", ".join(f"{rows:.0f}: {factor:.2f} of dense" for rows, factor in machine.grouped_gemm_curve)
+          if cfg.model.num_experts else "  no experts")  # fmt: skip
     print(f"  HBM {machine.hbm_gbps:.0f} GB/s" + (f"; collectives over {world}: " + "; ".join(
         f"{op} {points[-1][1]:.0f} GB/s at {points[-1][0] / 2**20:.0f} MiB" for op, points in machine.nvlink.items()) if world >= 2 else
         "; collectives: one GPU, the shipped curves kept"))  # fmt: skip

@@ -24,8 +24,8 @@ HOST_FEATURES = ("tp", "cp", "ep", "etp", "fsdp", "recompute")  # what adds host
 ADDED_FIELDS = ("host_ms_per_block",)  # measured, missing from older calibration files: the shipped machine's
 # The step model's constants, fitted on measured grids (not measured by --calibrate, which copies
 # them): a calibration file always takes the shipped machine's, so a refit reaches files written before it
-FITTED_FIELDS = ("host_factors", "sustained_share", "synced_host_shares", "fsdp_overlap")
-OPTIONAL_FIELDS = ("on_paper", "sources", "host_ms_per_block_recompute")  # a file may leave out
+FITTED_FIELDS = ("host_factors", "sustained_share", "synced_host_shares", "fsdp_overlap", "host_overlap_power")
+OPTIONAL_FIELDS = ("on_paper", "sources", "host_ms_per_block_recompute", "grouped_gemm_curve")  # a file may leave out
 
 
 def interpolate(points: list[list[float]], x: float) -> float:
@@ -78,11 +78,22 @@ class Machine:
     # parallelism ("etp") put after the expert dispatch's host sync, when the GPU's queue is empty:
     # under ep or etp the GPU waits for it (``step_time``)
     synced_host_shares: dict[str, float] = field(default_factory=dict)
+    # [rows per expert, grouped_gemm_factor there], where measured: a grouped GEMM's share of dense
+    # speed grows with its rows (DeepSeek-V2-Lite's experts on an H200: 0.65 at one sequence's 384
+    # rows, 0.81-0.85 from two sequences on); files without it take grouped_gemm_factor at any size
+    grouped_gemm_curve: list[list[float]] = field(default_factory=list)
+    # How the host's and the GPU's times of a block combine: (host^p + GPU^p)^(1/p), the larger one
+    # where they differ, more than it where they are close (``step_time``)
+    host_overlap_power: float = 4.0
     # Share of the calibrated GEMM and attention rates a training step sustains: the calibration
     # times each kernel alone for a moment, a step runs them back to back for minutes
     sustained_share: float = 1.0
     on_paper: bool = False  # no number measured on this GPU kind
     sources: dict[str, str] = field(default_factory=dict)
+
+    def grouped_factor(self, rows: float) -> float:
+        """The grouped expert GEMMs' share of dense speed at ``rows`` per expert."""
+        return interpolate(self.grouped_gemm_curve, rows) if self.grouped_gemm_curve else self.grouped_gemm_factor
 
     def host_ms(self, kind: str, full_recompute: bool) -> float:
         """The host's milliseconds for one block of ``kind``'s forward + backward: measured under

@@ -5,7 +5,8 @@ Per micro batch, each block costs on one rank (tokens t = micro batch x the bloc
 - GEMMs: ``6 P t / tp`` FLOPs (P its parameters a token passes: the family's sizes, routed experts
   by their top-k share) at the machine's rate for a GEMM of that block's shape (one rank's
   matrices, ``rank_parameters``); routed experts as one grouped GEMM per matrix over all local
-  experts, at ``grouped_gemm_factor`` of a dense GEMM of its FLOPs; FP8 block linears at ``fp8_gemm_speedup`` plus the casts;
+  experts, at ``grouped_gemm_factor`` of a dense GEMM of its FLOPs (by rows per expert where the
+  calibration measured ``grouped_gemm_curve``); FP8 block linears at ``fp8_gemm_speedup`` plus the casts;
 - attention: the family's attention FLOPs (``pipeline_costs`` minus 6 P) at the attention rate of
   one rank's query length;
 - elementwise work (norms, activations, RoPE): the bytes autograd keeps per token
@@ -20,13 +21,15 @@ Per micro batch, each block costs on one rank (tokens t = micro batch x the bloc
   traffic), ``selective`` the core attention's forward;
 - the host: a block takes at least the host's time to launch its forward and backward
   (``host_ms_per_block`` of its kind, measured by ``--calibrate`` on one GPU at a tiny micro batch,
-  under full recompute its own measured time, times ``host_factors`` for the layout's
-  collectives and FSDP2; cp's grows by its
+  under full recompute its own measured time, plus ``host_factors`` less one of it for each of the
+  layout's collectives and FSDP2; cp's grows by its
   value at cp 2 for each ring step beyond the first: an exchange, a block kernel call and a merge
-  forward, two exchanges backward, each step alike); the excess over
+  forward, two exchanges backward, each step alike). Host and GPU overlap, but not perfectly where
+  their times are close (the host falls behind some kernels, the GPU idles): the block takes
+  (host^p + GPU^p)^(1/p) with p = ``host_overlap_power``, and the excess over
   the GPU's parts is ``host wait`` (MoE blocks on 4 GPUs at a micro batch of 4096 tokens spend
   about half the step there, ``benchmarks/RESULTS.md``); a chunk that waits for the host has its
-  launches in that wait, so it pays no ``microbatch_overhead_ms`` besides;
+  launches in that wait, so it pays only what of ``microbatch_overhead_ms`` the wait does not cover;
 - the host's sync under ep or etp (``host sync``): their dispatch reads split sizes back once per MoE
   block, emptying the GPU's queue, so FSDP2's and etp's host work after it adds to the GPU's time
   (``synced_host_shares`` of the MoE block's host time), where elsewhere it hides under queued work;
@@ -139,6 +142,15 @@ def _rank_loads(kind: str, pp: int, chunks: list[float]) -> list[float]:
     return load
 
 
+def _overlapped(host: float, gpu: float, power: float) -> float:
+    """A block's time when the host launches (``host``) while the GPU runs (``gpu``):
+    (host^p + gpu^p)^(1/p), scaled by the larger so a large p cannot underflow."""
+    larger = max(host, gpu)
+    if larger <= 0 or host <= 0:
+        return gpu
+    return larger * ((host / larger) ** power + (gpu / larger) ** power) ** (1 / power)
+
+
 def _spans(stride: int, size: int, gpus_per_node: int) -> bool:
     """Whether a group of ``size`` ranks ``stride`` apart (ranks numbered node by node) crosses a node."""
     return size > 1 and stride * size > gpus_per_node
@@ -203,8 +215,8 @@ class StepModel:
             self._splits[split_key] = pipeline_split(cfg.parallel, len(blocks), lay.vp, costs, kind, split_key[-1])
         ranges = self._splits[split_key]
         send, launch = self._p2p_seconds(cfg, lay), self.machine.microbatch_overhead_ms / 1e3
-        # a chunk whose blocks wait for the host has its launches in that wait already
-        launches = [0.0 if any(blocks[i].parts["host wait"] for i in r) else launch for r in ranges]
+        # a chunk whose blocks wait for the host has its launches in that wait already, up to its length
+        launches = [max(0.0, launch - sum(blocks[i].parts["host wait"] for i in r)) for r in ranges]
         chunks = [sum(blocks[i].total for i in r) + send + extra for r, extra in zip(ranges, launches)]
         chunks[-1] += head.total
         makespan, bubble = self._pipeline(kind, lay.pp, micro, chunks)
@@ -237,7 +249,7 @@ class StepModel:
         ep_comm = 0.0
         if s.expert_all:  # routed experts (bf16 under --fp8-format): grouped GEMMs, rows exchanged over ep and etp
             rows = tokens / lay.tp * lay.etp * lay.ep * s.expert_active / s.expert_all  # per local expert
-            rate = mc.gemm_rate(2 * rows * s.local_expert / 2) * mc.grouped_gemm_factor  # one grouped GEMM: all local experts
+            rate = mc.gemm_rate(2 * rows * s.local_expert / 2) * mc.grouped_factor(rows)  # one grouped GEMM: all local experts
             gemm += 6 * s.expert_active * tokens / lay.tp / rate
             routed = tokens / lay.tp * m.moe_router_topk * m.hidden_size * BF16
             ep_comm = 4 * mc.collective_seconds("all_to_all", routed, lay.ep, _spans(lay.etp, lay.ep, self.gpus_per_node))
@@ -264,7 +276,8 @@ class StepModel:
         parts = {"gemm": gemm, "attention": attention, "elementwise": elementwise, "recompute": recompute, "tp comm": tp_comm,
                  "cp comm": cp_comm, "ep comm": ep_comm}  # fmt: skip
         parts["host sync"] = self._synced_host_seconds(lay) if s.expert_all else 0.0
-        parts["host wait"] = max(0.0, self._host_seconds(lay, "moe" if s.expert_all else "dense") - sum(parts.values()))
+        host, gpu = self._host_seconds(lay, "moe" if s.expert_all else "dense"), sum(parts.values())
+        parts["host wait"] = _overlapped(host, gpu, self.machine.host_overlap_power) - gpu
         return _Block(parts)
 
     def _ring_elementwise_seconds(self, m: ModelConfig, lay: Layout, tokens: float) -> float:
@@ -304,18 +317,19 @@ class StepModel:
 
     def _host_seconds(self, lay: Layout, kind: str) -> float:
         """The host's time to launch one block's forward + backward: the machine's for the block's
-        kind (under full recompute its measured time, ``Machine.host_ms``), times the factor of
-        each layout feature that adds host work (collectives and their bookkeeping, FSDP2's
-        hooks). Context parallelism's host work is per
+        kind (under full recompute its measured time, ``Machine.host_ms``), plus what each layout
+        feature adds (collectives and their bookkeeping, FSDP2's hooks): its factor less one,
+        times that time. The features' Python calls are separate, so their costs add rather than
+        compound (a product overstated layouts with three of them by ~40 %, RESULTS.md, twelfth
+        session); a recomputed forward reruns the features' forward calls too. Context parallelism's host work is per
         ring step (its exchanges, block kernel calls and merges, the same at each step), so its
         factor grows by the one at cp 2 for each step beyond the first."""
         mc = self.machine
         features = {"tp": lay.tp > 1, "ep": lay.ep > 1 and kind == "moe", "etp": lay.etp > 1 and kind == "moe",
                     "fsdp": lay.sharding == "fsdp"}  # fmt: skip
-        factor = 1 + (mc.host_factors.get("cp", 1.0) - 1) * (lay.cp - 1)
-        for feature, on in features.items():
-            factor *= mc.host_factors.get(feature, 1.0) if on else 1.0
-        return mc.host_ms(kind, lay.recompute == "full") / 1e3 * factor
+        added = (mc.host_factors.get("cp", 1.0) - 1) * (lay.cp - 1)
+        added += sum(mc.host_factors.get(feature, 1.0) - 1 for feature, on in features.items() if on)
+        return mc.host_ms(kind, lay.recompute == "full") / 1e3 * (1 + added)
 
     def _head(self, cfg: Config, lay: Layout, vocab: int, costs: PipelineCosts | None) -> _Block:
         """The output layer and its loss: one GEMM over the rank's vocabulary shard, the logits' traffic."""

@@ -31,6 +31,9 @@ def test_calibrate_measures_the_grouped_expert_gemms(tmp_path):
     machine = load(str(path))
     assert "measured" in machine.sources["grouped_gemm_factor"]
     assert 0.2 < machine.grouped_gemm_factor < 1.5  # a share of dense speed, not a unit slip
+    rows = [r for r, _ in machine.grouped_gemm_curve]
+    assert len(rows) == 4 and rows == sorted(rows) and all(0.2 < f < 1.5 for _, f in machine.grouped_gemm_curve)
+    assert machine.grouped_gemm_curve[0][1] == machine.grouped_gemm_factor
     # the host's launches per block, plain and under full recompute (which reruns the forward's)
     assert set(machine.host_ms_per_block) == set(machine.host_ms_per_block_recompute) == {"dense", "moe"}
     assert all(machine.host_ms_per_block_recompute[k] > machine.host_ms_per_block[k] > 0 for k in ("dense", "moe"))
