@@ -17,9 +17,9 @@ apart the rows the model calls host-bound (``Prediction.host_bound``: their runs
 per grid (workload, layers, GPUs: every CSV of it) the planner's first choice on each calibration,
 its measured tokens/s where it was measured (the mean of its runs), and the grid's best measured.
 
-``--leave-one-grid-out`` checks that the fitted host factors are not fitted to the rows they
-predict: every row is predicted at each point of ``FIT_POINTS`` (recompute, ep and cp host factors
-and ``fsdp_overlap``; ~50 s on 2 cores), then for each grid the point with the fewest rows outside 15 % (then the
+``--leave-one-grid-out`` checks that the fitted constants are not fitted to the rows they
+predict: every row is predicted at each point of ``FIT_POINTS`` (the host/GPU overlap power, etp's
+synced host share, the sustained share and ``fsdp_overlap``; ~10 s on 2 cores), then for each grid the point with the fewest rows outside 15 % (then the
 least mean |error|) on the other grids predicts it. Prints each fold's point and its held-out error,
 and the point the same rule picks on all rows. (The first-choice rule of the shipped fit is not
 applied here: it needs a search per point.)
@@ -110,7 +110,9 @@ def machine(calibration: str, moe: bool, args: argparse.Namespace) -> Machine:
     curve = args.grouped_curve if args.grouped_curve and moe else loaded.grouped_gemm_curve
     return replace(loaded, host_factors={**loaded.host_factors, **args.host_factors},
                    sustained_share=args.sustained_share or loaded.sustained_share, grouped_gemm_factor=grouped, grouped_gemm_curve=curve,
-                   fsdp_overlap=loaded.fsdp_overlap if args.fsdp_overlap is None else args.fsdp_overlap)  # fmt: skip
+                   fsdp_overlap=loaded.fsdp_overlap if args.fsdp_overlap is None else args.fsdp_overlap,
+                   host_overlap_power=args.overlap_power or loaded.host_overlap_power,
+                   synced_host_shares={**loaded.synced_host_shares, **args.synced_shares})  # fmt: skip
 
 
 def workload(name: str, layers: int):
@@ -119,15 +121,15 @@ def workload(name: str, layers: int):
     return planned_config(WORKLOADS[name](counts))
 
 
-FIT_POINTS = [{"recompute": r, "ep": e, "cp": c, "fsdp_overlap": f}
-              for r, e, c, f in itertools.product((1.4, 1.6, 1.8, 2.0), (1.0, 1.25, 1.5, 1.75, 2.0), (1.2, 1.3, 1.4, 1.5, 1.6),
-                                                  (0.3, 0.5, 0.7))]  # fmt: skip
+# The step model's fitted constants (the host factors are measured, ``benchmarks/host_factors.py``):
+# the host/GPU overlap power, etp's synced host share, the sustained share, FSDP2's overlap
+FIT_POINTS = [{"overlap_power": p, "synced_shares": {"etp": e}, "sustained_share": s, "fsdp_overlap": f}
+              for p, e, s, f in itertools.product((2.0, 3.0, 4.0, 6.0, 1e6), (0.2, 0.5, 1.0), (0.95, 0.975, 1.0), (0.3, 0.5))]  # fmt: skip
 
 
 def at_point(args: argparse.Namespace, point: dict) -> argparse.Namespace:
-    """``args`` with a point of ``FIT_POINTS``: its host factors over the given ones, its ``fsdp_overlap``."""
-    factors = {k: v for k, v in point.items() if k != "fsdp_overlap"}
-    return argparse.Namespace(**{**vars(args), "host_factors": {**args.host_factors, **factors}, "fsdp_overlap": point["fsdp_overlap"]})
+    """``args`` with a point of ``FIT_POINTS`` over the given overrides."""
+    return argparse.Namespace(**{**vars(args), **point, "synced_shares": {**args.synced_shares, **point["synced_shares"]}})
 
 
 @dataclass
@@ -195,9 +197,11 @@ def main() -> int:
     parser.add_argument("--host-factors", type=json.loads, default={}, help="JSON object over the shipped host factors")
     parser.add_argument("--sustained-share", type=float, default=0.0, help="default: the shipped machine's")
     parser.add_argument("--fsdp-overlap", type=float, default=None, help="default: the shipped machine's")
+    parser.add_argument("--overlap-power", type=float, default=0.0, help="host_overlap_power (default: the shipped machine's)")
+    parser.add_argument("--synced-shares", type=json.loads, default={}, help="JSON object over the shipped synced_host_shares")
     parser.add_argument("--rows", action="store_true", help="print every row")
     parser.add_argument("--no-first-choice", action="store_true", help="skip the searches (the slow part)")
-    parser.add_argument("--leave-one-grid-out", action="store_true", help="fit the host factors without each grid and predict it")
+    parser.add_argument("--leave-one-grid-out", action="store_true", help="fit the fitted constants without each grid and predict it")
     args = parser.parse_args()
     check_table()
     if args.leave_one_grid_out:
