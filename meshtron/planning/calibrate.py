@@ -3,8 +3,9 @@ JSON file ``--calibration`` reads.
 
 Measured: bf16 GEMMs of the model's own block shapes at tp 1, 2, 4 and 8 (and a few square ones
 to span the curve), attention forward + backward at the model's heads over query lengths up to its
-sequence, the routed experts' grouped GEMMs against the GEMM curve (MoE models), HBM bandwidth (a 1 GiB copy), the
-host's time to launch a block of each kind (a tiny micro batch), and, with two or more GPUs, all-gather, reduce-scatter,
+sequence, the routed experts' grouped GEMMs against the GEMM curve by rows per expert (MoE models), HBM bandwidth
+(a 1 GiB copy), the host's time to launch a block of each kind (a tiny micro batch, plain and under full recompute),
+and, with two or more GPUs, all-gather, reduce-scatter,
 all-reduce, all-to-all and send/recv over all of them by size (one process per GPU, NCCL). What one
 GPU cannot measure (collectives on one GPU, the network, FP8, overlaps, the host factors of layouts) keeps the
 shipped machine's value, and ``sources`` says which numbers were measured and which were kept.
