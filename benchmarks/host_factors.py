@@ -1,13 +1,14 @@
 """The host's time per block under each layout feature the step model prices by a host factor
-(``Machine.host_factors``: tp, cp, ep, etp, FSDP2), measured on two GPUs the way ``--calibrate``
+(``Machine.host_factors``: tp, cp, ep, etp, FSDP2), measured on two or more GPUs the way ``--calibrate``
 measures one (``calibrate.host_ms_per_block``): the model cut to one MoE block, then
 ``SLOPE_BLOCKS`` more of a kind, one micro batch of ``HOST_TOKENS`` tokens a rank, the median
 forward + backward (no optimizer step) of each, the difference over the added blocks.
 
     PYTHONPATH=$PWD python benchmarks/host_factors.py --workload deepseek --out $OUT/host_factors.json
 
-Each feature runs under ``torchrun --nproc-per-node 2`` (this file with ``--worker``), beside
-the baseline of two data-parallel ranks with the distributed optimizer, whose blocks launch what
+Each feature spans ``--ranks`` ranks (2 by default; 4 gives cp4 and ep4, whose host work the step
+model extrapolates from cp2 and ep2) under ``torchrun`` (this file with ``--worker``), beside the
+baseline of as many data-parallel ranks with the distributed optimizer, whose blocks launch what
 one process's do. Writes ``{"ms": {feature: {kind: ms}}, "factors": {feature: {kind: ms over the
 baseline's}}}`` and prints them. On the CPU (gloo) it runs too, as a check of the code path:
 ``--device cpu --flags "--model.preset tiny-mixtral --num-layers 2"``.
@@ -32,14 +33,15 @@ from meshtron.planning.calibrate import HOST_TOKENS, SLOPE_BLOCKS, cut_model  # 
 from meshtron.planning.layouts import Layout  # noqa: E402
 
 D = "distributed-optimizer"
-FEATURES = {  # two ranks each: tp (with sp), cp, ep, etp, FSDP2, and the data-parallel baseline
-    "dp": Layout(1, 1, 1, 1, 1, 1, 2, D, 1),
-    "tp": Layout(2, 1, 1, 1, 1, 1, 1, "none", 1),
-    "cp": Layout(1, 1, 1, 2, 1, 1, 1, D, 1),
-    "ep": Layout(1, 1, 1, 1, 2, 1, 2, D, 1),
-    "etp": Layout(1, 1, 1, 1, 1, 2, 2, D, 1),
-    "fsdp": Layout(1, 1, 1, 1, 1, 1, 2, "fsdp", 1),
-}
+FEATURES = ("dp", "tp", "cp", "ep", "etp", "fsdp")
+
+
+def feature_layout(feature: str, ranks: int) -> Layout:
+    """``feature`` over all ``ranks``: tp (with sp), cp, ep, etp, FSDP2, or the data-parallel baseline."""
+    n = ranks
+    return {"dp": Layout(1, 1, 1, 1, 1, 1, n, D, 1), "tp": Layout(n, 1, 1, 1, 1, 1, 1, "none", 1),
+            "cp": Layout(1, 1, 1, n, 1, 1, 1, D, 1), "ep": Layout(1, 1, 1, 1, n, 1, n, D, 1),
+            "etp": Layout(1, 1, 1, 1, 1, n, n, D, 1), "fsdp": Layout(1, 1, 1, 1, 1, 1, n, "fsdp", 1)}[feature]  # fmt: skip
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -53,7 +55,7 @@ def worker(args: argparse.Namespace) -> None:
     cfg = planned_config(args.flags.split() if args.flags else WORKLOADS[args.workload](args))
     if args.device:
         cfg.train.device = args.device
-    layout = FEATURES[args.feature]
+    layout = feature_layout(args.feature, args.ranks)
     sync = torch.cuda.synchronize if torch.cuda.is_available() and args.device != "cpu" else lambda: None
     moe = 1 if cfg.model.num_experts else 0
     medians = {}
@@ -77,9 +79,9 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run_feature(args: argparse.Namespace, feature: str) -> dict[str, float]:
-    """``feature`` under torchrun on two ranks; its per-block host milliseconds by kind."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(29600 + len(feature)),
-               __file__, "--worker", "--feature", feature, "--workload", args.workload, "--steps", str(args.steps),
+    """``feature`` under torchrun on ``--ranks`` ranks; its per-block host milliseconds by kind."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks), "--master-port", str(29600 + len(feature)),
+               __file__, "--worker", "--feature", feature, "--ranks", str(args.ranks), "--workload", args.workload, "--steps", str(args.steps),
                "--deepseek-layers", str(args.deepseek_layers), "--llama-layers", str(args.llama_layers),
                "--llama70b-layers", str(args.llama70b_layers), "--flags=" + args.flags] + (["--device", args.device] if args.device else [])  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -96,6 +98,7 @@ def main() -> int:
     add_layer_counts(parser)
     parser.add_argument("--features", default=",".join(FEATURES))
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--ranks", type=int, default=2, help="GPUs (processes) each feature spans; the baseline is dp over as many")
     parser.add_argument("--device", default="", help="cpu: the code path on gloo (the trainer's default otherwise)")
     parser.add_argument("--flags", default="", help="the model's flags instead of the workload's (a tiny one on the CPU)")
     parser.add_argument("--timeout-s", type=float, default=240.0)

@@ -12,8 +12,9 @@ under ten minutes.
    ``--per-workload`` fitting layouts is picked: the planner's first choice, then layouts spread
    over its ranking;
 3. each grid layout trains ``--steps`` steps through ``meshtron train`` under torchrun
-   (``planning.measure.run_layout``); then, time permitting, the fastest layout the planner pruned
-   for memory, to see it fail.
+   (``planning.measure.run_layout``); then the layouts named by ``--also`` (rows ranked "also":
+   known hard cases, measured on the same host as the grid); then, time permitting, the fastest
+   layout the planner pruned for memory, to see it fail.
 
 Writes ``plan_check.csv`` and ``plan_check.md`` (predicted against measured tokens/s per GPU, the
 estimate against the measured peak, the planner's first choice against the grid's best) to
@@ -38,6 +39,7 @@ from meshtron.planning.hardware import load  # noqa: E402
 from meshtron.planning.layouts import Space  # noqa: E402
 from meshtron.planning.measure import run_layout  # noqa: E402
 from meshtron.planning.search import search  # noqa: E402
+from meshtron.planning.step_time import StepModel  # noqa: E402
 
 WORKLOADS = {
     "llama": lambda a: ["--model.preset", "llama3-8b", "--num-layers", str(a.llama_layers), "--seq-length", "8192",
@@ -98,8 +100,10 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=500.0)
     parser.add_argument("--layout-timeout-s", type=float, default=180.0, help="one layout's run, start-up included")
     parser.add_argument("--no-infeasible", action="store_true", help="skip running a layout the planner pruned for memory")
+    parser.add_argument("--also", default="", help="layouts to run after the grid, as the report writes them, ';'-separated")
     args = parser.parse_args()
     import torch
+    from layout_recheck import parse  # it imports this module: here, not at the top
 
     began, out = time.time(), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -135,6 +139,20 @@ def main() -> int:
                 measured.append((got.tokens_per_s_gpu, rank, verdict.prediction.tokens_per_s_gpu))
             print(f"{name} #{rank} {verdict.layout.short()}: predicted {verdict.prediction.tokens_per_s_gpu:,.0f}, "
                   f"measured {got.tokens_per_s_gpu:,.0f} {note}", flush=True)  # fmt: skip
+        for short in filter(None, args.also.split(";")):  # named layouts after the grid, on the same calibration
+            layout, left = parse(short), args.budget_s - (time.time() - began)
+            predicted = StepModel(cfg, machine, gpus).predict(layout, exact_split=True).tokens_per_s_gpu
+            row = {"workload": name, "gpus": gpus, "planner_rank": "also", "layout": short, "predicted": round(predicted),
+                   "flags": " ".join(layout.flags())}  # fmt: skip
+            if left < 60:
+                rows.append({**row, "note": "not run: budget spent"})
+                continue
+            got = run_layout(flags, layout, args.steps, timeout_s=min(left, args.layout_timeout_s))
+            error = round(100 * (predicted / got.tokens_per_s_gpu - 1), 1) if got.tokens_per_s_gpu else ""
+            rows.append({**row, "measured": round(got.tokens_per_s_gpu), "error_pct": error, "peak_gib": got.peak_gib,
+                         "note": "" if got.tokens_per_s_gpu else f"failed: {got.error[:300]}"})  # fmt: skip
+            write(out, rows, summary)
+            print(f"{name} also {short}: predicted {predicted:,.0f}, measured {got.tokens_per_s_gpu:,.0f}", flush=True)
         pruned = [v for v in result.others if v.status == "memory"]
         if pruned and not args.no_infeasible and args.budget_s - (time.time() - began) > 90:
             v = max(pruned, key=lambda v: v.prediction.tokens_per_s_gpu)
