@@ -80,7 +80,7 @@ def worker(args: argparse.Namespace) -> None:
 
 def run_feature(args: argparse.Namespace, feature: str) -> dict[str, float]:
     """``feature`` under torchrun on ``--ranks`` ranks; its per-block host milliseconds by kind."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks), "--master-port", str(29600 + len(feature)),
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks), "--master-port", "29600",
                __file__, "--worker", "--feature", feature, "--ranks", str(args.ranks), "--workload", args.workload, "--steps", str(args.steps),
                "--deepseek-layers", str(args.deepseek_layers), "--llama-layers", str(args.llama_layers),
                "--llama70b-layers", str(args.llama70b_layers), "--flags=" + args.flags] + (["--device", args.device] if args.device else [])  # fmt: skip

@@ -76,6 +76,20 @@ def grid(fits: list, size: int) -> list:
     return [(i + 1, fits[i]) for i in picks]
 
 
+def measure(flags: list[str], layout, predicted: float, row: dict, args: argparse.Namespace, left: float) -> dict:
+    """``row`` with ``layout`` and its prediction, trained ``args.steps`` steps (or marked not run
+    where under a minute of the budget is ``left``), the error printed."""
+    row = {**row, "layout": layout.short(), "predicted": round(predicted), "flags": " ".join(layout.flags())}
+    if left < 60:
+        return {**row, "note": "not run: budget spent"}
+    got = run_layout(flags, layout, args.steps, timeout_s=min(left, args.layout_timeout_s))
+    note = "" if got.tokens_per_s_gpu else f"failed: {got.error[:300]}"
+    print(f"{row['workload']} #{row['planner_rank']} {row['layout']}: predicted {predicted:,.0f}, measured {got.tokens_per_s_gpu:,.0f} {note}",
+          flush=True)  # fmt: skip
+    error = round(100 * (predicted / got.tokens_per_s_gpu - 1), 1) if got.tokens_per_s_gpu else ""
+    return {**row, "measured": round(got.tokens_per_s_gpu), "error_pct": error, "peak_gib": got.peak_gib, "note": note}
+
+
 def write(out: Path, rows: list[dict], summary: list[str]) -> str:
     """plan_check.csv and plan_check.md as they stand (rewritten after each run: a call cut short keeps them)."""
     with open(out / "plan_check.csv", "w", newline="") as f:
@@ -123,36 +137,19 @@ def main() -> int:
         chosen = grid(result.fits, args.per_workload)
         measured = []
         for rank, verdict in chosen:
-            row = {"workload": name, "gpus": gpus, "planner_rank": rank, "layout": verdict.layout.short(),
-                   "predicted": round(verdict.prediction.tokens_per_s_gpu), "estimate_gib": round(verdict.memory_bytes / 2**30, 1),
-                   "flags": " ".join(verdict.layout.flags())}  # fmt: skip
-            left = args.budget_s - (time.time() - began)
-            if left < 60:
-                rows.append({**row, "note": "not run: budget spent"})
-                continue
-            got = run_layout(flags, verdict.layout, args.steps, timeout_s=min(left, args.layout_timeout_s))
-            note = "" if got.tokens_per_s_gpu else f"failed: {got.error[:300]}"
-            error = round(100 * (verdict.prediction.tokens_per_s_gpu / got.tokens_per_s_gpu - 1), 1) if got.tokens_per_s_gpu else ""
-            rows.append({**row, "measured": round(got.tokens_per_s_gpu), "error_pct": error, "peak_gib": got.peak_gib, "note": note})
+            predicted = verdict.prediction.tokens_per_s_gpu
+            row = measure(flags, verdict.layout, predicted, {"workload": name, "gpus": gpus, "planner_rank": rank,
+                          "estimate_gib": round(verdict.memory_bytes / 2**30, 1)}, args, args.budget_s - (time.time() - began))  # fmt: skip
+            rows.append(row)
             write(out, rows, summary)
-            if got.tokens_per_s_gpu:
-                measured.append((got.tokens_per_s_gpu, rank, verdict.prediction.tokens_per_s_gpu))
-            print(f"{name} #{rank} {verdict.layout.short()}: predicted {verdict.prediction.tokens_per_s_gpu:,.0f}, "
-                  f"measured {got.tokens_per_s_gpu:,.0f} {note}", flush=True)  # fmt: skip
+            if row.get("measured"):
+                measured.append((row["measured"], rank, predicted))
         for short in filter(None, args.also.split(";")):  # named layouts after the grid, on the same calibration
-            layout, left = parse(short), args.budget_s - (time.time() - began)
+            layout = parse(short)
             predicted = StepModel(cfg, machine, gpus).predict(layout, exact_split=True).tokens_per_s_gpu
-            row = {"workload": name, "gpus": gpus, "planner_rank": "also", "layout": short, "predicted": round(predicted),
-                   "flags": " ".join(layout.flags())}  # fmt: skip
-            if left < 60:
-                rows.append({**row, "note": "not run: budget spent"})
-                continue
-            got = run_layout(flags, layout, args.steps, timeout_s=min(left, args.layout_timeout_s))
-            error = round(100 * (predicted / got.tokens_per_s_gpu - 1), 1) if got.tokens_per_s_gpu else ""
-            rows.append({**row, "measured": round(got.tokens_per_s_gpu), "error_pct": error, "peak_gib": got.peak_gib,
-                         "note": "" if got.tokens_per_s_gpu else f"failed: {got.error[:300]}"})  # fmt: skip
+            rows.append(measure(flags, layout, predicted, {"workload": name, "gpus": gpus, "planner_rank": "also"}, args,
+                                args.budget_s - (time.time() - began)))  # fmt: skip
             write(out, rows, summary)
-            print(f"{name} also {short}: predicted {predicted:,.0f}, measured {got.tokens_per_s_gpu:,.0f}", flush=True)
         pruned = [v for v in result.others if v.status == "memory"]
         if pruned and not args.no_infeasible and args.budget_s - (time.time() - began) > 90:
             v = max(pruned, key=lambda v: v.prediction.tokens_per_s_gpu)

@@ -71,8 +71,9 @@ class Machine:
     # The same under full recompute, where measured (files before it: ``host_factors["recompute"]``
     # times the above; ``host_ms``)
     host_ms_per_block_recompute: dict[str, float] = field(default_factory=dict)
-    # That host time's multiplier per layout feature (HOST_FEATURES); cp's is the one at cp 2, and
-    # each further ring step adds as much again (``step_time``)
+    # Per layout feature (HOST_FEATURES), that host time's factor with the feature on: each adds its
+    # factor less one of the time; cp's is the one at cp 2, and each further ring step adds as much
+    # again; "recompute" stands in where host_ms_per_block_recompute was not measured (``step_time``)
     host_factors: dict[str, float] = field(default_factory=dict)
     # Host work, as a share of the MoE block's host time, that FSDP2 ("fsdp") and expert tensor
     # parallelism ("etp") put after the expert dispatch's host sync, when the GPU's queue is empty:

@@ -145,9 +145,9 @@ def _rank_loads(kind: str, pp: int, chunks: list[float]) -> list[float]:
 def _overlapped(host: float, gpu: float, power: float) -> float:
     """A block's time when the host launches (``host``) while the GPU runs (``gpu``):
     (host^p + gpu^p)^(1/p), scaled by the larger so a large p cannot underflow."""
-    larger = max(host, gpu)
-    if larger <= 0 or host <= 0:
+    if host <= 0:
         return gpu
+    larger = max(host, gpu)
     return larger * ((host / larger) ** power + (gpu / larger) ** power) ** (1 / power)
 
 
