@@ -6,7 +6,8 @@ forward + backward (no optimizer step) of each, the difference over the added bl
 
     PYTHONPATH=$PWD python benchmarks/host_factors.py --workload deepseek --out $OUT/host_factors.json
 
-Each feature spans ``--ranks`` ranks (2 by default; 4 gives cp4 and ep4, whose host work the step
+``--recompute full`` measures every layout, the baseline too, under full recompute: what each
+feature's Python adds where the recomputed forward reruns it (or does not). Each feature spans ``--ranks`` ranks (2 by default; 4 gives cp4 and ep4, whose host work the step
 model extrapolates from cp2 and ep2) under ``torchrun`` (this file with ``--worker``), beside the
 baseline of as many data-parallel ranks with the distributed optimizer, whose blocks launch what
 one process's do. Writes ``{"ms": {feature: {kind: ms}}, "factors": {feature: {kind: ms over the
@@ -17,6 +18,7 @@ baseline's}}}`` and prints them. On the CPU (gloo) it runs too, as a check of th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -36,12 +38,12 @@ D = "distributed-optimizer"
 FEATURES = ("dp", "tp", "cp", "ep", "etp", "fsdp")
 
 
-def feature_layout(feature: str, ranks: int) -> Layout:
+def feature_layout(feature: str, ranks: int, recompute: str = "") -> Layout:
     """``feature`` over all ``ranks``: tp (with sp), cp, ep, etp, FSDP2, or the data-parallel baseline."""
     n = ranks
-    return {"dp": Layout(1, 1, 1, 1, 1, 1, n, D, 1), "tp": Layout(n, 1, 1, 1, 1, 1, 1, "none", 1),
+    return dataclasses.replace({"dp": Layout(1, 1, 1, 1, 1, 1, n, D, 1), "tp": Layout(n, 1, 1, 1, 1, 1, 1, "none", 1),
             "cp": Layout(1, 1, 1, n, 1, 1, 1, D, 1), "ep": Layout(1, 1, 1, 1, n, 1, n, D, 1),
-            "etp": Layout(1, 1, 1, 1, 1, n, n, D, 1), "fsdp": Layout(1, 1, 1, 1, 1, 1, n, "fsdp", 1)}[feature]  # fmt: skip
+            "etp": Layout(1, 1, 1, 1, 1, n, n, D, 1), "fsdp": Layout(1, 1, 1, 1, 1, 1, n, "fsdp", 1)}[feature], recompute=recompute)  # fmt: skip
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -55,7 +57,7 @@ def worker(args: argparse.Namespace) -> None:
     cfg = planned_config(args.flags.split() if args.flags else WORKLOADS[args.workload](args))
     if args.device:
         cfg.train.device = args.device
-    layout = feature_layout(args.feature, args.ranks)
+    layout = feature_layout(args.feature, args.ranks, args.recompute)
     sync = torch.cuda.synchronize if torch.cuda.is_available() and args.device != "cpu" else lambda: None
     moe = 1 if cfg.model.num_experts else 0
     medians = {}
@@ -83,7 +85,7 @@ def run_feature(args: argparse.Namespace, feature: str) -> dict[str, float]:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks), "--master-port", "29600",
                __file__, "--worker", "--feature", feature, "--ranks", str(args.ranks), "--workload", args.workload, "--steps", str(args.steps),
                "--deepseek-layers", str(args.deepseek_layers), "--llama-layers", str(args.llama_layers),
-               "--llama70b-layers", str(args.llama70b_layers), "--flags=" + args.flags] + (["--device", args.device] if args.device else [])  # fmt: skip
+               "--llama70b-layers", str(args.llama70b_layers), "--flags=" + args.flags, "--recompute=" + args.recompute] + (["--device", args.device] if args.device else [])  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=args.timeout_s)
     lines = [line for line in done.stdout.splitlines() if line.startswith("HOST_MS ")]
@@ -101,6 +103,7 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, default=2, help="GPUs (processes) each feature spans; the baseline is dp over as many")
     parser.add_argument("--device", default="", help="cpu: the code path on gloo (the trainer's default otherwise)")
     parser.add_argument("--flags", default="", help="the model's flags instead of the workload's (a tiny one on the CPU)")
+    parser.add_argument("--recompute", default="", choices=["", "full"], help="full: every layout (the baseline too) under full recompute")
     parser.add_argument("--timeout-s", type=float, default=240.0)
     parser.add_argument("--out", default="")
     parser.add_argument("--worker", action="store_true")
@@ -118,7 +121,7 @@ def main() -> int:
     print("factors over dp: " + json.dumps({f: {k: round(v, 2) for k, v in kinds.items()} for f, kinds in factors.items()}))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"workload": args.workload, "ms": ms, "factors": factors}, indent=1) + "\n")
+        Path(args.out).write_text(json.dumps({"workload": args.workload, "recompute": args.recompute, "ms": ms, "factors": factors}, indent=1) + "\n")
     return 0
 
 

@@ -22,7 +22,8 @@ Per micro batch, each block costs on one rank (tokens t = micro batch x the bloc
 - the host: a block takes at least the host's time to launch its forward and backward
   (``host_ms_per_block`` of its kind, measured by ``--calibrate`` on one GPU at a tiny micro batch,
   under full recompute its own measured time, plus ``host_factors`` less one of it for each of the
-  layout's collectives and FSDP2; cp's grows by its
+  layout's collectives, and FSDP2's less one of the plain time (recompute does not rerun FSDP2's
+  hooks); cp's grows by its
   value at cp 2 for each ring step beyond the first: an exchange, a block kernel call and a merge
   forward, two exchanges backward, each step alike). Host and GPU overlap, but not perfectly where
   their times are close (the host falls behind some kernels, the GPU idles): the block takes
@@ -321,15 +322,18 @@ class StepModel:
         feature adds (collectives and their bookkeeping, FSDP2's hooks): its factor less one,
         times that time. The features' Python calls are separate, so their costs add rather than
         compound (a product overstated layouts with three of them by ~40 %, RESULTS.md, twelfth
-        session); a recomputed forward reruns the features' forward calls too. Context parallelism's host work is per
+        session); a recomputed forward reruns the collectives' forward calls too, but not FSDP2's
+        gathers and hooks (its backward has unsharded the block already): FSDP2 adds the same
+        milliseconds with or without recompute (4.7 ms a DeepSeek MoE block both ways on 2 x H200,
+        thirteenth session). Context parallelism's host work is per
         ring step (its exchanges, block kernel calls and merges, the same at each step), so its
         factor grows by the one at cp 2 for each step beyond the first."""
         mc = self.machine
-        features = {"tp": lay.tp > 1, "ep": lay.ep > 1 and kind == "moe", "etp": lay.etp > 1 and kind == "moe",
-                    "fsdp": lay.sharding == "fsdp"}  # fmt: skip
+        features = {"tp": lay.tp > 1, "ep": lay.ep > 1 and kind == "moe", "etp": lay.etp > 1 and kind == "moe"}
         added = (mc.host_factors.get("cp", 1.0) - 1) * (lay.cp - 1)
         added += sum(mc.host_factors.get(feature, 1.0) - 1 for feature, on in features.items() if on)
-        return mc.host_ms(kind, lay.recompute == "full") / 1e3 * (1 + added)
+        fsdp = (mc.host_factors.get("fsdp", 1.0) - 1) * mc.host_ms(kind, False) if lay.sharding == "fsdp" else 0.0
+        return (mc.host_ms(kind, lay.recompute == "full") * (1 + added) + fsdp) / 1e3
 
     def _head(self, cfg: Config, lay: Layout, vocab: int, costs: PipelineCosts | None) -> _Block:
         """The output layer and its loss: one GEMM over the rank's vocabulary shard, the logits' traffic."""

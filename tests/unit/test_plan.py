@@ -385,12 +385,14 @@ def test_grouped_gemms_run_at_the_factor_of_their_rows_per_expert():
 
 def test_layout_features_add_their_host_work():
     """Each feature adds its factor less one of the block's host time; they add, not compound,
-    and full recompute's measured time is the base they add to."""
+    and full recompute's measured time is the base the collectives add to. FSDP2 adds the same
+    under recompute: the rerun forward does not gather again or rerun its hooks' work."""
     machine = dataclasses.replace(load("h200"), host_ms_per_block={"moe": 10.0}, host_ms_per_block_recompute={"moe": 18.0},
                                   host_factors={"tp": 1.5, "ep": 1.25, "fsdp": 2.0, "cp": 1.5})  # fmt: skip
     model = StepModel(_cfg(*TINY_MOE), machine, 8)
     assert model._host_seconds(Layout(1, 1, 1, 1, 2, 1, 2, "fsdp", 1), "moe") == pytest.approx(0.010 * (1 + 0.25 + 1.0))
     assert model._host_seconds(Layout(2, 1, 1, 2, 2, 1, 2, D, 1, "full"), "moe") == pytest.approx(0.018 * (1 + 0.5 + 0.5 + 0.25))
+    assert model._host_seconds(Layout(1, 1, 1, 1, 2, 1, 2, "fsdp", 1, "full"), "moe") == pytest.approx(0.018 * (1 + 0.25) + 0.010 * 1.0)
 
 
 def test_calibration_files_from_before_the_host_model_take_the_shipped_host_times(tmp_path):
