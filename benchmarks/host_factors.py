@@ -39,8 +39,11 @@ FEATURES = ("dp", "tp", "cp", "ep", "etp", "fsdp")
 
 
 def feature_layout(feature: str, ranks: int, recompute: str = "") -> Layout:
-    """``feature`` over all ``ranks``: tp (with sp), cp, ep, etp, FSDP2, or the data-parallel baseline."""
+    """``feature`` over all ``ranks``: tp (with sp), cp, ep, etp, FSDP2, or the data-parallel
+    baseline; "cp+fsdp" or "ep+fsdp": FSDP2 over the same ranks (whether two features' host work adds)."""
     n = ranks
+    if feature.endswith("+fsdp"):
+        return dataclasses.replace(feature_layout(feature[: -len("+fsdp")], ranks, recompute), sharding="fsdp")
     return dataclasses.replace({"dp": Layout(1, 1, 1, 1, 1, 1, n, D, 1), "tp": Layout(n, 1, 1, 1, 1, 1, 1, "none", 1),
             "cp": Layout(1, 1, 1, n, 1, 1, 1, D, 1), "ep": Layout(1, 1, 1, 1, n, 1, n, D, 1),
             "etp": Layout(1, 1, 1, 1, 1, n, n, D, 1), "fsdp": Layout(1, 1, 1, 1, 1, 1, n, "fsdp", 1)}[feature], recompute=recompute)  # fmt: skip

@@ -13,7 +13,8 @@ under ten minutes.
    over its ranking;
 3. each grid layout trains ``--steps`` steps through ``meshtron train`` under torchrun
    (``planning.measure.run_layout``); then the layouts named by ``--also`` (rows ranked "also":
-   known hard cases, measured on the same host as the grid); then, time permitting, the fastest
+   known hard cases, measured on the same host as the grid; "pruned" where the planner's check
+   refuses them or finds them over memory, its reason in the note); then, time permitting, the fastest
    layout the planner pruned for memory, to see it fail.
 
 Writes ``plan_check.csv`` and ``plan_check.md`` (predicted against measured tokens/s per GPU, the
@@ -38,7 +39,7 @@ from meshtron.estimate import training_vocab_size  # noqa: E402
 from meshtron.planning.hardware import load  # noqa: E402
 from meshtron.planning.layouts import Space  # noqa: E402
 from meshtron.planning.measure import run_layout  # noqa: E402
-from meshtron.planning.search import search  # noqa: E402
+from meshtron.planning.search import check, search  # noqa: E402
 from meshtron.planning.step_time import StepModel  # noqa: E402
 
 WORKLOADS = {
@@ -147,8 +148,10 @@ def main() -> int:
         for short in filter(None, args.also.split(";")):  # named layouts after the grid, on the same calibration
             layout = parse(short)
             predicted = StepModel(cfg, machine, gpus).predict(layout, exact_split=True).tokens_per_s_gpu
-            rows.append(measure(flags, layout, predicted, {"workload": name, "gpus": gpus, "planner_rank": "also"}, args,
-                                args.budget_s - (time.time() - began)))  # fmt: skip
+            status, need, why = check(cfg, layout, machine)  # run whatever the planner says: a pruned one should fail
+            row = measure(flags, layout, predicted, {"workload": name, "gpus": gpus, "planner_rank": "also" if status == "fits" else "pruned",
+                          "estimate_gib": round(need / 2**30, 1)}, args, args.budget_s - (time.time() - began))  # fmt: skip
+            rows.append({**row, "note": f"planner: {status} {why}; {row.get('note', '')}".strip("; ")} if status != "fits" else row)
             write(out, rows, summary)
         pruned = [v for v in result.others if v.status == "memory"]
         if pruned and not args.no_infeasible and args.budget_s - (time.time() - began) > 90:

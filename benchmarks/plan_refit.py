@@ -71,6 +71,8 @@ GRIDS = [
     ("plan_check_4xH200_deepseek_s12.csv", "calibration_4xH200_deepseek_s12.json", "deepseek", 27),
     ("plan_check_2xH200_deepseek_s12.csv", "calibration_2xH200_deepseek_s12.json", "deepseek", 27),
     ("plan_check_1xH200_deepseek12_s12.csv", "calibration_1xH200_deepseek12_s12.json", "deepseek", 12),
+    ("plan_check_2xH200_llama_s13.csv", "calibration_2xH200_llama_s13.json", "llama", 32),
+    ("plan_check_2xH200_deepseek_s13.csv", "calibration_2xH200_deepseek_s13.json", "deepseek", 27),
 ]  # fmt: skip
 SKIPPED = {
     "plan_check_4xH200_deepseek.csv": "the fourth session's first DeepSeek grid, before its fixes: its calibration's "
