@@ -214,7 +214,7 @@ def main() -> int:
     for predicted in predict_all(args):
         for row in predicted.rows:
             if args.rows or abs(row.error) > LIMIT:
-                print(f"  {row.layout:52s} predicted {row.predicted:8,.0f} measured {row.measured:8,.0f} {100 * row.error:+7.1f} %")
+                print(f"  {row.layout:52s} predicted {row.predicted:8,.0f} measured {row.measured:8,.0f} {100 * row.error:+7.1f} %" + ("  host-bound" if row.host_bound else ""))
         print(f"{predicted.name}: {summary(predicted.rows)}")
         everything += predicted.rows
         grid = grids.setdefault(predicted.grid, {"rows": [], "machines": {}})
