@@ -7,8 +7,9 @@ forward + backward (no optimizer step) of each, the difference over the added bl
     PYTHONPATH=$PWD python benchmarks/host_factors.py --workload deepseek --out $OUT/host_factors.json
 
 ``--recompute full`` measures every layout, the baseline too, under full recompute: what each
-feature's Python adds where the recomputed forward reruns it (or does not). Each feature spans ``--ranks`` ranks (2 by default; 4 gives cp4 and ep4, whose host work the step
-model extrapolates from cp2 and ep2) under ``torchrun`` (this file with ``--worker``), beside the
+feature's Python adds where the recomputed forward reruns it (or does not). Each feature spans
+``--ranks`` ranks (2 by default; 4 gives cp4 and ep4, whose host work the step model extrapolates
+from cp2 and ep2) under ``torchrun`` (this file with ``--worker``), beside the
 baseline of as many data-parallel ranks with the distributed optimizer, whose blocks launch what
 one process's do. Writes ``{"ms": {feature: {kind: ms}}, "factors": {feature: {kind: ms over the
 baseline's}}}`` and prints them. On the CPU (gloo) it runs too, as a check of the code path:

@@ -151,7 +151,9 @@ def main() -> int:
             status, need, why = check(cfg, layout, machine)  # run whatever the planner says: a pruned one should fail
             row = measure(flags, layout, predicted, {"workload": name, "gpus": gpus, "planner_rank": "also" if status == "fits" else "pruned",
                           "estimate_gib": round(need / 2**30, 1)}, args, args.budget_s - (time.time() - began))  # fmt: skip
-            rows.append({**row, "note": f"planner: {status} {why}; {row.get('note', '')}".strip("; ")} if status != "fits" else row)
+            if status != "fits":
+                row["note"] = f"planner: {status} ({why}); {row.get('note', '')}"
+            rows.append(row)
             write(out, rows, summary)
         pruned = [v for v in result.others if v.status == "memory"]
         if pruned and not args.no_infeasible and args.budget_s - (time.time() - began) > 90:

@@ -22,8 +22,8 @@ Per micro batch, each block costs on one rank (tokens t = micro batch x the bloc
 - the host: a block takes at least the host's time to launch its forward and backward
   (``host_ms_per_block`` of its kind, measured by ``--calibrate`` on one GPU at a tiny micro batch,
   under full recompute its own measured time, plus ``host_factors`` less one of it for each of the
-  layout's collectives, and FSDP2's less one of the plain time (recompute does not rerun FSDP2's
-  hooks); cp's grows by its
+  layout's collectives, and FSDP2's less one of the plain time (recompute does not gather
+  again); cp's grows by its
   value at cp 2 for each ring step beyond the first: an exchange, a block kernel call and a merge
   forward, two exchanges backward, each step alike). Host and GPU overlap, but not perfectly where
   their times are close (the host falls behind some kernels, the GPU idles): the block takes
@@ -323,9 +323,9 @@ class StepModel:
         times that time. The features' Python calls are separate, so their costs add rather than
         compound (a product overstated layouts with three of them by ~40 %, RESULTS.md, twelfth
         session); a recomputed forward reruns the collectives' forward calls too, but not FSDP2's
-        gathers and hooks (its backward has unsharded the block already): FSDP2 adds the same
-        milliseconds with or without recompute (4.7 ms a DeepSeek MoE block both ways on 2 x H200,
-        thirteenth session). Context parallelism's host work is per
+        gathers (its backward has unsharded the block already; the hooks that do rerun only find
+        that out): FSDP2 adds the same milliseconds with or without recompute (4.7 ms a DeepSeek
+        MoE block both ways on 2 x H200, thirteenth session). Context parallelism's host work is per
         ring step (its exchanges, block kernel calls and merges, the same at each step), so its
         factor grows by the one at cp 2 for each step beyond the first."""
         mc = self.machine
