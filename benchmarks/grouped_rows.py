@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plan_check import WORKLOADS, add_layer_counts, planned_config  # noqa: E402
 
-from meshtron.planning.calibrate import gemm_points, grouped_gemm_factor  # noqa: E402
+from meshtron.planning.calibrate import gemm_points, grouped_gemm_factor, rows_per_expert  # noqa: E402
 from meshtron.planning.hardware import load, shipped_for  # noqa: E402
 
 
@@ -30,11 +30,8 @@ def main() -> int:
 
     cfg = planned_config(WORKLOADS["deepseek"](args))
     curve = gemm_points(cfg, load(shipped_for(torch.cuda.get_device_name(0))))
-    seq = cfg.data.seq_length
     for n in map(int, args.sequences.split(",")):
-        cfg.data.seq_length = seq * n
-        rows = cfg.data.seq_length * cfg.model.moe_router_topk // cfg.model.num_experts
-        print(f"{n} sequences ({rows} rows per expert): grouped factor {grouped_gemm_factor(cfg, curve):.3f}", flush=True)
+        print(f"{n} sequences ({rows_per_expert(cfg, n)} rows per expert): grouped factor {grouped_gemm_factor(cfg, curve, n):.3f}", flush=True)
     return 0
 
 

@@ -98,6 +98,12 @@ def attention_points(cfg: Config) -> list[list[float]]:
 GROUPED_SEQUENCES = (1, 2, 4, 8)  # micro batches whose rows per expert grouped_gemm_curve measures
 
 
+def rows_per_expert(cfg: Config, sequences: int) -> int:
+    """The rows ``sequences`` sequences send each routed expert under even routing (at least 16)."""
+    m = cfg.model
+    return max(16, sequences * cfg.data.seq_length * m.moe_router_topk // m.num_experts)
+
+
 def grouped_gemm_factor(cfg: Config, gemm_tflops: list[list[float]], sequences: int = 1) -> float:
     """Routed experts' fc1 and fc2, forward and backward, through the layer's own grouped GEMM
     (``--model.moe_grouped_gemm``) at the rows ``sequences`` sequences send each expert under even
@@ -107,7 +113,7 @@ def grouped_gemm_factor(cfg: Config, gemm_tflops: list[list[float]], sequences: 
 
     m = cfg.model
     h, f = m.hidden_size, m.moe_ffn_hidden_size or m.ffn_hidden_size
-    experts, rows = m.num_experts, max(16, sequences * cfg.data.seq_length * m.moe_router_topk // m.num_experts)
+    experts, rows = m.num_experts, rows_per_expert(cfg, sequences)
     fc1 = 2 * f if m.activation == "swiglu" else f
     seconds = 0.0
     for n, k in ((fc1, h), (h, f)):
@@ -285,9 +291,7 @@ def calibrate(cfg: Config, path: str) -> Machine:
         "on_paper": False,
     }
     if cfg.model.num_experts:
-        m = cfg.model
-        fields["grouped_gemm_curve"] = [[n * cfg.data.seq_length * m.moe_router_topk / m.num_experts,
-                                         grouped_gemm_factor(cfg, fields["gemm_tflops"], n)] for n in GROUPED_SEQUENCES]  # fmt: skip
+        fields["grouped_gemm_curve"] = [[rows_per_expert(cfg, n), grouped_gemm_factor(cfg, fields["gemm_tflops"], n)] for n in GROUPED_SEQUENCES]
         fields["grouped_gemm_factor"] = fields["grouped_gemm_curve"][0][1]
         sources["grouped_gemm_factor"] = f"{measured}: the model's expert fc1 and fc2, forward and backward, against the GEMM curve"
         sources["grouped_gemm_curve"] = f"{measured}: the same at the rows per expert of {', '.join(map(str, GROUPED_SEQUENCES))} sequences"
